@@ -1,0 +1,24 @@
+//! Compute kernels for Custody.
+//!
+//! Architecture invariant: this crate knows nothing of requests, tenants, page ownership or I/O.
+//! Every kernel is a function over slices. The one place where it sees "ownership" is the
+//! paged-attention kernel, which receives opaque tag arrays (generation, owner, filled slots) and
+//! an opaque expected owner, and refuses to read any slot whose tag does not match — safety
+//! property 1 of the brief ("no stale read") is enforced here, inside the kernel that reads, so no
+//! caller can bypass it.
+//!
+//! Every SIMD kernel has a scalar reference in the same module and a test against it. SIMD paths
+//! are chosen at run time ([`simd::level`]); the scalar path is the portable fallback.
+
+pub mod attention;
+pub mod matmul;
+pub mod ops;
+pub mod quant;
+pub mod simd;
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use attention::{IntegrityError, PageGeometry, PageRef, TagView};
+pub use matmul::{QInput, QMatrix};
+pub use quant::{BlockQ8, DType};

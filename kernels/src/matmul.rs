@@ -1,0 +1,329 @@
+//! Quantized mat-vec / mat-mul: `out[t][r] = W[r] · x[t]` for a row-major weight matrix `W`
+//! (`rows × cols`, GGUF layout) and `n_tok` input rows.
+//!
+//! Every output element is computed by the same per-row dot kernel whether one token or many are
+//! in the batch, so batched results are bit-identical to unbatched ones (the engine's "batched ==
+//! alone" guarantee depends on this). Work is split over rows across the current rayon pool; each
+//! task walks a tile of rows for every token so the tile's weights stay in L1/L2 (weight reuse is
+//! what makes prefill faster per token than decode).
+
+use rayon::prelude::*;
+
+use crate::quant::{self, BlockQ8, DType, QK};
+use crate::simd::{self, Level};
+
+/// A borrowed weight matrix in its storage format.
+#[derive(Clone, Copy, Debug)]
+pub struct QMatrix<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// Validates that `data` holds exactly `rows × cols` elements of `dtype`.
+    pub fn new(dtype: DType, rows: usize, cols: usize, data: &'a [u8]) -> Option<Self> {
+        let want = dtype.bytes_for((rows as u64).checked_mul(cols as u64)?)?;
+        (dtype.bytes_for(cols as u64).is_some() && want == data.len() as u64).then_some(Self {
+            dtype,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.cols / self.dtype.block_elems() * self.dtype.block_bytes()
+    }
+
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    /// Dequantize row `r` into `out` (`cols` long).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        quant::dequantize_row(self.dtype, self.row(r), out);
+    }
+}
+
+/// Input rows prepared for a weight type: quantized to Q8 blocks for quantized weights, kept as
+/// f32 for float weights. Prepare once, use for every matrix that reads the same input (Q/K/V,
+/// gate/up).
+#[derive(Debug, Default)]
+pub struct QInput {
+    n_tok: usize,
+    cols: usize,
+    q8: Vec<BlockQ8>,
+    f: Vec<f32>,
+}
+
+impl QInput {
+    /// Prepare `x` (`n_tok × cols`, row-major) for weights of type `dtype`.
+    pub fn prepare(&mut self, x: &[f32], n_tok: usize, cols: usize, dtype: DType) {
+        assert_eq!(x.len(), n_tok * cols, "QInput::prepare: shape mismatch");
+        self.n_tok = n_tok;
+        self.cols = cols;
+        if dtype.uses_q8_activations() {
+            assert!(cols % QK == 0, "quantized input width must be a multiple of {QK}");
+            self.q8.resize(n_tok * cols / QK, BlockQ8::default());
+            let q8 = &mut self.q8;
+            let per_row = cols / QK;
+            let quantize = |(xr, qr): (&[f32], &mut [BlockQ8])| match simd::level() {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the Avx2 level is only selected when avx2, fma and f16c were detected.
+                Level::Avx2 => unsafe { crate::x86::quantize_row_q8(xr, qr) },
+                _ => quant::quantize_row_q8(xr, qr),
+            };
+            if n_tok >= 16 {
+                x.par_chunks(cols).zip(q8.par_chunks_mut(per_row)).for_each(quantize);
+            } else {
+                x.chunks(cols).zip(q8.chunks_mut(per_row)).for_each(quantize);
+            }
+            self.f.clear();
+        } else {
+            self.q8.clear();
+            self.f.clear();
+            self.f.extend_from_slice(x);
+        }
+    }
+
+    pub fn n_tok(&self) -> usize {
+        self.n_tok
+    }
+}
+
+type Q8Dot = fn(&[u8], &[BlockQ8]) -> f32;
+
+fn q8_dot_fn(dtype: DType) -> Q8Dot {
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() == Level::Avx2 {
+        // SAFETY (of the wrappers): the Avx2 level is only selected when avx2, fma and f16c were
+        // detected at run time.
+        return match dtype {
+            DType::Q4_0 => |w, a| unsafe { crate::x86::dot_q4_0_q8(w, a) },
+            DType::Q4_1 => |w, a| unsafe { crate::x86::dot_q4_1_q8(w, a) },
+            DType::Q8_0 => |w, a| unsafe { crate::x86::dot_q8_0_q8(w, a) },
+            DType::F32 | DType::F16 => unreachable!("float weights use f32 activations"),
+        };
+    }
+    scalar_q8_dot_fn(dtype)
+}
+
+fn scalar_q8_dot_fn(dtype: DType) -> Q8Dot {
+    match dtype {
+        DType::Q4_0 => quant::dot_q4_0_q8_scalar,
+        DType::Q4_1 => quant::dot_q4_1_q8_scalar,
+        DType::Q8_0 => quant::dot_q8_0_q8_scalar,
+        DType::F32 | DType::F16 => unreachable!("float weights use f32 activations"),
+    }
+}
+
+/// Raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint index sets (distinct row tiles), and the borrow of the output
+// slice outlives the parallel section.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// Rows per task tile: small enough to stay in L1/L2, large enough to amortise task overhead.
+const TILE_ROWS: usize = 16;
+
+/// `out[t * rows + r] = W[r] · x[t]` for all tokens `t` and rows `r`.
+pub fn matmul(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
+    matmul_impl(w, x, out, q8_dot_fn)
+}
+
+/// Scalar reference of [`matmul`] (single-threaded, no SIMD). Used by tests.
+pub fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
+    assert_eq!(x.cols, w.cols);
+    assert_eq!(out.len(), x.n_tok * w.rows);
+    let mut tmp = vec![0.0f32; w.cols];
+    for t in 0..x.n_tok {
+        for r in 0..w.rows {
+            out[t * w.rows + r] = if w.dtype.uses_q8_activations() {
+                let per_row = w.cols / QK;
+                scalar_q8_dot_fn(w.dtype)(w.row(r), &x.q8[t * per_row..(t + 1) * per_row])
+            } else {
+                w.dequantize_row(r, &mut tmp);
+                crate::ops::dot_f32_scalar(&tmp, &x.f[t * w.cols..(t + 1) * w.cols])
+            };
+        }
+    }
+}
+
+fn matmul_impl(w: &QMatrix<'_>, x: &QInput, out: &mut [f32], pick: fn(DType) -> Q8Dot) {
+    assert_eq!(x.cols, w.cols, "matmul: input width {} != weight cols {}", x.cols, w.cols);
+    assert_eq!(out.len(), x.n_tok * w.rows, "matmul: output shape mismatch");
+    let rows = w.rows;
+    let n_tok = x.n_tok;
+    let n_tiles = rows.div_ceil(TILE_ROWS);
+    let ptr = OutPtr(out.as_mut_ptr());
+    let threads = rayon::current_num_threads();
+    // Tiles per task: enough tasks to balance (4 per thread), no fewer rows than a tile.
+    let tiles_per_task = n_tiles.div_ceil(threads * 4).max(1);
+    let n_tasks = n_tiles.div_ceil(tiles_per_task);
+
+    let run_task = |task: usize| {
+        let r0 = task * tiles_per_task * TILE_ROWS;
+        let r1 = ((task + 1) * tiles_per_task * TILE_ROWS).min(rows);
+        let p = ptr;
+        if w.dtype.uses_q8_activations() {
+            let dot = pick(w.dtype);
+            let per_row = w.cols / QK;
+            for tr0 in (r0..r1).step_by(TILE_ROWS) {
+                let tr1 = (tr0 + TILE_ROWS).min(r1);
+                for t in 0..n_tok {
+                    let a = &x.q8[t * per_row..(t + 1) * per_row];
+                    for r in tr0..tr1 {
+                        let v = dot(w.row(r), a);
+                        // SAFETY: t < n_tok and r < rows, so the index is in bounds of `out`
+                        // (len n_tok × rows, asserted above); row ranges of tasks are disjoint.
+                        unsafe { *p.0.add(t * rows + r) = v };
+                    }
+                }
+            }
+        } else {
+            let mut tmp = vec![0.0f32; w.cols];
+            for r in r0..r1 {
+                w.dequantize_row(r, &mut tmp);
+                for t in 0..n_tok {
+                    let v = crate::ops::dot_f32(&tmp, &x.f[t * w.cols..(t + 1) * w.cols]);
+                    // SAFETY: as above — in bounds, disjoint rows per task.
+                    unsafe { *p.0.add(t * rows + r) = v };
+                }
+            }
+        }
+    };
+    if n_tasks == 1 || threads == 1 {
+        (0..n_tasks).for_each(run_task);
+    } else {
+        (0..n_tasks).into_par_iter().for_each(run_task);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    fn rand_f32(n: usize, seed: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Build random weight bytes of `dtype` (valid blocks with finite scales).
+    fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+        let n_blocks = rows * cols / dtype.block_elems();
+        let mut out = Vec::new();
+        for _ in 0..n_blocks {
+            let r = rand_f32(40, seed);
+            let byte = |i: usize| ((r[i] + 1.0) * 127.9) as u8;
+            match dtype {
+                DType::F32 => out.extend_from_slice(&r[0].to_le_bytes()),
+                DType::F16 => out.extend_from_slice(&f16::from_f32(r[0]).to_le_bytes()),
+                DType::Q4_0 => {
+                    out.extend_from_slice(&f16::from_f32(r[0] * 0.1).to_le_bytes());
+                    out.extend((0..16).map(|i| byte(i + 1)));
+                }
+                DType::Q4_1 => {
+                    out.extend_from_slice(&f16::from_f32(r[0] * 0.1).to_le_bytes());
+                    out.extend_from_slice(&f16::from_f32(r[1] * 0.5).to_le_bytes());
+                    out.extend((0..16).map(|i| byte(i + 2)));
+                }
+                DType::Q8_0 => {
+                    out.extend_from_slice(&f16::from_f32(r[0] * 0.01).to_le_bytes());
+                    out.extend((0..32).map(|i| byte(i + 2 - (i / 30) * 2)));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matmul_matches_scalar_reference_for_every_type() {
+        let mut seed = 11;
+        for dtype in [DType::F32, DType::F16, DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            for (rows, cols, n_tok) in [(1, 32, 1), (37, 64, 3), (100, 576, 17)] {
+                let wb = rand_weights(dtype, rows, cols, &mut seed);
+                let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");
+                let x = rand_f32(n_tok * cols, &mut seed);
+                let mut qi = QInput::default();
+                qi.prepare(&x, n_tok, cols, dtype);
+                let mut got = vec![0.0; n_tok * rows];
+                let mut want = vec![0.0; n_tok * rows];
+                matmul(&w, &qi, &mut got);
+                matmul_scalar(&w, &qi, &mut want);
+                for (g, e) in got.iter().zip(&want) {
+                    assert!((g - e).abs() <= 1e-3 * e.abs().max(1.0), "{dtype:?} {g} vs {e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_dot_is_close_to_float_dot() {
+        // The Q8 activation quantization error must stay small relative to the exact product.
+        let mut seed = 5;
+        let (rows, cols) = (8, 256);
+        let wb = rand_weights(DType::Q4_1, rows, cols, &mut seed);
+        let w = QMatrix::new(DType::Q4_1, rows, cols, &wb).expect("shape");
+        let x = rand_f32(cols, &mut seed);
+        let mut qi = QInput::default();
+        qi.prepare(&x, 1, cols, DType::Q4_1);
+        let mut got = vec![0.0; rows];
+        matmul(&w, &qi, &mut got);
+        let mut row = vec![0.0; cols];
+        for (r, g) in got.iter().enumerate() {
+            w.dequantize_row(r, &mut row);
+            let exact = crate::ops::dot_f32_scalar(&row, &x);
+            let scale: f32 = row.iter().map(|v| v.abs()).sum::<f32>() / 64.0;
+            assert!((g - exact).abs() < 0.05 * scale.max(0.1), "{g} vs {exact}");
+        }
+    }
+
+    #[test]
+    fn simd_quantize_matches_scalar() {
+        let mut seed = 9;
+        let x = rand_f32(32 * 20, &mut seed);
+        let mut a = vec![BlockQ8::default(); 20];
+        quant::quantize_row_q8(&x, &mut a);
+        let mut qi = QInput::default();
+        qi.prepare(&x, 1, x.len(), DType::Q8_0);
+        assert_eq!(qi.q8, a);
+    }
+
+    #[test]
+    fn batched_rows_are_bit_identical_to_single_rows() {
+        let mut seed = 3;
+        let (rows, cols, n_tok) = (70, 128, 5);
+        let wb = rand_weights(DType::Q4_1, rows, cols, &mut seed);
+        let w = QMatrix::new(DType::Q4_1, rows, cols, &wb).expect("shape");
+        let x = rand_f32(n_tok * cols, &mut seed);
+        let mut qi = QInput::default();
+        qi.prepare(&x, n_tok, cols, DType::Q4_1);
+        let mut all = vec![0.0; n_tok * rows];
+        matmul(&w, &qi, &mut all);
+        for t in 0..n_tok {
+            let mut one = QInput::default();
+            one.prepare(&x[t * cols..(t + 1) * cols], 1, cols, DType::Q4_1);
+            let mut o = vec![0.0; rows];
+            matmul(&w, &one, &mut o);
+            assert_eq!(&all[t * rows..(t + 1) * rows], &o[..]);
+        }
+    }
+
+    #[test]
+    fn qmatrix_rejects_wrong_sizes() {
+        assert!(QMatrix::new(DType::Q4_1, 2, 32, &[0u8; 40]).is_some());
+        assert!(QMatrix::new(DType::Q4_1, 2, 32, &[0u8; 39]).is_none());
+        assert!(QMatrix::new(DType::Q4_1, 1, 33, &[0u8; 40]).is_none());
+    }
+}

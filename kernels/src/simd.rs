@@ -1,0 +1,38 @@
+//! Run-time selection of the SIMD level.
+//!
+//! Detected once; the scalar level is always available and can be forced with
+//! `CUSTODY_SIMD=scalar` (used by tests and to measure what SIMD buys).
+
+use std::sync::OnceLock;
+
+/// The instruction-set level the kernels dispatch on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// Portable Rust, no target features assumed.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+}
+
+static LEVEL: OnceLock<Level> = OnceLock::new();
+
+/// The level in use for this process.
+pub fn level() -> Level {
+    *LEVEL.get_or_init(detect)
+}
+
+fn detect() -> Level {
+    if std::env::var("CUSTODY_SIMD").is_ok_and(|v| v == "scalar") {
+        return Level::Scalar;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
+            return Level::Avx2;
+        }
+    }
+    Level::Scalar
+}

@@ -1,0 +1,245 @@
+//! AVX2 + FMA + F16C implementations. Each function here has a scalar reference elsewhere in the
+//! crate and a test that compares the two. Callers must have checked [`crate::simd::level`].
+
+use core::arch::x86_64::*;
+
+use crate::quant::{BlockQ8, QK};
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_bits_to_f32(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps::<1>(v);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[inline]
+fn f16_le(b: &[u8], off: usize) -> u16 {
+    u16::from_le_bytes([b[off], b[off + 1]])
+}
+
+/// Q4_1 weights · Q8_1 activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_q4_1_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
+    assert_eq!(w.len(), a.len() * 20);
+    let m4 = _mm_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    let mut summ = 0.0f32;
+    for (b, x) in w.chunks_exact(20).zip(a) {
+        let dw = f16_bits_to_f32(f16_le(b, 0));
+        let mw = f16_bits_to_f32(f16_le(b, 2));
+        // SAFETY: `b` is 20 bytes long, so bytes 4..20 are in bounds for a 16-byte load;
+        // `x.qs` is 32 bytes. Unaligned loads are used throughout.
+        let (qs, aq) = unsafe {
+            (
+                _mm_loadu_si128(b.as_ptr().add(4).cast()),
+                _mm256_loadu_si256(x.qs.as_ptr().cast()),
+            )
+        };
+        let lo = _mm_and_si128(qs, m4);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), m4);
+        let wq = _mm256_set_m128i(hi, lo);
+        let p16 = _mm256_maddubs_epi16(wq, aq);
+        let p32 = _mm256_madd_epi16(p16, ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d), _mm256_cvtepi32_ps(p32), acc);
+        summ += mw * x.s;
+    }
+    hsum(acc) + summ
+}
+
+/// Q4_0 weights · Q8_0 activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_q4_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
+    assert_eq!(w.len(), a.len() * 18);
+    let m4 = _mm_set1_epi8(0x0f);
+    let eight = _mm256_set1_epi8(8);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for (b, x) in w.chunks_exact(18).zip(a) {
+        let dw = f16_bits_to_f32(f16_le(b, 0));
+        // SAFETY: `b` is 18 bytes, so bytes 2..18 are a valid 16-byte load; `x.qs` is 32 bytes.
+        let (qs, aq) = unsafe {
+            (
+                _mm_loadu_si128(b.as_ptr().add(2).cast()),
+                _mm256_loadu_si256(x.qs.as_ptr().cast()),
+            )
+        };
+        let lo = _mm_and_si128(qs, m4);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), m4);
+        let wq = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
+        let ax = _mm256_sign_epi8(wq, wq);
+        let sy = _mm256_sign_epi8(aq, wq);
+        let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d), _mm256_cvtepi32_ps(p32), acc);
+    }
+    hsum(acc)
+}
+
+/// Q8_0 weights · Q8_0 activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_q8_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
+    assert_eq!(w.len(), a.len() * 34);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for (b, x) in w.chunks_exact(34).zip(a) {
+        let dw = f16_bits_to_f32(f16_le(b, 0));
+        // SAFETY: `b` is 34 bytes, so bytes 2..34 are a valid 32-byte load; `x.qs` is 32 bytes.
+        let (wq, aq) = unsafe {
+            (
+                _mm256_loadu_si256(b.as_ptr().add(2).cast()),
+                _mm256_loadu_si256(x.qs.as_ptr().cast()),
+            )
+        };
+        let ax = _mm256_sign_epi8(wq, wq);
+        let sy = _mm256_sign_epi8(aq, wq);
+        let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d), _mm256_cvtepi32_ps(p32), acc);
+    }
+    hsum(acc)
+}
+
+/// Quantize a row to Q8 blocks (same rounding as the scalar reference: half away from zero).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK);
+    let sign_mask = _mm256_set1_ps(-0.0);
+    let half = _mm256_set1_ps(0.5);
+    for (chunk, blk) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        // SAFETY: `chunk` is exactly 32 f32, four 8-lane loads at offsets 0, 8, 16, 24.
+        let v = unsafe {
+            [
+                _mm256_loadu_ps(chunk.as_ptr()),
+                _mm256_loadu_ps(chunk.as_ptr().add(8)),
+                _mm256_loadu_ps(chunk.as_ptr().add(16)),
+                _mm256_loadu_ps(chunk.as_ptr().add(24)),
+            ]
+        };
+        let mut m = _mm256_andnot_ps(sign_mask, v[0]);
+        for vi in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign_mask, *vi));
+        }
+        let amax = {
+            let lo = _mm256_castps256_ps128(m);
+            let hi = _mm256_extractf128_ps::<1>(m);
+            let s = _mm_max_ps(lo, hi);
+            let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_max_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        };
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let mut sum = 0i32;
+        for (k, vi) in v.iter().enumerate() {
+            let y = _mm256_mul_ps(*vi, id);
+            // round half away from zero: trunc(y + copysign(0.5, y))
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(_mm256_add_ps(
+                y,
+                _mm256_or_ps(_mm256_and_ps(y, sign_mask), half),
+            ));
+            let i = _mm256_cvtps_epi32(r);
+            let mut lanes = [0i32; 8];
+            // SAFETY: `lanes` is 8 i32 = 32 bytes.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), i) };
+            for (j, &q) in lanes.iter().enumerate() {
+                blk.qs[k * 8 + j] = q as i8;
+                sum += q;
+            }
+        }
+        blk.d = half::f16::from_f32(d).to_f32();
+        blk.s = half::f16::from_f32(sum as f32 * d).to_f32();
+    }
+}
+
+/// f32 dot product.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let n8 = a.len() / 8 * 8;
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n8 {
+        // SAFETY: i + 16 <= len for both slices.
+        unsafe {
+            acc0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc0,
+            );
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+                _mm256_loadu_ps(b.as_ptr().add(i + 8)),
+                acc1,
+            );
+        }
+        i += 16;
+    }
+    if i < n8 {
+        // SAFETY: i + 8 <= n8 <= len.
+        unsafe {
+            acc0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc0,
+            );
+        }
+    }
+    let mut s = hsum(_mm256_add_ps(acc0, acc1));
+    for j in n8..a.len() {
+        s += a[j] * b[j];
+    }
+    s
+}
+
+/// y += alpha · x
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len());
+    let n8 = x.len() / 8 * 8;
+    let va = _mm256_set1_ps(alpha);
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n8 <= len for both slices.
+        unsafe {
+            let r = _mm256_fmadd_ps(
+                va,
+                _mm256_loadu_ps(x.as_ptr().add(i)),
+                _mm256_loadu_ps(y.as_ptr().add(i)),
+            );
+            _mm256_storeu_ps(y.as_mut_ptr().add(i), r);
+        }
+        i += 8;
+    }
+    for j in n8..x.len() {
+        y[j] += alpha * x[j];
+    }
+}
+
+/// f16 (as raw bits) → f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    let n8 = src.len() / 8 * 8;
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n8 <= len for both slices (8 × u16 = 16 bytes in, 8 × f32 out).
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for j in n8..src.len() {
+        dst[j] = f16_bits_to_f32(src[j]);
+    }
+}
