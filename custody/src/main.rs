@@ -1,1 +1,326 @@
-fn main() {}
+//! `custody`: a thin binary over the Custody crates. `main → try_main`; exit code 0 on success,
+//! 1 on any error (printed as a chain to stderr), 2 on usage errors (clap).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use custody_runtime::engine::{Event, GenerateRequest};
+use custody_runtime::tokenizer::StreamDecoder;
+use custody_runtime::{ChatMessage, Config, Engine, Model, SamplingParams, Tokenizer};
+
+#[derive(Parser, Debug)]
+#[command(name = "custody", version, about = "Multi-tenant LLM inference with integrity-tagged, audited KV pages")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Generate a completion and stream it to stdout.
+    Generate(GenerateArgs),
+    /// Measure prefill and decode throughput (tokens/s) and the cost of the tag check.
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct Common {
+    /// GGUF model (any Llama-family model); default: config's model.path, else the embedded one.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Node configuration (TOML).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Compute threads (0 = the config's, else all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (with --chat).
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args, Debug)]
+struct BenchArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Prompt length (tokens) for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Decode steps measured after the prefill.
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// JSON file with the prompt ids (a list, or an object with `all_ids`); default: a built-in
+    /// text repeated to length.
+    #[arg(long)]
+    prompt_ids: Option<PathBuf>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CUSTODY_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    match try_main(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn try_main(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Generate(a) => generate(a),
+        Cmd::Bench(a) => bench(a),
+    }
+}
+
+struct Loaded {
+    engine: Engine,
+    tokenizer: Tokenizer,
+    pool: rayon::ThreadPool,
+}
+
+fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
+    let cfg = match &c.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let path = c
+        .model
+        .clone()
+        .or(cfg.model.path.clone())
+        .unwrap_or_else(custody_runtime::config::default_model_path);
+    if !path.exists() {
+        bail!(
+            "model not found at {}: run scripts/fetch-model.sh (the embedded default) or pass --model PATH",
+            path.display()
+        );
+    }
+    let threads = if c.threads > 0 { c.threads } else { cfg.engine.threads };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("building the compute thread pool")?;
+    let t0 = Instant::now();
+    let model = Model::load(&path).with_context(|| format!("loading model {}", path.display()))?;
+    let tokenizer = custody_runtime::gguf::Gguf::open(&path)
+        .map_err(anyhow::Error::from)
+        .and_then(|g| Tokenizer::from_gguf(&g).map_err(anyhow::Error::from))
+        .with_context(|| format!("loading tokenizer from {}", path.display()))?;
+    let mut ecfg = cfg.engine;
+    if let Some(n) = context_override {
+        ecfg.context_length = Some(ecfg.context_length.map_or(n, |c| c.max(n)).min(model.config.context_length));
+    }
+    tracing::info!(
+        model = %model.config.name,
+        layers = model.config.n_layers,
+        dim = model.config.dim,
+        heads = model.config.n_heads,
+        kv_heads = model.config.n_kv_heads,
+        weights = ?model.weight_dtype(),
+        threads = pool.current_num_threads(),
+        load_ms = t0.elapsed().as_millis() as u64,
+        "model loaded"
+    );
+    let engine = Engine::new(model, ecfg)?;
+    Ok(Loaded { engine, tokenizer, pool })
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let Loaded { mut engine, tokenizer, pool } = load(&a.common, None)?;
+    let text = if a.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
+        }
+        msgs.push(ChatMessage { role: "user".into(), content: a.prompt.clone() });
+        tokenizer.apply_chat_template(&msgs)?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt = tokenizer.encode(&text, false)?;
+    let req = GenerateRequest {
+        prompt,
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        stop_ids: tokenizer.stop_ids.clone(),
+    };
+    let n_prompt = req.prompt.len();
+    let id = engine.submit(req).context("request rejected")?;
+    let t0 = Instant::now();
+    let mut first_token_at = None;
+    let mut n_gen = 0usize;
+    let mut dec = StreamDecoder::default();
+    let mut out = std::io::stdout();
+    pool.install(|| -> Result<()> {
+        while engine.has_work() {
+            for ev in engine.step() {
+                match ev {
+                    Event::Token { id: rid, token } if rid == id => {
+                        first_token_at.get_or_insert_with(|| t0.elapsed());
+                        n_gen += 1;
+                        out.write_all(dec.push(&tokenizer, token)?.as_bytes())?;
+                        out.flush()?;
+                    }
+                    Event::Failed { error, .. } => bail!("generation failed: integrity error: {error}"),
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    })?;
+    writeln!(out)?;
+    let total = t0.elapsed();
+    let ttft = first_token_at.unwrap_or(total);
+    let decode_s = (total - ttft).as_secs_f64();
+    eprintln!(
+        "[{} prompt tokens, {} generated; prefill {:.1} tok/s, decode {:.1} tok/s]",
+        n_prompt,
+        n_gen,
+        n_prompt as f64 / ttft.as_secs_f64(),
+        if n_gen > 1 && decode_s > 0.0 { (n_gen - 1) as f64 / decode_s } else { 0.0 }
+    );
+    Ok(())
+}
+
+fn read_prompt_ids(path: &Path) -> Result<Vec<u32>> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)
+        .with_context(|| format!("parsing {}", path.display()))?;
+    let arr = v.get("all_ids").unwrap_or(&v);
+    let ids: Vec<u32> = serde_json::from_value(arr.clone()).context("prompt ids must be a list of token ids")?;
+    Ok(ids)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    if a.reps == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
+        bail!("--reps, --prompt-tokens and --gen-tokens must be positive");
+    }
+    let Loaded { mut engine, tokenizer, pool } = load(&a.common, Some(a.prompt_tokens + a.gen_tokens + 1))?;
+    let mut ids = match &a.prompt_ids {
+        Some(p) => read_prompt_ids(p)?,
+        None => {
+            let text = "The history of the printing press begins in the fifteenth century. ".repeat(64);
+            tokenizer.encode(&text, true)?
+        }
+    };
+    if ids.len() < a.prompt_tokens {
+        bail!("prompt has only {} tokens, {} requested", ids.len(), a.prompt_tokens);
+    }
+    ids.truncate(a.prompt_tokens);
+    let threads = pool.current_num_threads();
+    let (mut prefill, mut decode, mut check_frac) = (Vec::new(), Vec::new(), Vec::new());
+    pool.install(|| -> Result<()> {
+        for _ in 0..a.reps {
+            let req = GenerateRequest {
+                prompt: ids.clone(),
+                max_tokens: a.gen_tokens + 1,
+                sampling: SamplingParams::default(),
+                stop_ids: Vec::new(),
+            };
+            engine.submit(req)?;
+            let t0 = Instant::now();
+            let ev = engine.step();
+            let t_prefill = t0.elapsed().as_secs_f64();
+            if !matches!(ev.first(), Some(Event::Token { .. })) {
+                bail!("prefill did not complete in one step: {ev:?}");
+            }
+            let t1 = Instant::now();
+            let mut steps = 0;
+            while engine.has_work() {
+                engine.step();
+                steps += 1;
+            }
+            let t_decode = t1.elapsed().as_secs_f64();
+            if steps != a.gen_tokens {
+                bail!("expected {} decode steps, ran {steps}", a.gen_tokens);
+            }
+            prefill.push(a.prompt_tokens as f64 / t_prefill);
+            decode.push(a.gen_tokens as f64 / t_decode);
+            check_frac.push(tag_check_cost(&engine, a.prompt_tokens + a.gen_tokens / 2, t_decode / steps as f64));
+        }
+        Ok(())
+    })?;
+    let (p, d, c) = (median(prefill), median(decode), median(check_frac));
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "threads": threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
+                "prefill_tok_s": p, "decode_tok_s": d, "tag_check_fraction_of_decode_step": c,
+                "simd": format!("{:?}", custody_kernels::simd::level()),
+            })
+        );
+    } else {
+        println!("threads {threads}  prompt {} tokens  gen {} tokens  (median of {})", a.prompt_tokens, a.gen_tokens, a.reps);
+        println!("prefill  {p:8.1} tok/s");
+        println!("decode   {d:8.1} tok/s");
+        println!("tag check: {:.3} % of a decode step", c * 100.0);
+    }
+    Ok(())
+}
+
+/// The tag check's share of a decode step: time `n_layers` checks of a block table covering
+/// `ctx` slots (what one decode step of one sequence performs) against the measured step time.
+fn tag_check_cost(engine: &Engine, ctx: usize, step_s: f64) -> f64 {
+    use custody_kernels::attention::{PageRef, TagView, check_tags};
+    let ps = engine.pool().page_size();
+    let n_pages = ctx.div_ceil(ps);
+    let generation = vec![1u32; n_pages];
+    let owner = vec![7u64; n_pages];
+    let filled = vec![ps as u32; n_pages];
+    let table: Vec<PageRef> = (0..n_pages as u32).map(|page| PageRef { page, generation: 1 }).collect();
+    let tags = TagView { generation: &generation, owner: &owner, filled: &filled };
+    let layers = engine.model().config.n_layers;
+    let iters = 200;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        for _ in 0..layers {
+            let r = check_tags(std::hint::black_box(&table), ctx, ps, &tags, 7);
+            assert!(r.is_ok());
+        }
+    }
+    t0.elapsed().as_secs_f64() / iters as f64 / step_s
+}

@@ -80,6 +80,8 @@ pub enum IntegrityError {
     ForeignOwner { page: u32, generation: u32, expected: u64, found: u64 },
     #[error("unwritten slot: page {page} slot {slot} would be read but only {filled} slots are written in generation {generation}")]
     UnwrittenSlot { page: u32, generation: u32, slot: u32, filled: u32 },
+    #[error("out-of-order write: page {page} slot {slot} written when {filled} slots are filled (writes are append-only within a generation)")]
+    OutOfOrderWrite { page: u32, slot: u32, filled: u32 },
 }
 
 /// Verify the tags of every page that attending `n_ctx` slots through `block_table` touches.

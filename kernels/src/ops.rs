@@ -58,12 +58,11 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
-/// `out = silu(gate) · up`
-pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// `gate = silu(gate) · up`, in place.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
-    assert_eq!(gate.len(), out.len());
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
     }
 }
 
@@ -225,10 +224,9 @@ mod tests {
 
     #[test]
     fn swiglu_matches_definition() {
-        let g = [0.0, 1.0, -2.0];
+        let mut o = [0.0, 1.0, -2.0];
         let u = [3.0, 2.0, 1.0];
-        let mut o = [0.0; 3];
-        swiglu(&g, &u, &mut o);
+        swiglu(&mut o, &u);
         assert_eq!(o[0], 0.0);
         assert!((o[1] - 2.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
         assert!(o[2] < 0.0);

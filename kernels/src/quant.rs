@@ -90,11 +90,11 @@ pub fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
     for (chunk, blk) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in blk.qs.iter_mut().zip(chunk) {
-            // `round` is round-half-away-from-zero, like C's roundf in ggml's reference.
-            let r = (v * id).round() as i8;
+            // Round half to even, as ggml's AVX2 quantizer (`_mm256_round_ps` nearest) does.
+            let r = (v * id).round_ties_even() as i8;
             *q = r;
             sum += i32::from(r);
         }

@@ -113,7 +113,6 @@ pub(crate) fn dot_q8_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
 pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
     assert_eq!(x.len(), out.len() * QK);
     let sign_mask = _mm256_set1_ps(-0.0);
-    let half = _mm256_set1_ps(0.5);
     for (chunk, blk) in x.chunks_exact(QK).zip(out.iter_mut()) {
         // SAFETY: `chunk` is exactly 32 f32, four 8-lane loads at offsets 0, 8, 16, 24.
         let v = unsafe {
@@ -137,15 +136,12 @@ pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
             _mm_cvtss_f32(s)
         };
         let d = amax / 127.0;
-        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
         let mut sum = 0i32;
         for (k, vi) in v.iter().enumerate() {
             let y = _mm256_mul_ps(*vi, id);
-            // round half away from zero: trunc(y + copysign(0.5, y))
-            let r = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(_mm256_add_ps(
-                y,
-                _mm256_or_ps(_mm256_and_ps(y, sign_mask), half),
-            ));
+            // round half to even, as ggml's AVX2 quantizer does
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y);
             let i = _mm256_cvtps_epi32(r);
             let mut lanes = [0i32; 8];
             // SAFETY: `lanes` is 8 i32 = 32 bytes.

@@ -1,0 +1,399 @@
+//! The Llama-family model: configuration and weights from GGUF, and the batched forward pass
+//! over the tagged KV page pool.
+//!
+//! One forward call runs a batch of *segments* — each a run of consecutive tokens of one sequence
+//! (a whole prompt, a prefill chunk, or one decode token) — through every layer together: the
+//! linear layers see all rows of the batch at once (weight reuse), attention runs per segment over
+//! that segment's own pages. A segment whose page tags fail the check is marked failed at the
+//! first layer that notices; its rows are still carried through the linear layers (they are
+//! independent rows) but it writes no further KV and returns no logits.
+
+use std::path::Path;
+
+use custody_kernels::attention::{self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef};
+use custody_kernels::{ops, DType, QInput, QMatrix};
+
+use crate::gguf::{Gguf, GgufError};
+use crate::kv::PagePool;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("unsupported architecture {0:?} (supported: llama-family GGUF: llama, mistral)")]
+    UnsupportedArch(String),
+    #[error("tensor {name:?}: shape {found:?}, expected {expected:?}")]
+    Shape { name: String, expected: Vec<u64>, found: Vec<u64> },
+    #[error("tensor {name:?}: type {dtype:?} not usable here ({why})")]
+    Type { name: String, dtype: DType, why: &'static str },
+    #[error("invalid hyper-parameter: {0}")]
+    Config(String),
+}
+
+/// Hyper-parameters read from GGUF metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: String,
+    pub name: String,
+    pub n_layers: usize,
+    pub dim: usize,
+    pub ffn_dim: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub rope_dims: usize,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+    pub context_length: usize,
+    pub vocab_size: usize,
+}
+
+impl ModelConfig {
+    pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
+        let arch = g.get_str("general.architecture")?.to_owned();
+        if !matches!(arch.as_str(), "llama" | "mistral") {
+            return Err(ModelError::UnsupportedArch(arch));
+        }
+        let k = |s: &str| format!("{arch}.{s}");
+        let u = |s: &str| g.get_u64(&k(s)).map(|v| v as usize);
+        let n_heads = u("attention.head_count")?;
+        let dim = u("embedding_length")?;
+        if n_heads == 0 || dim % n_heads != 0 {
+            return Err(ModelError::Config(format!("embedding length {dim} not divisible by {n_heads} heads")));
+        }
+        let head_dim = dim / n_heads;
+        let n_kv_heads = u("attention.head_count_kv").unwrap_or(n_heads);
+        if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+            return Err(ModelError::Config(format!("{n_heads} heads not a multiple of {n_kv_heads} kv heads")));
+        }
+        let rope_dims = u("rope.dimension_count").unwrap_or(head_dim);
+        if rope_dims > head_dim || rope_dims % 2 != 0 || head_dim > 256 {
+            return Err(ModelError::Config(format!("rope dims {rope_dims} / head dim {head_dim}")));
+        }
+        let vocab_size = g.get_array("tokenizer.ggml.tokens")?.len();
+        let cfg = Self {
+            name: g.get_str("general.name").unwrap_or("unnamed").to_owned(),
+            n_layers: u("block_count")?,
+            dim,
+            ffn_dim: u("feed_forward_length")?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            rope_dims,
+            rope_base: g.get_f64(&k("rope.freq_base")).unwrap_or(10_000.0) as f32,
+            rms_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
+            context_length: u("context_length")?,
+            vocab_size,
+            arch,
+        };
+        if cfg.n_layers == 0 || cfg.n_layers > 1024 || cfg.context_length == 0 {
+            return Err(ModelError::Config(format!("{} layers, context {}", cfg.n_layers, cfg.context_length)));
+        }
+        Ok(cfg)
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+/// A weight matrix located in the GGUF map.
+#[derive(Clone, Debug)]
+struct Mat {
+    name: String,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Mat,
+    wk: Mat,
+    wv: Mat,
+    wo: Mat,
+    ffn_norm: Vec<f32>,
+    w_gate: Mat,
+    w_up: Mat,
+    w_down: Mat,
+}
+
+/// A loaded model. Weights stay in the memory map.
+#[derive(Debug)]
+pub struct Model {
+    gguf: Gguf,
+    pub config: ModelConfig,
+    tok_embd: Mat,
+    output: Mat,
+    output_norm: Vec<f32>,
+    layers: Vec<Layer>,
+}
+
+/// Which logits a segment wants back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    Last,
+    All,
+}
+
+/// One run of consecutive tokens of one sequence.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment<'a> {
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; slots `0..start_pos` must already be written.
+    pub start_pos: usize,
+    pub block_table: &'a [PageRef],
+    pub owner: u64,
+    pub logits: Logits,
+}
+
+/// Reusable activation buffers (sized for the largest batch seen).
+#[derive(Debug, Default)]
+pub struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    tmp: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    qin: QInput,
+    attn: AttnScratch,
+    rope: Vec<Vec<(f32, f32)>>,
+}
+
+impl Model {
+    pub fn load(path: &Path) -> Result<Self, ModelError> {
+        Self::from_gguf(Gguf::open(path)?)
+    }
+
+    pub fn from_gguf(gguf: Gguf) -> Result<Self, ModelError> {
+        let config = ModelConfig::from_gguf(&gguf)?;
+        let c = &config;
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat, ModelError> {
+            let (info, _) = gguf.tensor(name)?;
+            let expected = vec![cols as u64, rows as u64];
+            if info.shape != expected {
+                return Err(ModelError::Shape { name: name.into(), expected, found: info.shape.clone() });
+            }
+            Ok(Mat { name: name.into(), dtype: info.dtype, rows, cols })
+        };
+        let vec_f32 = |name: &str, n: usize| -> Result<Vec<f32>, ModelError> {
+            let (info, data) = gguf.tensor(name)?;
+            if info.shape != [n as u64] {
+                return Err(ModelError::Shape { name: name.into(), expected: vec![n as u64], found: info.shape.clone() });
+            }
+            let mut out = vec![0.0; n];
+            custody_kernels::quant::dequantize_row(info.dtype, data, &mut out);
+            Ok(out)
+        };
+        let tok_embd = mat("token_embd.weight", c.vocab_size, c.dim)?;
+        let output = if gguf.tensors.contains_key("output.weight") {
+            mat("output.weight", c.vocab_size, c.dim)?
+        } else {
+            tok_embd.clone()
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: vec_f32(&n("attn_norm"), c.dim)?,
+                wq: mat(&n("attn_q"), c.n_heads * c.head_dim, c.dim)?,
+                wk: mat(&n("attn_k"), c.kv_dim(), c.dim)?,
+                wv: mat(&n("attn_v"), c.kv_dim(), c.dim)?,
+                wo: mat(&n("attn_output"), c.dim, c.n_heads * c.head_dim)?,
+                ffn_norm: vec_f32(&n("ffn_norm"), c.dim)?,
+                w_gate: mat(&n("ffn_gate"), c.ffn_dim, c.dim)?,
+                w_up: mat(&n("ffn_up"), c.ffn_dim, c.dim)?,
+                w_down: mat(&n("ffn_down"), c.dim, c.ffn_dim)?,
+            });
+        }
+        // Matrices read with the same prepared input must agree on activation format.
+        for l in &layers {
+            for (a, b) in [(&l.wq, &l.wk), (&l.wq, &l.wv), (&l.w_gate, &l.w_up)] {
+                if a.dtype.uses_q8_activations() != b.dtype.uses_q8_activations() {
+                    return Err(ModelError::Type { name: b.name.clone(), dtype: b.dtype, why: "mixed float/quantized in one projection group" });
+                }
+            }
+        }
+        let output_norm = vec_f32("output_norm.weight", c.dim)?;
+        Ok(Self { gguf, config, tok_embd, output, output_norm, layers })
+    }
+
+    fn qm(&self, m: &Mat) -> QMatrix<'_> {
+        let (_, data) = self.gguf.tensor(&m.name).unwrap_or_else(|e| unreachable!("validated at load: {e}"));
+        QMatrix::new(m.dtype, m.rows, m.cols, data).unwrap_or_else(|| unreachable!("validated at load"))
+    }
+
+    /// KV page geometry for a given page size.
+    pub fn page_geometry(&self, page_size: usize) -> PageGeometry {
+        PageGeometry { page_size, n_kv_heads: self.config.n_kv_heads, head_dim: self.config.head_dim }
+    }
+
+    /// Dtype of the weight matrices (for reporting).
+    pub fn weight_dtype(&self) -> DType {
+        self.layers.first().map_or(self.output.dtype, |l| l.wq.dtype)
+    }
+
+    /// Run a batch. Returns, per segment, its logits (`rows × vocab`, rows per [`Logits`]) or the
+    /// integrity error that failed it.
+    pub fn forward(
+        &self,
+        pool: &mut PagePool,
+        segments: &[Segment<'_>],
+        s: &mut Scratch,
+    ) -> Vec<Result<Vec<f32>, IntegrityError>> {
+        let c = &self.config;
+        let ps = pool.page_size();
+        let n: usize = segments.iter().map(|sg| sg.tokens.len()).sum();
+        assert!(n > 0, "forward: empty batch");
+        let (dim, qd, kvd) = (c.dim, c.n_heads * c.head_dim, c.kv_dim());
+        s.x.resize(n * dim, 0.0);
+        s.xn.resize(n * dim, 0.0);
+        s.q.resize(n * qd, 0.0);
+        s.k.resize(n * kvd, 0.0);
+        s.v.resize(n * kvd, 0.0);
+        s.att.resize(n * qd, 0.0);
+        s.tmp.resize(n * dim, 0.0);
+        s.gate.resize(n * c.ffn_dim, 0.0);
+        s.up.resize(n * c.ffn_dim, 0.0);
+
+        // Row layout and per-row positions.
+        let mut row0 = Vec::with_capacity(segments.len());
+        let mut positions = Vec::with_capacity(n);
+        for sg in segments {
+            row0.push(positions.len());
+            positions.extend(sg.start_pos..sg.start_pos + sg.tokens.len());
+        }
+        let mut failed: Vec<Option<IntegrityError>> = vec![None; segments.len()];
+
+        // Embeddings.
+        let embd = self.qm(&self.tok_embd);
+        for (r, &t) in segments.iter().flat_map(|sg| sg.tokens).enumerate() {
+            let t = t as usize;
+            assert!(t < c.vocab_size, "token id {t} outside vocabulary (validated at admission)");
+            embd.dequantize_row(t, &mut s.x[r * dim..(r + 1) * dim]);
+        }
+        // RoPE tables, one per row (positions are shared by all layers).
+        s.rope.resize_with(n, Vec::new);
+        for (tbl, &p) in s.rope.iter_mut().zip(&positions) {
+            ops::rope_table(p, c.rope_dims, c.rope_base, tbl);
+        }
+
+        for (li, l) in self.layers.iter().enumerate() {
+            // --- attention block
+            for r in 0..n {
+                ops::rms_norm(&s.x[r * dim..(r + 1) * dim], &l.attn_norm, c.rms_eps, &mut s.xn[r * dim..(r + 1) * dim]);
+            }
+            s.qin.prepare(&s.xn, n, dim, l.wq.dtype);
+            custody_kernels::matmul::matmul(&self.qm(&l.wq), &s.qin, &mut s.q);
+            custody_kernels::matmul::matmul(&self.qm(&l.wk), &s.qin, &mut s.k);
+            custody_kernels::matmul::matmul(&self.qm(&l.wv), &s.qin, &mut s.v);
+            for r in 0..n {
+                ops::rope_apply(&mut s.q[r * qd..(r + 1) * qd], c.head_dim, &s.rope[r]);
+                ops::rope_apply(&mut s.k[r * kvd..(r + 1) * kvd], c.head_dim, &s.rope[r]);
+            }
+            for (si, sg) in segments.iter().enumerate() {
+                let r0 = row0[si];
+                let rows = r0..r0 + sg.tokens.len();
+                if failed[si].is_none() {
+                    for r in rows.clone() {
+                        let pos = positions[r];
+                        let Some(&pr) = sg.block_table.get(pos / ps) else {
+                            failed[si] = Some(IntegrityError::BlockTableTooShort {
+                                have: sg.block_table.len(),
+                                need: pos / ps + 1,
+                                n_ctx: pos + 1,
+                            });
+                            break;
+                        };
+                        if let Err(e) = pool.write_slot(li, pr, pos % ps, sg.owner, &s.k[r * kvd..(r + 1) * kvd], &s.v[r * kvd..(r + 1) * kvd]) {
+                            failed[si] = Some(e);
+                            break;
+                        }
+                    }
+                }
+                let out = &mut s.att[rows.start * qd..rows.end * qd];
+                if failed[si].is_some() {
+                    out.fill(0.0);
+                    continue;
+                }
+                let args = AttentionArgs {
+                    q: &s.q[rows.start * qd..rows.end * qd],
+                    n_heads: c.n_heads,
+                    start_pos: sg.start_pos,
+                    k_cache: pool.k_cache(li),
+                    v_cache: pool.v_cache(li),
+                    geom: pool.geometry(),
+                    block_table: sg.block_table,
+                    tags: pool.tags(li),
+                    owner: sg.owner,
+                };
+                if let Err(e) = attention::paged_attention(&args, out, &mut s.attn) {
+                    out.fill(0.0);
+                    failed[si] = Some(e);
+                }
+            }
+            s.qin.prepare(&s.att, n, qd, l.wo.dtype);
+            custody_kernels::matmul::matmul(&self.qm(&l.wo), &s.qin, &mut s.tmp);
+            ops::add_inplace(&mut s.x, &s.tmp);
+
+            // --- feed-forward block
+            for r in 0..n {
+                ops::rms_norm(&s.x[r * dim..(r + 1) * dim], &l.ffn_norm, c.rms_eps, &mut s.xn[r * dim..(r + 1) * dim]);
+            }
+            s.qin.prepare(&s.xn, n, dim, l.w_gate.dtype);
+            custody_kernels::matmul::matmul(&self.qm(&l.w_gate), &s.qin, &mut s.gate);
+            custody_kernels::matmul::matmul(&self.qm(&l.w_up), &s.qin, &mut s.up);
+            ops::swiglu(&mut s.gate, &s.up);
+            s.qin.prepare(&s.gate, n, c.ffn_dim, l.w_down.dtype);
+            custody_kernels::matmul::matmul(&self.qm(&l.w_down), &s.qin, &mut s.tmp);
+            ops::add_inplace(&mut s.x, &s.tmp);
+        }
+
+        // Output head, only for the rows whose logits are wanted.
+        let mut want_rows = Vec::new();
+        for (si, sg) in segments.iter().enumerate() {
+            if failed[si].is_some() {
+                continue;
+            }
+            let r0 = row0[si];
+            match sg.logits {
+                Logits::None => {}
+                Logits::Last => want_rows.push(r0 + sg.tokens.len() - 1),
+                Logits::All => want_rows.extend(r0..r0 + sg.tokens.len()),
+            }
+        }
+        let mut logits_all = vec![0.0f32; want_rows.len() * c.vocab_size];
+        if !want_rows.is_empty() {
+            let mut h = vec![0.0f32; want_rows.len() * dim];
+            for (i, &r) in want_rows.iter().enumerate() {
+                ops::rms_norm(&s.x[r * dim..(r + 1) * dim], &self.output_norm, c.rms_eps, &mut h[i * dim..(i + 1) * dim]);
+            }
+            s.qin.prepare(&h, want_rows.len(), dim, self.output.dtype);
+            custody_kernels::matmul::matmul(&self.qm(&self.output), &s.qin, &mut logits_all);
+        }
+        let mut cursor = 0;
+        segments
+            .iter()
+            .zip(failed)
+            .map(|(sg, f)| match f {
+                Some(e) => Err(e),
+                None => {
+                    let rows = match sg.logits {
+                        Logits::None => 0,
+                        Logits::Last => 1,
+                        Logits::All => sg.tokens.len(),
+                    };
+                    let out = logits_all[cursor * c.vocab_size..(cursor + rows) * c.vocab_size].to_vec();
+                    cursor += rows;
+                    Ok(out)
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,198 @@
+//! Tokenizer and chat template, both built from GGUF metadata.
+//!
+//! The BPE itself is the `tokenizers` crate (Hugging Face's), configured from
+//! `tokenizer.ggml.{model,tokens,token_type,merges,pre}`: a byte-level BPE with the
+//! pre-tokenizer named by `tokenizer.ggml.pre`. Control tokens (`token_type == 3`, e.g.
+//! `<|im_start|>`) are registered as special tokens so that they are matched whole in text.
+//! The chat template is the GGUF's own `tokenizer.chat_template`, rendered by `minijinja`.
+
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
+
+use crate::gguf::{Gguf, GgufError, Value};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("unsupported tokenizer model {0:?} (supported: gpt2 byte-level BPE)")]
+    UnsupportedModel(String),
+    #[error("unsupported pre-tokenizer {0:?} (supported: smollm, gpt2, default)")]
+    UnsupportedPre(String),
+    #[error("malformed merge {index}: {merge:?} (expected two space-separated symbols)")]
+    BadMerge { index: usize, merge: String },
+    #[error("tokenizer construction failed: {0}")]
+    Build(String),
+    #[error("encoding failed: {0}")]
+    Encode(String),
+    #[error("decoding failed: {0}")]
+    Decode(String),
+    #[error("the model has no chat template (tokenizer.chat_template)")]
+    NoChatTemplate,
+    #[error("chat template error: {0}")]
+    Template(#[from] minijinja::Error),
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    BadTokenId { id: u32, vocab: usize },
+}
+
+/// One chat message.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// Tokenizer plus the special ids and chat template of one model.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: HfTokenizer,
+    vocab_size: usize,
+    pub bos_id: Option<u32>,
+    pub eos_id: Option<u32>,
+    /// Whether the model expects BOS prepended to raw prompts.
+    pub add_bos: bool,
+    chat_template: Option<String>,
+    /// Extra stop ids (e.g. `<|im_end|>`, `<|endoftext|>`).
+    pub stop_ids: Vec<u32>,
+}
+
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+impl Tokenizer {
+    pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel(model.to_owned()));
+        }
+        let tokens = g.get_strings("tokenizer.ggml.tokens")?;
+        let merges_raw = g.get_strings("tokenizer.ggml.merges")?;
+        let types: Vec<i64> = match g.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(a)) => a.iter().map(|v| v.as_u64().map_or(1, |x| x as i64)).collect(),
+            _ => vec![1; tokens.len()],
+        };
+        let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
+
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| ((*t).to_owned(), i as u32)).collect();
+        let mut merges = Vec::with_capacity(merges_raw.len());
+        for (index, m) in merges_raw.iter().enumerate() {
+            let (a, b) = m
+                .split_once(' ')
+                .ok_or_else(|| TokenizerError::BadMerge { index, merge: (*m).to_owned() })?;
+            merges.push((a.to_owned(), b.to_owned()));
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let mut inner = HfTokenizer::new(bpe);
+        let byte_level = ByteLevel::new(false, true, true);
+        let pre_tok: PreTokenizerWrapper = match pre {
+            // llama.cpp's SMOLLM pre-tokenizer: split digits individually, then the GPT-2 regex.
+            "smollm" | "starcoder" | "refact" | "codeshell" => Sequence::new(vec![
+                PreTokenizerWrapper::Digits(Digits::new(true)),
+                PreTokenizerWrapper::ByteLevel(byte_level),
+            ])
+            .into(),
+            "gpt2" | "default" => byte_level.into(),
+            other => return Err(TokenizerError::UnsupportedPre(other.to_owned())),
+        };
+        inner.with_pre_tokenizer(Some(pre_tok));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .zip(types.iter().chain(std::iter::repeat(&1)))
+            .filter(|(_, ty)| **ty == TOKEN_TYPE_CONTROL || **ty == TOKEN_TYPE_USER_DEFINED)
+            .map(|(t, _)| AddedToken::from((*t).to_owned(), true))
+            .collect();
+        inner.add_special_tokens(&specials);
+
+        let id = |k: &str| g.get(k).and_then(Value::as_u64).map(|v| v as u32);
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let eos_id = id("tokenizer.ggml.eos_token_id");
+        let add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
+        let chat_template = g.get_str("tokenizer.chat_template").ok().map(str::to_owned);
+        let mut stop_ids: Vec<u32> = eos_id.into_iter().collect();
+        for name in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>"] {
+            if let Some(i) = tokens.iter().position(|t| *t == name) {
+                if !stop_ids.contains(&(i as u32)) {
+                    stop_ids.push(i as u32);
+                }
+            }
+        }
+        Ok(Self { inner, vocab_size: tokens.len(), bos_id, eos_id, add_bos, chat_template, stop_ids })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Encode text. Special-token text (e.g. `<|im_start|>`) maps to its single id. BOS is
+    /// prepended only when `add_bos` is set in the model and `raw` is false.
+    pub fn encode(&self, text: &str, raw: bool) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self.inner.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos && !raw {
+            ids.extend(self.bos_id);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Decode ids to text (special tokens are rendered).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        if let Some(&id) = ids.iter().find(|&&i| i as usize >= self.vocab_size) {
+            return Err(TokenizerError::BadTokenId { id, vocab: self.vocab_size });
+        }
+        self.inner.decode(ids, false).map_err(|e| TokenizerError::Decode(e.to_string()))
+    }
+
+    /// Render the model's chat template over `messages`, with the assistant prompt appended.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+        let src = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
+        let mut env = minijinja::Environment::new();
+        env.add_template("chat", src)?;
+        let bos = self.bos_id.and_then(|i| self.inner.id_to_token(i)).unwrap_or_default();
+        let eos = self.eos_id.and_then(|i| self.inner.id_to_token(i)).unwrap_or_default();
+        let out = env.get_template("chat")?.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => bos,
+            eos_token => eos,
+        })?;
+        Ok(out)
+    }
+
+    pub fn is_stop(&self, id: u32) -> bool {
+        self.stop_ids.contains(&id)
+    }
+}
+
+/// Incremental detokenizer for streaming: yields only complete UTF-8 text.
+#[derive(Debug, Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl StreamDecoder {
+    /// Add a token and return the newly completed text, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids)?;
+        // An incomplete multi-byte sequence decodes to U+FFFD at the end: wait for more bytes.
+        if text.ends_with('\u{FFFD}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
+            return Ok(String::new());
+        }
+        let new = text[self.emitted..].to_owned();
+        self.emitted = text.len();
+        Ok(new)
+    }
+}

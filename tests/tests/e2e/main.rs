@@ -1,0 +1,23 @@
+//! End-to-end tests across Custody's crates, on the real embedded model.
+
+mod gguf_corruption;
+mod integrity;
+mod reference;
+mod scheduler;
+
+use custody_runtime::gguf::Gguf;
+use custody_runtime::{Engine, EngineConfig, Model, Tokenizer};
+
+/// An engine over the embedded model with a small pool (fast to start, big enough for tests).
+pub fn engine_with(cfg: EngineConfig) -> Engine {
+    let model = Model::load(&custody_tests::model_path()).expect("load model");
+    Engine::new(model, cfg).expect("engine starts")
+}
+
+pub fn small_cfg() -> EngineConfig {
+    EngineConfig { context_length: Some(2048), kv_budget_mib: 64, ..EngineConfig::default() }
+}
+
+pub fn tokenizer() -> Tokenizer {
+    Tokenizer::from_gguf(&Gguf::open(&custody_tests::model_path()).expect("gguf")).expect("tokenizer")
+}
