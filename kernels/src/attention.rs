@@ -145,6 +145,8 @@ pub struct AttentionArgs<'a> {
     pub block_table: &'a [PageRef],
     pub tags: TagView<'a>,
     pub owner: u64,
+    /// Reduction order of the arithmetic (see [`ReduceOrder`]).
+    pub order: ReduceOrder,
 }
 
 /// Reusable buffers for [`paged_attention`].
@@ -152,6 +154,7 @@ pub struct AttentionArgs<'a> {
 pub struct AttnScratch {
     k: Vec<f32>,
     v: Vec<f32>,
+    ws: Workspace,
 }
 
 /// Causal paged attention for one sequence. Checks the tags first (see module docs); on a
@@ -185,7 +188,7 @@ pub fn paged_attention(
         }
     };
     let per_head = n_ctx * d;
-    let big = n_ctx * n_q * args.n_heads >= 1 << 14 && rayon::current_num_threads() > 1;
+    let big = n_ctx * n_q * args.n_heads >= 1 << 12 && rayon::current_num_threads() > 1;
     if big {
         scratch
             .k
@@ -200,51 +203,295 @@ pub fn paged_attention(
     let (kf, vf) = (&scratch.k[..], &scratch.v[..]);
     let group = args.n_heads / g.n_kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
+    let order = args.order;
+    assert!(d <= 256, "head_dim above 256 is not supported");
     // One (query row, head) → writes `out[i][head]`.
-    let attend_one = |i: usize, head: usize, o: &mut [f32], scores: &mut Vec<f32>| {
+    let attend_one = |i: usize, head: usize, o: &mut [f32], ws: &mut Workspace| {
         let h = head / group;
-        let p = args.start_pos + i;
+        let n_att = args.start_pos + i + 1;
         let qoff = (i * args.n_heads + head) * d;
-        let mut q = [0.0f32; 256];
-        let q = &mut q[..d];
-        for (dst, &src) in q.iter_mut().zip(&args.q[qoff..qoff + d]) {
-            *dst = f16::from_f32(src).to_f32();
-        }
+        let q = &args.q[qoff..qoff + d];
         let kh = &kf[h * per_head..(h + 1) * per_head];
         let vh = &vf[h * per_head..(h + 1) * per_head];
-        scores.clear();
-        scores.extend((0..=p).map(|t| ops::dot_f32(q, &kh[t * d..(t + 1) * d]) * scale));
-        ops::softmax(scores);
-        o.fill(0.0);
-        for (t, &w) in scores.iter().enumerate() {
-            ops::axpy(f16::from_f32(w).to_f32(), &vh[t * d..(t + 1) * d], o);
-        }
+        attend_compat(order, q, kh, vh, d, n_att, scale, o, ws);
     };
-    assert!(d <= 256, "head_dim above 256 is not supported");
     if n_q == 1 {
         if big {
-            out.par_chunks_mut(d).enumerate().for_each_init(Vec::new, |sc, (head, o)| attend_one(0, head, o, sc));
+            out.par_chunks_mut(d)
+                .enumerate()
+                .for_each_init(Workspace::default, |ws, (head, o)| attend_one(0, head, o, ws));
         } else {
-            let mut sc = Vec::with_capacity(n_ctx);
+            let ws = &mut scratch.ws;
             for (head, o) in out.chunks_mut(d).enumerate() {
-                attend_one(0, head, o, &mut sc);
+                attend_one(0, head, o, ws);
             }
         }
     } else {
         let row = args.n_heads * d;
-        let do_row = |sc: &mut Vec<f32>, (i, orow): (usize, &mut [f32])| {
+        let do_row = |ws: &mut Workspace, (i, orow): (usize, &mut [f32])| {
             for (head, o) in orow.chunks_mut(d).enumerate() {
-                attend_one(i, head, o, sc);
+                attend_one(i, head, o, ws);
             }
         };
         if big {
-            out.par_chunks_mut(row).enumerate().for_each_init(Vec::new, do_row);
+            out.par_chunks_mut(row).enumerate().for_each_init(Workspace::default, do_row);
         } else {
-            let mut sc = Vec::with_capacity(n_ctx);
-            out.chunks_mut(row).enumerate().for_each(|x| do_row(&mut sc, x));
+            let ws = &mut scratch.ws;
+            out.chunks_mut(row).enumerate().for_each(|x| do_row(ws, x));
         }
     }
     Ok(())
+}
+
+/// Which reduction order the attention arithmetic follows. Both are exact emulations of
+/// llama.cpp's CPU backend (AVX-512 build, flash attention off), so that our logits match its
+/// logits bit for bit where the inputs match (this model amplifies last-bit differences through
+/// its int8 activation quantization, so "close" arithmetic is not close enough):
+/// - `Gemm`: the path llama.cpp takes when a batch has 2+ query tokens (prompt processing):
+///   llamafile's tinyBLAS F16 kernel — one 16-lane FMA chain per output, then a tree reduction.
+/// - `Vec`: the single-token (decode) path: `ggml_vec_dot_f16` — four 16-lane accumulators.
+///
+/// The order is a property of the *request* (prompt rows vs decode rows), never of the batch a
+/// row happens to share, so batched results stay bit-identical to unbatched ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOrder {
+    Gemm,
+    Vec,
+}
+
+/// Per-task buffers of the attention arithmetic.
+#[derive(Debug, Default)]
+pub struct Workspace {
+    scores: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+const LANES: usize = 16;
+
+/// `_mm512_reduce_add_ps` as GCC implements it: halves, quarters, then (0+2) + (1+3).
+#[inline(always)]
+fn reduce16(a: &[f32; LANES]) -> f32 {
+    let mut t = [0.0f32; 8];
+    for i in 0..8 {
+        t[i] = a[i] + a[i + 8];
+    }
+    let mut u = [0.0f32; 4];
+    for i in 0..4 {
+        u[i] = t[i] + t[i + 4];
+    }
+    (u[0] + u[2]) + (u[1] + u[3])
+}
+
+/// tinyBLAS dot: lane `e % 16` accumulates `fma(x[e], y[e], acc)` in order; then [`reduce16`].
+/// (Written over fixed 16-lane arrays so the compiler vectorises it without changing the order.)
+#[inline(always)]
+fn dot_gemm(x: &[f32], y: &[f32]) -> f32 {
+    debug_assert_eq!(x.len(), y.len());
+    let mut acc = [0.0f32; LANES];
+    let mut xc = x.chunks_exact(LANES);
+    let mut yc = y.chunks_exact(LANES);
+    for (xs, ys) in (&mut xc).zip(&mut yc) {
+        for l in 0..LANES {
+            acc[l] = xs[l].mul_add(ys[l], acc[l]);
+        }
+    }
+    for (l, (a, b)) in xc.remainder().iter().zip(yc.remainder()).enumerate() {
+        acc[l] = a.mul_add(*b, acc[l]);
+    }
+    reduce16(&acc)
+}
+
+/// `ggml_vec_dot_f16` (AVX-512, no FP16 arithmetic): element `e < n & !63` goes to accumulator
+/// `(e / 16) % 4`, lane `e % 16`; accumulators fold 0+=2, 1+=3, 0+=1; then [`reduce16`] widened
+/// to f64; leftovers are added one by one in f64.
+#[inline(always)]
+fn dot_vec(x: &[f32], y: &[f32]) -> f32 {
+    debug_assert_eq!(x.len(), y.len());
+    let n = x.len();
+    let np = n & !63;
+    let mut acc = [[0.0f32; LANES]; 4];
+    for (xs, ys) in x[..np].chunks_exact(64).zip(y[..np].chunks_exact(64)) {
+        for (a, acc_a) in acc.iter_mut().enumerate() {
+            for l in 0..LANES {
+                acc_a[l] = xs[a * LANES + l].mul_add(ys[a * LANES + l], acc_a[l]);
+            }
+        }
+    }
+    let mut sumf = f64::from(fold4(&acc));
+    for e in np..n {
+        sumf += f64::from(x[e] * y[e]);
+    }
+    sumf as f32
+}
+
+#[inline(always)]
+fn fold4(acc: &[[f32; LANES]; 4]) -> f32 {
+    let mut a0 = [0.0f32; LANES];
+    for l in 0..LANES {
+        let s0 = acc[0][l] + acc[2][l];
+        let s1 = acc[1][l] + acc[3][l];
+        a0[l] = s0 + s1;
+    }
+    reduce16(&a0)
+}
+
+/// ggml's AVX-512 `ggml_v_expf`, lane by lane (bit-exact: every step is one IEEE operation).
+#[inline(always)]
+pub fn ggml_expf(x: f32) -> f32 {
+    let r = f32::from_bits(0x4b40_0000); // 0x1.8p23
+    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r);
+    let n = z - r;
+    if !(n.abs() <= 192.0) {
+        // |n| > 192 (or NaN from -inf): ggml blends in +inf for n > 0, else 0.
+        return if n > 0.0 { f32::INFINITY } else { 0.0 };
+    }
+    let b = (-n).mul_add(f32::from_bits(0x35bf_be8e), (-n).mul_add(f32::from_bits(0x3f31_7200), x));
+    let u = b * b;
+    let j = f32::from_bits(0x3c07_2010)
+        .mul_add(b, f32::from_bits(0x3d2b_9f17))
+        .mul_add(u, f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb)))
+        .mul_add(u, f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0));
+    // _mm512_scalef_ps(j, n) = j · 2^n, rounded once (exact in f64, then to f32). |n| <= 192,
+    // so 2^n is a normal f64 built directly from its exponent bits.
+    let two_n = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    (f64::from(j) * two_n) as f32
+}
+
+/// Attention of one query row and head over `n_att` slots, in llama.cpp's arithmetic:
+/// q → f16; scores = (K·q) · scale; softmax with `ggml_expf`, 16-lane sums in f64, scaled by
+/// `(f32)(1/sum)`; probabilities → f16; out = V·p.
+#[allow(clippy::too_many_arguments)]
+fn attend_compat(
+    order: ReduceOrder,
+    q: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    d: usize,
+    n_att: usize,
+    scale: f32,
+    o: &mut [f32],
+    ws: &mut Workspace,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::level() == crate::simd::Level::Avx2 {
+        // SAFETY: the Avx2 level is only selected when avx2 and fma were detected; the body is
+        // the same portable code, compiled with hardware FMA for `mul_add`.
+        return unsafe { attend_compat_fma(order, q, kh, vh, d, n_att, scale, o, ws) };
+    }
+    attend_compat_body(order, q, kh, vh, d, n_att, scale, o, ws)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_compat_fma(
+    order: ReduceOrder,
+    q: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    d: usize,
+    n_att: usize,
+    scale: f32,
+    o: &mut [f32],
+    ws: &mut Workspace,
+) {
+    attend_compat_body(order, q, kh, vh, d, n_att, scale, o, ws)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_compat_body(
+    order: ReduceOrder,
+    q: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    d: usize,
+    n_att: usize,
+    scale: f32,
+    o: &mut [f32],
+    ws: &mut Workspace,
+) {
+    let mut qh = [0.0f32; 256];
+    let qh = &mut qh[..d];
+    for j in 0..d {
+        qh[j] = f16::from_f32(q[j]).to_f32();
+    }
+    // Scores, padded with -inf to whole 16-lane chunks (masked lanes exp to exactly 0).
+    // Plain loops, no closures: closures would not inherit the caller's FMA target feature and
+    // `mul_add` would become a libm call.
+    let n_pad = n_att.div_ceil(LANES) * LANES;
+    let sc = &mut ws.scores;
+    sc.clear();
+    sc.resize(n_pad, f32::NEG_INFINITY);
+    let mut max = f32::NEG_INFINITY;
+    for t in 0..n_att {
+        let kt = &kh[t * d..(t + 1) * d];
+        let dot = match order {
+            ReduceOrder::Gemm => dot_gemm(kt, qh),
+            ReduceOrder::Vec => dot_vec(kt, qh),
+        };
+        sc[t] = dot * scale;
+        max = max.max(sc[t]);
+    }
+    let mut sum = 0.0f64;
+    for chunk in sc.chunks_exact_mut(LANES) {
+        let mut vals = [0.0f32; LANES];
+        for l in 0..LANES {
+            chunk[l] = ggml_expf(chunk[l] - max);
+            vals[l] = chunk[l];
+        }
+        sum += f64::from(reduce16(&vals));
+    }
+    let inv = (1.0 / sum) as f32;
+    for t in 0..n_att {
+        sc[t] = f16::from_f32(sc[t] * inv).to_f32();
+    }
+    // out[j] = Σ_t V[t][j] · p[t], lanes over t; vectorised over j (each (lane, j) chain is the
+    // same sequential FMA chain llama.cpp runs).
+    match order {
+        ReduceOrder::Gemm => {
+            ws.acc.clear();
+            ws.acc.resize(LANES * d, 0.0);
+            for t in 0..n_att {
+                let p = sc[t];
+                let a = &mut ws.acc[(t % LANES) * d..(t % LANES + 1) * d];
+                let v = &vh[t * d..(t + 1) * d];
+                for j in 0..d {
+                    a[j] = v[j].mul_add(p, a[j]);
+                }
+            }
+            for j in 0..d {
+                let mut lanes = [0.0f32; LANES];
+                for l in 0..LANES {
+                    lanes[l] = ws.acc[l * d + j];
+                }
+                o[j] = reduce16(&lanes);
+            }
+        }
+        ReduceOrder::Vec => {
+            // n_kv is padded to a multiple of 256 in llama.cpp, so there are no leftovers.
+            ws.acc.clear();
+            ws.acc.resize(4 * LANES * d, 0.0);
+            for t in 0..n_att {
+                let p = sc[t];
+                let slot = ((t / LANES) % 4) * LANES + t % LANES;
+                let a = &mut ws.acc[slot * d..(slot + 1) * d];
+                let v = &vh[t * d..(t + 1) * d];
+                for j in 0..d {
+                    a[j] = v[j].mul_add(p, a[j]);
+                }
+            }
+            for j in 0..d {
+                let mut acc = [[0.0f32; LANES]; 4];
+                for a in 0..4 {
+                    for l in 0..LANES {
+                        acc[a][l] = ws.acc[(a * LANES + l) * d + j];
+                    }
+                }
+                o[j] = f64::from(fold4(&acc)) as f32;
+            }
+        }
+    }
 }
 
 /// Scalar reference attention over plain per-position K/V rows (`[t][kv_head][d]`, f32), used by
@@ -376,6 +623,7 @@ mod tests {
             block_table: &f.table,
             tags: TagView { generation: &f.gens, owner: &f.owner, filled: &f.filled },
             owner,
+            order: if q.len() > 4 * G.head_dim { ReduceOrder::Gemm } else { ReduceOrder::Vec },
         };
         let mut out = vec![f32::NAN; q.len()];
         paged_attention(&args, &mut out, &mut AttnScratch::default()).map(|()| out)
@@ -393,11 +641,69 @@ mod tests {
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "n={n}: {a} vs {b}");
             }
-            // decode: last query only
+            // decode: last query only (the `Vec` reduction order: equal up to rounding)
             let q1 = &q[(n - 1) * 4 * G.head_dim..];
             let got1 = run(&f, q1, n - 1, 42).expect("tags valid");
-            assert_eq!(&got1[..], &got[(n - 1) * 4 * G.head_dim..]);
+            for (a, b) in got1.iter().zip(&got[(n - 1) * 4 * G.head_dim..]) {
+                assert!((a - b).abs() < 1e-4, "n={n}: {a} vs {b}");
+            }
         }
+    }
+
+    #[test]
+    fn ggml_expf_is_accurate_and_handles_the_masked_lanes() {
+        for i in -1600..=100 {
+            let x = i as f32 * 0.05;
+            let (got, want) = (ggml_expf(x), x.exp());
+            assert!((got - want).abs() <= want * 4e-7, "{x}: {got} vs {want}");
+        }
+        assert_eq!(ggml_expf(f32::NEG_INFINITY), 0.0);
+        assert_eq!(ggml_expf(-500.0), 0.0);
+        assert_eq!(ggml_expf(0.0), 1.0);
+    }
+
+    #[test]
+    fn reductions_follow_the_documented_lane_order() {
+        // 1e8 + 1 - 1e8 style cancellation exposes the order: lane 0 gets 1e8 and -1e8 (so 0),
+        // lane 1 gets 1.0 → 1.0 exactly in gemm order; a sequential sum would give the same here,
+        // but pairing lanes (0, 8) first is observable with 3 big values.
+        let mut x = vec![0.0f32; 32];
+        let y = vec![1.0f32; 32];
+        x[0] = 1e8;
+        x[16] = -1e8;
+        x[1] = 1.0;
+        assert_eq!(dot_gemm(&x, &y), 1.0);
+        let mut a = [0.0f32; LANES];
+        a[0] = 1e8;
+        a[8] = 1.0;
+        a[4] = -1e8;
+        // tree: t0 = 1e8 + 1 = 1e8 (f32), u0 = t0 + t4(=-1e8) = 0 → 0, whereas left-to-right
+        // summation would also lose the 1; with a[12] instead the tree keeps it:
+        assert_eq!(reduce16(&a), 0.0);
+        let mut b = [0.0f32; LANES];
+        b[0] = 1e8;
+        b[4] = -1e8;
+        b[1] = 1.0;
+        assert_eq!(reduce16(&b), 1.0);
+        // vec order: element 64 (past the 64-element main loop) is added in f64 at the end.
+        let mut x = vec![0.0f32; 65];
+        x[0] = 1e8;
+        x[64] = 1.0;
+        let y = vec![1.0f32; 65];
+        assert_eq!(dot_vec(&x, &y), 1e8 + 1.0);
+    }
+
+    #[test]
+    fn same_order_gives_bit_identical_rows_whatever_the_batch() {
+        let mut seed = 9;
+        let n = 21;
+        let f = fixture(n, &mut seed);
+        let q = rnd(n * 4 * G.head_dim, &mut seed);
+        let all = run(&f, &q, 0, 42).expect("ok");
+        // The last 5 rows as their own (multi-row, so Gemm) call: identical bits.
+        let tail = &q[(n - 5) * 4 * G.head_dim..];
+        let part = run(&f, tail, n - 5, 42).expect("ok");
+        assert_eq!(&part[..], &all[(n - 5) * 4 * G.head_dim..]);
     }
 
     #[test]

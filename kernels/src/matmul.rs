@@ -95,6 +95,23 @@ impl QInput {
 }
 
 type Q8Dot = fn(&[u8], &[BlockQ8]) -> f32;
+type Q8Dot4 = fn([&[u8]; 4], &[BlockQ8]) -> [f32; 4];
+
+/// A four-row kernel where one exists (same per-row arithmetic as the one-row kernel).
+fn q8_dot4_fn(dtype: DType) -> Option<Q8Dot4> {
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() == Level::Avx2 {
+        // SAFETY (of the wrappers): the Avx2 level is only selected when avx2, fma and f16c were
+        // detected at run time.
+        return match dtype {
+            DType::Q4_1 => Some(|w, a| unsafe { crate::x86::dot4_q4_1_q8(w, a) }),
+            DType::Q8_0 => Some(|w, a| unsafe { crate::x86::dot4_q8_0_q8(w, a) }),
+            _ => None,
+        };
+    }
+    let _ = dtype;
+    None
+}
 
 fn q8_dot_fn(dtype: DType) -> Q8Dot {
     #[cfg(target_arch = "x86_64")]
@@ -134,7 +151,7 @@ const TILE_ROWS: usize = 16;
 
 /// `out[t * rows + r] = W[r] · x[t]` for all tokens `t` and rows `r`.
 pub fn matmul(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
-    matmul_impl(w, x, out, q8_dot_fn)
+    matmul_impl(w, x, out)
 }
 
 /// Scalar reference of [`matmul`] (single-threaded, no SIMD). Used by tests.
@@ -155,7 +172,8 @@ pub fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
     }
 }
 
-fn matmul_impl(w: &QMatrix<'_>, x: &QInput, out: &mut [f32], pick: fn(DType) -> Q8Dot) {
+fn matmul_impl(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
+    let dot4 = q8_dot4_fn(w.dtype);
     assert_eq!(x.cols, w.cols, "matmul: input width {} != weight cols {}", x.cols, w.cols);
     assert_eq!(out.len(), x.n_tok * w.rows, "matmul: output shape mismatch");
     let rows = w.rows;
@@ -172,13 +190,25 @@ fn matmul_impl(w: &QMatrix<'_>, x: &QInput, out: &mut [f32], pick: fn(DType) -> 
         let r1 = ((task + 1) * tiles_per_task * TILE_ROWS).min(rows);
         let p = ptr;
         if w.dtype.uses_q8_activations() {
-            let dot = pick(w.dtype);
+            let dot = q8_dot_fn(w.dtype);
             let per_row = w.cols / QK;
             for tr0 in (r0..r1).step_by(TILE_ROWS) {
                 let tr1 = (tr0 + TILE_ROWS).min(r1);
                 for t in 0..n_tok {
                     let a = &x.q8[t * per_row..(t + 1) * per_row];
-                    for r in tr0..tr1 {
+                    let mut r = tr0;
+                    if let Some(dot4) = dot4 {
+                        while r + 4 <= tr1 {
+                            let v = dot4([w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], a);
+                            for (k, vk) in v.into_iter().enumerate() {
+                                // SAFETY: t < n_tok, r + k < rows: in bounds of `out`; row ranges
+                                // of tasks are disjoint.
+                                unsafe { *p.0.add(t * rows + r + k) = vk };
+                            }
+                            r += 4;
+                        }
+                    }
+                    for r in r..tr1 {
                         let v = dot(w.row(r), a);
                         // SAFETY: t < n_tok and r < rows, so the index is in bounds of `out`
                         // (len n_tok × rows, asserted above); row ranges of tasks are disjoint.
@@ -317,6 +347,25 @@ mod tests {
             let mut o = vec![0.0; rows];
             matmul(&w, &one, &mut o);
             assert_eq!(&all[t * rows..(t + 1) * rows], &o[..]);
+        }
+    }
+
+    #[test]
+    fn four_row_kernels_are_bit_identical_to_the_one_row_kernels() {
+        let mut seed = 21;
+        for dtype in [DType::Q4_1, DType::Q8_0] {
+            let (rows, cols) = (4, 576);
+            let wb = rand_weights(dtype, rows, cols, &mut seed);
+            let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");
+            let x = rand_f32(cols, &mut seed);
+            let mut qi = QInput::default();
+            qi.prepare(&x, 1, cols, dtype);
+            if let Some(dot4) = q8_dot4_fn(dtype) {
+                let four = dot4([w.row(0), w.row(1), w.row(2), w.row(3)], &qi.q8);
+                for (r, v) in four.iter().enumerate() {
+                    assert_eq!(v.to_bits(), q8_dot_fn(dtype)(w.row(r), &qi.q8).to_bits(), "{dtype:?} row {r}");
+                }
+            }
         }
     }
 

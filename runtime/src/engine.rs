@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 
-use custody_kernels::attention::{IntegrityError, PageRef};
+use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder};
 
 use crate::config::EngineConfig;
 use crate::kv::{PagePool, PoolError};
@@ -296,6 +296,11 @@ impl Engine {
                 block_table: &self.running[*i].pages,
                 owner: self.running[*i].id,
                 logits: if *want { Logits::Last } else { Logits::None },
+                order: match self.running[*i].phase {
+                    // As llama.cpp: a multi-token prompt is a matrix product, a lone token a dot.
+                    Phase::Prefill if self.running[*i].prompt.len() >= 2 => ReduceOrder::Gemm,
+                    Phase::Prefill | Phase::Decode { .. } => ReduceOrder::Vec,
+                },
             })
             .collect();
         let results = self.model.forward(&mut self.pool, &segments, &mut self.scratch);
@@ -363,6 +368,7 @@ impl Engine {
                 block_table: &pages,
                 owner,
                 logits: Logits::All,
+                order: ReduceOrder::Gemm,
             };
             match self.model.forward(&mut self.pool, &[seg], &mut self.scratch).pop() {
                 Some(Ok(l)) => out.extend_from_slice(&l),

@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use custody_kernels::attention::{self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef};
+use custody_kernels::attention::{self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder};
 use custody_kernels::{ops, DType, QInput, QMatrix};
 
 use crate::gguf::{Gguf, GgufError};
@@ -147,6 +147,9 @@ pub struct Segment<'a> {
     pub block_table: &'a [PageRef],
     pub owner: u64,
     pub logits: Logits,
+    /// Attention reduction order: a property of the request (prompt vs decode rows), so that a
+    /// row's arithmetic never depends on what else shares its batch.
+    pub order: ReduceOrder,
 }
 
 /// Reusable activation buffers (sized for the largest batch seen).
@@ -332,6 +335,7 @@ impl Model {
                     block_table: sg.block_table,
                     tags: pool.tags(li),
                     owner: sg.owner,
+                    order: sg.order,
                 };
                 if let Err(e) = attention::paged_attention(&args, out, &mut s.attn) {
                     out.fill(0.0);

@@ -1,7 +1,7 @@
 //! Safety property 1 ("no stale read") end to end: the attention kernel's tag check fails the one
 //! request whose pages are wrong, emits no token for it, and lets the others finish.
 
-use custody_kernels::attention::{self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef};
+use custody_kernels::attention::{self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder};
 use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::kv::PagePool;
 use custody_runtime::SamplingParams;
@@ -158,6 +158,7 @@ proptest! {
                         q: &q, n_heads: 1, start_pos: n_ctx - 1,
                         k_cache: pool.k_cache(0), v_cache: pool.v_cache(0), geom: G,
                         block_table: &s.pages, tags: pool.tags(0), owner: s.owner,
+                        order: ReduceOrder::Vec,
                     };
                     let mut out = vec![0.0f32; G.head_dim];
                     match attention::paged_attention(&args, &mut out, &mut scratch) {
