@@ -13,7 +13,11 @@ use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{ChatMessage, Config, Engine, Model, SamplingParams, Tokenizer};
 
 #[derive(Parser, Debug)]
-#[command(name = "custody", version, about = "Multi-tenant LLM inference with integrity-tagged, audited KV pages")]
+#[command(
+    name = "custody",
+    version,
+    about = "Multi-tenant LLM inference with integrity-tagged, audited KV pages"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -93,7 +97,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CUSTODY_LOG").unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_env("CUSTODY_LOG")
+                .unwrap_or_else(|_| "info".into()),
         )
         .init();
     match try_main(cli) {
@@ -134,7 +139,11 @@ fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
             path.display()
         );
     }
-    let threads = if c.threads > 0 { c.threads } else { cfg.engine.threads };
+    let threads = if c.threads > 0 {
+        c.threads
+    } else {
+        cfg.engine.threads
+    };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -147,7 +156,11 @@ fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
         .with_context(|| format!("loading tokenizer from {}", path.display()))?;
     let mut ecfg = cfg.engine;
     if let Some(n) = context_override {
-        ecfg.context_length = Some(ecfg.context_length.map_or(n, |c| c.max(n)).min(model.config.context_length));
+        ecfg.context_length = Some(
+            ecfg.context_length
+                .map_or(n, |c| c.max(n))
+                .min(model.config.context_length),
+        );
     }
     tracing::info!(
         model = %model.config.name,
@@ -161,17 +174,31 @@ fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
         "model loaded"
     );
     let engine = Engine::new(model, ecfg)?;
-    Ok(Loaded { engine, tokenizer, pool })
+    Ok(Loaded {
+        engine,
+        tokenizer,
+        pool,
+    })
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let Loaded { mut engine, tokenizer, pool } = load(&a.common, None)?;
+    let Loaded {
+        mut engine,
+        tokenizer,
+        pool,
+    } = load(&a.common, None)?;
     let text = if a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
-            msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
+            msgs.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
         }
-        msgs.push(ChatMessage { role: "user".into(), content: a.prompt.clone() });
+        msgs.push(ChatMessage {
+            role: "user".into(),
+            content: a.prompt.clone(),
+        });
         tokenizer.apply_chat_template(&msgs)?
     } else {
         a.prompt.clone()
@@ -180,7 +207,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let req = GenerateRequest {
         prompt,
         max_tokens: a.max_tokens,
-        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
         stop_ids: tokenizer.stop_ids.clone(),
     };
     let n_prompt = req.prompt.len();
@@ -200,7 +232,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
                         out.write_all(dec.push(&tokenizer, token)?.as_bytes())?;
                         out.flush()?;
                     }
-                    Event::Failed { error, .. } => bail!("generation failed: integrity error: {error}"),
+                    Event::Failed { error, .. } => {
+                        bail!("generation failed: integrity error: {error}")
+                    }
                     _ => {}
                 }
             }
@@ -216,7 +250,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
         n_prompt,
         n_gen,
         n_prompt as f64 / ttft.as_secs_f64(),
-        if n_gen > 1 && decode_s > 0.0 { (n_gen - 1) as f64 / decode_s } else { 0.0 }
+        if n_gen > 1 && decode_s > 0.0 {
+            (n_gen - 1) as f64 / decode_s
+        } else {
+            0.0
+        }
     );
     Ok(())
 }
@@ -225,7 +263,8 @@ fn read_prompt_ids(path: &Path) -> Result<Vec<u32>> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)
         .with_context(|| format!("parsing {}", path.display()))?;
     let arr = v.get("all_ids").unwrap_or(&v);
-    let ids: Vec<u32> = serde_json::from_value(arr.clone()).context("prompt ids must be a list of token ids")?;
+    let ids: Vec<u32> =
+        serde_json::from_value(arr.clone()).context("prompt ids must be a list of token ids")?;
     Ok(ids)
 }
 
@@ -238,16 +277,25 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.reps == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
         bail!("--reps, --prompt-tokens and --gen-tokens must be positive");
     }
-    let Loaded { mut engine, tokenizer, pool } = load(&a.common, Some(a.prompt_tokens + a.gen_tokens + 1))?;
+    let Loaded {
+        mut engine,
+        tokenizer,
+        pool,
+    } = load(&a.common, Some(a.prompt_tokens + a.gen_tokens + 1))?;
     let mut ids = match &a.prompt_ids {
         Some(p) => read_prompt_ids(p)?,
         None => {
-            let text = "The history of the printing press begins in the fifteenth century. ".repeat(64);
+            let text =
+                "The history of the printing press begins in the fifteenth century. ".repeat(64);
             tokenizer.encode(&text, true)?
         }
     };
     if ids.len() < a.prompt_tokens {
-        bail!("prompt has only {} tokens, {} requested", ids.len(), a.prompt_tokens);
+        bail!(
+            "prompt has only {} tokens, {} requested",
+            ids.len(),
+            a.prompt_tokens
+        );
     }
     ids.truncate(a.prompt_tokens);
     let threads = pool.current_num_threads();
@@ -279,7 +327,11 @@ fn bench(a: BenchArgs) -> Result<()> {
             }
             prefill.push(a.prompt_tokens as f64 / t_prefill);
             decode.push(a.gen_tokens as f64 / t_decode);
-            check_frac.push(tag_check_cost(&engine, a.prompt_tokens + a.gen_tokens / 2, t_decode / steps as f64));
+            check_frac.push(tag_check_cost(
+                &engine,
+                a.prompt_tokens + a.gen_tokens / 2,
+                t_decode / steps as f64,
+            ));
         }
         Ok(())
     })?;
@@ -294,7 +346,10 @@ fn bench(a: BenchArgs) -> Result<()> {
             })
         );
     } else {
-        println!("threads {threads}  prompt {} tokens  gen {} tokens  (median of {})", a.prompt_tokens, a.gen_tokens, a.reps);
+        println!(
+            "threads {threads}  prompt {} tokens  gen {} tokens  (median of {})",
+            a.prompt_tokens, a.gen_tokens, a.reps
+        );
         println!("prefill  {p:8.1} tok/s");
         println!("decode   {d:8.1} tok/s");
         println!("tag check: {:.3} % of a decode step", c * 100.0);
@@ -311,8 +366,17 @@ fn tag_check_cost(engine: &Engine, ctx: usize, step_s: f64) -> f64 {
     let generation = vec![1u32; n_pages];
     let owner = vec![7u64; n_pages];
     let filled = vec![ps as u32; n_pages];
-    let table: Vec<PageRef> = (0..n_pages as u32).map(|page| PageRef { page, generation: 1 }).collect();
-    let tags = TagView { generation: &generation, owner: &owner, filled: &filled };
+    let table: Vec<PageRef> = (0..n_pages as u32)
+        .map(|page| PageRef {
+            page,
+            generation: 1,
+        })
+        .collect();
+    let tags = TagView {
+        generation: &generation,
+        owner: &owner,
+        filled: &filled,
+    };
     let layers = engine.model().config.n_layers;
     let iters = 200;
     let t0 = Instant::now();

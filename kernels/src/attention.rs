@@ -73,14 +73,38 @@ pub enum IntegrityError {
     #[error("page {page} is outside the pool of {n_pages} pages")]
     PageOutOfRange { page: u32, n_pages: usize },
     #[error("block table has {have} pages but {n_ctx} slots need {need}")]
-    BlockTableTooShort { have: usize, need: usize, n_ctx: usize },
+    BlockTableTooShort {
+        have: usize,
+        need: usize,
+        n_ctx: usize,
+    },
     #[error("stale page {page}: expected generation {expected}, tag has {found}")]
-    StaleGeneration { page: u32, expected: u32, found: u32 },
-    #[error("foreign page {page} (generation {generation}): owned by {found:#x}, reader is {expected:#x}")]
-    ForeignOwner { page: u32, generation: u32, expected: u64, found: u64 },
-    #[error("unwritten slot: page {page} slot {slot} would be read but only {filled} slots are written in generation {generation}")]
-    UnwrittenSlot { page: u32, generation: u32, slot: u32, filled: u32 },
-    #[error("out-of-order write: page {page} slot {slot} written when {filled} slots are filled (writes are append-only within a generation)")]
+    StaleGeneration {
+        page: u32,
+        expected: u32,
+        found: u32,
+    },
+    #[error(
+        "foreign page {page} (generation {generation}): owned by {found:#x}, reader is {expected:#x}"
+    )]
+    ForeignOwner {
+        page: u32,
+        generation: u32,
+        expected: u64,
+        found: u64,
+    },
+    #[error(
+        "unwritten slot: page {page} slot {slot} would be read but only {filled} slots are written in generation {generation}"
+    )]
+    UnwrittenSlot {
+        page: u32,
+        generation: u32,
+        slot: u32,
+        filled: u32,
+    },
+    #[error(
+        "out-of-order write: page {page} slot {slot} written when {filled} slots are filled (writes are append-only within a generation)"
+    )]
     OutOfOrderWrite { page: u32, slot: u32, filled: u32 },
 }
 
@@ -96,18 +120,29 @@ pub fn check_tags(
     assert!(page_size > 0);
     let need = n_ctx.div_ceil(page_size);
     if block_table.len() < need {
-        return Err(IntegrityError::BlockTableTooShort { have: block_table.len(), need, n_ctx });
+        return Err(IntegrityError::BlockTableTooShort {
+            have: block_table.len(),
+            need,
+            n_ctx,
+        });
     }
     let n_pages = tags.generation.len();
     debug_assert!(tags.owner.len() == n_pages && tags.filled.len() == n_pages);
     for (i, pr) in block_table[..need].iter().enumerate() {
         let p = pr.page as usize;
         if p >= n_pages || p >= tags.owner.len() || p >= tags.filled.len() {
-            return Err(IntegrityError::PageOutOfRange { page: pr.page, n_pages });
+            return Err(IntegrityError::PageOutOfRange {
+                page: pr.page,
+                n_pages,
+            });
         }
         let found = tags.generation[p];
         if found != pr.generation {
-            return Err(IntegrityError::StaleGeneration { page: pr.page, expected: pr.generation, found });
+            return Err(IntegrityError::StaleGeneration {
+                page: pr.page,
+                expected: pr.generation,
+                found,
+            });
         }
         if tags.owner[p] != owner {
             return Err(IntegrityError::ForeignOwner {
@@ -166,7 +201,10 @@ pub fn paged_attention(
 ) -> Result<(), IntegrityError> {
     let g = args.geom;
     let d = g.head_dim;
-    assert!(args.n_heads % g.n_kv_heads == 0, "heads must be a multiple of kv heads");
+    assert!(
+        args.n_heads.is_multiple_of(g.n_kv_heads),
+        "heads must be a multiple of kv heads"
+    );
     assert_eq!(args.q.len() % (args.n_heads * d), 0);
     let n_q = args.q.len() / (args.n_heads * d);
     assert!(n_q > 0);
@@ -179,7 +217,10 @@ pub fn paged_attention(
     scratch.k.resize(g.n_kv_heads * n_ctx * d, 0.0);
     scratch.v.resize(g.n_kv_heads * n_ctx * d, 0.0);
     let gather = |(h, (kd, vd)): (usize, (&mut [f32], &mut [f32]))| {
-        for (i, pr) in args.block_table[..n_ctx.div_ceil(g.page_size)].iter().enumerate() {
+        for (i, pr) in args.block_table[..n_ctx.div_ceil(g.page_size)]
+            .iter()
+            .enumerate()
+        {
             let slots = (n_ctx - i * g.page_size).min(g.page_size);
             let off = g.offset(pr.page as usize, h, 0);
             let dst = i * g.page_size * d..(i * g.page_size + slots) * d;
@@ -197,7 +238,12 @@ pub fn paged_attention(
             .enumerate()
             .for_each(gather);
     } else {
-        scratch.k.chunks_mut(per_head).zip(scratch.v.chunks_mut(per_head)).enumerate().for_each(gather);
+        scratch
+            .k
+            .chunks_mut(per_head)
+            .zip(scratch.v.chunks_mut(per_head))
+            .enumerate()
+            .for_each(gather);
     }
 
     let (kf, vf) = (&scratch.k[..], &scratch.v[..]);
@@ -219,7 +265,9 @@ pub fn paged_attention(
         if big {
             out.par_chunks_mut(d)
                 .enumerate()
-                .for_each_init(Workspace::default, |ws, (head, o)| attend_one(0, head, o, ws));
+                .for_each_init(Workspace::default, |ws, (head, o)| {
+                    attend_one(0, head, o, ws)
+                });
         } else {
             let ws = &mut scratch.ws;
             for (head, o) in out.chunks_mut(d).enumerate() {
@@ -234,7 +282,9 @@ pub fn paged_attention(
             }
         };
         if big {
-            out.par_chunks_mut(row).enumerate().for_each_init(Workspace::default, do_row);
+            out.par_chunks_mut(row)
+                .enumerate()
+                .for_each_init(Workspace::default, do_row);
         } else {
             let ws = &mut scratch.ws;
             out.chunks_mut(row).enumerate().for_each(|x| do_row(ws, x));
@@ -341,15 +391,21 @@ pub fn ggml_expf(x: f32) -> f32 {
     let r = f32::from_bits(0x4b40_0000); // 0x1.8p23
     let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r);
     let n = z - r;
-    if !(n.abs() <= 192.0) {
+    if n.is_nan() || n.abs() > 192.0 {
         // |n| > 192 (or NaN from -inf): ggml blends in +inf for n > 0, else 0.
         return if n > 0.0 { f32::INFINITY } else { 0.0 };
     }
-    let b = (-n).mul_add(f32::from_bits(0x35bf_be8e), (-n).mul_add(f32::from_bits(0x3f31_7200), x));
+    let b = (-n).mul_add(
+        f32::from_bits(0x35bf_be8e),
+        (-n).mul_add(f32::from_bits(0x3f31_7200), x),
+    );
     let u = b * b;
     let j = f32::from_bits(0x3c07_2010)
         .mul_add(b, f32::from_bits(0x3d2b_9f17))
-        .mul_add(u, f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb)))
+        .mul_add(
+            u,
+            f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb)),
+        )
         .mul_add(u, f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0));
     // _mm512_scalef_ps(j, n) = j · 2^n, rounded once (exact in f64, then to f32). |n| <= 192,
     // so 2^n is a normal f64 built directly from its exponent bits.
@@ -431,7 +487,10 @@ fn attend_compat_body(
             ReduceOrder::Vec => dot_vec(kt, qh),
         };
         sc[t] = dot * scale;
-        max = max.max(sc[t]);
+        // Scores are finite (finite inputs); a plain compare avoids f32::max's NaN handling.
+        if sc[t] > max {
+            max = sc[t];
+        }
     }
     let mut sum = 0.0f64;
     for chunk in sc.chunks_exact_mut(LANES) {
@@ -512,7 +571,10 @@ pub fn attention_reference(
     for i in 0..n_q {
         for head in 0..n_heads {
             let h = head / group;
-            let qv: Vec<f32> = q[(i * n_heads + head) * d..][..d].iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+            let qv: Vec<f32> = q[(i * n_heads + head) * d..][..d]
+                .iter()
+                .map(|&x| f16::from_f32(x).to_f32())
+                .collect();
             let mut s: Vec<f32> = (0..=start_pos + i)
                 .map(|t| {
                     let kr = &k[(t * n_kv_heads + h) * d..][..d];
@@ -563,7 +625,11 @@ pub fn write_kv_slot(
 mod tests {
     use super::*;
 
-    const G: PageGeometry = PageGeometry { page_size: 4, n_kv_heads: 2, head_dim: 8 };
+    const G: PageGeometry = PageGeometry {
+        page_size: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+    };
 
     fn rnd(n: usize, seed: &mut u64) -> Vec<f32> {
         (0..n)
@@ -600,13 +666,24 @@ mod tests {
         };
         let order = [5u32, 2, 0, 4, 1, 3];
         for &p in order.iter().take(n.div_ceil(G.page_size)) {
-            f.table.push(PageRef { page: p, generation: 3 });
+            f.table.push(PageRef {
+                page: p,
+                generation: 3,
+            });
             f.owner[p as usize] = 42;
         }
         let row = G.n_kv_heads * G.head_dim;
         for t in 0..n {
             let pr = f.table[t / G.page_size];
-            write_kv_slot(&mut f.k, &mut f.v, G, pr.page as usize, t % G.page_size, &f.k_rows[t * row..][..row], &f.v_rows[t * row..][..row]);
+            write_kv_slot(
+                &mut f.k,
+                &mut f.v,
+                G,
+                pr.page as usize,
+                t % G.page_size,
+                &f.k_rows[t * row..][..row],
+                &f.v_rows[t * row..][..row],
+            );
             f.filled[pr.page as usize] += 1;
         }
         f
@@ -621,9 +698,17 @@ mod tests {
             v_cache: &f.v,
             geom: G,
             block_table: &f.table,
-            tags: TagView { generation: &f.gens, owner: &f.owner, filled: &f.filled },
+            tags: TagView {
+                generation: &f.gens,
+                owner: &f.owner,
+                filled: &f.filled,
+            },
             owner,
-            order: if q.len() > 4 * G.head_dim { ReduceOrder::Gemm } else { ReduceOrder::Vec },
+            order: if q.len() > 4 * G.head_dim {
+                ReduceOrder::Gemm
+            } else {
+                ReduceOrder::Vec
+            },
         };
         let mut out = vec![f32::NAN; q.len()];
         paged_attention(&args, &mut out, &mut AttnScratch::default()).map(|()| out)
@@ -713,7 +798,14 @@ mod tests {
         f.gens[2] += 1; // page 2 (logical page 1) was reallocated
         let q = rnd(4 * G.head_dim, &mut seed);
         let args_out = run(&f, &q, 8, 42);
-        assert_eq!(args_out, Err(IntegrityError::StaleGeneration { page: 2, expected: 3, found: 4 }));
+        assert_eq!(
+            args_out,
+            Err(IntegrityError::StaleGeneration {
+                page: 2,
+                expected: 3,
+                found: 4
+            })
+        );
     }
 
     #[test]
@@ -722,10 +814,20 @@ mod tests {
         let mut f = fixture(9, &mut seed);
         f.owner[0] = 7;
         let q = rnd(4 * G.head_dim, &mut seed);
-        assert!(matches!(run(&f, &q, 8, 42), Err(IntegrityError::ForeignOwner { page: 0, found: 7, .. })));
+        assert!(matches!(
+            run(&f, &q, 8, 42),
+            Err(IntegrityError::ForeignOwner {
+                page: 0,
+                found: 7,
+                ..
+            })
+        ));
         // and a reader with the wrong identity is refused on the first page
         let f = fixture(9, &mut seed);
-        assert!(matches!(run(&f, &q, 8, 41), Err(IntegrityError::ForeignOwner { page: 5, .. })));
+        assert!(matches!(
+            run(&f, &q, 8, 41),
+            Err(IntegrityError::ForeignOwner { page: 5, .. })
+        ));
     }
 
     #[test]
@@ -737,15 +839,28 @@ mod tests {
         let q = rnd(4 * G.head_dim, &mut seed);
         assert_eq!(
             run(&f, &q, 10, 42),
-            Err(IntegrityError::UnwrittenSlot { page: 0, generation: 3, slot: 1, filled: 1 })
+            Err(IntegrityError::UnwrittenSlot {
+                page: 0,
+                generation: 3,
+                slot: 1,
+                filled: 1
+            })
         );
         // position 12 is past the allocated pages altogether.
-        assert!(matches!(run(&f, &q, 12, 42), Err(IntegrityError::BlockTableTooShort { .. })));
+        assert!(matches!(
+            run(&f, &q, 12, 42),
+            Err(IntegrityError::BlockTableTooShort { .. })
+        ));
         let mut f = fixture(12, &mut seed);
         f.filled[0] = 1; // logical page 2 has 1 of 4 slots written
         assert_eq!(
             run(&f, &q, 11, 42),
-            Err(IntegrityError::UnwrittenSlot { page: 0, generation: 3, slot: 1, filled: 1 })
+            Err(IntegrityError::UnwrittenSlot {
+                page: 0,
+                generation: 3,
+                slot: 1,
+                filled: 1
+            })
         );
     }
 
@@ -755,6 +870,9 @@ mod tests {
         let mut f = fixture(4, &mut seed);
         f.table[0].page = 99;
         let q = rnd(4 * G.head_dim, &mut seed);
-        assert!(matches!(run(&f, &q, 3, 42), Err(IntegrityError::PageOutOfRange { page: 99, .. })));
+        assert!(matches!(
+            run(&f, &q, 3, 42),
+            Err(IntegrityError::PageOutOfRange { page: 99, .. })
+        ));
     }
 }

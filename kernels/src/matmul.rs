@@ -66,7 +66,10 @@ impl QInput {
         self.n_tok = n_tok;
         self.cols = cols;
         if dtype.uses_q8_activations() {
-            assert!(cols % QK == 0, "quantized input width must be a multiple of {QK}");
+            assert!(
+                cols.is_multiple_of(QK),
+                "quantized input width must be a multiple of {QK}"
+            );
             self.q8.resize(n_tok * cols / QK, BlockQ8::default());
             let q8 = &mut self.q8;
             let per_row = cols / QK;
@@ -77,9 +80,13 @@ impl QInput {
                 _ => quant::quantize_row_q8(xr, qr),
             };
             if n_tok >= 16 {
-                x.par_chunks(cols).zip(q8.par_chunks_mut(per_row)).for_each(quantize);
+                x.par_chunks(cols)
+                    .zip(q8.par_chunks_mut(per_row))
+                    .for_each(quantize);
             } else {
-                x.chunks(cols).zip(q8.chunks_mut(per_row)).for_each(quantize);
+                x.chunks(cols)
+                    .zip(q8.chunks_mut(per_row))
+                    .for_each(quantize);
             }
             self.f.clear();
         } else {
@@ -101,11 +108,17 @@ type Q8Dot4 = fn([&[u8]; 4], &[BlockQ8]) -> [f32; 4];
 fn q8_dot4_fn(dtype: DType) -> Option<Q8Dot4> {
     #[cfg(target_arch = "x86_64")]
     if simd::level() == Level::Avx2 {
-        // SAFETY (of the wrappers): the Avx2 level is only selected when avx2, fma and f16c were
-        // detected at run time.
-        return match dtype {
-            DType::Q4_1 => Some(|w, a| unsafe { crate::x86::dot4_q4_1_q8(w, a) }),
-            DType::Q8_0 => Some(|w, a| unsafe { crate::x86::dot4_q8_0_q8(w, a) }),
+        let vnni = simd::has_vnni();
+        return match (dtype, vnni) {
+            // SAFETY: avx2/fma/f16c (and, for the `v` variants, avx512vnni/avx512vl) were
+            // detected at run time before these levels were selected.
+            (DType::Q4_1, true) => Some(|w, a| unsafe { crate::x86::dot4v_q4_1_q8(w, a) }),
+            // SAFETY: as above.
+            (DType::Q8_0, true) => Some(|w, a| unsafe { crate::x86::dot4v_q8_0_q8(w, a) }),
+            // SAFETY: as above.
+            (DType::Q4_1, false) => Some(|w, a| unsafe { crate::x86::dot4_q4_1_q8(w, a) }),
+            // SAFETY: as above.
+            (DType::Q8_0, false) => Some(|w, a| unsafe { crate::x86::dot4_q8_0_q8(w, a) }),
             _ => None,
         };
     }
@@ -116,11 +129,12 @@ fn q8_dot4_fn(dtype: DType) -> Option<Q8Dot4> {
 fn q8_dot_fn(dtype: DType) -> Q8Dot {
     #[cfg(target_arch = "x86_64")]
     if simd::level() == Level::Avx2 {
-        // SAFETY (of the wrappers): the Avx2 level is only selected when avx2, fma and f16c were
-        // detected at run time.
         return match dtype {
+            // SAFETY: the Avx2 level is only selected when avx2, fma and f16c were detected.
             DType::Q4_0 => |w, a| unsafe { crate::x86::dot_q4_0_q8(w, a) },
+            // SAFETY: as above.
             DType::Q4_1 => |w, a| unsafe { crate::x86::dot_q4_1_q8(w, a) },
+            // SAFETY: as above.
             DType::Q8_0 => |w, a| unsafe { crate::x86::dot_q8_0_q8(w, a) },
             DType::F32 | DType::F16 => unreachable!("float weights use f32 activations"),
         };
@@ -174,7 +188,11 @@ pub fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
 
 fn matmul_impl(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
     let dot4 = q8_dot4_fn(w.dtype);
-    assert_eq!(x.cols, w.cols, "matmul: input width {} != weight cols {}", x.cols, w.cols);
+    assert_eq!(
+        x.cols, w.cols,
+        "matmul: input width {} != weight cols {}",
+        x.cols, w.cols
+    );
     assert_eq!(out.len(), x.n_tok * w.rows, "matmul: output shape mismatch");
     let rows = w.rows;
     let n_tok = x.n_tok;
@@ -243,7 +261,9 @@ mod tests {
     fn rand_f32(n: usize, seed: &mut u64) -> Vec<f32> {
         (0..n)
             .map(|_| {
-                *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                *seed = seed
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
                 ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
@@ -280,7 +300,13 @@ mod tests {
     #[test]
     fn matmul_matches_scalar_reference_for_every_type() {
         let mut seed = 11;
-        for dtype in [DType::F32, DType::F16, DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+        ] {
             for (rows, cols, n_tok) in [(1, 32, 1), (37, 64, 3), (100, 576, 17)] {
                 let wb = rand_weights(dtype, rows, cols, &mut seed);
                 let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");
@@ -292,7 +318,10 @@ mod tests {
                 matmul(&w, &qi, &mut got);
                 matmul_scalar(&w, &qi, &mut want);
                 for (g, e) in got.iter().zip(&want) {
-                    assert!((g - e).abs() <= 1e-3 * e.abs().max(1.0), "{dtype:?} {g} vs {e}");
+                    assert!(
+                        (g - e).abs() <= 1e-3 * e.abs().max(1.0),
+                        "{dtype:?} {g} vs {e}"
+                    );
                 }
             }
         }
@@ -363,7 +392,11 @@ mod tests {
             if let Some(dot4) = q8_dot4_fn(dtype) {
                 let four = dot4([w.row(0), w.row(1), w.row(2), w.row(3)], &qi.q8);
                 for (r, v) in four.iter().enumerate() {
-                    assert_eq!(v.to_bits(), q8_dot_fn(dtype)(w.row(r), &qi.q8).to_bits(), "{dtype:?} row {r}");
+                    assert_eq!(
+                        v.to_bits(),
+                        q8_dot_fn(dtype)(w.row(r), &qi.q8).to_bits(),
+                        "{dtype:?} row {r}"
+                    );
                 }
             }
         }

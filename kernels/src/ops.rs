@@ -20,7 +20,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// Cos/sin table for one position: `n_rot / 2` pairs, llama.cpp "normal" RoPE.
 pub fn rope_table(pos: usize, n_rot: usize, freq_base: f32, cos_sin: &mut Vec<(f32, f32)>) {
-    assert!(n_rot % 2 == 0, "rope: rotary dims must be even");
+    assert!(n_rot.is_multiple_of(2), "rope: rotary dims must be even");
     cos_sin.clear();
     let theta_scale = freq_base.powf(-2.0 / n_rot as f32);
     let mut theta = pos as f32;
@@ -33,7 +33,7 @@ pub fn rope_table(pos: usize, n_rot: usize, freq_base: f32, cos_sin: &mut Vec<(f
 /// Rotate adjacent pairs `(x[2i], x[2i+1])` of every head in `x` (`n_heads × head_dim`) by the
 /// angles of `cos_sin`; dims past `2 · cos_sin.len()` are left as they are.
 pub fn rope_apply(x: &mut [f32], head_dim: usize, cos_sin: &[(f32, f32)]) {
-    assert!(head_dim > 0 && x.len() % head_dim == 0);
+    assert!(head_dim > 0 && x.len().is_multiple_of(head_dim));
     assert!(cos_sin.len() * 2 <= head_dim);
     for head in x.chunks_exact_mut(head_dim) {
         for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cos_sin) {
@@ -178,7 +178,10 @@ mod tests {
 
     #[test]
     fn f16_conversion_matches_scalar() {
-        let src: Vec<half::f16> = data(37, 3).iter().map(|&v| half::f16::from_f32(v * 100.0)).collect();
+        let src: Vec<half::f16> = data(37, 3)
+            .iter()
+            .map(|&v| half::f16::from_f32(v * 100.0))
+            .collect();
         let mut dst = vec![0.0; 37];
         f16_to_f32(&src, &mut dst);
         for (h, d) in src.iter().zip(&dst) {

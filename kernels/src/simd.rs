@@ -16,6 +16,23 @@ pub enum Level {
 
 static LEVEL: OnceLock<Level> = OnceLock::new();
 
+static VNNI: OnceLock<bool> = OnceLock::new();
+
+/// Whether AVX-512 VNNI (with VL) is available on top of [`Level::Avx2`].
+pub fn has_vnni() -> bool {
+    *VNNI.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if level() == Level::Avx2 && std::env::var("CUSTODY_SIMD").map_or(true, |v| v != "avx2")
+            {
+                return std::is_x86_feature_detected!("avx512vnni")
+                    && std::is_x86_feature_detected!("avx512vl");
+            }
+        }
+        false
+    })
+}
+
 /// The level in use for this process.
 pub fn level() -> Level {
     *LEVEL.get_or_init(detect)

@@ -260,7 +260,10 @@ pub(crate) fn dot4_q4_1_q8(w: [&[u8]; 4], a: &[BlockQ8]) -> [f32; 4] {
             // SAFETY: each row is nb × 20 bytes (asserted); block b spans [20b, 20b + 20).
             let (dm, qs) = unsafe {
                 let blk = p[r].add(b * 20);
-                (_mm_cvtph_ps(_mm_cvtsi32_si128(blk.cast::<i32>().read_unaligned())), _mm_loadu_si128(blk.add(4).cast()))
+                (
+                    _mm_cvtph_ps(_mm_cvtsi32_si128(blk.cast::<i32>().read_unaligned())),
+                    _mm_loadu_si128(blk.add(4).cast()),
+                )
             };
             let dw = _mm_cvtss_f32(dm);
             let mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
@@ -271,7 +274,12 @@ pub(crate) fn dot4_q4_1_q8(w: [&[u8]; 4], a: &[BlockQ8]) -> [f32; 4] {
             summ[r] += mw * x.s;
         }
     }
-    [hsum(acc[0]) + summ[0], hsum(acc[1]) + summ[1], hsum(acc[2]) + summ[2], hsum(acc[3]) + summ[3]]
+    [
+        hsum(acc[0]) + summ[0],
+        hsum(acc[1]) + summ[1],
+        hsum(acc[2]) + summ[2],
+        hsum(acc[3]) + summ[3],
+    ]
 }
 
 /// Four Q8_0 weight rows · one Q8_0 activation row (see [`dot4_q4_1_q8`]).
@@ -291,12 +299,89 @@ pub(crate) fn dot4_q8_0_q8(w: [&[u8]; 4], a: &[BlockQ8]) -> [f32; 4] {
             // SAFETY: each row is nb × 34 bytes (asserted); block b spans [34b, 34b + 34).
             let (dbits, wq) = unsafe {
                 let blk = p[r].add(b * 34);
-                (blk.cast::<u16>().read_unaligned(), _mm256_loadu_si256(blk.add(2).cast()))
+                (
+                    blk.cast::<u16>().read_unaligned(),
+                    _mm256_loadu_si256(blk.add(2).cast()),
+                )
             };
             let dw = f16_bits_to_f32(u16::from_le(dbits));
             let ax = _mm256_sign_epi8(wq, wq);
             let sy = _mm256_sign_epi8(aq, wq);
             let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d), _mm256_cvtepi32_ps(p32), acc[r]);
+        }
+    }
+    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+}
+
+/// AVX-512 VNNI variant (one `vpdpbusd` instead of `vpmaddubsw` + `vpmaddwd`; the integer
+/// sums are exact either way, so results are bit-identical). Four Q4_1 weight rows · one Q8_1 activation row: four independent accumulator chains (ILP),
+/// the activation block loaded once. Per row the arithmetic is exactly [`dot_q4_1_q8`]'s.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+pub(crate) fn dot4v_q4_1_q8(w: [&[u8]; 4], a: &[BlockQ8]) -> [f32; 4] {
+    let nb = a.len();
+    for r in &w {
+        assert_eq!(r.len(), nb * 20);
+    }
+    let m4 = _mm_set1_epi8(0x0f);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut summ = [0.0f32; 4];
+    let p = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
+    for (b, x) in a.iter().enumerate() {
+        // SAFETY: `x.qs` is 32 bytes.
+        let aq = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+        for r in 0..4 {
+            // SAFETY: each row is nb × 20 bytes (asserted); block b spans [20b, 20b + 20).
+            let (dm, qs) = unsafe {
+                let blk = p[r].add(b * 20);
+                (
+                    _mm_cvtph_ps(_mm_cvtsi32_si128(blk.cast::<i32>().read_unaligned())),
+                    _mm_loadu_si128(blk.add(4).cast()),
+                )
+            };
+            let dw = _mm_cvtss_f32(dm);
+            let mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+            let lo = _mm_and_si128(qs, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), m4);
+            let p32 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set_m128i(hi, lo), aq);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d), _mm256_cvtepi32_ps(p32), acc[r]);
+            summ[r] += mw * x.s;
+        }
+    }
+    [
+        hsum(acc[0]) + summ[0],
+        hsum(acc[1]) + summ[1],
+        hsum(acc[2]) + summ[2],
+        hsum(acc[3]) + summ[3],
+    ]
+}
+
+/// AVX-512 VNNI variant (one `vpdpbusd` instead of `vpmaddubsw` + `vpmaddwd`; the integer
+/// sums are exact either way, so results are bit-identical). Four Q8_0 weight rows · one Q8_0 activation row (see [`dot4_q4_1_q8`]).
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+pub(crate) fn dot4v_q8_0_q8(w: [&[u8]; 4], a: &[BlockQ8]) -> [f32; 4] {
+    let nb = a.len();
+    for r in &w {
+        assert_eq!(r.len(), nb * 34);
+    }
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let p = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
+    for (b, x) in a.iter().enumerate() {
+        // SAFETY: `x.qs` is 32 bytes.
+        let aq = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+        for r in 0..4 {
+            // SAFETY: each row is nb × 34 bytes (asserted); block b spans [34b, 34b + 34).
+            let (dbits, wq) = unsafe {
+                let blk = p[r].add(b * 34);
+                (
+                    blk.cast::<u16>().read_unaligned(),
+                    _mm256_loadu_si256(blk.add(2).cast()),
+                )
+            };
+            let dw = f16_bits_to_f32(u16::from_le(dbits));
+            let ax = _mm256_sign_epi8(wq, wq);
+            let sy = _mm256_sign_epi8(aq, wq);
+            let p32 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d), _mm256_cvtepi32_ps(p32), acc[r]);
         }
     }

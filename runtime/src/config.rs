@@ -7,9 +7,15 @@ use serde::Deserialize;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("invalid config {path}: {source}")]
-    Parse { path: PathBuf, source: toml::de::Error },
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
     #[error("invalid config: {0}")]
     Invalid(String),
 }
@@ -87,8 +93,14 @@ impl EngineConfig {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        let cfg: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        let cfg: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.into(),
+            source,
+        })?;
         cfg.engine.validate()?;
         Ok(cfg)
     }
@@ -113,7 +125,8 @@ mod tests {
 
     #[test]
     fn parses_and_rejects_unknown_fields() {
-        let c: Config = toml::from_str("[engine]\npage_size = 32\nkv_budget_mib = 64\n").expect("parse");
+        let c: Config =
+            toml::from_str("[engine]\npage_size = 32\nkv_budget_mib = 64\n").expect("parse");
         assert_eq!(c.engine.page_size, 32);
         assert_eq!(c.engine.max_running, 16);
         assert!(toml::from_str::<Config>("[engine]\npage_sise = 32\n").is_err());

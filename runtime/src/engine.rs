@@ -33,10 +33,19 @@ pub enum AdmissionError {
     ZeroMaxTokens,
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     BadToken { id: u32, vocab: usize },
-    #[error("prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the context length of {context_length} tokens")]
-    ContextExceeded { prompt_tokens: usize, max_tokens: usize, context_length: usize },
+    #[error(
+        "prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the context length of {context_length} tokens"
+    )]
+    ContextExceeded {
+        prompt_tokens: usize,
+        max_tokens: usize,
+        context_length: usize,
+    },
     #[error("request needs {needed_pages} KV pages but the pool has {pool_pages}")]
-    ExceedsPool { needed_pages: usize, pool_pages: usize },
+    ExceedsPool {
+        needed_pages: usize,
+        pool_pages: usize,
+    },
     #[error("the wait queue is full ({max_waiting} requests)")]
     QueueFull { max_waiting: usize },
     #[error("invalid sampling parameters: {0}")]
@@ -46,8 +55,15 @@ pub enum AdmissionError {
 /// Why the engine refused to start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
-    #[error("KV pool of {pool_tokens} tokens ({kv_budget_mib} MiB at {bytes_per_token} B/token) cannot hold one full context of {context_length} tokens; raise engine.kv_budget_mib or set engine.allow_context_reduction = true")]
-    PoolTooSmall { pool_tokens: usize, context_length: usize, kv_budget_mib: usize, bytes_per_token: usize },
+    #[error(
+        "KV pool of {pool_tokens} tokens ({kv_budget_mib} MiB at {bytes_per_token} B/token) cannot hold one full context of {context_length} tokens; raise engine.kv_budget_mib or set engine.allow_context_reduction = true"
+    )]
+    PoolTooSmall {
+        pool_tokens: usize,
+        context_length: usize,
+        kv_budget_mib: usize,
+        bytes_per_token: usize,
+    },
     #[error("configured context length {configured} exceeds the model's trained context {model}")]
     ContextBeyondModel { configured: usize, model: usize },
     #[error("invalid engine config: {0}")]
@@ -75,9 +91,20 @@ pub enum FinishReason {
 /// What a step produced.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    Token { id: RequestId, token: u32 },
-    Finished { id: RequestId, reason: FinishReason, prompt_tokens: usize, generated_tokens: usize },
-    Failed { id: RequestId, error: IntegrityError },
+    Token {
+        id: RequestId,
+        token: u32,
+    },
+    Finished {
+        id: RequestId,
+        reason: FinishReason,
+        prompt_tokens: usize,
+        generated_tokens: usize,
+    },
+    Failed {
+        id: RequestId,
+        error: IntegrityError,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,13 +149,23 @@ impl Engine {
         let model_ctx = model.config.context_length;
         let mut context_length = cfg.context_length.unwrap_or(model_ctx);
         if context_length > model_ctx {
-            return Err(StartupError::ContextBeyondModel { configured: context_length, model: model_ctx });
+            return Err(StartupError::ContextBeyondModel {
+                configured: context_length,
+                model: model_ctx,
+            });
         }
         let geom = model.page_geometry(cfg.page_size);
         let bytes_per_token = PagePool::bytes_per_token(geom, model.config.n_layers);
         let n_pages = cfg.kv_budget_mib * (1 << 20) / (bytes_per_token * cfg.page_size);
         let pool_tokens = n_pages * cfg.page_size;
-        tracing::info!(pool_tokens, pool_pages = n_pages, page_size = cfg.page_size, bytes_per_token, context_length, "KV pool sized");
+        tracing::info!(
+            pool_tokens,
+            pool_pages = n_pages,
+            page_size = cfg.page_size,
+            bytes_per_token,
+            context_length,
+            "KV pool sized"
+        );
         if pool_tokens < context_length {
             if !cfg.allow_context_reduction || pool_tokens == 0 {
                 return Err(StartupError::PoolTooSmall {
@@ -183,7 +220,9 @@ impl Engine {
         if req.max_tokens == 0 {
             return Err(AdmissionError::ZeroMaxTokens);
         }
-        req.sampling.validate().map_err(AdmissionError::BadSampling)?;
+        req.sampling
+            .validate()
+            .map_err(AdmissionError::BadSampling)?;
         let vocab = self.model.config.vocab_size;
         if let Some(&id) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(AdmissionError::BadToken { id, vocab });
@@ -198,10 +237,15 @@ impl Engine {
         }
         let needed_pages = self.pages_for(total);
         if needed_pages > self.pool.n_pages() {
-            return Err(AdmissionError::ExceedsPool { needed_pages, pool_pages: self.pool.n_pages() });
+            return Err(AdmissionError::ExceedsPool {
+                needed_pages,
+                pool_pages: self.pool.n_pages(),
+            });
         }
         if self.waiting.len() >= self.cfg.max_waiting {
-            return Err(AdmissionError::QueueFull { max_waiting: self.cfg.max_waiting });
+            return Err(AdmissionError::QueueFull {
+                max_waiting: self.cfg.max_waiting,
+            });
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -237,7 +281,9 @@ impl Engine {
         // Page by page: a page whose tag no longer proves it is ours is not returned to the free
         // list (leaked rather than reused — the safe direction).
         for pr in &s.pages {
-            if let Err(e @ PoolError::BadRelease { .. }) = self.pool.release(s.id, std::slice::from_ref(pr)) {
+            if let Err(e @ PoolError::BadRelease { .. }) =
+                self.pool.release(s.id, std::slice::from_ref(pr))
+            {
                 tracing::error!(request = s.id, error = %e, "page not released: tag mismatch");
             }
         }
@@ -252,7 +298,9 @@ impl Engine {
             if need > self.pool.n_free() {
                 break;
             }
-            let Some(mut s) = self.waiting.pop_front() else { break };
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
             match self.pool.alloc(s.id, need) {
                 Ok(pages) => s.pages = pages,
                 Err(e) => unreachable!("free pages checked above: {e}"),
@@ -303,7 +351,9 @@ impl Engine {
                 },
             })
             .collect();
-        let results = self.model.forward(&mut self.pool, &segments, &mut self.scratch);
+        let results = self
+            .model
+            .forward(&mut self.pool, &segments, &mut self.scratch);
         drop(segments);
 
         let mut events = Vec::new();
@@ -325,10 +375,17 @@ impl Engine {
                     let stop = s.stop_ids.contains(&tok);
                     if !stop {
                         s.generated += 1;
-                        events.push(Event::Token { id: s.id, token: tok });
+                        events.push(Event::Token {
+                            id: s.id,
+                            token: tok,
+                        });
                     }
                     if stop || s.generated >= s.max_tokens {
-                        let reason = if stop { FinishReason::Stop } else { FinishReason::Length };
+                        let reason = if stop {
+                            FinishReason::Stop
+                        } else {
+                            FinishReason::Length
+                        };
                         events.push(Event::Finished {
                             id: s.id,
                             reason,
@@ -354,11 +411,17 @@ impl Engine {
     /// computed through the same paged path (pages allocated, checked and released).
     pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ScoreError> {
         if tokens.is_empty() || tokens.len() > self.context_length {
-            return Err(ScoreError::Length { tokens: tokens.len(), context_length: self.context_length });
+            return Err(ScoreError::Length {
+                tokens: tokens.len(),
+                context_length: self.context_length,
+            });
         }
         let owner = self.next_id;
         self.next_id += 1;
-        let pages = self.pool.alloc(owner, self.pages_for(tokens.len())).map_err(ScoreError::Pool)?;
+        let pages = self
+            .pool
+            .alloc(owner, self.pages_for(tokens.len()))
+            .map_err(ScoreError::Pool)?;
         let mut out = Vec::with_capacity(tokens.len() * self.model.config.vocab_size);
         let mut result = Ok(());
         for (ci, chunk) in tokens.chunks(self.cfg.max_batch_tokens).enumerate() {
@@ -370,7 +433,11 @@ impl Engine {
                 logits: Logits::All,
                 order: ReduceOrder::Gemm,
             };
-            match self.model.forward(&mut self.pool, &[seg], &mut self.scratch).pop() {
+            match self
+                .model
+                .forward(&mut self.pool, &[seg], &mut self.scratch)
+                .pop()
+            {
                 Some(Ok(l)) => out.extend_from_slice(&l),
                 Some(Err(e)) => {
                     result = Err(ScoreError::Integrity(e));
@@ -395,7 +462,10 @@ impl Engine {
 #[derive(Debug, thiserror::Error)]
 pub enum ScoreError {
     #[error("cannot score {tokens} tokens with context length {context_length}")]
-    Length { tokens: usize, context_length: usize },
+    Length {
+        tokens: usize,
+        context_length: usize,
+    },
     #[error(transparent)]
     Pool(PoolError),
     #[error(transparent)]
@@ -410,7 +480,11 @@ pub struct FaultInjector<'a> {
 
 impl FaultInjector<'_> {
     fn seq(&mut self, id: RequestId) -> &mut Seq {
-        self.engine.running.iter_mut().find(|s| s.id == id).unwrap_or_else(|| panic!("request {id} is not running"))
+        self.engine
+            .running
+            .iter_mut()
+            .find(|s| s.id == id)
+            .unwrap_or_else(|| panic!("request {id} is not running"))
     }
 
     /// The page behind logical page `idx` of request `id` is reallocated under it (its tag
@@ -418,7 +492,9 @@ impl FaultInjector<'_> {
     pub fn reallocate_page(&mut self, id: RequestId, idx: usize) {
         let pr = self.seq(id).pages[idx];
         let (generation, owner, _) = self.engine.pool.tag(pr.page);
-        self.engine.pool.fault_inject_set_tag(pr.page, generation.wrapping_add(1), owner);
+        self.engine
+            .pool
+            .fault_inject_set_tag(pr.page, generation.wrapping_add(1), owner);
     }
 
     /// Request `id`'s logical page `idx` is pointed at a page that belongs to request `victim`

@@ -21,13 +21,21 @@ const MAX_ARRAY_DEPTH: usize = 2;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot open {path}: {source}")]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("not a GGUF file: magic is {found:02x?}, expected \"GGUF\"")]
     BadMagic { found: [u8; 4] },
     #[error("unsupported GGUF version {0} (supported: 2, 3)")]
     UnsupportedVersion(u32),
     #[error("file truncated: {what} at byte {offset} needs {needed} bytes, file has {len}")]
-    Truncated { what: String, offset: u64, needed: u64, len: u64 },
+    Truncated {
+        what: String,
+        offset: u64,
+        needed: u64,
+        len: u64,
+    },
     #[error("{what} at byte {offset} is not valid UTF-8")]
     InvalidUtf8 { what: String, offset: u64 },
     #[error("metadata key {key:?}: unknown value type {ty}")]
@@ -36,14 +44,31 @@ pub enum GgufError {
     ArrayTooDeep { key: String },
     #[error("tensor {name:?}: {n_dims} dimensions (at most {MAX_DIMS})")]
     TooManyDims { name: String, n_dims: u32 },
-    #[error("tensor {name:?}: unsupported tensor type {ty} (supported: F32, F16, Q4_0, Q4_1, Q8_0)")]
+    #[error(
+        "tensor {name:?}: unsupported tensor type {ty} (supported: F32, F16, Q4_0, Q4_1, Q8_0)"
+    )]
     UnsupportedTensorType { name: String, ty: u32 },
-    #[error("tensor {name:?}: shape {shape:?} is not a whole number of {dtype:?} blocks or overflows")]
-    BadShape { name: String, shape: Vec<u64>, dtype: DType },
+    #[error(
+        "tensor {name:?}: shape {shape:?} is not a whole number of {dtype:?} blocks or overflows"
+    )]
+    BadShape {
+        name: String,
+        shape: Vec<u64>,
+        dtype: DType,
+    },
     #[error("tensor {name:?}: data offset {offset} is not aligned to {alignment}")]
-    Misaligned { name: String, offset: u64, alignment: u64 },
+    Misaligned {
+        name: String,
+        offset: u64,
+        alignment: u64,
+    },
     #[error("tensor {name:?}: data [{start}, {end}) lies outside the file ({len} bytes)")]
-    TensorOutOfBounds { name: String, start: u64, end: u64, len: u64 },
+    TensorOutOfBounds {
+        name: String,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
     #[error("duplicate tensor name {0:?}")]
     DuplicateTensor(String),
     #[error("general.alignment {0} is not a non-zero power of two")]
@@ -51,7 +76,11 @@ pub enum GgufError {
     #[error("metadata key {0:?} is missing")]
     MissingKey(String),
     #[error("metadata key {key:?} has type {found}, expected {expected}")]
-    WrongType { key: String, expected: &'static str, found: &'static str },
+    WrongType {
+        key: String,
+        expected: &'static str,
+        found: &'static str,
+    },
     #[error("tensor {0:?} is missing")]
     MissingTensor(String),
 }
@@ -182,7 +211,10 @@ impl<'a> Cursor<'a> {
         let len = self.u64(what)?;
         let offset = self.pos as u64;
         let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::InvalidUtf8 { what: what(), offset })
+        String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::InvalidUtf8 {
+            what: what(),
+            offset,
+        })
     }
 
     fn remaining(&self) -> u64 {
@@ -204,7 +236,9 @@ fn read_value(c: &mut Cursor<'_>, ty: u32, key: &str, depth: usize) -> Result<Va
         8 => Value::String(c.string(&what)?),
         9 => {
             if depth >= MAX_ARRAY_DEPTH {
-                return Err(GgufError::ArrayTooDeep { key: key.to_owned() });
+                return Err(GgufError::ArrayTooDeep {
+                    key: key.to_owned(),
+                });
             }
             let elem_ty = c.u32(&what)?;
             let count = c.u64(&what)?;
@@ -227,7 +261,12 @@ fn read_value(c: &mut Cursor<'_>, ty: u32, key: &str, depth: usize) -> Result<Va
         10 => Value::U64(u64::from_le_bytes(c.array(&what)?)),
         11 => Value::I64(i64::from_le_bytes(c.array(&what)?)),
         12 => Value::F64(f64::from_le_bytes(c.array(&what)?)),
-        ty => return Err(GgufError::UnknownValueType { key: key.to_owned(), ty }),
+        ty => {
+            return Err(GgufError::UnknownValueType {
+                key: key.to_owned(),
+                ty,
+            });
+        }
     })
 }
 
@@ -245,16 +284,25 @@ fn dtype_of(ty: u32) -> Option<DType> {
 impl Gguf {
     /// Open and validate `path`.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|source| GgufError::Open { path: path.into(), source })?;
+        let file = File::open(path).map_err(|source| GgufError::Open {
+            path: path.into(),
+            source,
+        })?;
         // SAFETY: the mapping is read-only. The model file must not be modified while the engine
         // runs (as with llama.cpp's mmap); all accesses are bounds-checked against the map length.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| GgufError::Open { path: path.into(), source })?;
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| GgufError::Open {
+            path: path.into(),
+            source,
+        })?;
         Self::parse(mmap)
     }
 
     fn parse(mmap: Mmap) -> Result<Self> {
         let (version, metadata, infos, alignment, data_start) = {
-            let mut c = Cursor { buf: &mmap[..], pos: 0 };
+            let mut c = Cursor {
+                buf: &mmap[..],
+                pos: 0,
+            };
             let magic: [u8; 4] = c.array(&|| "magic".into())?;
             if &magic != MAGIC {
                 return Err(GgufError::BadMagic { found: magic });
@@ -274,9 +322,10 @@ impl Gguf {
             }
             let alignment = match metadata.get("general.alignment") {
                 None => 32,
-                Some(v) => v.as_u64().filter(|a| a.is_power_of_two()).ok_or_else(|| {
-                    GgufError::BadAlignment(v.as_u64().unwrap_or(0))
-                })?,
+                Some(v) => v
+                    .as_u64()
+                    .filter(|a| a.is_power_of_two())
+                    .ok_or_else(|| GgufError::BadAlignment(v.as_u64().unwrap_or(0)))?,
             };
             let mut infos = Vec::new();
             for i in 0..n_tensors {
@@ -300,7 +349,10 @@ impl Gguf {
                 }
                 let ty = c.u32(&|| format!("type of tensor {name:?}"))?;
                 let offset = c.u64(&|| format!("offset of tensor {name:?}"))?;
-                let dtype = dtype_of(ty).ok_or_else(|| GgufError::UnsupportedTensorType { name: name.clone(), ty })?;
+                let dtype = dtype_of(ty).ok_or_else(|| GgufError::UnsupportedTensorType {
+                    name: name.clone(),
+                    ty,
+                })?;
                 infos.push((name, shape, dtype, offset));
             }
             let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
@@ -313,15 +365,29 @@ impl Gguf {
             let bytes = n_elems
                 .and_then(|n| dtype.bytes_for(n))
                 .filter(|_| shape.first().is_none_or(|&c| dtype.bytes_for(c).is_some()))
-                .ok_or_else(|| GgufError::BadShape { name: name.clone(), shape: shape.clone(), dtype })?;
+                .ok_or_else(|| GgufError::BadShape {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    dtype,
+                })?;
             if offset % alignment != 0 {
-                return Err(GgufError::Misaligned { name, offset, alignment });
+                return Err(GgufError::Misaligned {
+                    name,
+                    offset,
+                    alignment,
+                });
             }
             let start = data_start.checked_add(offset);
             let end = start.and_then(|s| s.checked_add(bytes));
             match (start, end) {
                 (Some(start), Some(end)) if end <= len => {
-                    let info = TensorInfo { name: name.clone(), shape, dtype, start: start as usize, len: bytes as usize };
+                    let info = TensorInfo {
+                        name: name.clone(),
+                        shape,
+                        dtype,
+                        start: start as usize,
+                        len: bytes as usize,
+                    };
                     if tensors.insert(name.clone(), info).is_some() {
                         return Err(GgufError::DuplicateTensor(name));
                     }
@@ -336,12 +402,21 @@ impl Gguf {
                 }
             }
         }
-        Ok(Self { mmap, version, metadata, tensors, alignment })
+        Ok(Self {
+            mmap,
+            version,
+            metadata,
+            tensors,
+            alignment,
+        })
     }
 
     /// The bytes of tensor `name`.
     pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8])> {
-        let info = self.tensors.get(name).ok_or_else(|| GgufError::MissingTensor(name.to_owned()))?;
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| GgufError::MissingTensor(name.to_owned()))?;
         // In bounds: checked in `parse`.
         Ok((info, &self.mmap[info.start..info.start + info.len]))
     }
@@ -351,16 +426,22 @@ impl Gguf {
     }
 
     fn require(&self, key: &str) -> Result<&Value> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_owned()))
+        self.get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_owned()))
     }
 
     fn wrong(&self, key: &str, expected: &'static str, v: &Value) -> GgufError {
-        GgufError::WrongType { key: key.to_owned(), expected, found: v.type_name() }
+        GgufError::WrongType {
+            key: key.to_owned(),
+            expected,
+            found: v.type_name(),
+        }
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64> {
         let v = self.require(key)?;
-        v.as_u64().ok_or_else(|| self.wrong(key, "unsigned integer", v))
+        v.as_u64()
+            .ok_or_else(|| self.wrong(key, "unsigned integer", v))
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64> {
@@ -470,14 +551,23 @@ mod tests {
         assert_eq!(g.version, 3);
         assert_eq!(g.get_str("general.architecture").expect("arch"), "llama");
         assert_eq!(g.get_u64("llama.block_count").expect("n"), 2);
-        assert_eq!(g.get_strings("tokenizer.ggml.tokens").expect("tokens"), vec!["a", "b"]);
+        assert_eq!(
+            g.get_strings("tokenizer.ggml.tokens").expect("tokens"),
+            vec!["a", "b"]
+        );
         let (info, data) = g.tensor("norm.weight").expect("tensor");
         assert_eq!(info.dtype, DType::F32);
         assert_eq!(data.len(), 16);
-        assert_eq!(f32::from_le_bytes([data[4], data[5], data[6], data[7]]), 2.0);
+        assert_eq!(
+            f32::from_le_bytes([data[4], data[5], data[6], data[7]]),
+            2.0
+        );
         let (info, data) = g.tensor("embd.weight").expect("tensor");
         assert_eq!((info.dtype, data.len()), (DType::Q8_0, 34));
-        assert!(matches!(g.get_str("llama.block_count"), Err(GgufError::WrongType { .. })));
+        assert!(matches!(
+            g.get_str("llama.block_count"),
+            Err(GgufError::WrongType { .. })
+        ));
         assert!(matches!(g.tensor("nope"), Err(GgufError::MissingTensor(_))));
     }
 
@@ -486,7 +576,11 @@ mod tests {
         let full = tiny_gguf();
         for n in 0..full.len() {
             match parse_bytes(&full[..n]) {
-                Err(GgufError::Truncated { .. } | GgufError::TensorOutOfBounds { .. } | GgufError::BadMagic { .. }) => {}
+                Err(
+                    GgufError::Truncated { .. }
+                    | GgufError::TensorOutOfBounds { .. }
+                    | GgufError::BadMagic { .. },
+                ) => {}
                 Err(e) => panic!("truncation at {n}: unexpected error kind {e}"),
                 Ok(_) => panic!("truncation at {n} parsed as valid"),
             }
@@ -516,7 +610,10 @@ mod tests {
         assert!(matches!(parse_bytes(&b), Err(GgufError::BadMagic { .. })));
         let mut b = tiny_gguf();
         b[4] = 9;
-        assert!(matches!(parse_bytes(&b), Err(GgufError::UnsupportedVersion(9))));
+        assert!(matches!(
+            parse_bytes(&b),
+            Err(GgufError::UnsupportedVersion(9))
+        ));
         // huge tensor count
         let mut b = tiny_gguf();
         b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());

@@ -28,9 +28,21 @@ pub const NO_OWNER: u64 = 0;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PoolError {
     #[error("KV pool exhausted: {wanted} pages wanted, {free} free of {total}")]
-    Exhausted { wanted: usize, free: usize, total: usize },
-    #[error("release of page {page} generation {generation} by {owner:#x} refused: tag has generation {tag_generation}, owner {tag_owner:#x}")]
-    BadRelease { page: u32, generation: u32, owner: u64, tag_generation: u32, tag_owner: u64 },
+    Exhausted {
+        wanted: usize,
+        free: usize,
+        total: usize,
+    },
+    #[error(
+        "release of page {page} generation {generation} by {owner:#x} refused: tag has generation {tag_generation}, owner {tag_owner:#x}"
+    )]
+    BadRelease {
+        page: u32,
+        generation: u32,
+        owner: u64,
+        tag_generation: u32,
+        tag_owner: u64,
+    },
 }
 
 /// The paged KV cache of all layers plus the page tags.
@@ -89,11 +101,17 @@ impl PagePool {
     pub fn alloc(&mut self, owner: u64, n: usize) -> Result<Vec<PageRef>, PoolError> {
         assert_ne!(owner, NO_OWNER, "owner id 0 is reserved for free pages");
         if n > self.free.len() {
-            return Err(PoolError::Exhausted { wanted: n, free: self.free.len(), total: self.n_pages });
+            return Err(PoolError::Exhausted {
+                wanted: n,
+                free: self.free.len(),
+                total: self.n_pages,
+            });
         }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let Some(page) = self.free.pop() else { unreachable!("checked above") };
+            let Some(page) = self.free.pop() else {
+                unreachable!("checked above")
+            };
             let p = page as usize;
             debug_assert_eq!(self.owner[p], NO_OWNER, "free page {page} has an owner");
             self.generation[p] = self.generation[p].wrapping_add(1);
@@ -101,7 +119,10 @@ impl PagePool {
             for f in &mut self.filled {
                 f[p] = 0;
             }
-            out.push(PageRef { page, generation: self.generation[p] });
+            out.push(PageRef {
+                page,
+                generation: self.generation[p],
+            });
         }
         Ok(out)
     }
@@ -140,7 +161,10 @@ impl PagePool {
     ) -> Result<(), IntegrityError> {
         let p = pr.page as usize;
         if p >= self.n_pages {
-            return Err(IntegrityError::PageOutOfRange { page: pr.page, n_pages: self.n_pages });
+            return Err(IntegrityError::PageOutOfRange {
+                page: pr.page,
+                n_pages: self.n_pages,
+            });
         }
         if self.generation[p] != pr.generation {
             return Err(IntegrityError::StaleGeneration {
@@ -159,16 +183,32 @@ impl PagePool {
         }
         let filled = self.filled[layer][p];
         if slot != filled as usize || slot >= self.geom.page_size {
-            return Err(IntegrityError::OutOfOrderWrite { page: pr.page, slot: slot as u32, filled });
+            return Err(IntegrityError::OutOfOrderWrite {
+                page: pr.page,
+                slot: slot as u32,
+                filled,
+            });
         }
-        attention::write_kv_slot(&mut self.k[layer], &mut self.v[layer], self.geom, p, slot, k, v);
+        attention::write_kv_slot(
+            &mut self.k[layer],
+            &mut self.v[layer],
+            self.geom,
+            p,
+            slot,
+            k,
+            v,
+        );
         self.filled[layer][p] = filled + 1;
         Ok(())
     }
 
     /// Tag arrays of `layer` for the attention kernel.
     pub fn tags(&self, layer: usize) -> TagView<'_> {
-        TagView { generation: &self.generation, owner: &self.owner, filled: &self.filled[layer] }
+        TagView {
+            generation: &self.generation,
+            owner: &self.owner,
+            filled: &self.filled[layer],
+        }
     }
 
     pub fn k_cache(&self, layer: usize) -> &[f16] {
@@ -205,21 +245,35 @@ fn zeroed_f16(n: usize) -> Vec<f16> {
 mod tests {
     use super::*;
 
-    const G: PageGeometry = PageGeometry { page_size: 4, n_kv_heads: 1, head_dim: 2 };
+    const G: PageGeometry = PageGeometry {
+        page_size: 4,
+        n_kv_heads: 1,
+        head_dim: 2,
+    };
 
     #[test]
     fn alloc_bumps_generation_and_release_clears_owner() {
         let mut pool = PagePool::new(G, 2, 3);
         let a = pool.alloc(1, 2).expect("alloc");
         assert_eq!(pool.n_free(), 1);
-        assert!(matches!(pool.alloc(2, 2), Err(PoolError::Exhausted { wanted: 2, free: 1, total: 3 })));
+        assert!(matches!(
+            pool.alloc(2, 2),
+            Err(PoolError::Exhausted {
+                wanted: 2,
+                free: 1,
+                total: 3
+            })
+        ));
         assert_eq!(pool.n_free(), 1, "a failed alloc takes nothing");
         pool.release(1, &a).expect("release");
         let b = pool.alloc(2, 1).expect("alloc");
         assert_eq!(b[0].page, a[1].page, "LIFO reuse");
         assert_eq!(b[0].generation, a[1].generation + 1);
         assert!(pool.release(1, &b).is_err(), "a foreign release is refused");
-        assert!(pool.release(2, &a[1..]).is_err(), "a stale release is refused");
+        assert!(
+            pool.release(2, &a[1..]).is_err(),
+            "a stale release is refused"
+        );
     }
 
     #[test]
@@ -227,12 +281,27 @@ mod tests {
         let mut pool = PagePool::new(G, 1, 2);
         let a = pool.alloc(7, 1).expect("alloc");
         let kv = [1.0, 2.0];
-        assert!(matches!(pool.write_slot(0, a[0], 1, 7, &kv, &kv), Err(IntegrityError::OutOfOrderWrite { .. })));
+        assert!(matches!(
+            pool.write_slot(0, a[0], 1, 7, &kv, &kv),
+            Err(IntegrityError::OutOfOrderWrite { .. })
+        ));
         pool.write_slot(0, a[0], 0, 7, &kv, &kv).expect("write");
-        assert!(matches!(pool.write_slot(0, a[0], 0, 7, &kv, &kv), Err(IntegrityError::OutOfOrderWrite { .. })));
-        assert!(matches!(pool.write_slot(0, a[0], 1, 8, &kv, &kv), Err(IntegrityError::ForeignOwner { .. })));
-        let stale = PageRef { page: a[0].page, generation: a[0].generation - 1 };
-        assert!(matches!(pool.write_slot(0, stale, 1, 7, &kv, &kv), Err(IntegrityError::StaleGeneration { .. })));
+        assert!(matches!(
+            pool.write_slot(0, a[0], 0, 7, &kv, &kv),
+            Err(IntegrityError::OutOfOrderWrite { .. })
+        ));
+        assert!(matches!(
+            pool.write_slot(0, a[0], 1, 8, &kv, &kv),
+            Err(IntegrityError::ForeignOwner { .. })
+        ));
+        let stale = PageRef {
+            page: a[0].page,
+            generation: a[0].generation - 1,
+        };
+        assert!(matches!(
+            pool.write_slot(0, stale, 1, 7, &kv, &kv),
+            Err(IntegrityError::StaleGeneration { .. })
+        ));
         assert_eq!(pool.tag(a[0].page), (a[0].generation, 7, 1));
     }
 }

@@ -13,7 +13,9 @@ pub mod sampling;
 pub mod tokenizer;
 
 pub use config::{Config, EngineConfig};
-pub use engine::{AdmissionError, Engine, Event, FinishReason, GenerateRequest, RequestId, StartupError};
+pub use engine::{
+    AdmissionError, Engine, Event, FinishReason, GenerateRequest, RequestId, StartupError,
+};
 pub use model::Model;
 pub use sampling::SamplingParams;
 pub use tokenizer::{ChatMessage, Tokenizer};

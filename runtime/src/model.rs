@@ -10,8 +10,10 @@
 
 use std::path::Path;
 
-use custody_kernels::attention::{self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder};
-use custody_kernels::{ops, DType, QInput, QMatrix};
+use custody_kernels::attention::{
+    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder,
+};
+use custody_kernels::{DType, QInput, QMatrix, ops};
 
 use crate::gguf::{Gguf, GgufError};
 use crate::kv::PagePool;
@@ -23,9 +25,17 @@ pub enum ModelError {
     #[error("unsupported architecture {0:?} (supported: llama-family GGUF: llama, mistral)")]
     UnsupportedArch(String),
     #[error("tensor {name:?}: shape {found:?}, expected {expected:?}")]
-    Shape { name: String, expected: Vec<u64>, found: Vec<u64> },
+    Shape {
+        name: String,
+        expected: Vec<u64>,
+        found: Vec<u64>,
+    },
     #[error("tensor {name:?}: type {dtype:?} not usable here ({why})")]
-    Type { name: String, dtype: DType, why: &'static str },
+    Type {
+        name: String,
+        dtype: DType,
+        why: &'static str,
+    },
     #[error("invalid hyper-parameter: {0}")]
     Config(String),
 }
@@ -59,16 +69,22 @@ impl ModelConfig {
         let n_heads = u("attention.head_count")?;
         let dim = u("embedding_length")?;
         if n_heads == 0 || dim % n_heads != 0 {
-            return Err(ModelError::Config(format!("embedding length {dim} not divisible by {n_heads} heads")));
+            return Err(ModelError::Config(format!(
+                "embedding length {dim} not divisible by {n_heads} heads"
+            )));
         }
         let head_dim = dim / n_heads;
         let n_kv_heads = u("attention.head_count_kv").unwrap_or(n_heads);
         if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
-            return Err(ModelError::Config(format!("{n_heads} heads not a multiple of {n_kv_heads} kv heads")));
+            return Err(ModelError::Config(format!(
+                "{n_heads} heads not a multiple of {n_kv_heads} kv heads"
+            )));
         }
         let rope_dims = u("rope.dimension_count").unwrap_or(head_dim);
         if rope_dims > head_dim || rope_dims % 2 != 0 || head_dim > 256 {
-            return Err(ModelError::Config(format!("rope dims {rope_dims} / head dim {head_dim}")));
+            return Err(ModelError::Config(format!(
+                "rope dims {rope_dims} / head dim {head_dim}"
+            )));
         }
         let vocab_size = g.get_array("tokenizer.ggml.tokens")?.len();
         let cfg = Self {
@@ -81,13 +97,18 @@ impl ModelConfig {
             head_dim,
             rope_dims,
             rope_base: g.get_f64(&k("rope.freq_base")).unwrap_or(10_000.0) as f32,
-            rms_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
+            rms_eps: g
+                .get_f64(&k("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5) as f32,
             context_length: u("context_length")?,
             vocab_size,
             arch,
         };
         if cfg.n_layers == 0 || cfg.n_layers > 1024 || cfg.context_length == 0 {
-            return Err(ModelError::Config(format!("{} layers, context {}", cfg.n_layers, cfg.context_length)));
+            return Err(ModelError::Config(format!(
+                "{} layers, context {}",
+                cfg.n_layers, cfg.context_length
+            )));
         }
         Ok(cfg)
     }
@@ -181,14 +202,27 @@ impl Model {
             let (info, _) = gguf.tensor(name)?;
             let expected = vec![cols as u64, rows as u64];
             if info.shape != expected {
-                return Err(ModelError::Shape { name: name.into(), expected, found: info.shape.clone() });
+                return Err(ModelError::Shape {
+                    name: name.into(),
+                    expected,
+                    found: info.shape.clone(),
+                });
             }
-            Ok(Mat { name: name.into(), dtype: info.dtype, rows, cols })
+            Ok(Mat {
+                name: name.into(),
+                dtype: info.dtype,
+                rows,
+                cols,
+            })
         };
         let vec_f32 = |name: &str, n: usize| -> Result<Vec<f32>, ModelError> {
             let (info, data) = gguf.tensor(name)?;
             if info.shape != [n as u64] {
-                return Err(ModelError::Shape { name: name.into(), expected: vec![n as u64], found: info.shape.clone() });
+                return Err(ModelError::Shape {
+                    name: name.into(),
+                    expected: vec![n as u64],
+                    found: info.shape.clone(),
+                });
             }
             let mut out = vec![0.0; n];
             custody_kernels::quant::dequantize_row(info.dtype, data, &mut out);
@@ -219,27 +253,48 @@ impl Model {
         for l in &layers {
             for (a, b) in [(&l.wq, &l.wk), (&l.wq, &l.wv), (&l.w_gate, &l.w_up)] {
                 if a.dtype.uses_q8_activations() != b.dtype.uses_q8_activations() {
-                    return Err(ModelError::Type { name: b.name.clone(), dtype: b.dtype, why: "mixed float/quantized in one projection group" });
+                    return Err(ModelError::Type {
+                        name: b.name.clone(),
+                        dtype: b.dtype,
+                        why: "mixed float/quantized in one projection group",
+                    });
                 }
             }
         }
         let output_norm = vec_f32("output_norm.weight", c.dim)?;
-        Ok(Self { gguf, config, tok_embd, output, output_norm, layers })
+        Ok(Self {
+            gguf,
+            config,
+            tok_embd,
+            output,
+            output_norm,
+            layers,
+        })
     }
 
     fn qm(&self, m: &Mat) -> QMatrix<'_> {
-        let (_, data) = self.gguf.tensor(&m.name).unwrap_or_else(|e| unreachable!("validated at load: {e}"));
-        QMatrix::new(m.dtype, m.rows, m.cols, data).unwrap_or_else(|| unreachable!("validated at load"))
+        let (_, data) = self
+            .gguf
+            .tensor(&m.name)
+            .unwrap_or_else(|e| unreachable!("validated at load: {e}"));
+        QMatrix::new(m.dtype, m.rows, m.cols, data)
+            .unwrap_or_else(|| unreachable!("validated at load"))
     }
 
     /// KV page geometry for a given page size.
     pub fn page_geometry(&self, page_size: usize) -> PageGeometry {
-        PageGeometry { page_size, n_kv_heads: self.config.n_kv_heads, head_dim: self.config.head_dim }
+        PageGeometry {
+            page_size,
+            n_kv_heads: self.config.n_kv_heads,
+            head_dim: self.config.head_dim,
+        }
     }
 
     /// Dtype of the weight matrices (for reporting).
     pub fn weight_dtype(&self) -> DType {
-        self.layers.first().map_or(self.output.dtype, |l| l.wq.dtype)
+        self.layers
+            .first()
+            .map_or(self.output.dtype, |l| l.wq.dtype)
     }
 
     /// Run a batch. Returns, per segment, its logits (`rows × vocab`, rows per [`Logits`]) or the
@@ -278,7 +333,10 @@ impl Model {
         let embd = self.qm(&self.tok_embd);
         for (r, &t) in segments.iter().flat_map(|sg| sg.tokens).enumerate() {
             let t = t as usize;
-            assert!(t < c.vocab_size, "token id {t} outside vocabulary (validated at admission)");
+            assert!(
+                t < c.vocab_size,
+                "token id {t} outside vocabulary (validated at admission)"
+            );
             embd.dequantize_row(t, &mut s.x[r * dim..(r + 1) * dim]);
         }
         // RoPE tables, one per row (positions are shared by all layers).
@@ -290,7 +348,12 @@ impl Model {
         for (li, l) in self.layers.iter().enumerate() {
             // --- attention block
             for r in 0..n {
-                ops::rms_norm(&s.x[r * dim..(r + 1) * dim], &l.attn_norm, c.rms_eps, &mut s.xn[r * dim..(r + 1) * dim]);
+                ops::rms_norm(
+                    &s.x[r * dim..(r + 1) * dim],
+                    &l.attn_norm,
+                    c.rms_eps,
+                    &mut s.xn[r * dim..(r + 1) * dim],
+                );
             }
             s.qin.prepare(&s.xn, n, dim, l.wq.dtype);
             custody_kernels::matmul::matmul(&self.qm(&l.wq), &s.qin, &mut s.q);
@@ -314,7 +377,14 @@ impl Model {
                             });
                             break;
                         };
-                        if let Err(e) = pool.write_slot(li, pr, pos % ps, sg.owner, &s.k[r * kvd..(r + 1) * kvd], &s.v[r * kvd..(r + 1) * kvd]) {
+                        if let Err(e) = pool.write_slot(
+                            li,
+                            pr,
+                            pos % ps,
+                            sg.owner,
+                            &s.k[r * kvd..(r + 1) * kvd],
+                            &s.v[r * kvd..(r + 1) * kvd],
+                        ) {
                             failed[si] = Some(e);
                             break;
                         }
@@ -348,7 +418,12 @@ impl Model {
 
             // --- feed-forward block
             for r in 0..n {
-                ops::rms_norm(&s.x[r * dim..(r + 1) * dim], &l.ffn_norm, c.rms_eps, &mut s.xn[r * dim..(r + 1) * dim]);
+                ops::rms_norm(
+                    &s.x[r * dim..(r + 1) * dim],
+                    &l.ffn_norm,
+                    c.rms_eps,
+                    &mut s.xn[r * dim..(r + 1) * dim],
+                );
             }
             s.qin.prepare(&s.xn, n, dim, l.w_gate.dtype);
             custody_kernels::matmul::matmul(&self.qm(&l.w_gate), &s.qin, &mut s.gate);
@@ -376,7 +451,12 @@ impl Model {
         if !want_rows.is_empty() {
             let mut h = vec![0.0f32; want_rows.len() * dim];
             for (i, &r) in want_rows.iter().enumerate() {
-                ops::rms_norm(&s.x[r * dim..(r + 1) * dim], &self.output_norm, c.rms_eps, &mut h[i * dim..(i + 1) * dim]);
+                ops::rms_norm(
+                    &s.x[r * dim..(r + 1) * dim],
+                    &self.output_norm,
+                    c.rms_eps,
+                    &mut h[i * dim..(i + 1) * dim],
+                );
             }
             s.qin.prepare(&h, want_rows.len(), dim, self.output.dtype);
             custody_kernels::matmul::matmul(&self.qm(&self.output), &s.qin, &mut logits_all);
@@ -393,7 +473,8 @@ impl Model {
                         Logits::Last => 1,
                         Logits::All => sg.tokens.len(),
                     };
-                    let out = logits_all[cursor * c.vocab_size..(cursor + rows) * c.vocab_size].to_vec();
+                    let out =
+                        logits_all[cursor * c.vocab_size..(cursor + rows) * c.vocab_size].to_vec();
                     cursor += rows;
                     Ok(out)
                 }

@@ -15,14 +15,22 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
 impl SamplingParams {
     pub fn validate(&self) -> Result<(), String> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+            return Err(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -64,7 +72,11 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        Self { params, rng: Rng::new(params.seed), buf: Vec::new() }
+        Self {
+            params,
+            rng: Rng::new(params.seed),
+            buf: Vec::new(),
+        }
     }
 
     /// Pick the next token from `logits`.
@@ -75,7 +87,12 @@ impl Sampler {
             return custody_kernels::ops::argmax(logits).unwrap_or(0) as u32;
         }
         self.buf.clear();
-        self.buf.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
+        self.buf.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l / p.temperature)),
+        );
         // Sort descending by logit, ties by id, so the candidate order is deterministic.
         let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < self.buf.len() {
@@ -126,7 +143,12 @@ mod tests {
     #[test]
     fn same_seed_same_tokens_different_seed_differs() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 42 };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 42,
+        };
         let run = |p: SamplingParams| {
             let mut s = Sampler::new(p);
             (0..50).map(|_| s.sample(&logits)).collect::<Vec<_>>()
@@ -138,11 +160,21 @@ mod tests {
     #[test]
     fn top_k_and_top_p_restrict_the_candidates() {
         let logits = [5.0, 4.9, 0.0, -1.0, -2.0];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 2, top_p: 1.0, seed: 1 });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            seed: 1,
+        });
         for _ in 0..200 {
             assert!(s.sample(&logits) < 2);
         }
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.3, seed: 1 });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.3,
+            seed: 1,
+        });
         for _ in 0..200 {
             assert_eq!(s.sample(&logits), 0, "top_p 0.3 keeps only the top token");
         }
@@ -150,8 +182,29 @@ mod tests {
 
     #[test]
     fn rejects_bad_params() {
-        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
-        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
-        assert!(SamplingParams { temperature: f32::NAN, ..Default::default() }.validate().is_err());
+        assert!(
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplingParams {
+                temperature: f32::NAN,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
     }
 }

@@ -6,13 +6,12 @@
 //! `<|im_start|>`) are registered as special tokens so that they are matched whole in text.
 //! The chat template is the GGUF's own `tokenizer.chat_template`, rendered by `minijinja`.
 
-
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
 
 use crate::gguf::{Gguf, GgufError, Value};
@@ -74,18 +73,25 @@ impl Tokenizer {
         let tokens = g.get_strings("tokenizer.ggml.tokens")?;
         let merges_raw = g.get_strings("tokenizer.ggml.merges")?;
         let types: Vec<i64> = match g.get("tokenizer.ggml.token_type") {
-            Some(Value::Array(a)) => a.iter().map(|v| v.as_u64().map_or(1, |x| x as i64)).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_u64().map_or(1, |x| x as i64))
+                .collect(),
             _ => vec![1; tokens.len()],
         };
         let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
 
-        let vocab: tokenizers::models::bpe::Vocab =
-            tokens.iter().enumerate().map(|(i, t)| ((*t).to_owned(), i as u32)).collect();
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| ((*t).to_owned(), i as u32))
+            .collect();
         let mut merges = Vec::with_capacity(merges_raw.len());
         for (index, m) in merges_raw.iter().enumerate() {
-            let (a, b) = m
-                .split_once(' ')
-                .ok_or_else(|| TokenizerError::BadMerge { index, merge: (*m).to_owned() })?;
+            let (a, b) = m.split_once(' ').ok_or_else(|| TokenizerError::BadMerge {
+                index,
+                merge: (*m).to_owned(),
+            })?;
             merges.push((a.to_owned(), b.to_owned()));
         }
         let bpe = BPE::builder()
@@ -117,17 +123,27 @@ impl Tokenizer {
         let id = |k: &str| g.get(k).and_then(Value::as_u64).map(|v| v as u32);
         let bos_id = id("tokenizer.ggml.bos_token_id");
         let eos_id = id("tokenizer.ggml.eos_token_id");
-        let add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
+        let add_bos = matches!(
+            g.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(true))
+        );
         let chat_template = g.get_str("tokenizer.chat_template").ok().map(str::to_owned);
         let mut stop_ids: Vec<u32> = eos_id.into_iter().collect();
         for name in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>"] {
-            if let Some(i) = tokens.iter().position(|t| *t == name) {
-                if !stop_ids.contains(&(i as u32)) {
+            if let Some(i) = tokens.iter().position(|t| *t == name)
+                && !stop_ids.contains(&(i as u32)) {
                     stop_ids.push(i as u32);
                 }
-            }
         }
-        Ok(Self { inner, vocab_size: tokens.len(), bos_id, eos_id, add_bos, chat_template, stop_ids })
+        Ok(Self {
+            inner,
+            vocab_size: tokens.len(),
+            bos_id,
+            eos_id,
+            add_bos,
+            chat_template,
+            stop_ids,
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -137,7 +153,10 @@ impl Tokenizer {
     /// Encode text. Special-token text (e.g. `<|im_start|>`) maps to its single id. BOS is
     /// prepended only when `add_bos` is set in the model and `raw` is false.
     pub fn encode(&self, text: &str, raw: bool) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self.inner.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos && !raw {
             ids.extend(self.bos_id);
@@ -149,18 +168,32 @@ impl Tokenizer {
     /// Decode ids to text (special tokens are rendered).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         if let Some(&id) = ids.iter().find(|&&i| i as usize >= self.vocab_size) {
-            return Err(TokenizerError::BadTokenId { id, vocab: self.vocab_size });
+            return Err(TokenizerError::BadTokenId {
+                id,
+                vocab: self.vocab_size,
+            });
         }
-        self.inner.decode(ids, false).map_err(|e| TokenizerError::Decode(e.to_string()))
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Decode(e.to_string()))
     }
 
     /// Render the model's chat template over `messages`, with the assistant prompt appended.
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
-        let src = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
+        let src = self
+            .chat_template
+            .as_deref()
+            .ok_or(TokenizerError::NoChatTemplate)?;
         let mut env = minijinja::Environment::new();
         env.add_template("chat", src)?;
-        let bos = self.bos_id.and_then(|i| self.inner.id_to_token(i)).unwrap_or_default();
-        let eos = self.eos_id.and_then(|i| self.inner.id_to_token(i)).unwrap_or_default();
+        let bos = self
+            .bos_id
+            .and_then(|i| self.inner.id_to_token(i))
+            .unwrap_or_default();
+        let eos = self
+            .eos_id
+            .and_then(|i| self.inner.id_to_token(i))
+            .unwrap_or_default();
         let out = env.get_template("chat")?.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => true,
@@ -188,7 +221,10 @@ impl StreamDecoder {
         self.ids.push(id);
         let text = tok.decode(&self.ids)?;
         // An incomplete multi-byte sequence decodes to U+FFFD at the end: wait for more bytes.
-        if text.ends_with('\u{FFFD}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
+        if text.ends_with('\u{FFFD}')
+            || text.len() < self.emitted
+            || !text.is_char_boundary(self.emitted)
+        {
             return Ok(String::new());
         }
         let new = text[self.emitted..].to_owned();

@@ -9,7 +9,9 @@ pub fn model_path() -> PathBuf {
     let p = std::env::var_os("CUSTODY_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default();
             std::env::var_os("CUSTODY_CACHE_DIR")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| home.join(".cache/custody"))
@@ -25,7 +27,9 @@ pub fn model_path() -> PathBuf {
 
 /// `tests/fixtures/…`
 pub fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(rel)
 }
 
 /// Read a little-endian f32 `.npy` (version 1/2/3, C order): (shape, data).
@@ -38,14 +42,20 @@ pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
         (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
     };
     let header = std::str::from_utf8(&b[start..start + hlen]).expect("header");
-    assert!(header.contains("'<f4'") && header.contains("'fortran_order': False"), "{header}");
+    assert!(
+        header.contains("'<f4'") && header.contains("'fortran_order': False"),
+        "{header}"
+    );
     let shape_s = &header[header.find("'shape': (").expect("shape") + 10..];
     let shape: Vec<usize> = shape_s[..shape_s.find(')').expect(")")]
         .split(',')
         .filter(|s| !s.trim().is_empty())
         .map(|s| s.trim().parse().expect("dim"))
         .collect();
-    let data: Vec<f32> = b[start + hlen..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let data: Vec<f32> = b[start + hlen..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
     assert_eq!(data.len(), shape.iter().product::<usize>());
     (shape, data)
 }

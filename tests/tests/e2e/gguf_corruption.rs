@@ -3,12 +3,14 @@
 
 use std::io::Write;
 
-use custody_runtime::gguf::{Gguf, GgufError};
 use custody_runtime::Model;
+use custody_runtime::gguf::{Gguf, GgufError};
 
 fn write_tmp(name: &str, bytes: &[u8]) -> std::path::PathBuf {
     let p = std::env::temp_dir().join(format!("custody-gguf-{}-{name}", std::process::id()));
-    std::fs::File::create(&p).and_then(|mut f| f.write_all(bytes)).expect("write");
+    std::fs::File::create(&p)
+        .and_then(|mut f| f.write_all(bytes))
+        .expect("write");
     p
 }
 
@@ -18,7 +20,24 @@ fn truncated_model_files_are_clear_errors() {
     let g = Gguf::open(&custody_tests::model_path()).expect("valid");
     let data_start = g.tensors.values().map(|t| t.start).min().expect("tensors");
     // Cut points across the header, metadata, tensor infos and the data section.
-    let mut cuts = vec![0, 3, 4, 7, 8, 15, 23, 24, 100, 1000, 10_000, 100_000, data_start - 1, data_start + 10, full.len() / 2, full.len() - 1];
+    let mut cuts = vec![
+        0,
+        3,
+        4,
+        7,
+        8,
+        15,
+        23,
+        24,
+        100,
+        1000,
+        10_000,
+        100_000,
+        data_start - 1,
+        data_start + 10,
+        full.len() / 2,
+        full.len() - 1,
+    ];
     cuts.extend((1..40).map(|i| i * data_start / 40));
     for cut in cuts {
         let p = write_tmp(&format!("cut{cut}"), &full[..cut]);
@@ -27,7 +46,9 @@ fn truncated_model_files_are_clear_errors() {
         let e = r.expect_err(&format!("a file cut at {cut} bytes must not load"));
         let msg = e.to_string();
         assert!(
-            msg.contains("truncated") || msg.contains("outside the file") || msg.contains("not a GGUF"),
+            msg.contains("truncated")
+                || msg.contains("outside the file")
+                || msg.contains("not a GGUF"),
             "cut at {cut}: unclear error: {msg}"
         );
     }
@@ -69,7 +90,10 @@ fn specific_header_corruptions_name_what_is_wrong() {
     let mut b = full[..4096].to_vec();
     b[4..8].copy_from_slice(&99u32.to_le_bytes());
     std::fs::write(&p, &b).expect("write");
-    assert!(matches!(Gguf::open(&p), Err(GgufError::UnsupportedVersion(99))));
+    assert!(matches!(
+        Gguf::open(&p),
+        Err(GgufError::UnsupportedVersion(99))
+    ));
     let _ = std::fs::remove_file(&p);
     let e = Model::load(std::path::Path::new("/nonexistent/model.gguf")).expect_err("missing");
     assert!(e.to_string().contains("/nonexistent/model.gguf"));

@@ -1,16 +1,23 @@
 //! Safety property 1 ("no stale read") end to end: the attention kernel's tag check fails the one
 //! request whose pages are wrong, emits no token for it, and lets the others finish.
 
-use custody_kernels::attention::{self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder};
+use custody_kernels::attention::{
+    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder,
+};
+use custody_runtime::SamplingParams;
 use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::kv::PagePool;
-use custody_runtime::SamplingParams;
 use proptest::prelude::*;
 
 use crate::{engine_with, small_cfg, tokenizer};
 
 fn req(prompt: Vec<u32>, n: usize) -> GenerateRequest {
-    GenerateRequest { prompt, max_tokens: n, sampling: SamplingParams::default(), stop_ids: vec![] }
+    GenerateRequest {
+        prompt,
+        max_tokens: n,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+    }
 }
 
 /// Run two requests; after both have decoded a few tokens apply `fault(victim, other)`, then run
@@ -21,8 +28,15 @@ fn run_with_fault(
     let tok = tokenizer();
     let mut e = engine_with(small_cfg());
     // 40 prompt tokens + 40 generated: 5 pages of 16 each.
-    let p1 = tok.encode(&"The quick brown fox jumps over the lazy dog. ".repeat(4), true).expect("enc");
-    let p2 = tok.encode(&"Pack my box with five dozen liquor jugs. ".repeat(4), true).expect("enc");
+    let p1 = tok
+        .encode(
+            &"The quick brown fox jumps over the lazy dog. ".repeat(4),
+            true,
+        )
+        .expect("enc");
+    let p2 = tok
+        .encode(&"Pack my box with five dozen liquor jugs. ".repeat(4), true)
+        .expect("enc");
     let victim = e.submit(req(p1, 40)).expect("admit");
     let other = e.submit(req(p2, 40)).expect("admit");
     for _ in 0..3 {
@@ -44,20 +58,28 @@ fn run_with_fault(
             }
         }
     }
-    (victim_tokens, other_tokens, err.expect("the victim must fail with an integrity error"))
+    (
+        victim_tokens,
+        other_tokens,
+        err.expect("the victim must fail with an integrity error"),
+    )
 }
 
 #[test]
 fn stale_page_fails_the_request_and_emits_no_token() {
     let (vt, ot, err) = run_with_fault(|f, victim, _| f.reallocate_page(victim, 0));
-    assert!(matches!(err, IntegrityError::StaleGeneration { .. }), "{err}");
+    assert!(
+        matches!(err, IntegrityError::StaleGeneration { .. }),
+        "{err}"
+    );
     assert_eq!(vt, 0, "no token after the fault");
     assert_eq!(ot, 40 - 3, "the other request finishes");
 }
 
 #[test]
 fn foreign_page_fails_the_request_and_emits_no_token() {
-    let (vt, ot, err) = run_with_fault(|f, victim, other| f.point_at_foreign_page(victim, 1, other));
+    let (vt, ot, err) =
+        run_with_fault(|f, victim, other| f.point_at_foreign_page(victim, 1, other));
     assert!(matches!(err, IntegrityError::ForeignOwner { .. }), "{err}");
     assert_eq!((vt, ot), (0, 37));
 }
@@ -77,16 +99,32 @@ fn unwritten_slot_fails_the_request_and_emits_no_token() {
 
 // ---- property test: random alloc / write / free / read sequences on the real pool + kernel.
 
-const G: PageGeometry = PageGeometry { page_size: 4, n_kv_heads: 1, head_dim: 8 };
+const G: PageGeometry = PageGeometry {
+    page_size: 4,
+    n_kv_heads: 1,
+    head_dim: 8,
+};
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { pages: usize },
-    Write { seq: usize, n: usize },
-    Free { seq: usize },
-    Read { seq: usize, n_ctx_extra: usize },
+    Alloc {
+        pages: usize,
+    },
+    Write {
+        seq: usize,
+        n: usize,
+    },
+    Free {
+        seq: usize,
+    },
+    Read {
+        seq: usize,
+        n_ctx_extra: usize,
+    },
     /// Read through a block table retained from a freed sequence (a stale reader).
-    ReadStale { seq: usize },
+    ReadStale {
+        seq: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {

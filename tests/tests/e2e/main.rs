@@ -15,9 +15,14 @@ pub fn engine_with(cfg: EngineConfig) -> Engine {
 }
 
 pub fn small_cfg() -> EngineConfig {
-    EngineConfig { context_length: Some(2048), kv_budget_mib: 64, ..EngineConfig::default() }
+    EngineConfig {
+        context_length: Some(2048),
+        kv_budget_mib: 64,
+        ..EngineConfig::default()
+    }
 }
 
 pub fn tokenizer() -> Tokenizer {
-    Tokenizer::from_gguf(&Gguf::open(&custody_tests::model_path()).expect("gguf")).expect("tokenizer")
+    Tokenizer::from_gguf(&Gguf::open(&custody_tests::model_path()).expect("gguf"))
+        .expect("tokenizer")
 }

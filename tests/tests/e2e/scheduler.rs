@@ -9,7 +9,12 @@ use crate::reference::greedy;
 use crate::{engine_with, small_cfg, tokenizer};
 
 fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest { prompt, max_tokens, sampling: SamplingParams::default(), stop_ids: vec![] }
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+    }
 }
 
 #[test]
@@ -17,13 +22,30 @@ fn over_length_requests_are_rejected_before_any_page_is_allocated() {
     let mut e = engine_with(small_cfg());
     let free = e.pool().n_free();
     let ctx = e.context_length();
-    let err = e.submit(req(vec![42; ctx - 10], 11)).expect_err("over-length must be rejected");
-    assert_eq!(err, AdmissionError::ContextExceeded { prompt_tokens: ctx - 10, max_tokens: 11, context_length: ctx });
-    let err = e.submit(req(vec![42; ctx + 1], 1)).expect_err("over-length prompt");
+    let err = e
+        .submit(req(vec![42; ctx - 10], 11))
+        .expect_err("over-length must be rejected");
+    assert_eq!(
+        err,
+        AdmissionError::ContextExceeded {
+            prompt_tokens: ctx - 10,
+            max_tokens: 11,
+            context_length: ctx
+        }
+    );
+    let err = e
+        .submit(req(vec![42; ctx + 1], 1))
+        .expect_err("over-length prompt");
     assert!(matches!(err, AdmissionError::ContextExceeded { .. }));
     assert_eq!(e.submit(req(vec![], 1)), Err(AdmissionError::EmptyPrompt));
-    assert_eq!(e.submit(req(vec![1], 0)), Err(AdmissionError::ZeroMaxTokens));
-    assert!(matches!(e.submit(req(vec![1_000_000], 1)), Err(AdmissionError::BadToken { .. })));
+    assert_eq!(
+        e.submit(req(vec![1], 0)),
+        Err(AdmissionError::ZeroMaxTokens)
+    );
+    assert!(matches!(
+        e.submit(req(vec![1_000_000], 1)),
+        Err(AdmissionError::BadToken { .. })
+    ));
     // Nothing was allocated, queued or run: no step does anything.
     assert_eq!(e.pool().n_free(), free);
     assert!(!e.has_work());
@@ -37,18 +59,43 @@ fn over_length_requests_are_rejected_before_any_page_is_allocated() {
 fn pool_smaller_than_context_refuses_to_start() {
     let load = || Model::load(&custody_tests::model_path()).expect("model");
     // 23,040 B/token for SmolLM2-135M: 16 MiB holds 720 tokens, far below 2048.
-    let cfg = EngineConfig { context_length: Some(2048), kv_budget_mib: 16, ..EngineConfig::default() };
+    let cfg = EngineConfig {
+        context_length: Some(2048),
+        kv_budget_mib: 16,
+        ..EngineConfig::default()
+    };
     match Engine::new(load(), cfg.clone()) {
-        Err(StartupError::PoolTooSmall { pool_tokens, context_length: 2048, .. }) => assert!(pool_tokens < 2048),
+        Err(StartupError::PoolTooSmall {
+            pool_tokens,
+            context_length: 2048,
+            ..
+        }) => assert!(pool_tokens < 2048),
         other => panic!("expected PoolTooSmall, got {other:?}"),
     }
     // Only when explicitly allowed, the context is lowered to what the pool holds.
-    let e = Engine::new(load(), EngineConfig { allow_context_reduction: true, ..cfg }).expect("lowered");
+    let e = Engine::new(
+        load(),
+        EngineConfig {
+            allow_context_reduction: true,
+            ..cfg
+        },
+    )
+    .expect("lowered");
     assert!(e.context_length() < 2048);
-    assert_eq!(e.context_length(), e.pool().n_pages() * e.pool().page_size());
+    assert_eq!(
+        e.context_length(),
+        e.pool().n_pages() * e.pool().page_size()
+    );
     // And a context beyond the model's trained one is refused.
-    let big = EngineConfig { context_length: Some(1 << 20), kv_budget_mib: 64, ..EngineConfig::default() };
-    assert!(matches!(Engine::new(load(), big), Err(StartupError::ContextBeyondModel { .. })));
+    let big = EngineConfig {
+        context_length: Some(1 << 20),
+        kv_budget_mib: 64,
+        ..EngineConfig::default()
+    };
+    assert!(matches!(
+        Engine::new(load(), big),
+        Err(StartupError::ContextBeyondModel { .. })
+    ));
 }
 
 #[test]
@@ -61,25 +108,46 @@ fn batched_generation_equals_each_prompt_alone() {
         "def fibonacci(n):",
         "The three primary colours are",
     ];
-    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| tok.encode(p, true).expect("enc")).collect();
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| tok.encode(p, true).expect("enc"))
+        .collect();
     let n = 24;
-    let alone: Vec<Vec<u32>> = ids.iter().map(|p| greedy(&mut engine_with(small_cfg()), p.clone(), n)).collect();
+    let alone: Vec<Vec<u32>> = ids
+        .iter()
+        .map(|p| greedy(&mut engine_with(small_cfg()), p.clone(), n))
+        .collect();
 
     // All together, with a small step budget so prefill chunks and decode steps interleave.
-    let mut e = engine_with(EngineConfig { max_batch_tokens: 7, ..small_cfg() });
+    let mut e = engine_with(EngineConfig {
+        max_batch_tokens: 7,
+        ..small_cfg()
+    });
     let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
-    let rids: Vec<u64> = ids.iter().map(|p| e.submit(req(p.clone(), n)).expect("admit")).collect();
+    let rids: Vec<u64> = ids
+        .iter()
+        .map(|p| e.submit(req(p.clone(), n)).expect("admit"))
+        .collect();
     let mut finished = 0;
     let mut mixed_steps = 0;
     while e.has_work() {
         let evs = e.step();
-        if evs.iter().filter(|ev| matches!(ev, Event::Token { .. })).count() > 1 {
+        if evs
+            .iter()
+            .filter(|ev| matches!(ev, Event::Token { .. }))
+            .count()
+            > 1
+        {
             mixed_steps += 1;
         }
         for ev in evs {
             match ev {
                 Event::Token { id, token } => out.entry(id).or_default().push(token),
-                Event::Finished { reason, generated_tokens, .. } => {
+                Event::Finished {
+                    reason,
+                    generated_tokens,
+                    ..
+                } => {
                     assert_eq!((reason, generated_tokens), (FinishReason::Length, n));
                     finished += 1;
                 }
@@ -90,7 +158,11 @@ fn batched_generation_equals_each_prompt_alone() {
     assert_eq!(finished, prompts.len());
     assert!(mixed_steps > 0, "requests were never batched together");
     for (i, rid) in rids.iter().enumerate() {
-        assert_eq!(out[rid], alone[i], "prompt {i} ({:?}) differs when batched", prompts[i]);
+        assert_eq!(
+            out[rid], alone[i],
+            "prompt {i} ({:?}) differs when batched",
+            prompts[i]
+        );
     }
     assert_eq!(e.pool().n_free(), e.pool().n_pages());
 }
@@ -98,11 +170,25 @@ fn batched_generation_equals_each_prompt_alone() {
 #[test]
 fn sampling_is_reproducible_with_a_seed() {
     let tok = tokenizer();
-    let p = tok.encode("Write a short poem about the sea.", true).expect("enc");
+    let p = tok
+        .encode("Write a short poem about the sea.", true)
+        .expect("enc");
     let run = |seed| {
         let mut e = engine_with(small_cfg());
-        let params = SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, seed };
-        let id = e.submit(GenerateRequest { prompt: p.clone(), max_tokens: 20, sampling: params, stop_ids: vec![] }).expect("admit");
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed,
+        };
+        let id = e
+            .submit(GenerateRequest {
+                prompt: p.clone(),
+                max_tokens: 20,
+                sampling: params,
+                stop_ids: vec![],
+            })
+            .expect("admit");
         let mut v = Vec::new();
         while e.has_work() {
             for ev in e.step() {
