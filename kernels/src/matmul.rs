@@ -165,7 +165,82 @@ const TILE_ROWS: usize = 16;
 
 /// `out[t * rows + r] = W[r] · x[t]` for all tokens `t` and rows `r`.
 pub fn matmul(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
-    matmul_impl(w, x, out)
+    matmul_many(&mut [(*w, out)], x)
+}
+
+/// Several matrices over the same input (Q/K/V, gate/up) in one parallel region: one fork-join
+/// instead of one per matrix, which is what a decode step's small matrices need.
+pub fn matmul_many(jobs: &mut [(QMatrix<'_>, &mut [f32])], x: &QInput) {
+    let threads = rayon::current_num_threads();
+    // (job, first row, end row) tasks over every job's row tiles.
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    let total_tiles: usize = jobs.iter().map(|(w, _)| w.rows.div_ceil(TILE_ROWS)).sum();
+    // Enough tasks to balance (4 per thread), no fewer rows than a tile.
+    let tiles_per_task = total_tiles.div_ceil(threads * 4).max(1);
+    let mut outs = Vec::with_capacity(jobs.len());
+    for (j, (w, out)) in jobs.iter_mut().enumerate() {
+        assert_eq!(
+            x.cols, w.cols,
+            "matmul: input width {} != weight cols {}",
+            x.cols, w.cols
+        );
+        assert_eq!(out.len(), x.n_tok * w.rows, "matmul: output shape mismatch");
+        outs.push(OutPtr(out.as_mut_ptr()));
+        let step = tiles_per_task * TILE_ROWS;
+        for r0 in (0..w.rows).step_by(step) {
+            tasks.push((j, r0, (r0 + step).min(w.rows)));
+        }
+    }
+    let jobs: &[(QMatrix<'_>, &mut [f32])] = jobs;
+    let run_task = |&(j, r0, r1): &(usize, usize, usize)| run_rows(&jobs[j].0, x, outs[j], r0, r1);
+    if tasks.len() == 1 || threads == 1 {
+        tasks.iter().for_each(run_task);
+    } else {
+        tasks.par_iter().for_each(run_task);
+    }
+}
+
+/// Rows `r0..r1` of `w` for every token, into the output behind `p` (`n_tok × w.rows`).
+fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr, r0: usize, r1: usize) {
+    let (rows, n_tok) = (w.rows, x.n_tok);
+    if w.dtype.uses_q8_activations() {
+        let dot = q8_dot_fn(w.dtype);
+        let dot4 = q8_dot4_fn(w.dtype);
+        let per_row = w.cols / QK;
+        for tr0 in (r0..r1).step_by(TILE_ROWS) {
+            let tr1 = (tr0 + TILE_ROWS).min(r1);
+            for t in 0..n_tok {
+                let a = &x.q8[t * per_row..(t + 1) * per_row];
+                let mut r = tr0;
+                if let Some(dot4) = dot4 {
+                    while r + 4 <= tr1 {
+                        let v = dot4([w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], a);
+                        for (k, vk) in v.into_iter().enumerate() {
+                            // SAFETY: t < n_tok, r + k < rows: in bounds of the output (len
+                            // n_tok × rows, asserted by the caller); tasks' row ranges are disjoint.
+                            unsafe { *p.0.add(t * rows + r + k) = vk };
+                        }
+                        r += 4;
+                    }
+                }
+                for r in r..tr1 {
+                    let v = dot(w.row(r), a);
+                    // SAFETY: as above — in bounds, disjoint rows per task.
+                    unsafe { *p.0.add(t * rows + r) = v };
+                }
+            }
+        }
+    } else {
+        let mut tmp = vec![0.0f32; w.cols];
+        for r in r0..r1 {
+            w.dequantize_row(r, &mut tmp);
+            for t in 0..n_tok {
+                let v = crate::ops::dot_f32(&tmp, &x.f[t * w.cols..(t + 1) * w.cols]);
+                // SAFETY: as above — in bounds, disjoint rows per task.
+                unsafe { *p.0.add(t * rows + r) = v };
+            }
+        }
+    }
 }
 
 /// Scalar reference of [`matmul`] (single-threaded, no SIMD). Used by tests.
@@ -183,73 +258,6 @@ pub fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
                 crate::ops::dot_f32_scalar(&tmp, &x.f[t * w.cols..(t + 1) * w.cols])
             };
         }
-    }
-}
-
-fn matmul_impl(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
-    let dot4 = q8_dot4_fn(w.dtype);
-    assert_eq!(
-        x.cols, w.cols,
-        "matmul: input width {} != weight cols {}",
-        x.cols, w.cols
-    );
-    assert_eq!(out.len(), x.n_tok * w.rows, "matmul: output shape mismatch");
-    let rows = w.rows;
-    let n_tok = x.n_tok;
-    let n_tiles = rows.div_ceil(TILE_ROWS);
-    let ptr = OutPtr(out.as_mut_ptr());
-    let threads = rayon::current_num_threads();
-    // Tiles per task: enough tasks to balance (4 per thread), no fewer rows than a tile.
-    let tiles_per_task = n_tiles.div_ceil(threads * 4).max(1);
-    let n_tasks = n_tiles.div_ceil(tiles_per_task);
-
-    let run_task = |task: usize| {
-        let r0 = task * tiles_per_task * TILE_ROWS;
-        let r1 = ((task + 1) * tiles_per_task * TILE_ROWS).min(rows);
-        let p = ptr;
-        if w.dtype.uses_q8_activations() {
-            let dot = q8_dot_fn(w.dtype);
-            let per_row = w.cols / QK;
-            for tr0 in (r0..r1).step_by(TILE_ROWS) {
-                let tr1 = (tr0 + TILE_ROWS).min(r1);
-                for t in 0..n_tok {
-                    let a = &x.q8[t * per_row..(t + 1) * per_row];
-                    let mut r = tr0;
-                    if let Some(dot4) = dot4 {
-                        while r + 4 <= tr1 {
-                            let v = dot4([w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], a);
-                            for (k, vk) in v.into_iter().enumerate() {
-                                // SAFETY: t < n_tok, r + k < rows: in bounds of `out`; row ranges
-                                // of tasks are disjoint.
-                                unsafe { *p.0.add(t * rows + r + k) = vk };
-                            }
-                            r += 4;
-                        }
-                    }
-                    for r in r..tr1 {
-                        let v = dot(w.row(r), a);
-                        // SAFETY: t < n_tok and r < rows, so the index is in bounds of `out`
-                        // (len n_tok × rows, asserted above); row ranges of tasks are disjoint.
-                        unsafe { *p.0.add(t * rows + r) = v };
-                    }
-                }
-            }
-        } else {
-            let mut tmp = vec![0.0f32; w.cols];
-            for r in r0..r1 {
-                w.dequantize_row(r, &mut tmp);
-                for t in 0..n_tok {
-                    let v = crate::ops::dot_f32(&tmp, &x.f[t * w.cols..(t + 1) * w.cols]);
-                    // SAFETY: as above — in bounds, disjoint rows per task.
-                    unsafe { *p.0.add(t * rows + r) = v };
-                }
-            }
-        }
-    };
-    if n_tasks == 1 || threads == 1 {
-        (0..n_tasks).for_each(run_task);
-    } else {
-        (0..n_tasks).into_par_iter().for_each(run_task);
     }
 }
 

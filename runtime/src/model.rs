@@ -13,6 +13,7 @@ use std::path::Path;
 use custody_kernels::attention::{
     self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder,
 };
+use custody_kernels::matmul::matmul_many;
 use custody_kernels::{DType, QInput, QMatrix, ops};
 
 use crate::gguf::{Gguf, GgufError};
@@ -356,9 +357,14 @@ impl Model {
                 );
             }
             s.qin.prepare(&s.xn, n, dim, l.wq.dtype);
-            custody_kernels::matmul::matmul(&self.qm(&l.wq), &s.qin, &mut s.q);
-            custody_kernels::matmul::matmul(&self.qm(&l.wk), &s.qin, &mut s.k);
-            custody_kernels::matmul::matmul(&self.qm(&l.wv), &s.qin, &mut s.v);
+            matmul_many(
+                &mut [
+                    (self.qm(&l.wq), &mut s.q[..]),
+                    (self.qm(&l.wk), &mut s.k[..]),
+                    (self.qm(&l.wv), &mut s.v[..]),
+                ],
+                &s.qin,
+            );
             for r in 0..n {
                 ops::rope_apply(&mut s.q[r * qd..(r + 1) * qd], c.head_dim, &s.rope[r]);
                 ops::rope_apply(&mut s.k[r * kvd..(r + 1) * kvd], c.head_dim, &s.rope[r]);
@@ -426,8 +432,13 @@ impl Model {
                 );
             }
             s.qin.prepare(&s.xn, n, dim, l.w_gate.dtype);
-            custody_kernels::matmul::matmul(&self.qm(&l.w_gate), &s.qin, &mut s.gate);
-            custody_kernels::matmul::matmul(&self.qm(&l.w_up), &s.qin, &mut s.up);
+            matmul_many(
+                &mut [
+                    (self.qm(&l.w_gate), &mut s.gate[..]),
+                    (self.qm(&l.w_up), &mut s.up[..]),
+                ],
+                &s.qin,
+            );
             ops::swiglu(&mut s.gate, &s.up);
             s.qin.prepare(&s.gate, n, c.ffn_dim, l.w_down.dtype);
             custody_kernels::matmul::matmul(&self.qm(&l.w_down), &s.qin, &mut s.tmp);

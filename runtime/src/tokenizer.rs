@@ -131,9 +131,10 @@ impl Tokenizer {
         let mut stop_ids: Vec<u32> = eos_id.into_iter().collect();
         for name in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>"] {
             if let Some(i) = tokens.iter().position(|t| *t == name)
-                && !stop_ids.contains(&(i as u32)) {
-                    stop_ids.push(i as u32);
-                }
+                && !stop_ids.contains(&(i as u32))
+            {
+                stop_ids.push(i as u32);
+            }
         }
         Ok(Self {
             inner,
