@@ -38,8 +38,11 @@ pub fn rope_apply(x: &mut [f32], head_dim: usize, cos_sin: &[(f32, f32)]) {
     for head in x.chunks_exact_mut(head_dim) {
         for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cos_sin) {
             let (x0, x1) = (pair[0], pair[1]);
-            pair[0] = x0 * c - x1 * s;
-            pair[1] = x0 * s + x1 * c;
+            // The contraction GCC applies when it builds ggml (fp-contract=fast): one FMA per
+            // output. Matching it is what makes our logits equal llama.cpp's bit for bit on the
+            // reference prompt; the plain two-product form differs in the last bit.
+            pair[0] = x0.mul_add(c, -(x1 * s));
+            pair[1] = x0.mul_add(s, x1 * c);
         }
     }
 }
