@@ -10,7 +10,8 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     assert_eq!(x.len(), w.len());
     assert_eq!(x.len(), out.len());
     assert!(!x.is_empty());
-    let sum: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    // As ggml: the square is rounded to f32, the sum kept in f64.
+    let sum: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
     let mean = (sum / x.len() as f64) as f32;
     let scale = 1.0 / (mean + eps).sqrt();
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
