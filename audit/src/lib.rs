@@ -1,0 +1,177 @@
+//! Custody's audit log.
+//!
+//! - [`Event`] and its parts: what the engine records about every KV page it touches (always
+//!   compiled; no heavy dependencies).
+//! - [`AuditSink`]: the trait the engine emits into. The runtime knows only this.
+//! - With the `writer` feature: the Arrow schema ([`schema`]), the append-only writer
+//!   ([`writer`]: bounded queue → record batches → Arrow IPC live segment → sealed Parquet in
+//!   Hive-style partitions), and the Ed25519 digest chain with `verify` ([`digest`]).
+//!
+//! Architecture invariant: this crate knows nothing of the runtime. It defines events, writes,
+//! seals and verifies them.
+
+#[cfg(feature = "writer")]
+pub mod digest;
+#[cfg(feature = "writer")]
+pub mod schema;
+#[cfg(feature = "writer")]
+pub mod writer;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Nanoseconds on the node's monotonic clock (the writer anchors it to wall-clock time).
+pub type MonoNs = u64;
+
+/// A request's lifecycle event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RequestKind {
+    Admitted,
+    Rejected { reason: String },
+    Aborted,
+    Finished { reason: String },
+    Failed { reason: String },
+}
+
+impl RequestKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            RequestKind::Admitted => "admitted",
+            RequestKind::Rejected { .. } => "rejected",
+            RequestKind::Aborted => "aborted",
+            RequestKind::Finished { .. } => "finished",
+            RequestKind::Failed { .. } => "failed",
+        }
+    }
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            RequestKind::Rejected { reason } | RequestKind::Finished { reason } | RequestKind::Failed { reason } => {
+                Some(reason)
+            }
+            RequestKind::Admitted | RequestKind::Aborted => None,
+        }
+    }
+}
+
+/// Who wrote a page's slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Writer {
+    /// Computed on this node.
+    Local,
+    /// Received from another node (disaggregated transfer).
+    Transfer,
+}
+
+/// A page lifecycle event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageKind {
+    Alloc,
+    /// Slots `slot_start..slot_end` written (all layers) in this generation.
+    Write { slot_start: u32, slot_end: u32, writer: Writer },
+    Release,
+    Quarantine,
+    Zero,
+}
+
+impl PageKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            PageKind::Alloc => "alloc",
+            PageKind::Write { .. } => "write",
+            PageKind::Release => "release",
+            PageKind::Quarantine => "quarantine",
+            PageKind::Zero => "zero",
+        }
+    }
+}
+
+/// One audit event. Every variant names the request and tenant it concerns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    Request { ts_ns: MonoNs, request: u64, tenant: String, kind: RequestKind, prompt_tokens: u32, output_tokens: u32 },
+    Page { ts_ns: MonoNs, request: u64, tenant: String, page: u32, generation: u32, kind: PageKind },
+    /// Run-length read record: request attended slots `slot_start..slot_end` of `(page,
+    /// generation)` at every decode step from `first_step` to `last_step` (inclusive), all
+    /// verified by the tag check. Flushed when the request ends.
+    Read {
+        ts_ns: MonoNs,
+        request: u64,
+        tenant: String,
+        page: u32,
+        generation: u32,
+        slot_start: u32,
+        slot_end: u32,
+        first_step: u32,
+        last_step: u32,
+    },
+    Transfer {
+        ts_ns: MonoNs,
+        transfer: u64,
+        request: u64,
+        tenant: String,
+        src_node: u32,
+        src_page: u32,
+        src_generation: u32,
+        dst_node: u32,
+        dst_page: u32,
+        dst_generation: u32,
+        bytes: u64,
+        checksum: u64,
+        outcome: String,
+    },
+    /// The tag check refused a read or write.
+    IntegrityViolation { ts_ns: MonoNs, request: u64, tenant: String, page: Option<u32>, generation: Option<u32>, kind: String, detail: String },
+}
+
+impl Event {
+    pub fn ts_ns(&self) -> MonoNs {
+        match self {
+            Event::Request { ts_ns, .. }
+            | Event::Page { ts_ns, .. }
+            | Event::Read { ts_ns, .. }
+            | Event::Transfer { ts_ns, .. }
+            | Event::IntegrityViolation { ts_ns, .. } => *ts_ns,
+        }
+    }
+}
+
+/// Why an event could not be recorded. The engine treats any error as "stop serving" (safety
+/// property 4: no unrecorded access).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SinkError {
+    #[error("audit log is closed: {0}")]
+    Closed(String),
+}
+
+/// Where the engine sends its events. `record` must be cheap and must not drop silently: it either
+/// accepts the event (possibly waiting for queue space) or returns an error.
+pub trait AuditSink: Send + Sync + std::fmt::Debug {
+    fn record(&self, event: Event) -> Result<(), SinkError>;
+}
+
+/// A sink that discards everything (audit off). Named as such: only for `--no-audit` runs and the
+/// audit-cost benchmark.
+#[derive(Debug, Default)]
+pub struct DiscardSink {
+    pub count: AtomicU64,
+}
+
+impl AuditSink for DiscardSink {
+    fn record(&self, _event: Event) -> Result<(), SinkError> {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// An in-memory sink for tests.
+#[derive(Debug, Default, Clone)]
+pub struct MemorySink {
+    pub events: Arc<Mutex<Vec<Event>>>,
+}
+
+impl AuditSink for MemorySink {
+    fn record(&self, event: Event) -> Result<(), SinkError> {
+        self.events.lock().map_err(|e| SinkError::Closed(e.to_string()))?.push(event);
+        Ok(())
+    }
+}

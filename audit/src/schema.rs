@@ -1,0 +1,325 @@
+//! Arrow schemas of the audit tables and the column builders that turn [`Event`]s into record
+//! batches. Field-by-field documentation: `docs/audit-schema.md` (keep the two in step).
+//!
+//! Every table starts with the same four columns:
+//! `node` (u32), `seq` (u64: per-node sequence number over *all* tables, gap-free by construction,
+//! so a missing row is visible), `ts_ns` (u64: node monotonic clock) and `wall_ns` (i64: Unix-epoch
+//! nanoseconds = the writer's wall-clock anchor + (`ts_ns` − monotonic anchor)).
+
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+
+use crate::{Event, PageKind, Writer};
+
+/// Version of the table layouts, written into every file's metadata.
+pub const SCHEMA_VERSION: &str = "1";
+pub const SCHEMA_VERSION_KEY: &str = "custody.audit.schema_version";
+
+/// The audit tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Table {
+    Requests,
+    PageEvents,
+    Transfers,
+    PageReads,
+    IntegrityViolations,
+    /// The writer's own records (e.g. dropped-event counts in `allow_drop` mode).
+    WriterEvents,
+}
+
+impl Table {
+    pub const ALL: [Table; 6] = [
+        Table::Requests,
+        Table::PageEvents,
+        Table::Transfers,
+        Table::PageReads,
+        Table::IntegrityViolations,
+        Table::WriterEvents,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::Requests => "requests",
+            Table::PageEvents => "page_events",
+            Table::Transfers => "transfers",
+            Table::PageReads => "page_reads",
+            Table::IntegrityViolations => "integrity_violations",
+            Table::WriterEvents => "writer_events",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Table> {
+        Table::ALL.into_iter().find(|t| t.name() == s)
+    }
+
+    pub fn of(ev: &Event) -> Table {
+        match ev {
+            Event::Request { .. } => Table::Requests,
+            Event::Page { .. } => Table::PageEvents,
+            Event::Transfer { .. } => Table::Transfers,
+            Event::Read { .. } => Table::PageReads,
+            Event::IntegrityViolation { .. } => Table::IntegrityViolations,
+        }
+    }
+
+    /// Columns after the four common ones.
+    fn columns(self) -> Vec<(&'static str, DataType, bool)> {
+        use DataType::{UInt32, UInt64, Utf8};
+        match self {
+            Table::Requests => vec![
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("event", Utf8, false),
+                ("reason", Utf8, true),
+                ("prompt_tokens", UInt32, false),
+                ("output_tokens", UInt32, false),
+            ],
+            Table::PageEvents => vec![
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("event", Utf8, false),
+                ("page", UInt32, false),
+                ("generation", UInt32, false),
+                ("slot_start", UInt32, true),
+                ("slot_end", UInt32, true),
+                ("writer", Utf8, true),
+            ],
+            Table::Transfers => vec![
+                ("transfer_id", UInt64, false),
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("src_node", UInt32, false),
+                ("src_page", UInt32, false),
+                ("src_generation", UInt32, false),
+                ("dst_node", UInt32, false),
+                ("dst_page", UInt32, false),
+                ("dst_generation", UInt32, false),
+                ("bytes", UInt64, false),
+                ("checksum", UInt64, false),
+                ("outcome", Utf8, false),
+            ],
+            Table::PageReads => vec![
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("page", UInt32, false),
+                ("generation", UInt32, false),
+                ("slot_start", UInt32, false),
+                ("slot_end", UInt32, false),
+                ("first_step", UInt32, false),
+                ("last_step", UInt32, false),
+            ],
+            Table::IntegrityViolations => vec![
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("page", UInt32, true),
+                ("generation", UInt32, true),
+                ("kind", Utf8, false),
+                ("detail", Utf8, false),
+            ],
+            Table::WriterEvents => vec![("event", Utf8, false), ("count", UInt64, false)],
+        }
+    }
+
+    pub fn schema(self) -> SchemaRef {
+        let mut fields = vec![
+            Field::new("node", DataType::UInt32, false),
+            Field::new("seq", DataType::UInt64, false),
+            Field::new("ts_ns", DataType::UInt64, false),
+            Field::new("wall_ns", DataType::Int64, false),
+        ];
+        fields.extend(self.columns().into_iter().map(|(n, t, null)| Field::new(n, t, null)));
+        let meta = [(SCHEMA_VERSION_KEY.to_owned(), SCHEMA_VERSION.to_owned()), ("custody.audit.table".to_owned(), self.name().to_owned())];
+        Arc::new(Schema::new_with_metadata(fields, meta.into_iter().collect()))
+    }
+}
+
+#[derive(Debug)]
+enum Col {
+    U32(Vec<u32>),
+    U64(Vec<u64>),
+    OptU32(Vec<Option<u32>>),
+    Str(Vec<String>),
+    OptStr(Vec<Option<String>>),
+}
+
+/// Column builders of one table.
+#[derive(Debug)]
+pub struct TableBuilder {
+    table: Table,
+    node: Vec<u32>,
+    seq: Vec<u64>,
+    ts: Vec<u64>,
+    wall: Vec<i64>,
+    cols: Vec<Col>,
+}
+
+impl TableBuilder {
+    pub fn new(table: Table) -> Self {
+        let cols = table
+            .columns()
+            .into_iter()
+            .map(|(_, t, null)| match (t, null) {
+                (DataType::UInt32, false) => Col::U32(Vec::new()),
+                (DataType::UInt32, true) => Col::OptU32(Vec::new()),
+                (DataType::UInt64, _) => Col::U64(Vec::new()),
+                (DataType::Utf8, false) => Col::Str(Vec::new()),
+                (DataType::Utf8, true) => Col::OptStr(Vec::new()),
+                (t, _) => unreachable!("no column of type {t}"),
+            })
+            .collect();
+        Self { table, node: Vec::new(), seq: Vec::new(), ts: Vec::new(), wall: Vec::new(), cols }
+    }
+
+    pub fn len(&self) -> usize {
+        self.seq.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seq.is_empty()
+    }
+
+    fn common(&mut self, node: u32, seq: u64, ts: u64, wall: i64) {
+        self.node.push(node);
+        self.seq.push(seq);
+        self.ts.push(ts);
+        self.wall.push(wall);
+    }
+
+    fn u32(&mut self, i: usize, v: u32) {
+        let Col::U32(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not u32", self.table) };
+        c.push(v);
+    }
+    fn ou32(&mut self, i: usize, v: Option<u32>) {
+        let Col::OptU32(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not u32?", self.table) };
+        c.push(v);
+    }
+    fn u64(&mut self, i: usize, v: u64) {
+        let Col::U64(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not u64", self.table) };
+        c.push(v);
+    }
+    fn s(&mut self, i: usize, v: &str) {
+        let Col::Str(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not utf8", self.table) };
+        c.push(v.to_owned());
+    }
+    fn os(&mut self, i: usize, v: Option<&str>) {
+        let Col::OptStr(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not utf8?", self.table) };
+        c.push(v.map(str::to_owned));
+    }
+
+    /// Append `ev` (which must belong to this table) as row `seq`.
+    pub fn push(&mut self, node: u32, seq: u64, wall: i64, ev: &Event) {
+        debug_assert_eq!(Table::of(ev), self.table);
+        self.common(node, seq, ev.ts_ns(), wall);
+        match ev {
+            Event::Request { request, tenant, kind, prompt_tokens, output_tokens, .. } => {
+                self.u64(0, *request);
+                self.s(1, tenant);
+                self.s(2, kind.name());
+                self.os(3, kind.reason());
+                self.u32(4, *prompt_tokens);
+                self.u32(5, *output_tokens);
+            }
+            Event::Page { request, tenant, page, generation, kind, .. } => {
+                self.u64(0, *request);
+                self.s(1, tenant);
+                self.s(2, kind.name());
+                self.u32(3, *page);
+                self.u32(4, *generation);
+                match kind {
+                    PageKind::Write { slot_start, slot_end, writer } => {
+                        self.ou32(5, Some(*slot_start));
+                        self.ou32(6, Some(*slot_end));
+                        self.os(7, Some(match writer {
+                            Writer::Local => "local",
+                            Writer::Transfer => "transfer",
+                        }));
+                    }
+                    _ => {
+                        self.ou32(5, None);
+                        self.ou32(6, None);
+                        self.os(7, None);
+                    }
+                }
+            }
+            Event::Transfer {
+                transfer,
+                request,
+                tenant,
+                src_node,
+                src_page,
+                src_generation,
+                dst_node,
+                dst_page,
+                dst_generation,
+                bytes,
+                checksum,
+                outcome,
+                ..
+            } => {
+                self.u64(0, *transfer);
+                self.u64(1, *request);
+                self.s(2, tenant);
+                self.u32(3, *src_node);
+                self.u32(4, *src_page);
+                self.u32(5, *src_generation);
+                self.u32(6, *dst_node);
+                self.u32(7, *dst_page);
+                self.u32(8, *dst_generation);
+                self.u64(9, *bytes);
+                self.u64(10, *checksum);
+                self.s(11, outcome);
+            }
+            Event::Read { request, tenant, page, generation, slot_start, slot_end, first_step, last_step, .. } => {
+                self.u64(0, *request);
+                self.s(1, tenant);
+                self.u32(2, *page);
+                self.u32(3, *generation);
+                self.u32(4, *slot_start);
+                self.u32(5, *slot_end);
+                self.u32(6, *first_step);
+                self.u32(7, *last_step);
+            }
+            Event::IntegrityViolation { request, tenant, page, generation, kind, detail, .. } => {
+                self.u64(0, *request);
+                self.s(1, tenant);
+                self.ou32(2, *page);
+                self.ou32(3, *generation);
+                self.s(4, kind);
+                self.s(5, detail);
+            }
+        }
+    }
+
+    /// A writer record (WriterEvents table).
+    pub fn push_writer_event(&mut self, node: u32, seq: u64, ts: u64, wall: i64, event: &str, count: u64) {
+        debug_assert_eq!(self.table, Table::WriterEvents);
+        self.common(node, seq, ts, wall);
+        self.s(0, event);
+        self.u64(1, count);
+    }
+
+    /// Take the buffered rows as a record batch (the builder is left empty).
+    pub fn finish(&mut self) -> RecordBatch {
+        let mut arrays: Vec<ArrayRef> = vec![
+            Arc::new(UInt32Array::from(std::mem::take(&mut self.node))),
+            Arc::new(UInt64Array::from(std::mem::take(&mut self.seq))),
+            Arc::new(UInt64Array::from(std::mem::take(&mut self.ts))),
+            Arc::new(Int64Array::from(std::mem::take(&mut self.wall))),
+        ];
+        for c in &mut self.cols {
+            arrays.push(match c {
+                Col::U32(v) => Arc::new(UInt32Array::from(std::mem::take(v))),
+                Col::OptU32(v) => Arc::new(UInt32Array::from(std::mem::take(v))),
+                Col::U64(v) => Arc::new(UInt64Array::from(std::mem::take(v))),
+                Col::Str(v) => Arc::new(StringArray::from(std::mem::take(v))),
+                Col::OptStr(v) => Arc::new(StringArray::from(std::mem::take(v))),
+            });
+        }
+        match RecordBatch::try_new(self.table.schema(), arrays) {
+            Ok(b) => b,
+            Err(e) => unreachable!("builder columns match the schema by construction: {e}"),
+        }
+    }
+}

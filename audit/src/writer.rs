@@ -1,0 +1,560 @@
+//! The append-only audit writer.
+//!
+//! ```text
+//! record() ─► bounded queue ─► writer thread ─► column builders ─► record batch
+//!    (blocks when full: fail-closed)             every `batch_rows` or `flush_interval`
+//!                                                     │
+//!                       live segment: Arrow IPC stream per table, `_live/node=<id>/`
+//!                       (readable up to its last complete message after a crash; fsync policy)
+//!                                                     │ rotation (size or age, or shutdown)
+//!                       sealed: `<table>/node=<id>/date=<YYYY-MM-DD>/<segment>.parquet` (zstd)
+//!                       written to a temporary name, fsynced, renamed, directory fsynced
+//!                                                     │
+//!                       digest: `_digests/node=<id>/<n>.json`, Ed25519-signed, chained
+//! ```
+//! On start an unsealed live segment is recovered (every complete message) and sealed before
+//! anything new is written: nothing that reached the segment is lost.
+//!
+//! Sequence numbers: the writer assigns `seq` per node, over all tables, in arrival order;
+//! `next_seq` resumes after recovery from the highest sealed `seq`.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use arrow::ipc::reader::StreamReader;
+use arrow::ipc::writer::StreamWriter;
+use arrow::record_batch::RecordBatch;
+use ed25519_dalek::SigningKey;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use parquet::file::metadata::KeyValue;
+
+use crate::digest::{self, DigestFile, SealedFile};
+use crate::schema::{SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, TableBuilder};
+use crate::{AuditSink, Event, SinkError};
+
+/// Process-wide monotonic clock for audit timestamps, in nanoseconds.
+pub fn mono_now_ns() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WriterError {
+    #[error("audit I/O on {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("arrow: {0}")]
+    Arrow(#[from] arrow::error::ArrowError),
+    #[error("parquet: {0}")]
+    Parquet(#[from] parquet::errors::ParquetError),
+    #[error("digest chain: {0}")]
+    Digest(String),
+    #[error("audit writer is closed: {0}")]
+    Closed(String),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> WriterError + '_ {
+    move |source| WriterError::Io { path: path.to_owned(), source }
+}
+
+/// When the live segment is fsynced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FsyncPolicy {
+    /// After every batch written to the live segment (acknowledged = on disk).
+    EveryBatch,
+    /// At most this often.
+    Interval(Duration),
+    /// Only at rotation (sealing always fsyncs).
+    Never,
+}
+
+/// What `record` does when the queue is full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backpressure {
+    /// Wait for space (admission pauses). The default: never lose an event.
+    Block,
+    /// Drop the event, count it, and record the count in `writer_events` and in metrics.
+    AllowDrop,
+}
+
+#[derive(Clone, Debug)]
+pub struct WriterConfig {
+    pub root: PathBuf,
+    pub node: u32,
+    /// Events the queue holds before `record` waits (or drops, in `AllowDrop`).
+    pub queue_capacity: usize,
+    /// Rows per record batch.
+    pub batch_rows: usize,
+    /// A partial batch is written after this long.
+    pub flush_interval: Duration,
+    pub fsync: FsyncPolicy,
+    /// Seal the live segment when it reaches this many bytes…
+    pub rotate_bytes: u64,
+    /// …or this age.
+    pub rotate_interval: Duration,
+    pub backpressure: Backpressure,
+    pub signing_key: SigningKey,
+}
+
+impl WriterConfig {
+    pub fn new(root: impl Into<PathBuf>, node: u32, signing_key: SigningKey) -> Self {
+        Self {
+            root: root.into(),
+            node,
+            queue_capacity: 1 << 16,
+            batch_rows: 8192,
+            flush_interval: Duration::from_millis(50),
+            fsync: FsyncPolicy::EveryBatch,
+            rotate_bytes: 64 << 20,
+            rotate_interval: Duration::from_secs(300),
+            backpressure: Backpressure::Block,
+            signing_key,
+        }
+    }
+}
+
+enum Msg {
+    Event(Event),
+    /// Write and fsync everything received so far; reply with the highest durable seq (+1).
+    Sync(SyncSender<Result<u64, String>>),
+    /// Seal the live segment now.
+    Rotate(SyncSender<Result<(), String>>),
+    Shutdown,
+}
+
+/// Handle to the writer thread. `record` is the hot path.
+#[derive(Debug)]
+pub struct AuditWriter {
+    tx: SyncSender<Msg>,
+    backpressure: Backpressure,
+    dropped: Arc<AtomicU64>,
+    failure: Arc<Mutex<Option<String>>>,
+    handle: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Msg::Event(_) => "Event",
+            Msg::Sync(_) => "Sync",
+            Msg::Rotate(_) => "Rotate",
+            Msg::Shutdown => "Shutdown",
+        })
+    }
+}
+
+impl AuditWriter {
+    /// Recover and seal any live segment left by a previous run, then start the writer thread.
+    pub fn open(cfg: WriterConfig) -> Result<Self, WriterError> {
+        assert!(cfg.queue_capacity > 0 && cfg.batch_rows > 0);
+        let mut st = State::open(cfg.clone())?;
+        let (tx, rx) = mpsc::sync_channel(cfg.queue_capacity);
+        let dropped = Arc::new(AtomicU64::new(0));
+        let failure = Arc::new(Mutex::new(None));
+        let (d, f) = (dropped.clone(), failure.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("audit-writer-{}", cfg.node))
+            .spawn(move || {
+                if let Err(e) = st.run(rx, &d) {
+                    tracing::error!(error = %e, "audit writer stopped: the engine must stop serving");
+                    if let Ok(mut g) = f.lock() {
+                        *g = Some(e.to_string());
+                    }
+                }
+            })
+            .map_err(|e| WriterError::Closed(e.to_string()))?;
+        Ok(Self { tx, backpressure: cfg.backpressure, dropped, failure, handle: Mutex::new(Some(handle)) })
+    }
+
+    fn closed(&self) -> String {
+        self.failure
+            .lock()
+            .ok()
+            .and_then(|g| g.clone())
+            .unwrap_or_else(|| "writer thread has stopped".to_owned())
+    }
+
+    /// Everything recorded so far is written and fsynced; returns the number of events durable on
+    /// this node (the next seq).
+    pub fn sync(&self) -> Result<u64, WriterError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.tx.send(Msg::Sync(tx)).map_err(|_| WriterError::Closed(self.closed()))?;
+        rx.recv().map_err(|_| WriterError::Closed(self.closed()))?.map_err(WriterError::Closed)
+    }
+
+    /// Seal the live segment now (Parquet + digest).
+    pub fn rotate(&self) -> Result<(), WriterError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.tx.send(Msg::Rotate(tx)).map_err(|_| WriterError::Closed(self.closed()))?;
+        rx.recv().map_err(|_| WriterError::Closed(self.closed()))?.map_err(WriterError::Closed)
+    }
+
+    /// Events dropped so far (only in `AllowDrop` mode; always 0 otherwise).
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Seal everything and stop the thread.
+    pub fn close(&self) -> Result<(), WriterError> {
+        let _ = self.tx.send(Msg::Shutdown);
+        if let Some(h) = self.handle.lock().ok().and_then(|mut g| g.take()) {
+            let _ = h.join();
+        }
+        match self.failure.lock().ok().and_then(|g| g.clone()) {
+            Some(e) => Err(WriterError::Closed(e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for AuditWriter {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
+impl AuditSink for AuditWriter {
+    fn record(&self, event: Event) -> Result<(), SinkError> {
+        match self.backpressure {
+            Backpressure::Block => self.tx.send(Msg::Event(event)).map_err(|_| SinkError::Closed(self.closed())),
+            Backpressure::AllowDrop => match self.tx.try_send(Msg::Event(event)) {
+                Ok(()) => Ok(()),
+                Err(TrySendError::Full(_)) => {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                }
+                Err(TrySendError::Disconnected(_)) => Err(SinkError::Closed(self.closed())),
+            },
+        }
+    }
+}
+
+/// One table's live IPC stream.
+struct Live {
+    path: PathBuf,
+    writer: StreamWriter<BufWriter<File>>,
+}
+
+struct State {
+    cfg: WriterConfig,
+    builders: BTreeMap<Table, TableBuilder>,
+    live: BTreeMap<Table, Live>,
+    next_seq: u64,
+    /// First seq of the live segment.
+    segment_seq_start: u64,
+    segment: u64,
+    segment_started: Instant,
+    live_bytes: u64,
+    last_fsync: Instant,
+    pending_rows: usize,
+    anchor_mono: u64,
+    anchor_wall: i64,
+    chain: digest::ChainHead,
+}
+
+fn live_dir(root: &Path, node: u32) -> PathBuf {
+    root.join("_live").join(format!("node={node}"))
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), WriterError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// `YYYY-MM-DD` (UTC) of a Unix time in nanoseconds (civil-from-days, proleptic Gregorian).
+pub fn utc_date(wall_ns: i64) -> String {
+    let days = wall_ns.div_euclid(86_400_000_000_000);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    format!("{:04}-{:02}-{:02}", if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+impl State {
+    fn open(cfg: WriterConfig) -> Result<Self, WriterError> {
+        fs::create_dir_all(live_dir(&cfg.root, cfg.node)).map_err(io(&cfg.root))?;
+        let chain = digest::ChainHead::load(&cfg.root, cfg.node).map_err(WriterError::Digest)?;
+        let anchor_mono = mono_now_ns();
+        let anchor_wall = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
+        let mut st = Self {
+            next_seq: chain.next_seq,
+            segment_seq_start: chain.next_seq,
+            segment: chain.next_segment,
+            builders: Table::ALL.into_iter().map(|t| (t, TableBuilder::new(t))).collect(),
+            live: BTreeMap::new(),
+            segment_started: Instant::now(),
+            live_bytes: 0,
+            last_fsync: Instant::now(),
+            pending_rows: 0,
+            anchor_mono,
+            anchor_wall,
+            chain,
+            cfg,
+        };
+        st.recover()?;
+        Ok(st)
+    }
+
+    fn wall(&self, ts: u64) -> i64 {
+        self.anchor_wall + (ts as i64 - self.anchor_mono as i64)
+    }
+
+    /// Seal whatever a previous run left in the live directory (every complete IPC message).
+    fn recover(&mut self) -> Result<(), WriterError> {
+        let dir = live_dir(&self.cfg.root, self.cfg.node);
+        let mut files: Vec<PathBuf> = fs::read_dir(&dir)
+            .map_err(io(&dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "arrows"))
+            .collect();
+        if files.is_empty() {
+            return Ok(());
+        }
+        files.sort();
+        let mut recovered: BTreeMap<Table, Vec<RecordBatch>> = BTreeMap::new();
+        let mut max_seq: Option<u64> = None;
+        let mut min_seq: Option<u64> = None;
+        for f in &files {
+            let table = f
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .and_then(|s| s.split_once('-'))
+                .and_then(|(_, t)| Table::from_name(t))
+                .ok_or_else(|| WriterError::Digest(format!("unrecognised live file {}", f.display())))?;
+            let Ok(reader) = File::open(f).map_err(io(f)).and_then(|fh| Ok(StreamReader::try_new(fh, None)?)) else {
+                tracing::warn!(file = %f.display(), "live segment has no complete schema message; nothing to recover");
+                continue;
+            };
+            for batch in reader {
+                // A torn final message ends recovery of this file: everything before it is kept.
+                let Ok(batch) = batch else { break };
+                if let Some(seq) = batch.column(1).as_any().downcast_ref::<arrow::array::UInt64Array>() {
+                    for v in seq.values().iter() {
+                        max_seq = Some(max_seq.map_or(*v, |m: u64| m.max(*v)));
+                        min_seq = Some(min_seq.map_or(*v, |m: u64| m.min(*v)));
+                    }
+                }
+                recovered.entry(table).or_default().push(batch);
+            }
+        }
+        let rows: usize = recovered.values().flatten().map(RecordBatch::num_rows).sum();
+        tracing::warn!(files = files.len(), rows, "recovering unsealed audit live segment");
+        if let Some(m) = max_seq {
+            self.segment_seq_start = min_seq.unwrap_or(self.next_seq).min(self.next_seq);
+            self.next_seq = self.next_seq.max(m + 1);
+        }
+        self.seal(recovered)?;
+        for f in &files {
+            fs::remove_file(f).map_err(io(f))?;
+        }
+        fsync_dir(&dir)
+    }
+
+    fn run(&mut self, rx: Receiver<Msg>, dropped: &AtomicU64) -> Result<(), WriterError> {
+        let mut reported_drops = 0u64;
+        loop {
+            let msg = rx.recv_timeout(self.cfg.flush_interval);
+            match msg {
+                Ok(Msg::Event(ev)) => {
+                    self.push(&ev);
+                    if self.pending_rows >= self.cfg.batch_rows {
+                        self.flush_batch(false)?;
+                    }
+                }
+                Ok(Msg::Sync(reply)) => {
+                    let r = self.flush_batch(true).map(|()| self.next_seq);
+                    let _ = reply.send(r.as_ref().map(|v| *v).map_err(|e| e.to_string()));
+                    r?;
+                }
+                Ok(Msg::Rotate(reply)) => {
+                    let r = self.rotate();
+                    let _ = reply.send(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+                    r?;
+                }
+                Ok(Msg::Shutdown) | Err(RecvTimeoutError::Disconnected) => {
+                    // Drain what is queued, then seal.
+                    while let Ok(m) = rx.try_recv() {
+                        if let Msg::Event(ev) = m {
+                            self.push(&ev);
+                        }
+                    }
+                    self.record_drops(dropped, &mut reported_drops);
+                    return self.rotate();
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    self.record_drops(dropped, &mut reported_drops);
+                    if self.pending_rows > 0 {
+                        self.flush_batch(false)?;
+                    }
+                }
+            }
+            if self.live_bytes >= self.cfg.rotate_bytes
+                || (self.live_bytes > 0 && self.segment_started.elapsed() >= self.cfg.rotate_interval)
+            {
+                self.rotate()?;
+            }
+        }
+    }
+
+    fn record_drops(&mut self, dropped: &AtomicU64, reported: &mut u64) {
+        let now = dropped.load(Ordering::Relaxed);
+        if now > *reported {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            let ts = mono_now_ns();
+            let wall = self.wall(ts);
+            let node = self.cfg.node;
+            if let Some(b) = self.builders.get_mut(&Table::WriterEvents) {
+                b.push_writer_event(node, seq, ts, wall, "dropped", now - *reported);
+            }
+            tracing::error!(dropped = now - *reported, total = now, "audit events dropped (allow_drop mode)");
+            self.pending_rows += 1;
+            *reported = now;
+        }
+    }
+
+    fn push(&mut self, ev: &Event) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let wall = self.wall(ev.ts_ns());
+        let node = self.cfg.node;
+        if let Some(b) = self.builders.get_mut(&Table::of(ev)) {
+            b.push(node, seq, wall, ev);
+        }
+        self.pending_rows += 1;
+    }
+
+    /// Write buffered rows to the live segment; fsync per policy (or always if `force_sync`).
+    fn flush_batch(&mut self, force_sync: bool) -> Result<(), WriterError> {
+        let dir = live_dir(&self.cfg.root, self.cfg.node);
+        for (table, b) in &mut self.builders {
+            if b.is_empty() {
+                continue;
+            }
+            let batch = b.finish();
+            if !self.live.contains_key(table) {
+                let path = dir.join(format!("{:016}-{}.arrows", self.segment, table.name()));
+                let file = OpenOptions::new().create(true).truncate(true).write(true).open(&path).map_err(io(&path))?;
+                let writer = StreamWriter::try_new(BufWriter::new(file), &table.schema())?;
+                self.live.insert(*table, Live { path, writer });
+            }
+            let live = self.live.get_mut(table).ok_or_else(|| WriterError::Closed("live segment vanished".into()))?;
+            live.writer.write(&batch)?;
+            live.writer.flush()?;
+            self.live_bytes += batch.get_array_memory_size() as u64;
+        }
+        self.pending_rows = 0;
+        let due = match self.cfg.fsync {
+            FsyncPolicy::EveryBatch => true,
+            FsyncPolicy::Interval(d) => self.last_fsync.elapsed() >= d,
+            FsyncPolicy::Never => false,
+        };
+        if force_sync || due {
+            for live in self.live.values_mut() {
+                live.writer.get_mut().get_ref().sync_data().map_err(io(&live.path))?;
+            }
+            fsync_dir(&dir)?;
+            self.last_fsync = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Seal the live segment: finish the IPC streams, convert to Parquet, write the digest, remove
+    /// the live files.
+    fn rotate(&mut self) -> Result<(), WriterError> {
+        self.flush_batch(true)?;
+        if self.live.is_empty() {
+            return Ok(());
+        }
+        let mut batches: BTreeMap<Table, Vec<RecordBatch>> = BTreeMap::new();
+        let mut paths = Vec::new();
+        for (table, mut live) in std::mem::take(&mut self.live) {
+            live.writer.finish()?;
+            paths.push(live.path.clone());
+            let reader = StreamReader::try_new(File::open(&live.path).map_err(io(&live.path))?, None)?;
+            for b in reader {
+                batches.entry(table).or_default().push(b?);
+            }
+        }
+        self.seal(batches)?;
+        for p in &paths {
+            fs::remove_file(p).map_err(io(p))?;
+        }
+        fsync_dir(&live_dir(&self.cfg.root, self.cfg.node))?;
+        self.live_bytes = 0;
+        self.segment_started = Instant::now();
+        Ok(())
+    }
+
+    /// Write each table's batches as one Parquet file and chain a signed digest over them.
+    fn seal(&mut self, batches: BTreeMap<Table, Vec<RecordBatch>>) -> Result<(), WriterError> {
+        let sealed_wall = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
+        let date = utc_date(sealed_wall);
+        let mut files = Vec::new();
+        for (table, bs) in batches {
+            let rows: usize = bs.iter().map(RecordBatch::num_rows).sum();
+            if rows == 0 {
+                continue;
+            }
+            let rel = PathBuf::from(table.name())
+                .join(format!("node={}", self.cfg.node))
+                .join(format!("date={date}"))
+                .join(format!("{:016}.parquet", self.segment));
+            let path = self.cfg.root.join(&rel);
+            let dir = path.parent().map(Path::to_path_buf).unwrap_or_else(|| self.cfg.root.clone());
+            fs::create_dir_all(&dir).map_err(io(&dir))?;
+            let tmp = dir.join(format!(".{:016}.parquet.tmp", self.segment));
+            let props = WriterProperties::builder()
+                .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
+                .set_key_value_metadata(Some(vec![KeyValue::new(SCHEMA_VERSION_KEY.to_owned(), SCHEMA_VERSION.to_owned())]))
+                .build();
+            let file = File::create(&tmp).map_err(io(&tmp))?;
+            let mut w = ArrowWriter::try_new(file, table.schema(), Some(props))?;
+            for b in &bs {
+                w.write(b)?;
+            }
+            let file = w.into_inner()?;
+            file.sync_all().map_err(io(&tmp))?;
+            drop(file);
+            fs::rename(&tmp, &path).map_err(io(&path))?;
+            fsync_dir(&dir)?;
+            let (sha256, bytes) = digest::sha256_file(&path).map_err(io(&path))?;
+            files.push(SealedFile { path: rel.to_string_lossy().into_owned(), table: table.name().to_owned(), sha256, bytes, rows: rows as u64 });
+        }
+        if files.is_empty() {
+            return Ok(());
+        }
+        let seq_start = self.segment_seq_start;
+        let seq_end = self.next_seq;
+        let d = DigestFile::new(&self.chain, self.cfg.node, self.segment, seq_start, seq_end, sealed_wall, files, &self.cfg.signing_key);
+        self.chain = d.write(&self.cfg.root).map_err(WriterError::Digest)?;
+        self.segment += 1;
+        self.segment_seq_start = self.next_seq;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(utc_date(0), "1970-01-01");
+        assert_eq!(utc_date(951_782_400 * 1_000_000_000), "2000-02-29");
+        assert_eq!(utc_date(1_796_000_000 * 1_000_000_000), "2026-11-29");
+    }
+}
