@@ -26,7 +26,10 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
     if s.len() % 2 != 0 {
         return None;
     }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 /// SHA-256 (hex) and size of a file.
@@ -106,12 +109,20 @@ fn canonical(body: &DigestBody) -> Vec<u8> {
 impl ChainHead {
     pub fn load(root: &Path, node: u32) -> Result<Self, String> {
         let dir = digest_dir(root, node);
-        let Ok(rd) = fs::read_dir(&dir) else { return Ok(Self::default()) };
-        let mut names: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "json")).collect();
+        let Ok(rd) = fs::read_dir(&dir) else {
+            return Ok(Self::default());
+        };
+        let mut names: Vec<PathBuf> = rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect();
         names.sort();
-        let Some(last) = names.last() else { return Ok(Self::default()) };
+        let Some(last) = names.last() else {
+            return Ok(Self::default());
+        };
         let bytes = fs::read(last).map_err(|e| format!("{}: {e}", last.display()))?;
-        let d: DigestFile = serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", last.display()))?;
+        let d: DigestFile =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", last.display()))?;
         Ok(Self {
             next_seq: d.body.seq_end,
             next_segment: d.body.segment + 1,
@@ -189,7 +200,11 @@ pub fn generate_key() -> std::io::Result<SigningKey> {
 /// Write `key` (hex seed, mode 0600) to `path` and its public key to `path.pub`.
 pub fn write_key(key: &SigningKey, path: &Path) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::OpenOptionsExt;
-    let mut f = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
     std::io::Write::write_all(&mut f, hex(&key.to_bytes()).as_bytes())?;
     f.sync_all()?;
     let pub_path = path.with_extension("pub");
@@ -199,60 +214,160 @@ pub fn write_key(key: &SigningKey, path: &Path) -> std::io::Result<PathBuf> {
 
 pub fn read_signing_key(path: &Path) -> Result<SigningKey, String> {
     let s = fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let b: [u8; 32] = unhex(s.trim()).and_then(|v| v.try_into().ok()).ok_or_else(|| format!("{}: not a hex Ed25519 seed", path.display()))?;
+    let b: [u8; 32] = unhex(s.trim())
+        .and_then(|v| v.try_into().ok())
+        .ok_or_else(|| format!("{}: not a hex Ed25519 seed", path.display()))?;
     Ok(SigningKey::from_bytes(&b))
 }
 
 pub fn read_verifying_key(path: &Path) -> Result<VerifyingKey, String> {
     let s = fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let b: [u8; 32] = unhex(s.trim()).and_then(|v| v.try_into().ok()).ok_or_else(|| format!("{}: not a hex Ed25519 public key", path.display()))?;
+    let b: [u8; 32] = unhex(s.trim())
+        .and_then(|v| v.try_into().ok())
+        .ok_or_else(|| format!("{}: not a hex Ed25519 public key", path.display()))?;
     VerifyingKey::from_bytes(&b).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// One finding of [`verify`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Problem {
-    DigestUnreadable { digest: PathBuf, why: String },
-    BadSignature { digest: PathBuf },
-    WrongKey { digest: PathBuf, key: String },
-    DigestMissing { node: u32, digest_seq: u64 },
-    DigestOutOfOrder { digest: PathBuf, expected_seq: u64, found_seq: u64 },
-    ChainBroken { digest: PathBuf, why: String },
-    SequenceGap { node: u32, expected: u64, found: u64 },
-    RowsMismatch { digest: PathBuf, accounted: u64, range: u64 },
-    FileMissing { path: PathBuf },
-    FileModified { path: PathBuf },
-    FileTruncated { path: PathBuf, sealed_bytes: u64, found_bytes: u64 },
-    FileReordered { path: PathBuf, holds_content_of: PathBuf },
-    FileExtra { path: PathBuf },
+    DigestUnreadable {
+        digest: PathBuf,
+        why: String,
+    },
+    BadSignature {
+        digest: PathBuf,
+    },
+    WrongKey {
+        digest: PathBuf,
+        key: String,
+    },
+    DigestMissing {
+        node: u32,
+        digest_seq: u64,
+    },
+    DigestOutOfOrder {
+        digest: PathBuf,
+        expected_seq: u64,
+        found_seq: u64,
+    },
+    ChainBroken {
+        digest: PathBuf,
+        why: String,
+    },
+    SequenceGap {
+        node: u32,
+        expected: u64,
+        found: u64,
+    },
+    RowsMismatch {
+        digest: PathBuf,
+        accounted: u64,
+        range: u64,
+    },
+    FileMissing {
+        path: PathBuf,
+    },
+    FileModified {
+        path: PathBuf,
+    },
+    FileTruncated {
+        path: PathBuf,
+        sealed_bytes: u64,
+        found_bytes: u64,
+    },
+    FileReordered {
+        path: PathBuf,
+        holds_content_of: PathBuf,
+    },
+    FileExtra {
+        path: PathBuf,
+    },
 }
 
 impl std::fmt::Display for Problem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Problem::DigestUnreadable { digest, why } => write!(f, "digest {} unreadable: {why}", digest.display()),
-            Problem::BadSignature { digest } => write!(f, "digest {} has an INVALID signature (altered)", digest.display()),
-            Problem::WrongKey { digest, key } => write!(f, "digest {} is signed by an unexpected key {key}", digest.display()),
-            Problem::DigestMissing { node, digest_seq } => write!(f, "digest {digest_seq} of node {node} is MISSING"),
-            Problem::DigestOutOfOrder { digest, expected_seq, found_seq } => {
-                write!(f, "digest {} is out of order: expected digest_seq {expected_seq}, found {found_seq}", digest.display())
+            Problem::DigestUnreadable { digest, why } => {
+                write!(f, "digest {} unreadable: {why}", digest.display())
             }
-            Problem::ChainBroken { digest, why } => write!(f, "digest chain broken at {}: {why}", digest.display()),
-            Problem::SequenceGap { node, expected, found } => {
-                write!(f, "sequence gap on node {node}: expected seq {expected}, next digest starts at {found}")
+            Problem::BadSignature { digest } => write!(
+                f,
+                "digest {} has an INVALID signature (altered)",
+                digest.display()
+            ),
+            Problem::WrongKey { digest, key } => write!(
+                f,
+                "digest {} is signed by an unexpected key {key}",
+                digest.display()
+            ),
+            Problem::DigestMissing { node, digest_seq } => {
+                write!(f, "digest {digest_seq} of node {node} is MISSING")
             }
-            Problem::RowsMismatch { digest, accounted, range } => {
-                write!(f, "digest {} accounts for {accounted} events but covers {range} sequence numbers", digest.display())
+            Problem::DigestOutOfOrder {
+                digest,
+                expected_seq,
+                found_seq,
+            } => {
+                write!(
+                    f,
+                    "digest {} is out of order: expected digest_seq {expected_seq}, found {found_seq}",
+                    digest.display()
+                )
+            }
+            Problem::ChainBroken { digest, why } => {
+                write!(f, "digest chain broken at {}: {why}", digest.display())
+            }
+            Problem::SequenceGap {
+                node,
+                expected,
+                found,
+            } => {
+                write!(
+                    f,
+                    "sequence gap on node {node}: expected seq {expected}, next digest starts at {found}"
+                )
+            }
+            Problem::RowsMismatch {
+                digest,
+                accounted,
+                range,
+            } => {
+                write!(
+                    f,
+                    "digest {} accounts for {accounted} events but covers {range} sequence numbers",
+                    digest.display()
+                )
             }
             Problem::FileMissing { path } => write!(f, "file {} is MISSING", path.display()),
-            Problem::FileModified { path } => write!(f, "file {} was MODIFIED (SHA-256 mismatch)", path.display()),
-            Problem::FileTruncated { path, sealed_bytes, found_bytes } => {
-                write!(f, "file {} is TRUNCATED: sealed with {sealed_bytes} bytes, now {found_bytes}", path.display())
+            Problem::FileModified { path } => {
+                write!(f, "file {} was MODIFIED (SHA-256 mismatch)", path.display())
             }
-            Problem::FileReordered { path, holds_content_of } => {
-                write!(f, "file {} holds the content sealed as {} (files swapped or reordered)", path.display(), holds_content_of.display())
+            Problem::FileTruncated {
+                path,
+                sealed_bytes,
+                found_bytes,
+            } => {
+                write!(
+                    f,
+                    "file {} is TRUNCATED: sealed with {sealed_bytes} bytes, now {found_bytes}",
+                    path.display()
+                )
             }
-            Problem::FileExtra { path } => write!(f, "file {} is EXTRA: no digest names it", path.display()),
+            Problem::FileReordered {
+                path,
+                holds_content_of,
+            } => {
+                write!(
+                    f,
+                    "file {} holds the content sealed as {} (files swapped or reordered)",
+                    path.display(),
+                    holds_content_of.display()
+                )
+            }
+            Problem::FileExtra { path } => {
+                write!(f, "file {} is EXTRA: no digest names it", path.display())
+            }
         }
     }
 }
@@ -291,13 +406,20 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
 /// Verify every node's digest chain under `root` (optionally only digests sealed in
 /// `[from_ns, to_ns)`), checking signatures against `key` when given (else against the key the
 /// first digest of each node names — trust on first use, reported by the CLI).
-pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_ns: Option<i64>) -> Report {
+pub fn verify(
+    root: &Path,
+    key: Option<&VerifyingKey>,
+    from_ns: Option<i64>,
+    to_ns: Option<i64>,
+) -> Report {
     let mut r = Report::default();
     let mut named: BTreeMap<PathBuf, (String, u64)> = BTreeMap::new();
     let by_sha_all: BTreeMap<String, PathBuf>;
     let mut in_range_files: BTreeSet<PathBuf> = BTreeSet::new();
     let digests_root = root.join("_digests");
-    let mut nodes: Vec<PathBuf> = fs::read_dir(&digests_root).map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    let mut nodes: Vec<PathBuf> = fs::read_dir(&digests_root)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
     nodes.sort();
     for node_dir in nodes {
         let node: u32 = node_dir
@@ -306,7 +428,9 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
             .and_then(|n| n.strip_prefix("node="))
             .and_then(|n| n.parse().ok())
             .unwrap_or(u32::MAX);
-        let mut files: Vec<PathBuf> = fs::read_dir(&node_dir).map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        let mut files: Vec<PathBuf> = fs::read_dir(&node_dir)
+            .map(|rd| rd.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
         files.retain(|p| p.extension().is_some_and(|x| x == "json"));
         files.sort();
         let mut prev: Option<(String, String, u64, u64)> = None; // (sha, signature, digest_seq, seq_end)
@@ -315,14 +439,20 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
             let bytes = match fs::read(&path) {
                 Ok(b) => b,
                 Err(e) => {
-                    r.problems.push(Problem::DigestUnreadable { digest: path, why: e.to_string() });
+                    r.problems.push(Problem::DigestUnreadable {
+                        digest: path,
+                        why: e.to_string(),
+                    });
                     continue;
                 }
             };
             let d: DigestFile = match serde_json::from_slice(&bytes) {
                 Ok(d) => d,
                 Err(e) => {
-                    r.problems.push(Problem::DigestUnreadable { digest: path, why: e.to_string() });
+                    r.problems.push(Problem::DigestUnreadable {
+                        digest: path,
+                        why: e.to_string(),
+                    });
                     prev = None;
                     continue;
                 }
@@ -332,20 +462,30 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
             // Signature.
             let vk = match node_key {
                 Some(k) => Some(k),
-                None => unhex(&d.body.public_key).and_then(|b| <[u8; 32]>::try_from(b).ok()).and_then(|b| VerifyingKey::from_bytes(&b).ok()),
+                None => unhex(&d.body.public_key)
+                    .and_then(|b| <[u8; 32]>::try_from(b).ok())
+                    .and_then(|b| VerifyingKey::from_bytes(&b).ok()),
             };
             node_key = node_key.or(vk);
             let sig_ok = vk.is_some_and(|vk| {
                 unhex(&d.signature)
                     .and_then(|s| <[u8; 64]>::try_from(s).ok())
-                    .is_some_and(|s| vk.verify(&canonical(&d.body), &Signature::from_bytes(&s)).is_ok())
+                    .is_some_and(|s| {
+                        vk.verify(&canonical(&d.body), &Signature::from_bytes(&s))
+                            .is_ok()
+                    })
             });
             if !sig_ok {
-                r.problems.push(Problem::BadSignature { digest: path.clone() });
+                r.problems.push(Problem::BadSignature {
+                    digest: path.clone(),
+                });
                 ok = false;
             } else if let Some(k) = key {
                 if hex(k.as_bytes()) != d.body.public_key {
-                    r.problems.push(Problem::WrongKey { digest: path.clone(), key: d.body.public_key.clone() });
+                    r.problems.push(Problem::WrongKey {
+                        digest: path.clone(),
+                        key: d.body.public_key.clone(),
+                    });
                     ok = false;
                 }
             }
@@ -353,7 +493,10 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
             match &prev {
                 None => {
                     if d.body.digest_seq != 0 && d.body.previous_digest_sha256.is_some() {
-                        r.problems.push(Problem::DigestMissing { node, digest_seq: d.body.digest_seq - 1 });
+                        r.problems.push(Problem::DigestMissing {
+                            node,
+                            digest_seq: d.body.digest_seq - 1,
+                        });
                         ok = false;
                     }
                 }
@@ -361,10 +504,17 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
                     if d.body.digest_seq != pseq + 1 {
                         if d.body.digest_seq > pseq + 1 {
                             for missing in pseq + 1..d.body.digest_seq {
-                                r.problems.push(Problem::DigestMissing { node, digest_seq: missing });
+                                r.problems.push(Problem::DigestMissing {
+                                    node,
+                                    digest_seq: missing,
+                                });
                             }
                         } else {
-                            r.problems.push(Problem::DigestOutOfOrder { digest: path.clone(), expected_seq: pseq + 1, found_seq: d.body.digest_seq });
+                            r.problems.push(Problem::DigestOutOfOrder {
+                                digest: path.clone(),
+                                expected_seq: pseq + 1,
+                                found_seq: d.body.digest_seq,
+                            });
                         }
                         ok = false;
                     }
@@ -378,17 +528,27 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
                         ok = false;
                     }
                     if d.body.seq_start != *pend {
-                        r.problems.push(Problem::SequenceGap { node, expected: *pend, found: d.body.seq_start });
+                        r.problems.push(Problem::SequenceGap {
+                            node,
+                            expected: *pend,
+                            found: d.body.seq_start,
+                        });
                         ok = false;
                     }
                 }
             }
-            let rows: u64 = d.body.files.iter().map(|f| f.rows).sum::<u64>() + d.body.lost_unacknowledged;
+            let rows: u64 =
+                d.body.files.iter().map(|f| f.rows).sum::<u64>() + d.body.lost_unacknowledged;
             if rows != d.body.seq_end.saturating_sub(d.body.seq_start) {
-                r.problems.push(Problem::RowsMismatch { digest: path.clone(), accounted: rows, range: d.body.seq_end - d.body.seq_start });
+                r.problems.push(Problem::RowsMismatch {
+                    digest: path.clone(),
+                    accounted: rows,
+                    range: d.body.seq_end - d.body.seq_start,
+                });
                 ok = false;
             }
-            let in_range = from_ns.is_none_or(|f| d.body.sealed_wall_ns >= f) && to_ns.is_none_or(|t| d.body.sealed_wall_ns < t);
+            let in_range = from_ns.is_none_or(|f| d.body.sealed_wall_ns >= f)
+                && to_ns.is_none_or(|t| d.body.sealed_wall_ns < t);
             for f in &d.body.files {
                 let p = root.join(&f.path);
                 named.insert(p.clone(), (f.sha256.clone(), f.bytes));
@@ -413,7 +573,10 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
             }
         }
     }
-    by_sha_all = named.iter().map(|(p, (s, _))| (s.clone(), p.clone())).collect();
+    by_sha_all = named
+        .iter()
+        .map(|(p, (s, _))| (s.clone(), p.clone()))
+        .collect();
     for p in &in_range_files {
         let (sha, bytes) = &named[p];
         match actual_sha.get(p) {
@@ -424,9 +587,16 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
             }
             Some((s, n)) => {
                 if let Some(orig) = by_sha_all.get(s).filter(|o| *o != p) {
-                    r.problems.push(Problem::FileReordered { path: p.clone(), holds_content_of: orig.clone() });
+                    r.problems.push(Problem::FileReordered {
+                        path: p.clone(),
+                        holds_content_of: orig.clone(),
+                    });
                 } else if n < bytes {
-                    r.problems.push(Problem::FileTruncated { path: p.clone(), sealed_bytes: *bytes, found_bytes: *n });
+                    r.problems.push(Problem::FileTruncated {
+                        path: p.clone(),
+                        sealed_bytes: *bytes,
+                        found_bytes: *n,
+                    });
                 } else {
                     r.problems.push(Problem::FileModified { path: p.clone() });
                 }
@@ -438,6 +608,9 @@ pub fn verify(root: &Path, key: Option<&VerifyingKey>, from_ns: Option<i64>, to_
             r.problems.push(Problem::FileExtra { path: p.clone() });
         }
     }
-    r.live_segments = all.into_iter().filter(|p| p.extension().is_some_and(|x| x == "arrows")).collect();
+    r.live_segments = all
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "arrows"))
+        .collect();
     r
 }

@@ -45,9 +45,9 @@ impl RequestKind {
     }
     pub fn reason(&self) -> Option<&str> {
         match self {
-            RequestKind::Rejected { reason } | RequestKind::Finished { reason } | RequestKind::Failed { reason } => {
-                Some(reason)
-            }
+            RequestKind::Rejected { reason }
+            | RequestKind::Finished { reason }
+            | RequestKind::Failed { reason } => Some(reason),
             RequestKind::Admitted | RequestKind::Aborted => None,
         }
     }
@@ -67,7 +67,11 @@ pub enum Writer {
 pub enum PageKind {
     Alloc,
     /// Slots `slot_start..slot_end` written (all layers) in this generation.
-    Write { slot_start: u32, slot_end: u32, writer: Writer },
+    Write {
+        slot_start: u32,
+        slot_end: u32,
+        writer: Writer,
+    },
     Release,
     Quarantine,
     Zero,
@@ -88,8 +92,22 @@ impl PageKind {
 /// One audit event. Every variant names the request and tenant it concerns.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    Request { ts_ns: MonoNs, request: u64, tenant: String, kind: RequestKind, prompt_tokens: u32, output_tokens: u32 },
-    Page { ts_ns: MonoNs, request: u64, tenant: String, page: u32, generation: u32, kind: PageKind },
+    Request {
+        ts_ns: MonoNs,
+        request: u64,
+        tenant: String,
+        kind: RequestKind,
+        prompt_tokens: u32,
+        output_tokens: u32,
+    },
+    Page {
+        ts_ns: MonoNs,
+        request: u64,
+        tenant: String,
+        page: u32,
+        generation: u32,
+        kind: PageKind,
+    },
     /// Run-length read record: request attended slots `slot_start..slot_end` of `(page,
     /// generation)` at every decode step from `first_step` to `last_step` (inclusive), all
     /// verified by the tag check. Flushed when the request ends.
@@ -120,7 +138,15 @@ pub enum Event {
         outcome: String,
     },
     /// The tag check refused a read or write.
-    IntegrityViolation { ts_ns: MonoNs, request: u64, tenant: String, page: Option<u32>, generation: Option<u32>, kind: String, detail: String },
+    IntegrityViolation {
+        ts_ns: MonoNs,
+        request: u64,
+        tenant: String,
+        page: Option<u32>,
+        generation: Option<u32>,
+        kind: String,
+        detail: String,
+    },
 }
 
 impl Event {
@@ -171,7 +197,10 @@ pub struct MemorySink {
 
 impl AuditSink for MemorySink {
     fn record(&self, event: Event) -> Result<(), SinkError> {
-        self.events.lock().map_err(|e| SinkError::Closed(e.to_string()))?.push(event);
+        self.events
+            .lock()
+            .map_err(|e| SinkError::Closed(e.to_string()))?
+            .push(event);
         Ok(())
     }
 }

@@ -129,9 +129,19 @@ impl Table {
             Field::new("ts_ns", DataType::UInt64, false),
             Field::new("wall_ns", DataType::Int64, false),
         ];
-        fields.extend(self.columns().into_iter().map(|(n, t, null)| Field::new(n, t, null)));
-        let meta = [(SCHEMA_VERSION_KEY.to_owned(), SCHEMA_VERSION.to_owned()), ("custody.audit.table".to_owned(), self.name().to_owned())];
-        Arc::new(Schema::new_with_metadata(fields, meta.into_iter().collect()))
+        fields.extend(
+            self.columns()
+                .into_iter()
+                .map(|(n, t, null)| Field::new(n, t, null)),
+        );
+        let meta = [
+            (SCHEMA_VERSION_KEY.to_owned(), SCHEMA_VERSION.to_owned()),
+            ("custody.audit.table".to_owned(), self.name().to_owned()),
+        ];
+        Arc::new(Schema::new_with_metadata(
+            fields,
+            meta.into_iter().collect(),
+        ))
     }
 }
 
@@ -169,7 +179,14 @@ impl TableBuilder {
                 (t, _) => unreachable!("no column of type {t}"),
             })
             .collect();
-        Self { table, node: Vec::new(), seq: Vec::new(), ts: Vec::new(), wall: Vec::new(), cols }
+        Self {
+            table,
+            node: Vec::new(),
+            seq: Vec::new(),
+            ts: Vec::new(),
+            wall: Vec::new(),
+            cols,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -188,23 +205,33 @@ impl TableBuilder {
     }
 
     fn u32(&mut self, i: usize, v: u32) {
-        let Col::U32(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not u32", self.table) };
+        let Col::U32(c) = &mut self.cols[i] else {
+            unreachable!("column {i} of {:?} is not u32", self.table)
+        };
         c.push(v);
     }
     fn ou32(&mut self, i: usize, v: Option<u32>) {
-        let Col::OptU32(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not u32?", self.table) };
+        let Col::OptU32(c) = &mut self.cols[i] else {
+            unreachable!("column {i} of {:?} is not u32?", self.table)
+        };
         c.push(v);
     }
     fn u64(&mut self, i: usize, v: u64) {
-        let Col::U64(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not u64", self.table) };
+        let Col::U64(c) = &mut self.cols[i] else {
+            unreachable!("column {i} of {:?} is not u64", self.table)
+        };
         c.push(v);
     }
     fn s(&mut self, i: usize, v: &str) {
-        let Col::Str(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not utf8", self.table) };
+        let Col::Str(c) = &mut self.cols[i] else {
+            unreachable!("column {i} of {:?} is not utf8", self.table)
+        };
         c.push(v.to_owned());
     }
     fn os(&mut self, i: usize, v: Option<&str>) {
-        let Col::OptStr(c) = &mut self.cols[i] else { unreachable!("column {i} of {:?} is not utf8?", self.table) };
+        let Col::OptStr(c) = &mut self.cols[i] else {
+            unreachable!("column {i} of {:?} is not utf8?", self.table)
+        };
         c.push(v.map(str::to_owned));
     }
 
@@ -213,7 +240,14 @@ impl TableBuilder {
         debug_assert_eq!(Table::of(ev), self.table);
         self.common(node, seq, ev.ts_ns(), wall);
         match ev {
-            Event::Request { request, tenant, kind, prompt_tokens, output_tokens, .. } => {
+            Event::Request {
+                request,
+                tenant,
+                kind,
+                prompt_tokens,
+                output_tokens,
+                ..
+            } => {
                 self.u64(0, *request);
                 self.s(1, tenant);
                 self.s(2, kind.name());
@@ -221,20 +255,34 @@ impl TableBuilder {
                 self.u32(4, *prompt_tokens);
                 self.u32(5, *output_tokens);
             }
-            Event::Page { request, tenant, page, generation, kind, .. } => {
+            Event::Page {
+                request,
+                tenant,
+                page,
+                generation,
+                kind,
+                ..
+            } => {
                 self.u64(0, *request);
                 self.s(1, tenant);
                 self.s(2, kind.name());
                 self.u32(3, *page);
                 self.u32(4, *generation);
                 match kind {
-                    PageKind::Write { slot_start, slot_end, writer } => {
+                    PageKind::Write {
+                        slot_start,
+                        slot_end,
+                        writer,
+                    } => {
                         self.ou32(5, Some(*slot_start));
                         self.ou32(6, Some(*slot_end));
-                        self.os(7, Some(match writer {
-                            Writer::Local => "local",
-                            Writer::Transfer => "transfer",
-                        }));
+                        self.os(
+                            7,
+                            Some(match writer {
+                                Writer::Local => "local",
+                                Writer::Transfer => "transfer",
+                            }),
+                        );
                     }
                     _ => {
                         self.ou32(5, None);
@@ -271,7 +319,17 @@ impl TableBuilder {
                 self.u64(10, *checksum);
                 self.s(11, outcome);
             }
-            Event::Read { request, tenant, page, generation, slot_start, slot_end, first_step, last_step, .. } => {
+            Event::Read {
+                request,
+                tenant,
+                page,
+                generation,
+                slot_start,
+                slot_end,
+                first_step,
+                last_step,
+                ..
+            } => {
                 self.u64(0, *request);
                 self.s(1, tenant);
                 self.u32(2, *page);
@@ -281,7 +339,15 @@ impl TableBuilder {
                 self.u32(6, *first_step);
                 self.u32(7, *last_step);
             }
-            Event::IntegrityViolation { request, tenant, page, generation, kind, detail, .. } => {
+            Event::IntegrityViolation {
+                request,
+                tenant,
+                page,
+                generation,
+                kind,
+                detail,
+                ..
+            } => {
                 self.u64(0, *request);
                 self.s(1, tenant);
                 self.ou32(2, *page);
@@ -293,7 +359,15 @@ impl TableBuilder {
     }
 
     /// A writer record (WriterEvents table).
-    pub fn push_writer_event(&mut self, node: u32, seq: u64, ts: u64, wall: i64, event: &str, count: u64) {
+    pub fn push_writer_event(
+        &mut self,
+        node: u32,
+        seq: u64,
+        ts: u64,
+        wall: i64,
+        event: &str,
+        count: u64,
+    ) {
         debug_assert_eq!(self.table, Table::WriterEvents);
         self.common(node, seq, ts, wall);
         self.s(0, event);

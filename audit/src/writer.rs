@@ -34,8 +34,8 @@ use arrow::record_batch::RecordBatch;
 use ed25519_dalek::SigningKey;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
-use parquet::file::properties::WriterProperties;
 use parquet::file::metadata::KeyValue;
+use parquet::file::properties::WriterProperties;
 
 use crate::digest::{self, DigestFile, SealedFile};
 use crate::schema::{SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, TableBuilder};
@@ -50,7 +50,10 @@ pub fn mono_now_ns() -> u64 {
 #[derive(Debug, thiserror::Error)]
 pub enum WriterError {
     #[error("audit I/O on {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("arrow: {0}")]
     Arrow(#[from] arrow::error::ArrowError),
     #[error("parquet: {0}")]
@@ -62,7 +65,10 @@ pub enum WriterError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> WriterError + '_ {
-    move |source| WriterError::Io { path: path.to_owned(), source }
+    move |source| WriterError::Io {
+        path: path.to_owned(),
+        source,
+    }
 }
 
 /// When the live segment is fsynced.
@@ -171,7 +177,13 @@ impl AuditWriter {
                 }
             })
             .map_err(|e| WriterError::Closed(e.to_string()))?;
-        Ok(Self { tx, backpressure: cfg.backpressure, dropped, failure, handle: Mutex::new(Some(handle)) })
+        Ok(Self {
+            tx,
+            backpressure: cfg.backpressure,
+            dropped,
+            failure,
+            handle: Mutex::new(Some(handle)),
+        })
     }
 
     fn closed(&self) -> String {
@@ -186,15 +198,23 @@ impl AuditWriter {
     /// this node (the next seq).
     pub fn sync(&self) -> Result<u64, WriterError> {
         let (tx, rx) = mpsc::sync_channel(1);
-        self.tx.send(Msg::Sync(tx)).map_err(|_| WriterError::Closed(self.closed()))?;
-        rx.recv().map_err(|_| WriterError::Closed(self.closed()))?.map_err(WriterError::Closed)
+        self.tx
+            .send(Msg::Sync(tx))
+            .map_err(|_| WriterError::Closed(self.closed()))?;
+        rx.recv()
+            .map_err(|_| WriterError::Closed(self.closed()))?
+            .map_err(WriterError::Closed)
     }
 
     /// Seal the live segment now (Parquet + digest).
     pub fn rotate(&self) -> Result<(), WriterError> {
         let (tx, rx) = mpsc::sync_channel(1);
-        self.tx.send(Msg::Rotate(tx)).map_err(|_| WriterError::Closed(self.closed()))?;
-        rx.recv().map_err(|_| WriterError::Closed(self.closed()))?.map_err(WriterError::Closed)
+        self.tx
+            .send(Msg::Rotate(tx))
+            .map_err(|_| WriterError::Closed(self.closed()))?;
+        rx.recv()
+            .map_err(|_| WriterError::Closed(self.closed()))?
+            .map_err(WriterError::Closed)
     }
 
     /// Events dropped so far (only in `AllowDrop` mode; always 0 otherwise).
@@ -224,7 +244,10 @@ impl Drop for AuditWriter {
 impl AuditSink for AuditWriter {
     fn record(&self, event: Event) -> Result<(), SinkError> {
         match self.backpressure {
-            Backpressure::Block => self.tx.send(Msg::Event(event)).map_err(|_| SinkError::Closed(self.closed())),
+            Backpressure::Block => self
+                .tx
+                .send(Msg::Event(event))
+                .map_err(|_| SinkError::Closed(self.closed())),
             Backpressure::AllowDrop => match self.tx.try_send(Msg::Event(event)) {
                 Ok(()) => Ok(()),
                 Err(TrySendError::Full(_)) => {
@@ -288,12 +311,17 @@ impl State {
         fs::create_dir_all(live_dir(&cfg.root, cfg.node)).map_err(io(&cfg.root))?;
         let chain = digest::ChainHead::load(&cfg.root, cfg.node).map_err(WriterError::Digest)?;
         let anchor_mono = mono_now_ns();
-        let anchor_wall = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
+        let anchor_wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i64);
         let mut st = Self {
             next_seq: chain.next_seq,
             segment_seq_start: chain.next_seq,
             segment: chain.next_segment,
-            builders: Table::ALL.into_iter().map(|t| (t, TableBuilder::new(t))).collect(),
+            builders: Table::ALL
+                .into_iter()
+                .map(|t| (t, TableBuilder::new(t)))
+                .collect(),
             live: BTreeMap::new(),
             segment_started: Instant::now(),
             live_bytes: 0,
@@ -333,15 +361,24 @@ impl State {
                 .and_then(|s| s.to_str())
                 .and_then(|s| s.split_once('-'))
                 .and_then(|(_, t)| Table::from_name(t))
-                .ok_or_else(|| WriterError::Digest(format!("unrecognised live file {}", f.display())))?;
-            let Ok(reader) = File::open(f).map_err(io(f)).and_then(|fh| Ok(StreamReader::try_new(fh, None)?)) else {
+                .ok_or_else(|| {
+                    WriterError::Digest(format!("unrecognised live file {}", f.display()))
+                })?;
+            let Ok(reader) = File::open(f)
+                .map_err(io(f))
+                .and_then(|fh| Ok(StreamReader::try_new(fh, None)?))
+            else {
                 tracing::warn!(file = %f.display(), "live segment has no complete schema message; nothing to recover");
                 continue;
             };
             for batch in reader {
                 // A torn final message ends recovery of this file: everything before it is kept.
                 let Ok(batch) = batch else { break };
-                if let Some(seq) = batch.column(1).as_any().downcast_ref::<arrow::array::UInt64Array>() {
+                if let Some(seq) = batch
+                    .column(1)
+                    .as_any()
+                    .downcast_ref::<arrow::array::UInt64Array>()
+                {
                     for v in seq.values().iter() {
                         max_seq = Some(max_seq.map_or(*v, |m: u64| m.max(*v)));
                         min_seq = Some(min_seq.map_or(*v, |m: u64| m.min(*v)));
@@ -350,8 +387,16 @@ impl State {
                 recovered.entry(table).or_default().push(batch);
             }
         }
-        let rows: usize = recovered.values().flatten().map(RecordBatch::num_rows).sum();
-        tracing::warn!(files = files.len(), rows, "recovering unsealed audit live segment");
+        let rows: usize = recovered
+            .values()
+            .flatten()
+            .map(RecordBatch::num_rows)
+            .sum();
+        tracing::warn!(
+            files = files.len(),
+            rows,
+            "recovering unsealed audit live segment"
+        );
         if let Some(m) = max_seq {
             self.segment_seq_start = min_seq.unwrap_or(self.next_seq).min(self.next_seq);
             self.next_seq = self.next_seq.max(m + 1);
@@ -402,7 +447,8 @@ impl State {
                 }
             }
             if self.live_bytes >= self.cfg.rotate_bytes
-                || (self.live_bytes > 0 && self.segment_started.elapsed() >= self.cfg.rotate_interval)
+                || (self.live_bytes > 0
+                    && self.segment_started.elapsed() >= self.cfg.rotate_interval)
             {
                 self.rotate()?;
             }
@@ -420,7 +466,11 @@ impl State {
             if let Some(b) = self.builders.get_mut(&Table::WriterEvents) {
                 b.push_writer_event(node, seq, ts, wall, "dropped", now - *reported);
             }
-            tracing::error!(dropped = now - *reported, total = now, "audit events dropped (allow_drop mode)");
+            tracing::error!(
+                dropped = now - *reported,
+                total = now,
+                "audit events dropped (allow_drop mode)"
+            );
             self.pending_rows += 1;
             *reported = now;
         }
@@ -447,11 +497,19 @@ impl State {
             let batch = b.finish();
             if !self.live.contains_key(table) {
                 let path = dir.join(format!("{:016}-{}.arrows", self.segment, table.name()));
-                let file = OpenOptions::new().create(true).truncate(true).write(true).open(&path).map_err(io(&path))?;
+                let file = OpenOptions::new()
+                    .create(true)
+                    .truncate(true)
+                    .write(true)
+                    .open(&path)
+                    .map_err(io(&path))?;
                 let writer = StreamWriter::try_new(BufWriter::new(file), &table.schema())?;
                 self.live.insert(*table, Live { path, writer });
             }
-            let live = self.live.get_mut(table).ok_or_else(|| WriterError::Closed("live segment vanished".into()))?;
+            let live = self
+                .live
+                .get_mut(table)
+                .ok_or_else(|| WriterError::Closed("live segment vanished".into()))?;
             live.writer.write(&batch)?;
             live.writer.flush()?;
             self.live_bytes += batch.get_array_memory_size() as u64;
@@ -464,7 +522,11 @@ impl State {
         };
         if force_sync || due {
             for live in self.live.values_mut() {
-                live.writer.get_mut().get_ref().sync_data().map_err(io(&live.path))?;
+                live.writer
+                    .get_mut()
+                    .get_ref()
+                    .sync_data()
+                    .map_err(io(&live.path))?;
             }
             fsync_dir(&dir)?;
             self.last_fsync = Instant::now();
@@ -484,7 +546,8 @@ impl State {
         for (table, mut live) in std::mem::take(&mut self.live) {
             live.writer.finish()?;
             paths.push(live.path.clone());
-            let reader = StreamReader::try_new(File::open(&live.path).map_err(io(&live.path))?, None)?;
+            let reader =
+                StreamReader::try_new(File::open(&live.path).map_err(io(&live.path))?, None)?;
             for b in reader {
                 batches.entry(table).or_default().push(b?);
             }
@@ -501,7 +564,9 @@ impl State {
 
     /// Write each table's batches as one Parquet file and chain a signed digest over them.
     fn seal(&mut self, batches: BTreeMap<Table, Vec<RecordBatch>>) -> Result<(), WriterError> {
-        let sealed_wall = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
+        let sealed_wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i64);
         let date = utc_date(sealed_wall);
         let mut files = Vec::new();
         for (table, bs) in batches {
@@ -514,12 +579,18 @@ impl State {
                 .join(format!("date={date}"))
                 .join(format!("{:016}.parquet", self.segment));
             let path = self.cfg.root.join(&rel);
-            let dir = path.parent().map(Path::to_path_buf).unwrap_or_else(|| self.cfg.root.clone());
+            let dir = path
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| self.cfg.root.clone());
             fs::create_dir_all(&dir).map_err(io(&dir))?;
             let tmp = dir.join(format!(".{:016}.parquet.tmp", self.segment));
             let props = WriterProperties::builder()
                 .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
-                .set_key_value_metadata(Some(vec![KeyValue::new(SCHEMA_VERSION_KEY.to_owned(), SCHEMA_VERSION.to_owned())]))
+                .set_key_value_metadata(Some(vec![KeyValue::new(
+                    SCHEMA_VERSION_KEY.to_owned(),
+                    SCHEMA_VERSION.to_owned(),
+                )]))
                 .build();
             let file = File::create(&tmp).map_err(io(&tmp))?;
             let mut w = ArrowWriter::try_new(file, table.schema(), Some(props))?;
@@ -532,14 +603,29 @@ impl State {
             fs::rename(&tmp, &path).map_err(io(&path))?;
             fsync_dir(&dir)?;
             let (sha256, bytes) = digest::sha256_file(&path).map_err(io(&path))?;
-            files.push(SealedFile { path: rel.to_string_lossy().into_owned(), table: table.name().to_owned(), sha256, bytes, rows: rows as u64 });
+            files.push(SealedFile {
+                path: rel.to_string_lossy().into_owned(),
+                table: table.name().to_owned(),
+                sha256,
+                bytes,
+                rows: rows as u64,
+            });
         }
         if files.is_empty() {
             return Ok(());
         }
         let seq_start = self.segment_seq_start;
         let seq_end = self.next_seq;
-        let d = DigestFile::new(&self.chain, self.cfg.node, self.segment, seq_start, seq_end, sealed_wall, files, &self.cfg.signing_key);
+        let d = DigestFile::new(
+            &self.chain,
+            self.cfg.node,
+            self.segment,
+            seq_start,
+            seq_end,
+            sealed_wall,
+            files,
+            &self.cfg.signing_key,
+        );
         self.chain = d.write(&self.cfg.root).map_err(WriterError::Digest)?;
         self.segment += 1;
         self.segment_seq_start = self.next_seq;

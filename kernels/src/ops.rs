@@ -63,10 +63,31 @@ pub fn softmax(x: &mut [f32]) {
 }
 
 /// `gate = silu(gate) · up`, in place.
+///
+/// As ggml's `ggml_vec_swiglu_f32` (AVX-512): `x / (1 + ggml_v_expf(-x)) · up`. The exponential
+/// must be ggml's polynomial, not libm's: they differ in the last bit for about a quarter of the
+/// inputs, and although the Q8 quantization of the down-projection input hides most of that, it
+/// occasionally flips a quantized value and the whole row diverges from then on.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() == Level::Avx2 {
+        // SAFETY: the Avx2 level is only selected when avx2 and fma were detected.
+        return unsafe { swiglu_fma(gate, up) };
+    }
+    swiglu_body(gate, up);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_fma(gate: &mut [f32], up: &[f32]) {
+    swiglu_body(gate, up);
+}
+
+#[inline(always)]
+fn swiglu_body(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = *g / (1.0 + crate::attention::ggml_expf(0.0 - *g)) * u;
     }
 }
 
