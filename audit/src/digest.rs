@@ -23,7 +23,7 @@ pub fn hex(bytes: &[u8]) -> String {
 }
 
 pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())
@@ -414,7 +414,7 @@ pub fn verify(
 ) -> Report {
     let mut r = Report::default();
     let mut named: BTreeMap<PathBuf, (String, u64)> = BTreeMap::new();
-    let by_sha_all: BTreeMap<String, PathBuf>;
+
     let mut in_range_files: BTreeSet<PathBuf> = BTreeSet::new();
     let digests_root = root.join("_digests");
     let mut nodes: Vec<PathBuf> = fs::read_dir(&digests_root)
@@ -480,14 +480,14 @@ pub fn verify(
                     digest: path.clone(),
                 });
                 ok = false;
-            } else if let Some(k) = key {
-                if hex(k.as_bytes()) != d.body.public_key {
-                    r.problems.push(Problem::WrongKey {
-                        digest: path.clone(),
-                        key: d.body.public_key.clone(),
-                    });
-                    ok = false;
-                }
+            } else if let Some(k) = key
+                && hex(k.as_bytes()) != d.body.public_key
+            {
+                r.problems.push(Problem::WrongKey {
+                    digest: path.clone(),
+                    key: d.body.public_key.clone(),
+                });
+                ok = false;
             }
             // Chain link and order.
             match &prev {
@@ -567,13 +567,13 @@ pub fn verify(
     let mut all = Vec::new();
     walk(root, &mut all);
     for p in &all {
-        if p.extension().is_some_and(|x| x == "parquet") {
-            if let Ok(s) = sha256_file(p) {
-                actual_sha.insert(p.clone(), s);
-            }
+        if p.extension().is_some_and(|x| x == "parquet")
+            && let Ok(s) = sha256_file(p)
+        {
+            actual_sha.insert(p.clone(), s);
         }
     }
-    by_sha_all = named
+    let by_sha_all: BTreeMap<String, PathBuf> = named
         .iter()
         .map(|(p, (s, _))| (s.clone(), p.clone()))
         .collect();

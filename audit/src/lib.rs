@@ -23,6 +23,15 @@ use std::sync::{Arc, Mutex};
 /// Nanoseconds on the node's monotonic clock (the writer anchors it to wall-clock time).
 pub type MonoNs = u64;
 
+/// Process-wide monotonic clock for audit timestamps, in nanoseconds since first use.
+pub fn mono_now_ns() -> MonoNs {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_nanos() as u64
+}
+
 /// A request's lifecycle event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RequestKind {

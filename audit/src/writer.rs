@@ -24,7 +24,7 @@ use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -39,13 +39,7 @@ use parquet::file::properties::WriterProperties;
 
 use crate::digest::{self, DigestFile, SealedFile};
 use crate::schema::{SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, TableBuilder};
-use crate::{AuditSink, Event, SinkError};
-
-/// Process-wide monotonic clock for audit timestamps, in nanoseconds.
-pub fn mono_now_ns() -> u64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
-}
+use crate::{AuditSink, Event, SinkError, mono_now_ns};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriterError {

@@ -214,6 +214,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             seed: a.seed,
         },
         stop_ids: tokenizer.stop_ids.clone(),
+        tenant: "cli".into(),
     };
     let n_prompt = req.prompt.len();
     let id = engine.submit(req).context("request rejected")?;
@@ -307,6 +308,7 @@ fn bench(a: BenchArgs) -> Result<()> {
                 max_tokens: a.gen_tokens + 1,
                 sampling: SamplingParams::default(),
                 stop_ids: Vec::new(),
+                tenant: "bench".into(),
             };
             engine.submit(req)?;
             let t0 = Instant::now();

@@ -14,6 +14,9 @@
 //! remaining budget. Decode never waits for a long prefill to finish.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
+
+use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 
 use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder};
 
@@ -50,6 +53,8 @@ pub enum AdmissionError {
     QueueFull { max_waiting: usize },
     #[error("invalid sampling parameters: {0}")]
     BadSampling(String),
+    #[error("the audit log is unavailable, so no work is admitted: {0}")]
+    AuditUnavailable(String),
 }
 
 /// Why the engine refused to start.
@@ -78,6 +83,8 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Tokens that end generation (not emitted).
     pub stop_ids: Vec<u32>,
+    /// Whose data the prompt is (recorded with every page event).
+    pub tenant: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,6 +112,11 @@ pub enum Event {
         id: RequestId,
         error: IntegrityError,
     },
+    /// Stopped without output because the engine cannot record what it does (audit failure).
+    Aborted {
+        id: RequestId,
+        reason: String,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,6 +139,9 @@ struct Seq {
     n_cached: usize,
     generated: usize,
     phase: Phase,
+    tenant: String,
+    /// Run-length read record per logical page: (slot_end, first_step, last_step).
+    reads: Vec<Option<(u32, u32, u32)>>,
 }
 
 /// The single-node engine. Not `Sync`: one scheduler thread drives it; kernels parallelise inside.
@@ -140,6 +155,10 @@ pub struct Engine {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     scratch: Scratch,
+    sink: Option<Arc<dyn AuditSink>>,
+    /// Set when the sink refused an event: the engine then admits and runs nothing (fail-closed).
+    audit_error: Option<String>,
+    step_no: u32,
 }
 
 impl Engine {
@@ -192,7 +211,125 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             scratch: Scratch::default(),
+            sink: None,
+            audit_error: None,
+            step_no: 0,
         })
+    }
+
+    /// Record every page allocation, write, read and release, and every request's lifecycle, into
+    /// `sink`. Without a sink nothing is recorded (audit off).
+    pub fn with_audit(mut self, sink: Arc<dyn AuditSink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Why the engine stopped serving, if its audit sink failed.
+    pub fn audit_error(&self) -> Option<&str> {
+        self.audit_error.as_deref()
+    }
+
+    fn emit(&mut self, ev: audit::Event) {
+        if let Some(sink) = &self.sink {
+            if let Err(e) = sink.record(ev) {
+                if self.audit_error.is_none() {
+                    tracing::error!(error = %e, "audit sink failed: the engine stops admitting and running work");
+                }
+                self.audit_error.get_or_insert(e.to_string());
+            }
+        }
+    }
+
+    fn emit_request(
+        &mut self,
+        id: RequestId,
+        tenant: &str,
+        kind: RequestKind,
+        prompt: usize,
+        output: usize,
+    ) {
+        if self.sink.is_some() {
+            let ev = audit::Event::Request {
+                ts_ns: now_ns(),
+                request: id,
+                tenant: tenant.to_owned(),
+                kind,
+                prompt_tokens: prompt as u32,
+                output_tokens: output as u32,
+            };
+            self.emit(ev);
+        }
+    }
+
+    fn emit_pages(&mut self, id: RequestId, tenant: &str, pages: &[PageRef], kind: PageKind) {
+        if self.sink.is_some() {
+            for pr in pages {
+                let ev = audit::Event::Page {
+                    ts_ns: now_ns(),
+                    request: id,
+                    tenant: tenant.to_owned(),
+                    page: pr.page,
+                    generation: pr.generation,
+                    kind,
+                };
+                self.emit(ev);
+            }
+        }
+    }
+
+    /// Write-ahead: the slots `start..start + n` of a sequence, split by page.
+    fn emit_writes(
+        &mut self,
+        id: RequestId,
+        tenant: &str,
+        pages: &[PageRef],
+        start: usize,
+        n: usize,
+    ) {
+        if self.sink.is_none() || n == 0 {
+            return;
+        }
+        let ps = self.pool.page_size();
+        let mut pos = start;
+        while pos < start + n {
+            let idx = pos / ps;
+            let end = ((idx + 1) * ps).min(start + n);
+            if let Some(&pr) = pages.get(idx) {
+                let kind = PageKind::Write {
+                    slot_start: (pos - idx * ps) as u32,
+                    slot_end: (end - idx * ps) as u32,
+                    writer: audit::Writer::Local,
+                };
+                self.emit_pages(id, tenant, &[pr], kind);
+            }
+            pos = end;
+        }
+    }
+
+    /// Flush a sequence's read runs, release its pages, and record how it ended.
+    fn retire(&mut self, s: Seq, kind: RequestKind) {
+        if self.sink.is_some() {
+            for (idx, run) in s.reads.iter().enumerate() {
+                if let (Some((slot_end, first_step, last_step)), Some(pr)) = (run, s.pages.get(idx))
+                {
+                    let ev = audit::Event::Read {
+                        ts_ns: now_ns(),
+                        request: s.id,
+                        tenant: s.tenant.clone(),
+                        page: pr.page,
+                        generation: pr.generation,
+                        slot_start: 0,
+                        slot_end: *slot_end,
+                        first_step: *first_step,
+                        last_step: *last_step,
+                    };
+                    self.emit(ev);
+                }
+            }
+        }
+        self.release(&s);
+        let out = s.generated;
+        self.emit_request(s.id, &s.tenant, kind, s.prompt.len(), out);
     }
 
     pub fn model(&self) -> &Model {
@@ -214,6 +351,45 @@ impl Engine {
 
     /// Admit or reject a request. Rejection happens before any page is allocated.
     pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, AdmissionError> {
+        if let Some(e) = &self.audit_error {
+            return Err(AdmissionError::AuditUnavailable(e.clone()));
+        }
+        let checked = self.check_admission(&req);
+        let id = self.next_id;
+        self.next_id += 1;
+        if let Err(e) = checked {
+            self.emit_request(
+                id,
+                &req.tenant,
+                RequestKind::Rejected {
+                    reason: e.to_string(),
+                },
+                req.prompt.len(),
+                0,
+            );
+            return Err(e);
+        }
+        self.emit_request(id, &req.tenant, RequestKind::Admitted, req.prompt.len(), 0);
+        if let Some(e) = &self.audit_error {
+            return Err(AdmissionError::AuditUnavailable(e.clone()));
+        }
+        self.waiting.push_back(Seq {
+            id,
+            prompt: req.prompt,
+            max_tokens: req.max_tokens,
+            stop_ids: req.stop_ids,
+            sampler: Sampler::new(req.sampling),
+            pages: Vec::new(),
+            n_cached: 0,
+            generated: 0,
+            phase: Phase::Prefill,
+            tenant: req.tenant,
+            reads: Vec::new(),
+        });
+        Ok(id)
+    }
+
+    fn check_admission(&self, req: &GenerateRequest) -> Result<(), AdmissionError> {
         if req.prompt.is_empty() {
             return Err(AdmissionError::EmptyPrompt);
         }
@@ -247,31 +423,20 @@ impl Engine {
                 max_waiting: self.cfg.max_waiting,
             });
         }
-        let id = self.next_id;
-        self.next_id += 1;
-        self.waiting.push_back(Seq {
-            id,
-            prompt: req.prompt,
-            max_tokens: req.max_tokens,
-            stop_ids: req.stop_ids,
-            sampler: Sampler::new(req.sampling),
-            pages: Vec::new(),
-            n_cached: 0,
-            generated: 0,
-            phase: Phase::Prefill,
-        });
-        Ok(id)
+        Ok(())
     }
 
     /// Abort a request (waiting or running). Returns whether it existed.
     pub fn abort(&mut self, id: RequestId) -> bool {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            self.waiting.remove(i);
+            if let Some(s) = self.waiting.remove(i) {
+                self.retire(s, RequestKind::Aborted);
+            }
             return true;
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let s = self.running.swap_remove(i);
-            self.release(&s);
+            self.retire(s, RequestKind::Aborted);
             return true;
         }
         false
@@ -281,10 +446,20 @@ impl Engine {
         // Page by page: a page whose tag no longer proves it is ours is not returned to the free
         // list (leaked rather than reused — the safe direction).
         for pr in &s.pages {
-            if let Err(e @ PoolError::BadRelease { .. }) =
-                self.pool.release(s.id, std::slice::from_ref(pr))
-            {
-                tracing::error!(request = s.id, error = %e, "page not released: tag mismatch");
+            match self.pool.release(s.id, std::slice::from_ref(pr)) {
+                Ok(()) => {
+                    self.emit_pages(s.id, &s.tenant, std::slice::from_ref(pr), PageKind::Release)
+                }
+                Err(e) => {
+                    // Kept out of circulation; recorded as quarantined.
+                    tracing::error!(request = s.id, error = %e, "page not released: tag mismatch");
+                    self.emit_pages(
+                        s.id,
+                        &s.tenant,
+                        std::slice::from_ref(pr),
+                        PageKind::Quarantine,
+                    );
+                }
             }
         }
     }
@@ -305,16 +480,23 @@ impl Engine {
                 Ok(pages) => s.pages = pages,
                 Err(e) => unreachable!("free pages checked above: {e}"),
             }
+            s.reads = vec![None; s.pages.len()];
+            let (id, tenant, pages) = (s.id, s.tenant.clone(), s.pages.clone());
             self.running.push(s);
+            self.emit_pages(id, &tenant, &pages, PageKind::Alloc);
         }
     }
 
     /// Run one batch. Returns the events it produced (empty when idle).
     pub fn step(&mut self) -> Vec<Event> {
+        if self.audit_error.is_some() {
+            return self.abort_all();
+        }
         self.admit();
         if self.running.is_empty() {
             return Vec::new();
         }
+        self.step_no = self.step_no.wrapping_add(1);
         // Plan: (running index, input tokens, start position, wants logits).
         let mut budget = self.cfg.max_batch_tokens;
         let mut plan: Vec<(usize, Vec<u32>, usize, bool)> = Vec::new();
@@ -336,6 +518,18 @@ impl Engine {
             }
         }
         debug_assert!(!plan.is_empty());
+        // Write-ahead: the slots this step writes are recorded before they are written.
+        for (i, toks, start, _) in &plan {
+            let (id, tenant, pages) = (
+                self.running[*i].id,
+                self.running[*i].tenant.clone(),
+                self.running[*i].pages.clone(),
+            );
+            self.emit_writes(id, &tenant, &pages, *start, toks.len());
+        }
+        if self.audit_error.is_some() {
+            return self.abort_all();
+        }
         let segments: Vec<Segment<'_>> = plan
             .iter()
             .map(|(i, toks, start, want)| Segment {
@@ -358,16 +552,33 @@ impl Engine {
 
         let mut events = Vec::new();
         let mut done = Vec::new();
+        let mut violations = Vec::new();
+        let ps = self.pool.page_size();
+        let step_no = self.step_no;
         for ((i, toks, _, want), res) in plan.into_iter().zip(results) {
             let s = &mut self.running[i];
             match res {
                 Err(error) => {
                     tracing::warn!(request = s.id, %error, "request failed the integrity check");
+                    violations.push((s.id, s.tenant.clone(), error.clone()));
                     events.push(Event::Failed { id: s.id, error });
-                    done.push(i);
+                    done.push((
+                        i,
+                        RequestKind::Failed {
+                            reason: "integrity".into(),
+                        },
+                    ));
                 }
                 Ok(logits) => {
                     s.n_cached += toks.len();
+                    // Every slot 0..n_cached was attended (and tag-checked) in this step.
+                    for (idx, run) in s.reads.iter_mut().enumerate().take(s.n_cached.div_ceil(ps)) {
+                        let end = (s.n_cached - idx * ps).min(ps) as u32;
+                        *run = Some(match *run {
+                            Some((e, first, _)) => (e.max(end), first, step_no),
+                            None => (end, step_no, step_no),
+                        });
+                    }
                     if !want {
                         continue;
                     }
@@ -392,16 +603,56 @@ impl Engine {
                             prompt_tokens: s.prompt.len(),
                             generated_tokens: s.generated,
                         });
-                        done.push(i);
+                        let why = if stop { "stop" } else { "length" };
+                        done.push((i, RequestKind::Finished { reason: why.into() }));
                     } else {
                         s.phase = Phase::Decode { next_input: tok };
                     }
                 }
             }
         }
-        done.sort_unstable();
-        for i in done.into_iter().rev() {
+        for (id, tenant, error) in violations {
+            let (page, generation) = violation_page(&error);
+            let kind = format!("{error:?}")
+                .split([' ', '{'])
+                .next()
+                .unwrap_or("Integrity")
+                .to_owned();
+            self.emit(audit::Event::IntegrityViolation {
+                ts_ns: now_ns(),
+                request: id,
+                tenant,
+                page,
+                generation,
+                kind,
+                detail: error.to_string(),
+            });
+        }
+        done.sort_unstable_by_key(|(i, _)| *i);
+        for (i, kind) in done.into_iter().rev() {
             let s = self.running.remove(i);
+            self.retire(s, kind);
+        }
+        events
+    }
+
+    /// Audit failure: stop everything, emitting no further tokens.
+    fn abort_all(&mut self) -> Vec<Event> {
+        let reason = format!(
+            "audit log unavailable: {}",
+            self.audit_error.clone().unwrap_or_default()
+        );
+        let mut events = Vec::new();
+        let all: Vec<Seq> = self
+            .running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect();
+        for s in all {
+            events.push(Event::Aborted {
+                id: s.id,
+                reason: reason.clone(),
+            });
             self.release(&s);
         }
         events
@@ -422,6 +673,8 @@ impl Engine {
             .pool
             .alloc(owner, self.pages_for(tokens.len()))
             .map_err(ScoreError::Pool)?;
+        self.emit_pages(owner, "score", &pages, PageKind::Alloc);
+        self.emit_writes(owner, "score", &pages, 0, tokens.len());
         let mut out = Vec::with_capacity(tokens.len() * self.model.config.vocab_size);
         let mut result = Ok(());
         for (ci, chunk) in tokens.chunks(self.cfg.max_batch_tokens).enumerate() {
@@ -446,9 +699,34 @@ impl Engine {
                 None => unreachable!("one segment in, one result out"),
             }
         }
-        if let Err(e) = self.pool.release(owner, &pages) {
-            tracing::error!(error = %e, "score: pages not released");
-        }
+        let s = Seq {
+            id: owner,
+            prompt: tokens.to_vec(),
+            max_tokens: 0,
+            stop_ids: Vec::new(),
+            sampler: Sampler::new(SamplingParams::default()),
+            reads: (0..pages.len())
+                .map(|i| {
+                    Some((
+                        (tokens.len() - i * self.pool.page_size()).min(self.pool.page_size())
+                            as u32,
+                        0,
+                        0,
+                    ))
+                })
+                .collect(),
+            pages,
+            n_cached: tokens.len(),
+            generated: 0,
+            phase: Phase::Prefill,
+            tenant: "score".into(),
+        };
+        self.retire(
+            s,
+            RequestKind::Finished {
+                reason: "score".into(),
+            },
+        );
         result.map(|()| out)
     }
 
@@ -456,6 +734,26 @@ impl Engine {
     /// bugs did, to prove the integrity check catches it.
     pub fn fault_injection(&mut self) -> FaultInjector<'_> {
         FaultInjector { engine: self }
+    }
+}
+
+fn now_ns() -> u64 {
+    custody_audit::mono_now_ns()
+}
+
+/// The page (and generation) an integrity error names, for the violation record.
+fn violation_page(e: &IntegrityError) -> (Option<u32>, Option<u32>) {
+    match *e {
+        IntegrityError::PageOutOfRange { page, .. } => (Some(page), None),
+        IntegrityError::BlockTableTooShort { .. } => (None, None),
+        IntegrityError::StaleGeneration { page, found, .. } => (Some(page), Some(found)),
+        IntegrityError::ForeignOwner {
+            page, generation, ..
+        } => (Some(page), Some(generation)),
+        IntegrityError::UnwrittenSlot {
+            page, generation, ..
+        } => (Some(page), Some(generation)),
+        IntegrityError::OutOfOrderWrite { page, .. } => (Some(page), None),
     }
 }
 

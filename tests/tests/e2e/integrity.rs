@@ -17,6 +17,7 @@ fn req(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         max_tokens: n,
         sampling: SamplingParams::default(),
         stop_ids: vec![],
+        tenant: "tenant-a".into(),
     }
 }
 

@@ -28,6 +28,7 @@ pub fn greedy(engine: &mut custody_runtime::Engine, prompt: Vec<u32>, n: usize) 
             max_tokens: n,
             sampling: SamplingParams::default(),
             stop_ids: vec![],
+            tenant: "tenant-a".into(),
         })
         .expect("admitted");
     let mut out = Vec::new();

@@ -14,6 +14,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         max_tokens,
         sampling: SamplingParams::default(),
         stop_ids: vec![],
+        tenant: "tenant-a".into(),
     }
 }
 
@@ -152,6 +153,7 @@ fn batched_generation_equals_each_prompt_alone() {
                     finished += 1;
                 }
                 Event::Failed { error, .. } => panic!("{error}"),
+                Event::Aborted { reason, .. } => panic!("{reason}"),
             }
         }
     }
@@ -187,6 +189,7 @@ fn sampling_is_reproducible_with_a_seed() {
                 max_tokens: 20,
                 sampling: params,
                 stop_ids: vec![],
+                tenant: "tenant-a".into(),
             })
             .expect("admit");
         let mut v = Vec::new();
