@@ -29,6 +29,53 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Measure prefill and decode throughput (tokens/s) and the cost of the tag check.
     Bench(BenchArgs),
+    /// The audit log: keys, verification, writer benchmark.
+    #[command(subcommand)]
+    Audit(AuditCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum AuditCmd {
+    /// Create an Ed25519 signing key (hex seed, mode 0600) and its public key (`<out>.pub`).
+    Keygen {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Verify the digest chain and every sealed file under an audit root. Exit code 1 on any
+    /// problem.
+    Verify {
+        root: PathBuf,
+        /// Expected public key (hex file from `keygen`); default: trust the key in the first digest.
+        #[arg(long)]
+        public_key: Option<PathBuf>,
+        /// Only digests sealed at or after this UTC time (`YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ`).
+        #[arg(long)]
+        from: Option<String>,
+        /// Only digests sealed before this UTC time.
+        #[arg(long)]
+        to: Option<String>,
+    },
+    /// Writer throughput (events/s on one core) and bytes per event on disk for a realistic mix.
+    Bench {
+        #[arg(long, default_value_t = 2_000_000)]
+        events: u64,
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+}
+
+/// Audit options shared by commands that run the engine.
+#[derive(Args, Debug)]
+struct AuditArgs {
+    /// Record every page event into this audit root (Parquet); requires --audit-key.
+    #[arg(long)]
+    audit_dir: Option<PathBuf>,
+    /// Ed25519 signing key for the digest chain (`custody audit keygen`).
+    #[arg(long)]
+    audit_key: Option<PathBuf>,
+    /// Node id recorded in the audit log.
+    #[arg(long, default_value_t = 0)]
+    node: u32,
 }
 
 #[derive(Args, Debug)]
@@ -68,6 +115,8 @@ struct GenerateArgs {
     top_p: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    audit: AuditArgs,
 }
 
 #[derive(Args, Debug)]
@@ -114,7 +163,144 @@ fn try_main(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Generate(a) => generate(a),
         Cmd::Bench(a) => bench(a),
+        Cmd::Audit(a) => audit_cmd(a),
     }
+}
+
+fn open_audit(a: &AuditArgs) -> Result<Option<std::sync::Arc<custody_audit::writer::AuditWriter>>> {
+    let Some(dir) = &a.audit_dir else { return Ok(None) };
+    let key_path = a.audit_key.as_ref().context("--audit-dir needs --audit-key (create one with `custody audit keygen`)")?;
+    let key = custody_audit::digest::read_signing_key(key_path).map_err(anyhow::Error::msg)?;
+    let cfg = custody_audit::writer::WriterConfig::new(dir, a.node, key);
+    let w = custody_audit::writer::AuditWriter::open(cfg).with_context(|| format!("opening audit log {}", dir.display()))?;
+    Ok(Some(std::sync::Arc::new(w)))
+}
+
+/// `YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ` (UTC) → Unix nanoseconds.
+fn parse_utc(s: &str) -> Result<i64> {
+    let bad = || anyhow::anyhow!("invalid time {s:?}: use YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ (UTC)");
+    let (date, time) = s.split_once('T').unwrap_or((s, "00:00:00Z"));
+    let d: Vec<i64> = date.split('-').map(|x| x.parse().map_err(|_| bad())).collect::<Result<_>>()?;
+    let t: Vec<i64> = time.trim_end_matches('Z').split(':').map(|x| x.parse().map_err(|_| bad())).collect::<Result<_>>()?;
+    let [y, m, dd] = <[i64; 3]>::try_from(d).map_err(|_| bad())?;
+    let [hh, mm, ss] = <[i64; 3]>::try_from(t).map_err(|_| bad())?;
+    // days from civil (proleptic Gregorian)
+    let y2 = if m <= 2 { y - 1 } else { y };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + dd - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Ok(((days * 86_400 + hh * 3600 + mm * 60 + ss) as i64) * 1_000_000_000)
+}
+
+fn audit_cmd(a: AuditCmd) -> Result<()> {
+    use custody_audit::digest;
+    match a {
+        AuditCmd::Keygen { out } => {
+            let key = digest::generate_key().context("reading /dev/urandom")?;
+            let pub_path = digest::write_key(&key, &out).with_context(|| format!("writing {}", out.display()))?;
+            println!("signing key: {}\npublic key:  {}", out.display(), pub_path.display());
+            Ok(())
+        }
+        AuditCmd::Verify { root, public_key, from, to } => {
+            let key = public_key.as_deref().map(digest::read_verifying_key).transpose().map_err(anyhow::Error::msg)?;
+            let from = from.as_deref().map(parse_utc).transpose()?;
+            let to = to.as_deref().map(parse_utc).transpose()?;
+            if !root.is_dir() {
+                bail!("audit root {} is not a directory", root.display());
+            }
+            let r = digest::verify(&root, key.as_ref(), from, to);
+            if key.is_none() {
+                eprintln!("note: no --public-key given; signatures were checked against the key named in each node's first digest");
+            }
+            println!("valid digests: {}", r.valid_digests);
+            println!("valid files:   {}", r.valid_files);
+            for p in &r.live_segments {
+                println!("unsealed live segment (recoverable, not yet covered by a digest): {}", p.display());
+            }
+            for p in &r.problems {
+                println!("FAIL: {p}");
+            }
+            if r.ok() {
+                println!("audit log verified: OK");
+                Ok(())
+            } else {
+                println!("audit log verification FAILED: {} problem(s)", r.problems.len());
+                std::process::exit(1);
+            }
+        }
+        AuditCmd::Bench { events, dir } => audit_bench(events, dir),
+    }
+}
+
+/// Writer throughput and bytes per event: a realistic mix (per request: lifecycle, page allocs,
+/// write-ahead records per step, run-length reads, releases), recorded from one producer thread.
+fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
+    use custody_audit::writer::{AuditWriter, FsyncPolicy, WriterConfig};
+    use custody_audit::{AuditSink, Event, PageKind, RequestKind, Writer};
+    let dir = dir.unwrap_or_else(|| std::env::temp_dir().join(format!("custody-audit-bench-{}", std::process::id())));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    let key = custody_audit::digest::generate_key()?;
+    let mut cfg = WriterConfig::new(&dir, 0, key);
+    cfg.fsync = FsyncPolicy::Interval(std::time::Duration::from_millis(100));
+    let w = AuditWriter::open(cfg)?;
+    let t0 = Instant::now();
+    let mut n = 0u64;
+    let mut req = 0u64;
+    let tenants = ["acme", "globex", "initech", "umbrella"];
+    while n < events {
+        req += 1;
+        let tenant = tenants[(req % 4) as usize].to_owned();
+        let ts = custody_audit::mono_now_ns();
+        let pages: Vec<u32> = (0..8).map(|i| ((req * 8 + i) % 4096) as u32).collect();
+        let rec = |ev: Event, n: &mut u64| -> Result<()> {
+            w.record(ev).map_err(anyhow::Error::msg)?;
+            *n += 1;
+            Ok(())
+        };
+        rec(Event::Request { ts_ns: ts, request: req, tenant: tenant.clone(), kind: RequestKind::Admitted, prompt_tokens: 100, output_tokens: 0 }, &mut n)?;
+        for &p in &pages {
+            rec(Event::Page { ts_ns: ts, request: req, tenant: tenant.clone(), page: p, generation: (req % 1000) as u32, kind: PageKind::Alloc }, &mut n)?;
+        }
+        for step in 0..28u32 {
+            let p = pages[(step as usize * 8 / 28).min(7)];
+            let kind = PageKind::Write { slot_start: step % 16, slot_end: step % 16 + 1, writer: Writer::Local };
+            rec(Event::Page { ts_ns: ts + u64::from(step) * 1000, request: req, tenant: tenant.clone(), page: p, generation: (req % 1000) as u32, kind }, &mut n)?;
+        }
+        for &p in &pages {
+            rec(Event::Read { ts_ns: ts, request: req, tenant: tenant.clone(), page: p, generation: (req % 1000) as u32, slot_start: 0, slot_end: 16, first_step: 1, last_step: 28 }, &mut n)?;
+            rec(Event::Page { ts_ns: ts, request: req, tenant: tenant.clone(), page: p, generation: (req % 1000) as u32, kind: PageKind::Release }, &mut n)?;
+        }
+        rec(Event::Request { ts_ns: ts, request: req, tenant: tenant.clone(), kind: RequestKind::Finished { reason: "length".into() }, prompt_tokens: 100, output_tokens: 28 }, &mut n)?;
+    }
+    let recorded = t0.elapsed();
+    w.close()?;
+    let total = t0.elapsed();
+    let mut bytes = 0u64;
+    let mut stack = vec![dir.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let p = e?.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "parquet") {
+                bytes += std::fs::metadata(&p)?.len();
+            }
+        }
+    }
+    let json = serde_json::json!({
+        "events": n,
+        "record_events_per_s": n as f64 / recorded.as_secs_f64(),
+        "sealed_events_per_s": n as f64 / total.as_secs_f64(),
+        "parquet_bytes": bytes,
+        "bytes_per_event": bytes as f64 / n as f64,
+    });
+    println!("{json}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
 }
 
 struct Loaded {
@@ -187,6 +373,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
         tokenizer,
         pool,
     } = load(&a.common, None)?;
+    let audit = open_audit(&a.audit)?;
+    if let Some(w) = &audit {
+        engine = engine.with_audit(w.clone());
+    }
     let text = if a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
@@ -243,6 +433,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
         Ok(())
     })?;
     writeln!(out)?;
+    if let Some(w) = audit {
+        w.close().context("sealing the audit log")?;
+    }
     let total = t0.elapsed();
     let ttft = first_token_at.unwrap_or(total);
     let decode_s = (total - ttft).as_secs_f64();
