@@ -2,7 +2,7 @@
 //! batches. Field-by-field documentation: `docs/audit-schema.md` (keep the two in step).
 //!
 //! Every table starts with the same four columns:
-//! `node` (u32), `seq` (u64: per-node sequence number over *all* tables, gap-free by construction,
+//! `node_id` (u32; also the Hive partition `node=`), `seq` (u64: per-node sequence number over *all* tables, gap-free by construction,
 //! so a missing row is visible), `ts_ns` (u64: node monotonic clock) and `wall_ns` (i64: Unix-epoch
 //! nanoseconds = the writer's wall-clock anchor + (`ts_ns` − monotonic anchor)).
 
@@ -124,7 +124,7 @@ impl Table {
 
     pub fn schema(self) -> SchemaRef {
         let mut fields = vec![
-            Field::new("node", DataType::UInt32, false),
+            Field::new("node_id", DataType::UInt32, false),
             Field::new("seq", DataType::UInt64, false),
             Field::new("ts_ns", DataType::UInt64, false),
             Field::new("wall_ns", DataType::Int64, false),

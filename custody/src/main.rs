@@ -168,20 +168,34 @@ fn try_main(cli: Cli) -> Result<()> {
 }
 
 fn open_audit(a: &AuditArgs) -> Result<Option<std::sync::Arc<custody_audit::writer::AuditWriter>>> {
-    let Some(dir) = &a.audit_dir else { return Ok(None) };
-    let key_path = a.audit_key.as_ref().context("--audit-dir needs --audit-key (create one with `custody audit keygen`)")?;
+    let Some(dir) = &a.audit_dir else {
+        return Ok(None);
+    };
+    let key_path = a
+        .audit_key
+        .as_ref()
+        .context("--audit-dir needs --audit-key (create one with `custody audit keygen`)")?;
     let key = custody_audit::digest::read_signing_key(key_path).map_err(anyhow::Error::msg)?;
     let cfg = custody_audit::writer::WriterConfig::new(dir, a.node, key);
-    let w = custody_audit::writer::AuditWriter::open(cfg).with_context(|| format!("opening audit log {}", dir.display()))?;
+    let w = custody_audit::writer::AuditWriter::open(cfg)
+        .with_context(|| format!("opening audit log {}", dir.display()))?;
     Ok(Some(std::sync::Arc::new(w)))
 }
 
 /// `YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ` (UTC) → Unix nanoseconds.
 fn parse_utc(s: &str) -> Result<i64> {
-    let bad = || anyhow::anyhow!("invalid time {s:?}: use YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ (UTC)");
+    let bad =
+        || anyhow::anyhow!("invalid time {s:?}: use YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ (UTC)");
     let (date, time) = s.split_once('T').unwrap_or((s, "00:00:00Z"));
-    let d: Vec<i64> = date.split('-').map(|x| x.parse().map_err(|_| bad())).collect::<Result<_>>()?;
-    let t: Vec<i64> = time.trim_end_matches('Z').split(':').map(|x| x.parse().map_err(|_| bad())).collect::<Result<_>>()?;
+    let d: Vec<i64> = date
+        .split('-')
+        .map(|x| x.parse().map_err(|_| bad()))
+        .collect::<Result<_>>()?;
+    let t: Vec<i64> = time
+        .trim_end_matches('Z')
+        .split(':')
+        .map(|x| x.parse().map_err(|_| bad()))
+        .collect::<Result<_>>()?;
     let [y, m, dd] = <[i64; 3]>::try_from(d).map_err(|_| bad())?;
     let [hh, mm, ss] = <[i64; 3]>::try_from(t).map_err(|_| bad())?;
     // days from civil (proleptic Gregorian)
@@ -199,12 +213,26 @@ fn audit_cmd(a: AuditCmd) -> Result<()> {
     match a {
         AuditCmd::Keygen { out } => {
             let key = digest::generate_key().context("reading /dev/urandom")?;
-            let pub_path = digest::write_key(&key, &out).with_context(|| format!("writing {}", out.display()))?;
-            println!("signing key: {}\npublic key:  {}", out.display(), pub_path.display());
+            let pub_path = digest::write_key(&key, &out)
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!(
+                "signing key: {}\npublic key:  {}",
+                out.display(),
+                pub_path.display()
+            );
             Ok(())
         }
-        AuditCmd::Verify { root, public_key, from, to } => {
-            let key = public_key.as_deref().map(digest::read_verifying_key).transpose().map_err(anyhow::Error::msg)?;
+        AuditCmd::Verify {
+            root,
+            public_key,
+            from,
+            to,
+        } => {
+            let key = public_key
+                .as_deref()
+                .map(digest::read_verifying_key)
+                .transpose()
+                .map_err(anyhow::Error::msg)?;
             let from = from.as_deref().map(parse_utc).transpose()?;
             let to = to.as_deref().map(parse_utc).transpose()?;
             if !root.is_dir() {
@@ -212,12 +240,17 @@ fn audit_cmd(a: AuditCmd) -> Result<()> {
             }
             let r = digest::verify(&root, key.as_ref(), from, to);
             if key.is_none() {
-                eprintln!("note: no --public-key given; signatures were checked against the key named in each node's first digest");
+                eprintln!(
+                    "note: no --public-key given; signatures were checked against the key named in each node's first digest"
+                );
             }
             println!("valid digests: {}", r.valid_digests);
             println!("valid files:   {}", r.valid_files);
             for p in &r.live_segments {
-                println!("unsealed live segment (recoverable, not yet covered by a digest): {}", p.display());
+                println!(
+                    "unsealed live segment (recoverable, not yet covered by a digest): {}",
+                    p.display()
+                );
             }
             for p in &r.problems {
                 println!("FAIL: {p}");
@@ -226,7 +259,10 @@ fn audit_cmd(a: AuditCmd) -> Result<()> {
                 println!("audit log verified: OK");
                 Ok(())
             } else {
-                println!("audit log verification FAILED: {} problem(s)", r.problems.len());
+                println!(
+                    "audit log verification FAILED: {} problem(s)",
+                    r.problems.len()
+                );
                 std::process::exit(1);
             }
         }
@@ -239,7 +275,9 @@ fn audit_cmd(a: AuditCmd) -> Result<()> {
 fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
     use custody_audit::writer::{AuditWriter, FsyncPolicy, WriterConfig};
     use custody_audit::{AuditSink, Event, PageKind, RequestKind, Writer};
-    let dir = dir.unwrap_or_else(|| std::env::temp_dir().join(format!("custody-audit-bench-{}", std::process::id())));
+    let dir = dir.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("custody-audit-bench-{}", std::process::id()))
+    });
     if dir.exists() {
         std::fs::remove_dir_all(&dir)?;
     }
@@ -261,20 +299,89 @@ fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
             *n += 1;
             Ok(())
         };
-        rec(Event::Request { ts_ns: ts, request: req, tenant: tenant.clone(), kind: RequestKind::Admitted, prompt_tokens: 100, output_tokens: 0 }, &mut n)?;
+        rec(
+            Event::Request {
+                ts_ns: ts,
+                request: req,
+                tenant: tenant.clone(),
+                kind: RequestKind::Admitted,
+                prompt_tokens: 100,
+                output_tokens: 0,
+            },
+            &mut n,
+        )?;
         for &p in &pages {
-            rec(Event::Page { ts_ns: ts, request: req, tenant: tenant.clone(), page: p, generation: (req % 1000) as u32, kind: PageKind::Alloc }, &mut n)?;
+            rec(
+                Event::Page {
+                    ts_ns: ts,
+                    request: req,
+                    tenant: tenant.clone(),
+                    page: p,
+                    generation: (req % 1000) as u32,
+                    kind: PageKind::Alloc,
+                },
+                &mut n,
+            )?;
         }
         for step in 0..28u32 {
             let p = pages[(step as usize * 8 / 28).min(7)];
-            let kind = PageKind::Write { slot_start: step % 16, slot_end: step % 16 + 1, writer: Writer::Local };
-            rec(Event::Page { ts_ns: ts + u64::from(step) * 1000, request: req, tenant: tenant.clone(), page: p, generation: (req % 1000) as u32, kind }, &mut n)?;
+            let kind = PageKind::Write {
+                slot_start: step % 16,
+                slot_end: step % 16 + 1,
+                writer: Writer::Local,
+            };
+            rec(
+                Event::Page {
+                    ts_ns: ts + u64::from(step) * 1000,
+                    request: req,
+                    tenant: tenant.clone(),
+                    page: p,
+                    generation: (req % 1000) as u32,
+                    kind,
+                },
+                &mut n,
+            )?;
         }
         for &p in &pages {
-            rec(Event::Read { ts_ns: ts, request: req, tenant: tenant.clone(), page: p, generation: (req % 1000) as u32, slot_start: 0, slot_end: 16, first_step: 1, last_step: 28 }, &mut n)?;
-            rec(Event::Page { ts_ns: ts, request: req, tenant: tenant.clone(), page: p, generation: (req % 1000) as u32, kind: PageKind::Release }, &mut n)?;
+            rec(
+                Event::Read {
+                    ts_ns: ts,
+                    request: req,
+                    tenant: tenant.clone(),
+                    page: p,
+                    generation: (req % 1000) as u32,
+                    slot_start: 0,
+                    slot_end: 16,
+                    first_step: 1,
+                    last_step: 28,
+                },
+                &mut n,
+            )?;
+            rec(
+                Event::Page {
+                    ts_ns: ts,
+                    request: req,
+                    tenant: tenant.clone(),
+                    page: p,
+                    generation: (req % 1000) as u32,
+                    kind: PageKind::Release,
+                },
+                &mut n,
+            )?;
         }
-        rec(Event::Request { ts_ns: ts, request: req, tenant: tenant.clone(), kind: RequestKind::Finished { reason: "length".into() }, prompt_tokens: 100, output_tokens: 28 }, &mut n)?;
+        rec(
+            Event::Request {
+                ts_ns: ts,
+                request: req,
+                tenant: tenant.clone(),
+                kind: RequestKind::Finished {
+                    reason: "length".into(),
+                },
+                prompt_tokens: 100,
+                output_tokens: 28,
+            },
+            &mut n,
+        )?;
     }
     let recorded = t0.elapsed();
     w.close()?;

@@ -1,5 +1,6 @@
 //! End-to-end tests across Custody's crates, on the real embedded model.
 
+mod audit;
 mod gguf_corruption;
 mod integrity;
 mod reference;
