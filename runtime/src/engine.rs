@@ -224,6 +224,11 @@ impl Engine {
         self
     }
 
+    /// Replace (or remove) the audit sink between requests (benchmarks compare audit on and off).
+    pub fn set_audit(&mut self, sink: Option<Arc<dyn AuditSink>>) {
+        self.sink = sink;
+    }
+
     /// Why the engine stopped serving, if its audit sink failed.
     pub fn audit_error(&self) -> Option<&str> {
         self.audit_error.as_deref()
