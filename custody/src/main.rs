@@ -209,7 +209,7 @@ fn parse_utc(s: &str) -> Result<i64> {
     let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + dd - 1;
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let days = era * 146_097 + doe - 719_468;
-    Ok(((days * 86_400 + hh * 3600 + mm * 60 + ss) as i64) * 1_000_000_000)
+    Ok((days * 86_400 + hh * 3600 + mm * 60 + ss) * 1_000_000_000)
 }
 
 fn audit_cmd(a: AuditCmd) -> Result<()> {

@@ -235,13 +235,13 @@ impl Engine {
     }
 
     fn emit(&mut self, ev: audit::Event) {
-        if let Some(sink) = &self.sink {
-            if let Err(e) = sink.record(ev) {
-                if self.audit_error.is_none() {
-                    tracing::error!(error = %e, "audit sink failed: the engine stops admitting and running work");
-                }
-                self.audit_error.get_or_insert(e.to_string());
+        if let Some(sink) = &self.sink
+            && let Err(e) = sink.record(ev)
+        {
+            if self.audit_error.is_none() {
+                tracing::error!(error = %e, "audit sink failed: the engine stops admitting and running work");
             }
+            self.audit_error.get_or_insert(e.to_string());
         }
     }
 
