@@ -98,13 +98,14 @@ impl PageKind {
     }
 }
 
-/// One audit event. Every variant names the request and tenant it concerns.
+/// One audit event. Every variant names the request and tenant it concerns. (The tenant is an
+/// `Arc<str>`: the hot path clones a pointer, not a string.)
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     Request {
         ts_ns: MonoNs,
         request: u64,
-        tenant: String,
+        tenant: Arc<str>,
         kind: RequestKind,
         prompt_tokens: u32,
         output_tokens: u32,
@@ -112,7 +113,7 @@ pub enum Event {
     Page {
         ts_ns: MonoNs,
         request: u64,
-        tenant: String,
+        tenant: Arc<str>,
         page: u32,
         generation: u32,
         kind: PageKind,
@@ -123,7 +124,7 @@ pub enum Event {
     Read {
         ts_ns: MonoNs,
         request: u64,
-        tenant: String,
+        tenant: Arc<str>,
         page: u32,
         generation: u32,
         slot_start: u32,
@@ -135,7 +136,7 @@ pub enum Event {
         ts_ns: MonoNs,
         transfer: u64,
         request: u64,
-        tenant: String,
+        tenant: Arc<str>,
         src_node: u32,
         src_page: u32,
         src_generation: u32,
@@ -150,7 +151,7 @@ pub enum Event {
     IntegrityViolation {
         ts_ns: MonoNs,
         request: u64,
-        tenant: String,
+        tenant: Arc<str>,
         page: Option<u32>,
         generation: Option<u32>,
         kind: String,

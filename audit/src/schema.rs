@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringArray, UInt32Array, UInt64Array};
+use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringBuilder, UInt32Array, UInt64Array};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
 use crate::{Event, PageKind, Writer};
@@ -150,8 +150,9 @@ enum Col {
     U32(Vec<u32>),
     U64(Vec<u64>),
     OptU32(Vec<Option<u32>>),
-    Str(Vec<String>),
-    OptStr(Vec<Option<String>>),
+    /// Appended into one contiguous buffer: no allocation per string.
+    Str(StringBuilder),
+    OptStr(StringBuilder),
 }
 
 /// Column builders of one table.
@@ -174,8 +175,8 @@ impl TableBuilder {
                 (DataType::UInt32, false) => Col::U32(Vec::new()),
                 (DataType::UInt32, true) => Col::OptU32(Vec::new()),
                 (DataType::UInt64, _) => Col::U64(Vec::new()),
-                (DataType::Utf8, false) => Col::Str(Vec::new()),
-                (DataType::Utf8, true) => Col::OptStr(Vec::new()),
+                (DataType::Utf8, false) => Col::Str(StringBuilder::new()),
+                (DataType::Utf8, true) => Col::OptStr(StringBuilder::new()),
                 (t, _) => unreachable!("no column of type {t}"),
             })
             .collect();
@@ -226,13 +227,13 @@ impl TableBuilder {
         let Col::Str(c) = &mut self.cols[i] else {
             unreachable!("column {i} of {:?} is not utf8", self.table)
         };
-        c.push(v.to_owned());
+        c.append_value(v);
     }
     fn os(&mut self, i: usize, v: Option<&str>) {
         let Col::OptStr(c) = &mut self.cols[i] else {
             unreachable!("column {i} of {:?} is not utf8?", self.table)
         };
-        c.push(v.map(str::to_owned));
+        c.append_option(v);
     }
 
     /// Append `ev` (which must belong to this table) as row `seq`.
@@ -387,8 +388,7 @@ impl TableBuilder {
                 Col::U32(v) => Arc::new(UInt32Array::from(std::mem::take(v))),
                 Col::OptU32(v) => Arc::new(UInt32Array::from(std::mem::take(v))),
                 Col::U64(v) => Arc::new(UInt64Array::from(std::mem::take(v))),
-                Col::Str(v) => Arc::new(StringArray::from(std::mem::take(v))),
-                Col::OptStr(v) => Arc::new(StringArray::from(std::mem::take(v))),
+                Col::Str(v) | Col::OptStr(v) => Arc::new(v.finish()),
             });
         }
         match RecordBatch::try_new(self.table.schema(), arrays) {

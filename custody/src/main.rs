@@ -295,7 +295,7 @@ fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
     let tenants = ["acme", "globex", "initech", "umbrella"];
     while n < events {
         req += 1;
-        let tenant = tenants[(req % 4) as usize].to_owned();
+        let tenant: std::sync::Arc<str> = tenants[(req % 4) as usize].into();
         let ts = custody_audit::mono_now_ns();
         let pages: Vec<u32> = (0..8).map(|i| ((req * 8 + i) % 4096) as u32).collect();
         let rec = |ev: Event, n: &mut u64| -> Result<()> {

@@ -139,7 +139,7 @@ struct Seq {
     n_cached: usize,
     generated: usize,
     phase: Phase,
-    tenant: String,
+    tenant: Arc<str>,
     /// Run-length read record per logical page: (slot_end, first_step, last_step).
     reads: Vec<Option<(u32, u32, u32)>>,
 }
@@ -257,7 +257,7 @@ impl Engine {
             let ev = audit::Event::Request {
                 ts_ns: now_ns(),
                 request: id,
-                tenant: tenant.to_owned(),
+                tenant: tenant.into(),
                 kind,
                 prompt_tokens: prompt as u32,
                 output_tokens: output as u32,
@@ -272,7 +272,7 @@ impl Engine {
                 let ev = audit::Event::Page {
                     ts_ns: now_ns(),
                     request: id,
-                    tenant: tenant.to_owned(),
+                    tenant: tenant.into(),
                     page: pr.page,
                     generation: pr.generation,
                     kind,
@@ -388,7 +388,7 @@ impl Engine {
             n_cached: 0,
             generated: 0,
             phase: Phase::Prefill,
-            tenant: req.tenant,
+            tenant: req.tenant.into(),
             reads: Vec::new(),
         });
         Ok(id)

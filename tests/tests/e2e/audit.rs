@@ -326,7 +326,7 @@ fn build_log(root: &Path, k: &ed25519_dalek_key::Key) {
             let ev = AEvent::Page {
                 ts_ns: custody_audit::mono_now_ns(),
                 request: seg * 1000 + i,
-                tenant: format!("t{}", i % 3),
+                tenant: format!("t{}", i % 3).into(),
                 page: (i % 50) as u32,
                 generation: seg as u32,
                 kind: PageKind::Alloc,
@@ -335,7 +335,7 @@ fn build_log(root: &Path, k: &ed25519_dalek_key::Key) {
             let ev = AEvent::Request {
                 ts_ns: custody_audit::mono_now_ns(),
                 request: seg * 1000 + i,
-                tenant: format!("t{}", i % 3),
+                tenant: format!("t{}", i % 3).into(),
                 kind: custody_audit::RequestKind::Admitted,
                 prompt_tokens: 3,
                 output_tokens: 0,
