@@ -647,6 +647,7 @@ mod tests {
     fn utc_dates() {
         assert_eq!(utc_date(0), "1970-01-01");
         assert_eq!(utc_date(951_782_400 * 1_000_000_000), "2000-02-29");
-        assert_eq!(utc_date(1_796_000_000 * 1_000_000_000), "2026-11-29");
+        assert_eq!(utc_date(1_796_000_000 * 1_000_000_000), "2026-11-30");
+        assert_eq!(utc_date(-1), "1969-12-31");
     }
 }
