@@ -171,16 +171,35 @@ fn try_main(cli: Cli) -> Result<()> {
     }
 }
 
-fn open_audit(a: &AuditArgs) -> Result<Option<std::sync::Arc<custody_audit::writer::AuditWriter>>> {
-    let Some(dir) = &a.audit_dir else {
+/// The audit writer from flags, falling back to the config's `[audit]` section.
+fn open_audit(
+    a: &AuditArgs,
+    cfg_path: Option<&Path>,
+) -> Result<Option<std::sync::Arc<custody_audit::writer::AuditWriter>>> {
+    use custody_audit::writer::{Backpressure, FsyncPolicy, WriterConfig};
+    let conf = match cfg_path {
+        Some(p) => Config::load(p)?.audit,
+        None => custody_runtime::config::AuditSection::default(),
+    };
+    let Some(dir) = a.audit_dir.clone().or(conf.dir) else {
         return Ok(None);
     };
-    let key_path = a
-        .audit_key
-        .as_ref()
-        .context("--audit-dir needs --audit-key (create one with `custody audit keygen`)")?;
-    let key = custody_audit::digest::read_signing_key(key_path).map_err(anyhow::Error::msg)?;
-    let cfg = custody_audit::writer::WriterConfig::new(dir, a.node, key);
+    let key_path = a.audit_key.clone().or(conf.key).context(
+        "an audit directory needs a signing key: --audit-key or [audit] key (create one with `custody audit keygen`)",
+    )?;
+    let key = custody_audit::digest::read_signing_key(&key_path).map_err(anyhow::Error::msg)?;
+    let node = if a.node != 0 { a.node } else { conf.node };
+    let mut cfg = WriterConfig::new(&dir, node, key);
+    cfg.fsync = match conf.fsync_interval_ms {
+        0 => FsyncPolicy::EveryBatch,
+        ms => FsyncPolicy::Interval(std::time::Duration::from_millis(ms)),
+    };
+    if conf.allow_drop {
+        tracing::warn!(
+            "audit allow_drop is on: events may be dropped under load (each drop is counted in the log)"
+        );
+        cfg.backpressure = Backpressure::AllowDrop;
+    }
     let w = custody_audit::writer::AuditWriter::open(cfg)
         .with_context(|| format!("opening audit log {}", dir.display()))?;
     Ok(Some(std::sync::Arc::new(w)))
@@ -390,6 +409,7 @@ fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
     let recorded = t0.elapsed();
     w.close()?;
     let total = t0.elapsed();
+    let writer_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
     let mut bytes = 0u64;
     let mut stack = vec![dir.clone()];
     while let Some(d) = stack.pop() {
@@ -406,6 +426,8 @@ fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
         "events": n,
         "record_events_per_s": n as f64 / recorded.as_secs_f64(),
         "sealed_events_per_s": n as f64 / total.as_secs_f64(),
+        "writer_thread_cpu_s": writer_cpu_s,
+        "writer_events_per_cpu_s": if writer_cpu_s > 0.0 { n as f64 / writer_cpu_s } else { 0.0 },
         "parquet_bytes": bytes,
         "bytes_per_event": bytes as f64 / n as f64,
     });
@@ -484,7 +506,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         tokenizer,
         pool,
     } = load(&a.common, None)?;
-    let audit = open_audit(&a.audit)?;
+    let audit = open_audit(&a.audit, a.common.config.as_deref())?;
     if let Some(w) = &audit {
         engine = engine.with_audit(w.clone());
     }
