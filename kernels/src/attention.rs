@@ -216,16 +216,20 @@ pub fn paged_attention(
     // Gather K and V of the attended slots into contiguous f32 per kv head: [kv_head][t][d].
     scratch.k.resize(g.n_kv_heads * n_ctx * d, 0.0);
     scratch.v.resize(g.n_kv_heads * n_ctx * d, 0.0);
-    let gather = |(h, (kd, vd)): (usize, (&mut [f32], &mut [f32]))| {
-        for (i, pr) in args.block_table[..n_ctx.div_ceil(g.page_size)]
-            .iter()
-            .enumerate()
-        {
-            let slots = (n_ctx - i * g.page_size).min(g.page_size);
+    // One task per (K or V, kv head): 2 × n_kv_heads tasks balance better over the pool than
+    // n_kv_heads would (3 heads on 2 threads is a 2:1 split; 6 tasks split 3:3).
+    let n_pages_att = n_ctx.div_ceil(g.page_size);
+    let gather = |(i, dst): (usize, &mut [f32])| {
+        let (h, cache) = if i < g.n_kv_heads {
+            (i, args.k_cache)
+        } else {
+            (i - g.n_kv_heads, args.v_cache)
+        };
+        for (pi, pr) in args.block_table[..n_pages_att].iter().enumerate() {
+            let slots = (n_ctx - pi * g.page_size).min(g.page_size);
             let off = g.offset(pr.page as usize, h, 0);
-            let dst = i * g.page_size * d..(i * g.page_size + slots) * d;
-            ops::f16_to_f32(&args.k_cache[off..off + slots * d], &mut kd[dst.clone()]);
-            ops::f16_to_f32(&args.v_cache[off..off + slots * d], &mut vd[dst]);
+            let range = pi * g.page_size * d..(pi * g.page_size + slots) * d;
+            ops::f16_to_f32(&cache[off..off + slots * d], &mut dst[range]);
         }
     };
     let per_head = n_ctx * d;
@@ -234,14 +238,14 @@ pub fn paged_attention(
         scratch
             .k
             .par_chunks_mut(per_head)
-            .zip(scratch.v.par_chunks_mut(per_head))
+            .chain(scratch.v.par_chunks_mut(per_head))
             .enumerate()
             .for_each(gather);
     } else {
         scratch
             .k
             .chunks_mut(per_head)
-            .zip(scratch.v.chunks_mut(per_head))
+            .chain(scratch.v.chunks_mut(per_head))
             .enumerate()
             .for_each(gather);
     }
