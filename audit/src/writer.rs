@@ -426,10 +426,10 @@ impl State {
     fn run(&mut self, rx: Receiver<Msg>, dropped: &AtomicU64) -> Result<(), WriterError> {
         // Polling, not blocking: while the queue has room, a producer's `record` never has to
         // wake this thread (no syscall on the hot path). An idle writer naps, backing off from
-        // 100 µs to 5 ms so that it does not steal the compute threads' cores with wake-ups; the
+        // 100 µs to 20 ms so that it does not steal the compute threads' cores with wake-ups; the
         // queue (`queue_capacity` events) absorbs what arrives meanwhile.
         const NAP_MIN: Duration = Duration::from_micros(100);
-        const NAP_MAX: Duration = Duration::from_millis(5);
+        const NAP_MAX: Duration = Duration::from_millis(20);
         let mut nap = NAP_MIN;
         let mut reported_drops = 0u64;
         let mut last_flush = Instant::now();

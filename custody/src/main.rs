@@ -143,6 +143,9 @@ struct BenchArgs {
     /// report the throughput ratio, audit on vs off, measured in the same run.
     #[arg(long)]
     audit_cost: bool,
+    /// With --audit-cost: fsync the live segment at most this often (0 = after every batch).
+    #[arg(long, default_value_t = 0)]
+    audit_fsync_interval_ms: u64,
 }
 
 fn main() -> ExitCode {
@@ -668,9 +671,13 @@ fn bench(a: BenchArgs) -> Result<()> {
                 let writer = if audited {
                     let _ = std::fs::remove_dir_all(&audit_dir);
                     let key = custody_audit::digest::generate_key()?;
-                    let w = std::sync::Arc::new(custody_audit::writer::AuditWriter::open(
-                        custody_audit::writer::WriterConfig::new(&audit_dir, 0, key),
-                    )?);
+                    let mut wcfg = custody_audit::writer::WriterConfig::new(&audit_dir, 0, key);
+                    if a.audit_fsync_interval_ms > 0 {
+                        wcfg.fsync = custody_audit::writer::FsyncPolicy::Interval(
+                            std::time::Duration::from_millis(a.audit_fsync_interval_ms),
+                        );
+                    }
+                    let w = std::sync::Arc::new(custody_audit::writer::AuditWriter::open(wcfg)?);
                     engine.set_audit(Some(w.clone()));
                     Some(w)
                 } else {
