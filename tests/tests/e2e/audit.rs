@@ -745,3 +745,73 @@ fn allow_drop_mode_counts_every_dropped_event_in_the_log() {
     assert!(digest::verify(&root, Some(&k.0.verifying_key()), None, None).ok());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn verified_session_uses_only_digest_named_files_and_marks_the_live_segment() {
+    let root = tmp_dir("verified-session");
+    let k = key();
+    build_log(&root, &k); // 3 sealed segments, 200 page_events each
+    // Tamper with one sealed page_events file and plant an unnamed one.
+    let pe: Vec<PathBuf> = parquet_files(&root)
+        .into_iter()
+        .filter(|p| p.to_string_lossy().contains("/page_events/"))
+        .collect();
+    let mut b = std::fs::read(&pe[0]).expect("read");
+    let mid = b.len() / 2;
+    b[mid] ^= 0x40;
+    std::fs::write(&pe[0], b).expect("write");
+    std::fs::copy(&pe[1], pe[1].with_file_name("7777777777777777.parquet")).expect("plant");
+    // An unsealed live segment with 50 more events (writer left running, never sealed).
+    let w = AuditWriter::open(WriterConfig::new(&root, 3, k.0.clone())).expect("writer");
+    for i in 0..50u64 {
+        let ev = AEvent::Page {
+            ts_ns: custody_audit::mono_now_ns(),
+            request: 9000 + i,
+            tenant: "late".into(),
+            page: 1,
+            generation: 9,
+            kind: PageKind::Alloc,
+        };
+        w.record(ev).expect("record");
+    }
+    w.sync().expect("durable");
+    std::mem::forget(w); // simulate a node that has not sealed yet
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let (sealed, live, problems) = rt.block_on(async {
+        let vs = custody_query::session_over_verified(&root, Some(&k.0.verifying_key()))
+            .await
+            .expect("session");
+        let count = |sql: &'static str| {
+            let ctx = vs.ctx.clone();
+            async move {
+                let b = ctx
+                    .sql(sql)
+                    .await
+                    .expect("sql")
+                    .collect()
+                    .await
+                    .expect("collect");
+                b[0].column(0)
+                    .as_primitive::<arrow::datatypes::Int64Type>()
+                    .value(0)
+            }
+        };
+        (
+            count("SELECT count(*) FROM page_events").await,
+            count("SELECT count(*) FROM page_events_live").await,
+            vs.report.problems.len(),
+        )
+    });
+    assert_eq!(
+        sealed, 400,
+        "the tampered file (200 rows) and the planted file are excluded"
+    );
+    assert_eq!(
+        live, 50,
+        "the live segment is queryable, under its own name"
+    );
+    assert_eq!(problems, 2, "and the exclusions are reported");
+    let _ = std::fs::remove_dir_all(&root);
+}
