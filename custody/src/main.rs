@@ -472,9 +472,7 @@ fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
         .context("building the compute thread pool")?;
     let t0 = Instant::now();
     let model = Model::load(&path).with_context(|| format!("loading model {}", path.display()))?;
-    let tokenizer = custody_runtime::gguf::Gguf::open(&path)
-        .map_err(anyhow::Error::from)
-        .and_then(|g| Tokenizer::from_gguf(&g).map_err(anyhow::Error::from))
+    let tokenizer = Tokenizer::from_gguf(model.gguf())
         .with_context(|| format!("loading tokenizer from {}", path.display()))?;
     let mut ecfg = cfg.engine;
     if let Some(n) = context_override {

@@ -273,6 +273,11 @@ impl Model {
         })
     }
 
+    /// The GGUF file the model was loaded from (its metadata carries the tokenizer).
+    pub fn gguf(&self) -> &Gguf {
+        &self.gguf
+    }
+
     fn qm(&self, m: &Mat) -> QMatrix<'_> {
         let (_, data) = self
             .gguf

@@ -213,23 +213,26 @@ impl Tokenizer {
 #[derive(Debug, Default)]
 pub struct StreamDecoder {
     ids: Vec<u32>,
-    emitted: usize,
+    /// Decoding restarts here: a few tokens before the unread ones, so that byte-level merges
+    /// across the boundary decode correctly without re-decoding the whole output (O(1) per token).
+    prefix: usize,
+    /// Tokens whose text has been returned.
+    read: usize,
 }
 
 impl StreamDecoder {
     /// Add a token and return the newly completed text, if any.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
         self.ids.push(id);
-        let text = tok.decode(&self.ids)?;
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
         // An incomplete multi-byte sequence decodes to U+FFFD at the end: wait for more bytes.
-        if text.ends_with('\u{FFFD}')
-            || text.len() < self.emitted
-            || !text.is_char_boundary(self.emitted)
-        {
+        if now.ends_with('\u{FFFD}') || now.len() <= before.len() || !now.starts_with(&before) {
             return Ok(String::new());
         }
-        let new = text[self.emitted..].to_owned();
-        self.emitted = text.len();
+        let new = now[before.len()..].to_owned();
+        self.prefix = self.read;
+        self.read = self.ids.len();
         Ok(new)
     }
 }

@@ -240,3 +240,23 @@ fn teacher_forced_reference_set_matches_llama_cpp() {
         "mean |dlogit| {mean} above 0.20 (measured 0.16)"
     );
 }
+
+#[test]
+fn streaming_detokenization_equals_whole_decode() {
+    // The reference continuation contains multi-byte characters ("É", "é") split across tokens.
+    let tok = tokenizer();
+    let r = json("llamacpp-smollm2/reference.json");
+    let all = ids(&r["greedy_ids"]);
+    let mut dec = custody_runtime::tokenizer::StreamDecoder::default();
+    let mut streamed = String::new();
+    for &id in &all {
+        let piece = dec.push(&tok, id).expect("decode");
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "a partial character was emitted"
+        );
+        streamed.push_str(&piece);
+    }
+    assert_eq!(streamed, tok.decode(&all).expect("decode"));
+    assert_eq!(streamed, r["greedy_text"].as_str().expect("text"));
+}
