@@ -661,8 +661,15 @@ fn bench(a: BenchArgs) -> Result<()> {
     let audit_dir =
         std::env::temp_dir().join(format!("custody-bench-audit-{}", std::process::id()));
     pool.install(|| -> Result<()> {
-        for _ in 0..a.reps {
-            for audited in [false, true] {
+        for rep in 0..a.reps {
+            // Alternate which configuration runs first, so that order effects (cache warmth,
+            // frequency drift) do not bias the on-vs-off ratio.
+            let order = if rep % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            for audited in order {
                 if audited && !a.audit_cost {
                     continue;
                 }
