@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 cargo build --quiet --release -p custody
-if (($# == 0)); then set -- --prompt "What is the capital of France? Answer in one sentence."; fi
+case " $* " in *" --prompt "*) ;; *) set -- --prompt "What is the capital of France? Answer in one sentence." "$@" ;; esac
 exec "${CARGO_TARGET_DIR:-target}/release/custody" generate --config configs/single-node.toml --chat "$@"
