@@ -131,6 +131,9 @@ pub enum Event {
         slot_end: u32,
         first_step: u32,
         last_step: u32,
+        /// Whether the tag check verified these reads (false only with the check disabled by
+        /// the incident reproduction: the slots were read unchecked).
+        verified: bool,
     },
     Transfer {
         ts_ns: MonoNs,

@@ -14,7 +14,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use crate::{Event, PageKind, Writer};
 
 /// Version of the table layouts, written into every file's metadata.
-pub const SCHEMA_VERSION: &str = "1";
+pub const SCHEMA_VERSION: &str = "2";
 pub const SCHEMA_VERSION_KEY: &str = "custody.audit.schema_version";
 
 /// The audit tables.
@@ -109,6 +109,7 @@ impl Table {
                 ("slot_end", UInt32, false),
                 ("first_step", UInt32, false),
                 ("last_step", UInt32, false),
+                ("verdict", Utf8, false),
             ],
             Table::IntegrityViolations => vec![
                 ("request_id", UInt64, false),
@@ -329,6 +330,7 @@ impl TableBuilder {
                 slot_end,
                 first_step,
                 last_step,
+                verified,
                 ..
             } => {
                 self.u64(0, *request);
@@ -339,6 +341,7 @@ impl TableBuilder {
                 self.u32(5, *slot_end);
                 self.u32(6, *first_step);
                 self.u32(7, *last_step);
+                self.s(8, if *verified { "verified" } else { "unchecked" });
             }
             Event::IntegrityViolation {
                 request,

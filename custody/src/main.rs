@@ -380,6 +380,7 @@ fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
                     slot_end: 16,
                     first_step: 1,
                     last_step: 28,
+                    verified: true,
                 },
                 &mut n,
             )?;
@@ -759,6 +760,8 @@ fn tag_check_cost(engine: &Engine, ctx: usize, step_s: f64) -> f64 {
         generation: &generation,
         owner: &owner,
         filled: &filled,
+        stamp_owner: &owner,
+        stamp_generation: &generation,
     };
     let layers = engine.model().config.n_layers;
     let iters = 200;

@@ -15,10 +15,14 @@
 //! 2. `generation[page] == expected generation` (not a stale, reallocated page),
 //! 3. `owner[page] == owner` (not someone else's page),
 //! 4. `filled[page] >= ` the number of slots attended in that page (no allocated-but-unwritten
-//!    slot is ever read).
+//!    slot is ever read),
+//! 5. the page's in-band stamp (the (owner, generation) its data was last written for, stored with
+//!    the data and carried in-band by transfers) equals (owner, expected generation): a late
+//!    remote write that landed after the page changed hands is caught even though rules 1–4 hold.
 //!
-//! The check is not optional and has no bypass: the only entry point that reads KV memory is
-//! [`paged_attention`], and it always checks first.
+//! The only entry point that reads KV memory is [`paged_attention`], and it checks first. The one
+//! way to skip the check is [`TagCheck::DisabledForIncidentReproduction`], which exists to
+//! reproduce the incident on purpose and is only reachable through `--unsafe-reproduction`.
 //!
 //! # Numerics
 //! K and V are stored as f16 (llama.cpp's default cache type). As in llama.cpp's CPU path the
@@ -65,6 +69,22 @@ pub struct TagView<'a> {
     pub owner: &'a [u64],
     /// Slots written in the current generation, for this layer.
     pub filled: &'a [u32],
+    /// The in-band stamp: (owner, generation) that the page's *data* was last written for, kept
+    /// with the bytes (a local write sets it; a transfer carries it in the page header). A write
+    /// that lands after the page changed hands (a late remote write) leaves its old stamp, which
+    /// the check refuses even though the out-of-band tag looks right.
+    pub stamp_owner: &'a [u64],
+    pub stamp_generation: &'a [u32],
+}
+
+/// Whether [`paged_attention`] checks tags. There is exactly one way to turn it off, named for the
+/// only reason it exists: reproducing the incident on purpose (`--unsafe-reproduction`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TagCheck {
+    #[default]
+    Enforced,
+    /// UNSAFE: reads whatever the pages hold. Only for the incident reproduction.
+    DisabledForIncidentReproduction,
 }
 
 /// A tag mismatch: the read is refused.
@@ -106,6 +126,15 @@ pub enum IntegrityError {
         "out-of-order write: page {page} slot {slot} written when {filled} slots are filled (writes are append-only within a generation)"
     )]
     OutOfOrderWrite { page: u32, slot: u32, filled: u32 },
+    #[error(
+        "in-band stamp mismatch on page {page} (generation {generation}): its data was last written for {stamp_owner:#x} in generation {stamp_generation} (a late or misdirected write)"
+    )]
+    InBandMismatch {
+        page: u32,
+        generation: u32,
+        stamp_owner: u64,
+        stamp_generation: u32,
+    },
 }
 
 /// Verify the tags of every page that attending `n_ctx` slots through `block_table` touches.
@@ -162,6 +191,18 @@ pub fn check_tags(
                 filled,
             });
         }
+        let (so, sg) = (
+            tags.stamp_owner.get(p).copied().unwrap_or(0),
+            tags.stamp_generation.get(p).copied().unwrap_or(0),
+        );
+        if so != owner || sg != found {
+            return Err(IntegrityError::InBandMismatch {
+                page: pr.page,
+                generation: found,
+                stamp_owner: so,
+                stamp_generation: sg,
+            });
+        }
     }
     Ok(())
 }
@@ -182,6 +223,8 @@ pub struct AttentionArgs<'a> {
     pub owner: u64,
     /// Reduction order of the arithmetic (see [`ReduceOrder`]).
     pub order: ReduceOrder,
+    /// Always [`TagCheck::Enforced`] outside the incident reproduction.
+    pub check: TagCheck,
 }
 
 /// Reusable buffers for [`paged_attention`].
@@ -211,7 +254,33 @@ pub fn paged_attention(
     assert_eq!(out.len(), args.q.len());
     let n_ctx = args.start_pos + n_q;
 
-    check_tags(args.block_table, n_ctx, g.page_size, &args.tags, args.owner)?;
+    match args.check {
+        TagCheck::Enforced => {
+            check_tags(args.block_table, n_ctx, g.page_size, &args.tags, args.owner)?;
+        }
+        TagCheck::DisabledForIncidentReproduction => {
+            // Still refuse what would be out of bounds: the reproduction reads stale pages, it
+            // does not read outside the pool.
+            let need = n_ctx.div_ceil(g.page_size);
+            if args.block_table.len() < need {
+                return Err(IntegrityError::BlockTableTooShort {
+                    have: args.block_table.len(),
+                    need,
+                    n_ctx,
+                });
+            }
+            let n_pages = args.tags.generation.len();
+            if let Some(pr) = args.block_table[..need]
+                .iter()
+                .find(|pr| pr.page as usize >= n_pages)
+            {
+                return Err(IntegrityError::PageOutOfRange {
+                    page: pr.page,
+                    n_pages,
+                });
+            }
+        }
+    }
 
     // Gather K and V of the attended slots into contiguous f32 per kv head: [kv_head][t][d].
     scratch.k.resize(g.n_kv_heads * n_ctx * d, 0.0);
@@ -706,8 +775,11 @@ mod tests {
                 generation: &f.gens,
                 owner: &f.owner,
                 filled: &f.filled,
+                stamp_owner: &f.owner,
+                stamp_generation: &f.gens,
             },
             owner,
+            check: TagCheck::Enforced,
             order: if q.len() > 4 * G.head_dim {
                 ReduceOrder::Gemm
             } else {

@@ -11,6 +11,7 @@
 //! are chosen at run time ([`simd::level`]); the scalar path is the portable fallback.
 
 pub mod attention;
+pub mod checksum;
 pub mod matmul;
 pub mod ops;
 pub mod quant;

@@ -30,6 +30,84 @@ pub struct Config {
     pub engine: EngineConfig,
     #[serde(default)]
     pub audit: AuditSection,
+    /// Disaggregated roles: addresses and transfer options.
+    #[serde(default)]
+    pub disagg: DisaggSection,
+    /// Switches that recreate the incident's faults. Ignored unless the command line also says
+    /// `--unsafe-reproduction` (see [`Config::unsafe_switches`]).
+    #[serde(default)]
+    pub unsafe_reproduction: UnsafeReproduction,
+}
+
+/// The disaggregated pair (`custody prefill` / `custody decode`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DisaggSection {
+    /// Decode: gRPC control-plane listen address. Prefill: the decode node's control address.
+    pub decode_control: String,
+    /// Decode: KV transport (tcp) listen address; advertised to prefill in the handshake.
+    pub decode_transport: String,
+    /// Prefill: gRPC front-door listen address (clients submit generations here).
+    pub prefill_listen: String,
+    /// Verify a checksum of every transferred page before marking it written.
+    pub checksum: bool,
+    /// What released pages are overwritten with: "none", "zero" or "canary".
+    pub release_fill: crate::kv::ReleaseFill,
+}
+
+impl Default for DisaggSection {
+    fn default() -> Self {
+        Self {
+            decode_control: "127.0.0.1:7071".into(),
+            decode_transport: "127.0.0.1:7072".into(),
+            prefill_listen: "127.0.0.1:7070".into(),
+            checksum: true,
+            release_fill: crate::kv::ReleaseFill::None,
+        }
+    }
+}
+
+/// The incident's faults, recreated on purpose. Each is logged at ERROR on startup and recorded
+/// in the audit log. None takes effect without `--unsafe-reproduction` on the command line.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct UnsafeReproduction {
+    /// Start even when the KV pool cannot hold one full context.
+    pub skip_pool_check: bool,
+    /// The legacy "rejection": an over-length prompt is truncated to one token and the request
+    /// flows on to decode, whose reservation is for the full prompt.
+    pub truncate_overlength: bool,
+    /// Attention reads pages without checking their tags.
+    pub disable_tag_check: bool,
+    /// Transferred pages are marked written without verifying their checksum.
+    pub disable_checksum: bool,
+}
+
+impl UnsafeReproduction {
+    pub fn any(&self) -> bool {
+        self.skip_pool_check
+            || self.truncate_overlength
+            || self.disable_tag_check
+            || self.disable_checksum
+    }
+
+    /// The switches that are on, by name.
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.skip_pool_check {
+            v.push("skip_pool_check");
+        }
+        if self.truncate_overlength {
+            v.push("truncate_overlength");
+        }
+        if self.disable_tag_check {
+            v.push("disable_tag_check");
+        }
+        if self.disable_checksum {
+            v.push("disable_checksum");
+        }
+        v
+    }
 }
 
 /// Where and how the node records its audit log (read by the binary, which owns the writer: the
@@ -111,6 +189,22 @@ impl EngineConfig {
 }
 
 impl Config {
+    /// The unsafe switches in effect: the configured ones only when `armed` (the command line's
+    /// `--unsafe-reproduction`), else none. Logged loudly either way when any is configured.
+    pub fn unsafe_switches(&self, armed: bool) -> UnsafeReproduction {
+        let u = &self.unsafe_reproduction;
+        if !u.any() {
+            return UnsafeReproduction::default();
+        }
+        if armed {
+            tracing::error!(switches = ?u.names(), "UNSAFE REPRODUCTION ARMED: this node recreates the incident's faults and may leak data between tenants");
+            u.clone()
+        } else {
+            tracing::warn!(switches = ?u.names(), "[unsafe_reproduction] is configured but IGNORED: pass --unsafe-reproduction to arm it");
+            UnsafeReproduction::default()
+        }
+    }
+
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.into(),

@@ -18,10 +18,10 @@ use std::sync::Arc;
 
 use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 
-use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder};
+use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, TagCheck};
 
-use crate::config::EngineConfig;
-use crate::kv::{PagePool, PoolError};
+use crate::config::{EngineConfig, UnsafeReproduction};
+use crate::kv::{PagePool, PoolError, VerifyError};
 use crate::model::{Logits, Model, Scratch, Segment};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -55,6 +55,37 @@ pub enum AdmissionError {
     BadSampling(String),
     #[error("the audit log is unavailable, so no work is admitted: {0}")]
     AuditUnavailable(String),
+    #[error("the KV pool is busy: {needed_pages} pages needed, {free_pages} free; retry later")]
+    Busy {
+        needed_pages: usize,
+        free_pages: usize,
+    },
+}
+
+impl AdmissionError {
+    /// Whether this rejection is about the request's length (context or pool capacity): the
+    /// errors the incident's legacy path "handled" by truncating the prompt.
+    pub fn is_over_length(&self) -> bool {
+        matches!(
+            self,
+            AdmissionError::ContextExceeded { .. } | AdmissionError::ExceedsPool { .. }
+        )
+    }
+}
+
+/// Why an imported (disaggregated) request cannot start decoding.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ImportError {
+    #[error("request {0} is not awaiting its KV transfer")]
+    Unknown(RequestId),
+    #[error("request {id}: page {idx} of {need} has not been verified")]
+    Incomplete {
+        id: RequestId,
+        idx: usize,
+        need: usize,
+    },
+    #[error(transparent)]
+    Verify(#[from] VerifyError),
 }
 
 /// Why the engine refused to start.
@@ -117,6 +148,12 @@ pub enum Event {
         id: RequestId,
         reason: String,
     },
+    /// A prefill-only request's prompt KV is complete (pages held for the transfer) and its
+    /// first token sampled.
+    Prefilled {
+        id: RequestId,
+        first_token: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +179,39 @@ struct Seq {
     tenant: Arc<str>,
     /// Run-length read record per logical page: (slot_end, first_step, last_step).
     reads: Vec<Option<(u32, u32, u32)>>,
+    /// Prefill node: stop after the prompt and hold the pages for the transfer.
+    prefill_only: bool,
+    /// Decode node: per logical page, slots verified from a transfer (0 = not yet).
+    imported: Vec<u32>,
+}
+
+impl Seq {
+    /// Token slots this sequence reserves: its prompt, plus its output unless it only prefills.
+    fn reserve_tokens(&self) -> usize {
+        if self.prefill_only {
+            self.prompt.len()
+        } else {
+            self.prompt.len() + self.max_tokens
+        }
+    }
+
+    fn new(id: RequestId, req: GenerateRequest, prefill_only: bool) -> Self {
+        Seq {
+            id,
+            prompt: req.prompt,
+            max_tokens: req.max_tokens,
+            stop_ids: req.stop_ids,
+            sampler: Sampler::new(req.sampling),
+            pages: Vec::new(),
+            n_cached: 0,
+            generated: 0,
+            phase: Phase::Prefill,
+            tenant: req.tenant.into(),
+            reads: Vec::new(),
+            prefill_only,
+            imported: Vec::new(),
+        }
+    }
 }
 
 /// The single-node engine. Not `Sync`: one scheduler thread drives it; kernels parallelise inside.
@@ -159,11 +229,28 @@ pub struct Engine {
     /// Set when the sink refused an event: the engine then admits and runs nothing (fail-closed).
     audit_error: Option<String>,
     step_no: u32,
+    /// Prefill node: prompts done, pages held until the transfer completes.
+    held: Vec<Seq>,
+    /// Decode node: reserved, waiting for their KV to land and verify.
+    importing: Vec<Seq>,
+    /// Pages of ended requests that a remote writer may still write (see `disagg::protocol`).
+    quarantined: Vec<Seq>,
+    tag_check: TagCheck,
 }
 
 impl Engine {
     /// Size the pool from the memory budget and check it against the context length.
     pub fn new(model: Model, cfg: EngineConfig) -> Result<Self, StartupError> {
+        Self::new_with_unsafe(model, cfg, &UnsafeReproduction::default())
+    }
+
+    /// [`Engine::new`] with the incident reproduction's switches (already armed by the caller's
+    /// `--unsafe-reproduction`; see [`UnsafeReproduction`]).
+    pub fn new_with_unsafe(
+        model: Model,
+        cfg: EngineConfig,
+        unsafe_: &UnsafeReproduction,
+    ) -> Result<Self, StartupError> {
         cfg.validate()?;
         let model_ctx = model.config.context_length;
         let mut context_length = cfg.context_length.unwrap_or(model_ctx);
@@ -185,7 +272,13 @@ impl Engine {
             context_length,
             "KV pool sized"
         );
-        if pool_tokens < context_length {
+        if pool_tokens < context_length && unsafe_.skip_pool_check && pool_tokens > 0 {
+            tracing::error!(
+                pool_tokens,
+                context_length,
+                "UNSAFE REPRODUCTION: KV pool smaller than the advertised context and the startup check is SKIPPED"
+            );
+        } else if pool_tokens < context_length {
             if !cfg.allow_context_reduction || pool_tokens == 0 {
                 return Err(StartupError::PoolTooSmall {
                     pool_tokens,
@@ -214,7 +307,27 @@ impl Engine {
             sink: None,
             audit_error: None,
             step_no: 0,
+            held: Vec::new(),
+            importing: Vec::new(),
+            quarantined: Vec::new(),
+            tag_check: if unsafe_.disable_tag_check {
+                tracing::error!("UNSAFE REPRODUCTION: the KV page tag check is DISABLED");
+                TagCheck::DisabledForIncidentReproduction
+            } else {
+                TagCheck::Enforced
+            },
         })
+    }
+
+    /// The tag-check mode (always `Enforced` outside the incident reproduction).
+    pub fn tag_check(&self) -> TagCheck {
+        self.tag_check
+    }
+
+    /// Mutable pool access for the transport's landing (decode node) — the engine thread lends
+    /// it between steps; nothing reads the pool concurrently.
+    pub fn pool_mut(&mut self) -> &mut PagePool {
+        &mut self.pool
     }
 
     /// Record every page allocation, write, read and release, and every request's lifecycle, into
@@ -313,6 +426,13 @@ impl Engine {
 
     /// Flush a sequence's read runs, release its pages, and record how it ended.
     fn retire(&mut self, s: Seq, kind: RequestKind) {
+        self.flush_reads(&s);
+        self.release(&s);
+        let out = s.generated;
+        self.emit_request(s.id, &s.tenant, kind, s.prompt.len(), out);
+    }
+
+    fn flush_reads(&mut self, s: &Seq) {
         if self.sink.is_some() {
             for (idx, run) in s.reads.iter().enumerate() {
                 if let (Some((slot_end, first_step, last_step)), Some(pr)) = (run, s.pages.get(idx))
@@ -327,14 +447,12 @@ impl Engine {
                         slot_end: *slot_end,
                         first_step: *first_step,
                         last_step: *last_step,
+                        verified: self.tag_check == TagCheck::Enforced,
                     };
                     self.emit(ev);
                 }
             }
         }
-        self.release(&s);
-        let out = s.generated;
-        self.emit_request(s.id, &s.tenant, kind, s.prompt.len(), out);
     }
 
     pub fn model(&self) -> &Model {
@@ -350,16 +468,45 @@ impl Engine {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
+    /// Requests in any state, including held, importing and quarantined (0 = pool fully free).
+    pub fn n_live(&self) -> usize {
+        self.waiting.len()
+            + self.running.len()
+            + self.held.len()
+            + self.importing.len()
+            + self.quarantined.len()
+    }
+
     fn pages_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.pool.page_size())
     }
 
     /// Admit or reject a request. Rejection happens before any page is allocated.
     pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, AdmissionError> {
+        self.submit_as(req, false)
+    }
+
+    /// Prefill node: admit a request that stops after its prompt (plus the first sampled token,
+    /// [`Event::Prefilled`]) and holds its pages for the transfer until
+    /// [`Engine::release_held`]. Its page reservation is the prompt only.
+    pub fn submit_prefill(&mut self, req: GenerateRequest) -> Result<RequestId, AdmissionError> {
+        self.submit_as(req, true)
+    }
+
+    /// The admission check alone (nothing recorded, nothing allocated).
+    pub fn check(&self, req: &GenerateRequest, prefill_only: bool) -> Result<(), AdmissionError> {
+        self.check_admission(req, prefill_only)
+    }
+
+    fn submit_as(
+        &mut self,
+        req: GenerateRequest,
+        prefill_only: bool,
+    ) -> Result<RequestId, AdmissionError> {
         if let Some(e) = &self.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
         }
-        let checked = self.check_admission(&req);
+        let checked = self.check_admission(&req, prefill_only);
         let id = self.next_id;
         self.next_id += 1;
         if let Err(e) = checked {
@@ -378,23 +525,206 @@ impl Engine {
         if let Some(e) = &self.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
         }
-        self.waiting.push_back(Seq {
-            id,
-            prompt: req.prompt,
-            max_tokens: req.max_tokens,
-            stop_ids: req.stop_ids,
-            sampler: Sampler::new(req.sampling),
-            pages: Vec::new(),
-            n_cached: 0,
-            generated: 0,
-            phase: Phase::Prefill,
-            tenant: req.tenant.into(),
-            reads: Vec::new(),
-        });
+        self.waiting.push_back(Seq::new(id, req, prefill_only));
         Ok(id)
     }
 
-    fn check_admission(&self, req: &GenerateRequest) -> Result<(), AdmissionError> {
+    /// Decode node: admit a request whose prompt KV will arrive by transfer, and allocate its
+    /// whole reservation (`prompt + max_tokens`) now — the pages the transfer writes into. Fails
+    /// fast with [`AdmissionError::Busy`] when the pages are not free (the caller retries).
+    pub fn reserve_import(
+        &mut self,
+        req: GenerateRequest,
+    ) -> Result<(RequestId, Vec<PageRef>), AdmissionError> {
+        if let Some(e) = &self.audit_error {
+            return Err(AdmissionError::AuditUnavailable(e.clone()));
+        }
+        let checked = self.check_admission(&req, false).and_then(|()| {
+            let need = self.pages_for(req.prompt.len() + req.max_tokens);
+            if need > self.pool.n_free() {
+                Err(AdmissionError::Busy {
+                    needed_pages: need,
+                    free_pages: self.pool.n_free(),
+                })
+            } else {
+                Ok(need)
+            }
+        });
+        let id = self.next_id;
+        self.next_id += 1;
+        let need = match checked {
+            Ok(need) => need,
+            Err(e) => {
+                let reason = RequestKind::Rejected {
+                    reason: e.to_string(),
+                };
+                self.emit_request(id, &req.tenant, reason, req.prompt.len(), 0);
+                return Err(e);
+            }
+        };
+        self.emit_request(id, &req.tenant, RequestKind::Admitted, req.prompt.len(), 0);
+        let mut s = Seq::new(id, req, false);
+        match self.pool.alloc(id, need) {
+            Ok(pages) => s.pages = pages,
+            Err(e) => unreachable!("free pages checked above: {e}"),
+        }
+        s.reads = vec![None; s.pages.len()];
+        s.imported = vec![0; s.pages.len()];
+        let pages = s.pages.clone();
+        self.emit_pages(id, &s.tenant, &pages, PageKind::Alloc);
+        self.importing.push(s);
+        if let Some(e) = &self.audit_error {
+            return Err(AdmissionError::AuditUnavailable(e.clone()));
+        }
+        Ok((id, pages))
+    }
+
+    /// Decode node: a transfer into logical page `idx` of importing request `id` landed; verify
+    /// its in-band header and (unless disabled) checksum, and only then count its `slots` as
+    /// written (recorded as a `write` by `transfer`).
+    pub fn verify_import(
+        &mut self,
+        id: RequestId,
+        idx: usize,
+        slots: usize,
+        check_checksum: bool,
+    ) -> Result<(), ImportError> {
+        let Some(si) = self.importing.iter().position(|s| s.id == id) else {
+            return Err(ImportError::Unknown(id));
+        };
+        let Some(&pr) = self.importing[si].pages.get(idx) else {
+            return Err(ImportError::Incomplete {
+                id,
+                idx,
+                need: self.importing[si].pages.len(),
+            });
+        };
+        let tenant = self.importing[si].tenant.clone();
+        if self.sink.is_some() {
+            let kind = PageKind::Write {
+                slot_start: 0,
+                slot_end: slots as u32,
+                writer: audit::Writer::Transfer,
+            };
+            self.emit_pages(id, &tenant, &[pr], kind);
+        }
+        match self.pool.verify_landed(pr, id, slots, check_checksum) {
+            Ok(()) => {
+                self.importing[si].imported[idx] = slots as u32;
+                Ok(())
+            }
+            Err(e) => {
+                self.emit(audit::Event::IntegrityViolation {
+                    ts_ns: now_ns(),
+                    request: id,
+                    tenant,
+                    page: Some(pr.page),
+                    generation: Some(pr.generation),
+                    kind: "TransferVerify".into(),
+                    detail: e.to_string(),
+                });
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Decode node: start decoding an imported request whose prompt KV is verified. Its first
+    /// token was sampled by prefill (`first_token`, counted as generated). Unless
+    /// `require_verified` is false (the incident reproduction only), every prompt page must
+    /// have been verified with exactly the slots the prompt fills.
+    pub fn activate_import(
+        &mut self,
+        id: RequestId,
+        first_token: u32,
+        require_verified: bool,
+    ) -> Result<(), ImportError> {
+        let Some(si) = self.importing.iter().position(|s| s.id == id) else {
+            return Err(ImportError::Unknown(id));
+        };
+        let ps = self.pool.page_size();
+        let s = &self.importing[si];
+        let need = s.prompt.len().div_ceil(ps);
+        if require_verified {
+            for idx in 0..need {
+                let want = (s.prompt.len() - idx * ps).min(ps) as u32;
+                if s.imported[idx] != want {
+                    return Err(ImportError::Incomplete { id, idx, need });
+                }
+            }
+        }
+        let mut s = self.importing.swap_remove(si);
+        s.n_cached = s.prompt.len();
+        s.generated = 1;
+        s.phase = Phase::Decode {
+            next_input: first_token,
+        };
+        self.running.push(s);
+        Ok(())
+    }
+
+    /// Pages (block table) and filled slots of a held (prefilled) request.
+    pub fn held(&self, id: RequestId) -> Option<(&[PageRef], usize)> {
+        self.held
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (&s.pages[..], s.n_cached))
+    }
+
+    /// Prefill node: the transfer of a held request is over (every write completed or failed):
+    /// release its pages and record how it ended.
+    pub fn release_held(&mut self, id: RequestId, kind: RequestKind) -> bool {
+        let Some(i) = self.held.iter().position(|s| s.id == id) else {
+            return false;
+        };
+        let s = self.held.swap_remove(i);
+        self.retire(s, kind);
+        true
+    }
+
+    /// Decode node: end an importing or running request whose pages a remote writer may still
+    /// write: its pages go to quarantine (recorded), not to the free list.
+    pub fn quarantine(&mut self, id: RequestId, kind: RequestKind) -> bool {
+        let s = if let Some(i) = self.importing.iter().position(|s| s.id == id) {
+            self.importing.swap_remove(i)
+        } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            self.running.swap_remove(i)
+        } else {
+            return false;
+        };
+        let pages = s.pages.clone();
+        self.emit_pages(s.id, &s.tenant.clone(), &pages, PageKind::Quarantine);
+        self.emit_request(s.id, &s.tenant.clone(), kind, s.prompt.len(), s.generated);
+        self.quarantined.push(s);
+        true
+    }
+
+    /// Decode node: the transport proved no write of a quarantined request's key can land any
+    /// more (the key is invalidated): its pages return to the free list.
+    pub fn release_quarantined(&mut self, id: RequestId) -> bool {
+        let Some(i) = self.quarantined.iter().position(|s| s.id == id) else {
+            return false;
+        };
+        let s = self.quarantined.swap_remove(i);
+        self.flush_reads(&s);
+        self.release(&s);
+        true
+    }
+
+    /// Pages currently quarantined.
+    pub fn n_quarantined_pages(&self) -> usize {
+        self.quarantined.iter().map(|s| s.pages.len()).sum()
+    }
+
+    /// Importing request ids (decode node).
+    pub fn importing_ids(&self) -> Vec<RequestId> {
+        self.importing.iter().map(|s| s.id).collect()
+    }
+
+    fn check_admission(
+        &self,
+        req: &GenerateRequest,
+        prefill_only: bool,
+    ) -> Result<(), AdmissionError> {
         if req.prompt.is_empty() {
             return Err(AdmissionError::EmptyPrompt);
         }
@@ -416,7 +746,11 @@ impl Engine {
                 context_length: self.context_length,
             });
         }
-        let needed_pages = self.pages_for(total);
+        let needed_pages = self.pages_for(if prefill_only {
+            req.prompt.len()
+        } else {
+            total
+        });
         if needed_pages > self.pool.n_pages() {
             return Err(AdmissionError::ExceedsPool {
                 needed_pages,
@@ -439,12 +773,16 @@ impl Engine {
             }
             return true;
         }
+        if self.importing.iter().any(|s| s.id == id) {
+            // A transfer may still write these pages: quarantine, never the free list.
+            return self.quarantine(id, RequestKind::Aborted);
+        }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let s = self.running.swap_remove(i);
             self.retire(s, RequestKind::Aborted);
             return true;
         }
-        false
+        self.release_held(id, RequestKind::Aborted)
     }
 
     fn release(&mut self, s: &Seq) {
@@ -474,7 +812,7 @@ impl Engine {
             if self.running.len() >= self.cfg.max_running {
                 break;
             }
-            let need = self.pages_for(front.prompt.len() + front.max_tokens);
+            let need = self.pages_for(front.reserve_tokens());
             if need > self.pool.n_free() {
                 break;
             }
@@ -548,6 +886,7 @@ impl Engine {
                     Phase::Prefill if self.running[*i].prompt.len() >= 2 => ReduceOrder::Gemm,
                     Phase::Prefill | Phase::Decode { .. } => ReduceOrder::Vec,
                 },
+                check: self.tag_check,
             })
             .collect();
         let results = self
@@ -557,6 +896,7 @@ impl Engine {
 
         let mut events = Vec::new();
         let mut done = Vec::new();
+        let mut held = Vec::new();
         let mut violations = Vec::new();
         let ps = self.pool.page_size();
         let step_no = self.step_no;
@@ -588,6 +928,14 @@ impl Engine {
                         continue;
                     }
                     let tok = s.sampler.sample(&logits);
+                    if s.prefill_only {
+                        events.push(Event::Prefilled {
+                            id: s.id,
+                            first_token: tok,
+                        });
+                        held.push(i);
+                        continue;
+                    }
                     let stop = s.stop_ids.contains(&tok);
                     if !stop {
                         s.generated += 1;
@@ -633,10 +981,19 @@ impl Engine {
                 detail: error.to_string(),
             });
         }
-        done.sort_unstable_by_key(|(i, _)| *i);
-        for (i, kind) in done.into_iter().rev() {
+        // Remove finished and held sequences from `running`, highest index first.
+        let mut leaving: Vec<(usize, Option<RequestKind>)> = done
+            .into_iter()
+            .map(|(i, k)| (i, Some(k)))
+            .chain(held.into_iter().map(|i| (i, None)))
+            .collect();
+        leaving.sort_unstable_by_key(|(i, _)| *i);
+        for (i, kind) in leaving.into_iter().rev() {
             let s = self.running.remove(i);
-            self.retire(s, kind);
+            match kind {
+                Some(kind) => self.retire(s, kind),
+                None => self.held.push(s),
+            }
         }
         events
     }
@@ -652,7 +1009,16 @@ impl Engine {
             .running
             .drain(..)
             .chain(self.waiting.drain(..))
+            .chain(self.held.drain(..))
             .collect();
+        // Importing requests' pages may still be written by a transfer: quarantine them.
+        for s in std::mem::take(&mut self.importing) {
+            events.push(Event::Aborted {
+                id: s.id,
+                reason: reason.clone(),
+            });
+            self.quarantined.push(s);
+        }
         for s in all {
             events.push(Event::Aborted {
                 id: s.id,
@@ -690,6 +1056,7 @@ impl Engine {
                 owner,
                 logits: Logits::All,
                 order: ReduceOrder::Gemm,
+                check: TagCheck::Enforced,
             };
             match self
                 .model
@@ -725,6 +1092,8 @@ impl Engine {
             generated: 0,
             phase: Phase::Prefill,
             tenant: "score".into(),
+            prefill_only: false,
+            imported: Vec::new(),
         };
         self.retire(
             s,
@@ -759,6 +1128,9 @@ fn violation_page(e: &IntegrityError) -> (Option<u32>, Option<u32>) {
             page, generation, ..
         } => (Some(page), Some(generation)),
         IntegrityError::OutOfOrderWrite { page, .. } => (Some(page), None),
+        IntegrityError::InBandMismatch {
+            page, generation, ..
+        } => (Some(page), Some(generation)),
     }
 }
 

@@ -19,7 +19,7 @@
 //! `release`, and its owner's later writes then fail the owner check. Remote writers (transfers)
 //! add quarantine on top of this in the transport layer.
 
-use custody_kernels::attention::{self, IntegrityError, PageGeometry, PageRef, TagView};
+use custody_kernels::attention::{self, IntegrityError, PageGeometry, PageRef, TagCheck, TagView};
 use half::f16;
 
 /// Owner value of a free page. Request ids start at 1.
@@ -56,6 +56,12 @@ pub struct PagePool {
     owner: Vec<u64>,
     /// `filled[layer][page]`
     filled: Vec<Vec<u32>>,
+    /// In-band stamp per page: who the data was last written for (see `TagView`).
+    stamp_owner: Vec<u64>,
+    stamp_generation: Vec<u32>,
+    /// Per page: (slots, checksum) of the last transfer header that landed in it.
+    landed: Vec<(u32, u64)>,
+    release_fill: ReleaseFill,
     /// Free pages (a stack: the most recently released page is reused first, which is the
     /// worst case for stale reads and so the right default for exercising the tag check).
     free: Vec<u32>,
@@ -76,7 +82,160 @@ impl PagePool {
             owner: vec![NO_OWNER; n_pages],
             filled: vec![vec![0; n_pages]; n_layers],
             free: (0..n_pages as u32).rev().collect(),
+            stamp_owner: vec![NO_OWNER; n_pages],
+            stamp_generation: vec![0; n_pages],
+            landed: vec![(0, 0); n_pages],
+            release_fill: ReleaseFill::None,
         }
+    }
+
+    /// What released pages are overwritten with (default: nothing — the tag check makes stale
+    /// bytes unreadable; zeroing is defence in depth with a measured cost).
+    pub fn set_release_fill(&mut self, fill: ReleaseFill) {
+        self.release_fill = fill;
+    }
+
+    fn n_layers(&self) -> usize {
+        self.k.len()
+    }
+
+    /// Bytes of one layer's K (or V) part of a page.
+    pub fn page_layer_bytes(&self) -> usize {
+        self.geom.page_elems() * 2
+    }
+
+    /// Bytes a page takes in a transfer region: the in-band header, then per layer K then V.
+    pub fn region_page_stride(&self) -> usize {
+        TRANSFER_HDR_BYTES + 2 * self.n_layers() * self.page_layer_bytes()
+    }
+
+    /// The chunks a transfer of `slots` filled slots of `page` consists of, in transfer (and
+    /// checksum) order: `f(offset_in_region_page, bytes)`. Full pages go as one chunk per layer
+    /// and K/V; a partial page as one chunk per KV head (only the filled slots travel).
+    pub fn for_each_transfer_chunk(
+        &self,
+        page: u32,
+        slots: usize,
+        mut f: impl FnMut(usize, &[u8]),
+    ) {
+        let g = self.geom;
+        assert!(slots <= g.page_size && (page as usize) < self.n_pages);
+        let p = page as usize;
+        let lb = self.page_layer_bytes();
+        for layer in 0..self.n_layers() {
+            for (kv, cache) in [(0, &self.k[layer]), (1, &self.v[layer])] {
+                let chunk_base = TRANSFER_HDR_BYTES + (2 * layer + kv) * lb;
+                let bytes = f16_bytes(cache);
+                if slots == g.page_size {
+                    let off = g.offset(p, 0, 0) * 2;
+                    f(chunk_base, &bytes[off..off + lb]);
+                } else {
+                    for h in 0..g.n_kv_heads {
+                        let off = g.offset(p, h, 0) * 2;
+                        let within = (h * g.page_size * g.head_dim) * 2;
+                        f(
+                            chunk_base + within,
+                            &bytes[off..off + slots * g.head_dim * 2],
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The checksum of `slots` slots of `page` as they are in this pool.
+    pub fn page_checksum(&self, page: u32, slots: usize) -> u64 {
+        let mut h = custody_kernels::checksum::Checksummer::new();
+        self.for_each_transfer_chunk(page, slots, |_, b| h.update(b));
+        h.digest()
+    }
+
+    /// A transfer landed `bytes` at `offset` of page `page`'s region layout (the NIC's DMA). No
+    /// tag changes: the slots count as written only after [`PagePool::verify_landed`]. The
+    /// header area must be written whole; data must not straddle a layer's K/V chunk.
+    pub fn land(&mut self, page: u32, offset: usize, bytes: &[u8]) -> Result<(), LandError> {
+        let p = page as usize;
+        if p >= self.n_pages {
+            return Err(LandError(format!("page {page} outside the pool")));
+        }
+        if offset < TRANSFER_HDR_BYTES {
+            if offset != 0 || bytes.len() != TRANSFER_HDR_BYTES {
+                return Err(LandError("partial header write".into()));
+            }
+            let h = TransferHeader::decode(bytes)?;
+            self.stamp_owner[p] = h.owner;
+            self.stamp_generation[p] = h.generation;
+            self.landed[p] = (h.slots, h.checksum);
+            return Ok(());
+        }
+        let lb = self.page_layer_bytes();
+        let rel = offset - TRANSFER_HDR_BYTES;
+        let (chunk, within) = (rel / lb, rel % lb);
+        if chunk >= 2 * self.n_layers() || within + bytes.len() > lb || bytes.len() % 2 != 0 {
+            return Err(LandError(format!(
+                "write of {} B at page offset {offset} straddles a chunk",
+                bytes.len()
+            )));
+        }
+        let (layer, kv) = (chunk / 2, chunk % 2);
+        let cache = if kv == 0 {
+            &mut self.k[layer]
+        } else {
+            &mut self.v[layer]
+        };
+        let base = self.geom.offset(p, 0, 0) * 2 + within;
+        f16_bytes_mut(cache)[base..base + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Verify a landed transfer for `owner` at `pr`: the in-band header must name this owner and
+    /// generation and `slots` slots, and the checksum of what landed must match the header's.
+    /// Only then are slots `0..slots` marked written on every layer.
+    pub fn verify_landed(
+        &mut self,
+        pr: PageRef,
+        owner: u64,
+        slots: usize,
+        check_checksum: bool,
+    ) -> Result<(), VerifyError> {
+        let p = pr.page as usize;
+        if p >= self.n_pages || self.generation[p] != pr.generation || self.owner[p] != owner {
+            return Err(VerifyError::Tag { page: pr.page });
+        }
+        if self.stamp_owner[p] != owner || self.stamp_generation[p] != pr.generation {
+            return Err(VerifyError::Stamp {
+                page: pr.page,
+                owner: self.stamp_owner[p],
+                generation: self.stamp_generation[p],
+            });
+        }
+        let (hdr_slots, hdr_sum) = self.landed[p];
+        if hdr_slots as usize != slots || slots > self.geom.page_size {
+            return Err(VerifyError::Slots {
+                page: pr.page,
+                header: hdr_slots,
+                expected: slots as u32,
+            });
+        }
+        if check_checksum {
+            let got = self.page_checksum(pr.page, slots);
+            if got != hdr_sum {
+                return Err(VerifyError::Checksum {
+                    page: pr.page,
+                    header: hdr_sum,
+                    computed: got,
+                });
+            }
+        }
+        for f in &mut self.filled {
+            if f[p] != 0 {
+                return Err(VerifyError::AlreadyWritten { page: pr.page });
+            }
+        }
+        for f in &mut self.filled {
+            f[p] = slots as u32;
+        }
+        Ok(())
     }
 
     /// Bytes of KV storage one token slot takes over all layers.
@@ -142,7 +301,16 @@ impl PagePool {
             }
         }
         for pr in pages {
-            self.owner[pr.page as usize] = NO_OWNER;
+            let p = pr.page as usize;
+            self.owner[p] = NO_OWNER;
+            if let Some(value) = self.release_fill.value() {
+                let r = self.geom.offset(p, 0, 0)..self.geom.offset(p + 1, 0, 0);
+                for l in 0..self.k.len() {
+                    self.k[l][r.clone()].fill(value);
+                    self.v[l][r.clone()].fill(value);
+                }
+                self.stamp_owner[p] = NO_OWNER;
+            }
             self.free.push(pr.page);
         }
         debug_assert!(self.free.len() <= self.n_pages);
@@ -156,6 +324,23 @@ impl PagePool {
         pr: PageRef,
         slot: usize,
         owner: u64,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), IntegrityError> {
+        self.write_slot_checked(layer, pr, slot, owner, TagCheck::Enforced, k, v)
+    }
+
+    /// [`PagePool::write_slot`], with the incident reproduction's switch: when the tag check is
+    /// disabled, a write may land beyond `filled` (as the incident's decode wrote after slots
+    /// nobody had filled); ownership and generation are still checked.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_slot_checked(
+        &mut self,
+        layer: usize,
+        pr: PageRef,
+        slot: usize,
+        owner: u64,
+        check: TagCheck,
         k: &[f32],
         v: &[f32],
     ) -> Result<(), IntegrityError> {
@@ -182,13 +367,17 @@ impl PagePool {
             });
         }
         let filled = self.filled[layer][p];
-        if slot != filled as usize || slot >= self.geom.page_size {
+        let in_order = slot == filled as usize
+            || (check == TagCheck::DisabledForIncidentReproduction && slot > filled as usize);
+        if !in_order || slot >= self.geom.page_size {
             return Err(IntegrityError::OutOfOrderWrite {
                 page: pr.page,
                 slot: slot as u32,
                 filled,
             });
         }
+        self.stamp_owner[p] = owner;
+        self.stamp_generation[p] = pr.generation;
         attention::write_kv_slot(
             &mut self.k[layer],
             &mut self.v[layer],
@@ -198,7 +387,7 @@ impl PagePool {
             k,
             v,
         );
-        self.filled[layer][p] = filled + 1;
+        self.filled[layer][p] = slot as u32 + 1;
         Ok(())
     }
 
@@ -208,6 +397,8 @@ impl PagePool {
             generation: &self.generation,
             owner: &self.owner,
             filled: &self.filled[layer],
+            stamp_owner: &self.stamp_owner,
+            stamp_generation: &self.stamp_generation,
         }
     }
 
@@ -230,6 +421,116 @@ impl PagePool {
         self.generation[page as usize] = generation;
         self.owner[page as usize] = owner;
     }
+}
+
+/// Size of the in-band header at the start of each page in a transfer region.
+pub const TRANSFER_HDR_BYTES: usize = 64;
+const TRANSFER_MAGIC: u32 = 0x4b56_5047; // "KVPG"
+
+/// The in-band page header a transfer writes after the page's data: whose data it is (the
+/// decode-side request and page generation), how many slots, and the checksum of the data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferHeader {
+    pub owner: u64,
+    pub generation: u32,
+    pub slots: u32,
+    pub checksum: u64,
+}
+
+impl TransferHeader {
+    pub fn encode(&self) -> [u8; TRANSFER_HDR_BYTES] {
+        let mut b = [0u8; TRANSFER_HDR_BYTES];
+        b[0..4].copy_from_slice(&TRANSFER_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.generation.to_le_bytes());
+        b[8..16].copy_from_slice(&self.owner.to_le_bytes());
+        b[16..20].copy_from_slice(&self.slots.to_le_bytes());
+        b[24..32].copy_from_slice(&self.checksum.to_le_bytes());
+        b
+    }
+    pub fn decode(b: &[u8]) -> Result<Self, LandError> {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(a)
+        };
+        if b.len() != TRANSFER_HDR_BYTES || u32_at(0) != TRANSFER_MAGIC {
+            return Err(LandError("bad transfer header".into()));
+        }
+        Ok(Self {
+            generation: u32_at(4),
+            owner: u64_at(8),
+            slots: u32_at(16),
+            checksum: u64_at(24),
+        })
+    }
+}
+
+/// A landing the pool refused (reported to the sender as a remote access error).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("transfer landing refused: {0}")]
+pub struct LandError(pub String);
+
+/// A landed transfer that failed verification: its slots are not marked written.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VerifyError {
+    #[error("page {page}: the tag no longer names this request and generation")]
+    Tag { page: u32 },
+    #[error(
+        "page {page}: in-band header names owner {owner:#x} generation {generation}, not this request"
+    )]
+    Stamp {
+        page: u32,
+        owner: u64,
+        generation: u32,
+    },
+    #[error("page {page}: header says {header} slots, the protocol expects {expected}")]
+    Slots {
+        page: u32,
+        header: u32,
+        expected: u32,
+    },
+    #[error("page {page}: checksum mismatch (header {header:#018x}, computed {computed:#018x})")]
+    Checksum {
+        page: u32,
+        header: u64,
+        computed: u64,
+    },
+    #[error("page {page}: slots already written in this generation")]
+    AlreadyWritten { page: u32 },
+}
+
+/// What a released page is overwritten with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReleaseFill {
+    #[default]
+    None,
+    Zero,
+    /// A recognisable non-finite pattern (f16 0x7E5A, a NaN): a stale read that slipped past
+    /// every check would poison the output visibly instead of leaking plausible content.
+    Canary,
+}
+
+impl ReleaseFill {
+    fn value(self) -> Option<f16> {
+        match self {
+            ReleaseFill::None => None,
+            ReleaseFill::Zero => Some(f16::ZERO),
+            ReleaseFill::Canary => Some(f16::from_bits(0x7E5A)),
+        }
+    }
+}
+
+fn f16_bytes(v: &[f16]) -> &[u8] {
+    // SAFETY: f16 is `repr(transparent)` over u16: any f16 slice is a valid byte slice of twice
+    // the length (u8 has alignment 1), little-endian on the hosts this runs on.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * 2) }
+}
+
+fn f16_bytes_mut(v: &mut [f16]) -> &mut [u8] {
+    // SAFETY: as `f16_bytes`; every bit pattern is a valid f16, so arbitrary bytes may be stored.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), v.len() * 2) }
 }
 
 /// A zeroed f16 vector through the zero-allocation fast path (`calloc`: pages are mapped lazily,

@@ -5,12 +5,14 @@
 //! goes through `custody-kernels`; all KV reads go through the kernel's tag-checking attention.
 
 pub mod config;
+pub mod disagg;
 pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod tokenizer;
+pub mod transport;
 
 pub use config::{Config, EngineConfig};
 pub use engine::{

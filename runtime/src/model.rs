@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use custody_kernels::attention::{
-    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder,
+    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, TagCheck,
 };
 use custody_kernels::matmul::matmul_many;
 use custody_kernels::{DType, QInput, QMatrix, ops};
@@ -172,6 +172,8 @@ pub struct Segment<'a> {
     /// Attention reduction order: a property of the request (prompt vs decode rows), so that a
     /// row's arithmetic never depends on what else shares its batch.
     pub order: ReduceOrder,
+    /// Always `Enforced` except in the incident reproduction.
+    pub check: TagCheck,
 }
 
 /// Reusable activation buffers (sized for the largest batch seen).
@@ -388,11 +390,12 @@ impl Model {
                             });
                             break;
                         };
-                        if let Err(e) = pool.write_slot(
+                        if let Err(e) = pool.write_slot_checked(
                             li,
                             pr,
                             pos % ps,
                             sg.owner,
+                            sg.check,
                             &s.k[r * kvd..(r + 1) * kvd],
                             &s.v[r * kvd..(r + 1) * kvd],
                         ) {
@@ -417,6 +420,7 @@ impl Model {
                     tags: pool.tags(li),
                     owner: sg.owner,
                     order: sg.order,
+                    check: sg.check,
                 };
                 if let Err(e) = attention::paged_attention(&args, out, &mut s.attn) {
                     out.fill(0.0);

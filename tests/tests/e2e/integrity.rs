@@ -197,7 +197,7 @@ proptest! {
                         q: &q, n_heads: 1, start_pos: n_ctx - 1,
                         k_cache: pool.k_cache(0), v_cache: pool.v_cache(0), geom: G,
                         block_table: &s.pages, tags: pool.tags(0), owner: s.owner,
-                        order: ReduceOrder::Vec,
+                        order: ReduceOrder::Vec, check: attention::TagCheck::Enforced,
                     };
                     let mut out = vec![0.0f32; G.head_dim];
                     match attention::paged_attention(&args, &mut out, &mut scratch) {

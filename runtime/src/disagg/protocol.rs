@@ -1,0 +1,203 @@
+//! The disaggregated request protocol as a state machine — shared, verbatim, by the engine's
+//! prefill/decode nodes and by the model checker (`tests/tests/e2e/model_check.rs`), so the model
+//! that is checked is the machine that runs.
+//!
+//! This module has no dependencies beyond `core`: it is pure data and transition functions.
+//!
+//! # Request states (one request, across both nodes)
+//! ```text
+//!   Received ──reject──> Rejected                       (nothing allocated anywhere)
+//!      │ reserve (decode allocates pages, registers a key for them)
+//!   Reserved ──start_prefill──> Prefilling ──post_writes──> Transferring
+//!                                                            │ all writes completed AND
+//!                                                            │ every page's checksum verified
+//!                                                         Prefilled ──handoff──> Decoding ──finish──> Finished
+//!   abort is allowed from every non-terminal state ──> Aborted
+//!   fail (integrity / checksum / transport error)   ──> Failed
+//! ```
+//! Only `Prefilled` can be handed to decode: there is no other transition into `Decoding`. In the
+//! engine this is also a type: `Prefilled` values are built only by the decode node after it
+//! verified every page (see `disagg::DecodeNode::handoff`).
+//!
+//! # Decode page states
+//! ```text
+//!   Free ──reserve──> Reserved(key) ──verified──> Filled
+//!   Reserved/Filled ──request ends──> Quarantined(key)   (a write of `key` may still land)
+//!   Quarantined ──key invalidated (no write can land any more)──> Free
+//! ```
+//! A page leaves `Quarantined` only when the transport proves that no write of its key can land
+//! (`KeyState::Invalidated`), never on a timeout — safety property 2, "no early reuse".
+
+/// Where one request is in the disaggregated protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ReqState {
+    /// Arrived at the front door; nothing allocated.
+    Received,
+    /// Refused at admission (terminal). No page was allocated and no transfer posted.
+    Rejected,
+    /// Decode allocated the pages for `prompt + max_tokens` and registered a key for them.
+    Reserved,
+    /// Prefill is computing the prompt's KV in its own pool.
+    Prefilling,
+    /// Writes of the prompt's KV into the decode pages are posted; some may be in flight.
+    Transferring,
+    /// Every write completed and every page verified (in-band tag + checksum) on decode.
+    Prefilled,
+    /// Decode is generating.
+    Decoding,
+    /// Terminal: generation ended normally.
+    Finished,
+    /// Terminal: aborted (client, lost connection, killed peer) before finishing.
+    Aborted,
+    /// Terminal: an integrity, checksum or transport error ended it without output.
+    Failed,
+}
+
+/// What can happen to a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ReqEvent {
+    Reject,
+    Reserve,
+    StartPrefill,
+    PostWrites,
+    /// All writes completed and decode verified every page.
+    AllVerified,
+    Handoff,
+    Finish,
+    Abort,
+    Fail,
+}
+
+/// A transition the protocol does not allow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IllegalTransition {
+    pub from: ReqState,
+    pub event: ReqEvent,
+}
+
+impl core::fmt::Display for IllegalTransition {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "illegal protocol transition: {:?} on {:?}",
+            self.from, self.event
+        )
+    }
+}
+
+impl std::error::Error for IllegalTransition {}
+
+impl ReqState {
+    pub const fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            ReqState::Rejected | ReqState::Finished | ReqState::Aborted | ReqState::Failed
+        )
+    }
+
+    /// The one transition function. Everything not listed is illegal.
+    pub const fn on(self, event: ReqEvent) -> Result<ReqState, IllegalTransition> {
+        use ReqEvent as E;
+        use ReqState as S;
+        let next = match (self, event) {
+            (S::Received, E::Reject) => S::Rejected,
+            (S::Received, E::Reserve) => S::Reserved,
+            (S::Reserved, E::StartPrefill) => S::Prefilling,
+            (S::Prefilling, E::PostWrites) => S::Transferring,
+            (S::Transferring, E::AllVerified) => S::Prefilled,
+            (S::Prefilled, E::Handoff) => S::Decoding,
+            (S::Decoding, E::Finish) => S::Finished,
+            (s, E::Abort) if !s.is_terminal() => S::Aborted,
+            (s, E::Fail) if !s.is_terminal() && !matches!(s, S::Received) => S::Failed,
+            (from, event) => return Err(IllegalTransition { from, event }),
+        };
+        Ok(next)
+    }
+
+    /// Whether the decode node may attend over the request's pages in this state.
+    pub const fn may_read(self) -> bool {
+        matches!(self, ReqState::Decoding)
+    }
+}
+
+/// Whether writes carrying a region key can still land.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KeyState {
+    /// Registered: a write with this key lands if it is in range.
+    Valid,
+    /// Invalidated (flushed): the transport guarantees no write with this key lands any more.
+    Invalidated,
+}
+
+/// The life of one decode page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PageState {
+    Free,
+    /// Allocated to a request; writes of its key may land.
+    Reserved,
+    /// Transfer landed and verified (or written locally by decode).
+    Filled,
+    /// The owning request ended while a write of its key may still land.
+    Quarantined,
+}
+
+/// Safety property 2 as a rule: a page may return to the free list only when no writer can still
+/// write it, i.e. its key is invalidated (or it never had one).
+pub const fn release_allowed(key: Option<KeyState>) -> bool {
+    matches!(key, None | Some(KeyState::Invalidated))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL_STATES: [ReqState; 10] = [
+        ReqState::Received,
+        ReqState::Rejected,
+        ReqState::Reserved,
+        ReqState::Prefilling,
+        ReqState::Transferring,
+        ReqState::Prefilled,
+        ReqState::Decoding,
+        ReqState::Finished,
+        ReqState::Aborted,
+        ReqState::Failed,
+    ];
+
+    #[test]
+    fn only_prefilled_reaches_decoding() {
+        for s in ALL_STATES {
+            for e in [
+                ReqEvent::Reject,
+                ReqEvent::Reserve,
+                ReqEvent::StartPrefill,
+                ReqEvent::PostWrites,
+                ReqEvent::AllVerified,
+                ReqEvent::Handoff,
+                ReqEvent::Finish,
+                ReqEvent::Abort,
+                ReqEvent::Fail,
+            ] {
+                if let Ok(ReqState::Decoding) = s.on(e) {
+                    assert_eq!((s, e), (ReqState::Prefilled, ReqEvent::Handoff));
+                }
+                if s.is_terminal() {
+                    assert!(s.on(e).is_err(), "{s:?} is terminal");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejected_cannot_be_handed_off() {
+        let s = ReqState::Received.on(ReqEvent::Reject).expect("reject");
+        assert!(s.on(ReqEvent::Handoff).is_err());
+        assert!(s.on(ReqEvent::Reserve).is_err());
+    }
+
+    #[test]
+    fn quarantine_needs_invalidation() {
+        assert!(!release_allowed(Some(KeyState::Valid)));
+        assert!(release_allowed(Some(KeyState::Invalidated)));
+    }
+}
