@@ -347,6 +347,17 @@ impl Engine {
         self.audit_error.as_deref()
     }
 
+    /// Record an event the engine's caller observed (a disaggregated node's transfers), through
+    /// the same sink and with the same fail-closed rule.
+    pub fn record(&mut self, ev: audit::Event) {
+        self.emit(ev);
+    }
+
+    /// Whether a sink is attached (callers skip building events otherwise).
+    pub fn auditing(&self) -> bool {
+        self.sink.is_some()
+    }
+
     fn emit(&mut self, ev: audit::Event) {
         if let Some(sink) = &self.sink
             && let Err(e) = sink.record(ev)

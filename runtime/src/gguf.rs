@@ -478,6 +478,13 @@ impl Gguf {
     pub fn file_len(&self) -> usize {
         self.mmap.len()
     }
+
+    /// SHA-256 of the whole file, hex: the model fingerprint nodes compare in the handshake.
+    pub fn sha256_hex(&self) -> String {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(&self.mmap[..]);
+        digest.iter().map(|b| format!("{b:02x}")).collect()
+    }
 }
 
 #[cfg(test)]

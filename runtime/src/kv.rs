@@ -188,6 +188,16 @@ impl PagePool {
         Ok(())
     }
 
+    /// Slot count of the last transfer header that landed in `page`.
+    pub fn landed_slots(&self, page: u32) -> u32 {
+        self.landed[page as usize].0
+    }
+
+    /// Checksum of the last transfer header that landed in `page`.
+    pub fn landed_checksum(&self, page: u32) -> u64 {
+        self.landed[page as usize].1
+    }
+
     /// Verify a landed transfer for `owner` at `pr`: the in-band header must name this owner and
     /// generation and `slots` slots, and the checksum of what landed must match the header's.
     /// Only then are slots `0..slots` marked written on every layer.

@@ -1,4 +1,199 @@
-//! Disaggregated prefill/decode: the protocol state machine, the two node roles and the
-//! in-process pair used by tests.
+//! Disaggregated prefill/decode: the protocol state machine, the two node roles, their gRPC
+//! control plane, and the client of the prefill node's front door.
+//!
+//! # The flow of one request (see [`protocol`] for the state machine)
+//! 1. The prefill node's front door runs admission (over-length prompts are rejected here, before
+//!    anything is allocated anywhere) and queues the prompt in its own engine (`Prefilling`).
+//! 2. It asks the decode node to `Reserve`: decode runs its own admission, allocates the pages
+//!    for `prompt + max_tokens`, registers a transport key for exactly those pages, and replies
+//!    with the key, the page list and each page's generation (`Reserved`).
+//! 3. When the prompt's KV is computed, prefill posts one chain of one-sided writes per page:
+//!    the page's filled slots, then an in-band header (decode's request id and page generation,
+//!    slot count, checksum) written with immediate data (`Transferring`).
+//! 4. Decode lands the bytes, and on each page's completion verifies the header and checksum;
+//!    only then are the slots marked written. When every prompt page verified: `Prefilled`.
+//! 5. Prefill, once every write completed, releases its own pages and sends `Commit` with the
+//!    first token; decode invalidates the key (no write can land after this) and decodes
+//!    (`Decoding`), streaming tokens back through prefill to the client.
+//! Any failure or abort ends the request: decode quarantines its pages, invalidates the key, and
+//! only then frees them (safety property 2).
 
+pub mod client;
+pub mod decode;
+pub mod prefill;
 pub mod protocol;
+
+/// Generated gRPC types and services (`runtime/proto/disagg.proto`).
+#[allow(clippy::all, missing_debug_implementations, unreachable_pub)]
+pub mod proto {
+    tonic::include_proto!("custody.disagg.v1");
+}
+
+use crate::model::Model;
+use crate::sampling::SamplingParams;
+
+/// Pages per request the immediate data can address: imm = (slot << 12) | page index.
+pub const MAX_PAGES_PER_REQUEST: usize = 1 << 12;
+/// Reservation slots (live reservations) the immediate data can address.
+pub const MAX_RESERVATIONS: u32 = 1 << 20;
+
+pub fn imm_of(slot: u32, idx: usize) -> u32 {
+    debug_assert!(slot < MAX_RESERVATIONS && idx < MAX_PAGES_PER_REQUEST);
+    (slot << 12) | idx as u32
+}
+
+pub fn imm_split(imm: u32) -> (u32, usize) {
+    (imm >> 12, (imm & 0xfff) as usize)
+}
+
+/// Transfer id of page `idx` of prefill request `origin`: the same on both nodes' audit rows.
+pub fn transfer_id(origin: u64, idx: usize) -> u64 {
+    (origin << 16) | idx as u64
+}
+
+/// What a node states about itself in the handshake.
+pub fn node_info(
+    model: &Model,
+    fingerprint: &str,
+    node_id: u32,
+    role: &str,
+    page_size: usize,
+    context_length: usize,
+    pool_tokens: usize,
+    transport_addr: String,
+    unsafe_switches: &[&str],
+) -> proto::NodeInfo {
+    proto::NodeInfo {
+        node_id,
+        role: role.into(),
+        model_fingerprint: fingerprint.into(),
+        page_size: page_size as u32,
+        n_layers: model.config.n_layers as u32,
+        kv_dim: model.config.kv_dim() as u32,
+        kv_dtype: "f16".into(),
+        context_length: context_length as u64,
+        pool_tokens: pool_tokens as u64,
+        transport: "tcp".into(),
+        transport_addr,
+        unsafe_switches: unsafe_switches.iter().map(|s| (*s).to_owned()).collect(),
+    }
+}
+
+/// The pair's compatibility rule. Every difference is listed, so the operator fixes them all at
+/// once.
+pub fn check_pair(prefill: &proto::NodeInfo, decode: &proto::NodeInfo) -> Result<(), String> {
+    let mut bad = Vec::new();
+    if prefill.model_fingerprint != decode.model_fingerprint {
+        bad.push(format!(
+            "model fingerprint differs (prefill {}, decode {})",
+            prefill.model_fingerprint, decode.model_fingerprint
+        ));
+    }
+    for (what, a, b) in [
+        ("page_size", prefill.page_size, decode.page_size),
+        ("n_layers", prefill.n_layers, decode.n_layers),
+        ("kv_dim", prefill.kv_dim, decode.kv_dim),
+    ] {
+        if a != b {
+            bad.push(format!("{what} differs (prefill {a}, decode {b})"));
+        }
+    }
+    if prefill.kv_dtype != decode.kv_dtype {
+        bad.push(format!(
+            "KV dtype differs (prefill {}, decode {})",
+            prefill.kv_dtype, decode.kv_dtype
+        ));
+    }
+    if prefill.context_length != decode.context_length {
+        bad.push(format!(
+            "context length differs (prefill {}, decode {})",
+            prefill.context_length, decode.context_length
+        ));
+    }
+    for n in [prefill, decode] {
+        let skip = n.unsafe_switches.iter().any(|s| s == "skip_pool_check");
+        if n.pool_tokens < n.context_length && !skip {
+            bad.push(format!(
+                "{} node {} pool holds {} tokens, less than one context of {}",
+                n.role, n.node_id, n.pool_tokens, n.context_length
+            ));
+        }
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("the prefill/decode pair refuses to run: {}", bad.join("; ")))
+    }
+}
+
+pub(crate) fn sampling_to_proto(s: &SamplingParams) -> proto::Sampling {
+    proto::Sampling {
+        temperature: s.temperature,
+        top_k: s.top_k as u32,
+        top_p: s.top_p,
+        seed: s.seed,
+    }
+}
+
+pub(crate) fn sampling_from_proto(s: Option<&proto::Sampling>) -> SamplingParams {
+    match s {
+        Some(s) => SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k as usize,
+            top_p: s.top_p,
+            seed: s.seed,
+        },
+        None => SamplingParams::default(),
+    }
+}
+
+/// Map an admission error to the gRPC status a client sees.
+pub(crate) fn admission_status(e: &crate::engine::AdmissionError) -> tonic::Status {
+    use crate::engine::AdmissionError as A;
+    match e {
+        A::Busy { .. } | A::QueueFull { .. } => tonic::Status::resource_exhausted(e.to_string()),
+        A::AuditUnavailable(_) => tonic::Status::unavailable(e.to_string()),
+        _ => tonic::Status::invalid_argument(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(role: &str, pool: u64) -> proto::NodeInfo {
+        proto::NodeInfo {
+            node_id: 1,
+            role: role.into(),
+            model_fingerprint: "ab".into(),
+            page_size: 16,
+            n_layers: 30,
+            kv_dim: 192,
+            kv_dtype: "f16".into(),
+            context_length: 2048,
+            pool_tokens: pool,
+            transport: "tcp".into(),
+            transport_addr: String::new(),
+            unsafe_switches: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn pair_check_lists_every_mismatch() {
+        assert!(check_pair(&info("prefill", 4096), &info("decode", 4096)).is_ok());
+        let mut d = info("decode", 1024);
+        d.page_size = 32;
+        d.model_fingerprint = "cd".into();
+        let e = check_pair(&info("prefill", 4096), &d).expect_err("mismatch");
+        assert!(e.contains("fingerprint") && e.contains("page_size") && e.contains("less than one context"), "{e}");
+        d = info("decode", 1024);
+        d.unsafe_switches.push("skip_pool_check".into());
+        assert!(check_pair(&info("prefill", 4096), &d).is_ok());
+    }
+
+    #[test]
+    fn imm_round_trips() {
+        assert_eq!(imm_split(imm_of(77, 4095)), (77, 4095));
+        assert_eq!(imm_split(imm_of(MAX_RESERVATIONS - 1, 0)), (MAX_RESERVATIONS - 1, 0));
+    }
+}

@@ -73,6 +73,9 @@ pub struct TargetStats {
 struct Initiator {
     stream: Option<TcpStream>,
     completions: Option<Receiver<Wc>>,
+    /// Completion queues of earlier (lost) connections, drained until their readers finish:
+    /// their flush errors must reach the caller after a reconnect.
+    retired: Vec<Receiver<Wc>>,
     outstanding: Arc<Mutex<HashSet<u64>>>,
     alive: Arc<AtomicBool>,
 }
@@ -161,9 +164,15 @@ impl TcpTransport {
         std::thread::Builder::new()
             .name("kv-tcp-acks".into())
             .spawn(move || ack_loop(reader, tx, out2, alive2, ctx))?;
+        let mut retired = std::mem::take(&mut self.init.retired);
+        retired.extend(self.init.completions.take());
+        if let Some(old) = self.init.stream.take() {
+            let _ = old.shutdown(Shutdown::Both);
+        }
         self.init = Initiator {
             stream: Some(stream),
             completions: Some(rx),
+            retired,
             outstanding,
             alive,
         };
@@ -459,10 +468,23 @@ impl KvTransport for TcpTransport {
     }
 
     fn poll_send(&mut self, out: &mut Vec<Wc>, max: usize) -> Result<usize, TransportError> {
+        let mut n = 0;
+        self.init.retired.retain(|rx| loop {
+            if n >= max {
+                return true;
+            }
+            match rx.try_recv() {
+                Ok(wc) => {
+                    out.push(wc);
+                    n += 1;
+                }
+                Err(TryRecvError::Empty) => return true,
+                Err(TryRecvError::Disconnected) => return false,
+            }
+        });
         let Some(rx) = &self.init.completions else {
             return Err(TransportError::NotConnected);
         };
-        let mut n = 0;
         while n < max {
             match rx.try_recv() {
                 Ok(wc) => {

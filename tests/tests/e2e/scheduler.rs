@@ -154,6 +154,7 @@ fn batched_generation_equals_each_prompt_alone() {
                 }
                 Event::Failed { error, .. } => panic!("{error}"),
                 Event::Aborted { reason, .. } => panic!("{reason}"),
+                Event::Prefilled { .. } => panic!("no prefill-only request was submitted"),
             }
         }
     }

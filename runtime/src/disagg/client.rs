@@ -1,0 +1,222 @@
+//! Serving the two roles, a blocking client of the front door, and an in-process pair (both
+//! roles in one process, talking real gRPC and the real KV transport over loopback) for tests.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use tokio_stream::StreamExt;
+use tonic::Status;
+use tonic::transport::{Channel, Server};
+
+use super::decode::{DecodeHandle, DecodeOptions};
+use super::prefill::{PrefillHandle, PrefillOptions, PrefillStartError};
+use super::proto::{self, prefill_client::PrefillClient};
+use crate::engine::{Engine, GenerateRequest};
+
+/// Serve the decode node's control plane on `listener` until `shutdown` fires.
+pub async fn serve_decode(
+    h: DecodeHandle,
+    listener: tokio::net::TcpListener,
+    shutdown: oneshot::Receiver<()>,
+) -> Result<(), tonic::transport::Error> {
+    Server::builder()
+        .add_service(h.service())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            async {
+                let _ = shutdown.await;
+            },
+        )
+        .await
+}
+
+/// Serve the prefill node's front door on `listener` until `shutdown` fires.
+pub async fn serve_prefill(
+    h: PrefillHandle,
+    listener: tokio::net::TcpListener,
+    shutdown: oneshot::Receiver<()>,
+) -> Result<(), tonic::transport::Error> {
+    Server::builder()
+        .add_service(h.service())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            async {
+                let _ = shutdown.await;
+            },
+        )
+        .await
+}
+
+/// One finished generation as the client saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generated {
+    pub tokens: Vec<u32>,
+    pub finish_reason: String,
+    pub prompt_tokens: u32,
+    /// Time to the first token, as the client measured it.
+    pub ttft: Duration,
+    pub total: Duration,
+}
+
+/// Collect a front-door token stream.
+pub async fn collect(
+    client: &mut PrefillClient<Channel>,
+    req: &GenerateRequest,
+) -> Result<Generated, Status> {
+    let t0 = Instant::now();
+    let mut stream = client
+        .generate(proto::GenerateRequest {
+            tenant: req.tenant.clone(),
+            prompt: req.prompt.clone(),
+            max_tokens: req.max_tokens as u32,
+            sampling: Some(super::sampling_to_proto(&req.sampling)),
+            stop_ids: req.stop_ids.clone(),
+        })
+        .await?
+        .into_inner();
+    let mut out = Generated {
+        tokens: Vec::new(),
+        finish_reason: String::new(),
+        prompt_tokens: req.prompt.len() as u32,
+        ttft: Duration::ZERO,
+        total: Duration::ZERO,
+    };
+    while let Some(ev) = stream.next().await {
+        let ev = ev?;
+        if !ev.error.is_empty() {
+            return Err(Status::aborted(ev.error));
+        }
+        if ev.finish_reason.is_empty() {
+            if out.tokens.is_empty() {
+                out.ttft = t0.elapsed();
+            }
+            out.tokens.push(ev.token);
+        } else {
+            if ev.generated_tokens as usize > out.tokens.len() {
+                // A request that ended at its first token carries it in the final event.
+                if out.tokens.is_empty() {
+                    out.ttft = t0.elapsed();
+                }
+                out.tokens.push(ev.token);
+            }
+            out.finish_reason = ev.finish_reason;
+            out.total = t0.elapsed();
+            return Ok(out);
+        }
+    }
+    Err(Status::unavailable("the token stream ended without a finish"))
+}
+
+/// Options of an in-process pair.
+#[derive(Clone, Debug)]
+pub struct PairOptions {
+    pub prefill: PrefillOptions,
+    pub decode: DecodeOptions,
+}
+
+/// Both roles in one process, over real gRPC and the real tcp KV transport on loopback.
+#[derive(Debug)]
+pub struct Pair {
+    rt: tokio::runtime::Runtime,
+    pub decode: DecodeHandle,
+    pub prefill: PrefillHandle,
+    pub prefill_addr: SocketAddr,
+    pub decode_addr: SocketAddr,
+    client: PrefillClient<Channel>,
+    stops: Vec<oneshot::Sender<()>>,
+}
+
+/// Why an in-process pair could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum PairError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
+    #[error(transparent)]
+    Prefill(#[from] PrefillStartError),
+    #[error(transparent)]
+    Grpc(#[from] tonic::transport::Error),
+}
+
+impl Pair {
+    pub fn start(prefill: Engine, decode: Engine, opts: PairOptions) -> Result<Self, PairError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let dh = DecodeHandle::start(decode, opts.decode)?;
+        let (dl, pl) = rt.block_on(async {
+            let d = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let p = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            Ok::<_, std::io::Error>((d, p))
+        })?;
+        let (decode_addr, prefill_addr) = (dl.local_addr()?, pl.local_addr()?);
+        let (dstop, drx) = oneshot::channel();
+        rt.spawn(serve_decode(dh.clone(), dl, drx));
+        let ph = rt.block_on(PrefillHandle::start(
+            prefill,
+            opts.prefill,
+            &format!("http://{decode_addr}"),
+        ))?;
+        let (pstop, prx) = oneshot::channel();
+        rt.spawn(serve_prefill(ph.clone(), pl, prx));
+        let client = rt.block_on(PrefillClient::connect(format!("http://{prefill_addr}")))?;
+        Ok(Self {
+            rt,
+            decode: dh,
+            prefill: ph,
+            prefill_addr,
+            decode_addr,
+            client,
+            stops: vec![dstop, pstop],
+        })
+    }
+
+    /// One generation through the front door (blocking).
+    pub fn generate(&self, req: &GenerateRequest) -> Result<Generated, Status> {
+        let mut c = self.client.clone();
+        self.rt.block_on(collect(&mut c, req))
+    }
+
+    /// Several generations concurrently through the front door (blocking).
+    pub fn generate_many(&self, reqs: &[GenerateRequest]) -> Vec<Result<Generated, Status>> {
+        let tasks: Vec<_> = reqs
+            .iter()
+            .map(|r| {
+                let mut c = self.client.clone();
+                let r = r.clone();
+                self.rt.spawn(async move { collect(&mut c, &r).await })
+            })
+            .collect();
+        self.rt.block_on(async {
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.unwrap_or_else(|e| Err(Status::internal(e.to_string()))));
+            }
+            out
+        })
+    }
+
+    /// Run a future on the pair's runtime.
+    pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    pub fn runtime(&self) -> &tokio::runtime::Runtime {
+        &self.rt
+    }
+
+    pub fn client(&self) -> PrefillClient<Channel> {
+        self.client.clone()
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        for s in self.stops.drain(..) {
+            let _ = s.send(());
+        }
+    }
+}

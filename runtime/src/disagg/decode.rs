@@ -1,0 +1,695 @@
+//! The decode node: reserves pages for prefilled requests, lands and verifies their KV, decodes.
+//!
+//! One engine thread owns the engine, the pool and the transport's target side; the gRPC
+//! handlers talk to it through a bounded command queue. Nothing else touches the pool, so bytes
+//! land (in [`KvTransport::poll_recv`]) on the thread that reads them.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::time::{Duration, Instant};
+
+use custody_audit::{self as audit, RequestKind};
+use custody_kernels::attention::PageRef;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use super::proto::{self, decode_server};
+use super::protocol::{ReqEvent, ReqState};
+use super::{MAX_PAGES_PER_REQUEST, MAX_RESERVATIONS, admission_status, check_pair, imm_split};
+use crate::config::UnsafeReproduction;
+use crate::engine::{Engine, Event, GenerateRequest, RequestId};
+use crate::kv::{LandError, PagePool};
+use crate::transport::tcp::{TargetStats, TcpTransport};
+use crate::transport::{AccessError, KvTransport, TargetMemory};
+
+/// Decode node settings.
+#[derive(Clone, Debug)]
+pub struct DecodeOptions {
+    pub node_id: u32,
+    /// KV transport listen address (port 0 = any).
+    pub transport_listen: SocketAddr,
+    /// Verify each transferred page's checksum before marking it written.
+    pub checksum: bool,
+    /// A reservation that is not committed within this time is aborted (its key invalidated
+    /// first, then its pages freed — never freed on the timeout alone).
+    pub reservation_lease: Duration,
+    /// Already armed by `--unsafe-reproduction` (or default).
+    pub unsafe_: UnsafeReproduction,
+    pub fingerprint: String,
+}
+
+type TokenTx = mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>;
+
+enum Cmd {
+    Handshake(proto::NodeInfo, oneshot::Sender<Result<proto::NodeInfo, Status>>),
+    Reserve(proto::ReserveRequest, oneshot::Sender<Result<proto::ReserveReply, Status>>),
+    Commit(proto::CommitRequest, TokenTx, oneshot::Sender<Result<(), Status>>),
+    Abort(u64, String, oneshot::Sender<bool>),
+    Stats(oneshot::Sender<DecodeStats>),
+    Fault(DecodeFault),
+}
+
+/// Fault injection into a running decode node (tests only, named as such).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeFault {
+    /// Flip a byte of the next landed payload (corruption in flight).
+    CorruptNextPayload,
+    /// Hold back every write of the next reservation's key; deliver them late (after the
+    /// request ended and its pages were reallocated) at `ReleaseHeld`.
+    HoldNextReservation,
+    ReleaseHeld,
+}
+
+/// A decode node's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    pub pool_pages: usize,
+    pub free_pages: usize,
+    pub quarantined_pages: usize,
+    pub live_requests: usize,
+    pub reservations: usize,
+    pub transport: TargetStats,
+    pub verified_pages: u64,
+    pub verify_failures: u64,
+    pub leases_expired: u64,
+}
+
+struct DReq {
+    state: ReqState,
+    rkey: u32,
+    slot: u32,
+    pages: Vec<PageRef>,
+    prompt_len: usize,
+    origin: u64,
+    origin_node: u32,
+    tenant: Arc<str>,
+    verified: Vec<bool>,
+    tokens: Option<TokenTx>,
+    key_valid: bool,
+    reserved_at: Instant,
+}
+
+struct Node {
+    engine: Engine,
+    transport: TcpTransport,
+    opts: DecodeOptions,
+    reqs: HashMap<RequestId, DReq>,
+    by_slot: HashMap<u32, RequestId>,
+    by_key: HashMap<u32, RequestId>,
+    free_slots: Vec<u32>,
+    next_slot: u32,
+    stats: DecodeStats,
+    hold_next: bool,
+    info: proto::NodeInfo,
+    stride: usize,
+}
+
+/// Lends the pool to the transport: region offset → (page, offset within page).
+struct PoolTarget<'a> {
+    pool: &'a mut PagePool,
+    reqs: &'a HashMap<RequestId, DReq>,
+    by_key: &'a HashMap<u32, RequestId>,
+    stride: usize,
+}
+
+impl TargetMemory for PoolTarget<'_> {
+    fn write(&mut self, rkey: u32, offset: u64, bytes: &[u8]) -> Result<(), AccessError> {
+        let r = self
+            .by_key
+            .get(&rkey)
+            .and_then(|id| self.reqs.get(id))
+            .ok_or_else(|| AccessError(format!("key {rkey} maps to no reservation")))?;
+        let idx = offset as usize / self.stride;
+        let within = offset as usize % self.stride;
+        let pr = *r
+            .pages
+            .get(idx)
+            .ok_or_else(|| AccessError(format!("page index {idx} outside the region")))?;
+        // The key is valid only while its pages belong to the reservation (keys are invalidated
+        // before pages are freed), so the page still carries this generation.
+        debug_assert_eq!(self.pool.tag(pr.page).0, pr.generation);
+        self.pool
+            .land(pr.page, within, bytes)
+            .map_err(|LandError(m)| AccessError(m))
+    }
+}
+
+impl Node {
+    fn alloc_slot(&mut self) -> Option<u32> {
+        if let Some(s) = self.free_slots.pop() {
+            return Some(s);
+        }
+        if self.next_slot < MAX_RESERVATIONS {
+            self.next_slot += 1;
+            return Some(self.next_slot - 1);
+        }
+        None
+    }
+
+    fn transition(&mut self, id: RequestId, ev: ReqEvent) -> Result<ReqState, Status> {
+        let r = self
+            .reqs
+            .get_mut(&id)
+            .ok_or_else(|| Status::not_found(format!("no request {id} on this decode node")))?;
+        let next = r
+            .state
+            .on(ev)
+            .map_err(|e| Status::failed_precondition(format!("request {id}: {e}")))?;
+        r.state = next;
+        Ok(next)
+    }
+
+    fn handshake(&mut self, peer: proto::NodeInfo) -> Result<proto::NodeInfo, Status> {
+        check_pair(&peer, &self.info).map_err(Status::failed_precondition)?;
+        tracing::info!(peer = peer.node_id, "prefill node handshake accepted");
+        Ok(self.info.clone())
+    }
+
+    fn reserve(&mut self, req: proto::ReserveRequest) -> Result<proto::ReserveReply, Status> {
+        let sampling = super::sampling_from_proto(req.sampling.as_ref());
+        let prompt_len = req.prompt.len();
+        let greq = GenerateRequest {
+            prompt: req.prompt,
+            max_tokens: req.max_tokens as usize,
+            sampling,
+            stop_ids: req.stop_ids,
+            tenant: req.tenant.clone(),
+        };
+        if prompt_len.div_ceil(self.engine.pool().page_size()) > MAX_PAGES_PER_REQUEST {
+            return Err(Status::invalid_argument("prompt exceeds the transfer's page index"));
+        }
+        let Some(slot) = self.alloc_slot() else {
+            return Err(Status::resource_exhausted("too many live reservations"));
+        };
+        let (id, pages) = match self.engine.reserve_import(greq) {
+            Ok(x) => x,
+            Err(e) => {
+                self.free_slots.push(slot);
+                return Err(admission_status(&e));
+            }
+        };
+        let len = (pages.len() * self.stride) as u64;
+        let region = match self.transport.register(len) {
+            Ok(r) => r,
+            Err(e) => {
+                self.free_slots.push(slot);
+                self.engine.quarantine(id, RequestKind::Aborted);
+                self.engine.release_quarantined(id); // never registered: no writer exists
+                return Err(Status::unavailable(format!("cannot register KV region: {e}")));
+            }
+        };
+        if self.hold_next {
+            self.hold_next = false;
+            self.transport.fault_inject_hold_key(region.rkey);
+        }
+        let n_pages = pages.len();
+        self.reqs.insert(
+            id,
+            DReq {
+                state: ReqState::Received.on(ReqEvent::Reserve).map_err(|e| Status::internal(e.to_string()))?,
+                rkey: region.rkey,
+                slot,
+                pages: pages.clone(),
+                prompt_len,
+                origin: req.origin_request,
+                origin_node: req.origin_node,
+                tenant: req.tenant.into(),
+                verified: vec![false; n_pages],
+                tokens: None,
+                key_valid: true,
+                reserved_at: Instant::now(),
+            },
+        );
+        self.by_slot.insert(slot, id);
+        self.by_key.insert(region.rkey, id);
+        Ok(proto::ReserveReply {
+            request: id,
+            rkey: region.rkey,
+            base: region.base,
+            page_stride: self.stride as u64,
+            pages: pages
+                .iter()
+                .map(|p| proto::Page {
+                    page: p.page,
+                    generation: p.generation,
+                })
+                .collect(),
+            imm_slot: slot,
+        })
+    }
+
+    /// Land arrived writes; verify each page whose completion arrived.
+    fn poll_transport(&mut self) -> usize {
+        let mut wcs = Vec::new();
+        let n = {
+            let mut mem = PoolTarget {
+                pool: self.engine.pool_mut(),
+                reqs: &self.reqs,
+                by_key: &self.by_key,
+                stride: self.stride,
+            };
+            match self.transport.poll_recv(&mut mem, &mut wcs, 1024) {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::error!(error = %e, "KV transport poll failed");
+                    0
+                }
+            }
+        };
+        for wc in wcs {
+            let (slot, idx) = imm_split(wc.imm());
+            let Some(&id) = self.by_slot.get(&slot) else {
+                continue;
+            };
+            self.page_landed(id, idx);
+        }
+        n
+    }
+
+    fn page_landed(&mut self, id: RequestId, idx: usize) {
+        let legacy = self.opts.unsafe_.truncate_overlength;
+        let checksum = self.opts.checksum && !self.opts.unsafe_.disable_checksum;
+        let ps = self.engine.pool().page_size();
+        let Some(r) = self.reqs.get_mut(&id) else { return };
+        if r.state == ReqState::Reserved {
+            // The first landed page tells decode that prefill has computed and posted.
+            r.state = ReqState::Transferring;
+        }
+        if r.state != ReqState::Transferring || idx >= r.pages.len() {
+            return;
+        }
+        let n_prompt_pages = r.prompt_len.div_ceil(ps);
+        let slots = if legacy {
+            // The legacy path believes whatever the header says.
+            self.engine.pool().landed_slots(r.pages[idx].page) as usize
+        } else if idx < n_prompt_pages {
+            (r.prompt_len - idx * ps).min(ps)
+        } else {
+            usize::MAX // a write beyond the prompt: refused below
+        };
+        let (origin, tenant, pr) = (r.origin, r.tenant.clone(), r.pages[idx]);
+        let (origin_node, rkey) = (r.origin_node, r.rkey);
+        let result = if slots == usize::MAX {
+            Err("write beyond the prompt's pages".to_owned())
+        } else {
+            self.engine
+                .verify_import(id, idx, slots, checksum)
+                .map_err(|e| e.to_string())
+        };
+        if self.engine.auditing() {
+            let checksum_v = self.engine.pool().landed_checksum(pr.page);
+            self.engine.record(audit::Event::Transfer {
+                ts_ns: audit::mono_now_ns(),
+                transfer: super::transfer_id(origin, idx),
+                request: id,
+                tenant,
+                src_node: origin_node,
+                src_page: u32::MAX,
+                src_generation: 0,
+                dst_node: self.opts.node_id,
+                dst_page: pr.page,
+                dst_generation: pr.generation,
+                bytes: (slots.min(ps) * self.stride / ps) as u64,
+                checksum: checksum_v,
+                outcome: match &result {
+                    Ok(()) => "verified".into(),
+                    Err(e) => format!("rejected: {e}"),
+                },
+            });
+        }
+        let _ = rkey;
+        match result {
+            Ok(()) => {
+                self.stats.verified_pages += 1;
+                let Some(r) = self.reqs.get_mut(&id) else { return };
+                r.verified[idx] = true;
+                if r.verified[..n_prompt_pages.min(r.verified.len())].iter().all(|&v| v) {
+                    r.state = r.state.on(ReqEvent::AllVerified).unwrap_or(r.state);
+                }
+            }
+            Err(e) => {
+                self.stats.verify_failures += 1;
+                tracing::warn!(request = id, page = pr.page, error = %e, "transferred page failed verification");
+                self.end(id, ReqEvent::Fail, RequestKind::Failed { reason: format!("transfer: {e}") }, Some(e));
+            }
+        }
+    }
+
+    fn commit(&mut self, c: proto::CommitRequest, tokens: TokenTx) -> Result<(), Status> {
+        let id = c.request;
+        let legacy = self.opts.unsafe_.truncate_overlength;
+        let r = self
+            .reqs
+            .get_mut(&id)
+            .ok_or_else(|| Status::not_found(format!("no request {id} on this decode node (failed or aborted)")))?;
+        if legacy && matches!(r.state, ReqState::Reserved | ReqState::Transferring) {
+            // UNSAFE (incident reproduction): prefill "reported the transfer complete", and the
+            // legacy decode believed it.
+            tracing::error!(request = id, "UNSAFE REPRODUCTION: handing off a request whose pages were not all verified");
+            r.state = ReqState::Prefilled;
+        }
+        self.transition(id, ReqEvent::Handoff)?;
+        // No further write is expected: invalidate the key now, so nothing can land in pages that
+        // decode is about to read and append to.
+        let rkey = self.reqs.get(&id).map(|r| r.rkey).unwrap_or(0);
+        if let Err(e) = self.transport.invalidate(rkey) {
+            tracing::error!(request = id, error = %e, "cannot invalidate the transfer key at handoff");
+            self.end(id, ReqEvent::Fail, RequestKind::Failed { reason: "invalidate".into() }, Some(e.to_string()));
+            return Err(Status::internal("cannot invalidate the transfer key"));
+        }
+        if let Some(r) = self.reqs.get_mut(&id) {
+            r.key_valid = false;
+            r.tokens = Some(tokens);
+        }
+        if let Err(e) = self.engine.activate_import(id, c.first_token, !legacy) {
+            self.end(id, ReqEvent::Fail, RequestKind::Failed { reason: e.to_string() }, Some(e.to_string()));
+            return Err(Status::failed_precondition(e.to_string()));
+        }
+        Ok(())
+    }
+
+    /// End a request that did not finish normally: quarantine its pages, invalidate its key,
+    /// and free the pages only once the key is invalidated (safety property 2).
+    fn end(&mut self, id: RequestId, ev: ReqEvent, kind: RequestKind, error: Option<String>) {
+        let Some(mut r) = self.reqs.remove(&id) else { return };
+        r.state = r.state.on(ev).unwrap_or(r.state);
+        self.by_slot.remove(&r.slot);
+        self.by_key.remove(&r.rkey);
+        if let (Some(tx), Some(e)) = (&r.tokens, &error) {
+            let _ = tx.send(Err(Status::aborted(e.clone())));
+        }
+        self.engine.quarantine(id, kind);
+        let invalidated = !r.key_valid || self.transport.invalidate(r.rkey).is_ok();
+        if invalidated {
+            self.engine.release_quarantined(id);
+            // The slot is reused only after the key is dead: a late completion can't be misrouted.
+            self.free_slots.push(r.slot);
+        } else {
+            tracing::error!(request = id, "key not invalidated: pages stay quarantined");
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        if !self.engine.has_work() {
+            return false;
+        }
+        for ev in self.engine.step() {
+            match ev {
+                Event::Token { id, token } => {
+                    if let Some(tx) = self.reqs.get(&id).and_then(|r| r.tokens.as_ref()) {
+                        let _ = tx.send(Ok(proto::TokenEvent {
+                            token,
+                            ..Default::default()
+                        }));
+                    }
+                }
+                Event::Finished {
+                    id,
+                    reason,
+                    prompt_tokens,
+                    generated_tokens,
+                } => {
+                    if let Some(r) = self.reqs.remove(&id) {
+                        self.by_slot.remove(&r.slot);
+                        self.by_key.remove(&r.rkey);
+                        self.free_slots.push(r.slot);
+                        debug_assert!(!r.key_valid, "a decoding request's key is invalidated");
+                        if let Some(tx) = r.tokens {
+                            let _ = tx.send(Ok(proto::TokenEvent {
+                                finish_reason: match reason {
+                                    crate::engine::FinishReason::Stop => "stop".into(),
+                                    crate::engine::FinishReason::Length => "length".into(),
+                                },
+                                prompt_tokens: prompt_tokens as u32,
+                                generated_tokens: generated_tokens as u32,
+                                ..Default::default()
+                            }));
+                        }
+                    }
+                }
+                Event::Failed { id, error } => {
+                    // The engine released the pages (key already invalidated at handoff).
+                    if let Some(r) = self.reqs.remove(&id) {
+                        self.by_slot.remove(&r.slot);
+                        self.by_key.remove(&r.rkey);
+                        self.free_slots.push(r.slot);
+                        if let Some(tx) = r.tokens {
+                            let _ = tx.send(Err(Status::data_loss(format!("integrity check failed: {error}"))));
+                        }
+                    }
+                }
+                Event::Aborted { id, reason } => {
+                    if let Some(r) = self.reqs.remove(&id) {
+                        self.by_slot.remove(&r.slot);
+                        self.by_key.remove(&r.rkey);
+                        if let Some(tx) = r.tokens {
+                            let _ = tx.send(Err(Status::unavailable(reason)));
+                        }
+                    }
+                }
+                Event::Prefilled { .. } => {}
+            }
+        }
+        true
+    }
+
+    /// Abort requests whose client went away or whose reservation lease expired.
+    fn reap(&mut self) {
+        let lease = self.opts.reservation_lease;
+        let mut gone = Vec::new();
+        for (&id, r) in &self.reqs {
+            let closed = r.tokens.as_ref().is_some_and(|t| t.is_closed());
+            let expired = r.tokens.is_none() && r.reserved_at.elapsed() > lease;
+            if closed || expired {
+                gone.push((id, expired));
+            }
+        }
+        for (id, expired) in gone {
+            if expired {
+                self.stats.leases_expired += 1;
+                tracing::warn!(request = id, "reservation lease expired without a commit: aborting (key invalidated before pages are freed)");
+            }
+            self.end(id, ReqEvent::Abort, RequestKind::Aborted, None);
+        }
+    }
+
+    fn stats(&self) -> DecodeStats {
+        DecodeStats {
+            pool_pages: self.engine.pool().n_pages(),
+            free_pages: self.engine.pool().n_free(),
+            quarantined_pages: self.engine.n_quarantined_pages(),
+            live_requests: self.engine.n_live(),
+            reservations: self.reqs.len(),
+            transport: self.transport.target_stats(),
+            ..self.stats
+        }
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Handshake(peer, tx) => {
+                let _ = tx.send(self.handshake(peer));
+            }
+            Cmd::Reserve(req, tx) => {
+                let _ = tx.send(self.reserve(req));
+            }
+            Cmd::Commit(c, tokens, tx) => {
+                let _ = tx.send(self.commit(c, tokens));
+            }
+            Cmd::Abort(id, reason, tx) => {
+                let existed = self.reqs.contains_key(&id);
+                if existed {
+                    tracing::info!(request = id, reason, "abort");
+                    self.end(id, ReqEvent::Abort, RequestKind::Aborted, Some(reason));
+                }
+                let _ = tx.send(existed);
+            }
+            Cmd::Stats(tx) => {
+                let _ = tx.send(self.stats());
+            }
+            Cmd::Fault(f) => match f {
+                DecodeFault::CorruptNextPayload => self.transport.fault_inject_corrupt_next_payload(),
+                DecodeFault::HoldNextReservation => self.hold_next = true,
+                DecodeFault::ReleaseHeld => {
+                    let n = self.transport.fault_inject_release_held();
+                    tracing::info!(n, "fault injection: delivering held writes late");
+                }
+            },
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Cmd>) {
+        let mut last_reap = Instant::now();
+        loop {
+            let mut busy = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => {
+                        self.handle(cmd);
+                        busy = true;
+                    }
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                }
+            }
+            busy |= self.poll_transport() > 0;
+            busy |= self.step();
+            if last_reap.elapsed() > Duration::from_millis(20) {
+                self.reap();
+                last_reap = Instant::now();
+            }
+            if !busy {
+                match rx.recv_timeout(Duration::from_micros(500)) {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+        }
+    }
+}
+
+/// Handle to a running decode node's engine thread.
+#[derive(Clone, Debug)]
+pub struct DecodeHandle {
+    tx: SyncSender<Cmd>,
+    pub transport_addr: SocketAddr,
+    pub info: proto::NodeInfo,
+}
+
+impl std::fmt::Debug for Cmd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Cmd::Handshake(..) => "Handshake",
+            Cmd::Reserve(..) => "Reserve",
+            Cmd::Commit(..) => "Commit",
+            Cmd::Abort(..) => "Abort",
+            Cmd::Stats(..) => "Stats",
+            Cmd::Fault(..) => "Fault",
+        })
+    }
+}
+
+/// Commands waiting for the engine thread (bounded: a full queue answers `unavailable`).
+const CMD_QUEUE: usize = 1024;
+
+impl DecodeHandle {
+    /// Start the engine thread and the KV transport listener.
+    pub fn start(engine: Engine, opts: DecodeOptions) -> Result<Self, crate::transport::TransportError> {
+        let mut transport = TcpTransport::new(opts.node_id);
+        let transport_addr = transport.listen(opts.transport_listen)?;
+        let stride = engine.pool().region_page_stride();
+        let info = super::node_info(
+            engine.model(),
+            &opts.fingerprint,
+            opts.node_id,
+            "decode",
+            engine.pool().page_size(),
+            engine.context_length(),
+            engine.pool().n_pages() * engine.pool().page_size(),
+            transport_addr.to_string(),
+            &opts.unsafe_.names(),
+        );
+        let (tx, rx) = sync_channel(CMD_QUEUE);
+        let node = Node {
+            engine,
+            transport,
+            opts,
+            reqs: HashMap::new(),
+            by_slot: HashMap::new(),
+            by_key: HashMap::new(),
+            free_slots: Vec::new(),
+            next_slot: 0,
+            stats: DecodeStats::default(),
+            hold_next: false,
+            info: info.clone(),
+            stride,
+        };
+        std::thread::Builder::new()
+            .name("decode-engine".into())
+            .spawn(move || node.run(rx))?;
+        Ok(Self {
+            tx,
+            transport_addr,
+            info,
+        })
+    }
+
+    fn send(&self, cmd: Cmd) -> Result<(), Status> {
+        match self.tx.try_send(cmd) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(Status::unavailable("decode node command queue full")),
+            Err(TrySendError::Disconnected(_)) => Err(Status::unavailable("decode engine stopped")),
+        }
+    }
+
+    /// Counters (blocking).
+    pub fn stats_blocking(&self) -> Option<DecodeStats> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Stats(tx)).ok()?;
+        rx.blocking_recv().ok()
+    }
+
+    pub async fn stats(&self) -> Option<DecodeStats> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Stats(tx)).ok()?;
+        rx.await.ok()
+    }
+
+    /// Fault injection (tests only).
+    pub fn fault_inject(&self, f: DecodeFault) {
+        let _ = self.send(Cmd::Fault(f));
+    }
+
+    /// The gRPC service over this handle.
+    pub fn service(&self) -> decode_server::DecodeServer<DecodeService> {
+        decode_server::DecodeServer::new(DecodeService { h: self.clone() })
+    }
+}
+
+/// The `Decode` gRPC service.
+#[derive(Debug, Clone)]
+pub struct DecodeService {
+    h: DecodeHandle,
+}
+
+async fn ask<T>(h: &DecodeHandle, make: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T, Status> {
+    let (tx, rx) = oneshot::channel();
+    h.send(make(tx))?;
+    rx.await.map_err(|_| Status::unavailable("decode engine stopped"))
+}
+
+type TokenStream = Pin<Box<dyn Stream<Item = Result<proto::TokenEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl decode_server::Decode for DecodeService {
+    async fn handshake(&self, r: Request<proto::NodeInfo>) -> Result<Response<proto::NodeInfo>, Status> {
+        let peer = r.into_inner();
+        ask(&self.h, |tx| Cmd::Handshake(peer, tx)).await?.map(Response::new)
+    }
+
+    async fn reserve(&self, r: Request<proto::ReserveRequest>) -> Result<Response<proto::ReserveReply>, Status> {
+        let req = r.into_inner();
+        ask(&self.h, |tx| Cmd::Reserve(req, tx)).await?.map(Response::new)
+    }
+
+    type CommitStream = TokenStream;
+
+    async fn commit(&self, r: Request<proto::CommitRequest>) -> Result<Response<Self::CommitStream>, Status> {
+        let c = r.into_inner();
+        let (ttx, trx) = mpsc::unbounded_channel();
+        ask(&self.h, |tx| Cmd::Commit(c, ttx, tx)).await??;
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(trx);
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn abort(&self, r: Request<proto::AbortRequest>) -> Result<Response<proto::AbortReply>, Status> {
+        let a = r.into_inner();
+        let existed = ask(&self.h, |tx| Cmd::Abort(a.request, a.reason, tx)).await?;
+        Ok(Response::new(proto::AbortReply { existed }))
+    }
+}

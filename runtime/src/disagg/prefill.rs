@@ -1,0 +1,698 @@
+//! The prefill node: the front door. Admits, reserves on decode, computes the prompt's KV,
+//! writes it into decode's pages over the KV transport, hands the request off, relays tokens.
+//!
+//! One engine thread owns the engine, its pool and the transport's initiator side; per-request
+//! async tasks (gRPC `Generate`) drive the protocol against the decode node's gRPC service.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::time::{Duration, Instant};
+
+use custody_audit::{self as audit, RequestKind};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::{Stream, StreamExt};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use super::proto::{self, decode_client::DecodeClient, prefill_server};
+use super::protocol::{ReqEvent, ReqState};
+use super::{admission_status, imm_of, transfer_id};
+use crate::config::UnsafeReproduction;
+use crate::engine::{Engine, Event, GenerateRequest, RequestId};
+use crate::kv::TransferHeader;
+use crate::transport::abi::{SendWr, Sge, Wc};
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{KvTransport, TransportError};
+
+/// Prefill node settings.
+#[derive(Clone, Debug)]
+pub struct PrefillOptions {
+    pub node_id: u32,
+    pub unsafe_: UnsafeReproduction,
+    pub fingerprint: String,
+    /// How long a request waits for decode pages (`Busy`) before it is refused.
+    pub reserve_wait: Duration,
+}
+
+/// How a request's transfer ended, as seen by prefill.
+type TransferResult = Result<u32, String>;
+
+enum Cmd {
+    /// Admit a prompt (prefill-only). Replies with the prefill request id and whether the
+    /// (legacy) path truncated it.
+    Submit(GenerateRequest, oneshot::Sender<Result<(RequestId, bool), Status>>),
+    /// Decode's reservation for a submitted request; the reply fires when the transfer is over.
+    Attach(RequestId, proto::ReserveReply, oneshot::Sender<TransferResult>),
+    Abort(RequestId),
+    Fault(PrefillFault),
+    Stats(oneshot::Sender<PrefillStats>),
+}
+
+/// A prefill node's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefillStats {
+    pub pool_pages: usize,
+    pub free_pages: usize,
+    pub live_requests: usize,
+    pub transfers_in_flight: usize,
+    pub reconnects: u64,
+}
+
+/// Fault injection into a running prefill node (tests only, named as such).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillFault {
+    /// Cut the KV transport connection (as a crashed NIC or process would).
+    DisconnectTransport,
+}
+
+struct PReq {
+    state: ReqState,
+    tenant: Arc<str>,
+    reservation: Option<proto::ReserveReply>,
+    first_token: Option<u32>,
+    done: Option<oneshot::Sender<TransferResult>>,
+    outstanding: usize,
+    failed: Option<String>,
+    /// In-band headers: their memory must live until the writes complete.
+    headers: Vec<Box<[u8; crate::kv::TRANSFER_HDR_BYTES]>>,
+    /// (src page, generation, bytes, checksum) per transferred page, for the audit rows.
+    sent: Vec<(u32, u32, u64, u64)>,
+}
+
+struct Node {
+    engine: Engine,
+    transport: TcpTransport,
+    opts: PrefillOptions,
+    decode_node: u32,
+    reqs: HashMap<RequestId, PReq>,
+    transport_addr: SocketAddr,
+    last_reconnect: Instant,
+    reconnects: u64,
+}
+
+impl Node {
+    fn submit(&mut self, mut req: GenerateRequest) -> Result<(RequestId, bool), Status> {
+        let mut truncated = false;
+        if let Err(e) = self.engine.check(&req, true) {
+            if self.opts.unsafe_.truncate_overlength && e.is_over_length() {
+                // UNSAFE (incident reproduction): the legacy "rejection" — swap the prompt for a
+                // one-token placeholder and let the request flow on.
+                tracing::error!(
+                    prompt_tokens = req.prompt.len(),
+                    error = %e,
+                    "UNSAFE REPRODUCTION: over-length prompt truncated to 1 token instead of rejected"
+                );
+                req.prompt.truncate(1);
+                truncated = true;
+            } else {
+                return Err(admission_status(&e));
+            }
+        }
+        let tenant: Arc<str> = req.tenant.as_str().into();
+        let id = self
+            .engine
+            .submit_prefill(req)
+            .map_err(|e| admission_status(&e))?;
+        let state = ReqState::Received
+            .on(ReqEvent::Reserve)
+            .and_then(|s| s.on(ReqEvent::StartPrefill))
+            .map_err(|e| Status::internal(e.to_string()))?;
+        self.reqs.insert(
+            id,
+            PReq {
+                state,
+                tenant,
+                reservation: None,
+                first_token: None,
+                done: None,
+                outstanding: 0,
+                failed: None,
+                headers: Vec::new(),
+                sent: Vec::new(),
+            },
+        );
+        Ok((id, truncated))
+    }
+
+    fn attach(&mut self, id: RequestId, res: proto::ReserveReply, done: oneshot::Sender<TransferResult>) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            let _ = done.send(Err(format!("prefill request {id} is gone")));
+            return;
+        };
+        r.reservation = Some(res);
+        r.done = Some(done);
+        if r.first_token.is_some() {
+            self.post(id);
+        }
+    }
+
+    /// Post the writes of every prompt page of `id` (called when both the KV and the
+    /// reservation are there).
+    fn post(&mut self, id: RequestId) {
+        let Some((pages, n_cached)) = self.engine.held(id).map(|(p, n)| (p.to_vec(), n)) else {
+            self.finish(id, Err("prefill pages are gone".into()));
+            return;
+        };
+        let Some(r) = self.reqs.get_mut(&id) else { return };
+        let Some(res) = r.reservation.clone() else { return };
+        r.state = r.state.on(ReqEvent::PostWrites).unwrap_or(r.state);
+        let pool = self.engine.pool();
+        let ps = pool.page_size();
+        let n_pages = n_cached.div_ceil(ps);
+        if n_pages > res.pages.len() {
+            self.finish(id, Err(format!("decode reserved {} pages, the prompt needs {n_pages}", res.pages.len())));
+            return;
+        }
+        let stride = res.page_stride;
+        let mut posted = 0;
+        let mut error = None;
+        for (idx, pr) in pages.iter().enumerate().take(n_pages) {
+            let slots = (n_cached - idx * ps).min(ps);
+            let mut sges: Vec<Sge> = Vec::new();
+            let mut offsets: Vec<usize> = Vec::new();
+            let mut bytes = 0u64;
+            pool.for_each_transfer_chunk(pr.page, slots, |off, b| {
+                sges.push(Sge {
+                    addr: b.as_ptr() as u64,
+                    length: b.len() as u32,
+                    lkey: 0,
+                });
+                offsets.push(off);
+                bytes += b.len() as u64;
+            });
+            let checksum = pool.page_checksum(pr.page, slots);
+            let dst = res.pages[idx];
+            let header = Box::new(
+                TransferHeader {
+                    owner: res.request,
+                    generation: dst.generation,
+                    slots: slots as u32,
+                    checksum,
+                }
+                .encode(),
+            );
+            let hdr_sge = Sge {
+                addr: header.as_ptr() as u64,
+                length: header.len() as u32,
+                lkey: 0,
+            };
+            let page_base = res.base + idx as u64 * stride;
+            let wr_id = transfer_id(id, idx);
+            let mut wrs: Vec<SendWr> = sges
+                .iter()
+                .zip(&offsets)
+                .map(|(s, &off)| SendWr::rdma_write(wr_id, std::slice::from_ref(s), page_base + off as u64, res.rkey))
+                .collect();
+            // The header goes last, with the immediate data: writes on a connection land in
+            // order, so its completion means the whole page landed.
+            wrs.push(SendWr::rdma_write(wr_id, std::slice::from_ref(&hdr_sge), page_base, res.rkey).with_imm(imm_of(res.imm_slot, idx)));
+            for i in 0..wrs.len() - 1 {
+                let next: *const SendWr = &wrs[i + 1];
+                wrs[i].next = next;
+            }
+            // SAFETY: every SGE points into this node's pool pages (held, not written until
+            // released after the completion) or into `header`, kept in `r.headers` until then;
+            // the chain lives in `wrs` for the duration of the call.
+            let res_post = unsafe { self.transport.post_write(&wrs[0]) };
+            match res_post {
+                Ok(()) => {
+                    posted += 1;
+                    r.headers.push(header);
+                    r.sent.push((pr.page, pr.generation, bytes, checksum));
+                }
+                Err(e) => {
+                    error = Some(format!("posting the KV transfer failed: {e}"));
+                    break;
+                }
+            }
+        }
+        r.outstanding += posted;
+        if let Some(e) = error {
+            r.failed.get_or_insert(e);
+            if r.outstanding == 0 {
+                let e = r.failed.clone().unwrap_or_default();
+                self.finish(id, Err(e));
+            }
+        }
+    }
+
+    fn on_completion(&mut self, wc: Wc) {
+        let (origin, idx) = (wc.wr_id >> 16, (wc.wr_id & 0xffff) as usize);
+        let Some(r) = self.reqs.get_mut(&origin) else { return };
+        r.outstanding = r.outstanding.saturating_sub(1);
+        let outcome = if wc.ok() {
+            "completed".to_owned()
+        } else {
+            format!("failed: wc status {}", wc.status)
+        };
+        if !wc.ok() {
+            r.failed.get_or_insert(format!("KV write of page {idx} failed (status {})", wc.status));
+        }
+        if self.engine.auditing()
+            && let (Some(res), Some(&(src_page, src_gen, bytes, checksum))) = (&r.reservation, r.sent.get(idx))
+        {
+            let dst = res.pages.get(idx).copied().unwrap_or_default();
+            let ev = audit::Event::Transfer {
+                ts_ns: audit::mono_now_ns(),
+                transfer: wc.wr_id,
+                request: origin,
+                tenant: r.tenant.clone(),
+                src_node: self.opts.node_id,
+                src_page,
+                src_generation: src_gen,
+                dst_node: self.decode_node,
+                dst_page: dst.page,
+                dst_generation: dst.generation,
+                bytes,
+                checksum,
+                outcome,
+            };
+            self.engine.record(ev);
+        }
+        let Some(r) = self.reqs.get(&origin) else { return };
+        if r.outstanding == 0 {
+            let result = match (&r.failed, r.first_token) {
+                (Some(e), _) => Err(e.clone()),
+                (None, Some(t)) => Ok(t),
+                (None, None) => Err("no first token".into()),
+            };
+            self.finish(origin, result);
+        }
+    }
+
+    /// The transfer is over (every write completed or failed): release prefill's pages, report.
+    fn finish(&mut self, id: RequestId, result: TransferResult) {
+        let Some(mut r) = self.reqs.remove(&id) else { return };
+        let kind = match &result {
+            Ok(_) => {
+                r.state = r.state.on(ReqEvent::AllVerified).unwrap_or(r.state);
+                RequestKind::Finished {
+                    reason: "handed_off".into(),
+                }
+            }
+            Err(e) => RequestKind::Failed {
+                reason: format!("transfer: {e}"),
+            },
+        };
+        self.engine.release_held(id, kind);
+        if let Some(done) = r.done.take() {
+            let _ = done.send(result);
+        }
+    }
+
+    fn abort(&mut self, id: RequestId) {
+        let Some(r) = self.reqs.get(&id) else { return };
+        if r.outstanding > 0 {
+            // Writes are in flight: the pages they read stay held until they complete (a NIC
+            // may still be reading them); mark the request so its completion only cleans up.
+            if let Some(r) = self.reqs.get_mut(&id) {
+                r.failed.get_or_insert("aborted".into());
+                r.done = None;
+            }
+            return;
+        }
+        self.reqs.remove(&id);
+        self.engine.abort(id);
+    }
+
+    fn step(&mut self) -> bool {
+        let mut busy = false;
+        if self.engine.has_work() {
+            busy = true;
+            for ev in self.engine.step() {
+                match ev {
+                    Event::Prefilled { id, first_token } => {
+                        if let Some(r) = self.reqs.get_mut(&id) {
+                            r.first_token = Some(first_token);
+                            if r.reservation.is_some() {
+                                self.post(id);
+                            }
+                        } else {
+                            self.engine.release_held(id, RequestKind::Aborted);
+                        }
+                    }
+                    Event::Failed { id, error } => {
+                        if let Some(mut r) = self.reqs.remove(&id)
+                            && let Some(done) = r.done.take()
+                        {
+                            let _ = done.send(Err(format!("integrity check failed in prefill: {error}")));
+                        }
+                    }
+                    Event::Aborted { id, reason } => {
+                        if let Some(mut r) = self.reqs.remove(&id)
+                            && let Some(done) = r.done.take()
+                        {
+                            let _ = done.send(Err(reason));
+                        }
+                    }
+                    Event::Token { .. } | Event::Finished { .. } => {}
+                }
+            }
+        }
+        let mut wcs = Vec::new();
+        if self.transport.poll_send(&mut wcs, 1024).is_ok() {
+            busy |= !wcs.is_empty();
+            for wc in wcs {
+                self.on_completion(wc);
+            }
+        }
+        busy
+    }
+
+    /// A lost transport connection is re-established (its outstanding writes were flushed in
+    /// error, so nothing is "in flight" on the old one).
+    fn maybe_reconnect(&mut self) {
+        if self.transport.connected() || self.last_reconnect.elapsed() < Duration::from_millis(50) {
+            return;
+        }
+        self.last_reconnect = Instant::now();
+        match self.transport.connect(self.transport_addr) {
+            Ok(()) => {
+                self.reconnects += 1;
+                tracing::warn!(addr = %self.transport_addr, "KV transport reconnected");
+            }
+            Err(e) => tracing::warn!(error = %e, "KV transport reconnect failed"),
+        }
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Stats(tx) => {
+                let _ = tx.send(PrefillStats {
+                    pool_pages: self.engine.pool().n_pages(),
+                    free_pages: self.engine.pool().n_free(),
+                    live_requests: self.engine.n_live(),
+                    transfers_in_flight: self.reqs.values().map(|r| r.outstanding).sum(),
+                    reconnects: self.reconnects,
+                });
+            }
+            Cmd::Submit(req, tx) => {
+                let _ = tx.send(self.submit(req));
+            }
+            Cmd::Attach(id, res, tx) => self.attach(id, res, tx),
+            Cmd::Abort(id) => self.abort(id),
+            Cmd::Fault(PrefillFault::DisconnectTransport) => self.transport.fault_inject_disconnect(),
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Cmd>) {
+        loop {
+            let mut busy = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => {
+                        self.handle(cmd);
+                        busy = true;
+                    }
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                }
+            }
+            busy |= self.step();
+            self.maybe_reconnect();
+            if !busy {
+                match rx.recv_timeout(Duration::from_micros(500)) {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Cmd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Cmd::Submit(..) => "Submit",
+            Cmd::Attach(..) => "Attach",
+            Cmd::Abort(..) => "Abort",
+            Cmd::Fault(..) => "Fault",
+            Cmd::Stats(..) => "Stats",
+        })
+    }
+}
+
+const CMD_QUEUE: usize = 1024;
+
+/// A running prefill node: its engine thread, and a control-plane client of its decode node.
+#[derive(Clone, Debug)]
+pub struct PrefillHandle {
+    tx: SyncSender<Cmd>,
+    decode: DecodeClient<Channel>,
+    opts: PrefillOptions,
+    pub info: proto::NodeInfo,
+    pub decode_info: proto::NodeInfo,
+}
+
+/// Why the prefill node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefillStartError {
+    #[error("cannot reach the decode node's control plane at {addr}: {source}")]
+    Connect {
+        addr: String,
+        source: tonic::transport::Error,
+    },
+    #[error("handshake refused: {0}")]
+    Handshake(String),
+    #[error("cannot connect the KV transport to {addr}: {source}")]
+    Transport { addr: String, source: TransportError },
+    #[error("cannot start the prefill engine thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+impl PrefillHandle {
+    /// Connect to the decode node (`decode_control` = `http://host:port`), run the handshake on
+    /// both sides, connect the KV transport, and start the engine thread.
+    pub async fn start(engine: Engine, opts: PrefillOptions, decode_control: &str) -> Result<Self, PrefillStartError> {
+        let mut decode = DecodeClient::connect(decode_control.to_owned())
+            .await
+            .map_err(|source| PrefillStartError::Connect {
+                addr: decode_control.to_owned(),
+                source,
+            })?;
+        let info = super::node_info(
+            engine.model(),
+            &opts.fingerprint,
+            opts.node_id,
+            "prefill",
+            engine.pool().page_size(),
+            engine.context_length(),
+            engine.pool().n_pages() * engine.pool().page_size(),
+            String::new(),
+            &opts.unsafe_.names(),
+        );
+        let decode_info = decode
+            .handshake(info.clone())
+            .await
+            .map_err(|s| PrefillStartError::Handshake(s.message().to_owned()))?
+            .into_inner();
+        super::check_pair(&info, &decode_info).map_err(PrefillStartError::Handshake)?;
+        let addr: SocketAddr = decode_info
+            .transport_addr
+            .parse()
+            .map_err(|_| PrefillStartError::Handshake(format!("bad transport address {:?}", decode_info.transport_addr)))?;
+        let mut transport = TcpTransport::new(opts.node_id);
+        transport.connect(addr).map_err(|source| PrefillStartError::Transport {
+            addr: addr.to_string(),
+            source,
+        })?;
+        let (tx, rx) = sync_channel(CMD_QUEUE);
+        let node = Node {
+            engine,
+            transport,
+            opts: opts.clone(),
+            decode_node: decode_info.node_id,
+            reqs: HashMap::new(),
+            transport_addr: addr,
+            last_reconnect: Instant::now(),
+            reconnects: 0,
+        };
+        std::thread::Builder::new()
+            .name("prefill-engine".into())
+            .spawn(move || node.run(rx))?;
+        tracing::info!(decode = decode_info.node_id, transport = %addr, "prefill node paired with decode node");
+        Ok(Self {
+            tx,
+            decode,
+            opts,
+            info,
+            decode_info,
+        })
+    }
+
+    fn send(&self, cmd: Cmd) -> Result<(), Status> {
+        match self.tx.try_send(cmd) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(Status::unavailable("prefill node command queue full")),
+            Err(TrySendError::Disconnected(_)) => Err(Status::unavailable("prefill engine stopped")),
+        }
+    }
+
+    /// Counters (blocking).
+    pub fn stats_blocking(&self) -> Option<PrefillStats> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Stats(tx)).ok()?;
+        rx.blocking_recv().ok()
+    }
+
+    /// Fault injection (tests only).
+    pub fn fault_inject(&self, f: PrefillFault) {
+        let _ = self.send(Cmd::Fault(f));
+    }
+
+    /// Run one request through the pair. Tokens (the first from prefill, then decode's) are sent
+    /// to `out` as they come; returns when the request ended.
+    pub async fn generate(&self, req: GenerateRequest, out: mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>) {
+        if let Err(s) = self.generate_inner(req, &out).await {
+            let _ = out.send(Err(s));
+        }
+    }
+
+    async fn generate_inner(
+        &self,
+        req: GenerateRequest,
+        out: &mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>,
+    ) -> Result<(), Status> {
+        let t0 = Instant::now();
+        let original = req.clone();
+        // 1. Admission on prefill (over-length: rejected here, nothing allocated anywhere).
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Submit(req, tx))?;
+        let (id, _truncated) = rx.await.map_err(|_| Status::unavailable("prefill engine stopped"))??;
+        // 2. Reserve on decode, with the prompt as the client sent it (decode runs its own
+        //    admission). While it answers, prefill is already computing.
+        let mut decode = self.decode.clone();
+        let reserve = proto::ReserveRequest {
+            origin_request: id,
+            origin_node: self.opts.node_id,
+            tenant: original.tenant.clone(),
+            prompt: original.prompt.clone(),
+            max_tokens: original.max_tokens as u32,
+            sampling: Some(super::sampling_to_proto(&original.sampling)),
+            stop_ids: original.stop_ids.clone(),
+        };
+        let res = loop {
+            match decode.reserve(reserve.clone()).await {
+                Ok(r) => break r.into_inner(),
+                Err(s) if s.code() == tonic::Code::ResourceExhausted && t0.elapsed() < self.opts.reserve_wait => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(s) => {
+                    let _ = self.send(Cmd::Abort(id));
+                    return Err(s);
+                }
+            }
+        };
+        let decode_id = res.request;
+        // 3. Transfer (prefill posts when the KV is ready); wait for every write to complete.
+        let (tx, rx) = oneshot::channel();
+        if let Err(s) = self.send(Cmd::Attach(id, res, tx)) {
+            let _ = decode.abort(abort_req(decode_id, "prefill queue full")).await;
+            return Err(s);
+        }
+        let first = match rx.await {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                let _ = decode.abort(abort_req(decode_id, &e)).await;
+                return Err(Status::unavailable(format!("KV transfer failed: {e}")));
+            }
+            Err(_) => {
+                let _ = decode.abort(abort_req(decode_id, "prefill engine stopped")).await;
+                return Err(Status::unavailable("prefill engine stopped"));
+            }
+        };
+        // 4. The first token is prefill's. If it ends the request, decode never starts.
+        let stop = original.stop_ids.contains(&first);
+        if stop || original.max_tokens <= 1 {
+            let _ = decode.abort(abort_req(decode_id, "finished at the first token")).await;
+            let _ = out.send(Ok(proto::TokenEvent {
+                finish_reason: if stop { "stop".into() } else { "length".into() },
+                prompt_tokens: original.prompt.len() as u32,
+                generated_tokens: u32::from(!stop),
+                token: if stop { 0 } else { first },
+                ..Default::default()
+            }));
+            return Ok(());
+        }
+        if out
+            .send(Ok(proto::TokenEvent {
+                token: first,
+                ..Default::default()
+            }))
+            .is_err()
+        {
+            let _ = decode.abort(abort_req(decode_id, "client went away")).await;
+            return Ok(());
+        }
+        // 5. Hand off and relay.
+        let mut stream = decode
+            .commit(proto::CommitRequest {
+                request: decode_id,
+                first_token: first,
+            })
+            .await?
+            .into_inner();
+        while let Some(item) = stream.next().await {
+            let end = match &item {
+                Ok(ev) => !ev.finish_reason.is_empty() || !ev.error.is_empty(),
+                Err(_) => true,
+            };
+            if out.send(item).is_err() {
+                // Client gone: dropping the stream tells decode, which aborts the request.
+                return Ok(());
+            }
+            if end {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The gRPC front-door service over this handle.
+    pub fn service(&self) -> prefill_server::PrefillServer<PrefillService> {
+        prefill_server::PrefillServer::new(PrefillService { h: self.clone() })
+    }
+}
+
+fn abort_req(request: u64, reason: &str) -> proto::AbortRequest {
+    proto::AbortRequest {
+        request,
+        reason: reason.to_owned(),
+    }
+}
+
+/// The `Prefill` gRPC service (the front door).
+#[derive(Debug, Clone)]
+pub struct PrefillService {
+    h: PrefillHandle,
+}
+
+type TokenStream = Pin<Box<dyn Stream<Item = Result<proto::TokenEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl prefill_server::Prefill for PrefillService {
+    type GenerateStream = TokenStream;
+
+    async fn generate(&self, r: Request<proto::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let g = r.into_inner();
+        let req = GenerateRequest {
+            prompt: g.prompt,
+            max_tokens: g.max_tokens as usize,
+            sampling: super::sampling_from_proto(g.sampling.as_ref()),
+            stop_ids: g.stop_ids,
+            tenant: g.tenant,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let h = self.h.clone();
+        tokio::spawn(async move { h.generate(req, tx).await });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))))
+    }
+
+    async fn info(&self, _r: Request<proto::InfoRequest>) -> Result<Response<proto::NodeInfo>, Status> {
+        Ok(Response::new(self.h.info.clone()))
+    }
+}
