@@ -51,6 +51,7 @@ enum Cmd {
     Abort(u64, String, oneshot::Sender<bool>),
     Stats(oneshot::Sender<DecodeStats>),
     Fault(DecodeFault),
+    Inspect(Vec<u32>, oneshot::Sender<Vec<Vec<u8>>>),
 }
 
 /// Fault injection into a running decode node (tests only, named as such).
@@ -511,6 +512,19 @@ impl Node {
             Cmd::Stats(tx) => {
                 let _ = tx.send(self.stats());
             }
+            Cmd::Inspect(pages, tx) => {
+                let pool = self.engine.pool();
+                let g = pool.geometry();
+                let k = pool.k_cache(0);
+                let out = pages
+                    .iter()
+                    .map(|&p| {
+                        let r = g.offset(p as usize, 0, 0)..g.offset(p as usize + 1, 0, 0);
+                        k[r].iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+                    })
+                    .collect();
+                let _ = tx.send(out);
+            }
             Cmd::Fault(f) => match f {
                 DecodeFault::CorruptNextPayload => self.transport.fault_inject_corrupt_next_payload(),
                 DecodeFault::HoldNextReservation => self.hold_next = true,
@@ -570,6 +584,7 @@ impl std::fmt::Debug for Cmd {
             Cmd::Abort(..) => "Abort",
             Cmd::Stats(..) => "Stats",
             Cmd::Fault(..) => "Fault",
+            Cmd::Inspect(..) => "Inspect",
         })
     }
 }
@@ -638,6 +653,15 @@ impl DecodeHandle {
         let (tx, rx) = oneshot::channel();
         self.send(Cmd::Stats(tx)).ok()?;
         rx.await.ok()
+    }
+
+    /// Test oracle only: the raw layer-0 K bytes of `pages` (page layout `[kv_head][slot][dim]`),
+    /// read straight from pool memory *without* the tag check — what an attacker with the
+    /// incident's bug would attend over. Never used by serving code.
+    pub fn inspect_layer0_k_blocking(&self, pages: Vec<u32>) -> Option<Vec<Vec<u8>>> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Inspect(pages, tx)).ok()?;
+        rx.blocking_recv().ok()
     }
 
     /// Fault injection (tests only).

@@ -23,6 +23,9 @@ pub mod decode;
 pub mod prefill;
 pub mod protocol;
 
+/// Re-exported so callers (the binary, tests) use the same gRPC types.
+pub use tonic;
+
 /// Generated gRPC types and services (`runtime/proto/disagg.proto`).
 #[allow(clippy::all, missing_debug_implementations, unreachable_pub)]
 pub mod proto {

@@ -96,8 +96,12 @@ struct Node {
 impl Node {
     fn submit(&mut self, mut req: GenerateRequest) -> Result<(RequestId, bool), Status> {
         let mut truncated = false;
-        if let Err(e) = self.engine.check(&req, true) {
-            if self.opts.unsafe_.truncate_overlength && e.is_over_length() {
+        // Only the legacy path looks before it leaps; otherwise `submit_prefill` checks and
+        // records the rejection itself.
+        if self.opts.unsafe_.truncate_overlength
+            && let Err(e) = self.engine.check(&req, true)
+        {
+            if e.is_over_length() {
                 // UNSAFE (incident reproduction): the legacy "rejection" — swap the prompt for a
                 // one-token placeholder and let the request flow on.
                 tracing::error!(
@@ -107,8 +111,6 @@ impl Node {
                 );
                 req.prompt.truncate(1);
                 truncated = true;
-            } else {
-                return Err(admission_status(&e));
             }
         }
         let tenant: Arc<str> = req.tenant.as_str().into();

@@ -150,3 +150,217 @@ pub fn events_of(sink: &MemorySink, request: u64) -> Vec<AEv> {
 }
 
 pub fn _unused(_: HashMap<u8, u8>) {}
+
+#[test]
+fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transferred_on_either_node() {
+    use custody_runtime::disagg::proto::{ReserveRequest, decode_client::DecodeClient};
+    let nodes = start_pair(cfg(1024, 32), cfg(1024, 32), UnsafeReproduction::default(), Duration::from_secs(30));
+    let err = nodes
+        .pair
+        .generate(&req("tenant-x", vec![42; 1100], 8))
+        .expect_err("over-length must be refused");
+    assert_eq!(err.code(), custody_runtime::disagg::tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("exceeds the context length of 1024"), "{}", err.message());
+    // The prefill node recorded the rejection and nothing else for it; decode never heard of it.
+    let p = nodes.prefill_audit.events.lock().expect("lock").clone();
+    assert!(matches!(&p[..], [AEv::Request { kind: custody_audit::RequestKind::Rejected { .. }, prompt_tokens: 1100, .. }]), "{p:?}");
+    assert!(nodes.decode_audit.events.lock().expect("lock").is_empty());
+    // Decode's own admission refuses it too (defence in depth, if a buggy prefill asked).
+    let addr = format!("http://{}", nodes.pair.decode_addr);
+    let st = nodes
+        .pair
+        .block_on(async move {
+            let mut c = DecodeClient::connect(addr).await.expect("connect");
+            c.reserve(ReserveRequest {
+                origin_request: 99,
+                origin_node: 1,
+                tenant: "tenant-x".into(),
+                prompt: vec![42; 1100],
+                max_tokens: 8,
+                sampling: None,
+                stop_ids: vec![],
+            })
+            .await
+        })
+        .expect_err("decode refuses too");
+    assert_eq!(st.code(), custody_runtime::disagg::tonic::Code::InvalidArgument);
+    let d = nodes.decode_audit.events.lock().expect("lock").clone();
+    assert!(matches!(&d[..], [AEv::Request { kind: custody_audit::RequestKind::Rejected { .. }, .. }]), "{d:?}");
+    assert!(!d.iter().any(|e| matches!(e, AEv::Page { .. } | AEv::Transfer { .. })));
+    let ds = nodes.pair.decode.stats_blocking().expect("stats");
+    assert_eq!(ds.free_pages, ds.pool_pages);
+}
+
+/// The incident's pools: context 1024 advertised, prefill pool 272 tokens, decode pool 768.
+fn incident_cfgs() -> (EngineConfig, EngineConfig) {
+    (cfg(1024, 6), cfg(1024, 17))
+}
+
+fn all_unsafe() -> UnsafeReproduction {
+    UnsafeReproduction {
+        skip_pool_check: true,
+        truncate_overlength: true,
+        disable_tag_check: true,
+        disable_checksum: true,
+    }
+}
+
+/// Tenant A's confidential prompts (distinct content each).
+fn tenant_a_prompts() -> Vec<Vec<u32>> {
+    let tok = tokenizer();
+    (0..3)
+        .map(|k| {
+            let text = format!(
+                "CONFIDENTIAL memo {k} for tenant A. Account numbers: {}. The merger with company {} closes on day {}. \
+                 Do not share the board's position on the {} acquisition, the salary bands {}, or the password hint {}. ",
+                (0..12).map(|i| format!("{}", 100_000 + 7919 * (k * 12 + i))).collect::<Vec<_>>().join(", "),
+                ["Northwind", "Globex", "Initech"][k],
+                11 + k,
+                ["Acme", "Umbrella", "Hooli"][k],
+                (0..8).map(|i| format!("L{i}={}", 50 + 13 * (k + i))).collect::<Vec<_>>().join(" "),
+                ["blue heron", "red fox", "green owl"][k],
+            );
+            let t = tok.encode(&text, true).expect("encode");
+            assert!(t.len() > 120 && t.len() <= 240, "prompt of {} tokens", t.len());
+            t
+        })
+        .collect()
+}
+
+/// Count slot by slot what a request read that was, per the audit log, last written for another
+/// tenant: a join of its reads against the latest write of each (page, slot) before the read.
+fn audit_foreign_slots(events: &[AEv], reader: u64) -> (usize, usize) {
+    let mut tenant_of_req: HashMap<u64, String> = HashMap::new();
+    let mut last_write: HashMap<(u32, u32), String> = HashMap::new();
+    let (mut foreign, mut unchecked) = (0, 0);
+    for e in events {
+        match e {
+            AEv::Request { request, tenant, .. } => {
+                tenant_of_req.insert(*request, tenant.to_string());
+            }
+            AEv::Page { tenant, page, kind: PageKind::Write { slot_start, slot_end, .. }, .. } => {
+                for s in *slot_start..*slot_end {
+                    last_write.insert((*page, s), tenant.to_string());
+                }
+            }
+            AEv::Read { request, tenant, page, slot_start, slot_end, verified, .. } if *request == reader => {
+                if !verified {
+                    unchecked += 1;
+                }
+                for s in *slot_start..*slot_end {
+                    if last_write.get(&(*page, s)).is_some_and(|t| t.as_str() != &**tenant) {
+                        foreign += 1;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    (foreign, unchecked)
+}
+
+/// Layer-0 K rows (all KV heads) of slots `0..n` of a block table, from raw page bytes.
+fn k_rows(pages: &[Vec<u8>], n: usize, page_size: usize, heads: usize, head_dim: usize) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|t| {
+            let (p, s) = (t / page_size, t % page_size);
+            let mut row = Vec::new();
+            for h in 0..heads {
+                let off = ((h * page_size + s) * head_dim) * 2;
+                row.extend_from_slice(&pages[p][off..off + head_dim * 2]);
+            }
+            row
+        })
+        .collect()
+}
+
+#[test]
+fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_agree_on_the_leak() {
+    let (pc, dc) = incident_cfgs();
+    // Protections on, the incident's pools do not even start.
+    assert!(matches!(
+        Engine::new(model(), dc.clone()),
+        Err(custody_runtime::StartupError::PoolTooSmall { .. })
+    ));
+    let nodes = start_pair(pc, dc, all_unsafe(), Duration::from_secs(30));
+    // Tenant A fills the decode pool with confidential prompts (concurrently: spread over pages).
+    let a_prompts = tenant_a_prompts();
+    let a_reqs: Vec<_> = a_prompts.iter().map(|p| req("tenant-a", p.clone(), 8)).collect();
+    let a_out: Vec<Vec<u32>> = nodes
+        .pair
+        .generate_many(&a_reqs)
+        .into_iter()
+        .map(|r| r.expect("tenant A served").tokens)
+        .collect();
+    // Tenant B sends an over-length prompt (400 tokens > the prefill pool's 272).
+    let b_prompt: Vec<u32> = (0..400u32).map(|i| 1000 + (i * 37) % 5000).collect();
+    let b = nodes
+        .pair
+        .generate(&req("tenant-b", b_prompt.clone(), 8))
+        .expect("the legacy path serves it: a coherent-looking reply, HTTP 200 equivalent");
+    assert_eq!(b.tokens.len(), 8);
+
+    let events = nodes.decode_audit.events.lock().expect("lock").clone();
+    let b_id = events
+        .iter()
+        .find_map(|e| match e {
+            AEv::Request { request, tenant, kind: custody_audit::RequestKind::Admitted, .. } if &**tenant == "tenant-b" => Some(*request),
+            _ => None,
+        })
+        .expect("B admitted on decode");
+    // The audit log shows it: B's reads were unchecked and covered slots last written for A.
+    let (foreign_audit, unchecked) = audit_foreign_slots(&events, b_id);
+    assert!(unchecked > 0, "B's reads are recorded as unchecked");
+    assert!(foreign_audit > 100, "the audit log must show B attending A's slots (got {foreign_audit})");
+    // Only one page (1 slot) was transferred for B.
+    let b_transfers = events.iter().filter(|e| matches!(e, AEv::Transfer { request, .. } if *request == b_id)).count();
+    assert_eq!(b_transfers, 1);
+
+    // The oracle: independent of the engine's record, compare the bytes B attended (raw decode
+    // pool memory) with A's KV as a separate colocated engine computes it.
+    let b_pages: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            AEv::Page { request, page, kind: PageKind::Alloc, .. } if *request == b_id => Some(*page),
+            _ => None,
+        })
+        .collect();
+    let cfgm = model().config.clone();
+    let (heads, hd, ps) = (cfgm.n_kv_heads, cfgm.head_dim, 16);
+    let b_bytes = nodes.pair.decode.inspect_layer0_k_blocking(b_pages).expect("inspect");
+    let b_rows = k_rows(&b_bytes, b_prompt.len(), ps, heads, hd);
+    let mut dict: HashMap<Vec<u8>, usize> = HashMap::new();
+    let sink = MemorySink::default();
+    let mut colo = Engine::new(model(), cfg(1024, 32)).expect("colocated").with_audit(Arc::new(sink.clone()));
+    for (k, (p, out)) in a_prompts.iter().zip(&a_out).enumerate() {
+        let mut toks = p.clone();
+        toks.extend_from_slice(&out[..out.len() - 1]);
+        sink.events.lock().expect("lock").clear();
+        colo.score(&toks).expect("score");
+        let pages: Vec<u32> = sink
+            .events
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter_map(|e| match e {
+                AEv::Page { page, kind: PageKind::Alloc, .. } => Some(*page),
+                _ => None,
+            })
+            .collect();
+        let g = colo.pool().geometry();
+        let raw: Vec<Vec<u8>> = pages
+            .iter()
+            .map(|&pg| {
+                let r = g.offset(pg as usize, 0, 0)..g.offset(pg as usize + 1, 0, 0);
+                colo.pool().k_cache(0)[r].iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+            })
+            .collect();
+        for row in k_rows(&raw, toks.len(), ps, heads, hd) {
+            dict.insert(row, k);
+        }
+    }
+    let foreign_oracle = b_rows.iter().skip(1).filter(|r| dict.contains_key(*r)).count();
+    eprintln!("incident: tenant B attended {foreign_oracle} slots of tenant A's KV (oracle), audit log says {foreign_audit}");
+    assert!(foreign_oracle > 100, "B must have attended A's KV (oracle found {foreign_oracle})");
+    assert_eq!(foreign_oracle, foreign_audit, "the audit log and the independent oracle must agree slot for slot");
+}
