@@ -150,6 +150,13 @@ pub enum Event {
         checksum: u64,
         outcome: String,
     },
+    /// A fact about the node itself: `start` (role, configuration), `unsafe_reproduction`
+    /// (the incident's faults armed on this node, by name). Names no request.
+    Node {
+        ts_ns: MonoNs,
+        kind: String,
+        detail: String,
+    },
     /// The tag check refused a read or write.
     IntegrityViolation {
         ts_ns: MonoNs,
@@ -169,7 +176,8 @@ impl Event {
             | Event::Page { ts_ns, .. }
             | Event::Read { ts_ns, .. }
             | Event::Transfer { ts_ns, .. }
-            | Event::IntegrityViolation { ts_ns, .. } => *ts_ns,
+            | Event::IntegrityViolation { ts_ns, .. }
+            | Event::Node { ts_ns, .. } => *ts_ns,
         }
     }
 }

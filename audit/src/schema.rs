@@ -27,16 +27,19 @@ pub enum Table {
     IntegrityViolations,
     /// The writer's own records (e.g. dropped-event counts in `allow_drop` mode).
     WriterEvents,
+    /// Node lifecycle and configuration facts (start, role, unsafe reproduction switches).
+    NodeEvents,
 }
 
 impl Table {
-    pub const ALL: [Table; 6] = [
+    pub const ALL: [Table; 7] = [
         Table::Requests,
         Table::PageEvents,
         Table::Transfers,
         Table::PageReads,
         Table::IntegrityViolations,
         Table::WriterEvents,
+        Table::NodeEvents,
     ];
 
     pub fn name(self) -> &'static str {
@@ -47,6 +50,7 @@ impl Table {
             Table::PageReads => "page_reads",
             Table::IntegrityViolations => "integrity_violations",
             Table::WriterEvents => "writer_events",
+            Table::NodeEvents => "node_events",
         }
     }
 
@@ -61,6 +65,7 @@ impl Table {
             Event::Transfer { .. } => Table::Transfers,
             Event::Read { .. } => Table::PageReads,
             Event::IntegrityViolation { .. } => Table::IntegrityViolations,
+            Event::Node { .. } => Table::NodeEvents,
         }
     }
 
@@ -120,6 +125,7 @@ impl Table {
                 ("detail", Utf8, false),
             ],
             Table::WriterEvents => vec![("event", Utf8, false), ("count", UInt64, false)],
+            Table::NodeEvents => vec![("event", Utf8, false), ("detail", Utf8, false)],
         }
     }
 
@@ -358,6 +364,10 @@ impl TableBuilder {
                 self.ou32(3, *generation);
                 self.s(4, kind);
                 self.s(5, detail);
+            }
+            Event::Node { kind, detail, .. } => {
+                self.s(0, kind);
+                self.s(1, detail);
             }
         }
     }

@@ -12,6 +12,8 @@ use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{ChatMessage, Config, Engine, Model, SamplingParams, Tokenizer};
 
+mod disagg_cmd;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "custody",
@@ -32,6 +34,14 @@ enum Cmd {
     /// The audit log: keys, verification, writer benchmark.
     #[command(subcommand)]
     Audit(AuditCmd),
+    /// Run a prefill node: the front door of a disaggregated pair. Admits requests, reserves
+    /// pages on the decode node, computes prompt KV and writes it into the decode node's pages
+    /// over the KV transport, then relays decode's tokens. Config: `[disagg]`, `[engine]`,
+    /// `[audit]`, `[unsafe_reproduction]` (see configs/disagg-prefill.toml).
+    Prefill(disagg_cmd::RoleArgs),
+    /// Run a decode node: reserves pages for prefilled requests, verifies every transferred page
+    /// (in-band tag and checksum) before reading it, and generates. See configs/disagg-decode.toml.
+    Decode(disagg_cmd::RoleArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -66,7 +76,7 @@ enum AuditCmd {
 
 /// Audit options shared by commands that run the engine.
 #[derive(Args, Debug)]
-struct AuditArgs {
+pub(crate) struct AuditArgs {
     /// Record every page event into this audit root (Parquet); requires --audit-key.
     #[arg(long)]
     audit_dir: Option<PathBuf>,
@@ -79,7 +89,7 @@ struct AuditArgs {
 }
 
 #[derive(Args, Debug)]
-struct Common {
+pub(crate) struct Common {
     /// GGUF model (any Llama-family model); default: config's model.path, else the embedded one.
     #[arg(long)]
     model: Option<PathBuf>,
@@ -92,7 +102,7 @@ struct Common {
 }
 
 #[derive(Args, Debug)]
-struct GenerateArgs {
+pub(crate) struct GenerateArgs {
     #[command(flatten)]
     common: Common,
     /// The prompt text.
@@ -117,6 +127,13 @@ struct GenerateArgs {
     seed: u64,
     #[command(flatten)]
     audit: AuditArgs,
+    /// Send the request to a prefill node's front door (`http://host:port`) instead of running
+    /// the model in this process (the model file is still read, for the tokenizer).
+    #[arg(long)]
+    prefill: Option<String>,
+    /// Tenant id recorded with the request (with --prefill).
+    #[arg(long, default_value = "cli")]
+    tenant: String,
 }
 
 #[derive(Args, Debug)]
@@ -171,11 +188,13 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => generate(a),
         Cmd::Bench(a) => bench(a),
         Cmd::Audit(a) => audit_cmd(a),
+        Cmd::Prefill(a) => disagg_cmd::prefill(a),
+        Cmd::Decode(a) => disagg_cmd::decode(a),
     }
 }
 
 /// The audit writer from flags, falling back to the config's `[audit]` section.
-fn open_audit(
+pub(crate) fn open_audit(
     a: &AuditArgs,
     cfg_path: Option<&Path>,
 ) -> Result<Option<std::sync::Arc<custody_audit::writer::AuditWriter>>> {
@@ -503,6 +522,9 @@ fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
+    if a.prefill.is_some() {
+        return disagg_cmd::generate_remote(a);
+    }
     let Loaded {
         mut engine,
         tokenizer,

@@ -132,24 +132,7 @@ fn disaggregated_greedy_output_equals_colocated_token_for_token() {
     assert_eq!((ps.free_pages, ps.live_requests), (ps.pool_pages, 0), "{ps:?}");
 }
 
-/// Events of `request` on a node.
-pub fn events_of(sink: &MemorySink, request: u64) -> Vec<AEv> {
-    sink.events
-        .lock()
-        .expect("lock")
-        .iter()
-        .filter(|e| match e {
-            AEv::Request { request: r, .. }
-            | AEv::Page { request: r, .. }
-            | AEv::Read { request: r, .. }
-            | AEv::Transfer { request: r, .. }
-            | AEv::IntegrityViolation { request: r, .. } => *r == request,
-        })
-        .cloned()
-        .collect()
-}
 
-pub fn _unused(_: HashMap<u8, u8>) {}
 
 #[test]
 fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transferred_on_either_node() {
@@ -363,4 +346,166 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
     eprintln!("incident: tenant B attended {foreign_oracle} slots of tenant A's KV (oracle), audit log says {foreign_audit}");
     assert!(foreign_oracle > 100, "B must have attended A's KV (oracle found {foreign_oracle})");
     assert_eq!(foreign_oracle, foreign_audit, "the audit log and the independent oracle must agree slot for slot");
+}
+
+/// Slots each decode request read that were, per the audit log, last written by another
+/// request (any tenant): 0 means no stale read. Also: reads that were not tag-verified.
+fn audit_stale_slots(events: &[AEv]) -> (usize, usize) {
+    let mut last_write: HashMap<(u32, u32), u64> = HashMap::new();
+    let (mut stale, mut unchecked) = (0, 0);
+    for e in events {
+        match e {
+            AEv::Page { request, page, kind: PageKind::Write { slot_start, slot_end, .. }, .. } => {
+                for s in *slot_start..*slot_end {
+                    last_write.insert((*page, s), *request);
+                }
+            }
+            AEv::Read { request, page, slot_start, slot_end, verified, .. } => {
+                unchecked += usize::from(!verified);
+                for s in *slot_start..*slot_end {
+                    if last_write.get(&(*page, s)) != Some(request) {
+                        stale += 1;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    (stale, unchecked)
+}
+
+#[test]
+fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_leaked_page() {
+    use custody_runtime::disagg::client::collect;
+    use custody_runtime::disagg::decode::DecodeFault;
+    use custody_runtime::disagg::prefill::PrefillFault;
+    use custody_runtime::sampling::Rng;
+
+    let lease = Duration::from_millis(800);
+    let nodes = start_pair(cfg(1024, 24), cfg(1024, 24), UnsafeReproduction::default(), lease);
+    let tok = tokenizer();
+    let texts = [
+        "Hello, my name is",
+        "The weather today is",
+        "Tenant secret: the vault code is",
+        "Once upon a time",
+        "The best way to learn Rust is",
+        "Paris is the capital of",
+    ];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).expect("encode")).collect();
+    let n_tok = 4;
+    let mut colo = crate::engine_with(cfg(1024, 24));
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&mut colo, p.clone(), n_tok)).collect();
+
+    let mut rng = Rng::new(0xC057_0D1E);
+    let (mut ok, mut failed, mut aborted, mut total) = (0usize, 0usize, 0usize, 0usize);
+    let mut fault_counts: HashMap<&str, usize> = HashMap::new();
+    let rt = nodes.pair.runtime();
+    for _batch in 0..50 {
+        let fault = rng.next_u64() % 10;
+        let mut tasks = Vec::new();
+        match fault {
+            0 => {
+                nodes.pair.decode.fault_inject(DecodeFault::CorruptNextPayload);
+                *fault_counts.entry("corrupt").or_default() += 1;
+            }
+            1 => {
+                nodes.pair.decode.fault_inject(DecodeFault::HoldNextReservation);
+                *fault_counts.entry("late_writes").or_default() += 1;
+                // After the lease expired (key invalidated, pages freed), another request takes
+                // the pages; then the held writes arrive.
+                let (decode, mut client, p) = (nodes.pair.decode.clone(), nodes.pair.client(), prompts[0].clone());
+                let want0 = want[0].clone();
+                tasks.push(rt.spawn(async move {
+                    tokio::time::sleep(lease + Duration::from_millis(300)).await;
+                    let r = req("tenant-c", p, n_tok);
+                    let late = tokio::spawn(async move { collect(&mut client, &r).await });
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    decode.fault_inject(DecodeFault::ReleaseHeld);
+                    let got = late.await.map_err(|e| custody_runtime::disagg::tonic::Status::internal(e.to_string()))?;
+                    if let Ok(g) = &got {
+                        assert_eq!(g.tokens, want0, "a request on reallocated pages saw late writes");
+                    }
+                    got.map(Some)
+                }));
+            }
+            2 => {
+                *fault_counts.entry("disconnect").or_default() += 1;
+                let (prefill, d) = (nodes.pair.prefill.clone(), rng.next_u64() % 60);
+                rt.spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(d)).await;
+                    prefill.fault_inject(PrefillFault::DisconnectTransport);
+                });
+            }
+            _ => {}
+        }
+        for _ in 0..10 {
+            let k = (rng.next_u64() % prompts.len() as u64) as usize;
+            let tenant = if k % 2 == 0 { "tenant-a" } else { "tenant-b" };
+            let r = req(tenant, prompts[k].clone(), n_tok);
+            let mut client = nodes.pair.client();
+            let abort_after = (rng.next_u64() % 5 == 0).then(|| Duration::from_millis(rng.next_u64() % 120));
+            let w = want[k].clone();
+            tasks.push(rt.spawn(async move {
+                let fut = collect(&mut client, &r);
+                let got = match abort_after {
+                    // The client goes away at a random point of the protocol.
+                    Some(d) => match tokio::time::timeout(d, fut).await {
+                        Ok(x) => x,
+                        Err(_) => return Ok(None),
+                    },
+                    None => fut.await,
+                };
+                if let Ok(g) = &got {
+                    assert_eq!(g.tokens, w, "a served request must be exactly right");
+                }
+                got.map(Some)
+            }));
+        }
+        for t in tasks {
+            total += 1;
+            match rt.block_on(t).expect("task") {
+                Ok(Some(_)) => ok += 1,
+                Ok(None) => aborted += 1,
+                Err(s) => {
+                    assert!(!s.message().is_empty(), "every failure is a clean error");
+                    failed += 1;
+                }
+            }
+        }
+    }
+    eprintln!("fault injection: {total} requests: {ok} served exactly, {failed} clean errors, {aborted} aborted by the client; faults {fault_counts:?}");
+    assert!(total >= 500);
+    assert!(ok > total / 2, "most requests are served");
+    // No page leaked: wait for leases and quarantines to settle.
+    let t0 = std::time::Instant::now();
+    loop {
+        let ds = nodes.pair.decode.stats_blocking().expect("stats");
+        let ps = nodes.pair.prefill.stats_blocking().expect("stats");
+        let settled = ds.free_pages == ds.pool_pages
+            && ds.quarantined_pages == 0
+            && ds.live_requests == 0
+            && ds.reservations == 0
+            && ps.free_pages == ps.pool_pages
+            && ps.live_requests == 0;
+        if settled {
+            eprintln!("settled: {ds:?} {ps:?}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "pages leaked: {ds:?} {ps:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Zero stale reads per the audit log; every read was tag-verified.
+    let events = nodes.decode_audit.events.lock().expect("lock").clone();
+    let (stale, unchecked) = audit_stale_slots(&events);
+    assert_eq!((stale, unchecked), (0, 0));
+    let verify_failures = events.iter().filter(|e| matches!(e, AEv::Transfer { outcome, .. } if outcome.starts_with("rejected"))).count();
+    let ds = nodes.pair.decode.stats_blocking().expect("stats");
+    eprintln!("decode: {} transfers rejected at verification, {} late/invalid-key writes refused, {} leases expired", verify_failures, ds.transport.rejected_writes, ds.leases_expired);
+    if fault_counts.contains_key("corrupt") {
+        assert!(verify_failures > 0, "corruption in flight must be caught by the checksum");
+    }
+    if fault_counts.contains_key("late_writes") {
+        assert!(ds.transport.rejected_writes > 0 && ds.leases_expired > 0, "late writes must be refused: {ds:?}");
+    }
 }

@@ -1,0 +1,308 @@
+//! `custody prefill`, `custody decode` and `custody generate --prefill`: the disaggregated roles.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use custody_audit::{AuditSink, Event as AuditEvent};
+use custody_runtime::config::UnsafeReproduction;
+use custody_runtime::disagg::client::{serve_decode, serve_prefill};
+use custody_runtime::disagg::decode::{DecodeHandle, DecodeOptions};
+use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
+use custody_runtime::disagg::proto::prefill_client::PrefillClient;
+use custody_runtime::tokenizer::StreamDecoder;
+use custody_runtime::{Config, Engine, Model, SamplingParams, Tokenizer};
+
+use crate::{AuditArgs, Common, GenerateArgs, open_audit};
+
+#[derive(Args, Debug)]
+pub(crate) struct RoleArgs {
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    audit: AuditArgs,
+    /// Arm the config's `[unsafe_reproduction]` switches (the incident's faults, on purpose).
+    /// Without this flag they are ignored; with it they are logged at ERROR and recorded in the
+    /// audit log's `node_events`.
+    #[arg(long)]
+    unsafe_reproduction: bool,
+    /// Reservation lease (decode): a reservation not committed within this many ms is aborted —
+    /// its transport key invalidated first, then its pages freed.
+    #[arg(long, default_value_t = 30_000)]
+    lease_ms: u64,
+}
+
+struct Role {
+    cfg: Config,
+    engine: Engine,
+    unsafe_: UnsafeReproduction,
+    fingerprint: String,
+    node: u32,
+    audit: Option<Arc<custody_audit::writer::AuditWriter>>,
+}
+
+fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
+    let Some(path) = &a.common.config else {
+        bail!("custody {role} needs --config (see configs/disagg-{role}.toml)");
+    };
+    let cfg = Config::load(path)?;
+    let unsafe_ = cfg.unsafe_switches(a.unsafe_reproduction);
+    let model_path = a
+        .common
+        .model
+        .clone()
+        .or(cfg.model.path.clone())
+        .unwrap_or_else(custody_runtime::config::default_model_path);
+    if !model_path.exists() {
+        bail!(
+            "model not found at {}: run scripts/fetch-model.sh or pass --model PATH",
+            model_path.display()
+        );
+    }
+    let threads = if a.common.threads > 0 {
+        a.common.threads
+    } else {
+        cfg.engine.threads
+    };
+    if threads > 0 {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global()
+            .context("building the compute thread pool")?;
+    }
+    let model = Model::load(&model_path)
+        .with_context(|| format!("loading model {}", model_path.display()))?;
+    let fingerprint = model.gguf().sha256_hex();
+    let mut engine = Engine::new_with_unsafe(model, cfg.engine.clone(), &unsafe_)
+        .with_context(|| format!("starting the {role} engine"))?;
+    engine.pool_mut().set_release_fill(cfg.disagg.release_fill);
+    let node = if a.audit.node != 0 {
+        a.audit.node
+    } else {
+        cfg.audit.node
+    };
+    let audit = open_audit(&a.audit, a.common.config.as_deref())?;
+    if let Some(w) = &audit {
+        let sink: Arc<dyn AuditSink> = w.clone();
+        engine = engine.with_audit(sink);
+        engine.record(AuditEvent::Node {
+            ts_ns: custody_audit::mono_now_ns(),
+            kind: "start".into(),
+            detail: format!(
+                "role={role} model_sha256={fingerprint} context={} pool_tokens={}",
+                engine.context_length(),
+                engine.pool().n_pages() * engine.pool().page_size()
+            ),
+        });
+        if unsafe_.any() {
+            engine.record(AuditEvent::Node {
+                ts_ns: custody_audit::mono_now_ns(),
+                kind: "unsafe_reproduction".into(),
+                detail: unsafe_.names().join(","),
+            });
+        }
+    }
+    Ok(Role {
+        cfg,
+        engine,
+        unsafe_,
+        fingerprint,
+        node,
+        audit,
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+async fn shutdown_signal(tx: tokio::sync::oneshot::Sender<()>) {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+    tracing::info!("shutting down");
+    let _ = tx.send(());
+}
+
+fn addr(s: &str, what: &str) -> Result<SocketAddr> {
+    s.parse()
+        .with_context(|| format!("invalid {what} address {s:?} (want host:port)"))
+}
+
+pub(crate) fn decode(a: RoleArgs) -> Result<()> {
+    let r = load_role(&a, "decode")?;
+    let control = addr(&r.cfg.disagg.decode_control, "disagg.decode_control")?;
+    let opts = DecodeOptions {
+        node_id: r.node,
+        transport_listen: addr(&r.cfg.disagg.decode_transport, "disagg.decode_transport")?,
+        checksum: r.cfg.disagg.checksum,
+        reservation_lease: Duration::from_millis(a.lease_ms),
+        unsafe_: r.unsafe_,
+        fingerprint: r.fingerprint,
+    };
+    let h = DecodeHandle::start(r.engine, opts).context("starting the decode node")?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(control)
+            .await
+            .with_context(|| format!("binding the control plane on {control}"))?;
+        eprintln!(
+            "decode node {} ready: control {control}, KV transport {}",
+            r.node, h.transport_addr
+        );
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(shutdown_signal(tx));
+        serve_decode(h, listener, rx).await.context("control plane")
+    })?;
+    if let Some(w) = r.audit {
+        w.close().context("sealing the audit log")?;
+    }
+    Ok(())
+}
+
+pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
+    let r = load_role(&a, "prefill")?;
+    let listen = addr(&r.cfg.disagg.prefill_listen, "disagg.prefill_listen")?;
+    let decode_url = format!("http://{}", r.cfg.disagg.decode_control);
+    let opts = PrefillOptions {
+        node_id: r.node,
+        unsafe_: r.unsafe_,
+        fingerprint: r.fingerprint,
+        reserve_wait: Duration::from_secs(30),
+    };
+    let rt = runtime()?;
+    let mut engine = Some(r.engine);
+    rt.block_on(async {
+        // The decode node may still be starting: wait for its control port (bounded), then run
+        // the handshake once — a refused handshake is final.
+        let t0 = Instant::now();
+        let control = r.cfg.disagg.decode_control.clone();
+        while tokio::net::TcpStream::connect(&control).await.is_err() {
+            if t0.elapsed() > Duration::from_secs(60) {
+                bail!("decode node control plane at {control} not reachable after 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let Some(e) = engine.take() else {
+            bail!("engine lost")
+        };
+        let h = PrefillHandle::start(e, opts.clone(), &decode_url)
+            .await
+            .context("pairing with the decode node")?;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("binding the front door on {listen}"))?;
+        eprintln!("prefill node {} ready: front door {listen}, decode {decode_url}", r.node);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(shutdown_signal(tx));
+        serve_prefill(h, listener, rx).await.context("front door")
+    })?;
+    if let Some(w) = r.audit {
+        w.close().context("sealing the audit log")?;
+    }
+    Ok(())
+}
+
+pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
+    let url = a.prefill.clone().unwrap_or_default();
+    let cfg = match &a.common.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let path = a
+        .common
+        .model
+        .clone()
+        .or(cfg.model.path.clone())
+        .unwrap_or_else(custody_runtime::config::default_model_path);
+    let gguf = custody_runtime::gguf::Gguf::open(&path)
+        .with_context(|| format!("reading the tokenizer from {}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    let text = if a.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(custody_runtime::ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
+        }
+        msgs.push(custody_runtime::ChatMessage {
+            role: "user".into(),
+            content: a.prompt.clone(),
+        });
+        tokenizer.apply_chat_template(&msgs)?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt = tokenizer.encode(&text, false)?;
+    let req = custody_runtime::GenerateRequest {
+        prompt,
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
+        stop_ids: tokenizer.stop_ids.clone(),
+        tenant: a.tenant.clone(),
+    };
+    let rt = runtime()?;
+    rt.block_on(async {
+        use custody_runtime::disagg::proto;
+        use tokio_stream::StreamExt;
+        let mut client = PrefillClient::connect(url.clone())
+            .await
+            .with_context(|| format!("connecting to the prefill node at {url}"))?;
+        let t0 = Instant::now();
+        let mut stream = client
+            .generate(proto::GenerateRequest {
+                tenant: req.tenant.clone(),
+                prompt: req.prompt.clone(),
+                max_tokens: req.max_tokens as u32,
+                sampling: Some(proto::Sampling {
+                    temperature: req.sampling.temperature,
+                    top_k: req.sampling.top_k as u32,
+                    top_p: req.sampling.top_p,
+                    seed: req.sampling.seed,
+                }),
+                stop_ids: req.stop_ids.clone(),
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("request refused: {}", s.message()))?
+            .into_inner();
+        let mut out = std::io::stdout();
+        let mut dec = StreamDecoder::default();
+        let (mut n, mut ttft) = (0usize, None);
+        while let Some(ev) = stream.next().await {
+            let ev = ev.map_err(|s| anyhow::anyhow!("generation failed: {}", s.message()))?;
+            let last = !ev.finish_reason.is_empty();
+            if !last || ev.generated_tokens as usize > n {
+                ttft.get_or_insert_with(|| t0.elapsed());
+                n += 1;
+                out.write_all(dec.push(&tokenizer, ev.token)?.as_bytes())?;
+                out.flush()?;
+            }
+            if last {
+                break;
+            }
+        }
+        writeln!(out)?;
+        eprintln!(
+            "[{} prompt tokens, {n} generated via {url}; time to first token {:.0} ms, total {:.0} ms]",
+            req.prompt.len(),
+            ttft.unwrap_or_default().as_secs_f64() * 1e3,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(())
+    })
+}
