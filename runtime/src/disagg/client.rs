@@ -105,7 +105,9 @@ pub async fn collect(
             return Ok(out);
         }
     }
-    Err(Status::unavailable("the token stream ended without a finish"))
+    Err(Status::unavailable(
+        "the token stream ended without a finish",
+    ))
 }
 
 /// Options of an in-process pair.
@@ -193,7 +195,10 @@ impl Pair {
         self.rt.block_on(async {
             let mut out = Vec::new();
             for t in tasks {
-                out.push(t.await.unwrap_or_else(|e| Err(Status::internal(e.to_string()))));
+                out.push(
+                    t.await
+                        .unwrap_or_else(|e| Err(Status::internal(e.to_string()))),
+                );
             }
             out
         })

@@ -45,9 +45,19 @@ pub struct DecodeOptions {
 type TokenTx = mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>;
 
 enum Cmd {
-    Handshake(proto::NodeInfo, oneshot::Sender<Result<proto::NodeInfo, Status>>),
-    Reserve(proto::ReserveRequest, oneshot::Sender<Result<proto::ReserveReply, Status>>),
-    Commit(proto::CommitRequest, TokenTx, oneshot::Sender<Result<(), Status>>),
+    Handshake(
+        proto::NodeInfo,
+        oneshot::Sender<Result<proto::NodeInfo, Status>>,
+    ),
+    Reserve(
+        proto::ReserveRequest,
+        oneshot::Sender<Result<proto::ReserveReply, Status>>,
+    ),
+    Commit(
+        proto::CommitRequest,
+        TokenTx,
+        oneshot::Sender<Result<(), Status>>,
+    ),
     Abort(u64, String, oneshot::Sender<bool>),
     Stats(oneshot::Sender<DecodeStats>),
     Fault(DecodeFault),
@@ -181,7 +191,9 @@ impl Node {
             tenant: req.tenant.clone(),
         };
         if prompt_len.div_ceil(self.engine.pool().page_size()) > MAX_PAGES_PER_REQUEST {
-            return Err(Status::invalid_argument("prompt exceeds the transfer's page index"));
+            return Err(Status::invalid_argument(
+                "prompt exceeds the transfer's page index",
+            ));
         }
         let Some(slot) = self.alloc_slot() else {
             return Err(Status::resource_exhausted("too many live reservations"));
@@ -200,7 +212,9 @@ impl Node {
                 self.free_slots.push(slot);
                 self.engine.quarantine(id, RequestKind::Aborted);
                 self.engine.release_quarantined(id); // never registered: no writer exists
-                return Err(Status::unavailable(format!("cannot register KV region: {e}")));
+                return Err(Status::unavailable(format!(
+                    "cannot register KV region: {e}"
+                )));
             }
         };
         if self.hold_next {
@@ -211,7 +225,9 @@ impl Node {
         self.reqs.insert(
             id,
             DReq {
-                state: ReqState::Received.on(ReqEvent::Reserve).map_err(|e| Status::internal(e.to_string()))?,
+                state: ReqState::Received
+                    .on(ReqEvent::Reserve)
+                    .map_err(|e| Status::internal(e.to_string()))?,
                 rkey: region.rkey,
                 slot,
                 pages: pages.clone(),
@@ -275,7 +291,11 @@ impl Node {
         let legacy = self.opts.unsafe_.truncate_overlength;
         let checksum = self.opts.checksum && !self.opts.unsafe_.disable_checksum;
         let ps = self.engine.pool().page_size();
-        let Some(r) = self.reqs.get_mut(&id) else { return };
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        // Progress renews the lease: only a stalled transfer expires.
+        r.reserved_at = Instant::now();
         if r.state == ReqState::Reserved {
             // The first landed page tells decode that prefill has computed and posted.
             r.state = ReqState::Transferring;
@@ -326,16 +346,28 @@ impl Node {
         match result {
             Ok(()) => {
                 self.stats.verified_pages += 1;
-                let Some(r) = self.reqs.get_mut(&id) else { return };
+                let Some(r) = self.reqs.get_mut(&id) else {
+                    return;
+                };
                 r.verified[idx] = true;
-                if r.verified[..n_prompt_pages.min(r.verified.len())].iter().all(|&v| v) {
+                if r.verified[..n_prompt_pages.min(r.verified.len())]
+                    .iter()
+                    .all(|&v| v)
+                {
                     r.state = r.state.on(ReqEvent::AllVerified).unwrap_or(r.state);
                 }
             }
             Err(e) => {
                 self.stats.verify_failures += 1;
                 tracing::warn!(request = id, page = pr.page, error = %e, "transferred page failed verification");
-                self.end(id, ReqEvent::Fail, RequestKind::Failed { reason: format!("transfer: {e}") }, Some(e));
+                self.end(
+                    id,
+                    ReqEvent::Fail,
+                    RequestKind::Failed {
+                        reason: format!("transfer: {e}"),
+                    },
+                    Some(e),
+                );
             }
         }
     }
@@ -343,14 +375,18 @@ impl Node {
     fn commit(&mut self, c: proto::CommitRequest, tokens: TokenTx) -> Result<(), Status> {
         let id = c.request;
         let legacy = self.opts.unsafe_.truncate_overlength;
-        let r = self
-            .reqs
-            .get_mut(&id)
-            .ok_or_else(|| Status::not_found(format!("no request {id} on this decode node (failed or aborted)")))?;
+        let r = self.reqs.get_mut(&id).ok_or_else(|| {
+            Status::not_found(format!(
+                "no request {id} on this decode node (failed or aborted)"
+            ))
+        })?;
         if legacy && matches!(r.state, ReqState::Reserved | ReqState::Transferring) {
             // UNSAFE (incident reproduction): prefill "reported the transfer complete", and the
             // legacy decode believed it.
-            tracing::error!(request = id, "UNSAFE REPRODUCTION: handing off a request whose pages were not all verified");
+            tracing::error!(
+                request = id,
+                "UNSAFE REPRODUCTION: handing off a request whose pages were not all verified"
+            );
             r.state = ReqState::Prefilled;
         }
         self.transition(id, ReqEvent::Handoff)?;
@@ -359,7 +395,14 @@ impl Node {
         let rkey = self.reqs.get(&id).map(|r| r.rkey).unwrap_or(0);
         if let Err(e) = self.transport.invalidate(rkey) {
             tracing::error!(request = id, error = %e, "cannot invalidate the transfer key at handoff");
-            self.end(id, ReqEvent::Fail, RequestKind::Failed { reason: "invalidate".into() }, Some(e.to_string()));
+            self.end(
+                id,
+                ReqEvent::Fail,
+                RequestKind::Failed {
+                    reason: "invalidate".into(),
+                },
+                Some(e.to_string()),
+            );
             return Err(Status::internal("cannot invalidate the transfer key"));
         }
         if let Some(r) = self.reqs.get_mut(&id) {
@@ -367,7 +410,14 @@ impl Node {
             r.tokens = Some(tokens);
         }
         if let Err(e) = self.engine.activate_import(id, c.first_token, !legacy) {
-            self.end(id, ReqEvent::Fail, RequestKind::Failed { reason: e.to_string() }, Some(e.to_string()));
+            self.end(
+                id,
+                ReqEvent::Fail,
+                RequestKind::Failed {
+                    reason: e.to_string(),
+                },
+                Some(e.to_string()),
+            );
             return Err(Status::failed_precondition(e.to_string()));
         }
         Ok(())
@@ -376,7 +426,9 @@ impl Node {
     /// End a request that did not finish normally: quarantine its pages, invalidate its key,
     /// and free the pages only once the key is invalidated (safety property 2).
     fn end(&mut self, id: RequestId, ev: ReqEvent, kind: RequestKind, error: Option<String>) {
-        let Some(mut r) = self.reqs.remove(&id) else { return };
+        let Some(mut r) = self.reqs.remove(&id) else {
+            return;
+        };
         r.state = r.state.on(ev).unwrap_or(r.state);
         self.by_slot.remove(&r.slot);
         self.by_key.remove(&r.rkey);
@@ -439,7 +491,9 @@ impl Node {
                         self.by_key.remove(&r.rkey);
                         self.free_slots.push(r.slot);
                         if let Some(tx) = r.tokens {
-                            let _ = tx.send(Err(Status::data_loss(format!("integrity check failed: {error}"))));
+                            let _ = tx.send(Err(Status::data_loss(format!(
+                                "integrity check failed: {error}"
+                            ))));
                         }
                     }
                 }
@@ -472,7 +526,10 @@ impl Node {
         for (id, expired) in gone {
             if expired {
                 self.stats.leases_expired += 1;
-                tracing::warn!(request = id, "reservation lease expired without a commit: aborting (key invalidated before pages are freed)");
+                tracing::warn!(
+                    request = id,
+                    "reservation lease expired without a commit: aborting (key invalidated before pages are freed)"
+                );
             }
             self.end(id, ReqEvent::Abort, RequestKind::Aborted, None);
         }
@@ -520,13 +577,17 @@ impl Node {
                     .iter()
                     .map(|&p| {
                         let r = g.offset(p as usize, 0, 0)..g.offset(p as usize + 1, 0, 0);
-                        k[r].iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+                        k[r].iter()
+                            .flat_map(|x| x.to_bits().to_le_bytes())
+                            .collect()
                     })
                     .collect();
                 let _ = tx.send(out);
             }
             Cmd::Fault(f) => match f {
-                DecodeFault::CorruptNextPayload => self.transport.fault_inject_corrupt_next_payload(),
+                DecodeFault::CorruptNextPayload => {
+                    self.transport.fault_inject_corrupt_next_payload()
+                }
                 DecodeFault::HoldNextReservation => self.hold_next = true,
                 DecodeFault::ReleaseHeld => {
                     let n = self.transport.fault_inject_release_held();
@@ -594,7 +655,10 @@ const CMD_QUEUE: usize = 1024;
 
 impl DecodeHandle {
     /// Start the engine thread and the KV transport listener.
-    pub fn start(engine: Engine, opts: DecodeOptions) -> Result<Self, crate::transport::TransportError> {
+    pub fn start(
+        engine: Engine,
+        opts: DecodeOptions,
+    ) -> Result<Self, crate::transport::TransportError> {
         let mut transport = TcpTransport::new(opts.node_id);
         let transport_addr = transport.listen(opts.transport_listen)?;
         let stride = engine.pool().region_page_stride();
@@ -637,7 +701,9 @@ impl DecodeHandle {
     fn send(&self, cmd: Cmd) -> Result<(), Status> {
         match self.tx.try_send(cmd) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(Status::unavailable("decode node command queue full")),
+            Err(TrySendError::Full(_)) => {
+                Err(Status::unavailable("decode node command queue full"))
+            }
             Err(TrySendError::Disconnected(_)) => Err(Status::unavailable("decode engine stopped")),
         }
     }
@@ -681,29 +747,46 @@ pub struct DecodeService {
     h: DecodeHandle,
 }
 
-async fn ask<T>(h: &DecodeHandle, make: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T, Status> {
+async fn ask<T>(
+    h: &DecodeHandle,
+    make: impl FnOnce(oneshot::Sender<T>) -> Cmd,
+) -> Result<T, Status> {
     let (tx, rx) = oneshot::channel();
     h.send(make(tx))?;
-    rx.await.map_err(|_| Status::unavailable("decode engine stopped"))
+    rx.await
+        .map_err(|_| Status::unavailable("decode engine stopped"))
 }
 
 type TokenStream = Pin<Box<dyn Stream<Item = Result<proto::TokenEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl decode_server::Decode for DecodeService {
-    async fn handshake(&self, r: Request<proto::NodeInfo>) -> Result<Response<proto::NodeInfo>, Status> {
+    async fn handshake(
+        &self,
+        r: Request<proto::NodeInfo>,
+    ) -> Result<Response<proto::NodeInfo>, Status> {
         let peer = r.into_inner();
-        ask(&self.h, |tx| Cmd::Handshake(peer, tx)).await?.map(Response::new)
+        ask(&self.h, |tx| Cmd::Handshake(peer, tx))
+            .await?
+            .map(Response::new)
     }
 
-    async fn reserve(&self, r: Request<proto::ReserveRequest>) -> Result<Response<proto::ReserveReply>, Status> {
+    async fn reserve(
+        &self,
+        r: Request<proto::ReserveRequest>,
+    ) -> Result<Response<proto::ReserveReply>, Status> {
         let req = r.into_inner();
-        ask(&self.h, |tx| Cmd::Reserve(req, tx)).await?.map(Response::new)
+        ask(&self.h, |tx| Cmd::Reserve(req, tx))
+            .await?
+            .map(Response::new)
     }
 
     type CommitStream = TokenStream;
 
-    async fn commit(&self, r: Request<proto::CommitRequest>) -> Result<Response<Self::CommitStream>, Status> {
+    async fn commit(
+        &self,
+        r: Request<proto::CommitRequest>,
+    ) -> Result<Response<Self::CommitStream>, Status> {
         let c = r.into_inner();
         let (ttx, trx) = mpsc::unbounded_channel();
         ask(&self.h, |tx| Cmd::Commit(c, ttx, tx)).await??;
@@ -711,7 +794,10 @@ impl decode_server::Decode for DecodeService {
         Ok(Response::new(Box::pin(stream)))
     }
 
-    async fn abort(&self, r: Request<proto::AbortRequest>) -> Result<Response<proto::AbortReply>, Status> {
+    async fn abort(
+        &self,
+        r: Request<proto::AbortRequest>,
+    ) -> Result<Response<proto::AbortReply>, Status> {
         let a = r.into_inner();
         let existed = ask(&self.h, |tx| Cmd::Abort(a.request, a.reason, tx)).await?;
         Ok(Response::new(proto::AbortReply { existed }))

@@ -3,13 +3,16 @@
 //!
 //! # The flow of one request (see [`protocol`] for the state machine)
 //! 1. The prefill node's front door runs admission (over-length prompts are rejected here, before
-//!    anything is allocated anywhere) and queues the prompt in its own engine (`Prefilling`).
+//!    anything is allocated anywhere) and computes the prompt's KV in its own pool, sampling the
+//!    first token (`Prefilling`).
 //! 2. It asks the decode node to `Reserve`: decode runs its own admission, allocates the pages
 //!    for `prompt + max_tokens`, registers a transport key for exactly those pages, and replies
-//!    with the key, the page list and each page's generation (`Reserved`).
-//! 3. When the prompt's KV is computed, prefill posts one chain of one-sided writes per page:
-//!    the page's filled slots, then an in-band header (decode's request id and page generation,
-//!    slot count, checksum) written with immediate data (`Transferring`).
+//!    with the key, the page list and each page's generation (`Reserved`). Reserving only now
+//!    keeps decode pages from idling through prefill's queue and compute; a reservation that
+//!    makes no progress within its lease is aborted (key invalidated, then pages freed).
+//! 3. Prefill posts one chain of one-sided writes per page: the page's filled slots, then an
+//!    in-band header (decode's request id and page generation, slot count, checksum) written
+//!    with immediate data (`Transferring`).
 //! 4. Decode lands the bytes, and on each page's completion verifies the header and checksum;
 //!    only then are the slots marked written. When every prompt page verified: `Prefilled`.
 //! 5. Prefill, once every write completed, releases its own pages and sends `Commit` with the
@@ -125,7 +128,10 @@ pub fn check_pair(prefill: &proto::NodeInfo, decode: &proto::NodeInfo) -> Result
     if bad.is_empty() {
         Ok(())
     } else {
-        Err(format!("the prefill/decode pair refuses to run: {}", bad.join("; ")))
+        Err(format!(
+            "the prefill/decode pair refuses to run: {}",
+            bad.join("; ")
+        ))
     }
 }
 
@@ -188,7 +194,12 @@ mod tests {
         d.page_size = 32;
         d.model_fingerprint = "cd".into();
         let e = check_pair(&info("prefill", 4096), &d).expect_err("mismatch");
-        assert!(e.contains("fingerprint") && e.contains("page_size") && e.contains("less than one context"), "{e}");
+        assert!(
+            e.contains("fingerprint")
+                && e.contains("page_size")
+                && e.contains("less than one context"),
+            "{e}"
+        );
         d = info("decode", 1024);
         d.unsafe_switches.push("skip_pool_check".into());
         assert!(check_pair(&info("prefill", 4096), &d).is_ok());
@@ -197,6 +208,9 @@ mod tests {
     #[test]
     fn imm_round_trips() {
         assert_eq!(imm_split(imm_of(77, 4095)), (77, 4095));
-        assert_eq!(imm_split(imm_of(MAX_RESERVATIONS - 1, 0)), (MAX_RESERVATIONS - 1, 0));
+        assert_eq!(
+            imm_split(imm_of(MAX_RESERVATIONS - 1, 0)),
+            (MAX_RESERVATIONS - 1, 0)
+        );
     }
 }

@@ -42,10 +42,18 @@ type TransferResult = Result<u32, String>;
 
 enum Cmd {
     /// Admit a prompt (prefill-only). Replies with the prefill request id and whether the
-    /// (legacy) path truncated it.
-    Submit(GenerateRequest, oneshot::Sender<Result<(RequestId, bool), Status>>),
+    /// (legacy) path truncated it; `prefilled` fires when its KV is computed (first token).
+    Submit(
+        GenerateRequest,
+        oneshot::Sender<Result<(RequestId, bool), Status>>,
+        oneshot::Sender<TransferResult>,
+    ),
     /// Decode's reservation for a submitted request; the reply fires when the transfer is over.
-    Attach(RequestId, proto::ReserveReply, oneshot::Sender<TransferResult>),
+    Attach(
+        RequestId,
+        proto::ReserveReply,
+        oneshot::Sender<TransferResult>,
+    ),
     Abort(RequestId),
     Fault(PrefillFault),
     Stats(oneshot::Sender<PrefillStats>),
@@ -73,6 +81,7 @@ struct PReq {
     tenant: Arc<str>,
     reservation: Option<proto::ReserveReply>,
     first_token: Option<u32>,
+    prefilled: Option<oneshot::Sender<TransferResult>>,
     done: Option<oneshot::Sender<TransferResult>>,
     outstanding: usize,
     failed: Option<String>,
@@ -94,7 +103,11 @@ struct Node {
 }
 
 impl Node {
-    fn submit(&mut self, mut req: GenerateRequest) -> Result<(RequestId, bool), Status> {
+    fn submit(
+        &mut self,
+        mut req: GenerateRequest,
+        prefilled: oneshot::Sender<TransferResult>,
+    ) -> Result<(RequestId, bool), Status> {
         let mut truncated = false;
         // Only the legacy path looks before it leaps; otherwise `submit_prefill` checks and
         // records the rejection itself.
@@ -129,6 +142,7 @@ impl Node {
                 tenant,
                 reservation: None,
                 first_token: None,
+                prefilled: Some(prefilled),
                 done: None,
                 outstanding: 0,
                 failed: None,
@@ -139,7 +153,12 @@ impl Node {
         Ok((id, truncated))
     }
 
-    fn attach(&mut self, id: RequestId, res: proto::ReserveReply, done: oneshot::Sender<TransferResult>) {
+    fn attach(
+        &mut self,
+        id: RequestId,
+        res: proto::ReserveReply,
+        done: oneshot::Sender<TransferResult>,
+    ) {
         let Some(r) = self.reqs.get_mut(&id) else {
             let _ = done.send(Err(format!("prefill request {id} is gone")));
             return;
@@ -158,14 +177,24 @@ impl Node {
             self.finish(id, Err("prefill pages are gone".into()));
             return;
         };
-        let Some(r) = self.reqs.get_mut(&id) else { return };
-        let Some(res) = r.reservation.clone() else { return };
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        let Some(res) = r.reservation.clone() else {
+            return;
+        };
         r.state = r.state.on(ReqEvent::PostWrites).unwrap_or(r.state);
         let pool = self.engine.pool();
         let ps = pool.page_size();
         let n_pages = n_cached.div_ceil(ps);
         if n_pages > res.pages.len() {
-            self.finish(id, Err(format!("decode reserved {} pages, the prompt needs {n_pages}", res.pages.len())));
+            self.finish(
+                id,
+                Err(format!(
+                    "decode reserved {} pages, the prompt needs {n_pages}",
+                    res.pages.len()
+                )),
+            );
             return;
         }
         let stride = res.page_stride;
@@ -206,11 +235,21 @@ impl Node {
             let mut wrs: Vec<SendWr> = sges
                 .iter()
                 .zip(&offsets)
-                .map(|(s, &off)| SendWr::rdma_write(wr_id, std::slice::from_ref(s), page_base + off as u64, res.rkey))
+                .map(|(s, &off)| {
+                    SendWr::rdma_write(
+                        wr_id,
+                        std::slice::from_ref(s),
+                        page_base + off as u64,
+                        res.rkey,
+                    )
+                })
                 .collect();
             // The header goes last, with the immediate data: writes on a connection land in
             // order, so its completion means the whole page landed.
-            wrs.push(SendWr::rdma_write(wr_id, std::slice::from_ref(&hdr_sge), page_base, res.rkey).with_imm(imm_of(res.imm_slot, idx)));
+            wrs.push(
+                SendWr::rdma_write(wr_id, std::slice::from_ref(&hdr_sge), page_base, res.rkey)
+                    .with_imm(imm_of(res.imm_slot, idx)),
+            );
             for i in 0..wrs.len() - 1 {
                 let next: *const SendWr = &wrs[i + 1];
                 wrs[i].next = next;
@@ -243,7 +282,9 @@ impl Node {
 
     fn on_completion(&mut self, wc: Wc) {
         let (origin, idx) = (wc.wr_id >> 16, (wc.wr_id & 0xffff) as usize);
-        let Some(r) = self.reqs.get_mut(&origin) else { return };
+        let Some(r) = self.reqs.get_mut(&origin) else {
+            return;
+        };
         r.outstanding = r.outstanding.saturating_sub(1);
         let outcome = if wc.ok() {
             "completed".to_owned()
@@ -251,10 +292,14 @@ impl Node {
             format!("failed: wc status {}", wc.status)
         };
         if !wc.ok() {
-            r.failed.get_or_insert(format!("KV write of page {idx} failed (status {})", wc.status));
+            r.failed.get_or_insert(format!(
+                "KV write of page {idx} failed (status {})",
+                wc.status
+            ));
         }
         if self.engine.auditing()
-            && let (Some(res), Some(&(src_page, src_gen, bytes, checksum))) = (&r.reservation, r.sent.get(idx))
+            && let (Some(res), Some(&(src_page, src_gen, bytes, checksum))) =
+                (&r.reservation, r.sent.get(idx))
         {
             let dst = res.pages.get(idx).copied().unwrap_or_default();
             let ev = audit::Event::Transfer {
@@ -274,7 +319,9 @@ impl Node {
             };
             self.engine.record(ev);
         }
-        let Some(r) = self.reqs.get(&origin) else { return };
+        let Some(r) = self.reqs.get(&origin) else {
+            return;
+        };
         if r.outstanding == 0 {
             let result = match (&r.failed, r.first_token) {
                 (Some(e), _) => Err(e.clone()),
@@ -287,7 +334,9 @@ impl Node {
 
     /// The transfer is over (every write completed or failed): release prefill's pages, report.
     fn finish(&mut self, id: RequestId, result: TransferResult) {
-        let Some(mut r) = self.reqs.remove(&id) else { return };
+        let Some(mut r) = self.reqs.remove(&id) else {
+            return;
+        };
         let kind = match &result {
             Ok(_) => {
                 r.state = r.state.on(ReqEvent::AllVerified).unwrap_or(r.state);
@@ -329,6 +378,9 @@ impl Node {
                     Event::Prefilled { id, first_token } => {
                         if let Some(r) = self.reqs.get_mut(&id) {
                             r.first_token = Some(first_token);
+                            if let Some(tx) = r.prefilled.take() {
+                                let _ = tx.send(Ok(first_token));
+                            }
                             if r.reservation.is_some() {
                                 self.post(id);
                             }
@@ -337,17 +389,24 @@ impl Node {
                         }
                     }
                     Event::Failed { id, error } => {
-                        if let Some(mut r) = self.reqs.remove(&id)
-                            && let Some(done) = r.done.take()
-                        {
-                            let _ = done.send(Err(format!("integrity check failed in prefill: {error}")));
+                        if let Some(mut r) = self.reqs.remove(&id) {
+                            let e = format!("integrity check failed in prefill: {error}");
+                            if let Some(tx) = r.prefilled.take() {
+                                let _ = tx.send(Err(e.clone()));
+                            }
+                            if let Some(done) = r.done.take() {
+                                let _ = done.send(Err(e));
+                            }
                         }
                     }
                     Event::Aborted { id, reason } => {
-                        if let Some(mut r) = self.reqs.remove(&id)
-                            && let Some(done) = r.done.take()
-                        {
-                            let _ = done.send(Err(reason));
+                        if let Some(mut r) = self.reqs.remove(&id) {
+                            if let Some(tx) = r.prefilled.take() {
+                                let _ = tx.send(Err(reason.clone()));
+                            }
+                            if let Some(done) = r.done.take() {
+                                let _ = done.send(Err(reason));
+                            }
                         }
                     }
                     Event::Token { .. } | Event::Finished { .. } => {}
@@ -391,12 +450,14 @@ impl Node {
                     reconnects: self.reconnects,
                 });
             }
-            Cmd::Submit(req, tx) => {
-                let _ = tx.send(self.submit(req));
+            Cmd::Submit(req, tx, prefilled) => {
+                let _ = tx.send(self.submit(req, prefilled));
             }
             Cmd::Attach(id, res, tx) => self.attach(id, res, tx),
             Cmd::Abort(id) => self.abort(id),
-            Cmd::Fault(PrefillFault::DisconnectTransport) => self.transport.fault_inject_disconnect(),
+            Cmd::Fault(PrefillFault::DisconnectTransport) => {
+                self.transport.fault_inject_disconnect()
+            }
         }
     }
 
@@ -461,7 +522,10 @@ pub enum PrefillStartError {
     #[error("handshake refused: {0}")]
     Handshake(String),
     #[error("cannot connect the KV transport to {addr}: {source}")]
-    Transport { addr: String, source: TransportError },
+    Transport {
+        addr: String,
+        source: TransportError,
+    },
     #[error("cannot start the prefill engine thread: {0}")]
     Thread(#[from] std::io::Error),
 }
@@ -469,7 +533,11 @@ pub enum PrefillStartError {
 impl PrefillHandle {
     /// Connect to the decode node (`decode_control` = `http://host:port`), run the handshake on
     /// both sides, connect the KV transport, and start the engine thread.
-    pub async fn start(engine: Engine, opts: PrefillOptions, decode_control: &str) -> Result<Self, PrefillStartError> {
+    pub async fn start(
+        engine: Engine,
+        opts: PrefillOptions,
+        decode_control: &str,
+    ) -> Result<Self, PrefillStartError> {
         let mut decode = DecodeClient::connect(decode_control.to_owned())
             .await
             .map_err(|source| PrefillStartError::Connect {
@@ -493,15 +561,19 @@ impl PrefillHandle {
             .map_err(|s| PrefillStartError::Handshake(s.message().to_owned()))?
             .into_inner();
         super::check_pair(&info, &decode_info).map_err(PrefillStartError::Handshake)?;
-        let addr: SocketAddr = decode_info
-            .transport_addr
-            .parse()
-            .map_err(|_| PrefillStartError::Handshake(format!("bad transport address {:?}", decode_info.transport_addr)))?;
-        let mut transport = TcpTransport::new(opts.node_id);
-        transport.connect(addr).map_err(|source| PrefillStartError::Transport {
-            addr: addr.to_string(),
-            source,
+        let addr: SocketAddr = decode_info.transport_addr.parse().map_err(|_| {
+            PrefillStartError::Handshake(format!(
+                "bad transport address {:?}",
+                decode_info.transport_addr
+            ))
         })?;
+        let mut transport = TcpTransport::new(opts.node_id);
+        transport
+            .connect(addr)
+            .map_err(|source| PrefillStartError::Transport {
+                addr: addr.to_string(),
+                source,
+            })?;
         let (tx, rx) = sync_channel(CMD_QUEUE);
         let node = Node {
             engine,
@@ -529,8 +601,12 @@ impl PrefillHandle {
     fn send(&self, cmd: Cmd) -> Result<(), Status> {
         match self.tx.try_send(cmd) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(Status::unavailable("prefill node command queue full")),
-            Err(TrySendError::Disconnected(_)) => Err(Status::unavailable("prefill engine stopped")),
+            Err(TrySendError::Full(_)) => {
+                Err(Status::unavailable("prefill node command queue full"))
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                Err(Status::unavailable("prefill engine stopped"))
+            }
         }
     }
 
@@ -548,7 +624,11 @@ impl PrefillHandle {
 
     /// Run one request through the pair. Tokens (the first from prefill, then decode's) are sent
     /// to `out` as they come; returns when the request ended.
-    pub async fn generate(&self, req: GenerateRequest, out: mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>) {
+    pub async fn generate(
+        &self,
+        req: GenerateRequest,
+        out: mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>,
+    ) {
         if let Err(s) = self.generate_inner(req, &out).await {
             let _ = out.send(Err(s));
         }
@@ -563,10 +643,23 @@ impl PrefillHandle {
         let original = req.clone();
         // 1. Admission on prefill (over-length: rejected here, nothing allocated anywhere).
         let (tx, rx) = oneshot::channel();
-        self.send(Cmd::Submit(req, tx))?;
-        let (id, _truncated) = rx.await.map_err(|_| Status::unavailable("prefill engine stopped"))??;
-        // 2. Reserve on decode, with the prompt as the client sent it (decode runs its own
-        //    admission). While it answers, prefill is already computing.
+        let (ptx, prx) = oneshot::channel();
+        self.send(Cmd::Submit(req, tx, ptx))?;
+        let (id, _truncated) = rx
+            .await
+            .map_err(|_| Status::unavailable("prefill engine stopped"))??;
+        // 2. Compute the prompt's KV. (Decode pages are reserved only after: they are held for
+        //    the transfer and the decode, not for prefill's queueing and compute.)
+        match prx.await {
+            Ok(Ok(_first)) => {}
+            Ok(Err(e)) => return Err(Status::aborted(format!("prefill failed: {e}"))),
+            Err(_) => {
+                let _ = self.send(Cmd::Abort(id));
+                return Err(Status::unavailable("prefill engine stopped"));
+            }
+        }
+        // 3. Reserve on decode, with the prompt as the client sent it (decode runs its own
+        //    admission).
         let mut decode = self.decode.clone();
         let reserve = proto::ReserveRequest {
             origin_request: id,
@@ -580,7 +673,10 @@ impl PrefillHandle {
         let res = loop {
             match decode.reserve(reserve.clone()).await {
                 Ok(r) => break r.into_inner(),
-                Err(s) if s.code() == tonic::Code::ResourceExhausted && t0.elapsed() < self.opts.reserve_wait => {
+                Err(s)
+                    if s.code() == tonic::Code::ResourceExhausted
+                        && t0.elapsed() < self.opts.reserve_wait =>
+                {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 Err(s) => {
@@ -590,10 +686,12 @@ impl PrefillHandle {
             }
         };
         let decode_id = res.request;
-        // 3. Transfer (prefill posts when the KV is ready); wait for every write to complete.
+        // 4. Transfer; wait for every write to complete.
         let (tx, rx) = oneshot::channel();
         if let Err(s) = self.send(Cmd::Attach(id, res, tx)) {
-            let _ = decode.abort(abort_req(decode_id, "prefill queue full")).await;
+            let _ = decode
+                .abort(abort_req(decode_id, "prefill queue full"))
+                .await;
             return Err(s);
         }
         let first = match rx.await {
@@ -603,14 +701,18 @@ impl PrefillHandle {
                 return Err(Status::unavailable(format!("KV transfer failed: {e}")));
             }
             Err(_) => {
-                let _ = decode.abort(abort_req(decode_id, "prefill engine stopped")).await;
+                let _ = decode
+                    .abort(abort_req(decode_id, "prefill engine stopped"))
+                    .await;
                 return Err(Status::unavailable("prefill engine stopped"));
             }
         };
-        // 4. The first token is prefill's. If it ends the request, decode never starts.
+        // 5. The first token is prefill's. If it ends the request, decode never starts.
         let stop = original.stop_ids.contains(&first);
         if stop || original.max_tokens <= 1 {
-            let _ = decode.abort(abort_req(decode_id, "finished at the first token")).await;
+            let _ = decode
+                .abort(abort_req(decode_id, "finished at the first token"))
+                .await;
             let _ = out.send(Ok(proto::TokenEvent {
                 finish_reason: if stop { "stop".into() } else { "length".into() },
                 prompt_tokens: original.prompt.len() as u32,
@@ -630,7 +732,7 @@ impl PrefillHandle {
             let _ = decode.abort(abort_req(decode_id, "client went away")).await;
             return Ok(());
         }
-        // 5. Hand off and relay.
+        // 6. Hand off and relay.
         let mut stream = decode
             .commit(proto::CommitRequest {
                 request: decode_id,
@@ -679,7 +781,10 @@ type TokenStream = Pin<Box<dyn Stream<Item = Result<proto::TokenEvent, Status>> 
 impl prefill_server::Prefill for PrefillService {
     type GenerateStream = TokenStream;
 
-    async fn generate(&self, r: Request<proto::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+    async fn generate(
+        &self,
+        r: Request<proto::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
         let g = r.into_inner();
         let req = GenerateRequest {
             prompt: g.prompt,
@@ -691,10 +796,15 @@ impl prefill_server::Prefill for PrefillService {
         let (tx, rx) = mpsc::unbounded_channel();
         let h = self.h.clone();
         tokio::spawn(async move { h.generate(req, tx).await });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        )))
     }
 
-    async fn info(&self, _r: Request<proto::InfoRequest>) -> Result<Response<proto::NodeInfo>, Status> {
+    async fn info(
+        &self,
+        _r: Request<proto::InfoRequest>,
+    ) -> Result<Response<proto::NodeInfo>, Status> {
         Ok(Response::new(self.h.info.clone()))
     }
 }

@@ -469,17 +469,19 @@ impl KvTransport for TcpTransport {
 
     fn poll_send(&mut self, out: &mut Vec<Wc>, max: usize) -> Result<usize, TransportError> {
         let mut n = 0;
-        self.init.retired.retain(|rx| loop {
-            if n >= max {
-                return true;
-            }
-            match rx.try_recv() {
-                Ok(wc) => {
-                    out.push(wc);
-                    n += 1;
+        self.init.retired.retain(|rx| {
+            loop {
+                if n >= max {
+                    return true;
                 }
-                Err(TryRecvError::Empty) => return true,
-                Err(TryRecvError::Disconnected) => return false,
+                match rx.try_recv() {
+                    Ok(wc) => {
+                        out.push(wc);
+                        n += 1;
+                    }
+                    Err(TryRecvError::Empty) => return true,
+                    Err(TryRecvError::Disconnected) => return false,
+                }
             }
         });
         let Some(rx) = &self.init.completions else {

@@ -105,48 +105,114 @@ fn disaggregated_greedy_output_equals_colocated_token_for_token() {
     let prompts = prompts();
     let n = 12;
     let mut colo = crate::engine_with(cfg(2048, 64));
-    let want: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&mut colo, p.clone(), n)).collect();
-    let nodes = start_pair(cfg(2048, 64), cfg(2048, 64), UnsafeReproduction::default(), Duration::from_secs(30));
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| greedy(&mut colo, p.clone(), n))
+        .collect();
+    let nodes = start_pair(
+        cfg(2048, 64),
+        cfg(2048, 64),
+        UnsafeReproduction::default(),
+        Duration::from_secs(30),
+    );
     // One at a time, then all concurrently.
     for (p, w) in prompts.iter().zip(&want) {
-        let got = nodes.pair.generate(&req("tenant-a", p.clone(), n)).expect("generate");
-        assert_eq!(&got.tokens, w, "disaggregated output differs for prompt {p:?}");
+        let got = nodes
+            .pair
+            .generate(&req("tenant-a", p.clone(), n))
+            .expect("generate");
+        assert_eq!(
+            &got.tokens, w,
+            "disaggregated output differs for prompt {p:?}"
+        );
         assert_eq!(got.finish_reason, "length");
     }
-    let reqs: Vec<_> = prompts.iter().map(|p| req("tenant-b", p.clone(), n)).collect();
+    let reqs: Vec<_> = prompts
+        .iter()
+        .map(|p| req("tenant-b", p.clone(), n))
+        .collect();
     for (got, w) in nodes.pair.generate_many(&reqs).into_iter().zip(&want) {
-        assert_eq!(&got.expect("generate").tokens, w, "concurrent disaggregated output differs");
+        assert_eq!(
+            &got.expect("generate").tokens,
+            w,
+            "concurrent disaggregated output differs"
+        );
     }
     // Every transfer was checked and recorded on both sides.
     let d = nodes.decode_audit.events.lock().expect("lock").clone();
     let p = nodes.prefill_audit.events.lock().expect("lock").clone();
-    let verified = d.iter().filter(|e| matches!(e, AEv::Transfer { outcome, .. } if outcome == "verified")).count();
-    let completed = p.iter().filter(|e| matches!(e, AEv::Transfer { outcome, .. } if outcome == "completed")).count();
+    let verified = d
+        .iter()
+        .filter(|e| matches!(e, AEv::Transfer { outcome, .. } if outcome == "verified"))
+        .count();
+    let completed = p
+        .iter()
+        .filter(|e| matches!(e, AEv::Transfer { outcome, .. } if outcome == "completed"))
+        .count();
     let pages: usize = prompts.iter().map(|p| p.len().div_ceil(16)).sum::<usize>() * 2;
     assert_eq!((verified, completed), (pages, pages));
-    assert!(d.iter().any(|e| matches!(e, AEv::Page { kind: PageKind::Write { writer: Writer::Transfer, .. }, .. })));
+    assert!(d.iter().any(|e| matches!(
+        e,
+        AEv::Page {
+            kind: PageKind::Write {
+                writer: Writer::Transfer,
+                ..
+            },
+            ..
+        }
+    )));
     // Nothing leaked on either node.
     let ds = nodes.pair.decode.stats_blocking().expect("stats");
-    assert_eq!((ds.free_pages, ds.quarantined_pages, ds.live_requests), (ds.pool_pages, 0, 0), "{ds:?}");
+    assert_eq!(
+        (ds.free_pages, ds.quarantined_pages, ds.live_requests),
+        (ds.pool_pages, 0, 0),
+        "{ds:?}"
+    );
     let ps = nodes.pair.prefill.stats_blocking().expect("stats");
-    assert_eq!((ps.free_pages, ps.live_requests), (ps.pool_pages, 0), "{ps:?}");
+    assert_eq!(
+        (ps.free_pages, ps.live_requests),
+        (ps.pool_pages, 0),
+        "{ps:?}"
+    );
 }
 
-
-
 #[test]
-fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transferred_on_either_node() {
+fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transferred_on_either_node()
+{
     use custody_runtime::disagg::proto::{ReserveRequest, decode_client::DecodeClient};
-    let nodes = start_pair(cfg(1024, 32), cfg(1024, 32), UnsafeReproduction::default(), Duration::from_secs(30));
+    let nodes = start_pair(
+        cfg(1024, 32),
+        cfg(1024, 32),
+        UnsafeReproduction::default(),
+        Duration::from_secs(30),
+    );
     let err = nodes
         .pair
         .generate(&req("tenant-x", vec![42; 1100], 8))
         .expect_err("over-length must be refused");
-    assert_eq!(err.code(), custody_runtime::disagg::tonic::Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("exceeds the context length of 1024"), "{}", err.message());
+    assert_eq!(
+        err.code(),
+        custody_runtime::disagg::tonic::Code::InvalidArgument,
+        "{err:?}"
+    );
+    assert!(
+        err.message().contains("exceeds the context length of 1024"),
+        "{}",
+        err.message()
+    );
     // The prefill node recorded the rejection and nothing else for it; decode never heard of it.
     let p = nodes.prefill_audit.events.lock().expect("lock").clone();
-    assert!(matches!(&p[..], [AEv::Request { kind: custody_audit::RequestKind::Rejected { .. }, prompt_tokens: 1100, .. }]), "{p:?}");
+    assert!(
+        matches!(
+            &p[..],
+            [AEv::Request {
+                kind: custody_audit::RequestKind::Rejected { .. },
+                prompt_tokens: 1100,
+                ..
+            }]
+        ),
+        "{p:?}"
+    );
     assert!(nodes.decode_audit.events.lock().expect("lock").is_empty());
     // Decode's own admission refuses it too (defence in depth, if a buggy prefill asked).
     let addr = format!("http://{}", nodes.pair.decode_addr);
@@ -166,10 +232,25 @@ fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transfer
             .await
         })
         .expect_err("decode refuses too");
-    assert_eq!(st.code(), custody_runtime::disagg::tonic::Code::InvalidArgument);
+    assert_eq!(
+        st.code(),
+        custody_runtime::disagg::tonic::Code::InvalidArgument
+    );
     let d = nodes.decode_audit.events.lock().expect("lock").clone();
-    assert!(matches!(&d[..], [AEv::Request { kind: custody_audit::RequestKind::Rejected { .. }, .. }]), "{d:?}");
-    assert!(!d.iter().any(|e| matches!(e, AEv::Page { .. } | AEv::Transfer { .. })));
+    assert!(
+        matches!(
+            &d[..],
+            [AEv::Request {
+                kind: custody_audit::RequestKind::Rejected { .. },
+                ..
+            }]
+        ),
+        "{d:?}"
+    );
+    assert!(
+        !d.iter()
+            .any(|e| matches!(e, AEv::Page { .. } | AEv::Transfer { .. }))
+    );
     let ds = nodes.pair.decode.stats_blocking().expect("stats");
     assert_eq!(ds.free_pages, ds.pool_pages);
 }
@@ -218,20 +299,43 @@ fn audit_foreign_slots(events: &[AEv], reader: u64) -> (usize, usize) {
     let (mut foreign, mut unchecked) = (0, 0);
     for e in events {
         match e {
-            AEv::Request { request, tenant, .. } => {
+            AEv::Request {
+                request, tenant, ..
+            } => {
                 tenant_of_req.insert(*request, tenant.to_string());
             }
-            AEv::Page { tenant, page, kind: PageKind::Write { slot_start, slot_end, .. }, .. } => {
+            AEv::Page {
+                tenant,
+                page,
+                kind:
+                    PageKind::Write {
+                        slot_start,
+                        slot_end,
+                        ..
+                    },
+                ..
+            } => {
                 for s in *slot_start..*slot_end {
                     last_write.insert((*page, s), tenant.to_string());
                 }
             }
-            AEv::Read { request, tenant, page, slot_start, slot_end, verified, .. } if *request == reader => {
+            AEv::Read {
+                request,
+                tenant,
+                page,
+                slot_start,
+                slot_end,
+                verified,
+                ..
+            } if *request == reader => {
                 if !verified {
                     unchecked += 1;
                 }
                 for s in *slot_start..*slot_end {
-                    if last_write.get(&(*page, s)).is_some_and(|t| t.as_str() != &**tenant) {
+                    if last_write
+                        .get(&(*page, s))
+                        .is_some_and(|t| t.as_str() != &**tenant)
+                    {
                         foreign += 1;
                     }
                 }
@@ -243,7 +347,13 @@ fn audit_foreign_slots(events: &[AEv], reader: u64) -> (usize, usize) {
 }
 
 /// Layer-0 K rows (all KV heads) of slots `0..n` of a block table, from raw page bytes.
-fn k_rows(pages: &[Vec<u8>], n: usize, page_size: usize, heads: usize, head_dim: usize) -> Vec<Vec<u8>> {
+fn k_rows(
+    pages: &[Vec<u8>],
+    n: usize,
+    page_size: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Vec<Vec<u8>> {
     (0..n)
         .map(|t| {
             let (p, s) = (t / page_size, t % page_size);
@@ -258,7 +368,8 @@ fn k_rows(pages: &[Vec<u8>], n: usize, page_size: usize, heads: usize, head_dim:
 }
 
 #[test]
-fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_agree_on_the_leak() {
+fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_agree_on_the_leak()
+{
     let (pc, dc) = incident_cfgs();
     // Protections on, the incident's pools do not even start.
     assert!(matches!(
@@ -268,7 +379,10 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
     let nodes = start_pair(pc, dc, all_unsafe(), Duration::from_secs(30));
     // Tenant A fills the decode pool with confidential prompts (concurrently: spread over pages).
     let a_prompts = tenant_a_prompts();
-    let a_reqs: Vec<_> = a_prompts.iter().map(|p| req("tenant-a", p.clone(), 8)).collect();
+    let a_reqs: Vec<_> = a_prompts
+        .iter()
+        .map(|p| req("tenant-a", p.clone(), 8))
+        .collect();
     let a_out: Vec<Vec<u32>> = nodes
         .pair
         .generate_many(&a_reqs)
@@ -287,16 +401,27 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
     let b_id = events
         .iter()
         .find_map(|e| match e {
-            AEv::Request { request, tenant, kind: custody_audit::RequestKind::Admitted, .. } if &**tenant == "tenant-b" => Some(*request),
+            AEv::Request {
+                request,
+                tenant,
+                kind: custody_audit::RequestKind::Admitted,
+                ..
+            } if &**tenant == "tenant-b" => Some(*request),
             _ => None,
         })
         .expect("B admitted on decode");
     // The audit log shows it: B's reads were unchecked and covered slots last written for A.
     let (foreign_audit, unchecked) = audit_foreign_slots(&events, b_id);
     assert!(unchecked > 0, "B's reads are recorded as unchecked");
-    assert!(foreign_audit > 100, "the audit log must show B attending A's slots (got {foreign_audit})");
+    assert!(
+        foreign_audit > 100,
+        "the audit log must show B attending A's slots (got {foreign_audit})"
+    );
     // Only one page (1 slot) was transferred for B.
-    let b_transfers = events.iter().filter(|e| matches!(e, AEv::Transfer { request, .. } if *request == b_id)).count();
+    let b_transfers = events
+        .iter()
+        .filter(|e| matches!(e, AEv::Transfer { request, .. } if *request == b_id))
+        .count();
     assert_eq!(b_transfers, 1);
 
     // The oracle: independent of the engine's record, compare the bytes B attended (raw decode
@@ -304,17 +429,28 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
     let b_pages: Vec<u32> = events
         .iter()
         .filter_map(|e| match e {
-            AEv::Page { request, page, kind: PageKind::Alloc, .. } if *request == b_id => Some(*page),
+            AEv::Page {
+                request,
+                page,
+                kind: PageKind::Alloc,
+                ..
+            } if *request == b_id => Some(*page),
             _ => None,
         })
         .collect();
     let cfgm = model().config.clone();
     let (heads, hd, ps) = (cfgm.n_kv_heads, cfgm.head_dim, 16);
-    let b_bytes = nodes.pair.decode.inspect_layer0_k_blocking(b_pages).expect("inspect");
+    let b_bytes = nodes
+        .pair
+        .decode
+        .inspect_layer0_k_blocking(b_pages)
+        .expect("inspect");
     let b_rows = k_rows(&b_bytes, b_prompt.len(), ps, heads, hd);
     let mut dict: HashMap<Vec<u8>, usize> = HashMap::new();
     let sink = MemorySink::default();
-    let mut colo = Engine::new(model(), cfg(1024, 32)).expect("colocated").with_audit(Arc::new(sink.clone()));
+    let mut colo = Engine::new(model(), cfg(1024, 32))
+        .expect("colocated")
+        .with_audit(Arc::new(sink.clone()));
     for (k, (p, out)) in a_prompts.iter().zip(&a_out).enumerate() {
         let mut toks = p.clone();
         toks.extend_from_slice(&out[..out.len() - 1]);
@@ -326,7 +462,11 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
             .expect("lock")
             .iter()
             .filter_map(|e| match e {
-                AEv::Page { page, kind: PageKind::Alloc, .. } => Some(*page),
+                AEv::Page {
+                    page,
+                    kind: PageKind::Alloc,
+                    ..
+                } => Some(*page),
                 _ => None,
             })
             .collect();
@@ -335,17 +475,32 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
             .iter()
             .map(|&pg| {
                 let r = g.offset(pg as usize, 0, 0)..g.offset(pg as usize + 1, 0, 0);
-                colo.pool().k_cache(0)[r].iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+                colo.pool().k_cache(0)[r]
+                    .iter()
+                    .flat_map(|x| x.to_bits().to_le_bytes())
+                    .collect()
             })
             .collect();
         for row in k_rows(&raw, toks.len(), ps, heads, hd) {
             dict.insert(row, k);
         }
     }
-    let foreign_oracle = b_rows.iter().skip(1).filter(|r| dict.contains_key(*r)).count();
-    eprintln!("incident: tenant B attended {foreign_oracle} slots of tenant A's KV (oracle), audit log says {foreign_audit}");
-    assert!(foreign_oracle > 100, "B must have attended A's KV (oracle found {foreign_oracle})");
-    assert_eq!(foreign_oracle, foreign_audit, "the audit log and the independent oracle must agree slot for slot");
+    let foreign_oracle = b_rows
+        .iter()
+        .skip(1)
+        .filter(|r| dict.contains_key(*r))
+        .count();
+    eprintln!(
+        "incident: tenant B attended {foreign_oracle} slots of tenant A's KV (oracle), audit log says {foreign_audit}"
+    );
+    assert!(
+        foreign_oracle > 100,
+        "B must have attended A's KV (oracle found {foreign_oracle})"
+    );
+    assert_eq!(
+        foreign_oracle, foreign_audit,
+        "the audit log and the independent oracle must agree slot for slot"
+    );
 }
 
 /// Slots each decode request read that were, per the audit log, last written by another
@@ -355,12 +510,29 @@ fn audit_stale_slots(events: &[AEv]) -> (usize, usize) {
     let (mut stale, mut unchecked) = (0, 0);
     for e in events {
         match e {
-            AEv::Page { request, page, kind: PageKind::Write { slot_start, slot_end, .. }, .. } => {
+            AEv::Page {
+                request,
+                page,
+                kind:
+                    PageKind::Write {
+                        slot_start,
+                        slot_end,
+                        ..
+                    },
+                ..
+            } => {
                 for s in *slot_start..*slot_end {
                     last_write.insert((*page, s), *request);
                 }
             }
-            AEv::Read { request, page, slot_start, slot_end, verified, .. } => {
+            AEv::Read {
+                request,
+                page,
+                slot_start,
+                slot_end,
+                verified,
+                ..
+            } => {
                 unchecked += usize::from(!verified);
                 for s in *slot_start..*slot_end {
                     if last_write.get(&(*page, s)) != Some(request) {
@@ -382,7 +554,12 @@ fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_l
     use custody_runtime::sampling::Rng;
 
     let lease = Duration::from_millis(800);
-    let nodes = start_pair(cfg(1024, 24), cfg(1024, 24), UnsafeReproduction::default(), lease);
+    let nodes = start_pair(
+        cfg(1024, 24),
+        cfg(1024, 24),
+        UnsafeReproduction::default(),
+        lease,
+    );
     let tok = tokenizer();
     let texts = [
         "Hello, my name is",
@@ -392,10 +569,16 @@ fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_l
         "The best way to learn Rust is",
         "Paris is the capital of",
     ];
-    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).expect("encode")).collect();
+    let prompts: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| tok.encode(t, true).expect("encode"))
+        .collect();
     let n_tok = 4;
     let mut colo = crate::engine_with(cfg(1024, 24));
-    let want: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&mut colo, p.clone(), n_tok)).collect();
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| greedy(&mut colo, p.clone(), n_tok))
+        .collect();
 
     let mut rng = Rng::new(0xC057_0D1E);
     let (mut ok, mut failed, mut aborted, mut total) = (0usize, 0usize, 0usize, 0usize);
@@ -406,15 +589,25 @@ fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_l
         let mut tasks = Vec::new();
         match fault {
             0 => {
-                nodes.pair.decode.fault_inject(DecodeFault::CorruptNextPayload);
+                nodes
+                    .pair
+                    .decode
+                    .fault_inject(DecodeFault::CorruptNextPayload);
                 *fault_counts.entry("corrupt").or_default() += 1;
             }
             1 => {
-                nodes.pair.decode.fault_inject(DecodeFault::HoldNextReservation);
+                nodes
+                    .pair
+                    .decode
+                    .fault_inject(DecodeFault::HoldNextReservation);
                 *fault_counts.entry("late_writes").or_default() += 1;
                 // After the lease expired (key invalidated, pages freed), another request takes
                 // the pages; then the held writes arrive.
-                let (decode, mut client, p) = (nodes.pair.decode.clone(), nodes.pair.client(), prompts[0].clone());
+                let (decode, mut client, p) = (
+                    nodes.pair.decode.clone(),
+                    nodes.pair.client(),
+                    prompts[0].clone(),
+                );
                 let want0 = want[0].clone();
                 tasks.push(rt.spawn(async move {
                     tokio::time::sleep(lease + Duration::from_millis(300)).await;
@@ -422,9 +615,14 @@ fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_l
                     let late = tokio::spawn(async move { collect(&mut client, &r).await });
                     tokio::time::sleep(Duration::from_millis(30)).await;
                     decode.fault_inject(DecodeFault::ReleaseHeld);
-                    let got = late.await.map_err(|e| custody_runtime::disagg::tonic::Status::internal(e.to_string()))?;
+                    let got = late.await.map_err(|e| {
+                        custody_runtime::disagg::tonic::Status::internal(e.to_string())
+                    })?;
                     if let Ok(g) = &got {
-                        assert_eq!(g.tokens, want0, "a request on reallocated pages saw late writes");
+                        assert_eq!(
+                            g.tokens, want0,
+                            "a request on reallocated pages saw late writes"
+                        );
                     }
                     got.map(Some)
                 }));
@@ -444,7 +642,8 @@ fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_l
             let tenant = if k % 2 == 0 { "tenant-a" } else { "tenant-b" };
             let r = req(tenant, prompts[k].clone(), n_tok);
             let mut client = nodes.pair.client();
-            let abort_after = (rng.next_u64() % 5 == 0).then(|| Duration::from_millis(rng.next_u64() % 120));
+            let abort_after =
+                (rng.next_u64() % 5 == 0).then(|| Duration::from_millis(rng.next_u64() % 120));
             let w = want[k].clone();
             tasks.push(rt.spawn(async move {
                 let fut = collect(&mut client, &r);
@@ -474,7 +673,9 @@ fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_l
             }
         }
     }
-    eprintln!("fault injection: {total} requests: {ok} served exactly, {failed} clean errors, {aborted} aborted by the client; faults {fault_counts:?}");
+    eprintln!(
+        "fault injection: {total} requests: {ok} served exactly, {failed} clean errors, {aborted} aborted by the client; faults {fault_counts:?}"
+    );
     assert!(total >= 500);
     assert!(ok > total / 2, "most requests are served");
     // No page leaked: wait for leases and quarantines to settle.
@@ -492,20 +693,35 @@ fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_l
             eprintln!("settled: {ds:?} {ps:?}");
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(20), "pages leaked: {ds:?} {ps:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "pages leaked: {ds:?} {ps:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     // Zero stale reads per the audit log; every read was tag-verified.
     let events = nodes.decode_audit.events.lock().expect("lock").clone();
     let (stale, unchecked) = audit_stale_slots(&events);
     assert_eq!((stale, unchecked), (0, 0));
-    let verify_failures = events.iter().filter(|e| matches!(e, AEv::Transfer { outcome, .. } if outcome.starts_with("rejected"))).count();
+    let verify_failures = events
+        .iter()
+        .filter(|e| matches!(e, AEv::Transfer { outcome, .. } if outcome.starts_with("rejected")))
+        .count();
     let ds = nodes.pair.decode.stats_blocking().expect("stats");
-    eprintln!("decode: {} transfers rejected at verification, {} late/invalid-key writes refused, {} leases expired", verify_failures, ds.transport.rejected_writes, ds.leases_expired);
+    eprintln!(
+        "decode: {} transfers rejected at verification, {} late/invalid-key writes refused, {} leases expired",
+        verify_failures, ds.transport.rejected_writes, ds.leases_expired
+    );
     if fault_counts.contains_key("corrupt") {
-        assert!(verify_failures > 0, "corruption in flight must be caught by the checksum");
+        assert!(
+            verify_failures > 0,
+            "corruption in flight must be caught by the checksum"
+        );
     }
     if fault_counts.contains_key("late_writes") {
-        assert!(ds.transport.rejected_writes > 0 && ds.leases_expired > 0, "late writes must be refused: {ds:?}");
+        assert!(
+            ds.transport.rejected_writes > 0 && ds.leases_expired > 0,
+            "late writes must be refused: {ds:?}"
+        );
     }
 }

@@ -2,9 +2,10 @@
 
 mod audit;
 mod disagg;
-mod model_check;
 mod gguf_corruption;
 mod integrity;
+mod model_check;
+mod netns;
 mod reference;
 mod scheduler;
 
