@@ -171,7 +171,10 @@ impl PagePool {
         let lb = self.page_layer_bytes();
         let rel = offset - TRANSFER_HDR_BYTES;
         let (chunk, within) = (rel / lb, rel % lb);
-        if chunk >= 2 * self.n_layers() || within + bytes.len() > lb || bytes.len() % 2 != 0 {
+        if chunk >= 2 * self.n_layers()
+            || within + bytes.len() > lb
+            || !bytes.len().is_multiple_of(2)
+        {
             return Err(LandError(format!(
                 "write of {} B at page offset {offset} straddles a chunk",
                 bytes.len()

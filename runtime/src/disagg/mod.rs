@@ -18,6 +18,7 @@
 //! 5. Prefill, once every write completed, releases its own pages and sends `Commit` with the
 //!    first token; decode invalidates the key (no write can land after this) and decodes
 //!    (`Decoding`), streaming tokens back through prefill to the client.
+//!
 //! Any failure or abort ends the request: decode quarantines its pages, invalidates the key, and
 //! only then frees them (safety property 2).
 
@@ -58,6 +59,7 @@ pub fn transfer_id(origin: u64, idx: usize) -> u64 {
 }
 
 /// What a node states about itself in the handshake.
+#[allow(clippy::too_many_arguments)]
 pub fn node_info(
     model: &Model,
     fingerprint: &str,

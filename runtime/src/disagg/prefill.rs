@@ -85,7 +85,9 @@ struct PReq {
     done: Option<oneshot::Sender<TransferResult>>,
     outstanding: usize,
     failed: Option<String>,
-    /// In-band headers: their memory must live until the writes complete.
+    /// In-band headers: their memory must live, at a fixed address, until the writes complete
+    /// (boxed: a NIC reads them asynchronously, and the Vec may grow).
+    #[allow(clippy::vec_box)]
     headers: Vec<Box<[u8; crate::kv::TRANSFER_HDR_BYTES]>>,
     /// (src page, generation, bytes, checksum) per transferred page, for the audit rows.
     sent: Vec<(u32, u32, u64, u64)>,
@@ -113,18 +115,17 @@ impl Node {
         // records the rejection itself.
         if self.opts.unsafe_.truncate_overlength
             && let Err(e) = self.engine.check(&req, true)
+            && e.is_over_length()
         {
-            if e.is_over_length() {
-                // UNSAFE (incident reproduction): the legacy "rejection" — swap the prompt for a
-                // one-token placeholder and let the request flow on.
-                tracing::error!(
-                    prompt_tokens = req.prompt.len(),
-                    error = %e,
-                    "UNSAFE REPRODUCTION: over-length prompt truncated to 1 token instead of rejected"
-                );
-                req.prompt.truncate(1);
-                truncated = true;
-            }
+            // UNSAFE (incident reproduction): the legacy "rejection" — swap the prompt for a
+            // one-token placeholder and let the request flow on.
+            tracing::error!(
+                prompt_tokens = req.prompt.len(),
+                error = %e,
+                "UNSAFE REPRODUCTION: over-length prompt truncated to 1 token instead of rejected"
+            );
+            req.prompt.truncate(1);
+            truncated = true;
         }
         let tenant: Arc<str> = req.tenant.as_str().into();
         let id = self

@@ -18,6 +18,8 @@
 
 pub mod abi;
 pub mod tcp;
+#[cfg(feature = "rdma")]
+pub mod verbs;
 
 use abi::{SendWr, Wc};
 

@@ -639,11 +639,17 @@ fn faults_at_every_protocol_state_over_500_requests_leave_no_stale_read_and_no_l
         }
         for _ in 0..10 {
             let k = (rng.next_u64() % prompts.len() as u64) as usize;
-            let tenant = if k % 2 == 0 { "tenant-a" } else { "tenant-b" };
+            let tenant = if k.is_multiple_of(2) {
+                "tenant-a"
+            } else {
+                "tenant-b"
+            };
             let r = req(tenant, prompts[k].clone(), n_tok);
             let mut client = nodes.pair.client();
-            let abort_after =
-                (rng.next_u64() % 5 == 0).then(|| Duration::from_millis(rng.next_u64() % 120));
+            let abort_after = rng
+                .next_u64()
+                .is_multiple_of(5)
+                .then(|| Duration::from_millis(rng.next_u64() % 120));
             let w = want[k].clone();
             tasks.push(rt.spawn(async move {
                 let fut = collect(&mut client, &r);

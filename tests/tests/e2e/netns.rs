@@ -198,7 +198,11 @@ const N_TOK: usize = 6;
 
 fn request(k: usize, p: &[Vec<u32>]) -> GenerateRequest {
     req(
-        if k % 2 == 0 { "tenant-a" } else { "tenant-b" },
+        if k.is_multiple_of(2) {
+            "tenant-a"
+        } else {
+            "tenant-b"
+        },
         p[k % p.len()].clone(),
         N_TOK,
     )
