@@ -309,3 +309,171 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
         Ok(())
     })
 }
+
+#[derive(Args, Debug)]
+pub(crate) struct BenchDisaggArgs {
+    /// GGUF model; default: the embedded one.
+    #[arg(long)]
+    model: Option<std::path::PathBuf>,
+    /// Pages per transfer repetition.
+    #[arg(long, default_value_t = 256)]
+    pages: usize,
+    /// Repetitions (medians reported); colocated and disaggregated runs alternate.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    gen_tokens: usize,
+    /// Requests per release-fill measurement.
+    #[arg(long, default_value_t = 8)]
+    fill_requests: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
+    use custody_runtime::disagg::bench::transfer_bench;
+    use custody_runtime::disagg::client::{Pair, PairOptions};
+    use custody_runtime::engine::Event;
+    use custody_runtime::kv::ReleaseFill;
+    let path = a
+        .model
+        .clone()
+        .unwrap_or_else(custody_runtime::config::default_model_path);
+    let load = || Model::load(&path).with_context(|| format!("loading {}", path.display()));
+    let model = load()?;
+    let fingerprint = model.gguf().sha256_hex();
+    let (geom, layers) = (model.page_geometry(16), model.config.n_layers);
+    let vocab = model.config.vocab_size as u32;
+    println!("# custody bench-disagg (reps {}, medians)", a.reps);
+
+    let t = transfer_bench(geom, layers, a.pages, a.reps);
+    println!(
+        "transfer {} pages ({:.1} MiB): memcpy {:.2} GB/s | tcp loopback {:.2} GB/s = {:.2}x memcpy | tcp + checksum (both ends) {:.2} GB/s = {:.2}x memcpy | checksum alone {:.2} GB/s",
+        a.pages,
+        t.bytes as f64 / (1 << 20) as f64,
+        t.gbps(t.memcpy_s),
+        t.gbps(t.transfer_s),
+        t.memcpy_s / t.transfer_s,
+        t.gbps(t.transfer_checksum_s),
+        t.memcpy_s / t.transfer_checksum_s,
+        t.gbps(t.checksum_only_s),
+    );
+
+    // Colocated vs disaggregated, same prompt, alternating.
+    let ecfg = custody_runtime::EngineConfig {
+        context_length: Some(2048),
+        kv_budget_mib: 96,
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = (0..a.prompt_tokens as u32)
+        .map(|i| 100 + (i * 7919) % (vocab - 200))
+        .collect();
+    let req = custody_runtime::GenerateRequest {
+        prompt: prompt.clone(),
+        max_tokens: a.gen_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+        tenant: "bench".into(),
+    };
+    let mut colo = Engine::new(load()?, ecfg.clone())?;
+    let opts = PairOptions {
+        prefill: PrefillOptions {
+            node_id: 1,
+            unsafe_: UnsafeReproduction::default(),
+            fingerprint: fingerprint.clone(),
+            reserve_wait: Duration::from_secs(30),
+        },
+        decode: DecodeOptions {
+            node_id: 2,
+            transport_listen: "127.0.0.1:0".parse()?,
+            checksum: true,
+            reservation_lease: Duration::from_secs(30),
+            unsafe_: UnsafeReproduction::default(),
+            fingerprint,
+        },
+    };
+    let pair = Pair::start(
+        Engine::new(load()?, ecfg.clone())?,
+        Engine::new(load()?, ecfg.clone())?,
+        opts,
+    )?;
+    let colocated = |e: &mut Engine| -> Result<(f64, f64)> {
+        let id = e.submit(req.clone())?;
+        let t0 = Instant::now();
+        let (mut ttft, mut n) = (None, 0usize);
+        while e.has_work() {
+            for ev in e.step() {
+                if let Event::Token { id: r, .. } = ev
+                    && r == id
+                {
+                    ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                    n += 1;
+                }
+            }
+        }
+        let total = t0.elapsed().as_secs_f64();
+        let ttft = ttft.unwrap_or(total);
+        Ok((ttft, (n.saturating_sub(1)) as f64 / (total - ttft)))
+    };
+    let (mut c_ttft, mut c_tps, mut d_ttft, mut d_tps) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..a.reps {
+        let (t, r) = colocated(&mut colo)?;
+        c_ttft.push(t);
+        c_tps.push(r);
+        let g = pair
+            .generate(&req)
+            .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+        d_ttft.push(g.ttft.as_secs_f64());
+        d_tps.push((g.tokens.len() - 1) as f64 / (g.total - g.ttft).as_secs_f64());
+    }
+    let (ct, cr, dt, dr) = (median(c_ttft), median(c_tps), median(d_ttft), median(d_tps));
+    println!(
+        "prompt {} tokens, {} generated: time to first token colocated {:.1} ms, disaggregated {:.1} ms ({:.2}x) | decode colocated {:.1} tok/s, disaggregated {:.1} tok/s ({:.2}x)",
+        a.prompt_tokens,
+        a.gen_tokens,
+        ct * 1e3,
+        dt * 1e3,
+        dt / ct,
+        cr,
+        dr,
+        dr / cr
+    );
+    drop(pair);
+
+    // Release fill: whole requests with fill none / zero / canary, alternating.
+    let short = custody_runtime::GenerateRequest {
+        max_tokens: 8,
+        ..req.clone()
+    };
+    let mut times: [Vec<f64>; 3] = [vec![], vec![], vec![]];
+    for _ in 0..a.reps {
+        for (i, fill) in [ReleaseFill::None, ReleaseFill::Zero, ReleaseFill::Canary]
+            .into_iter()
+            .enumerate()
+        {
+            colo.pool_mut().set_release_fill(fill);
+            let t0 = Instant::now();
+            for _ in 0..a.fill_requests {
+                colo.submit(short.clone())?;
+            }
+            while colo.has_work() {
+                colo.step();
+            }
+            times[i].push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let [none, zero, canary] = times.map(median);
+    println!(
+        "release fill ({} requests of {} + 8 tokens): zero-on-release {:+.2}% time, canary fill {:+.2}% time (vs no fill)",
+        a.fill_requests,
+        a.prompt_tokens,
+        (zero / none - 1.0) * 100.0,
+        (canary / none - 1.0) * 100.0
+    );
+    Ok(())
+}

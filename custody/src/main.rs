@@ -42,6 +42,10 @@ enum Cmd {
     /// Run a decode node: reserves pages for prefilled requests, verifies every transferred page
     /// (in-band tag and checksum) before reading it, and generates. See configs/disagg-decode.toml.
     Decode(disagg_cmd::RoleArgs),
+    /// Benchmark the disaggregated path, each figure against a reference in the same run: KV
+    /// transfer on loopback vs memcpy (with and without checksum), time to first token and decode
+    /// tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
+    BenchDisagg(disagg_cmd::BenchDisaggArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -190,6 +194,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Audit(a) => audit_cmd(a),
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),
+        Cmd::BenchDisagg(a) => disagg_cmd::bench_disagg(a),
     }
 }
 

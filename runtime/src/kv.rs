@@ -170,24 +170,31 @@ impl PagePool {
         }
         let lb = self.page_layer_bytes();
         let rel = offset - TRANSFER_HDR_BYTES;
-        let (chunk, within) = (rel / lb, rel % lb);
-        if chunk >= 2 * self.n_layers()
-            || within + bytes.len() > lb
+        if rel + bytes.len() > 2 * self.n_layers() * lb
             || !bytes.len().is_multiple_of(2)
+            || !rel.is_multiple_of(2)
         {
             return Err(LandError(format!(
-                "write of {} B at page offset {offset} straddles a chunk",
+                "write of {} B at page offset {offset} is outside the page or misaligned",
                 bytes.len()
             )));
         }
-        let (layer, kv) = (chunk / 2, chunk % 2);
-        let cache = if kv == 0 {
-            &mut self.k[layer]
-        } else {
-            &mut self.v[layer]
-        };
-        let base = self.geom.offset(p, 0, 0) * 2 + within;
-        f16_bytes_mut(cache)[base..base + bytes.len()].copy_from_slice(bytes);
+        // A gathered write may span several layers' K/V chunks: split it at chunk boundaries.
+        let base = self.geom.offset(p, 0, 0) * 2;
+        let (mut pos, mut rest) = (rel, bytes);
+        while !rest.is_empty() {
+            let (chunk, within) = (pos / lb, pos % lb);
+            let n = (lb - within).min(rest.len());
+            let (layer, kv) = (chunk / 2, chunk % 2);
+            let cache = if kv == 0 {
+                &mut self.k[layer]
+            } else {
+                &mut self.v[layer]
+            };
+            f16_bytes_mut(cache)[base + within..base + within + n].copy_from_slice(&rest[..n]);
+            rest = &rest[n..];
+            pos += n;
+        }
         Ok(())
     }
 

@@ -22,6 +22,7 @@
 //! Any failure or abort ends the request: decode quarantines its pages, invalidates the key, and
 //! only then frees them (safety property 2).
 
+pub mod bench;
 pub mod client;
 pub mod decode;
 pub mod prefill;
@@ -215,4 +216,67 @@ mod tests {
             (MAX_RESERVATIONS - 1, 0)
         );
     }
+}
+
+/// Scatter/gather entries per work request (what common RDMA NICs accept: mlx5's RC limit).
+pub const MAX_SGE: usize = 30;
+
+/// The work requests that write `slots` slots of `page` (from `pool`) into page `idx` of a
+/// remote region, then its in-band `header` with immediate data `imm`: chunks that are
+/// contiguous in the remote layout are gathered into one request (up to [`MAX_SGE`] entries),
+/// so a full page is a few large writes instead of one per layer.
+///
+/// Returns the SGE storage and the chain (linked through `next`; post `&chain[0]`). Both must
+/// stay alive and unmoved until the post returns; the bytes they point to until completion.
+pub fn page_write_chain(
+    pool: &crate::kv::PagePool,
+    page: u32,
+    slots: usize,
+    page_base: u64,
+    rkey: u32,
+    wr_id: u64,
+    imm: u32,
+    header: &[u8],
+) -> (
+    Vec<crate::transport::abi::Sge>,
+    Vec<crate::transport::abi::SendWr>,
+) {
+    use crate::transport::abi::{SendWr, Sge};
+    let mut sges: Vec<Sge> = Vec::new();
+    // (remote offset, first sge, n sges) per work request.
+    let mut groups: Vec<(u64, usize, usize)> = Vec::new();
+    let mut next_off = u64::MAX;
+    pool.for_each_transfer_chunk(page, slots, |off, b| {
+        let off = off as u64;
+        match groups.last_mut() {
+            Some(g) if off == next_off && g.2 < MAX_SGE => g.2 += 1,
+            _ => groups.push((off, sges.len(), 1)),
+        }
+        sges.push(Sge {
+            addr: b.as_ptr() as u64,
+            length: b.len() as u32,
+            lkey: 0,
+        });
+        next_off = off + b.len() as u64;
+    });
+    sges.push(Sge {
+        addr: header.as_ptr() as u64,
+        length: header.len() as u32,
+        lkey: 0,
+    });
+    let hdr = sges.len() - 1;
+    let mut wrs: Vec<SendWr> = groups
+        .iter()
+        .map(|&(off, first, n)| {
+            SendWr::rdma_write(wr_id, &sges[first..first + n], page_base + off, rkey)
+        })
+        .collect();
+    // The header goes last, with the immediate data: writes on a connection land in order, so
+    // its completion means the whole page landed.
+    wrs.push(SendWr::rdma_write(wr_id, &sges[hdr..], page_base, rkey).with_imm(imm));
+    for i in 0..wrs.len() - 1 {
+        let next: *const SendWr = &wrs[i + 1];
+        wrs[i].next = next;
+    }
+    (sges, wrs)
 }

@@ -23,7 +23,7 @@ use super::{admission_status, imm_of, transfer_id};
 use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
 use crate::kv::TransferHeader;
-use crate::transport::abi::{SendWr, Sge, Wc};
+use crate::transport::abi::Wc;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{KvTransport, TransportError};
 
@@ -203,18 +203,8 @@ impl Node {
         let mut error = None;
         for (idx, pr) in pages.iter().enumerate().take(n_pages) {
             let slots = (n_cached - idx * ps).min(ps);
-            let mut sges: Vec<Sge> = Vec::new();
-            let mut offsets: Vec<usize> = Vec::new();
             let mut bytes = 0u64;
-            pool.for_each_transfer_chunk(pr.page, slots, |off, b| {
-                sges.push(Sge {
-                    addr: b.as_ptr() as u64,
-                    length: b.len() as u32,
-                    lkey: 0,
-                });
-                offsets.push(off);
-                bytes += b.len() as u64;
-            });
+            pool.for_each_transfer_chunk(pr.page, slots, |_, b| bytes += b.len() as u64);
             let checksum = pool.page_checksum(pr.page, slots);
             let dst = res.pages[idx];
             let header = Box::new(
@@ -226,35 +216,17 @@ impl Node {
                 }
                 .encode(),
             );
-            let hdr_sge = Sge {
-                addr: header.as_ptr() as u64,
-                length: header.len() as u32,
-                lkey: 0,
-            };
             let page_base = res.base + idx as u64 * stride;
-            let wr_id = transfer_id(id, idx);
-            let mut wrs: Vec<SendWr> = sges
-                .iter()
-                .zip(&offsets)
-                .map(|(s, &off)| {
-                    SendWr::rdma_write(
-                        wr_id,
-                        std::slice::from_ref(s),
-                        page_base + off as u64,
-                        res.rkey,
-                    )
-                })
-                .collect();
-            // The header goes last, with the immediate data: writes on a connection land in
-            // order, so its completion means the whole page landed.
-            wrs.push(
-                SendWr::rdma_write(wr_id, std::slice::from_ref(&hdr_sge), page_base, res.rkey)
-                    .with_imm(imm_of(res.imm_slot, idx)),
+            let (_sges, wrs) = super::page_write_chain(
+                pool,
+                pr.page,
+                slots,
+                page_base,
+                res.rkey,
+                transfer_id(id, idx),
+                imm_of(res.imm_slot, idx),
+                &header[..],
             );
-            for i in 0..wrs.len() - 1 {
-                let next: *const SendWr = &wrs[i + 1];
-                wrs[i].next = next;
-            }
             // SAFETY: every SGE points into this node's pool pages (held, not written until
             // released after the completion) or into `header`, kept in `r.headers` until then;
             // the chain lives in `wrs` for the duration of the call.

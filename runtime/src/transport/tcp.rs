@@ -80,9 +80,16 @@ struct Initiator {
     alive: Arc<AtomicBool>,
 }
 
+/// Payload buffers returned after landing, reused by the readers: a fresh large allocation per
+/// frame would cost page faults and kernel zeroing on every write.
+type Spares = Arc<Mutex<Vec<Vec<u8>>>>;
+/// Buffers kept for reuse (bounds the pool's memory).
+const MAX_SPARES: usize = 256;
+
 #[derive(Debug)]
 struct Target {
     frames: Receiver<Frame>,
+    spares: Spares,
     conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
     keys: HashMap<u32, KeyEntry>,
     next_key: u32,
@@ -129,11 +136,14 @@ impl TcpTransport {
         let (tx, rx) = sync_channel::<Frame>(RECV_QUEUE_FRAMES);
         let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
         let conns_acc = Arc::clone(&conns);
+        let spares: Spares = Arc::default();
+        let spares_acc = Arc::clone(&spares);
         std::thread::Builder::new()
             .name("kv-tcp-accept".into())
-            .spawn(move || accept_loop(listener, tx, conns_acc))?;
+            .spawn(move || accept_loop(listener, tx, conns_acc, spares_acc))?;
         self.target = Some(Target {
             frames: rx,
+            spares,
             conns,
             keys: HashMap::new(),
             next_key: 1,
@@ -314,6 +324,7 @@ fn accept_loop(
     listener: TcpListener,
     tx: SyncSender<Frame>,
     conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    spares: Spares,
 ) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
@@ -325,11 +336,11 @@ fn accept_loop(
         if let Ok(mut c) = conns.lock() {
             c.insert(conn, writer);
         }
-        let (tx, conns) = (tx.clone(), Arc::clone(&conns));
+        let (tx, conns, spares) = (tx.clone(), Arc::clone(&conns), Arc::clone(&spares));
         let spawned = std::thread::Builder::new()
             .name("kv-tcp-recv".into())
             .spawn(move || {
-                let _ = read_frames(stream, conn, &tx);
+                let _ = read_frames(stream, conn, &tx, &spares);
                 if let Ok(mut c) = conns.lock() {
                     c.remove(&conn);
                 }
@@ -340,7 +351,12 @@ fn accept_loop(
     }
 }
 
-fn read_frames(mut s: TcpStream, conn: u64, tx: &SyncSender<Frame>) -> std::io::Result<()> {
+fn read_frames(
+    mut s: TcpStream,
+    conn: u64,
+    tx: &SyncSender<Frame>,
+    spares: &Spares,
+) -> std::io::Result<()> {
     let mut hdr = [0u8; WR_HDR];
     loop {
         s.read_exact(&mut hdr)?;
@@ -366,7 +382,13 @@ fn read_frames(mut s: TcpStream, conn: u64, tx: &SyncSender<Frame>) -> std::io::
             );
             return Err(std::io::ErrorKind::InvalidData.into());
         }
-        let mut payload = vec![0u8; len as usize];
+        let mut payload = spares
+            .lock()
+            .ok()
+            .and_then(|mut v| v.pop())
+            .unwrap_or_default();
+        payload.clear();
+        payload.resize(len as usize, 0);
         s.read_exact(&mut payload)?;
         let frame = Frame {
             conn,
@@ -541,7 +563,13 @@ impl KvTransport for TcpTransport {
                     let _ = s.write_all(&ack); // a dead peer learns nothing; its writes flush
                 }
             }
-            if status == wc_status::SUCCESS && frame.opcode == WR_RDMA_WRITE_WITH_IMM {
+            let is_imm = frame.opcode == WR_RDMA_WRITE_WITH_IMM;
+            if let Ok(mut sp) = t.spares.lock()
+                && sp.len() < MAX_SPARES
+            {
+                sp.push(std::mem::take(&mut frame.payload));
+            }
+            if status == wc_status::SUCCESS && is_imm {
                 let wc = Wc::new(
                     frame.wr_id,
                     status,

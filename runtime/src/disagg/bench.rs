@@ -1,0 +1,223 @@
+//! Benchmarks of the transfer path, each measured against a reference in the same run: the tcp
+//! transport on loopback vs a plain memcpy of the same bytes, with and without the checksum.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use custody_kernels::attention::PageGeometry;
+
+use crate::kv::{PagePool, TransferHeader};
+use crate::transport::abi::Wc;
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{AccessError, KvTransport, TargetMemory};
+
+/// One measurement: seconds per repetition (median) for each variant.
+#[derive(Clone, Copy, Debug)]
+pub struct TransferBench {
+    pub bytes: u64,
+    pub memcpy_s: f64,
+    pub transfer_s: f64,
+    pub transfer_checksum_s: f64,
+    pub checksum_only_s: f64,
+}
+
+impl TransferBench {
+    pub fn gbps(&self, s: f64) -> f64 {
+        self.bytes as f64 / s / 1e9
+    }
+}
+
+struct Land<'a> {
+    pool: &'a mut PagePool,
+    pages: &'a HashMap<u32, Vec<u32>>,
+    stride: usize,
+}
+
+impl TargetMemory for Land<'_> {
+    fn write(&mut self, rkey: u32, offset: u64, bytes: &[u8]) -> Result<(), AccessError> {
+        let pages = self
+            .pages
+            .get(&rkey)
+            .ok_or_else(|| AccessError("no region".into()))?;
+        let (idx, within) = (offset as usize / self.stride, offset as usize % self.stride);
+        self.pool
+            .land(pages[idx], within, bytes)
+            .map_err(|e| AccessError(e.0))
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Transfer `n_pages` full pages of `geom` × `n_layers` from one pool to another over the tcp
+/// transport on loopback (`reps` times, median), against a memcpy of the same chunks.
+pub fn transfer_bench(
+    geom: PageGeometry,
+    n_layers: usize,
+    n_pages: usize,
+    reps: usize,
+) -> TransferBench {
+    assert!(n_pages > 0 && reps > 0);
+    let mut src = PagePool::new(geom, n_layers, n_pages);
+    let owner = 7;
+    let pages = src.alloc(owner, n_pages).expect("alloc");
+    // Fill the source pages with data.
+    let kvd = geom.n_kv_heads * geom.head_dim;
+    let row: Vec<f32> = (0..kvd).map(|i| (i as f32 * 0.37).sin()).collect();
+    for l in 0..n_layers {
+        for pr in &pages {
+            for s in 0..geom.page_size {
+                src.write_slot(l, *pr, s, owner, &row, &row).expect("write");
+            }
+        }
+    }
+    let stride = src.region_page_stride();
+    let mut bytes = 0u64;
+    src.for_each_transfer_chunk(pages[0].page, geom.page_size, |_, b| {
+        bytes += b.len() as u64
+    });
+    bytes *= n_pages as u64;
+
+    // memcpy reference: the same chunks into a second pool's memory.
+    let mut dst_mem = vec![0u8; stride * n_pages];
+    let mut memcpy = Vec::new();
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        for (i, pr) in pages.iter().enumerate() {
+            src.for_each_transfer_chunk(pr.page, geom.page_size, |off, b| {
+                dst_mem[i * stride + off..i * stride + off + b.len()].copy_from_slice(b);
+            });
+        }
+        std::hint::black_box(&dst_mem);
+        memcpy.push(t0.elapsed().as_secs_f64());
+    }
+    let mut checksum_only = Vec::new();
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        let mut x = 0u64;
+        for pr in &pages {
+            x ^= src.page_checksum(pr.page, geom.page_size);
+        }
+        std::hint::black_box(x);
+        checksum_only.push(t0.elapsed().as_secs_f64());
+    }
+
+    // Transport: target thread lands into `dst`, verifying when asked.
+    let mut target = TcpTransport::new(2);
+    let addr: SocketAddr = target
+        .listen("127.0.0.1:0".parse().expect("addr"))
+        .expect("listen");
+    let mut init = TcpTransport::new(1);
+    init.connect(addr).expect("connect");
+    let (tx_reg, rx_reg) =
+        std::sync::mpsc::channel::<(bool, std::sync::mpsc::Sender<(u32, u64, Vec<u32>)>)>();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let n = n_pages;
+    let worker = std::thread::spawn(move || {
+        let mut dst = PagePool::new(geom, n_layers, n);
+        let mut regions: HashMap<u32, Vec<u32>> = HashMap::new();
+        while let Ok((verify, reply)) = rx_reg.recv() {
+            let dpages = dst.alloc(9, n).expect("alloc");
+            let region = target.register((stride * n) as u64).expect("register");
+            regions.insert(region.rkey, dpages.iter().map(|p| p.page).collect());
+            let gens: Vec<u32> = dpages.iter().map(|p| p.generation).collect();
+            let _ = reply.send((region.rkey, region.base, gens));
+            let mut landed = 0;
+            let mut wcs = Vec::new();
+            while landed < n && !stop2.load(Ordering::Relaxed) {
+                wcs.clear();
+                let mut mem = Land {
+                    pool: &mut dst,
+                    pages: &regions,
+                    stride,
+                };
+                target.poll_recv(&mut mem, &mut wcs, 4096).expect("poll");
+                for wc in &wcs {
+                    let idx = wc.imm() as usize;
+                    if verify {
+                        dst.verify_landed(dpages[idx], 9, geom.page_size, true)
+                            .expect("verify");
+                    }
+                    landed += 1;
+                }
+            }
+            target.invalidate(region.rkey).expect("invalidate");
+            dst.release(9, &dpages).expect("release");
+        }
+    });
+    let mut run = |verify: bool| -> f64 {
+        let (rtx, rrx) = std::sync::mpsc::channel();
+        tx_reg.send((verify, rtx)).expect("worker");
+        let (rkey, base, gens) = rrx.recv().expect("region");
+        let t0 = Instant::now();
+        let mut headers = Vec::with_capacity(n_pages);
+        for (i, pr) in pages.iter().enumerate() {
+            let checksum = if verify {
+                src.page_checksum(pr.page, geom.page_size)
+            } else {
+                0
+            };
+            headers.push(
+                TransferHeader {
+                    owner: 9,
+                    generation: gens[i],
+                    slots: geom.page_size as u32,
+                    checksum,
+                }
+                .encode(),
+            );
+        }
+        for (i, pr) in pages.iter().enumerate() {
+            let pb = base + (i * stride) as u64;
+            let (_sges, wrs) = super::page_write_chain(
+                &src,
+                pr.page,
+                geom.page_size,
+                pb,
+                rkey,
+                i as u64,
+                i as u32,
+                &headers[i],
+            );
+            // SAFETY: the chunks are in `src` (not modified during the run) and the headers in
+            // `headers`, both alive until every completion below.
+            unsafe { init.post_write(&wrs[0]) }.expect("post");
+        }
+        let mut done = 0;
+        let mut wcs: Vec<Wc> = Vec::new();
+        while done < n_pages {
+            wcs.clear();
+            init.poll_send(&mut wcs, 4096).expect("poll");
+            for wc in &wcs {
+                assert!(wc.ok(), "transfer failed: {wc:?}");
+            }
+            done += wcs.len();
+            if wcs.is_empty() {
+                std::thread::yield_now();
+            }
+        }
+        t0.elapsed().as_secs_f64()
+    };
+    let mut plain = Vec::new();
+    let mut checked = Vec::new();
+    for _ in 0..reps {
+        plain.push(run(false));
+        checked.push(run(true));
+    }
+    drop(tx_reg);
+    stop.store(true, Ordering::Relaxed);
+    let _ = worker.join();
+    TransferBench {
+        bytes,
+        memcpy_s: median(memcpy),
+        transfer_s: median(plain),
+        transfer_checksum_s: median(checked),
+        checksum_only_s: median(checksum_only),
+    }
+}
