@@ -156,7 +156,9 @@ pub fn transfer_bench(
         tx_reg.send((verify, rtx)).expect("worker");
         let (rkey, base, gens) = rrx.recv().expect("region");
         let t0 = Instant::now();
-        let mut headers = Vec::with_capacity(n_pages);
+        // As the prefill node does: each page's checksum right before its writes are posted, so
+        // hashing overlaps with the transfer of the previous pages.
+        let mut headers: Vec<[u8; crate::kv::TRANSFER_HDR_BYTES]> = Vec::with_capacity(n_pages);
         for (i, pr) in pages.iter().enumerate() {
             let checksum = if verify {
                 src.page_checksum(pr.page, geom.page_size)
@@ -172,8 +174,6 @@ pub fn transfer_bench(
                 }
                 .encode(),
             );
-        }
-        for (i, pr) in pages.iter().enumerate() {
             let pb = base + (i * stride) as u64;
             let (_sges, wrs) = super::page_write_chain(
                 &src,

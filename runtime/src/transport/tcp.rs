@@ -166,6 +166,7 @@ impl TcpTransport {
     pub fn connect(&mut self, addr: SocketAddr) -> Result<(), TransportError> {
         let stream = TcpStream::connect(addr)?;
         stream.set_nodelay(true)?;
+        set_socket_buffers(&stream);
         let reader = stream.try_clone()?;
         let (tx, rx) = sync_channel::<Wc>(RECV_QUEUE_FRAMES);
         let outstanding: Arc<Mutex<HashSet<u64>>> = Arc::default();
@@ -307,6 +308,33 @@ impl TcpTransport {
     }
 }
 
+/// Socket buffer size asked for on both ends: large enough for several pages in flight, so the
+/// sender and the reader run without a context switch per frame.
+const SOCKET_BUF_BYTES: libc::c_int = 4 << 20;
+
+fn set_socket_buffers(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        let v = SOCKET_BUF_BYTES;
+        // SAFETY: a valid socket fd, a pointer to a live c_int and its size, as setsockopt wants.
+        let rc = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&raw const v).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(
+                "setsockopt buffer size failed: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
 fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
@@ -329,6 +357,7 @@ fn accept_loop(
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
         let _ = stream.set_nodelay(true);
+        set_socket_buffers(&stream);
         let conn = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
         let Ok(writer) = stream.try_clone() else {
             continue;

@@ -743,14 +743,22 @@ fn transport_probe_points_are_exported_and_start_with_a_five_byte_nop() {
         .output()
         .expect("nm (binutils) is needed for this test");
     let syms = String::from_utf8_lossy(&out.stdout);
-    for name in ["custody_kv_post_write", "custody_kv_complete", "custody_kv_register", "custody_kv_invalidate"] {
+    for name in [
+        "custody_kv_post_write",
+        "custody_kv_complete",
+        "custody_kv_register",
+        "custody_kv_invalidate",
+    ] {
         assert!(
             syms.lines().any(|l| l.ends_with(&format!(" T {name}"))),
             "{name} is not exported in the dynamic symbol table"
         );
     }
     use custody_runtime::transport::abi;
-    for f in [abi::custody_kv_post_write as *const u8, abi::custody_kv_complete as *const u8] {
+    for f in [
+        abi::custody_kv_post_write as *const u8,
+        abi::custody_kv_complete as *const u8,
+    ] {
         // SAFETY: reading the first 5 bytes of a function's code (mapped readable and executable).
         let head = unsafe { std::slice::from_raw_parts(f, 5) };
         assert_eq!(head, [0x0f, 0x1f, 0x44, 0x00, 0x00]);
