@@ -169,55 +169,6 @@ pub(crate) fn admission_status(e: &crate::engine::AdmissionError) -> tonic::Stat
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn info(role: &str, pool: u64) -> proto::NodeInfo {
-        proto::NodeInfo {
-            node_id: 1,
-            role: role.into(),
-            model_fingerprint: "ab".into(),
-            page_size: 16,
-            n_layers: 30,
-            kv_dim: 192,
-            kv_dtype: "f16".into(),
-            context_length: 2048,
-            pool_tokens: pool,
-            transport: "tcp".into(),
-            transport_addr: String::new(),
-            unsafe_switches: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn pair_check_lists_every_mismatch() {
-        assert!(check_pair(&info("prefill", 4096), &info("decode", 4096)).is_ok());
-        let mut d = info("decode", 1024);
-        d.page_size = 32;
-        d.model_fingerprint = "cd".into();
-        let e = check_pair(&info("prefill", 4096), &d).expect_err("mismatch");
-        assert!(
-            e.contains("fingerprint")
-                && e.contains("page_size")
-                && e.contains("less than one context"),
-            "{e}"
-        );
-        d = info("decode", 1024);
-        d.unsafe_switches.push("skip_pool_check".into());
-        assert!(check_pair(&info("prefill", 4096), &d).is_ok());
-    }
-
-    #[test]
-    fn imm_round_trips() {
-        assert_eq!(imm_split(imm_of(77, 4095)), (77, 4095));
-        assert_eq!(
-            imm_split(imm_of(MAX_RESERVATIONS - 1, 0)),
-            (MAX_RESERVATIONS - 1, 0)
-        );
-    }
-}
-
 /// Scatter/gather entries per work request (what common RDMA NICs accept: mlx5's RC limit).
 pub const MAX_SGE: usize = 30;
 
@@ -228,6 +179,7 @@ pub const MAX_SGE: usize = 30;
 ///
 /// Returns the SGE storage and the chain (linked through `next`; post `&chain[0]`). Both must
 /// stay alive and unmoved until the post returns; the bytes they point to until completion.
+#[allow(clippy::too_many_arguments)]
 pub fn page_write_chain(
     pool: &crate::kv::PagePool,
     page: u32,
@@ -279,4 +231,53 @@ pub fn page_write_chain(
         wrs[i].next = next;
     }
     (sges, wrs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(role: &str, pool: u64) -> proto::NodeInfo {
+        proto::NodeInfo {
+            node_id: 1,
+            role: role.into(),
+            model_fingerprint: "ab".into(),
+            page_size: 16,
+            n_layers: 30,
+            kv_dim: 192,
+            kv_dtype: "f16".into(),
+            context_length: 2048,
+            pool_tokens: pool,
+            transport: "tcp".into(),
+            transport_addr: String::new(),
+            unsafe_switches: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn pair_check_lists_every_mismatch() {
+        assert!(check_pair(&info("prefill", 4096), &info("decode", 4096)).is_ok());
+        let mut d = info("decode", 1024);
+        d.page_size = 32;
+        d.model_fingerprint = "cd".into();
+        let e = check_pair(&info("prefill", 4096), &d).expect_err("mismatch");
+        assert!(
+            e.contains("fingerprint")
+                && e.contains("page_size")
+                && e.contains("less than one context"),
+            "{e}"
+        );
+        d = info("decode", 1024);
+        d.unsafe_switches.push("skip_pool_check".into());
+        assert!(check_pair(&info("prefill", 4096), &d).is_ok());
+    }
+
+    #[test]
+    fn imm_round_trips() {
+        assert_eq!(imm_split(imm_of(77, 4095)), (77, 4095));
+        assert_eq!(
+            imm_split(imm_of(MAX_RESERVATIONS - 1, 0)),
+            (MAX_RESERVATIONS - 1, 0)
+        );
+    }
 }
