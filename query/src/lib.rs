@@ -9,7 +9,10 @@
 //!   verified digest names, plus the recoverable live segment as separate, clearly named
 //!   `<table>_live` tables.
 //!
-//! The forensic questions arrive with the forensics issue.
+//! - [`forensics`]: the canned forensic questions as documented SQL; [`prepare_forensics`] adds
+//!   the `all_<table>` views (sealed ∪ live) they run over.
+
+pub mod forensics;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -131,4 +134,24 @@ pub async fn session_over_verified(
         }
     }
     Ok(VerifiedSession { ctx, report })
+}
+
+/// Make every table queryable for the forensic SQL, even when a node never wrote it: register an
+/// empty table for each missing one, and a view `all_<table>` = sealed rows ∪ live rows (the live
+/// segment is not covered by any digest yet; callers say so when it is non-empty).
+pub async fn prepare_forensics(ctx: &SessionContext) -> Result<(), QueryError> {
+    for table in Table::ALL {
+        for name in [table.name().to_owned(), format!("{}_live", table.name())] {
+            if !ctx.table_exist(name.as_str())? {
+                let empty = MemTable::try_new(table.schema(), vec![vec![]])?;
+                ctx.register_table(name.as_str(), Arc::new(empty))?;
+            }
+        }
+        let t = table.name();
+        ctx.sql(&format!(
+            "CREATE VIEW all_{t} AS SELECT * FROM {t} UNION ALL SELECT * FROM {t}_live"
+        ))
+        .await?;
+    }
+    Ok(())
 }

@@ -40,19 +40,54 @@ pub struct Nodes {
     pub decode_audit: MemorySink,
 }
 
+/// Records into a memory sink and (optionally) a real audit writer.
+#[derive(Debug)]
+pub struct Tee(
+    pub MemorySink,
+    pub Option<Arc<dyn custody_audit::AuditSink>>,
+);
+
+impl custody_audit::AuditSink for Tee {
+    fn record(&self, e: AEv) -> Result<(), custody_audit::SinkError> {
+        if let Some(w) = &self.1 {
+            w.record(e.clone())?;
+        }
+        self.0.record(e)
+    }
+}
+
 pub fn start_pair(
     prefill: EngineConfig,
     decode: EngineConfig,
     unsafe_: UnsafeReproduction,
     lease: Duration,
 ) -> Nodes {
+    start_pair_with(prefill, decode, unsafe_, lease, None)
+}
+
+type Writers = (
+    Arc<dyn custody_audit::AuditSink>,
+    Arc<dyn custody_audit::AuditSink>,
+);
+
+pub fn start_pair_with(
+    prefill: EngineConfig,
+    decode: EngineConfig,
+    unsafe_: UnsafeReproduction,
+    lease: Duration,
+    writers: Option<Writers>,
+) -> Nodes {
     let (pa, da) = (MemorySink::default(), MemorySink::default());
+    let (pw, dw) = match writers {
+        Some((p, d)) => (Some(p), Some(d)),
+        None => (None, None),
+    };
     let pe = Engine::new_with_unsafe(model(), prefill, &unsafe_)
         .expect("prefill engine")
-        .with_audit(Arc::new(pa.clone()));
+        .with_audit(Arc::new(Tee(pa.clone(), pw)));
     let de = Engine::new_with_unsafe(model(), decode, &unsafe_)
         .expect("decode engine")
-        .with_audit(Arc::new(da.clone()));
+        .with_audit(Arc::new(Tee(da.clone(), dw)));
     let opts = PairOptions {
         prefill: PrefillOptions {
             node_id: 1,
@@ -376,7 +411,24 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
         Engine::new(model(), dc.clone()),
         Err(custody_runtime::StartupError::PoolTooSmall { .. })
     ));
-    let nodes = start_pair(pc, dc, all_unsafe(), Duration::from_secs(30));
+    // Both nodes also record into one real audit root (Parquet, digest-chained): the forensic
+    // SQL must find the same leak from the files alone.
+    let root = std::env::temp_dir().join(format!("custody-incident-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let key = custody_audit::digest::generate_key().expect("key");
+    let open = |node| {
+        Arc::new(
+            custody_audit::writer::AuditWriter::open(custody_audit::writer::WriterConfig::new(
+                &root,
+                node,
+                key.clone(),
+            ))
+            .expect("writer"),
+        )
+    };
+    let (pw, dw) = (open(1), open(2));
+    let sinks: Writers = (pw.clone(), dw.clone());
+    let nodes = start_pair_with(pc, dc, all_unsafe(), Duration::from_secs(30), Some(sinks));
     // Tenant A fills the decode pool with confidential prompts (concurrently: spread over pages).
     let a_prompts = tenant_a_prompts();
     let a_reqs: Vec<_> = a_prompts
@@ -501,6 +553,41 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
         foreign_oracle, foreign_audit,
         "the audit log and the independent oracle must agree slot for slot"
     );
+
+    // The forensic tool, over the sealed, verified Parquet files only.
+    drop(nodes);
+    pw.close().expect("seal prefill log");
+    dw.close().expect("seal decode log");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("rt");
+    let exposure = rt.block_on(async {
+        let vs = custody_query::session_over_verified(&root, Some(&key.verifying_key()))
+            .await
+            .expect("session");
+        assert!(vs.report.problems.is_empty(), "{:?}", vs.report.problems);
+        custody_query::prepare_forensics(&vs.ctx)
+            .await
+            .expect("prepare");
+        custody_query::forensics::exposure(&vs.ctx, None, None)
+            .await
+            .expect("exposure")
+    });
+    eprintln!("{}", exposure.summary());
+    assert_eq!(exposure.affected_responses(), 1, "{exposure:?}");
+    let a = &exposure.affected[0];
+    assert_eq!(
+        (a.node, a.request, a.recipient_tenant.as_str()),
+        (2, b_id, "tenant-b")
+    );
+    assert_eq!(
+        a.sources,
+        vec![("tenant-a".to_owned(), foreign_oracle as u64)],
+        "exact foreign-slot count per source tenant"
+    );
+    assert!(a.unchecked);
+    assert_eq!(exposure.max_foreign_slots(), foreign_oracle as u64);
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Slots each decode request read that were, per the audit log, last written by another

@@ -1,0 +1,185 @@
+//! The forensic questions, as documented SQL over the audit tables (`docs/forensics.md`).
+//!
+//! # "Could have seen", precisely
+//! A request R (tenant T) on node N **could have seen** slot s of page P when a `page_reads` row of
+//! R on N covers s (R attended it — with the tag check, or `unchecked` when the check was
+//! disabled), and the **latest write** of (N, P, s) recorded before that read row — across all
+//! generations, by the node's sequence number — was made for a request of another tenant U.
+//! Then R received U's data in slot s. Reads are flushed when R ends, while R still holds its
+//! pages, and nothing but R can write a page R holds (writes are tag-checked even when reads are
+//! not), so "latest write before the read row" is exactly the content R attended.
+//!
+//! A read refused by the tag check is not a read: it is an `integrity_violations` row, listed as
+//! a **prevented** exposure.
+
+use datafusion::arrow::array::{Array, AsArray};
+use datafusion::arrow::datatypes::{Int64Type, UInt32Type, UInt64Type};
+use datafusion::prelude::SessionContext;
+
+use crate::QueryError;
+
+/// Every (read slot → latest earlier write) pair where the writer's tenant differs from the
+/// reader's: one row per affected response and source tenant.
+pub const EXPOSURE_SQL: &str = r#"
+WITH w AS (
+  SELECT node_id, page, seq, tenant AS src_tenant, request_id AS src_request,
+         unnest(range(slot_start, slot_end)) AS slot
+  FROM all_page_events
+  WHERE event = 'write'
+),
+r AS (
+  SELECT node_id, seq AS read_seq, wall_ns, request_id, tenant, page, verdict,
+         unnest(range(slot_start, slot_end)) AS slot
+  FROM all_page_reads
+  WHERE wall_ns >= {from_ns} AND wall_ns < {to_ns}
+),
+latest AS (
+  SELECT r.node_id, r.request_id, r.tenant, r.wall_ns, r.verdict, w.src_tenant,
+         ROW_NUMBER() OVER (PARTITION BY r.node_id, r.read_seq, r.slot ORDER BY w.seq DESC) AS rn
+  FROM r JOIN w
+    ON r.node_id = w.node_id AND r.page = w.page AND r.slot = w.slot AND w.seq < r.read_seq
+)
+SELECT node_id, request_id, tenant AS recipient_tenant, src_tenant AS source_tenant,
+       CAST(COUNT(*) AS BIGINT) AS foreign_slots, MIN(wall_ns) AS wall_ns,
+       MAX(CASE WHEN verdict = 'unchecked' THEN 1 ELSE 0 END) AS unchecked
+FROM latest
+WHERE rn = 1 AND src_tenant <> tenant
+GROUP BY node_id, request_id, tenant, src_tenant
+ORDER BY node_id, request_id, source_tenant
+"#;
+
+/// Reads the tag check refused: exposures that did not happen.
+pub const PREVENTED_SQL: &str = r#"
+SELECT node_id, request_id, tenant, page, generation, kind, detail, wall_ns
+FROM all_integrity_violations
+WHERE wall_ns >= {from_ns} AND wall_ns < {to_ns}
+ORDER BY node_id, seq
+"#;
+
+/// One affected response.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Affected {
+    pub node: u32,
+    pub request: u64,
+    pub recipient_tenant: String,
+    /// (source tenant, slots of its data attended), by tenant.
+    pub sources: Vec<(String, u64)>,
+    pub foreign_slots: u64,
+    pub wall_ns: i64,
+    /// The node read these slots without the tag check (incident reproduction).
+    pub unchecked: bool,
+}
+
+/// The exposure answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Exposure {
+    pub affected: Vec<Affected>,
+    pub prevented: u64,
+}
+
+impl Exposure {
+    pub fn affected_responses(&self) -> usize {
+        self.affected.len()
+    }
+    pub fn source_tenants(&self) -> std::collections::BTreeSet<&str> {
+        self.affected
+            .iter()
+            .flat_map(|a| a.sources.iter().map(|(t, _)| t.as_str()))
+            .collect()
+    }
+    pub fn recipient_tenants(&self) -> std::collections::BTreeSet<&str> {
+        self.affected
+            .iter()
+            .map(|a| a.recipient_tenant.as_str())
+            .collect()
+    }
+    pub fn max_foreign_slots(&self) -> u64 {
+        self.affected
+            .iter()
+            .map(|a| a.foreign_slots)
+            .max()
+            .unwrap_or(0)
+    }
+    pub fn first_last_wall_ns(&self) -> Option<(i64, i64)> {
+        let it = self.affected.iter().map(|a| a.wall_ns);
+        Some((it.clone().min()?, it.max()?))
+    }
+
+    /// The summary a responder publishes.
+    pub fn summary(&self) -> String {
+        let (first, last) = self.first_last_wall_ns().unwrap_or((0, 0));
+        format!(
+            "affected responses: {}\ndistinct source tenants (whose data was exposed): {}\ndistinct recipient tenants (who received it): {}\nmax foreign slots in one reply: {}\nfirst occurrence (wall ns): {}\nlast occurrence (wall ns): {}\nprevented exposures (reads refused by the tag check): {}",
+            self.affected_responses(),
+            self.source_tenants().len(),
+            self.recipient_tenants().len(),
+            self.max_foreign_slots(),
+            first,
+            last,
+            self.prevented
+        )
+    }
+}
+
+/// Fill a query template's time window.
+pub fn with_window(sql: &str, from_ns: Option<i64>, to_ns: Option<i64>) -> String {
+    sql.replace("{from_ns}", &from_ns.unwrap_or(i64::MIN).to_string())
+        .replace("{to_ns}", &to_ns.unwrap_or(i64::MAX).to_string())
+}
+
+/// Run the exposure question over a session prepared by [`crate::prepare_forensics`].
+pub async fn exposure(
+    ctx: &SessionContext,
+    from_ns: Option<i64>,
+    to_ns: Option<i64>,
+) -> Result<Exposure, QueryError> {
+    let batches = ctx
+        .sql(&with_window(EXPOSURE_SQL, from_ns, to_ns))
+        .await?
+        .collect()
+        .await?;
+    let mut out: Vec<Affected> = Vec::new();
+    for b in &batches {
+        let node = b.column(0).as_primitive::<UInt32Type>();
+        let req = b.column(1).as_primitive::<UInt64Type>();
+        let rt = b.column(2).as_string::<i32>();
+        let st = b.column(3).as_string::<i32>();
+        let n = b.column(4).as_primitive::<Int64Type>();
+        let wall = b.column(5).as_primitive::<Int64Type>();
+        let unchecked = b.column(6).as_primitive::<Int64Type>();
+        for i in 0..b.num_rows() {
+            let (nd, rq) = (node.value(i), req.value(i));
+            let slots = n.value(i) as u64;
+            match out.last_mut() {
+                Some(a) if a.node == nd && a.request == rq => {
+                    a.sources.push((st.value(i).to_owned(), slots));
+                    a.foreign_slots += slots;
+                    a.wall_ns = a.wall_ns.min(wall.value(i));
+                    a.unchecked |= unchecked.value(i) != 0;
+                }
+                _ => out.push(Affected {
+                    node: nd,
+                    request: rq,
+                    recipient_tenant: rt.value(i).to_owned(),
+                    sources: vec![(st.value(i).to_owned(), slots)],
+                    foreign_slots: slots,
+                    wall_ns: wall.value(i),
+                    unchecked: unchecked.value(i) != 0,
+                }),
+            }
+        }
+    }
+    let prevented = ctx
+        .sql(&with_window(PREVENTED_SQL, from_ns, to_ns))
+        .await?
+        .collect()
+        .await?
+        .iter()
+        .map(|b| b.num_rows() as u64)
+        .sum();
+    let _ = |a: &dyn Array| a.len();
+    Ok(Exposure {
+        affected: out,
+        prevented,
+    })
+}
