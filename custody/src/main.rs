@@ -13,6 +13,7 @@ use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{ChatMessage, Config, Engine, Model, SamplingParams, Tokenizer};
 
 mod disagg_cmd;
+mod query_cmd;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -46,6 +47,12 @@ enum Cmd {
     /// transfer on loopback vs memcpy (with and without checksum), time to first token and decode
     /// tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
     BenchDisagg(disagg_cmd::BenchDisaggArgs),
+    /// SQL over an audit root: only files named by a verified digest chain (the tool says so).
+    /// `-c SQL`, `-f FILE`, or an interactive prompt (`\d`, `\d table`, `\q`).
+    Query(query_cmd::QueryArgs),
+    /// Canned forensic questions over an audit root (each prints its SQL with --show-sql).
+    #[command(subcommand)]
+    Forensics(query_cmd::ForensicsCmd),
 }
 
 #[derive(Subcommand, Debug)]
@@ -195,6 +202,8 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),
         Cmd::BenchDisagg(a) => disagg_cmd::bench_disagg(a),
+        Cmd::Query(a) => query_cmd::query(a),
+        Cmd::Forensics(c) => query_cmd::forensics_cmd(c, parse_utc),
     }
 }
 

@@ -14,6 +14,9 @@
 
 pub mod forensics;
 
+/// Re-exported so the binary uses the same DataFusion (and Arrow) as this crate.
+pub use datafusion;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -38,12 +41,19 @@ pub enum QueryError {
     Path(String),
 }
 
+/// A DataFusion context with `information_schema` (for `SHOW TABLES`, `DESCRIBE`).
+fn new_context() -> SessionContext {
+    SessionContext::new_with_config(
+        datafusion::prelude::SessionConfig::new().with_information_schema(true),
+    )
+}
+
 /// A session with every audit table present under `root` registered by its name.
 pub async fn session_over(root: &Path) -> Result<SessionContext, QueryError> {
     if !root.is_dir() {
         return Err(QueryError::NoRoot(root.display().to_string()));
     }
-    let ctx = SessionContext::new();
+    let ctx = new_context();
     for table in Table::ALL {
         let dir = root.join(table.name());
         if !dir.is_dir() {
@@ -88,7 +98,7 @@ pub async fn session_over_verified(
         return Err(QueryError::NoRoot(root.display().to_string()));
     }
     let report = digest::verify(root, key, None, None);
-    let ctx = SessionContext::new();
+    let ctx = new_context();
     for table in Table::ALL {
         let mut urls = Vec::new();
         for f in &report.verified_files {

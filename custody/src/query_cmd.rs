@@ -1,0 +1,284 @@
+//! `custody query` and `custody forensics`: SQL over an audit root (verified files by default).
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use custody_query::datafusion::arrow::record_batch::RecordBatch;
+use custody_query::datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
+use custody_query::datafusion::arrow::util::pretty::pretty_format_batches;
+use custody_query::datafusion::prelude::SessionContext;
+use custody_query::forensics;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub(crate) enum Format {
+    Table,
+    Csv,
+    Json,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct Source {
+    /// Audit root (a directory).
+    root: PathBuf,
+    /// Expected public key (hex file from `custody audit keygen`); default: trust the key in the
+    /// first digest.
+    #[arg(long)]
+    public_key: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct QueryArgs {
+    #[command(flatten)]
+    src: Source,
+    /// Run this SQL and exit.
+    #[arg(short = 'c', long = "command")]
+    command: Option<String>,
+    /// Run the SQL in this file and exit.
+    #[arg(short = 'f', long = "file")]
+    file: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum ForensicsCmd {
+    /// Every response that could have seen another tenant's data (see docs/forensics.md for the
+    /// exact definition), per response and source tenant, then the summary; reads the tag check
+    /// refused are counted as prevented exposures.
+    Exposure {
+        #[command(flatten)]
+        src: Source,
+        /// Print the SQL and exit (run it yourself with `custody query -c`).
+        #[arg(long)]
+        show_sql: bool,
+        /// Only reads recorded at or after this UTC time (YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ).
+        #[arg(long)]
+        from: Option<String>,
+        /// Only reads recorded before this UTC time.
+        #[arg(long)]
+        to: Option<String>,
+    },
+}
+
+async fn session(src: &Source) -> Result<SessionContext> {
+    let key = match &src.public_key {
+        Some(p) => Some(
+            custody_audit::digest::read_verifying_key(p)
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("reading public key {}", p.display()))?,
+        ),
+        None => None,
+    };
+    let vs = custody_query::session_over_verified(&src.root, key.as_ref())
+        .await
+        .with_context(|| format!("opening audit root {}", src.root.display()))?;
+    eprintln!(
+        "-- reading only files named by a verified digest chain: {} sealed files verified{}",
+        vs.report.verified_files.len(),
+        if key.is_none() {
+            " (key: the one in the first digest; pass --public-key to pin it)"
+        } else {
+            ""
+        }
+    );
+    if !vs.report.problems.is_empty() {
+        eprintln!(
+            "-- WARNING: {} verification problems; the affected files are EXCLUDED (run `custody audit verify {}`):",
+            vs.report.problems.len(),
+            src.root.display()
+        );
+        for p in &vs.report.problems {
+            eprintln!("--   {p}");
+        }
+    }
+    if !vs.report.live_segments.is_empty() {
+        eprintln!(
+            "-- note: {} unsealed live segment(s) are queryable as <table>_live and included in the forensic views (not yet covered by a digest)",
+            vs.report.live_segments.len()
+        );
+    }
+    custody_query::prepare_forensics(&vs.ctx).await?;
+    Ok(vs.ctx)
+}
+
+fn print(batches: &[RecordBatch], format: Format) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    if batches.iter().all(|b| b.num_rows() == 0) && matches!(format, Format::Table) {
+        writeln!(out, "(0 rows)")?;
+        return Ok(());
+    }
+    match format {
+        Format::Table => writeln!(out, "{}", pretty_format_batches(batches)?)?,
+        Format::Csv | Format::Json => {
+            let Some(schema) = batches.first().map(|b| b.schema()) else {
+                return Ok(());
+            };
+            let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+            if matches!(format, Format::Csv) {
+                writeln!(out, "{}", names.join(","))?;
+            }
+            let opts = FormatOptions::default().with_null("");
+            for b in batches {
+                let fmts: Vec<ArrayFormatter<'_>> = b
+                    .columns()
+                    .iter()
+                    .map(|c| ArrayFormatter::try_new(c.as_ref(), &opts))
+                    .collect::<Result<_, _>>()?;
+                for row in 0..b.num_rows() {
+                    let vals: Vec<String> = fmts.iter().map(|f| f.value(row).to_string()).collect();
+                    if matches!(format, Format::Csv) {
+                        let esc: Vec<String> = vals
+                            .iter()
+                            .map(|v| {
+                                if v.contains([',', '"', '\n']) {
+                                    format!("\"{}\"", v.replace('"', "\"\""))
+                                } else {
+                                    v.clone()
+                                }
+                            })
+                            .collect();
+                        writeln!(out, "{}", esc.join(","))?;
+                    } else {
+                        let obj: serde_json::Map<String, serde_json::Value> = names
+                            .iter()
+                            .zip(&vals)
+                            .zip(b.columns())
+                            .map(|((n, v), c)| {
+                                let val = if c.data_type().is_numeric() {
+                                    v.parse::<serde_json::Number>()
+                                        .map(serde_json::Value::Number)
+                                        .unwrap_or_else(|_| serde_json::Value::String(v.clone()))
+                                } else {
+                                    serde_json::Value::String(v.clone())
+                                };
+                                ((*n).to_owned(), val)
+                            })
+                            .collect();
+                        writeln!(out, "{}", serde_json::Value::Object(obj))?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn run_sql(ctx: &SessionContext, sql: &str, format: Format) -> Result<()> {
+    let batches = ctx.sql(sql).await?.collect().await?;
+    print(&batches, format)
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+pub(crate) fn query(a: QueryArgs) -> Result<()> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        let ctx = session(&a.src).await?;
+        if let Some(sql) = &a.command {
+            return run_sql(&ctx, sql, a.src.format).await;
+        }
+        if let Some(f) = &a.file {
+            let sql =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            for stmt in sql.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+                run_sql(&ctx, stmt, a.src.format).await?;
+            }
+            return Ok(());
+        }
+        interactive(&ctx, a.src.format).await
+    })
+}
+
+/// A small prompt after datafusion-cli: SQL ends with `;`; `\d` lists tables, `\d <table>`
+/// describes one, `\q` quits.
+async fn interactive(ctx: &SessionContext, format: Format) -> Result<()> {
+    let stdin = std::io::stdin();
+    let mut buf = String::new();
+    eprint!("custody> ");
+    for line in stdin.lock().lines() {
+        let line = line?;
+        let t = line.trim();
+        if buf.is_empty() && t.starts_with('\\') {
+            match t.split_whitespace().collect::<Vec<_>>()[..] {
+                ["\\q"] => return Ok(()),
+                ["\\d"] => run_sql(ctx, "SHOW TABLES", format).await?,
+                ["\\d", table] => {
+                    if let Err(e) = run_sql(ctx, &format!("DESCRIBE {table}"), format).await {
+                        eprintln!("error: {e:#}");
+                    }
+                }
+                _ => eprintln!("commands: \\d, \\d <table>, \\q; SQL ends with ;"),
+            }
+            eprint!("custody> ");
+            continue;
+        }
+        buf.push_str(&line);
+        buf.push('\n');
+        if t.ends_with(';') {
+            if let Err(e) = run_sql(ctx, buf.trim().trim_end_matches(';'), format).await {
+                eprintln!("error: {e:#}");
+            }
+            buf.clear();
+            eprint!("custody> ");
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>) -> Result<()> {
+    match c {
+        ForensicsCmd::Exposure {
+            src,
+            show_sql,
+            from,
+            to,
+        } => {
+            let from_ns = from.as_deref().map(parse_utc).transpose()?;
+            let to_ns = to.as_deref().map(parse_utc).transpose()?;
+            if show_sql {
+                println!("-- affected responses, per source tenant");
+                println!(
+                    "{}",
+                    forensics::with_window(forensics::EXPOSURE_SQL, from_ns, to_ns).trim()
+                );
+                println!(";\n-- prevented exposures (reads the tag check refused)");
+                println!(
+                    "{};",
+                    forensics::with_window(forensics::PREVENTED_SQL, from_ns, to_ns).trim()
+                );
+                return Ok(());
+            }
+            if !Path::new(&src.root).is_dir() {
+                bail!("audit root {} is not a directory", src.root.display());
+            }
+            let rt = runtime()?;
+            rt.block_on(async {
+                let ctx = session(&src).await?;
+                println!("# affected responses (one row per response and source tenant)");
+                run_sql(
+                    &ctx,
+                    &forensics::with_window(forensics::EXPOSURE_SQL, from_ns, to_ns),
+                    src.format,
+                )
+                .await?;
+                println!("# prevented exposures (reads refused by the tag check)");
+                run_sql(
+                    &ctx,
+                    &forensics::with_window(forensics::PREVENTED_SQL, from_ns, to_ns),
+                    src.format,
+                )
+                .await?;
+                let e = forensics::exposure(&ctx, from_ns, to_ns).await?;
+                println!("# summary\n{}", e.summary());
+                Ok(())
+            })
+        }
+    }
+}
