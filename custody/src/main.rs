@@ -13,6 +13,7 @@ use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{ChatMessage, Config, Engine, Model, SamplingParams, Tokenizer};
 
 mod disagg_cmd;
+#[cfg(feature = "forensics")]
 mod query_cmd;
 
 #[derive(Parser, Debug)]
@@ -48,9 +49,11 @@ enum Cmd {
     /// tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
     BenchDisagg(disagg_cmd::BenchDisaggArgs),
     /// SQL over an audit root: only files named by a verified digest chain (the tool says so).
+    #[cfg(feature = "forensics")]
     /// `-c SQL`, `-f FILE`, or an interactive prompt (`\d`, `\d table`, `\q`).
     Query(query_cmd::QueryArgs),
     /// Canned forensic questions over an audit root (each prints its SQL with --show-sql).
+    #[cfg(feature = "forensics")]
     #[command(subcommand)]
     Forensics(query_cmd::ForensicsCmd),
 }
@@ -202,7 +205,9 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),
         Cmd::BenchDisagg(a) => disagg_cmd::bench_disagg(a),
+        #[cfg(feature = "forensics")]
         Cmd::Query(a) => query_cmd::query(a),
+        #[cfg(feature = "forensics")]
         Cmd::Forensics(c) => query_cmd::forensics_cmd(c, parse_utc),
     }
 }

@@ -851,3 +851,44 @@ fn transport_probe_points_are_exported_and_start_with_a_five_byte_nop() {
         assert_eq!(head, [0x0f, 0x1f, 0x44, 0x00, 0x00]);
     }
 }
+
+/// The pair refuses to run on a mismatch (here: context length and page size), over the real
+/// control plane, before any transfer can happen.
+#[test]
+fn handshake_refuses_a_mismatched_pair() {
+    let (pe, de) = (
+        Engine::new(model(), cfg(2048, 64)).expect("prefill"),
+        Engine::new(
+            model(),
+            EngineConfig {
+                page_size: 32,
+                ..cfg(1024, 64)
+            },
+        )
+        .expect("decode"),
+    );
+    let opts = PairOptions {
+        prefill: PrefillOptions {
+            node_id: 1,
+            unsafe_: UnsafeReproduction::default(),
+            fingerprint: fingerprint(),
+            reserve_wait: Duration::from_secs(1),
+        },
+        decode: DecodeOptions {
+            node_id: 2,
+            transport_listen: "127.0.0.1:0".parse().expect("addr"),
+            checksum: true,
+            reservation_lease: Duration::from_secs(1),
+            unsafe_: UnsafeReproduction::default(),
+            fingerprint: fingerprint(),
+        },
+    };
+    let err = Pair::start(pe, de, opts).expect_err("mismatched pair must not start");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("refuses to run")
+            && msg.contains("page_size")
+            && msg.contains("context length"),
+        "{msg}"
+    );
+}
