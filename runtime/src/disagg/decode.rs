@@ -61,7 +61,7 @@ enum Cmd {
     Abort(u64, String, oneshot::Sender<bool>),
     Stats(oneshot::Sender<DecodeStats>),
     Fault(DecodeFault),
-    Inspect(Vec<u32>, oneshot::Sender<Vec<Vec<u8>>>),
+    Inspect(usize, Vec<u32>, oneshot::Sender<Vec<Vec<u8>>>),
 }
 
 /// Fault injection into a running decode node (tests only, named as such).
@@ -569,10 +569,10 @@ impl Node {
             Cmd::Stats(tx) => {
                 let _ = tx.send(self.stats());
             }
-            Cmd::Inspect(pages, tx) => {
+            Cmd::Inspect(layer, pages, tx) => {
                 let pool = self.engine.pool();
                 let g = pool.geometry();
-                let k = pool.k_cache(0);
+                let k = pool.k_cache(layer);
                 let out = pages
                     .iter()
                     .map(|&p| {
@@ -721,12 +721,12 @@ impl DecodeHandle {
         rx.await.ok()
     }
 
-    /// Test oracle only: the raw layer-0 K bytes of `pages` (page layout `[kv_head][slot][dim]`),
+    /// Test oracle only: the raw K bytes of `layer` for `pages` (page layout `[kv_head][slot][dim]`),
     /// read straight from pool memory *without* the tag check — what an attacker with the
     /// incident's bug would attend over. Never used by serving code.
-    pub fn inspect_layer0_k_blocking(&self, pages: Vec<u32>) -> Option<Vec<Vec<u8>>> {
+    pub fn inspect_k_blocking(&self, layer: usize, pages: Vec<u32>) -> Option<Vec<Vec<u8>>> {
         let (tx, rx) = oneshot::channel();
-        self.send(Cmd::Inspect(pages, tx)).ok()?;
+        self.send(Cmd::Inspect(layer, pages, tx)).ok()?;
         rx.blocking_recv().ok()
     }
 

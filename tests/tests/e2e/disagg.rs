@@ -381,7 +381,12 @@ fn audit_foreign_slots(events: &[AEv], reader: u64) -> (usize, usize) {
     (foreign, unchecked)
 }
 
-/// Layer-0 K rows (all KV heads) of slots `0..n` of a block table, from raw page bytes.
+/// The layer whose K rows the oracle compares: the last one, whose K depends on the whole prefix
+/// (layer 0's depends only on token and position, so two prompts sharing a token at a position
+/// would be indistinguishable there).
+const ORACLE_LAYER: usize = 29;
+
+/// K rows (all KV heads) of slots `0..n` of a block table, from raw page bytes.
 fn k_rows(
     pages: &[Vec<u8>],
     n: usize,
@@ -495,7 +500,7 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
     let b_bytes = nodes
         .pair
         .decode
-        .inspect_layer0_k_blocking(b_pages)
+        .inspect_k_blocking(ORACLE_LAYER, b_pages)
         .expect("inspect");
     let b_rows = k_rows(&b_bytes, b_prompt.len(), ps, heads, hd);
     let mut dict: HashMap<Vec<u8>, usize> = HashMap::new();
@@ -507,7 +512,17 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
         let mut toks = p.clone();
         toks.extend_from_slice(&out[..out.len() - 1]);
         sink.events.lock().expect("lock").clear();
-        colo.score(&toks).expect("score");
+        // Generate as the pair did (prompt as a batch, then token by token), so the KV
+        // of every position has the same arithmetic as the one the pair wrote.
+        colo.submit(req(
+            "oracle",
+            toks[..toks.len() - (out.len() - 1)].to_vec(),
+            out.len(),
+        ))
+        .expect("oracle request");
+        while colo.has_work() {
+            colo.step();
+        }
         let pages: Vec<u32> = sink
             .events
             .lock()
@@ -527,7 +542,7 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
             .iter()
             .map(|&pg| {
                 let r = g.offset(pg as usize, 0, 0)..g.offset(pg as usize + 1, 0, 0);
-                colo.pool().k_cache(0)[r]
+                colo.pool().k_cache(ORACLE_LAYER)[r]
                     .iter()
                     .flat_map(|x| x.to_bits().to_le_bytes())
                     .collect()
@@ -891,4 +906,272 @@ fn handshake_refuses_a_mismatched_pair() {
             && msg.contains("context length"),
         "{msg}"
     );
+}
+
+/// One incident scenario for the parameterised accuracy test.
+struct Scenario {
+    page_size: usize,
+    prefill_mib: usize,
+    decode_mib: usize,
+    /// Tenants whose confidential prompts fill the decode pool first, and prompts per tenant.
+    victims: &'static [&'static str],
+    per_tenant: usize,
+    /// The over-length prompt's length (> the prefill pool, ≤ the decode pool).
+    b_len: u32,
+    seed: u64,
+}
+
+/// Run the incident under `sc`; return (oracle foreign slots per source tenant, the forensic
+/// SQL's answer for the victim request) — they must be equal.
+fn run_scenario(sc: &Scenario) -> (std::collections::BTreeMap<String, u64>, Vec<(String, u64)>) {
+    use custody_runtime::sampling::Rng;
+    let mk = |mib| EngineConfig {
+        page_size: sc.page_size,
+        ..cfg(1024, mib)
+    };
+    let root = std::env::temp_dir().join(format!(
+        "custody-scenario-{}-{}",
+        std::process::id(),
+        sc.seed
+    ));
+    let _ = std::fs::remove_dir_all(&root);
+    let key = custody_audit::digest::generate_key().expect("key");
+    let open = |node| {
+        Arc::new(
+            custody_audit::writer::AuditWriter::open(custody_audit::writer::WriterConfig::new(
+                &root,
+                node,
+                key.clone(),
+            ))
+            .expect("writer"),
+        )
+    };
+    let (pw, dw) = (open(1), open(2));
+    let sinks: Writers = (pw.clone(), dw.clone());
+    let nodes = start_pair_with(
+        mk(sc.prefill_mib),
+        mk(sc.decode_mib),
+        all_unsafe(),
+        Duration::from_secs(30),
+        Some(sinks),
+    );
+    let tok = tokenizer();
+    let mut rng = Rng::new(sc.seed);
+    let mut victims: Vec<(String, Vec<u32>)> = Vec::new();
+    for (ti, t) in sc.victims.iter().enumerate() {
+        for k in 0..sc.per_tenant {
+            // A distinct first word per prompt: prompts share no prefix, so no KV row is shared.
+            let head = [
+                "Zebra", "Quartz", "Mango", "Falcon", "Walnut", "Copper", "Violet",
+            ][ti * sc.per_tenant + k];
+            let text = format!(
+                "{head}: private record {k} of {t}: customer ids {}. Contract value {} on day {}. Internal notes: {}.",
+                (0..14)
+                    .map(|_| (rng.next_u64() % 900_000 + 100_000).to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                rng.next_u64() % 1_000_000,
+                rng.next_u64() % 28 + 1,
+                (0..10)
+                    .map(|_| [
+                        "alpha", "bravo", "delta", "echo", "kilo", "lima", "oscar", "tango"
+                    ][(rng.next_u64() % 8) as usize])
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
+            let p = tok.encode(&text, true).expect("encode");
+            assert!(
+                p.len() >= 60 && p.len() <= 240,
+                "prompt of {} tokens",
+                p.len()
+            );
+            victims.push(((*t).to_owned(), p));
+        }
+    }
+    let reqs: Vec<_> = victims.iter().map(|(t, p)| req(t, p.clone(), 8)).collect();
+    let outs: Vec<Vec<u32>> = nodes
+        .pair
+        .generate_many(&reqs)
+        .into_iter()
+        .map(|r| r.expect("victim served").tokens)
+        .collect();
+    let b_prompt: Vec<u32> = (0..sc.b_len)
+        .map(|_| 1000 + (rng.next_u64() % 5000) as u32)
+        .collect();
+    nodes
+        .pair
+        .generate(&req("tenant-b", b_prompt.clone(), 8))
+        .expect("legacy path serves it");
+    let events = nodes.decode_audit.events.lock().expect("lock").clone();
+    let b_id = events
+        .iter()
+        .find_map(|e| match e {
+            AEv::Request {
+                request,
+                tenant,
+                kind: custody_audit::RequestKind::Admitted,
+                ..
+            } if &**tenant == "tenant-b" => Some(*request),
+            _ => None,
+        })
+        .expect("B admitted on decode");
+    let b_pages: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            AEv::Page {
+                request,
+                page,
+                kind: PageKind::Alloc,
+                ..
+            } if *request == b_id => Some(*page),
+            _ => None,
+        })
+        .collect();
+    let mc = model().config.clone();
+    let b_bytes = nodes
+        .pair
+        .decode
+        .inspect_k_blocking(ORACLE_LAYER, b_pages)
+        .expect("inspect");
+    let b_rows = k_rows(
+        &b_bytes,
+        b_prompt.len(),
+        sc.page_size,
+        mc.n_kv_heads,
+        mc.head_dim,
+    );
+    // The oracle: A's KV as a separate colocated engine computes it, matched byte for byte.
+    let sink = MemorySink::default();
+    let mut colo = Engine::new(model(), mk(32))
+        .expect("colocated")
+        .with_audit(Arc::new(sink.clone()));
+    let mut dict: HashMap<Vec<u8>, String> = HashMap::new();
+    for ((t, p), out) in victims.iter().zip(&outs) {
+        let mut toks = p.clone();
+        toks.extend_from_slice(&out[..out.len() - 1]);
+        sink.events.lock().expect("lock").clear();
+        // Generate as the pair did (prompt as a batch, then token by token), so the KV
+        // of every position has the same arithmetic as the one the pair wrote.
+        colo.submit(req(
+            "oracle",
+            toks[..toks.len() - (out.len() - 1)].to_vec(),
+            out.len(),
+        ))
+        .expect("oracle request");
+        while colo.has_work() {
+            colo.step();
+        }
+        let pages: Vec<u32> = sink
+            .events
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter_map(|e| match e {
+                AEv::Page {
+                    page,
+                    kind: PageKind::Alloc,
+                    ..
+                } => Some(*page),
+                _ => None,
+            })
+            .collect();
+        let g = colo.pool().geometry();
+        let raw: Vec<Vec<u8>> = pages
+            .iter()
+            .map(|&pg| {
+                let r = g.offset(pg as usize, 0, 0)..g.offset(pg as usize + 1, 0, 0);
+                colo.pool().k_cache(ORACLE_LAYER)[r]
+                    .iter()
+                    .flat_map(|x| x.to_bits().to_le_bytes())
+                    .collect()
+            })
+            .collect();
+        for row in k_rows(&raw, toks.len(), sc.page_size, mc.n_kv_heads, mc.head_dim) {
+            dict.insert(row, t.clone());
+        }
+    }
+    let mut oracle: std::collections::BTreeMap<String, u64> = Default::default();
+    for r in b_rows.iter().skip(1) {
+        if let Some(t) = dict.get(r) {
+            *oracle.entry(t.clone()).or_default() += 1;
+        }
+    }
+    drop(nodes);
+    pw.close().expect("seal");
+    dw.close().expect("seal");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("rt");
+    let exposure = rt.block_on(async {
+        let vs = custody_query::session_over_verified(&root, Some(&key.verifying_key()))
+            .await
+            .expect("session");
+        assert!(vs.report.problems.is_empty(), "{:?}", vs.report.problems);
+        custody_query::prepare_forensics(&vs.ctx)
+            .await
+            .expect("prepare");
+        custody_query::forensics::exposure(&vs.ctx, None, None)
+            .await
+            .expect("exposure")
+    });
+    let _ = std::fs::remove_dir_all(&root);
+    assert_eq!(
+        exposure.affected_responses(),
+        usize::from(!oracle.is_empty()),
+        "{exposure:?}"
+    );
+    let sql = exposure
+        .affected
+        .first()
+        .map(|a| {
+            assert_eq!((a.request, a.recipient_tenant.as_str()), (b_id, "tenant-b"));
+            a.sources.clone()
+        })
+        .unwrap_or_default();
+    (oracle, sql)
+}
+
+/// Accuracy is the product: on scenarios the tool was not tuned on (page sizes, pool sizes,
+/// several source tenants, seeds), the forensic SQL's answer equals the byte oracle exactly —
+/// same affected request, same source tenants, same foreign-slot counts.
+#[test]
+fn exposure_report_equals_the_oracle_across_scenarios() {
+    let scenarios = [
+        Scenario {
+            page_size: 32,
+            prefill_mib: 6,
+            decode_mib: 17,
+            victims: &["tenant-a", "tenant-c"],
+            per_tenant: 2,
+            b_len: 400,
+            seed: 11,
+        },
+        Scenario {
+            page_size: 8,
+            prefill_mib: 6,
+            decode_mib: 20,
+            victims: &["tenant-a", "tenant-c", "tenant-d"],
+            per_tenant: 1,
+            b_len: 300,
+            seed: 29,
+        },
+    ];
+    for sc in &scenarios {
+        let (oracle, sql) = run_scenario(sc);
+        eprintln!(
+            "page {} victims {:?}: oracle {oracle:?}, SQL {sql:?}",
+            sc.page_size, sc.victims
+        );
+        assert!(
+            !oracle.is_empty(),
+            "the scenario must leak (page {})",
+            sc.page_size
+        );
+        let sql_map: std::collections::BTreeMap<String, u64> = sql.into_iter().collect();
+        assert_eq!(
+            sql_map, oracle,
+            "page size {}: SQL answer != oracle",
+            sc.page_size
+        );
+    }
 }
