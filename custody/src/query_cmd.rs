@@ -60,6 +60,26 @@ pub(crate) enum ForensicsCmd {
         #[arg(long)]
         to: Option<String>,
     },
+    /// Blast radius of one tenant: whose data it could have seen, and who could have seen its.
+    Tenant {
+        #[command(flatten)]
+        src: Source,
+        tenant: String,
+        #[arg(long)]
+        show_sql: bool,
+    },
+    /// The timeline of one request on one node: admission, pages and who wrote them, transfers,
+    /// reads, violations, release.
+    Request {
+        #[command(flatten)]
+        src: Source,
+        /// Node id (request ids are per node).
+        #[arg(long)]
+        node: u32,
+        request: u64,
+        #[arg(long)]
+        show_sql: bool,
+    },
 }
 
 async fn session(src: &Source) -> Result<SessionContext> {
@@ -232,8 +252,30 @@ async fn interactive(ctx: &SessionContext, format: Format) -> Result<()> {
     Ok(())
 }
 
+fn canned(src: &Source, sql: String, show_sql: bool) -> Result<()> {
+    if show_sql {
+        println!("{};", sql.trim());
+        return Ok(());
+    }
+    runtime()?.block_on(async {
+        let ctx = session(src).await?;
+        run_sql(&ctx, &sql, src.format).await
+    })
+}
+
 pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>) -> Result<()> {
     match c {
+        ForensicsCmd::Tenant {
+            src,
+            tenant,
+            show_sql,
+        } => canned(&src, forensics::tenant_sql(&tenant, None, None), show_sql),
+        ForensicsCmd::Request {
+            src,
+            node,
+            request,
+            show_sql,
+        } => canned(&src, forensics::request_sql(node, request), show_sql),
         ForensicsCmd::Exposure {
             src,
             show_sql,

@@ -48,6 +48,63 @@ GROUP BY node_id, request_id, tenant, src_tenant
 ORDER BY node_id, request_id, source_tenant
 "#;
 
+/// Blast radius of tenant `{tenant}`: every (recipient, source) pair of the exposure answer that
+/// involves it — whose data it could have seen (`direction = 'received'`) and who could have seen
+/// its data (`direction = 'exposed_to'`).
+pub const TENANT_SQL: &str = r#"
+WITH e AS ({exposure})
+SELECT 'received' AS direction, source_tenant AS other_tenant,
+       CAST(COUNT(*) AS BIGINT) AS responses, CAST(SUM(foreign_slots) AS BIGINT) AS foreign_slots
+FROM e WHERE recipient_tenant = '{tenant}' GROUP BY source_tenant
+UNION ALL
+SELECT 'exposed_to' AS direction, recipient_tenant AS other_tenant,
+       CAST(COUNT(*) AS BIGINT) AS responses, CAST(SUM(foreign_slots) AS BIGINT) AS foreign_slots
+FROM e WHERE source_tenant = '{tenant}' GROUP BY recipient_tenant
+ORDER BY direction, other_tenant
+"#;
+
+/// The timeline of request `{request}` on node `{node}`: admission, every page it held (and who
+/// wrote it), transfers, reads, violations, release — in the node's sequence order.
+pub const REQUEST_SQL: &str = r#"
+SELECT seq, wall_ns, 'request' AS what, event AS detail, CAST(NULL AS INT) AS page,
+       CAST(NULL AS INT) AS generation, reason AS info
+  FROM all_requests WHERE node_id = {node} AND request_id = {request}
+UNION ALL
+SELECT seq, wall_ns, 'page', event, CAST(page AS INT), CAST(generation AS INT),
+       CONCAT(COALESCE(writer, ''), ' ', COALESCE(CAST(slot_start AS VARCHAR), ''), '..', COALESCE(CAST(slot_end AS VARCHAR), ''))
+  FROM all_page_events WHERE node_id = {node} AND request_id = {request}
+UNION ALL
+SELECT seq, wall_ns, 'transfer', outcome, CAST(dst_page AS INT), CAST(dst_generation AS INT),
+       CONCAT('transfer ', CAST(transfer_id AS VARCHAR), ' from node ', CAST(src_node AS VARCHAR), ', ', CAST(bytes AS VARCHAR), ' B')
+  FROM all_transfers WHERE node_id = {node} AND request_id = {request}
+UNION ALL
+SELECT seq, wall_ns, 'read', verdict, CAST(page AS INT), CAST(generation AS INT),
+       CONCAT('slots ', CAST(slot_start AS VARCHAR), '..', CAST(slot_end AS VARCHAR), ', steps ', CAST(first_step AS VARCHAR), '..', CAST(last_step AS VARCHAR))
+  FROM all_page_reads WHERE node_id = {node} AND request_id = {request}
+UNION ALL
+SELECT seq, wall_ns, 'violation', kind, CAST(page AS INT), CAST(generation AS INT), detail
+  FROM all_integrity_violations WHERE node_id = {node} AND request_id = {request}
+ORDER BY seq
+"#;
+
+/// The tenant question for `tenant` (quotes in the id are escaped).
+pub fn tenant_sql(tenant: &str, from_ns: Option<i64>, to_ns: Option<i64>) -> String {
+    let exposure = with_window(EXPOSURE_SQL, from_ns, to_ns);
+    let exposure = exposure
+        .trim()
+        .replace("ORDER BY node_id, request_id, source_tenant", "");
+    TENANT_SQL
+        .replace("{exposure}", &exposure)
+        .replace("{tenant}", &tenant.replace('\'', "''"))
+}
+
+/// The request timeline for (`node`, `request`).
+pub fn request_sql(node: u32, request: u64) -> String {
+    REQUEST_SQL
+        .replace("{node}", &node.to_string())
+        .replace("{request}", &request.to_string())
+}
+
 /// Reads the tag check refused: exposures that did not happen.
 pub const PREVENTED_SQL: &str = r#"
 SELECT node_id, request_id, tenant, page, generation, kind, detail, wall_ns

@@ -584,9 +584,38 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
         custody_query::prepare_forensics(&vs.ctx)
             .await
             .expect("prepare");
-        custody_query::forensics::exposure(&vs.ctx, None, None)
+        let e = custody_query::forensics::exposure(&vs.ctx, None, None)
             .await
-            .expect("exposure")
+            .expect("exposure");
+        // The tenant and request questions over the same files.
+        let t = vs
+            .ctx
+            .sql(&custody_query::forensics::tenant_sql(
+                "tenant-b", None, None,
+            ))
+            .await
+            .expect("tenant sql")
+            .collect()
+            .await
+            .expect("tenant");
+        assert_eq!(
+            t.iter().map(|b| b.num_rows()).sum::<usize>(),
+            1,
+            "B received from A only"
+        );
+        let r = vs
+            .ctx
+            .sql(&custody_query::forensics::request_sql(2, b_id))
+            .await
+            .expect("request sql")
+            .collect()
+            .await
+            .expect("request");
+        assert!(
+            r.iter().map(|b| b.num_rows()).sum::<usize>() >= 4,
+            "admitted, alloc, transfer, reads, release"
+        );
+        e
     });
     eprintln!("{}", exposure.summary());
     assert_eq!(exposure.affected_responses(), 1, "{exposure:?}");
