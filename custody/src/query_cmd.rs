@@ -68,6 +68,14 @@ pub(crate) enum ForensicsCmd {
         #[arg(long)]
         show_sql: bool,
     },
+    /// Anomalies: prompts not fully transferred (prefill implausibly fast for the prompt), reads
+    /// of pages with no write in their generation, transfers not completed, sequence gaps.
+    Anomalies {
+        #[command(flatten)]
+        src: Source,
+        #[arg(long)]
+        show_sql: bool,
+    },
     /// The timeline of one request on one node: admission, pages and who wrote them, transfers,
     /// reads, violations, release.
     Request {
@@ -270,6 +278,9 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             tenant,
             show_sql,
         } => canned(&src, forensics::tenant_sql(&tenant, None, None), show_sql),
+        ForensicsCmd::Anomalies { src, show_sql } => {
+            canned(&src, forensics::ANOMALIES_SQL.to_owned(), show_sql)
+        }
         ForensicsCmd::Request {
             src,
             node,

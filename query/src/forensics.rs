@@ -87,6 +87,51 @@ SELECT seq, wall_ns, 'violation', kind, CAST(page AS INT), CAST(generation AS IN
 ORDER BY seq
 "#;
 
+/// Anomalies, one row each: `kind`, node, request, and a detail. Kinds:
+/// - `short_transfer`: a decode-side request whose prompt was not fully delivered — fewer slots
+///   written by transfer than its prompt has (the incident's "prefill faster than physically
+///   possible": 1 token computed for a long prompt);
+/// - `read_without_write`: a read of a (page, generation) that has no write in that generation
+///   (the request attended slots nobody wrote for it);
+/// - `transfer_not_completed`: a transfer whose outcome is not `completed`/`verified`;
+/// - `sequence_gap`: a node whose sequence numbers (across all tables) have holes — rows missing.
+pub const ANOMALIES_SQL: &str = r#"
+WITH xfer AS (
+  SELECT node_id, request_id, SUM(slot_end - slot_start) AS slots
+  FROM all_page_events WHERE event = 'write' AND writer = 'transfer'
+  GROUP BY node_id, request_id
+),
+adm AS (
+  SELECT node_id, request_id, MAX(prompt_tokens) AS prompt_tokens
+  FROM all_requests WHERE event = 'admitted' GROUP BY node_id, request_id
+),
+seqs AS (
+  SELECT node_id, seq FROM all_requests UNION ALL SELECT node_id, seq FROM all_page_events
+  UNION ALL SELECT node_id, seq FROM all_page_reads UNION ALL SELECT node_id, seq FROM all_transfers
+  UNION ALL SELECT node_id, seq FROM all_integrity_violations UNION ALL SELECT node_id, seq FROM all_writer_events
+  UNION ALL SELECT node_id, seq FROM all_node_events
+)
+SELECT 'short_transfer' AS kind, a.node_id, a.request_id,
+       CONCAT('prompt of ', CAST(a.prompt_tokens AS VARCHAR), ' tokens, ', CAST(x.slots AS VARCHAR), ' slots transferred') AS detail
+  FROM adm a JOIN xfer x ON a.node_id = x.node_id AND a.request_id = x.request_id
+  WHERE x.slots < a.prompt_tokens
+UNION ALL
+SELECT 'read_without_write', r.node_id, r.request_id,
+       CONCAT('page ', CAST(r.page AS VARCHAR), ' generation ', CAST(r.generation AS VARCHAR), ' read (', r.verdict, ') with no write in that generation')
+  FROM all_page_reads r LEFT JOIN (SELECT DISTINCT node_id, page, generation FROM all_page_events WHERE event = 'write') w
+    ON r.node_id = w.node_id AND r.page = w.page AND r.generation = w.generation
+  WHERE w.page IS NULL
+UNION ALL
+SELECT 'transfer_not_completed', node_id, request_id,
+       CONCAT('transfer ', CAST(transfer_id AS VARCHAR), ': ', outcome)
+  FROM all_transfers WHERE outcome <> 'completed' AND outcome <> 'verified'
+UNION ALL
+SELECT 'sequence_gap', node_id, CAST(NULL AS BIGINT UNSIGNED),
+       CONCAT(CAST(MAX(seq) - MIN(seq) + 1 - COUNT(*) AS VARCHAR), ' rows missing between seq ', CAST(MIN(seq) AS VARCHAR), ' and ', CAST(MAX(seq) AS VARCHAR))
+  FROM seqs GROUP BY node_id HAVING MAX(seq) - MIN(seq) + 1 <> COUNT(*)
+ORDER BY kind, node_id, request_id
+"#;
+
 /// The tenant question for `tenant` (quotes in the id are escaped).
 pub fn tenant_sql(tenant: &str, from_ns: Option<i64>, to_ns: Option<i64>) -> String {
     let exposure = with_window(EXPOSURE_SQL, from_ns, to_ns);

@@ -615,6 +615,26 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
             r.iter().map(|b| b.num_rows()).sum::<usize>() >= 4,
             "admitted, alloc, transfer, reads, release"
         );
+        // The anomalies include the incident's signature for B: its 400-token prompt arrived as
+        // one transferred slot, and it read pages with no write in their generation.
+        let an = vs
+            .ctx
+            .sql(custody_query::forensics::ANOMALIES_SQL)
+            .await
+            .expect("anomalies sql")
+            .collect()
+            .await
+            .expect("anomalies");
+        let text = custody_query::datafusion::arrow::util::pretty::pretty_format_batches(&an)
+            .expect("format")
+            .to_string();
+        assert!(
+            text.contains("short_transfer")
+                && text.contains("prompt of 400 tokens, 1 slots transferred"),
+            "{text}"
+        );
+        assert!(text.contains("read_without_write"), "{text}");
+        assert!(!text.contains("sequence_gap"), "{text}");
         e
     });
     eprintln!("{}", exposure.summary());
