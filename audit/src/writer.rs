@@ -167,7 +167,7 @@ impl AuditWriter {
         let handle = std::thread::Builder::new()
             .name(format!("audit-writer-{}", cfg.node))
             .spawn(move || {
-                let r = st.run(rx, &d);
+                let r = st.run(rx, &d, &cpu);
                 cpu.store(thread_cpu_ns(), Ordering::Relaxed);
                 if let Err(e) = r {
                     tracing::error!(error = %e, "audit writer stopped: the engine must stop serving");
@@ -218,8 +218,9 @@ impl AuditWriter {
             .map_err(WriterError::Closed)
     }
 
-    /// CPU time of the writer thread in ns, available after [`AuditWriter::close`] (0 before, or
-    /// where `/proc/thread-self/schedstat` is unavailable).
+    /// CPU time of the writer thread in ns as of the last [`AuditWriter::sync`] or, after
+    /// [`AuditWriter::close`], in total (0 before either, or where `/proc/thread-self/schedstat`
+    /// is unavailable).
     pub fn writer_cpu_ns(&self) -> u64 {
         self.cpu_ns.load(Ordering::Relaxed)
     }
@@ -423,7 +424,12 @@ impl State {
         fsync_dir(&dir)
     }
 
-    fn run(&mut self, rx: Receiver<Msg>, dropped: &AtomicU64) -> Result<(), WriterError> {
+    fn run(
+        &mut self,
+        rx: Receiver<Msg>,
+        dropped: &AtomicU64,
+        cpu_ns: &AtomicU64,
+    ) -> Result<(), WriterError> {
         // Polling, not blocking: while the queue has room, a producer's `record` never has to
         // wake this thread (no syscall on the hot path). An idle writer naps, backing off from
         // 100 µs to 20 ms so that it does not steal the compute threads' cores with wake-ups; the
@@ -449,6 +455,8 @@ impl State {
                 }
                 Ok(Msg::Sync(reply)) => {
                     let r = self.flush_batch(true).map(|()| self.next_seq);
+                    // CPU so far, readable after `sync` returns (steady-state cost, before sealing).
+                    cpu_ns.store(thread_cpu_ns(), Ordering::Relaxed);
                     let _ = reply.send(r.as_ref().map(|v| *v).map_err(|e| e.to_string()));
                     r?;
                     last_flush = Instant::now();

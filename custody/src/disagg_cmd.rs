@@ -133,6 +133,14 @@ async fn shutdown_signal(tx: tokio::sync::oneshot::Sender<()>) {
     let _ = tx.send(());
 }
 
+fn transport_kind(
+    d: &custody_runtime::config::DisaggSection,
+) -> Result<custody_runtime::transport::TransportKind> {
+    let device = (!d.verbs_device.is_empty()).then_some(d.verbs_device.as_str());
+    custody_runtime::transport::TransportKind::parse(&d.transport, device)
+        .context("[disagg] transport")
+}
+
 fn addr(s: &str, what: &str) -> Result<SocketAddr> {
     s.parse()
         .with_context(|| format!("invalid {what} address {s:?} (want host:port)"))
@@ -144,6 +152,7 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
     let opts = DecodeOptions {
         node_id: r.node,
         transport_listen: addr(&r.cfg.disagg.decode_transport, "disagg.decode_transport")?,
+        transport_kind: transport_kind(&r.cfg.disagg)?,
         checksum: r.cfg.disagg.checksum,
         reservation_lease: Duration::from_millis(a.lease_ms),
         unsafe_: r.unsafe_,
@@ -156,8 +165,8 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding the control plane on {control}"))?;
         eprintln!(
-            "decode node {} ready: control {control}, KV transport {}",
-            r.node, h.transport_addr
+            "decode node {} ready: control {control}, KV transport {} {}",
+            r.node, h.info.transport, h.transport_addr
         );
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(shutdown_signal(tx));
@@ -178,6 +187,7 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         unsafe_: r.unsafe_,
         fingerprint: r.fingerprint,
         reserve_wait: Duration::from_secs(30),
+        transport_kind: transport_kind(&r.cfg.disagg)?,
     };
     let rt = runtime()?;
     let mut engine = Some(r.engine);
@@ -353,7 +363,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
 
     let t = transfer_bench(geom, layers, a.pages, a.reps);
     println!(
-        "transfer {} pages ({:.1} MiB): memcpy {:.2} GB/s | tcp loopback {:.2} GB/s = {:.2}x memcpy | tcp + checksum (both ends) {:.2} GB/s = {:.2}x memcpy | checksum alone {:.2} GB/s",
+        "transfer {} pages ({:.1} MiB): memcpy {:.2} GB/s | tcp loopback {:.2} GB/s = {:.2}x memcpy | tcp + checksum (hashed at prefill completion, verified on landing) {:.2} GB/s = {:.2}x memcpy | tcp + checksum hashed inside the transfer {:.2} GB/s = {:.2}x memcpy | checksum alone {:.2} GB/s",
         a.pages,
         t.bytes as f64 / (1 << 20) as f64,
         t.gbps(t.memcpy_s),
@@ -361,6 +371,8 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         t.memcpy_s / t.transfer_s,
         t.gbps(t.transfer_checksum_s),
         t.memcpy_s / t.transfer_checksum_s,
+        t.gbps(t.transfer_checksum_inline_s),
+        t.memcpy_s / t.transfer_checksum_inline_s,
         t.gbps(t.checksum_only_s),
     );
 
@@ -387,10 +399,12 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             unsafe_: UnsafeReproduction::default(),
             fingerprint: fingerprint.clone(),
             reserve_wait: Duration::from_secs(30),
+            transport_kind: Default::default(),
         },
         decode: DecodeOptions {
             node_id: 2,
             transport_listen: "127.0.0.1:0".parse()?,
+            transport_kind: Default::default(),
             checksum: true,
             reservation_lease: Duration::from_secs(30),
             unsafe_: UnsafeReproduction::default(),

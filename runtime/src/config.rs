@@ -47,6 +47,11 @@ pub struct DisaggSection {
     pub decode_control: String,
     /// Decode: KV transport (tcp) listen address; advertised to prefill in the handshake.
     pub decode_transport: String,
+    /// KV transport of both nodes: "tcp" (software, everywhere) or "verbs" (RDMA; needs a build
+    /// with `--features rdma` and a device). Both nodes must agree (the handshake checks).
+    pub transport: String,
+    /// With `transport = "verbs"`: the device (e.g. "mlx5_0"); empty = the first one.
+    pub verbs_device: String,
     /// Prefill: gRPC front-door listen address (clients submit generations here).
     pub prefill_listen: String,
     /// Verify a checksum of every transferred page before marking it written.
@@ -60,6 +65,8 @@ impl Default for DisaggSection {
         Self {
             decode_control: "127.0.0.1:7071".into(),
             decode_transport: "127.0.0.1:7072".into(),
+            transport: "tcp".into(),
+            verbs_device: String::new(),
             prefill_listen: "127.0.0.1:7070".into(),
             checksum: true,
             release_fill: crate::kv::ReleaseFill::None,

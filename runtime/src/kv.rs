@@ -22,6 +22,9 @@
 use custody_kernels::attention::{self, IntegrityError, PageGeometry, PageRef, TagCheck, TagView};
 use half::f16;
 
+/// Most destinations [`PagePool::land_dests`] hands out at once (one vectored read).
+pub const MAX_LAND_DESTS: usize = 64;
+
 /// Owner value of a free page. Request ids start at 1.
 pub const NO_OWNER: u64 = 0;
 
@@ -61,6 +64,9 @@ pub struct PagePool {
     stamp_generation: Vec<u32>,
     /// Per page: (slots, checksum) of the last transfer header that landed in it.
     landed: Vec<(u32, u64)>,
+    /// Per page: the header area of its transfer region, as bytes land in it directly
+    /// ([`PagePool::land_dest`]); decoded by [`PagePool::land_done`].
+    hdr_area: Vec<[u8; TRANSFER_HDR_BYTES]>,
     release_fill: ReleaseFill,
     /// Free pages (a stack: the most recently released page is reused first, which is the
     /// worst case for stale reads and so the right default for exercising the tag check).
@@ -85,6 +91,7 @@ impl PagePool {
             stamp_owner: vec![NO_OWNER; n_pages],
             stamp_generation: vec![0; n_pages],
             landed: vec![(0, 0); n_pages],
+            hdr_area: vec![[0; TRANSFER_HDR_BYTES]; n_pages],
             release_fill: ReleaseFill::None,
         }
     }
@@ -195,6 +202,117 @@ impl PagePool {
             rest = &rest[n..];
             pos += n;
         }
+        Ok(())
+    }
+
+    /// Direct landing (a transport reading from its wire straight into the pool): the longest
+    /// contiguous destination of at most `max_len` bytes at `offset` of page `page`'s region
+    /// layout — the header area, or part of one layer's K or V chunk. Bytes written there are
+    /// data (never tags); a header takes effect only in [`PagePool::land_done`].
+    pub fn land_dest(
+        &mut self,
+        page: u32,
+        offset: usize,
+        max_len: usize,
+    ) -> Result<&mut [u8], LandError> {
+        let p = page as usize;
+        let lb = self.page_layer_bytes();
+        if p >= self.n_pages || offset >= TRANSFER_HDR_BYTES + 2 * self.n_layers() * lb {
+            return Err(LandError(format!(
+                "write at page {page} offset {offset} is outside the pool"
+            )));
+        }
+        if max_len == 0 {
+            return Err(LandError("empty destination requested".into()));
+        }
+        if offset < TRANSFER_HDR_BYTES {
+            let end = TRANSFER_HDR_BYTES.min(offset + max_len);
+            return Ok(&mut self.hdr_area[p][offset..end]);
+        }
+        let rel = offset - TRANSFER_HDR_BYTES;
+        let (chunk, within) = (rel / lb, rel % lb);
+        let n = (lb - within).min(max_len);
+        let (layer, kv) = (chunk / 2, chunk % 2);
+        let base = self.geom.offset(p, 0, 0) * 2;
+        let cache = if kv == 0 {
+            &mut self.k[layer]
+        } else {
+            &mut self.v[layer]
+        };
+        Ok(&mut f16_bytes_mut(cache)[base + within..base + within + n])
+    }
+
+    /// Direct landing, gathered: the destinations (at most [`MAX_LAND_DESTS`]) of up to
+    /// `max_len` bytes at `offset` of page `page`'s region layout, in order, appended to `out`
+    /// — so that a transport can fill them with one vectored read.
+    pub fn land_dests<'a>(
+        &'a mut self,
+        page: u32,
+        offset: usize,
+        max_len: usize,
+        out: &mut Vec<&'a mut [u8]>,
+    ) -> Result<(), LandError> {
+        let p = page as usize;
+        let lb = self.page_layer_bytes();
+        let page_len = TRANSFER_HDR_BYTES + 2 * self.n_layers() * lb;
+        if p >= self.n_pages || offset >= page_len {
+            return Err(LandError(format!(
+                "write at page {page} offset {offset} is outside the pool"
+            )));
+        }
+        if max_len == 0 {
+            return Err(LandError("empty destination requested".into()));
+        }
+        let base = self.geom.offset(p, 0, 0) * 2;
+        let end = page_len.min(offset + max_len);
+        let limit = out.len() + MAX_LAND_DESTS;
+        let mut pos = offset;
+        if pos < TRANSFER_HDR_BYTES {
+            let e = TRANSFER_HDR_BYTES.min(end);
+            out.push(&mut self.hdr_area[p][pos..e]);
+            pos = e;
+        }
+        if pos >= end {
+            return Ok(());
+        }
+        let first_chunk = (pos - TRANSFER_HDR_BYTES) / lb;
+        for (layer, (k, v)) in self.k.iter_mut().zip(self.v.iter_mut()).enumerate() {
+            for (kv, cache) in [(0, k), (1, v)] {
+                let c = 2 * layer + kv;
+                if c < first_chunk {
+                    continue;
+                }
+                let chunk_start = TRANSFER_HDR_BYTES + c * lb;
+                if chunk_start >= end || out.len() >= limit {
+                    return Ok(());
+                }
+                let within = pos - chunk_start;
+                let n = (lb - within).min(end - pos);
+                out.push(&mut f16_bytes_mut(cache)[base + within..base + within + n]);
+                pos += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// Direct landing finished `len` bytes at `offset` of page `page`'s region layout: a header
+    /// area written whole is decoded now (exactly as [`PagePool::land`] does); a partly written
+    /// header area is an error.
+    pub fn land_done(&mut self, page: u32, offset: usize, len: usize) -> Result<(), LandError> {
+        let p = page as usize;
+        if p >= self.n_pages {
+            return Err(LandError(format!("page {page} outside the pool")));
+        }
+        if offset >= TRANSFER_HDR_BYTES || len == 0 {
+            return Ok(());
+        }
+        if offset != 0 || len < TRANSFER_HDR_BYTES {
+            return Err(LandError("partial header write".into()));
+        }
+        let h = TransferHeader::decode(&self.hdr_area[p])?;
+        self.stamp_owner[p] = h.owner;
+        self.stamp_generation[p] = h.generation;
+        self.landed[p] = (h.slots, h.checksum);
         Ok(())
     }
 

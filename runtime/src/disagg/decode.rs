@@ -22,16 +22,17 @@ use super::protocol::{ReqEvent, ReqState};
 use super::{MAX_PAGES_PER_REQUEST, MAX_RESERVATIONS, admission_status, check_pair, imm_split};
 use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
-use crate::kv::{LandError, PagePool};
-use crate::transport::tcp::{TargetStats, TcpTransport};
-use crate::transport::{AccessError, KvTransport, TargetMemory};
+
+use crate::transport::{AccessError, FaultInjection, KvTransport, TargetStats, TransportKind};
 
 /// Decode node settings.
 #[derive(Clone, Debug)]
 pub struct DecodeOptions {
     pub node_id: u32,
-    /// KV transport listen address (port 0 = any).
+    /// KV transport listen address (port 0 = any; `tcp` only).
     pub transport_listen: SocketAddr,
+    /// `tcp` or `verbs`.
+    pub transport_kind: TransportKind,
     /// Verify each transferred page's checksum before marking it written.
     pub checksum: bool,
     /// A reservation that is not committed within this time is aborted (its key invalidated
@@ -106,7 +107,7 @@ struct DReq {
 
 struct Node {
     engine: Engine,
-    transport: TcpTransport,
+    transport: Box<dyn KvTransport>,
     opts: DecodeOptions,
     reqs: HashMap<RequestId, DReq>,
     by_slot: HashMap<u32, RequestId>,
@@ -117,36 +118,6 @@ struct Node {
     hold_next: bool,
     info: proto::NodeInfo,
     stride: usize,
-}
-
-/// Lends the pool to the transport: region offset → (page, offset within page).
-struct PoolTarget<'a> {
-    pool: &'a mut PagePool,
-    reqs: &'a HashMap<RequestId, DReq>,
-    by_key: &'a HashMap<u32, RequestId>,
-    stride: usize,
-}
-
-impl TargetMemory for PoolTarget<'_> {
-    fn write(&mut self, rkey: u32, offset: u64, bytes: &[u8]) -> Result<(), AccessError> {
-        let r = self
-            .by_key
-            .get(&rkey)
-            .and_then(|id| self.reqs.get(id))
-            .ok_or_else(|| AccessError(format!("key {rkey} maps to no reservation")))?;
-        let idx = offset as usize / self.stride;
-        let within = offset as usize % self.stride;
-        let pr = *r
-            .pages
-            .get(idx)
-            .ok_or_else(|| AccessError(format!("page index {idx} outside the region")))?;
-        // The key is valid only while its pages belong to the reservation (keys are invalidated
-        // before pages are freed), so the page still carries this generation.
-        debug_assert_eq!(self.pool.tag(pr.page).0, pr.generation);
-        self.pool
-            .land(pr.page, within, bytes)
-            .map_err(|LandError(m)| AccessError(m))
-    }
 }
 
 impl Node {
@@ -176,8 +147,21 @@ impl Node {
 
     fn handshake(&mut self, peer: proto::NodeInfo) -> Result<proto::NodeInfo, Status> {
         check_pair(&peer, &self.info).map_err(Status::failed_precondition)?;
-        tracing::info!(peer = peer.node_id, "prefill node handshake accepted");
-        Ok(self.info.clone())
+        // `verbs`: connect our queue pair to the prefill node's (a repeated handshake is a
+        // reconnect: the old connection's writes fail). `tcp`: the prefill node dials us.
+        self.transport
+            .connect_peer(&peer.transport_addr)
+            .map_err(|e| {
+                Status::unavailable(format!("KV transport cannot connect to the peer: {e}"))
+            })?;
+        tracing::info!(
+            peer = peer.node_id,
+            transport = self.transport.kind(),
+            "prefill node handshake accepted"
+        );
+        let mut info = self.info.clone();
+        info.transport_addr = self.transport.endpoint();
+        Ok(info)
     }
 
     fn reserve(&mut self, req: proto::ReserveRequest) -> Result<proto::ReserveReply, Status> {
@@ -219,7 +203,9 @@ impl Node {
         };
         if self.hold_next {
             self.hold_next = false;
-            self.transport.fault_inject_hold_key(region.rkey);
+            let _ = self
+                .transport
+                .fault_inject(FaultInjection::HoldKey(region.rkey));
         }
         let n_pages = pages.len();
         self.reqs.insert(
@@ -259,32 +245,57 @@ impl Node {
         })
     }
 
-    /// Land arrived writes; verify each page whose completion arrived.
+    /// Land arrived writes; verify each page whose completion arrived. A few writes (about one
+    /// page) per poll, so that each page is verified right after it landed, while its bytes are
+    /// still in cache; bounded per call so that the batch keeps stepping.
     fn poll_transport(&mut self) -> usize {
+        const WRITES_PER_POLL: usize = 4;
+        const WRITES_PER_CALL: usize = 1024;
+        let mut total = 0;
         let mut wcs = Vec::new();
-        let n = {
-            let mut mem = PoolTarget {
-                pool: self.engine.pool_mut(),
-                reqs: &self.reqs,
-                by_key: &self.by_key,
-                stride: self.stride,
-            };
-            match self.transport.poll_recv(&mut mem, &mut wcs, 1024) {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::error!(error = %e, "KV transport poll failed");
-                    0
-                }
+        while total < WRITES_PER_CALL {
+            wcs.clear();
+            let n =
+                {
+                    let (reqs, by_key) = (&self.reqs, &self.by_key);
+                    let mut mem =
+                        super::PoolLanding {
+                            pool: self.engine.pool_mut(),
+                            stride: self.stride,
+                            // Region → reservation → its page `idx`.
+                            page_of: |rkey: u32, idx: usize| {
+                                let r = by_key.get(&rkey).and_then(|id| reqs.get(id)).ok_or_else(
+                                    || AccessError(format!("key {rkey} maps to no reservation")),
+                                )?;
+                                r.pages.get(idx).copied().ok_or_else(|| {
+                                    AccessError(format!("page index {idx} outside the region"))
+                                })
+                            },
+                        };
+                    match self
+                        .transport
+                        .poll_recv(&mut mem, &mut wcs, WRITES_PER_POLL)
+                    {
+                        Ok(n) => n,
+                        Err(e) => {
+                            tracing::error!(error = %e, "KV transport poll failed");
+                            0
+                        }
+                    }
+                };
+            for wc in &wcs {
+                let (slot, idx) = imm_split(wc.imm());
+                let Some(&id) = self.by_slot.get(&slot) else {
+                    continue;
+                };
+                self.page_landed(id, idx);
             }
-        };
-        for wc in wcs {
-            let (slot, idx) = imm_split(wc.imm());
-            let Some(&id) = self.by_slot.get(&slot) else {
-                continue;
-            };
-            self.page_landed(id, idx);
+            if n == 0 {
+                break;
+            }
+            total += n;
         }
-        n
+        total
     }
 
     fn page_landed(&mut self, id: RequestId, idx: usize) {
@@ -586,11 +597,19 @@ impl Node {
             }
             Cmd::Fault(f) => match f {
                 DecodeFault::CorruptNextPayload => {
-                    self.transport.fault_inject_corrupt_next_payload()
+                    if let Err(e) = self
+                        .transport
+                        .fault_inject(FaultInjection::CorruptNextPayload)
+                    {
+                        tracing::warn!(error = %e, "fault injection refused");
+                    }
                 }
                 DecodeFault::HoldNextReservation => self.hold_next = true,
                 DecodeFault::ReleaseHeld => {
-                    let n = self.transport.fault_inject_release_held();
+                    let n = self
+                        .transport
+                        .fault_inject(FaultInjection::ReleaseHeld)
+                        .unwrap_or(0);
                     tracing::info!(n, "fault injection: delivering held writes late");
                 }
             },
@@ -632,7 +651,8 @@ impl Node {
 #[derive(Clone, Debug)]
 pub struct DecodeHandle {
     tx: SyncSender<Cmd>,
-    pub transport_addr: SocketAddr,
+    /// The transport's endpoint: `tcp`, its listening address; `verbs`, the queue pair's.
+    pub transport_addr: String,
     pub info: proto::NodeInfo,
 }
 
@@ -659,8 +679,12 @@ impl DecodeHandle {
         engine: Engine,
         opts: DecodeOptions,
     ) -> Result<Self, crate::transport::TransportError> {
-        let mut transport = TcpTransport::new(opts.node_id);
-        let transport_addr = transport.listen(opts.transport_listen)?;
+        let transport = crate::transport::open_target(
+            opts.node_id,
+            &opts.transport_kind,
+            opts.transport_listen,
+        )?;
+        let transport_addr = transport.endpoint();
         let stride = engine.pool().region_page_stride();
         let info = super::node_info(
             engine.model(),
@@ -670,7 +694,8 @@ impl DecodeHandle {
             engine.pool().page_size(),
             engine.context_length(),
             engine.pool().n_pages() * engine.pool().page_size(),
-            transport_addr.to_string(),
+            transport.kind(),
+            transport_addr.clone(),
             &opts.unsafe_.names(),
         );
         let (tx, rx) = sync_channel(CMD_QUEUE);

@@ -59,6 +59,101 @@ pub fn transfer_id(origin: u64, idx: usize) -> u64 {
     (origin << 16) | idx as u64
 }
 
+/// Lands a region's writes in a pool (the decode node's landing, and the transfer benchmark's):
+/// region offset `o` of key `k` is page `page_of(k, o / stride)` at `o % stride`, in the page's
+/// region layout (in-band header, then K/V of every layer). Supports direct landing.
+pub(crate) struct PoolLanding<'a, F> {
+    pub pool: &'a mut crate::kv::PagePool,
+    pub stride: usize,
+    pub page_of: F,
+}
+
+impl<F> PoolLanding<'_, F>
+where
+    F: Fn(u32, usize) -> Result<custody_kernels::attention::PageRef, crate::transport::AccessError>,
+{
+    fn locate(
+        &self,
+        rkey: u32,
+        offset: u64,
+    ) -> Result<(u32, usize), crate::transport::AccessError> {
+        let pr = (self.page_of)(rkey, offset as usize / self.stride)?;
+        // A key is valid only while its pages belong to its reservation (keys are invalidated
+        // before pages are freed), so the page still carries the reserved generation.
+        debug_assert_eq!(self.pool.tag(pr.page).0, pr.generation);
+        Ok((pr.page, offset as usize % self.stride))
+    }
+}
+
+impl<F> crate::transport::TargetMemory for PoolLanding<'_, F>
+where
+    F: Fn(u32, usize) -> Result<custody_kernels::attention::PageRef, crate::transport::AccessError>,
+{
+    fn write(
+        &mut self,
+        rkey: u32,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<(), crate::transport::AccessError> {
+        let (page, within) = self.locate(rkey, offset)?;
+        self.pool
+            .land(page, within, bytes)
+            .map_err(|e| crate::transport::AccessError(e.0))
+    }
+
+    fn direct(&self) -> bool {
+        true
+    }
+
+    fn dest(
+        &mut self,
+        rkey: u32,
+        offset: u64,
+        max_len: usize,
+    ) -> Result<&mut [u8], crate::transport::AccessError> {
+        let (page, within) = self.locate(rkey, offset)?;
+        // Never past this page's part of the region: the next page is elsewhere in the pool.
+        let max_len = max_len.min(self.stride - within);
+        self.pool
+            .land_dest(page, within, max_len)
+            .map_err(|e| crate::transport::AccessError(e.0))
+    }
+
+    fn dests<'a>(
+        &'a mut self,
+        rkey: u32,
+        offset: u64,
+        max_len: usize,
+        out: &mut Vec<&'a mut [u8]>,
+    ) -> Result<(), crate::transport::AccessError> {
+        let (page, within) = self.locate(rkey, offset)?;
+        let max_len = max_len.min(self.stride - within);
+        self.pool
+            .land_dests(page, within, max_len, out)
+            .map_err(|e| crate::transport::AccessError(e.0))
+    }
+
+    fn dest_done(
+        &mut self,
+        rkey: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), crate::transport::AccessError> {
+        // Every page whose part of the region the write touched: headers take effect now.
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let (page, within) = self.locate(rkey, pos)?;
+            let n = ((self.stride - within) as u64).min(end - pos);
+            self.pool
+                .land_done(page, within, n as usize)
+                .map_err(|e| crate::transport::AccessError(e.0))?;
+            pos += n;
+        }
+        Ok(())
+    }
+}
+
 /// What a node states about itself in the handshake.
 #[allow(clippy::too_many_arguments)]
 pub fn node_info(
@@ -69,6 +164,7 @@ pub fn node_info(
     page_size: usize,
     context_length: usize,
     pool_tokens: usize,
+    transport: &str,
     transport_addr: String,
     unsafe_switches: &[&str],
 ) -> proto::NodeInfo {
@@ -82,7 +178,7 @@ pub fn node_info(
         kv_dtype: "f16".into(),
         context_length: context_length as u64,
         pool_tokens: pool_tokens as u64,
-        transport: "tcp".into(),
+        transport: transport.into(),
         transport_addr,
         unsafe_switches: unsafe_switches.iter().map(|s| (*s).to_owned()).collect(),
     }
@@ -111,6 +207,12 @@ pub fn check_pair(prefill: &proto::NodeInfo, decode: &proto::NodeInfo) -> Result
         bad.push(format!(
             "KV dtype differs (prefill {}, decode {})",
             prefill.kv_dtype, decode.kv_dtype
+        ));
+    }
+    if prefill.transport != decode.transport {
+        bad.push(format!(
+            "KV transport differs (prefill {}, decode {})",
+            prefill.transport, decode.transport
         ));
     }
     if prefill.context_length != decode.context_length {
@@ -260,9 +362,11 @@ mod tests {
         let mut d = info("decode", 1024);
         d.page_size = 32;
         d.model_fingerprint = "cd".into();
+        d.transport = "verbs".into();
         let e = check_pair(&info("prefill", 4096), &d).expect_err("mismatch");
         assert!(
             e.contains("fingerprint")
+                && e.contains("KV transport differs")
                 && e.contains("page_size")
                 && e.contains("less than one context"),
             "{e}"

@@ -5,7 +5,6 @@
 //! async tasks (gRPC `Generate`) drive the protocol against the decode node's gRPC service.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
@@ -24,8 +23,7 @@ use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
 use crate::kv::TransferHeader;
 use crate::transport::abi::Wc;
-use crate::transport::tcp::TcpTransport;
-use crate::transport::{KvTransport, TransportError};
+use crate::transport::{FaultInjection, KvTransport, TransportError, TransportKind};
 
 /// Prefill node settings.
 #[derive(Clone, Debug)]
@@ -35,6 +33,8 @@ pub struct PrefillOptions {
     pub fingerprint: String,
     /// How long a request waits for decode pages (`Busy`) before it is refused.
     pub reserve_wait: Duration,
+    /// `tcp` or `verbs` (must match the decode node's).
+    pub transport_kind: TransportKind,
 }
 
 /// How a request's transfer ended, as seen by prefill.
@@ -85,23 +85,41 @@ struct PReq {
     done: Option<oneshot::Sender<TransferResult>>,
     outstanding: usize,
     failed: Option<String>,
-    /// In-band headers: their memory must live, at a fixed address, until the writes complete
-    /// (boxed: a NIC reads them asynchronously, and the Vec may grow).
-    #[allow(clippy::vec_box)]
-    headers: Vec<Box<[u8; crate::kv::TRANSFER_HDR_BYTES]>>,
     /// (src page, generation, bytes, checksum) per transferred page, for the audit rows.
     sent: Vec<(u32, u32, u64, u64)>,
+    /// Per prompt page: (page, slots, checksum), computed when the prefill completed — while the
+    /// reservation round trip is in flight and the KV is still warm in cache — so that hashing
+    /// is off the transfer's path. The pages are held unchanged until the transfer ends.
+    checksums: Vec<(u32, usize, u64)>,
 }
 
+/// The in-band headers of writes in flight, one slot per page of this node's pool: the header
+/// of a transfer of source page `p` lives in slot `p`. A page is in at most one transfer at a
+/// time and stays held until that transfer's completions arrive, so a slot is never rewritten
+/// while a NIC may still read it. One allocation, registered once with the transport (`verbs`
+/// gathers only from registered memory); it never moves (a boxed slice).
+struct HeaderArena(Box<[[u8; crate::kv::TRANSFER_HDR_BYTES]]>);
+
 struct Node {
+    /// Declared (so dropped) before the memory registered with it: the engine's pool and the
+    /// header arena.
+    transport: Box<dyn KvTransport>,
     engine: Engine,
-    transport: TcpTransport,
+    headers: HeaderArena,
     opts: PrefillOptions,
     decode_node: u32,
     reqs: HashMap<RequestId, PReq>,
-    transport_addr: SocketAddr,
+    /// Re-run the handshake on a lost transport connection (it carries the endpoints).
+    control: Reconnect,
     last_reconnect: Instant,
     reconnects: u64,
+}
+
+/// What a reconnect needs: the control-plane client and this node's handshake statement.
+struct Reconnect {
+    rt: tokio::runtime::Handle,
+    decode: DecodeClient<Channel>,
+    info: proto::NodeInfo,
 }
 
 impl Node {
@@ -147,8 +165,8 @@ impl Node {
                 done: None,
                 outstanding: 0,
                 failed: None,
-                headers: Vec::new(),
                 sent: Vec::new(),
+                checksums: Vec::new(),
             },
         );
         Ok((id, truncated))
@@ -169,6 +187,24 @@ impl Node {
         if r.first_token.is_some() {
             self.post(id);
         }
+    }
+
+    /// The transfer checksum of every prompt page `id` holds: (page, slots, checksum).
+    fn checksums(&self, id: RequestId) -> Vec<(u32, usize, u64)> {
+        let Some((pages, n_cached)) = self.engine.held(id) else {
+            return Vec::new();
+        };
+        let pool = self.engine.pool();
+        let ps = pool.page_size();
+        pages
+            .iter()
+            .take(n_cached.div_ceil(ps))
+            .enumerate()
+            .map(|(idx, pr)| {
+                let slots = (n_cached - idx * ps).min(ps);
+                (pr.page, slots, pool.page_checksum(pr.page, slots))
+            })
+            .collect()
     }
 
     /// Post the writes of every prompt page of `id` (called when both the KV and the
@@ -205,17 +241,19 @@ impl Node {
             let slots = (n_cached - idx * ps).min(ps);
             let mut bytes = 0u64;
             pool.for_each_transfer_chunk(pr.page, slots, |_, b| bytes += b.len() as u64);
-            let checksum = pool.page_checksum(pr.page, slots);
+            let checksum = match r.checksums.get(idx) {
+                Some(&(page, s, c)) if page == pr.page && s == slots => c,
+                _ => pool.page_checksum(pr.page, slots),
+            };
             let dst = res.pages[idx];
-            let header = Box::new(
-                TransferHeader {
-                    owner: res.request,
-                    generation: dst.generation,
-                    slots: slots as u32,
-                    checksum,
-                }
-                .encode(),
-            );
+            let header = &mut self.headers.0[pr.page as usize];
+            *header = TransferHeader {
+                owner: res.request,
+                generation: dst.generation,
+                slots: slots as u32,
+                checksum,
+            }
+            .encode();
             let page_base = res.base + idx as u64 * stride;
             let (_sges, wrs) = super::page_write_chain(
                 pool,
@@ -228,13 +266,13 @@ impl Node {
                 &header[..],
             );
             // SAFETY: every SGE points into this node's pool pages (held, not written until
-            // released after the completion) or into `header`, kept in `r.headers` until then;
-            // the chain lives in `wrs` for the duration of the call.
+            // released after the completion) or into the page's header slot (see
+            // `HeaderArena`), both registered with the transport at start; the chain lives in
+            // `wrs` for the duration of the call.
             let res_post = unsafe { self.transport.post_write(&wrs[0]) };
             match res_post {
                 Ok(()) => {
                     posted += 1;
-                    r.headers.push(header);
                     r.sent.push((pr.page, pr.generation, bytes, checksum));
                 }
                 Err(e) => {
@@ -349,11 +387,13 @@ impl Node {
             for ev in self.engine.step() {
                 match ev {
                     Event::Prefilled { id, first_token } => {
+                        let checksums = self.checksums(id);
                         if let Some(r) = self.reqs.get_mut(&id) {
                             r.first_token = Some(first_token);
                             if let Some(tx) = r.prefilled.take() {
                                 let _ = tx.send(Ok(first_token));
                             }
+                            r.checksums = checksums;
                             if r.reservation.is_some() {
                                 self.post(id);
                             }
@@ -403,13 +443,36 @@ impl Node {
             return;
         }
         self.last_reconnect = Instant::now();
-        match self.transport.connect(self.transport_addr) {
-            Ok(()) => {
+        match self.reconnect() {
+            Ok(peer) => {
                 self.reconnects += 1;
-                tracing::warn!(addr = %self.transport_addr, "KV transport reconnected");
+                tracing::warn!(peer = %peer, "KV transport reconnected");
             }
             Err(e) => tracing::warn!(error = %e, "KV transport reconnect failed"),
         }
+    }
+
+    /// A fresh handshake (both transports: `verbs` must exchange new queue-pair endpoints, and
+    /// `tcp` learns the address anew), then connect. Blocks this thread for one round trip.
+    fn reconnect(&mut self) -> Result<String, String> {
+        self.transport.reset().map_err(|e| e.to_string())?;
+        let mut info = self.control.info.clone();
+        info.transport_addr = self.transport.endpoint();
+        let mut decode = self.control.decode.clone();
+        let reply = self
+            .control
+            .rt
+            .block_on(async move {
+                tokio::time::timeout(Duration::from_secs(5), decode.handshake(info)).await
+            })
+            .map_err(|_| "handshake timed out".to_owned())?
+            .map_err(|s| format!("handshake refused: {}", s.message()))?
+            .into_inner();
+        super::check_pair(&self.control.info, &reply)?;
+        self.transport
+            .connect_peer(&reply.transport_addr)
+            .map_err(|e| e.to_string())?;
+        Ok(reply.transport_addr)
     }
 
     fn handle(&mut self, cmd: Cmd) {
@@ -429,7 +492,9 @@ impl Node {
             Cmd::Attach(id, res, tx) => self.attach(id, res, tx),
             Cmd::Abort(id) => self.abort(id),
             Cmd::Fault(PrefillFault::DisconnectTransport) => {
-                self.transport.fault_inject_disconnect()
+                if let Err(e) = self.transport.fault_inject(FaultInjection::Disconnect) {
+                    tracing::warn!(error = %e, "fault injection refused");
+                }
             }
         }
     }
@@ -517,6 +582,11 @@ impl PrefillHandle {
                 addr: decode_control.to_owned(),
                 source,
             })?;
+        let mut transport = crate::transport::open_initiator(opts.node_id, &opts.transport_kind)
+            .map_err(|source| PrefillStartError::Transport {
+                addr: String::new(),
+                source,
+            })?;
         let info = super::node_info(
             engine.model(),
             &opts.fingerprint,
@@ -525,43 +595,75 @@ impl PrefillHandle {
             engine.pool().page_size(),
             engine.context_length(),
             engine.pool().n_pages() * engine.pool().page_size(),
+            transport.kind(),
             String::new(),
             &opts.unsafe_.names(),
         );
+        let mut hello = info.clone();
+        hello.transport_addr = transport.endpoint();
         let decode_info = decode
-            .handshake(info.clone())
+            .handshake(hello)
             .await
             .map_err(|s| PrefillStartError::Handshake(s.message().to_owned()))?
             .into_inner();
         super::check_pair(&info, &decode_info).map_err(PrefillStartError::Handshake)?;
-        let addr: SocketAddr = decode_info.transport_addr.parse().map_err(|_| {
-            PrefillStartError::Handshake(format!(
-                "bad transport address {:?}",
-                decode_info.transport_addr
-            ))
-        })?;
-        let mut transport = TcpTransport::new(opts.node_id);
         transport
-            .connect(addr)
+            .connect_peer(&decode_info.transport_addr)
             .map_err(|source| PrefillStartError::Transport {
-                addr: addr.to_string(),
+                addr: decode_info.transport_addr.clone(),
                 source,
             })?;
+        let headers = HeaderArena(
+            vec![[0u8; crate::kv::TRANSFER_HDR_BYTES]; engine.pool().n_pages()].into_boxed_slice(),
+        );
+        let register = |t: &mut Box<dyn KvTransport>, p: *const u8, len: usize| {
+            // SAFETY: the pool's K/V storage and the header arena are allocated once and
+            // never move or shrink; both live in the node, which owns the transport and drops
+            // it first (field order).
+            unsafe { t.register_source(p, len) }.map_err(|source| PrefillStartError::Transport {
+                addr: decode_info.transport_addr.clone(),
+                source,
+            })
+        };
+        {
+            let pool = engine.pool();
+            for layer in 0..engine.model().config.n_layers {
+                for cache in [pool.k_cache(layer), pool.v_cache(layer)] {
+                    register(
+                        &mut transport,
+                        cache.as_ptr().cast(),
+                        std::mem::size_of_val(cache),
+                    )?;
+                }
+            }
+            let h = &headers.0;
+            register(
+                &mut transport,
+                h.as_ptr().cast(),
+                std::mem::size_of_val(&**h),
+            )?;
+        }
         let (tx, rx) = sync_channel(CMD_QUEUE);
+        let peer = decode_info.transport_addr.clone();
         let node = Node {
-            engine,
             transport,
+            engine,
+            headers,
             opts: opts.clone(),
             decode_node: decode_info.node_id,
             reqs: HashMap::new(),
-            transport_addr: addr,
+            control: Reconnect {
+                rt: tokio::runtime::Handle::current(),
+                decode: decode.clone(),
+                info: info.clone(),
+            },
             last_reconnect: Instant::now(),
             reconnects: 0,
         };
         std::thread::Builder::new()
             .name("prefill-engine".into())
             .spawn(move || node.run(rx))?;
-        tracing::info!(decode = decode_info.node_id, transport = %addr, "prefill node paired with decode node");
+        tracing::info!(decode = decode_info.node_id, transport = %peer, "prefill node paired with decode node");
         Ok(Self {
             tx,
             decode,

@@ -23,6 +23,79 @@ pub mod verbs;
 
 use abi::{SendWr, Wc};
 
+/// Which transport a node uses (both nodes of a pair must agree; the handshake checks).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Software one-sided writes over TCP: works everywhere.
+    #[default]
+    Tcp,
+    /// RDMA through libibverbs (build feature `rdma`); `device` = e.g. `mlx5_0`, `None` = first.
+    Verbs { device: Option<String> },
+}
+
+impl TransportKind {
+    /// Parse the configuration's `transport` (`"tcp"` or `"verbs"`) and `verbs_device`.
+    pub fn parse(name: &str, device: Option<&str>) -> Result<Self, TransportError> {
+        match name {
+            "tcp" => Ok(Self::Tcp),
+            "verbs" => Ok(Self::Verbs {
+                device: device.map(str::to_owned),
+            }),
+            other => Err(TransportError::BadEndpoint(format!(
+                "unknown transport {other:?} (expected \"tcp\" or \"verbs\")"
+            ))),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Verbs { .. } => "verbs",
+        }
+    }
+}
+
+/// Open the transport of a target (decode node): `tcp` listens on `listen`; `verbs` opens the
+/// device (its endpoint is exchanged in the handshake).
+pub fn open_target(
+    node: u32,
+    kind: &TransportKind,
+    listen: std::net::SocketAddr,
+) -> Result<Box<dyn KvTransport>, TransportError> {
+    match kind {
+        TransportKind::Tcp => {
+            let mut t = tcp::TcpTransport::new(node);
+            t.listen(listen)?;
+            Ok(Box::new(t))
+        }
+        TransportKind::Verbs { device } => open_verbs(node, device.as_deref()),
+    }
+}
+
+/// Open the transport of an initiator (prefill node); it connects in the handshake.
+pub fn open_initiator(
+    node: u32,
+    kind: &TransportKind,
+) -> Result<Box<dyn KvTransport>, TransportError> {
+    match kind {
+        TransportKind::Tcp => Ok(Box::new(tcp::TcpTransport::new(node))),
+        TransportKind::Verbs { device } => open_verbs(node, device.as_deref()),
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn open_verbs(node: u32, device: Option<&str>) -> Result<Box<dyn KvTransport>, TransportError> {
+    Ok(Box::new(verbs::VerbsTransport::open(node, device)?))
+}
+
+#[cfg(not(feature = "rdma"))]
+fn open_verbs(_node: u32, _device: Option<&str>) -> Result<Box<dyn KvTransport>, TransportError> {
+    Err(TransportError::Unsupported {
+        transport: "verbs",
+        what: "this build has no RDMA support (rebuild with `--features rdma`)",
+    })
+}
+
 /// A registered region: `rkey` and the base address writes are addressed from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
@@ -45,6 +118,13 @@ pub enum TransportError {
     InvalidWr(String),
     #[error("no RDMA device: {0}")]
     NoDevice(String),
+    #[error("bad transport endpoint {0:?}")]
+    BadEndpoint(String),
+    #[error("not supported by the {transport} transport: {what}")]
+    Unsupported {
+        transport: &'static str,
+        what: &'static str,
+    },
 }
 
 /// Why the target refused to land bytes (reported to the initiator as `REM_ACCESS_ERR`).
@@ -53,10 +133,72 @@ pub enum TransportError {
 pub struct AccessError(pub String);
 
 /// Memory the target lends to [`KvTransport::poll_recv`] so that arrived writes can land.
+///
+/// Two ways in, both after the transport checked that the key is valid and the write's range
+/// lies within the region: [`TargetMemory::write`] copies staged bytes; the direct pair
+/// [`TargetMemory::dest`] / [`TargetMemory::dest_done`] lets a transport read from its wire
+/// straight into the destination (no staging copy — the software analogue of a NIC's DMA).
 pub trait TargetMemory {
-    /// Write `bytes` at `offset` of the region registered as `rkey`. The transport has already
-    /// checked that the key is valid and `offset + len` is within the region.
+    /// Write `bytes` at `offset` of the region registered as `rkey`.
     fn write(&mut self, rkey: u32, offset: u64, bytes: &[u8]) -> Result<(), AccessError>;
+
+    /// Whether [`TargetMemory::dest`] is supported.
+    fn direct(&self) -> bool {
+        false
+    }
+
+    /// Direct landing: the longest contiguous destination of at most `max_len` (> 0) bytes at
+    /// `offset` of `rkey`'s region. The transport fills it completely before asking for the next.
+    fn dest(&mut self, rkey: u32, offset: u64, max_len: usize) -> Result<&mut [u8], AccessError> {
+        let _ = (rkey, offset, max_len);
+        Err(AccessError(
+            "this memory does not support direct landing".into(),
+        ))
+    }
+
+    /// Direct landing, gathered: append to `out` the destinations (in order, at least one) of
+    /// up to `max_len` (> 0) bytes at `offset`, for one vectored read. The default hands out
+    /// the single [`TargetMemory::dest`].
+    fn dests<'a>(
+        &'a mut self,
+        rkey: u32,
+        offset: u64,
+        max_len: usize,
+        out: &mut Vec<&'a mut [u8]>,
+    ) -> Result<(), AccessError> {
+        out.push(self.dest(rkey, offset, max_len)?);
+        Ok(())
+    }
+
+    /// Direct landing of the write of `len` bytes at `offset` of `rkey`'s region is complete
+    /// (every byte went through [`TargetMemory::dest`]). An error fails the write.
+    fn dest_done(&mut self, rkey: u32, offset: u64, len: u64) -> Result<(), AccessError> {
+        let _ = (rkey, offset, len);
+        Ok(())
+    }
+}
+
+/// Counters of a transport's target side.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TargetStats {
+    pub landed_writes: u64,
+    pub landed_bytes: u64,
+    /// Writes refused because their key was invalidated or unknown, or out of range.
+    pub rejected_writes: u64,
+}
+
+/// Faults a transport can inject on purpose (tests only, named as such). A transport that
+/// cannot inject one returns [`TransportError::Unsupported`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultInjection {
+    /// Target: flip one byte of the next payload that lands (corruption the wire did not catch).
+    CorruptNextPayload,
+    /// Target: hold back every arriving write of this key (a delayed packet).
+    HoldKey(u32),
+    /// Target: deliver every held write at the next poll (late, perhaps after invalidation).
+    ReleaseHeld,
+    /// Initiator: cut the connection abruptly.
+    Disconnect,
 }
 
 /// One-sided-write KV transport. One node uses the initiator half, the other the target half.
@@ -89,4 +231,55 @@ pub trait KvTransport: Send + std::fmt::Debug {
 
     /// Initiator: whether the connection to the target is up.
     fn connected(&self) -> bool;
+
+    /// `"tcp"` or `"verbs"` (stated in the handshake: both nodes must use the same).
+    fn kind(&self) -> &'static str;
+
+    /// What the peer needs to connect to this transport, exchanged over the control plane: a
+    /// `tcp` target's listening address (an initiator: empty), a `verbs` queue pair's endpoint.
+    fn endpoint(&self) -> String;
+
+    /// Connect to the peer whose [`KvTransport::endpoint`] is `peer`. A `tcp` initiator dials
+    /// (again, after a lost connection); a `tcp` target has nothing to do; `verbs` resets its
+    /// queue pair if it was connected and drives it to the peer. Outstanding writes of an earlier
+    /// connection complete in error, never silently.
+    fn connect_peer(&mut self, peer: &str) -> Result<(), TransportError>;
+
+    /// Drop the connection to the peer (if any) so that [`KvTransport::endpoint`] can be
+    /// exchanged afresh: `verbs` takes its queue pair back to `INIT` with a new PSN (both sides
+    /// must exchange endpoints again); `tcp` has nothing to do (`connect_peer` redials).
+    fn reset(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
+
+    /// Initiator: make `len` bytes at `addr` usable as the source of posted writes (`verbs`:
+    /// a local memory registration; `tcp`: nothing to do). Returns the local key
+    /// ([`abi::Sge::lkey`]; 0 may be used, resolved by address).
+    ///
+    /// # Safety
+    /// `addr..addr + len` must be mapped, readable memory that stays allocated as long as the
+    /// transport lives.
+    unsafe fn register_source(
+        &mut self,
+        addr: *const u8,
+        len: usize,
+    ) -> Result<u32, TransportError> {
+        let _ = (addr, len);
+        Ok(0)
+    }
+
+    /// Target-side counters.
+    fn target_stats(&self) -> TargetStats {
+        TargetStats::default()
+    }
+
+    /// Inject a fault (tests only). Returns a count where the fault has one (held writes
+    /// released), else 0.
+    fn fault_inject(&mut self, f: FaultInjection) -> Result<usize, TransportError> {
+        let _ = f;
+        Err(TransportError::Unsupported {
+            transport: self.kind(),
+            what: "fault injection",
+        })
+    }
 }

@@ -5,9 +5,15 @@
 //! flags u32 | len u32 | payload[len]` (40-byte header). Target → initiator, one acknowledgement
 //! per *signaled* work request: `magic u32 | status u32 | wr_id u64 | byte_len u32 | pad u32`.
 //!
-//! Threads: the target has an acceptor and one reader per connection; readers only parse frames
-//! into a bounded queue (so a slow target pushes back on the sender through TCP) — bytes land
-//! only in [`KvTransport::poll_recv`] on the caller's thread, after the key and range checks.
+//! Threads: the target has only an acceptor; its connections are non-blocking sockets read by
+//! [`KvTransport::poll_recv`] on the caller's thread (the thread that owns the memory). A frame's
+//! header is checked (key valid, range within the region) before any of its payload is read,
+//! and the payload is read from the socket **straight into the destination**
+//! ([`TargetMemory::dest`]: no staging copy; memory without direct landing gets a staged
+//! [`TargetMemory::write`]). The key is checked again before every piece, so once `invalidate`
+//! returns not one more byte of that key lands — the rest of a frame in progress is read and
+//! discarded, and the write fails with `REM_ACCESS_ERR`. A target that stops polling stops
+//! reading: the sender blocks on TCP flow control (backpressure, bounded by the socket buffers).
 //! The initiator has one reader for acknowledgements; when the connection drops, every
 //! outstanding signaled work request completes with `WR_FLUSH_ERR` (as a verbs QP in error).
 //!
@@ -15,16 +21,18 @@
 //! writes back to deliver them late, cutting the connection.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::{IoSlice, Read, Write};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
 use std::sync::{Arc, Mutex};
 
+pub use super::TargetStats;
+
 use super::abi::{
     self, SEND_SIGNALED, SendWr, WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, Wc, wc_opcode, wc_status,
 };
-use super::{KvTransport, Region, TargetMemory, TransportError};
+use super::{FaultInjection, KvTransport, Region, TargetMemory, TransportError};
 
 const MAGIC_WR: u32 = 0x4b56_5752; // "KVWR"
 const MAGIC_ACK: u32 = 0x4b56_4143; // "KVAC"
@@ -34,14 +42,22 @@ const ACK_LEN: usize = 24;
 pub const MAX_WRITE_BYTES: u32 = 64 << 20;
 /// Longest work-request chain accepted in one post (bounds the walk).
 pub const MAX_CHAIN: usize = 4096;
-/// Frames parsed but not yet landed, per target (the bounded queue).
-const RECV_QUEUE_FRAMES: usize = 8192;
+/// Completions queued for the initiator (acknowledgements not yet polled).
+const ACK_QUEUE: usize = 8192;
+/// Connections waiting to be picked up by `poll_recv`.
+const NEW_CONN_QUEUE: usize = 64;
+/// Bytes one `poll_recv` reads at most, so that a large transfer cannot starve the caller's other
+/// work (the decode node steps its batch between polls).
+const POLL_BYTES_MAX: usize = 32 << 20;
+/// Size of the buffer a refused write's payload is drained through.
+const SINK_BYTES: usize = 64 << 10;
 /// Base address of region `k`: keys are spread over the address space so that an address
 /// names its key (`base = k << 32`), as distinct registrations have distinct addresses in verbs.
 const fn region_base(rkey: u32) -> u64 {
     (rkey as u64) << 32
 }
 
+/// A whole write held back or replayed by fault injection (staged in memory).
 #[derive(Debug)]
 struct Frame {
     conn: u64,
@@ -60,15 +76,6 @@ enum KeyEntry {
     Invalidated,
 }
 
-/// Counters of the target side.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct TargetStats {
-    pub landed_writes: u64,
-    pub landed_bytes: u64,
-    /// Writes refused because their key was invalidated or unknown.
-    pub rejected_writes: u64,
-}
-
 #[derive(Debug, Default)]
 struct Initiator {
     stream: Option<TcpStream>,
@@ -80,26 +87,65 @@ struct Initiator {
     alive: Arc<AtomicBool>,
 }
 
-/// Payload buffers returned after landing, reused by the readers: a fresh large allocation per
-/// frame would cost page faults and kernel zeroing on every write.
-type Spares = Arc<Mutex<Vec<Vec<u8>>>>;
-/// Buffers kept for reuse (bounds the pool's memory).
-const MAX_SPARES: usize = 256;
-
+/// How the payload of the frame being read lands.
 #[derive(Debug)]
-struct Target {
-    frames: Receiver<Frame>,
-    spares: Spares,
-    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+enum Mode {
+    /// Read from the socket straight into the target memory at region offset `offset`.
+    Direct { offset: u64 },
+    /// Read into a buffer, landed (or held) when complete.
+    Staged { buf: Vec<u8>, hold: bool },
+    /// Refused (bad key, out of range, invalidated meanwhile, memory refused): drained.
+    Refused,
+}
+
+/// A frame whose header was read and whose payload is being read.
+#[derive(Debug)]
+struct InFrame {
+    opcode: u32,
+    wr_id: u64,
+    remote_addr: u64,
+    rkey: u32,
+    imm: u32,
+    flags: u32,
+    len: u32,
+    got: u32,
+    mode: Mode,
+}
+
+/// One accepted connection (non-blocking), read by `poll_recv`.
+#[derive(Debug)]
+struct Conn {
+    id: u64,
+    stream: TcpStream,
+    hdr: [u8; WR_HDR],
+    hdr_got: usize,
+    cur: Option<InFrame>,
+    /// Acknowledgement bytes not yet written (the socket is non-blocking).
+    acks: Vec<u8>,
+    closed: bool,
+}
+
+/// Everything of the target but its connections (so both can be borrowed at once).
+#[derive(Debug)]
+struct TargetState {
+    new_conns: Receiver<(u64, TcpStream)>,
     keys: HashMap<u32, KeyEntry>,
     next_key: u32,
     stats: TargetStats,
     local_addr: SocketAddr,
-    /// Frames held back by fault injection, delivered by `fault_inject_release_held`.
+    /// Frames held back by fault injection, delivered by `ReleaseHeld`.
     held: VecDeque<Frame>,
     hold_keys: HashSet<u32>,
     replay: VecDeque<Frame>,
     corrupt_next: bool,
+    sink: Vec<u8>,
+    poll_bytes_max: usize,
+}
+
+#[derive(Debug)]
+struct Target {
+    conns: Vec<Conn>,
+    st: TargetState,
 }
 
 /// The TCP transport. A node calls [`TcpTransport::listen`] (target) or
@@ -109,7 +155,6 @@ pub struct TcpTransport {
     ctx: u64,
     init: Initiator,
     target: Option<Target>,
-    iov_scratch: Vec<u8>,
 }
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
@@ -120,7 +165,6 @@ impl TcpTransport {
             ctx: abi::new_ctx(node),
             init: Initiator::default(),
             target: None,
-            iov_scratch: Vec::new(),
         }
     }
 
@@ -133,33 +177,32 @@ impl TcpTransport {
     pub fn listen(&mut self, addr: SocketAddr) -> Result<SocketAddr, TransportError> {
         let listener = TcpListener::bind(addr)?;
         let local_addr = listener.local_addr()?;
-        let (tx, rx) = sync_channel::<Frame>(RECV_QUEUE_FRAMES);
-        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
-        let conns_acc = Arc::clone(&conns);
-        let spares: Spares = Arc::default();
-        let spares_acc = Arc::clone(&spares);
+        let (tx, rx) = sync_channel::<(u64, TcpStream)>(NEW_CONN_QUEUE);
         std::thread::Builder::new()
             .name("kv-tcp-accept".into())
-            .spawn(move || accept_loop(listener, tx, conns_acc, spares_acc))?;
+            .spawn(move || accept_loop(listener, tx))?;
         self.target = Some(Target {
-            frames: rx,
-            spares,
-            conns,
-            keys: HashMap::new(),
-            next_key: 1,
-            stats: TargetStats::default(),
-            local_addr,
-            held: VecDeque::new(),
-            hold_keys: HashSet::new(),
-            replay: VecDeque::new(),
-            corrupt_next: false,
+            conns: Vec::new(),
+            st: TargetState {
+                new_conns: rx,
+                keys: HashMap::new(),
+                next_key: 1,
+                stats: TargetStats::default(),
+                local_addr,
+                held: VecDeque::new(),
+                hold_keys: HashSet::new(),
+                replay: VecDeque::new(),
+                corrupt_next: false,
+                sink: vec![0; SINK_BYTES],
+                poll_bytes_max: POLL_BYTES_MAX,
+            },
         });
         Ok(local_addr)
     }
 
     /// The target's listening address.
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.target.as_ref().map(|t| t.local_addr)
+        self.target.as_ref().map(|t| t.st.local_addr)
     }
 
     /// Become an initiator connected to the target at `addr`.
@@ -168,7 +211,7 @@ impl TcpTransport {
         stream.set_nodelay(true)?;
         set_socket_buffers(&stream);
         let reader = stream.try_clone()?;
-        let (tx, rx) = sync_channel::<Wc>(RECV_QUEUE_FRAMES);
+        let (tx, rx) = sync_channel::<Wc>(ACK_QUEUE);
         let outstanding: Arc<Mutex<HashSet<u64>>> = Arc::default();
         let alive = Arc::new(AtomicBool::new(true));
         let (out2, alive2, ctx) = (Arc::clone(&outstanding), Arc::clone(&alive), self.ctx);
@@ -191,28 +234,37 @@ impl TcpTransport {
     }
 
     pub fn target_stats(&self) -> TargetStats {
-        self.target.as_ref().map(|t| t.stats).unwrap_or_default()
+        self.target.as_ref().map(|t| t.st.stats).unwrap_or_default()
+    }
+
+    /// Bound the bytes one `poll_recv` reads (default 32 MiB): smaller keeps the caller's other
+    /// work responsive during large transfers. Tests use tiny values to stop mid-write.
+    pub fn set_poll_bytes_max(&mut self, bytes: usize) {
+        assert!(bytes > 0);
+        if let Some(t) = &mut self.target {
+            t.st.poll_bytes_max = bytes;
+        }
     }
 
     /// Whether `rkey` is registered and valid.
     pub fn key_valid(&self, rkey: u32) -> bool {
         self.target
             .as_ref()
-            .is_some_and(|t| matches!(t.keys.get(&rkey), Some(KeyEntry::Valid { .. })))
+            .is_some_and(|t| matches!(t.st.keys.get(&rkey), Some(KeyEntry::Valid { .. })))
     }
 
     /// Fault injection: flip one byte of the next payload that lands (corruption in flight that
     /// TCP's own checksum would not catch, e.g. a buggy NIC or memory error).
     pub fn fault_inject_corrupt_next_payload(&mut self) {
         if let Some(t) = &mut self.target {
-            t.corrupt_next = true;
+            t.st.corrupt_next = true;
         }
     }
 
     /// Fault injection: hold back every arriving write of `rkey` (a delayed packet).
     pub fn fault_inject_hold_key(&mut self, rkey: u32) {
         if let Some(t) = &mut self.target {
-            t.hold_keys.insert(rkey);
+            t.st.hold_keys.insert(rkey);
         }
     }
 
@@ -220,9 +272,10 @@ impl TcpTransport {
     /// the key was invalidated and the pages reallocated). Returns how many.
     pub fn fault_inject_release_held(&mut self) -> usize {
         let Some(t) = &mut self.target else { return 0 };
-        t.hold_keys.clear();
-        let n = t.held.len();
-        t.replay.extend(t.held.drain(..));
+        let st = &mut t.st;
+        st.hold_keys.clear();
+        let n = st.held.len();
+        st.replay.extend(st.held.drain(..));
         n
     }
 
@@ -260,13 +313,20 @@ impl TcpTransport {
             }
             wr = w.next;
         }
+        // The whole chain goes out in one vectored write (few syscalls per page): first every
+        // frame header, then the gather list interleaving headers and payloads.
+        let mut hdrs: Vec<[u8; WR_HDR]> = Vec::new();
+        let mut lists: Vec<&[abi::Sge]> = Vec::new();
         let mut wr: *const SendWr = first;
-        let mut signaled = Vec::new();
         while !wr.is_null() {
             // SAFETY: validated above; see `post_write`.
             let w = unsafe { &*wr };
-            // SAFETY: `num_sge` entries at `sg_list` (validated non-null when num_sge > 0).
-            let sges = unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) };
+            let sges: &[abi::Sge] = if w.num_sge == 0 {
+                &[]
+            } else {
+                // SAFETY: `num_sge` entries at `sg_list` (validated non-null when num_sge > 0).
+                unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) }
+            };
             let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
             if total > u64::from(MAX_WRITE_BYTES) {
                 return Err(TransportError::InvalidWr(format!(
@@ -282,28 +342,38 @@ impl TcpTransport {
             hdr[28..32].copy_from_slice(&u32::from_be(w.imm_data).to_le_bytes());
             hdr[32..36].copy_from_slice(&w.send_flags.to_le_bytes());
             hdr[36..40].copy_from_slice(&(total as u32).to_le_bytes());
-            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(1 + sges.len());
-            iov.push(IoSlice::new(&hdr));
-            for s in sges {
+            hdrs.push(hdr);
+            lists.push(sges);
+            wr = w.next;
+        }
+        let mut iov: Vec<IoSlice<'_>> =
+            Vec::with_capacity(hdrs.len() + lists.iter().map(|l| l.len()).sum::<usize>());
+        for (hdr, sges) in hdrs.iter().zip(&lists) {
+            iov.push(IoSlice::new(hdr));
+            for s in *sges {
                 // SAFETY: the caller guarantees each SGE names `length` readable bytes.
                 let bytes =
                     unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
                 iov.push(IoSlice::new(bytes));
             }
-            if w.send_flags & SEND_SIGNALED != 0 {
-                signaled.push(w.wr_id);
-                if let Ok(mut o) = self.init.outstanding.lock() {
-                    o.insert(w.wr_id);
-                }
-            }
-            if let Err(e) = write_all_vectored(stream, &mut iov) {
-                self.init.alive.store(false, Ordering::Release);
-                let _ = stream.shutdown(Shutdown::Both);
-                return Err(e.into());
+        }
+        // Outstanding before the bytes go: an acknowledgement can arrive before this returns.
+        let mut wr: *const SendWr = first;
+        while !wr.is_null() {
+            // SAFETY: validated above.
+            let w = unsafe { &*wr };
+            if w.send_flags & SEND_SIGNALED != 0
+                && let Ok(mut o) = self.init.outstanding.lock()
+            {
+                o.insert(w.wr_id);
             }
             wr = w.next;
         }
-        let _ = &self.iov_scratch;
+        if let Err(e) = write_all_vectored(stream, &mut iov) {
+            self.init.alive.store(false, Ordering::Release);
+            let _ = stream.shutdown(Shutdown::Both);
+            return Err(e.into());
+        }
         Ok(())
     }
 }
@@ -348,89 +418,309 @@ fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::i
     Ok(())
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    tx: SyncSender<Frame>,
-    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
-    spares: Spares,
-) {
+fn accept_loop(listener: TcpListener, tx: SyncSender<(u64, TcpStream)>) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
         let _ = stream.set_nodelay(true);
         set_socket_buffers(&stream);
-        let conn = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
-        let Ok(writer) = stream.try_clone() else {
+        if stream.set_nonblocking(true).is_err() {
             continue;
-        };
-        if let Ok(mut c) = conns.lock() {
-            c.insert(conn, writer);
         }
-        let (tx, conns, spares) = (tx.clone(), Arc::clone(&conns), Arc::clone(&spares));
-        let spawned = std::thread::Builder::new()
-            .name("kv-tcp-recv".into())
-            .spawn(move || {
-                let _ = read_frames(stream, conn, &tx, &spares);
-                if let Ok(mut c) = conns.lock() {
-                    c.remove(&conn);
-                }
-            });
-        if spawned.is_err() {
-            tracing::error!("cannot spawn a KV transport reader thread");
+        let conn = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+        if tx.send((conn, stream)).is_err() {
+            return; // the transport is gone
         }
     }
 }
 
-fn read_frames(
-    mut s: TcpStream,
-    conn: u64,
-    tx: &SyncSender<Frame>,
-    spares: &Spares,
-) -> std::io::Result<()> {
-    let mut hdr = [0u8; WR_HDR];
+/// Outcome of one non-blocking read.
+enum Io {
+    Read(usize),
+    Blocked,
+    Closed,
+}
+
+fn read_some(s: &mut TcpStream, buf: &mut [u8]) -> Io {
+    debug_assert!(!buf.is_empty());
     loop {
-        s.read_exact(&mut hdr)?;
-        let u32_at = |i: usize| u32::from_le_bytes([hdr[i], hdr[i + 1], hdr[i + 2], hdr[i + 3]]);
+        return match s.read(buf) {
+            Ok(0) => Io::Closed,
+            Ok(n) => Io::Read(n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Io::Blocked,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => Io::Closed,
+        };
+    }
+}
+
+fn read_some_vectored(s: &mut TcpStream, bufs: &mut [IoSliceMut<'_>]) -> Io {
+    loop {
+        return match s.read_vectored(bufs) {
+            Ok(0) => Io::Closed,
+            Ok(n) => Io::Read(n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Io::Blocked,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => Io::Closed,
+        };
+    }
+}
+
+/// A write whose bytes all arrived: its outcome, to acknowledge and complete.
+struct Finished {
+    opcode: u32,
+    wr_id: u64,
+    imm: u32,
+    flags: u32,
+    len: u32,
+    status: u32,
+}
+
+enum Step {
+    /// Bytes were read; the frame is not complete yet.
+    Progress(usize),
+    /// A frame completed (or was held back: `None`).
+    Done(usize, Option<Finished>),
+    Blocked,
+    Closed,
+}
+
+/// Key and range check of a write of `len` bytes at `remote_addr`: its region offset.
+fn check_range(st: &TargetState, rkey: u32, remote_addr: u64, len: u64) -> Option<u64> {
+    let Some(KeyEntry::Valid { len: region_len }) = st.keys.get(&rkey) else {
+        return None;
+    };
+    let offset = remote_addr.checked_sub(region_base(rkey))?;
+    let end = offset.checked_add(len)?;
+    (end <= *region_len).then_some(offset)
+}
+
+/// Advance connection `c` by one read of at most `max_read` (> 0) bytes: a header, or a piece
+/// of the current frame's payload.
+fn read_step(
+    c: &mut Conn,
+    st: &mut TargetState,
+    mem: &mut dyn TargetMemory,
+    max_read: usize,
+) -> Step {
+    debug_assert!(max_read > 0);
+    if c.cur.is_none() {
+        let n = match read_some(&mut c.stream, &mut c.hdr[c.hdr_got..]) {
+            Io::Read(n) => n,
+            Io::Blocked => return Step::Blocked,
+            Io::Closed => return Step::Closed,
+        };
+        c.hdr_got += n;
+        if c.hdr_got < WR_HDR {
+            return Step::Progress(n);
+        }
+        c.hdr_got = 0;
+        let h = &c.hdr;
+        let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
         let u64_at = |i: usize| {
             let mut b = [0u8; 8];
-            b.copy_from_slice(&hdr[i..i + 8]);
+            b.copy_from_slice(&h[i..i + 8]);
             u64::from_le_bytes(b)
         };
         if u32_at(0) != MAGIC_WR {
             tracing::warn!(
-                conn,
+                conn = c.id,
                 "KV transport: bad frame magic, closing the connection"
             );
-            return Err(std::io::ErrorKind::InvalidData.into());
+            return Step::Closed;
         }
         let len = u32_at(36);
         if len > MAX_WRITE_BYTES {
             tracing::warn!(
-                conn,
+                conn = c.id,
                 len,
                 "KV transport: oversized frame, closing the connection"
             );
-            return Err(std::io::ErrorKind::InvalidData.into());
+            return Step::Closed;
         }
-        let mut payload = spares
-            .lock()
-            .ok()
-            .and_then(|mut v| v.pop())
-            .unwrap_or_default();
-        payload.clear();
-        payload.resize(len as usize, 0);
-        s.read_exact(&mut payload)?;
-        let frame = Frame {
-            conn,
+        let (rkey, remote_addr) = (u32_at(24), u64_at(16));
+        // Held writes are judged when they are finally delivered (that is the point: a late
+        // write after invalidation); everything else is judged now, before a byte lands.
+        let mode = if st.hold_keys.contains(&rkey) {
+            Mode::Staged {
+                buf: vec![0; len as usize],
+                hold: true,
+            }
+        } else {
+            match check_range(st, rkey, remote_addr, u64::from(len)) {
+                None => Mode::Refused,
+                Some(_) if st.corrupt_next || !mem.direct() => Mode::Staged {
+                    buf: vec![0; len as usize],
+                    hold: false,
+                },
+                Some(offset) => Mode::Direct { offset },
+            }
+        };
+        c.cur = Some(InFrame {
             opcode: u32_at(4),
             wr_id: u64_at(8),
-            remote_addr: u64_at(16),
-            rkey: u32_at(24),
+            remote_addr,
+            rkey,
             imm: u32_at(28),
             flags: u32_at(32),
-            payload,
-        };
-        if tx.send(frame).is_err() {
-            return Ok(()); // the transport is gone
+            len,
+            got: 0,
+            mode,
+        });
+        if len > 0 {
+            return Step::Progress(n);
+        }
+        return Step::Done(n, finish(c, st, mem));
+    }
+    let Some(f) = c.cur.as_mut() else {
+        return Step::Blocked;
+    };
+    debug_assert!(f.got < f.len);
+    let rem = ((f.len - f.got) as usize).min(max_read);
+    // Invalidation takes effect between any two pieces: not one more byte of the key lands.
+    if matches!(f.mode, Mode::Direct { .. })
+        && !matches!(st.keys.get(&f.rkey), Some(KeyEntry::Valid { .. }))
+    {
+        f.mode = Mode::Refused;
+    }
+    let io = match &mut f.mode {
+        Mode::Direct { offset } => {
+            let mut dests: Vec<&mut [u8]> = Vec::with_capacity(crate::kv::MAX_LAND_DESTS);
+            match mem.dests(f.rkey, *offset + u64::from(f.got), rem, &mut dests) {
+                Ok(()) => {
+                    debug_assert!(
+                        !dests.is_empty() && dests.iter().map(|d| d.len()).sum::<usize>() <= rem
+                    );
+                    let mut iov: Vec<IoSliceMut<'_>> =
+                        dests.into_iter().map(IoSliceMut::new).collect();
+                    read_some_vectored(&mut c.stream, &mut iov)
+                }
+                Err(e) => {
+                    tracing::warn!(rkey = f.rkey, error = %e, "KV write refused by target memory");
+                    f.mode = Mode::Refused;
+                    return Step::Progress(0);
+                }
+            }
+        }
+        Mode::Staged { buf, .. } => {
+            let start = f.got as usize;
+            read_some(&mut c.stream, &mut buf[start..start + rem])
+        }
+        Mode::Refused => {
+            let k = rem.min(st.sink.len());
+            read_some(&mut c.stream, &mut st.sink[..k])
+        }
+    };
+    let n = match io {
+        Io::Read(n) => n,
+        Io::Blocked => return Step::Blocked,
+        Io::Closed => return Step::Closed,
+    };
+    f.got += n as u32;
+    if f.got < f.len {
+        return Step::Progress(n);
+    }
+    Step::Done(n, finish(c, st, mem))
+}
+
+/// The current frame of `c` is complete: decide its status (or hold it back).
+fn finish(c: &mut Conn, st: &mut TargetState, mem: &mut dyn TargetMemory) -> Option<Finished> {
+    let f = c.cur.take()?;
+    let status = match f.mode {
+        Mode::Direct { offset } => {
+            if !matches!(st.keys.get(&f.rkey), Some(KeyEntry::Valid { .. })) {
+                st.stats.rejected_writes += 1;
+                wc_status::REM_ACCESS_ERR
+            } else {
+                match mem.dest_done(f.rkey, offset, u64::from(f.len)) {
+                    Ok(()) => {
+                        st.stats.landed_writes += 1;
+                        st.stats.landed_bytes += u64::from(f.len);
+                        wc_status::SUCCESS
+                    }
+                    Err(e) => {
+                        tracing::warn!(rkey = f.rkey, offset, error = %e, "KV write refused by target memory");
+                        st.stats.rejected_writes += 1;
+                        wc_status::REM_ACCESS_ERR
+                    }
+                }
+            }
+        }
+        Mode::Refused => {
+            st.stats.rejected_writes += 1;
+            wc_status::REM_ACCESS_ERR
+        }
+        Mode::Staged { mut buf, hold } => {
+            let frame_of = |payload| Frame {
+                conn: c.id,
+                opcode: f.opcode,
+                wr_id: f.wr_id,
+                remote_addr: f.remote_addr,
+                rkey: f.rkey,
+                imm: f.imm,
+                flags: f.flags,
+                payload,
+            };
+            if hold {
+                st.held.push_back(frame_of(buf));
+                return None;
+            }
+            if st.corrupt_next && !buf.is_empty() {
+                st.corrupt_next = false;
+                let i = buf.len() / 2;
+                buf[i] ^= 0x40;
+            }
+            land(st, mem, &frame_of(buf))
+        }
+    };
+    Some(Finished {
+        opcode: f.opcode,
+        wr_id: f.wr_id,
+        imm: f.imm,
+        flags: f.flags,
+        len: f.len,
+        status,
+    })
+}
+
+/// Acknowledge (if signaled) and complete (if with immediate data and successful) a write.
+fn complete(acks: &mut Vec<u8>, ctx: u64, fin: &Finished, out: &mut Vec<Wc>) {
+    if fin.flags & SEND_SIGNALED != 0 {
+        acks.extend_from_slice(&MAGIC_ACK.to_le_bytes());
+        acks.extend_from_slice(&fin.status.to_le_bytes());
+        acks.extend_from_slice(&fin.wr_id.to_le_bytes());
+        acks.extend_from_slice(&fin.len.to_le_bytes());
+        acks.extend_from_slice(&[0u8; 4]);
+    }
+    if fin.status == wc_status::SUCCESS && fin.opcode == WR_RDMA_WRITE_WITH_IMM {
+        let wc = Wc::new(
+            fin.wr_id,
+            fin.status,
+            wc_opcode::RECV_RDMA_WITH_IMM,
+            fin.len,
+            fin.imm,
+        );
+        abi::custody_kv_complete(ctx, &wc);
+        out.push(wc);
+    }
+}
+
+/// Write pending acknowledgements without blocking; a dead peer closes the connection.
+fn flush_acks(c: &mut Conn) {
+    while !c.acks.is_empty() {
+        match c.stream.write(&c.acks) {
+            Ok(0) => {
+                c.closed = true;
+                return;
+            }
+            Ok(n) => {
+                c.acks.drain(..n);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(_) => {
+                c.closed = true;
+                return;
+            }
         }
     }
 }
@@ -488,6 +778,7 @@ impl KvTransport for TcpTransport {
         }
         // Keys are never reused within a transport's life, so a late write of an old key can
         // never match a new registration.
+        let t = &mut t.st;
         let rkey = t.next_key;
         t.next_key = t
             .next_key
@@ -505,7 +796,7 @@ impl KvTransport for TcpTransport {
 
     fn invalidate(&mut self, rkey: u32) -> Result<(), TransportError> {
         let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
-        match t.keys.get_mut(&rkey) {
+        match t.st.keys.get_mut(&rkey) {
             Some(e) => *e = KeyEntry::Invalidated,
             None => return Err(TransportError::UnknownKey(rkey)),
         }
@@ -558,87 +849,110 @@ impl KvTransport for TcpTransport {
     ) -> Result<usize, TransportError> {
         let ctx = self.ctx;
         let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
+        while let Ok((id, stream)) = t.st.new_conns.try_recv() {
+            t.conns.push(Conn {
+                id,
+                stream,
+                hdr: [0; WR_HDR],
+                hdr_got: 0,
+                cur: None,
+                acks: Vec::new(),
+                closed: false,
+            });
+        }
         let mut n = 0;
-        while n < max {
-            let frame = match t.replay.pop_front() {
-                Some(f) => f,
-                None => match t.frames.try_recv() {
-                    Ok(f) => f,
-                    Err(_) => break,
-                },
-            };
-            if t.hold_keys.contains(&frame.rkey) {
-                t.held.push_back(frame);
-                continue;
-            }
+        // Writes released from being held (fault injection) land first, judged now.
+        while n < max
+            && let Some(frame) = t.st.replay.pop_front()
+        {
             n += 1;
-            let mut frame = frame;
-            if t.corrupt_next && !frame.payload.is_empty() {
-                t.corrupt_next = false;
-                let i = frame.payload.len() / 2;
-                frame.payload[i] ^= 0x40;
-            }
-            let status = land(t, mem, &frame);
-            let len = frame.payload.len() as u32;
-            if frame.flags & SEND_SIGNALED != 0 {
-                let mut ack = [0u8; ACK_LEN];
-                ack[0..4].copy_from_slice(&MAGIC_ACK.to_le_bytes());
-                ack[4..8].copy_from_slice(&status.to_le_bytes());
-                ack[8..16].copy_from_slice(&frame.wr_id.to_le_bytes());
-                ack[16..20].copy_from_slice(&len.to_le_bytes());
-                if let Ok(mut c) = t.conns.lock()
-                    && let Some(s) = c.get_mut(&frame.conn)
-                {
-                    let _ = s.write_all(&ack); // a dead peer learns nothing; its writes flush
-                }
-            }
-            let is_imm = frame.opcode == WR_RDMA_WRITE_WITH_IMM;
-            if let Ok(mut sp) = t.spares.lock()
-                && sp.len() < MAX_SPARES
-            {
-                sp.push(std::mem::take(&mut frame.payload));
-            }
-            if status == wc_status::SUCCESS && is_imm {
-                let wc = Wc::new(
-                    frame.wr_id,
-                    status,
-                    wc_opcode::RECV_RDMA_WITH_IMM,
-                    len,
-                    frame.imm,
-                );
-                abi::custody_kv_complete(ctx, &wc);
-                out.push(wc);
+            let status = land(&mut t.st, mem, &frame);
+            let fin = Finished {
+                opcode: frame.opcode,
+                wr_id: frame.wr_id,
+                imm: frame.imm,
+                flags: frame.flags,
+                len: frame.payload.len() as u32,
+                status,
+            };
+            // A dead peer learns nothing; its writes were flushed on its side.
+            if let Some(c) = t.conns.iter_mut().find(|c| c.id == frame.conn) {
+                complete(&mut c.acks, ctx, &fin, out);
+            } else {
+                complete(&mut Vec::new(), ctx, &fin, out);
             }
         }
+        let mut budget = t.st.poll_bytes_max;
+        for c in &mut t.conns {
+            while n < max && budget > 0 && !c.closed {
+                match read_step(c, &mut t.st, mem, budget) {
+                    Step::Progress(k) => budget = budget.saturating_sub(k),
+                    Step::Done(k, fin) => {
+                        budget = budget.saturating_sub(k);
+                        if let Some(fin) = fin {
+                            n += 1;
+                            complete(&mut c.acks, ctx, &fin, out);
+                        }
+                    }
+                    Step::Blocked => break,
+                    Step::Closed => c.closed = true,
+                }
+            }
+            flush_acks(c);
+        }
+        t.conns.retain(|c| {
+            if c.closed {
+                let _ = c.stream.shutdown(Shutdown::Both);
+            }
+            !c.closed
+        });
         Ok(n)
     }
 
     fn connected(&self) -> bool {
         self.init.stream.is_some() && self.init.alive.load(Ordering::Acquire)
     }
+
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn endpoint(&self) -> String {
+        self.local_addr().map(|a| a.to_string()).unwrap_or_default()
+    }
+
+    fn connect_peer(&mut self, peer: &str) -> Result<(), TransportError> {
+        if peer.is_empty() {
+            // The peer is an initiator: it dials this target.
+            return Ok(());
+        }
+        let addr: SocketAddr = peer
+            .parse()
+            .map_err(|_| TransportError::BadEndpoint(peer.to_owned()))?;
+        self.connect(addr)
+    }
+
+    fn target_stats(&self) -> TargetStats {
+        TcpTransport::target_stats(self)
+    }
+
+    fn fault_inject(&mut self, f: FaultInjection) -> Result<usize, TransportError> {
+        match f {
+            FaultInjection::CorruptNextPayload => self.fault_inject_corrupt_next_payload(),
+            FaultInjection::HoldKey(k) => self.fault_inject_hold_key(k),
+            FaultInjection::ReleaseHeld => return Ok(self.fault_inject_release_held()),
+            FaultInjection::Disconnect => self.fault_inject_disconnect(),
+        }
+        Ok(0)
+    }
 }
 
-/// Key and range checks, then the bytes land. Returns the `ibv_wc_status`.
-fn land(t: &mut Target, mem: &mut dyn TargetMemory, f: &Frame) -> u32 {
-    let len = match t.keys.get(&f.rkey) {
-        Some(KeyEntry::Valid { len }) => *len,
-        Some(KeyEntry::Invalidated) | None => {
-            t.stats.rejected_writes += 1;
-            return wc_status::REM_ACCESS_ERR;
-        }
-    };
-    let base = region_base(f.rkey);
-    let Some(offset) = f.remote_addr.checked_sub(base) else {
+/// Key and range checks, then the staged bytes land. Returns the `ibv_wc_status`.
+fn land(t: &mut TargetState, mem: &mut dyn TargetMemory, f: &Frame) -> u32 {
+    let Some(offset) = check_range(t, f.rkey, f.remote_addr, f.payload.len() as u64) else {
         t.stats.rejected_writes += 1;
         return wc_status::REM_ACCESS_ERR;
     };
-    if offset
-        .checked_add(f.payload.len() as u64)
-        .is_none_or(|end| end > len)
-    {
-        t.stats.rejected_writes += 1;
-        return wc_status::REM_ACCESS_ERR;
-    }
     match mem.write(f.rkey, offset, &f.payload) {
         Ok(()) => {
             t.stats.landed_writes += 1;
@@ -671,6 +985,46 @@ mod tests {
         ) -> Result<(), super::super::AccessError> {
             let m = self.bytes.entry(rkey).or_insert_with(|| vec![0; 1024]);
             m[offset as usize..offset as usize + b.len()].copy_from_slice(b);
+            Ok(())
+        }
+    }
+
+    /// Memory with direct landing, handing out destinations of at most `piece` bytes (so that a
+    /// write lands in many pieces).
+    struct DirectMem {
+        bytes: Vec<u8>,
+        piece: usize,
+        done: Vec<(u32, u64, u64)>,
+    }
+    impl TargetMemory for DirectMem {
+        fn write(
+            &mut self,
+            _rkey: u32,
+            offset: u64,
+            b: &[u8],
+        ) -> Result<(), super::super::AccessError> {
+            self.bytes[offset as usize..offset as usize + b.len()].copy_from_slice(b);
+            Ok(())
+        }
+        fn direct(&self) -> bool {
+            true
+        }
+        fn dest(
+            &mut self,
+            _rkey: u32,
+            offset: u64,
+            max_len: usize,
+        ) -> Result<&mut [u8], super::super::AccessError> {
+            let n = max_len.min(self.piece);
+            Ok(&mut self.bytes[offset as usize..offset as usize + n])
+        }
+        fn dest_done(
+            &mut self,
+            rkey: u32,
+            offset: u64,
+            len: u64,
+        ) -> Result<(), super::super::AccessError> {
+            self.done.push((rkey, offset, len));
             Ok(())
         }
     }
@@ -746,6 +1100,95 @@ mod tests {
     }
 
     #[test]
+    fn direct_landing_reads_straight_into_memory_in_pieces() {
+        let (mut init, mut target) = pair();
+        let region = target.register(1 << 20).expect("register");
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let sge = [Sge {
+            addr: data.as_ptr() as u64,
+            length: data.len() as u32,
+            lkey: 0,
+        }];
+        let wr = SendWr::rdma_write(1, &sge, region.base + 100, region.rkey).with_imm(3);
+        // SAFETY: `data` outlives the completion.
+        unsafe { init.post_write(&wr) }.expect("post");
+        let mut mem = DirectMem {
+            bytes: vec![0; 1 << 20],
+            piece: 4093,
+            done: Vec::new(),
+        };
+        let (mut s, mut r) = (Vec::new(), Vec::new());
+        for _ in 0..5000 {
+            target.poll_recv(&mut mem, &mut r, 64).expect("recv");
+            init.poll_send(&mut s, 64).expect("send");
+            if !s.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(s[0].ok(), "{:?}", s[0]);
+        assert_eq!(r.len(), 1);
+        assert_eq!(&mem.bytes[100..100 + data.len()], &data[..]);
+        assert_eq!(mem.done, vec![(region.rkey, 100, data.len() as u64)]);
+        assert_eq!(target.target_stats().landed_bytes, data.len() as u64);
+    }
+
+    #[test]
+    fn invalidation_mid_write_stops_the_rest_from_landing() {
+        let (mut init, mut target) = pair();
+        target.set_poll_bytes_max(1000);
+        let region = target.register(1 << 20).expect("register");
+        let data = vec![0xabu8; 200_000];
+        let sge = [Sge {
+            addr: data.as_ptr() as u64,
+            length: data.len() as u32,
+            lkey: 0,
+        }];
+        let wr = SendWr::rdma_write(5, &sge, region.base, region.rkey).with_imm(0);
+        // SAFETY: `data` outlives the completion.
+        unsafe { init.post_write(&wr) }.expect("post");
+        let mut mem = DirectMem {
+            bytes: vec![0; 1 << 20],
+            piece: 1 << 20,
+            done: Vec::new(),
+        };
+        let mut r = Vec::new();
+        // Poll until some, but not all, of the payload landed.
+        for _ in 0..5000 {
+            target.poll_recv(&mut mem, &mut r, 64).expect("recv");
+            if mem.bytes[0] == 0xab {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let landed_before = mem.bytes.iter().filter(|&&b| b == 0xab).count();
+        assert!(
+            landed_before > 0 && landed_before <= 1000,
+            "{landed_before}"
+        );
+        target.invalidate(region.rkey).expect("invalidate");
+        target.set_poll_bytes_max(1 << 20);
+        let (mut s, mut r) = (Vec::new(), Vec::new());
+        for _ in 0..5000 {
+            target.poll_recv(&mut mem, &mut r, 64).expect("recv");
+            init.poll_send(&mut s, 64).expect("send");
+            if !s.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(s[0].status, wc_status::REM_ACCESS_ERR);
+        assert!(r.is_empty());
+        assert_eq!(
+            mem.bytes.iter().filter(|&&b| b == 0xab).count(),
+            landed_before,
+            "not one byte landed after invalidate returned"
+        );
+        assert!(mem.done.is_empty());
+        assert_eq!(target.target_stats().rejected_writes, 1);
+    }
+
+    #[test]
     fn out_of_range_write_is_refused() {
         let (mut init, mut target) = pair();
         let region = target.register(64).expect("register");
@@ -782,7 +1225,7 @@ mod tests {
         let mut r = Vec::new();
         for _ in 0..2000 {
             target.poll_recv(&mut mem, &mut r, 64).expect("recv");
-            if target.target.as_ref().is_some_and(|t| t.held.len() == 1) {
+            if target.target.as_ref().is_some_and(|t| t.st.held.len() == 1) {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));

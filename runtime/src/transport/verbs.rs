@@ -1251,6 +1251,38 @@ impl KvTransport for VerbsTransport {
     fn connected(&self) -> bool {
         self.remote.is_some() && !self.broken
     }
+
+    fn kind(&self) -> &'static str {
+        "verbs"
+    }
+
+    /// The queue pair's [`VerbsEndpoint`] as JSON.
+    fn endpoint(&self) -> String {
+        serde_json::to_string(&self.local_endpoint()).unwrap_or_default()
+    }
+
+    /// Parse the peer's JSON endpoint; reset first if this QP was connected (or broken).
+    fn connect_peer(&mut self, peer: &str) -> Result<(), TransportError> {
+        let remote: VerbsEndpoint = serde_json::from_str(peer)
+            .map_err(|e| TransportError::BadEndpoint(format!("{peer}: {e}")))?;
+        if self.remote.is_some() || self.broken {
+            VerbsTransport::reset(self)?;
+        }
+        self.connect(&remote)
+    }
+
+    fn reset(&mut self) -> Result<(), TransportError> {
+        VerbsTransport::reset(self)
+    }
+
+    unsafe fn register_source(
+        &mut self,
+        addr: *const u8,
+        len: usize,
+    ) -> Result<u32, TransportError> {
+        // SAFETY: forwarded from the caller (same contract as `register_local`).
+        unsafe { self.register_local(addr, len) }.map(|r| r.lkey)
+    }
 }
 
 impl Drop for VerbsTransport {

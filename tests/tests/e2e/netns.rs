@@ -226,6 +226,7 @@ fn netns_child_node() {
             DecodeOptions {
                 node_id: 2,
                 transport_listen: format!("{DECODE_IP}:7072").parse().expect("addr"),
+                transport_kind: Default::default(),
                 checksum: true,
                 reservation_lease: Duration::from_millis(LEASE_MS),
                 unsafe_: UnsafeReproduction::default(),
@@ -262,6 +263,7 @@ fn netns_child_node() {
         unsafe_: UnsafeReproduction::default(),
         fingerprint: fingerprint(),
         reserve_wait: Duration::from_secs(10),
+        transport_kind: Default::default(),
     };
     let h = rt
         .block_on(PrefillHandle::start(
