@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The main job: a chat generation with the embedded model on CPU. Extra arguments are passed to
-# `custody generate` (e.g. --prompt "..." --max-tokens 64 --temperature 0.7 --seed 1).
+# The main job: `custody demo` — a prefill/decode pair on loopback with the embedded model (CPU)
+# serves a multi-tenant workload with every protection on, then again with the incident's faults
+# armed; prints both exposure summaries from the audit log alone and writes a compliance report
+# per run (demo-out/). A few minutes; progress shown. Other arguments are passed to `custody`
+# instead (e.g. `./scripts/run.sh generate --chat --prompt "Hi"`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-# Without the `forensics` feature: DataFusion would add ~25 min to this release build on 2 cores
-# (`cargo build --release -p custody` builds the full binary with `query` and `forensics`).
-cargo build --quiet --release -p custody --no-default-features
-case " $* " in *" --prompt "*) ;; *) set -- --prompt "What is the capital of France? Answer in one sentence." "$@" ;; esac
-exec "${CARGO_TARGET_DIR:-target}/release/custody" generate --config configs/single-node.toml --chat "$@"
+# The dev profile: the compute crates are optimised even there (Cargo.toml), and it shares the
+# test suite's build; a release build with DataFusion (the forensics) takes ~25 min on 2 cores.
+cargo build --quiet -p custody
+if [ $# -eq 0 ]; then set -- demo; fi
+exec "${CARGO_TARGET_DIR:-target}/debug/custody" "$@"

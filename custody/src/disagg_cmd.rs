@@ -88,22 +88,7 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
     if let Some(w) = &audit {
         let sink: Arc<dyn AuditSink> = w.clone();
         engine = engine.with_audit(sink);
-        engine.record(AuditEvent::Node {
-            ts_ns: custody_audit::mono_now_ns(),
-            kind: "start".into(),
-            detail: format!(
-                "role={role} model_sha256={fingerprint} context={} pool_tokens={}",
-                engine.context_length(),
-                engine.pool().n_pages() * engine.pool().page_size()
-            ),
-        });
-        if unsafe_.any() {
-            engine.record(AuditEvent::Node {
-                ts_ns: custody_audit::mono_now_ns(),
-                kind: "unsafe_reproduction".into(),
-                detail: unsafe_.names().join(","),
-            });
-        }
+        record_start(&mut engine, role, &fingerprint, &unsafe_);
     }
     Ok(Role {
         cfg,
@@ -113,6 +98,32 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
         node,
         audit,
     })
+}
+
+/// The node's own facts at start, in its audit log: role, model, context and pool; and, when
+/// armed, the unsafe-reproduction switches (so that a log of a deliberate reproduction says so).
+pub(crate) fn record_start(
+    engine: &mut Engine,
+    role: &str,
+    fingerprint: &str,
+    unsafe_: &UnsafeReproduction,
+) {
+    engine.record(AuditEvent::Node {
+        ts_ns: custody_audit::mono_now_ns(),
+        kind: "start".into(),
+        detail: format!(
+            "role={role} model_sha256={fingerprint} context={} pool_tokens={}",
+            engine.context_length(),
+            engine.pool().n_pages() * engine.pool().page_size()
+        ),
+    });
+    if unsafe_.any() {
+        engine.record(AuditEvent::Node {
+            ts_ns: custody_audit::mono_now_ns(),
+            kind: "unsafe_reproduction".into(),
+            detail: unsafe_.names().join(","),
+        });
+    }
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {

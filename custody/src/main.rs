@@ -12,6 +12,8 @@ use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{ChatMessage, Config, Engine, Model, SamplingParams, Tokenizer};
 
+#[cfg(feature = "forensics")]
+mod demo_cmd;
 mod disagg_cmd;
 #[cfg(feature = "forensics")]
 mod query_cmd;
@@ -56,6 +58,18 @@ enum Cmd {
     #[cfg(feature = "forensics")]
     #[command(subcommand)]
     Forensics(query_cmd::ForensicsCmd),
+    /// The compliance report: one self-contained HTML file (inline SVG charts, no network) —
+    /// requests and tokens per tenant over time, integrity violations and prevented exposures,
+    /// transfer outcomes, latency distribution, the audit log's own verification, and the
+    /// exposure summary.
+    #[cfg(feature = "forensics")]
+    Report(query_cmd::ReportArgs),
+    /// The main job: a prefill/decode pair on loopback serves a multi-tenant workload with every
+    /// protection on, then again with the incident's faults armed (`configs/incident*.toml`,
+    /// `--unsafe-reproduction`); prints both exposure summaries from the audit files alone and
+    /// writes a compliance report per run.
+    #[cfg(feature = "forensics")]
+    Demo(demo_cmd::DemoArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -209,6 +223,10 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Query(a) => query_cmd::query(a),
         #[cfg(feature = "forensics")]
         Cmd::Forensics(c) => query_cmd::forensics_cmd(c, parse_utc),
+        #[cfg(feature = "forensics")]
+        Cmd::Report(a) => query_cmd::report_cmd(a, parse_utc),
+        #[cfg(feature = "forensics")]
+        Cmd::Demo(a) => demo_cmd::demo(a),
     }
 }
 

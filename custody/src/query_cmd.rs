@@ -91,6 +91,12 @@ pub(crate) enum ForensicsCmd {
 }
 
 async fn session(src: &Source) -> Result<SessionContext> {
+    Ok(verified_session(src).await?.ctx)
+}
+
+/// Open the verified part of the root, say what is read and what is excluded, and prepare the
+/// forensic views.
+async fn verified_session(src: &Source) -> Result<custody_query::VerifiedSession> {
     let key = match &src.public_key {
         Some(p) => Some(
             custody_audit::digest::read_verifying_key(p)
@@ -128,7 +134,62 @@ async fn session(src: &Source) -> Result<SessionContext> {
         );
     }
     custody_query::prepare_forensics(&vs.ctx).await?;
-    Ok(vs.ctx)
+    Ok(vs)
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ReportArgs {
+    /// Audit root (a directory).
+    root: PathBuf,
+    /// Expected public key (hex file from `custody audit keygen`); default: trust the key in the
+    /// first digest.
+    #[arg(long)]
+    public_key: Option<PathBuf>,
+    /// Only events recorded at or after this UTC time (YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ).
+    #[arg(long)]
+    from: Option<String>,
+    /// Only events recorded before this UTC time.
+    #[arg(long)]
+    to: Option<String>,
+    /// Where to write the report (one self-contained HTML file).
+    #[arg(short = 'o', long, default_value = "report.html")]
+    out: PathBuf,
+}
+
+/// `custody report`: the compliance report as one self-contained HTML file.
+pub(crate) fn report_cmd(a: ReportArgs, parse_utc: fn(&str) -> Result<i64>) -> Result<()> {
+    let scope = custody_query::report::ReportScope {
+        root: a.root.display().to_string(),
+        from_ns: a.from.as_deref().map(parse_utc).transpose()?,
+        to_ns: a.to.as_deref().map(parse_utc).transpose()?,
+        generated_ns: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i64),
+    };
+    let src = Source {
+        root: a.root,
+        public_key: a.public_key,
+        format: Format::Table,
+    };
+    if !src.root.is_dir() {
+        bail!("audit root {} is not a directory", src.root.display());
+    }
+    let html = runtime()?.block_on(async {
+        let vs = verified_session(&src).await?;
+        custody_query::report::render(&vs, &scope)
+            .await
+            .context("building the report")
+    })?;
+    // Write to a temporary name, then rename: a reader never sees half a report.
+    let tmp = a.out.with_extension("html.tmp");
+    std::fs::write(&tmp, html.as_bytes()).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &a.out).with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!(
+        "report written to {} ({} KiB)",
+        a.out.display(),
+        html.len() / 1024
+    );
+    Ok(())
 }
 
 fn print(batches: &[RecordBatch], format: Format) -> Result<()> {

@@ -13,6 +13,7 @@
 //!   the `all_<table>` views (sealed ∪ live) they run over.
 
 pub mod forensics;
+pub mod report;
 
 /// Re-exported so the binary uses the same DataFusion (and Arrow) as this crate.
 pub use datafusion;

@@ -66,7 +66,7 @@ pub fn start_pair(
     start_pair_with(prefill, decode, unsafe_, lease, None)
 }
 
-type Writers = (
+pub type Writers = (
     Arc<dyn custody_audit::AuditSink>,
     Arc<dyn custody_audit::AuditSink>,
 );

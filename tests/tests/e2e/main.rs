@@ -7,6 +7,7 @@ mod integrity;
 mod model_check;
 mod netns;
 mod reference;
+mod report;
 mod scheduler;
 
 use custody_runtime::gguf::Gguf;
