@@ -6,6 +6,10 @@
 //! covers the canonical JSON of every other field). [`verify`] walks the chain and reports every
 //! modified, truncated, missing, extra or reordered file, every broken or reordered digest link,
 //! every bad signature and every sequence gap.
+//!
+//! [`verify_store`] does the same over any [`LogStore`] (a flat namespace of objects named by
+//! `/`-separated paths relative to the audit root): [`LocalStore`] is a directory, and the query
+//! crate implements it over an object store. This crate knows nothing of object stores.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -283,6 +287,11 @@ pub enum Problem {
     FileExtra {
         path: PathBuf,
     },
+    /// A sealed file, or the root itself, could not be read (permissions, an object store's error).
+    Unreadable {
+        path: PathBuf,
+        why: String,
+    },
 }
 
 impl std::fmt::Display for Problem {
@@ -368,6 +377,9 @@ impl std::fmt::Display for Problem {
             Problem::FileExtra { path } => {
                 write!(f, "file {} is EXTRA: no digest names it", path.display())
             }
+            Problem::Unreadable { path, why } => {
+                write!(f, "{} could NOT BE READ: {why}", path.display())
+            }
         }
     }
 }
@@ -382,6 +394,9 @@ pub struct Report {
     pub live_segments: Vec<PathBuf>,
     /// Sealed files that a verified digest names (what readers may use).
     pub verified_files: Vec<PathBuf>,
+    /// Every Parquet file present under the root, verified or not (what a reader that was asked
+    /// to include unverified data reads).
+    pub parquet_files: Vec<PathBuf>,
 }
 
 impl Report {
@@ -390,58 +405,183 @@ impl Report {
     }
 }
 
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-    if let Ok(rd) = fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                walk(&p, out);
-            } else {
-                out.push(p);
+/// Why a [`LogStore`] could not list or read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {why}")]
+pub struct StoreError {
+    /// What could not be read, as the store names it (a path or a URL).
+    pub path: String,
+    pub why: String,
+}
+
+/// Where an audit root's files are, as [`verify_store`] reads them: a flat namespace of objects
+/// named by `/`-separated paths relative to the root (directories are only prefixes, as in an
+/// object store). Implemented here for a directory ([`LocalStore`]) and by the query crate for
+/// object stores.
+pub trait LogStore {
+    /// Every object under `prefix` (`""` for all; else a path ending in `/`), at any depth, by
+    /// its path relative to the root, in no particular order. A prefix with nothing under it is
+    /// an empty list, not an error.
+    fn list(&self, prefix: &str) -> Result<Vec<String>, StoreError>;
+    /// The whole object.
+    fn read(&self, path: &str) -> Result<Vec<u8>, StoreError>;
+    /// SHA-256 (hex) and size of an object. The default reads it whole; stores that can stream
+    /// should override it.
+    fn sha256(&self, path: &str) -> Result<(String, u64), StoreError> {
+        let b = self.read(path)?;
+        Ok((hex(&Sha256::digest(&b)), b.len() as u64))
+    }
+    /// How reports name an object: `<root>/<path>` (a filesystem path, or a URL held in a
+    /// `PathBuf`, e.g. `s3://bucket/prefix/<path>`).
+    fn locate(&self, path: &str) -> PathBuf;
+}
+
+/// An audit root that is a local directory.
+#[derive(Clone, Debug)]
+pub struct LocalStore {
+    root: PathBuf,
+}
+
+impl LocalStore {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+}
+
+/// How deep listing descends below the root. The layout is at most four levels deep
+/// (`<table>/node=<n>/date=<d>/<file>`); the bound turns a directory-symlink loop into an error
+/// instead of an endless walk.
+const MAX_DEPTH: usize = 16;
+
+impl LogStore for LocalStore {
+    fn list(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        let mut out = Vec::new();
+        let top = prefix.trim_end_matches('/').to_owned();
+        let mut stack = vec![(self.root.join(&top), top, 0usize)];
+        while let Some((dir, rel, depth)) = stack.pop() {
+            let err = |e: std::io::Error| StoreError {
+                path: dir.display().to_string(),
+                why: e.to_string(),
+            };
+            let rd = match fs::read_dir(&dir) {
+                Ok(rd) => rd,
+                // Not there (never created, or removed while listing: the writer renames
+                // temporary files): nothing under it, as in an object store.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(err(e)),
+            };
+            for e in rd {
+                let e = e.map_err(err)?;
+                // Names the writer does not produce (non-UTF-8) still show, lossily, so that
+                // they are reported.
+                let name = e.file_name().to_string_lossy().into_owned();
+                let child = if rel.is_empty() {
+                    name
+                } else {
+                    format!("{rel}/{name}")
+                };
+                let p = e.path();
+                if p.is_dir() {
+                    if depth + 1 >= MAX_DEPTH {
+                        return Err(StoreError {
+                            path: p.display().to_string(),
+                            why: format!(
+                                "more than {MAX_DEPTH} directory levels (a symlink loop?)"
+                            ),
+                        });
+                    }
+                    stack.push((p, child, depth + 1));
+                } else {
+                    out.push(child);
+                }
             }
         }
+        Ok(out)
+    }
+
+    fn read(&self, path: &str) -> Result<Vec<u8>, StoreError> {
+        let p = self.root.join(path);
+        fs::read(&p).map_err(|e| StoreError {
+            path: p.display().to_string(),
+            why: e.to_string(),
+        })
+    }
+
+    fn sha256(&self, path: &str) -> Result<(String, u64), StoreError> {
+        let p = self.root.join(path);
+        sha256_file(&p).map_err(|e| StoreError {
+            path: p.display().to_string(),
+            why: e.to_string(),
+        })
+    }
+
+    fn locate(&self, path: &str) -> PathBuf {
+        self.root.join(path)
     }
 }
 
 /// Verify every node's digest chain under `root` (optionally only digests sealed in
 /// `[from_ns, to_ns)`), checking signatures against `key` when given (else against the key the
 /// first digest of each node names — trust on first use, reported by the CLI).
+///
+/// A directory that cannot be listed is reported as [`Problem::Unreadable`] (nothing else can be
+/// said then); [`verify_store`] returns it as an error instead.
 pub fn verify(
     root: &Path,
     key: Option<&VerifyingKey>,
     from_ns: Option<i64>,
     to_ns: Option<i64>,
 ) -> Report {
-    let mut r = Report::default();
-    let mut named: BTreeMap<PathBuf, (String, u64)> = BTreeMap::new();
+    verify_store(&LocalStore::new(root), key, from_ns, to_ns).unwrap_or_else(|e| Report {
+        problems: vec![Problem::Unreadable {
+            path: PathBuf::from(e.path),
+            why: e.why,
+        }],
+        ..Report::default()
+    })
+}
 
+/// [`verify`] over any [`LogStore`]: every digest is read, and every sealed file in range is
+/// hashed, through the store. Paths in the report are [`LogStore::locate`]'s. Fails only when the
+/// store cannot be listed; an object that cannot be read is a [`Problem`].
+pub fn verify_store(
+    store: &dyn LogStore,
+    key: Option<&VerifyingKey>,
+    from_ns: Option<i64>,
+    to_ns: Option<i64>,
+) -> Result<Report, StoreError> {
+    let mut r = Report::default();
+    let mut objects = store.list("")?;
+    objects.sort();
+    let mut named: BTreeMap<PathBuf, (String, u64)> = BTreeMap::new();
     let mut in_range_files: BTreeSet<PathBuf> = BTreeSet::new();
-    let digests_root = root.join("_digests");
-    let mut nodes: Vec<PathBuf> = fs::read_dir(&digests_root)
-        .map(|rd| rd.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
-    nodes.sort();
-    for node_dir in nodes {
+    // `_digests/node=<n>/<digest_seq>.json`, per node directory in name order, each node's
+    // digests in name order (the zero-padded `digest_seq`).
+    let mut nodes: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for o in &objects {
+        let mut parts = o.split('/');
+        if let (Some("_digests"), Some(node_dir), Some(name), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+            && Path::new(name).extension().is_some_and(|x| x == "json")
+        {
+            nodes.entry(node_dir).or_default().push(o);
+        }
+    }
+    for (node_dir, files) in nodes {
         let node: u32 = node_dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_prefix("node="))
+            .strip_prefix("node=")
             .and_then(|n| n.parse().ok())
             .unwrap_or(u32::MAX);
-        let mut files: Vec<PathBuf> = fs::read_dir(&node_dir)
-            .map(|rd| rd.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default();
-        files.retain(|p| p.extension().is_some_and(|x| x == "json"));
-        files.sort();
         let mut prev: Option<(String, String, u64, u64)> = None; // (sha, signature, digest_seq, seq_end)
         let mut node_key: Option<VerifyingKey> = key.copied();
-        for path in files {
-            let bytes = match fs::read(&path) {
+        for rel in files {
+            let path = store.locate(rel);
+            let bytes = match store.read(rel) {
                 Ok(b) => b,
                 Err(e) => {
                     r.problems.push(Problem::DigestUnreadable {
                         digest: path,
-                        why: e.to_string(),
+                        why: e.why,
                     });
                     continue;
                 }
@@ -550,7 +690,7 @@ pub fn verify(
             let in_range = from_ns.is_none_or(|f| d.body.sealed_wall_ns >= f)
                 && to_ns.is_none_or(|t| d.body.sealed_wall_ns < t);
             for f in &d.body.files {
-                let p = root.join(&f.path);
+                let p = store.locate(&f.path);
                 named.insert(p.clone(), (f.sha256.clone(), f.bytes));
                 if in_range {
                     in_range_files.insert(p);
@@ -562,40 +702,43 @@ pub fn verify(
             prev = Some((sha, d.signature.clone(), d.body.digest_seq, d.body.seq_end));
         }
     }
-    // Files: every named file must be intact; every sealed file must be named.
-    let mut actual_sha: BTreeMap<PathBuf, (String, u64)> = BTreeMap::new();
-    let mut all = Vec::new();
-    walk(root, &mut all);
-    for p in &all {
-        if p.extension().is_some_and(|x| x == "parquet")
-            && let Ok(s) = sha256_file(p)
-        {
-            actual_sha.insert(p.clone(), s);
-        }
-    }
+    // Files: every named file must be intact; every sealed file must be named. Only the files in
+    // range are hashed (through the store); the others need only be listed.
+    let present: BTreeMap<PathBuf, &str> = objects
+        .iter()
+        .filter(|o| Path::new(o).extension().is_some_and(|x| x == "parquet"))
+        .map(|o| (store.locate(o), o.as_str()))
+        .collect();
     let by_sha_all: BTreeMap<String, PathBuf> = named
         .iter()
         .map(|(p, (s, _))| (s.clone(), p.clone()))
         .collect();
     for p in &in_range_files {
         let (sha, bytes) = &named[p];
-        match actual_sha.get(p) {
-            None => r.problems.push(Problem::FileMissing { path: p.clone() }),
-            Some((s, _)) if s == sha => {
+        let Some(rel) = present.get(p) else {
+            r.problems.push(Problem::FileMissing { path: p.clone() });
+            continue;
+        };
+        match store.sha256(rel) {
+            Err(e) => r.problems.push(Problem::Unreadable {
+                path: p.clone(),
+                why: e.why,
+            }),
+            Ok((s, _)) if s == *sha => {
                 r.valid_files += 1;
                 r.verified_files.push(p.clone());
             }
-            Some((s, n)) => {
-                if let Some(orig) = by_sha_all.get(s).filter(|o| *o != p) {
+            Ok((s, n)) => {
+                if let Some(orig) = by_sha_all.get(&s).filter(|o| *o != p) {
                     r.problems.push(Problem::FileReordered {
                         path: p.clone(),
                         holds_content_of: orig.clone(),
                     });
-                } else if n < bytes {
+                } else if n < *bytes {
                     r.problems.push(Problem::FileTruncated {
                         path: p.clone(),
                         sealed_bytes: *bytes,
-                        found_bytes: *n,
+                        found_bytes: n,
                     });
                 } else {
                     r.problems.push(Problem::FileModified { path: p.clone() });
@@ -603,14 +746,123 @@ pub fn verify(
             }
         }
     }
-    for p in actual_sha.keys() {
+    for p in present.keys() {
         if !named.contains_key(p) {
             r.problems.push(Problem::FileExtra { path: p.clone() });
         }
     }
-    r.live_segments = all
-        .into_iter()
-        .filter(|p| p.extension().is_some_and(|x| x == "arrows"))
+    r.parquet_files = present.into_keys().collect();
+    r.live_segments = objects
+        .iter()
+        .filter(|o| Path::new(o).extension().is_some_and(|x| x == "arrows"))
+        .map(|o| store.locate(o))
         .collect();
-    r
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::writer::{AuditWriter, WriterConfig};
+    use crate::{AuditSink, Event, PageKind};
+
+    /// A store that is a map of names to bytes: what `verify_store` needs of any store.
+    struct MemStore(BTreeMap<String, Vec<u8>>);
+
+    impl LogStore for MemStore {
+        fn list(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+            Ok(self
+                .0
+                .keys()
+                .filter(|k| k.starts_with(prefix))
+                .cloned()
+                .collect())
+        }
+        fn read(&self, path: &str) -> Result<Vec<u8>, StoreError> {
+            self.0.get(path).cloned().ok_or_else(|| StoreError {
+                path: path.to_owned(),
+                why: "no such object".into(),
+            })
+        }
+        fn locate(&self, path: &str) -> PathBuf {
+            PathBuf::from(format!("mem://log/{path}"))
+        }
+    }
+
+    #[test]
+    fn verification_through_any_store_matches_the_directory() {
+        let dir = std::env::temp_dir().join(format!("custody-digest-store-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let key = generate_key().expect("key");
+        let w = AuditWriter::open(WriterConfig::new(&dir, 4, key.clone())).expect("writer");
+        for i in 0..60u64 {
+            w.record(Event::Page {
+                ts_ns: crate::mono_now_ns(),
+                request: i,
+                tenant: "t".into(),
+                page: (i % 7) as u32,
+                generation: 1,
+                kind: PageKind::Alloc,
+            })
+            .expect("record");
+            if i % 20 == 19 {
+                w.rotate().expect("rotate");
+            }
+        }
+        w.close().expect("close");
+        let local = LocalStore::new(&dir);
+        let mut names = local.list("").expect("list");
+        names.sort();
+        assert!(names.iter().any(|n| n.starts_with("_digests/node=4/")));
+        let digests = local.list("_digests/").expect("list prefix");
+        assert!(!digests.is_empty() && digests.iter().all(|n| n.starts_with("_digests/")));
+        assert!(local.list("no-such-dir/").expect("absent").is_empty());
+
+        let vk = key.verifying_key();
+        let on_disk = verify(&dir, Some(&vk), None, None);
+        assert!(on_disk.ok(), "{:?}", on_disk.problems);
+        assert_eq!(on_disk.valid_digests, 3);
+        let mut mem = MemStore(
+            names
+                .iter()
+                .map(|n| (n.clone(), local.read(n).expect("read")))
+                .collect(),
+        );
+        let r = verify_store(&mem, Some(&vk), None, None).expect("verify");
+        assert!(r.ok(), "{:?}", r.problems);
+        assert_eq!(
+            (r.valid_digests, r.valid_files, r.verified_files.len()),
+            (
+                on_disk.valid_digests,
+                on_disk.valid_files,
+                on_disk.verified_files.len()
+            )
+        );
+        assert!(
+            r.verified_files
+                .iter()
+                .all(|p| p.to_string_lossy().starts_with("mem://log/"))
+        );
+        // Tampering in the store is found through the store.
+        let victim = names
+            .iter()
+            .find(|n| n.ends_with(".parquet"))
+            .expect("a sealed file")
+            .clone();
+        let bytes = mem.0.get_mut(&victim).expect("object");
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 1;
+        let r = verify_store(&mem, Some(&vk), None, None).expect("verify");
+        assert_eq!(
+            r.problems,
+            vec![Problem::FileModified {
+                path: mem.locate(&victim)
+            }]
+        );
+        assert_eq!(r.verified_files.len(), on_disk.verified_files.len() - 1);
+        assert_eq!(r.parquet_files.len(), on_disk.parquet_files.len());
+        let _ = fs::remove_dir_all(&dir);
+    }
 }

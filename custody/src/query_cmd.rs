@@ -1,15 +1,16 @@
-//! `custody query` and `custody forensics`: SQL over an audit root (verified files by default).
+//! `custody query`, `custody forensics` and `custody report`: SQL over an audit root, a
+//! directory or `s3://bucket/prefix` (verified files only, unless `--include-unverified`).
 
 use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use custody_query::datafusion::arrow::record_batch::RecordBatch;
 use custody_query::datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
 use custody_query::datafusion::arrow::util::pretty::pretty_format_batches;
 use custody_query::datafusion::prelude::SessionContext;
-use custody_query::forensics;
+use custody_query::{AuditRoot, forensics};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub(crate) enum Format {
@@ -20,12 +21,17 @@ pub(crate) enum Format {
 
 #[derive(Args, Debug)]
 pub(crate) struct Source {
-    /// Audit root (a directory).
-    root: PathBuf,
+    /// Audit root: a directory, or `s3://bucket/prefix` (endpoint and credentials from
+    /// AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP).
+    root: AuditRoot,
     /// Expected public key (hex file from `custody audit keygen`); default: trust the key in the
     /// first digest.
     #[arg(long)]
     public_key: Option<PathBuf>,
+    /// Also read every sealed file that NO verified digest names (modified, planted, outside the
+    /// chain): for looking at a damaged log. Results are not evidence.
+    #[arg(long)]
+    include_unverified: bool,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
 }
@@ -105,25 +111,53 @@ async fn verified_session(src: &Source) -> Result<custody_query::VerifiedSession
         ),
         None => None,
     };
-    let vs = custody_query::session_over_verified(&src.root, key.as_ref())
+    let vs = custody_query::open_session(&src.root, key.as_ref(), src.include_unverified)
         .await
-        .with_context(|| format!("opening audit root {}", src.root.display()))?;
-    eprintln!(
-        "-- reading only files named by a verified digest chain: {} sealed files verified{}",
-        vs.report.verified_files.len(),
-        if key.is_none() {
-            " (key: the one in the first digest; pass --public-key to pin it)"
-        } else {
-            ""
-        }
-    );
-    if !vs.report.problems.is_empty() {
+        .with_context(|| format!("opening audit root {}", src.root))?;
+    let r = &vs.report;
+    let key_note = if key.is_none() {
+        " (key: the one in the first digest; pass --public-key to pin it)"
+    } else {
+        ""
+    };
+    let through = if src.root.is_local() {
+        ""
+    } else {
+        " (digests read and every object hashed through the object store)"
+    };
+    if vs.unverified_included {
+        let unverified = r.parquet_files.len().saturating_sub(r.verified_files.len());
+        let bar = format!("-- {}", "!".repeat(77));
+        eprintln!("{bar}");
         eprintln!(
-            "-- WARNING: {} verification problems; the affected files are EXCLUDED (run `custody audit verify {}`):",
-            vs.report.problems.len(),
-            src.root.display()
+            "-- !!! --include-unverified: reading ALL {} sealed files under {}, including {unverified} \
+             that did NOT verify against the digest chain{key_note}.",
+            r.parquet_files.len(),
+            src.root
         );
-        for p in &vs.report.problems {
+        eprintln!(
+            "-- !!! UNVERIFIED DATA: results may include modified or planted rows and are NOT evidence."
+        );
+        eprintln!("{bar}");
+    } else {
+        eprintln!(
+            "-- reading only files named by a verified digest chain: {} sealed files verified{through}{key_note}",
+            r.verified_files.len(),
+        );
+    }
+    if !r.problems.is_empty() {
+        let fate = if vs.unverified_included {
+            "INCLUDED anyway (--include-unverified)".to_owned()
+        } else if src.root.is_local() {
+            format!("EXCLUDED (run `custody audit verify {}`)", src.root)
+        } else {
+            "EXCLUDED".to_owned()
+        };
+        eprintln!(
+            "-- WARNING: {} verification problems; the affected files are {fate}:",
+            r.problems.len(),
+        );
+        for p in &r.problems {
             eprintln!("--   {p}");
         }
     }
@@ -139,8 +173,9 @@ async fn verified_session(src: &Source) -> Result<custody_query::VerifiedSession
 
 #[derive(Args, Debug)]
 pub(crate) struct ReportArgs {
-    /// Audit root (a directory).
-    root: PathBuf,
+    /// Audit root: a directory or `s3://bucket/prefix` (as for `custody query`). The report reads
+    /// only verified files: there is no `--include-unverified` here.
+    root: AuditRoot,
     /// Expected public key (hex file from `custody audit keygen`); default: trust the key in the
     /// first digest.
     #[arg(long)]
@@ -159,7 +194,7 @@ pub(crate) struct ReportArgs {
 /// `custody report`: the compliance report as one self-contained HTML file.
 pub(crate) fn report_cmd(a: ReportArgs, parse_utc: fn(&str) -> Result<i64>) -> Result<()> {
     let scope = custody_query::report::ReportScope {
-        root: a.root.display().to_string(),
+        root: a.root.to_string(),
         from_ns: a.from.as_deref().map(parse_utc).transpose()?,
         to_ns: a.to.as_deref().map(parse_utc).transpose()?,
         generated_ns: std::time::SystemTime::now()
@@ -169,11 +204,9 @@ pub(crate) fn report_cmd(a: ReportArgs, parse_utc: fn(&str) -> Result<i64>) -> R
     let src = Source {
         root: a.root,
         public_key: a.public_key,
+        include_unverified: false,
         format: Format::Table,
     };
-    if !src.root.is_dir() {
-        bail!("audit root {} is not a directory", src.root.display());
-    }
     let html = runtime()?.block_on(async {
         let vs = verified_session(&src).await?;
         custody_query::report::render(&vs, &scope)
@@ -368,9 +401,6 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                     forensics::with_window(forensics::PREVENTED_SQL, from_ns, to_ns).trim()
                 );
                 return Ok(());
-            }
-            if !Path::new(&src.root).is_dir() {
-                bail!("audit root {} is not a directory", src.root.display());
             }
             let rt = runtime()?;
             rt.block_on(async {

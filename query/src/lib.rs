@@ -8,28 +8,36 @@
 //! - [`session_over_verified`]: what an incident responder should query — only the files that a
 //!   verified digest names, plus the recoverable live segment as separate, clearly named
 //!   `<table>_live` tables.
+//! - [`open_session`]: the same over an [`AuditRoot`] — a directory or an object-store URL
+//!   (`s3://bucket/prefix`, verified and read through the store: [`source`]) — optionally over
+//!   every file, verified or not.
 //!
 //! - [`forensics`]: the canned forensic questions as documented SQL; [`prepare_forensics`] adds
 //!   the `all_<table>` views (sealed ∪ live) they run over.
 
 pub mod forensics;
 pub mod report;
+pub mod source;
+
+pub use source::AuditRoot;
 
 /// Re-exported so the binary uses the same DataFusion (and Arrow) as this crate.
 pub use datafusion;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use custody_audit::digest::{self, Report};
+use custody_audit::digest::{self, LocalStore, LogStore, Report, StoreError};
 use custody_audit::schema::Table;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::ipc::reader::StreamReader;
+use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::datasource::MemTable;
 use datafusion::datasource::file_format::parquet::ParquetFormat;
 use datafusion::datasource::listing::{
     ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl,
 };
+use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::prelude::SessionContext;
 
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +48,30 @@ pub enum QueryError {
     DataFusion(#[from] datafusion::error::DataFusionError),
     #[error("path {0} is not valid UTF-8")]
     Path(String),
+    #[error("audit root {0}")]
+    BadRoot(String),
+    #[error("audit root {0}: no objects under it")]
+    EmptyRoot(String),
+    // The next two hold their cause in the message, not as a `source` (which would print it
+    // twice in an error chain).
+    #[error("reading the audit root: {0}")]
+    Store(StoreError),
+    #[error("object store: {0}")]
+    ObjectStore(datafusion::object_store::Error),
+    #[error("verification did not finish: {0}")]
+    Verification(String),
+}
+
+impl From<StoreError> for QueryError {
+    fn from(e: StoreError) -> Self {
+        Self::Store(e)
+    }
+}
+
+impl From<datafusion::object_store::Error> for QueryError {
+    fn from(e: datafusion::object_store::Error) -> Self {
+        Self::ObjectStore(e)
+    }
 }
 
 /// A DataFusion context with `information_schema` (for `SHOW TABLES`, `DESCRIBE`).
@@ -76,14 +108,19 @@ pub async fn session_over(root: &Path) -> Result<SessionContext, QueryError> {
 /// A session over the verified part of an audit root, and the verification report it rests on.
 pub struct VerifiedSession {
     pub ctx: SessionContext,
-    /// Problems found are *excluded* from the session; callers must surface them.
+    /// Problems found are *excluded* from the session (unless `unverified_included`); callers
+    /// must surface them.
     pub report: Report,
+    /// The caller asked for every file, verified or not ([`open_session`]): the problems are
+    /// then *in* the session, and nothing read from it is evidence.
+    pub unverified_included: bool,
 }
 
 impl std::fmt::Debug for VerifiedSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VerifiedSession")
             .field("report", &self.report)
+            .field("unverified_included", &self.unverified_included)
             .finish_non_exhaustive()
     }
 }
@@ -95,20 +132,85 @@ pub async fn session_over_verified(
     root: &Path,
     key: Option<&ed25519_dalek::VerifyingKey>,
 ) -> Result<VerifiedSession, QueryError> {
-    if !root.is_dir() {
-        return Err(QueryError::NoRoot(root.display().to_string()));
-    }
-    let report = digest::verify(root, key, None, None);
+    open_session(&AuditRoot::Local(root.to_path_buf()), key, false).await
+}
+
+/// [`session_over_verified`] over a directory or an object store. For `s3://…` the digests are
+/// read and every sealed object is hashed through the store before it is registered, and the
+/// tables read the same objects through the store registered on the context. With
+/// `include_unverified`, the tables hold every Parquet file present, verified or not (the report
+/// still lists every problem; callers must say so loudly). The S3 client is configured from the
+/// environment ([`source::s3_store`]).
+pub async fn open_session(
+    root: &AuditRoot,
+    key: Option<&ed25519_dalek::VerifyingKey>,
+    include_unverified: bool,
+) -> Result<VerifiedSession, QueryError> {
+    open_session_with(root, None, key, include_unverified).await
+}
+
+/// [`open_session`] with the object-store client for an `s3://` root given (`None`: from the
+/// environment); ignored for a directory.
+pub async fn open_session_with(
+    root: &AuditRoot,
+    client: Option<Arc<dyn datafusion::object_store::ObjectStore>>,
+    key: Option<&ed25519_dalek::VerifyingKey>,
+    include_unverified: bool,
+) -> Result<VerifiedSession, QueryError> {
     let ctx = new_context();
-    for table in Table::ALL {
+    // `base`: what the report's paths start with (`LogStore::locate("")`).
+    let (store, base): (Arc<dyn LogStore + Send + Sync>, PathBuf) = match root {
+        AuditRoot::Local(dir) => {
+            if !dir.is_dir() {
+                return Err(QueryError::NoRoot(dir.display().to_string()));
+            }
+            (Arc::new(LocalStore::new(dir)), dir.clone())
+        }
+        AuditRoot::S3 { bucket, prefix } => {
+            let s3 = match client {
+                Some(c) => c,
+                None => source::s3_store(bucket)?,
+            };
+            let bucket_url = ObjectStoreUrl::parse(format!("s3://{bucket}"))?;
+            ctx.register_object_store(bucket_url.as_ref(), s3.clone());
+            let url = root.to_string();
+            let store = source::ObjectLogStore::new(
+                s3,
+                prefix,
+                url.clone(),
+                tokio::runtime::Handle::current(),
+            );
+            (Arc::new(store), PathBuf::from(url))
+        }
+    };
+    let key = key.copied();
+    let base_ = base.clone();
+    // The audit crate's verification is synchronous (and the object store adapter blocks on the
+    // runtime): run it, and read the live segment, off the async worker threads.
+    let (report, live) = tokio::task::spawn_blocking(move || {
+        let report = digest::verify_store(store.as_ref(), key.as_ref(), None, None)?;
+        let live = read_live(store.as_ref(), &base_, &report);
+        Ok::<_, StoreError>((report, live))
+    })
+    .await
+    .map_err(|e| QueryError::Verification(e.to_string()))??;
+    let nothing_there = report.valid_digests == 0
+        && report.problems.is_empty()
+        && report.parquet_files.is_empty()
+        && report.live_segments.is_empty();
+    if !root.is_local() && nothing_there {
+        // An empty prefix is most likely a typo; a directory at least exists.
+        return Err(QueryError::EmptyRoot(root.to_string()));
+    }
+    let files = if include_unverified {
+        &report.parquet_files
+    } else {
+        &report.verified_files
+    };
+    for (table, live) in Table::ALL.into_iter().zip(live) {
         let mut urls = Vec::new();
-        for f in &report.verified_files {
-            let in_table = f
-                .strip_prefix(root)
-                .ok()
-                .and_then(|r| r.components().next())
-                .is_some_and(|c| c.as_os_str() == table.name());
-            if in_table {
+        for f in files {
+            if table_of(&base, f) == Some(table.name()) {
                 let s = f
                     .to_str()
                     .ok_or_else(|| QueryError::Path(f.display().to_string()))?;
@@ -123,28 +225,56 @@ pub async fn session_over_verified(
                 .with_schema(table.schema());
             ctx.register_table(table.name(), Arc::new(ListingTable::try_new(cfg)?))?;
         }
-        let suffix = format!("-{}.arrows", table.name());
-        let mut live = Vec::new();
-        for f in report
-            .live_segments
-            .iter()
-            .filter(|p| p.to_string_lossy().ends_with(&suffix))
-        {
-            let Ok(file) = std::fs::File::open(f) else {
-                continue;
-            };
-            let Ok(reader) = StreamReader::try_new(file, None) else {
-                continue;
-            };
-            // Every complete message; a torn tail (crash) ends the file.
-            live.extend(reader.map_while(Result::ok));
-        }
         if !live.is_empty() {
             let mem = MemTable::try_new(table.schema(), vec![live])?;
             ctx.register_table(format!("{}_live", table.name()), Arc::new(mem))?;
         }
     }
-    Ok(VerifiedSession { ctx, report })
+    Ok(VerifiedSession {
+        ctx,
+        report,
+        unverified_included: include_unverified,
+    })
+}
+
+/// The first path component below `base` (the table directory), if `f` is under `base`.
+fn table_of<'a>(base: &Path, f: &'a Path) -> Option<&'a str> {
+    f.strip_prefix(base)
+        .ok()?
+        .components()
+        .next()?
+        .as_os_str()
+        .to_str()
+}
+
+/// Every complete message of each table's live segment files, in [`Table::ALL`] order. A file
+/// that cannot be read is skipped, and a torn tail (crash) ends a file: the live segment is
+/// covered by no digest, and is read for what it holds.
+fn read_live(store: &dyn LogStore, base: &Path, report: &Report) -> Vec<Vec<RecordBatch>> {
+    Table::ALL
+        .into_iter()
+        .map(|table| {
+            let suffix = format!("-{}.arrows", table.name());
+            let mut live = Vec::new();
+            for f in report
+                .live_segments
+                .iter()
+                .filter(|p| p.to_string_lossy().ends_with(&suffix))
+            {
+                let Some(rel) = f.strip_prefix(base).ok().and_then(Path::to_str) else {
+                    continue;
+                };
+                let Ok(bytes) = store.read(rel) else {
+                    continue;
+                };
+                let Ok(reader) = StreamReader::try_new(std::io::Cursor::new(bytes), None) else {
+                    continue;
+                };
+                live.extend(reader.map_while(Result::ok));
+            }
+            live
+        })
+        .collect()
 }
 
 /// Make every table queryable for the forensic SQL, even when a node never wrote it: register an

@@ -17,7 +17,7 @@ use custody_runtime::engine::{Event, GenerateRequest};
 
 use crate::{engine_with, small_cfg, tokenizer};
 
-fn tmp_dir(name: &str) -> PathBuf {
+pub(crate) fn tmp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("custody-audit-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("mkdir");
@@ -347,7 +347,7 @@ fn build_log(root: &Path, k: &ed25519_dalek_key::Key) {
     w.close().expect("close");
 }
 
-fn copy_dir(src: &Path, dst: &Path) {
+pub(crate) fn copy_dir(src: &Path, dst: &Path) {
     let _ = std::fs::remove_dir_all(dst);
     let st = Command::new("cp")
         .arg("-a")
@@ -746,6 +746,23 @@ fn allow_drop_mode_counts_every_dropped_event_in_the_log() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// The single `count(*)`-like value `sql` returns.
+pub(crate) async fn count_one(
+    ctx: &custody_query::datafusion::prelude::SessionContext,
+    sql: &str,
+) -> i64 {
+    let b = ctx
+        .sql(sql)
+        .await
+        .expect("sql")
+        .collect()
+        .await
+        .expect("collect");
+    b[0].column(0)
+        .as_primitive::<arrow::datatypes::Int64Type>()
+        .value(0)
+}
+
 #[test]
 fn verified_session_uses_only_digest_named_files_and_marks_the_live_segment() {
     let root = tmp_dir("verified-session");
@@ -783,21 +800,7 @@ fn verified_session_uses_only_digest_named_files_and_marks_the_live_segment() {
         let vs = custody_query::session_over_verified(&root, Some(&k.0.verifying_key()))
             .await
             .expect("session");
-        let count = |sql: &'static str| {
-            let ctx = vs.ctx.clone();
-            async move {
-                let b = ctx
-                    .sql(sql)
-                    .await
-                    .expect("sql")
-                    .collect()
-                    .await
-                    .expect("collect");
-                b[0].column(0)
-                    .as_primitive::<arrow::datatypes::Int64Type>()
-                    .value(0)
-            }
-        };
+        let count = |sql: &'static str| count_one(&vs.ctx, sql);
         (
             count("SELECT count(*) FROM page_events").await,
             count("SELECT count(*) FROM page_events_live").await,

@@ -8,6 +8,7 @@ mod model_check;
 mod netns;
 mod reference;
 mod report;
+mod s3;
 mod scheduler;
 
 use custody_runtime::gguf::Gguf;
