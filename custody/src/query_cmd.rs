@@ -320,35 +320,132 @@ pub(crate) fn query(a: QueryArgs) -> Result<()> {
 
 /// A small prompt after datafusion-cli: SQL ends with `;`; `\d` lists tables, `\d <table>`
 /// describes one, `\q` quits.
-async fn interactive(ctx: &SessionContext, format: Format) -> Result<()> {
-    let stdin = std::io::stdin();
-    let mut buf = String::new();
-    eprint!("custody> ");
-    for line in stdin.lock().lines() {
-        let line = line?;
+/// What one line typed at the prompt asks for.
+enum Line {
+    Quit,
+    /// A complete statement (without its `;`) or a backslash command's SQL.
+    Run(String),
+    /// Part of a statement: keep reading.
+    More,
+    Help,
+}
+
+/// The prompt's line discipline, shared by the terminal and the piped paths: `\q`, `\d`,
+/// `\d table`; SQL accumulates until a line ends with `;`.
+#[derive(Default)]
+struct Prompt {
+    buf: String,
+}
+
+impl Prompt {
+    fn feed(&mut self, line: &str) -> Line {
         let t = line.trim();
-        if buf.is_empty() && t.starts_with('\\') {
-            match t.split_whitespace().collect::<Vec<_>>()[..] {
-                ["\\q"] => return Ok(()),
-                ["\\d"] => run_sql(ctx, "SHOW TABLES", format).await?,
-                ["\\d", table] => {
-                    if let Err(e) = run_sql(ctx, &format!("DESCRIBE {table}"), format).await {
-                        eprintln!("error: {e:#}");
-                    }
-                }
-                _ => eprintln!("commands: \\d, \\d <table>, \\q; SQL ends with ;"),
-            }
-            eprint!("custody> ");
-            continue;
+        if self.buf.is_empty() && t.starts_with('\\') {
+            return match t.split_whitespace().collect::<Vec<_>>()[..] {
+                ["\\q"] => Line::Quit,
+                ["\\d"] => Line::Run("SHOW TABLES".into()),
+                ["\\d", table] => Line::Run(format!("DESCRIBE {table}")),
+                _ => Line::Help,
+            };
         }
-        buf.push_str(&line);
-        buf.push('\n');
-        if t.ends_with(';') {
-            if let Err(e) = run_sql(ctx, buf.trim().trim_end_matches(';'), format).await {
-                eprintln!("error: {e:#}");
+        self.buf.push_str(line);
+        self.buf.push('\n');
+        if !t.ends_with(';') {
+            return Line::More;
+        }
+        let stmt = self.buf.trim().trim_end_matches(';').to_owned();
+        self.buf.clear();
+        Line::Run(stmt)
+    }
+
+    fn prompt(&self) -> &'static str {
+        if self.buf.is_empty() {
+            "custody> "
+        } else {
+            "      -> "
+        }
+    }
+}
+
+/// Where the prompt keeps its history (after datafusion-cli's `~/.datafusion_history`).
+fn history_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("CUSTODY_HISTORY") {
+        return Some(PathBuf::from(p));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".custody_history"))
+}
+
+/// Most entries kept in the history file.
+const HISTORY_MAX: usize = 1000;
+
+async fn interactive(ctx: &SessionContext, format: Format) -> Result<()> {
+    use std::io::IsTerminal;
+    if !std::io::stdin().is_terminal() {
+        return interactive_piped(ctx, format).await;
+    }
+    // A terminal: line editing and history (arrow keys, Ctrl-R), saved across sessions.
+    let config = rustyline::Config::builder()
+        .max_history_size(HISTORY_MAX)?
+        .auto_add_history(false)
+        .build();
+    let mut rl = rustyline::DefaultEditor::with_config(config)?;
+    let hist = history_path();
+    if let Some(h) = &hist {
+        let _ = rl.load_history(h); // absent on first use
+    }
+    eprintln!(
+        "custody: SQL ends with ;  \\d tables, \\d <table> columns, \\q quit  (history: {})",
+        hist.as_deref()
+            .map_or_else(|| "off".into(), |h| h.display().to_string())
+    );
+    let mut p = Prompt::default();
+    loop {
+        let line = match rl.readline(p.prompt()) {
+            Ok(l) => l,
+            Err(rustyline::error::ReadlineError::Interrupted) => {
+                p = Prompt::default(); // Ctrl-C drops the statement being typed
+                continue;
             }
-            buf.clear();
-            eprint!("custody> ");
+            Err(rustyline::error::ReadlineError::Eof) => break,
+            Err(e) => return Err(e.into()),
+        };
+        match p.feed(&line) {
+            Line::Quit => break,
+            Line::More => {}
+            Line::Help => eprintln!("commands: \\d, \\d <table>, \\q; SQL ends with ;"),
+            Line::Run(sql) => {
+                let _ = rl.add_history_entry(if line.trim_start().starts_with('\\') {
+                    line.trim()
+                } else {
+                    sql.as_str()
+                });
+                if let Some(h) = &hist
+                    && let Err(e) = rl.save_history(h)
+                {
+                    eprintln!("warning: cannot save history to {}: {e}", h.display());
+                }
+                if let Err(e) = run_sql(ctx, &sql, format).await {
+                    eprintln!("error: {e:#}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Statements from a pipe (scripts, tests): the same commands, no line editing or history.
+async fn interactive_piped(ctx: &SessionContext, format: Format) -> Result<()> {
+    let mut p = Prompt::default();
+    for line in std::io::stdin().lock().lines() {
+        match p.feed(&line?) {
+            Line::Quit => break,
+            Line::More => {}
+            Line::Help => eprintln!("commands: \\d, \\d <table>, \\q; SQL ends with ;"),
+            Line::Run(sql) => {
+                if let Err(e) = run_sql(ctx, &sql, format).await {
+                    eprintln!("error: {e:#}");
+                }
+            }
         }
     }
     Ok(())
@@ -405,13 +502,10 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             let rt = runtime()?;
             rt.block_on(async {
                 let ctx = session(&src).await?;
+                // The exposure query runs once: its rows are printed and summarised.
+                let (e, rows) = forensics::exposure_with_rows(&ctx, from_ns, to_ns).await?;
                 println!("# affected responses (one row per response and source tenant)");
-                run_sql(
-                    &ctx,
-                    &forensics::with_window(forensics::EXPOSURE_SQL, from_ns, to_ns),
-                    src.format,
-                )
-                .await?;
+                print(&rows, src.format)?;
                 println!("# prevented exposures (reads refused by the tag check)");
                 run_sql(
                     &ctx,
@@ -419,7 +513,6 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                     src.format,
                 )
                 .await?;
-                let e = forensics::exposure(&ctx, from_ns, to_ns).await?;
                 println!("# summary\n{}", e.summary());
                 Ok(())
             })

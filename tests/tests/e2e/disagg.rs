@@ -1268,6 +1268,16 @@ fn exposure_report_equals_the_oracle_across_scenarios() {
             b_len: 300,
             seed: 29,
         },
+        // The default page size, four victims, a larger decode pool, another seed.
+        Scenario {
+            page_size: 16,
+            prefill_mib: 7,
+            decode_mib: 24,
+            victims: &["tenant-a", "tenant-c", "tenant-d", "tenant-e"],
+            per_tenant: 1,
+            b_len: 350,
+            seed: 47,
+        },
     ];
     for sc in &scenarios {
         let (oracle, sql) = run_scenario(sc);
