@@ -502,10 +502,13 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             let rt = runtime()?;
             rt.block_on(async {
                 let ctx = session(&src).await?;
-                // The exposure query runs once: its rows are printed and summarised.
-                let (e, rows) = forensics::exposure_with_rows(&ctx, from_ns, to_ns).await?;
                 println!("# affected responses (one row per response and source tenant)");
-                print(&rows, src.format)?;
+                run_sql(
+                    &ctx,
+                    &forensics::with_window(forensics::EXPOSURE_SQL, from_ns, to_ns),
+                    src.format,
+                )
+                .await?;
                 println!("# prevented exposures (reads refused by the tag check)");
                 run_sql(
                     &ctx,
@@ -513,6 +516,7 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                     src.format,
                 )
                 .await?;
+                let e = forensics::exposure(&ctx, from_ns, to_ns).await?;
                 println!("# summary\n{}", e.summary());
                 Ok(())
             })
