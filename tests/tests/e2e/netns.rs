@@ -27,8 +27,9 @@ const PREFILL_IP: &str = "10.77.0.1";
 const DECODE_IP: &str = "10.77.0.2";
 /// Decode's reservation lease. Prefill posts a request's writes between engine steps, so the
 /// lease must exceed a step on this (loaded, 2-core) machine with margin; steps are kept short by
-/// `max_batch_tokens` below.
-const LEASE_MS: u64 = 4000;
+/// `max_batch_tokens` below. 8 s: a CI run with the machine oversubscribed (parallel builds)
+/// once expired a 4 s lease before prefill posted.
+const LEASE_MS: u64 = 8000;
 
 fn node_cfg() -> custody_runtime::EngineConfig {
     custody_runtime::EngineConfig {
