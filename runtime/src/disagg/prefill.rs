@@ -76,6 +76,22 @@ pub enum PrefillFault {
     DisconnectTransport,
 }
 
+/// What was posted for one page (its `transfers` row): source page and generation, data bytes,
+/// checksum, and the chain as it went out (key, page address and span in the region, bytes of
+/// every work request, their number) — what the eBPF witness's observations are checked against.
+#[derive(Clone, Copy, Debug)]
+struct SentPage {
+    page: u32,
+    generation: u32,
+    bytes: u64,
+    checksum: u64,
+    rkey: u32,
+    remote_addr: u64,
+    remote_len: u64,
+    wire_bytes: u64,
+    work_requests: u32,
+}
+
 struct PReq {
     state: ReqState,
     tenant: Arc<str>,
@@ -85,8 +101,8 @@ struct PReq {
     done: Option<oneshot::Sender<TransferResult>>,
     outstanding: usize,
     failed: Option<String>,
-    /// (src page, generation, bytes, checksum) per transferred page, for the audit rows.
-    sent: Vec<(u32, u32, u64, u64)>,
+    /// Per transferred page, what its audit row says.
+    sent: Vec<SentPage>,
     /// Per prompt page: (page, slots, checksum), computed when the prefill completed — while the
     /// reservation round trip is in flight and the KV is still warm in cache — so that hashing
     /// is off the transfer's path. The pages are held unchanged until the transfer ends.
@@ -255,7 +271,7 @@ impl Node {
             }
             .encode();
             let page_base = res.base + idx as u64 * stride;
-            let (_sges, wrs) = super::page_write_chain(
+            let (sges, wrs) = super::page_write_chain(
                 pool,
                 pr.page,
                 slots,
@@ -273,7 +289,17 @@ impl Node {
             match res_post {
                 Ok(()) => {
                     posted += 1;
-                    r.sent.push((pr.page, pr.generation, bytes, checksum));
+                    r.sent.push(SentPage {
+                        page: pr.page,
+                        generation: pr.generation,
+                        bytes,
+                        checksum,
+                        rkey: res.rkey,
+                        remote_addr: page_base,
+                        remote_len: stride,
+                        wire_bytes: sges.iter().map(|s| u64::from(s.length)).sum(),
+                        work_requests: wrs.len() as u32,
+                    });
                 }
                 Err(e) => {
                     error = Some(format!("posting the KV transfer failed: {e}"));
@@ -309,8 +335,7 @@ impl Node {
             ));
         }
         if self.engine.auditing()
-            && let (Some(res), Some(&(src_page, src_gen, bytes, checksum))) =
-                (&r.reservation, r.sent.get(idx))
+            && let (Some(res), Some(&sent)) = (&r.reservation, r.sent.get(idx))
         {
             let dst = res.pages.get(idx).copied().unwrap_or_default();
             let ev = audit::Event::Transfer {
@@ -319,14 +344,19 @@ impl Node {
                 request: origin,
                 tenant: r.tenant.clone(),
                 src_node: self.opts.node_id,
-                src_page,
-                src_generation: src_gen,
+                src_page: sent.page,
+                src_generation: sent.generation,
                 dst_node: self.decode_node,
                 dst_page: dst.page,
                 dst_generation: dst.generation,
-                bytes,
-                checksum,
+                bytes: sent.bytes,
+                checksum: sent.checksum,
                 outcome,
+                rkey: sent.rkey,
+                remote_addr: sent.remote_addr,
+                remote_len: sent.remote_len,
+                wire_bytes: sent.wire_bytes,
+                work_requests: sent.work_requests,
             };
             self.engine.record(ev);
         }
