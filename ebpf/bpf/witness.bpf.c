@@ -7,7 +7,8 @@
 // Invariants:
 // - Knows the transport only through the probe ABI: the C layouts below are that contract's
 //   (`ibv_sge`, `ibv_send_wr`, `ibv_wc`, with the offsets tabled in abi.rs).
-// - Every loop is bounded (a work-request chain by MAX_CHAIN, scatter/gather lists by MAX_SGE);
+// - Every loop is bounded (a work-request chain by MAX_CHAIN through bpf_loop, scatter/gather
+//   lists by MAX_SGE);
 //   whatever a bound cuts off is counted in `lost`, never dropped silently.
 // - A record the ring buffer cannot take is counted per CPU in `lost` (LOST_RING_FULL).
 // - Wake-ups are batched: a record is submitted with BPF_RB_NO_WAKEUP unless the unread data
@@ -24,9 +25,9 @@
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
-// Bounds. A page's chain is a few writes when the page is full and one per layer chunk (plus the
-// header) when it is not: 128 covers the model's 2 x 30 chunks with room to spare.
-#define MAX_CHAIN 128
+// Bounds. A page's chain is a few writes when the page is full and, when it is not, one per
+// contiguous chunk (layer x K/V x KV head) plus the header: 181 for the embedded model.
+#define MAX_CHAIN 4096
 // Scatter/gather entries decoded per work request (the transport's MAX_SGE is 30).
 #define MAX_SGE 30
 
@@ -218,79 +219,98 @@ static __always_inline void submit_head(struct event *e)
 	bpf_ringbuf_submit(e, wake_flags(HEAD_BYTES));
 }
 
-// custody_kv_post_write(ctx: u64, wr: *const SendWr): one record per work request of the chain.
+// State of one chain walk (bpf_loop callback context).
+struct chain_walk {
+	__u64 wr;   // next work request to decode (0: the chain ended)
+	__u64 ctx;
+	__u64 id;   // pid_tgid
+	__u64 now;
+	__u32 cpu;
+	__u32 stop; // set when the walk ended early (read fault)
+};
+
+// One work request of a chain: one record.
+static long post_one(__u32 i, void *data)
+{
+	struct chain_walk *c = data;
+	struct send_wr_head h;
+	if (!c->wr)
+		return 1;
+	if (bpf_probe_read_user(&h, sizeof(h), (void *)c->wr)) {
+		count_lost(LOST_READ_FAULT);
+		c->stop = 1;
+		return 1;
+	}
+	struct event *e = bpf_ringbuf_reserve(&events, sizeof(struct event), 0);
+	if (!e) {
+		count_lost(LOST_RING_FULL);
+	} else {
+		__u32 n = h.num_sge < 0 ? 0 : (__u32)h.num_sge;
+		__u32 take = n > MAX_SGE ? MAX_SGE : n;
+		e->ktime_ns = c->now;
+		e->pid = c->id >> 32;
+		e->tid = (__u32)c->id;
+		e->kind = EV_POST_WRITE;
+		e->flags = 0;
+		e->ctx = c->ctx;
+		e->wr_id = h.wr_id;
+		e->addr = h.remote_addr;
+		e->rkey = h.rkey;
+		e->lkey = 0;
+		e->opcode = h.opcode;
+		e->send_flags = h.send_flags;
+		e->imm_be = h.imm_data;
+		e->status = 0;
+		e->num_sge = n;
+		e->chain_index = i;
+		e->qp_num = 0;
+		e->cpu = c->cpu;
+		if (n > MAX_SGE) {
+			e->flags |= F_SGE_TRUNCATED;
+			count_lost(LOST_SGE_TRUNCATED);
+		}
+		__builtin_memset(e->sges, 0, sizeof(e->sges));
+		// The size is re-bounded after an optimisation barrier: otherwise clang passes the
+		// unbounded register and the verifier refuses the read.
+		__u64 size = (__u64)take * sizeof(struct sge);
+		asm volatile("" : "+r"(size));
+		if (size > sizeof(e->sges))
+			size = sizeof(e->sges);
+		if (size > 0 && bpf_probe_read_user(e->sges, size, (void *)h.sg_list)) {
+			e->flags |= F_READ_FAULT;
+			count_lost(LOST_READ_FAULT);
+		}
+		__u64 total = 0;
+		__u32 j;
+#pragma clang loop unroll(disable)
+		for (j = 0; j < MAX_SGE; j++) {
+			if (j >= take)
+				break;
+			total += e->sges[j].length;
+		}
+		e->bytes = total;
+		bpf_ringbuf_submit(e, wake_flags(sizeof(struct event)));
+	}
+	c->wr = h.next;
+	return 0;
+}
+
+// custody_kv_post_write(ctx: u64, wr: *const SendWr): one record per work request of the chain,
+// walked with bpf_loop (a chain of a partially filled page is one request per layer and head:
+// hundreds for larger models; bpf_loop keeps the verifier's cost independent of the bound).
 SEC("uprobe")
 int custody_post_write(struct pt_regs *regs)
 {
-	__u64 ctx = PT_REGS_PARM1(regs);
-	__u64 wr = PT_REGS_PARM2(regs);
-	__u64 id = bpf_get_current_pid_tgid();
-	__u64 now = bpf_ktime_get_ns();
-	__u32 cpu = bpf_get_smp_processor_id();
-	__u32 i;
-
-#pragma clang loop unroll(disable)
-	for (i = 0; i < MAX_CHAIN; i++) {
-		struct send_wr_head h;
-		if (!wr)
-			return 0;
-		if (bpf_probe_read_user(&h, sizeof(h), (void *)wr)) {
-			count_lost(LOST_READ_FAULT);
-			return 0;
-		}
-		struct event *e = bpf_ringbuf_reserve(&events, sizeof(struct event), 0);
-		if (!e) {
-			count_lost(LOST_RING_FULL);
-		} else {
-			__u32 n = h.num_sge < 0 ? 0 : (__u32)h.num_sge;
-			__u32 take = n > MAX_SGE ? MAX_SGE : n;
-			e->ktime_ns = now;
-			e->pid = id >> 32;
-			e->tid = (__u32)id;
-			e->kind = EV_POST_WRITE;
-			e->flags = 0;
-			e->ctx = ctx;
-			e->wr_id = h.wr_id;
-			e->addr = h.remote_addr;
-			e->rkey = h.rkey;
-			e->lkey = 0;
-			e->opcode = h.opcode;
-			e->send_flags = h.send_flags;
-			e->imm_be = h.imm_data;
-			e->status = 0;
-			e->num_sge = n;
-			e->chain_index = i;
-			e->qp_num = 0;
-			e->cpu = cpu;
-			if (n > MAX_SGE) {
-				e->flags |= F_SGE_TRUNCATED;
-				count_lost(LOST_SGE_TRUNCATED);
-			}
-			__builtin_memset(e->sges, 0, sizeof(e->sges));
-			// The size is re-bounded after an optimisation barrier: otherwise clang passes
-			// the unbounded register and the verifier refuses the read.
-			__u64 size = (__u64)take * sizeof(struct sge);
-			asm volatile("" : "+r"(size));
-			if (size > sizeof(e->sges))
-				size = sizeof(e->sges);
-			if (size > 0 && bpf_probe_read_user(e->sges, size, (void *)h.sg_list)) {
-				e->flags |= F_READ_FAULT;
-				count_lost(LOST_READ_FAULT);
-			}
-			__u64 total = 0;
-			__u32 j;
-#pragma clang loop unroll(disable)
-			for (j = 0; j < MAX_SGE; j++) {
-				if (j >= take)
-					break;
-				total += e->sges[j].length;
-			}
-			e->bytes = total;
-			bpf_ringbuf_submit(e, wake_flags(sizeof(struct event)));
-		}
-		wr = h.next;
-	}
-	if (wr)
+	struct chain_walk c = {
+		.wr = PT_REGS_PARM2(regs),
+		.ctx = PT_REGS_PARM1(regs),
+		.id = bpf_get_current_pid_tgid(),
+		.now = bpf_ktime_get_ns(),
+		.cpu = bpf_get_smp_processor_id(),
+		.stop = 0,
+	};
+	bpf_loop(MAX_CHAIN, post_one, &c, 0);
+	if (c.wr && !c.stop)
 		count_lost(LOST_CHAIN_TRUNCATED);
 	return 0;
 }

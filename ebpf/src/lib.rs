@@ -165,15 +165,15 @@ mod tests {
             ..Wc::default()
         };
         custody_kv_complete(ctx, &wc);
-        // 40 SGEs in one request (bound 30) and a chain of 130 (bound 128): counted as lost.
+        // 40 SGEs in one request (bound 30) and a chain of 4100 (bound 4096): counted as lost.
         let wide = chain(1, 40, &sges);
         custody_kv_post_write(ctx, &wide[0]);
-        let long = chain(130, 1, &sges);
+        let long = chain(4100, 1, &sges);
         custody_kv_post_write(ctx, &long[0]);
         custody_kv_invalidate(ctx, 77);
 
-        // register, 3 writes, completion, the wide write, 128 of the long chain, invalidate.
-        const EXPECTED: usize = 1 + 3 + 1 + 1 + 128 + 1;
+        // register, 3 writes, completion, the wide write, 4096 of the long chain, invalidate.
+        const EXPECTED: usize = 1 + 3 + 1 + 1 + 4096 + 1;
         let mut seen = Vec::new();
         for _ in 0..50 {
             w.poll(std::time::Duration::from_millis(20), 10_000, |o| {
@@ -214,9 +214,9 @@ mod tests {
         assert_eq!((wide_o.num_sge, wide_o.sges.len()), (40, 30));
         assert_ne!(wide_o.flags & event::F_SGE_TRUNCATED, 0);
         assert_eq!(wide_o.bytes, (100..130).sum::<u64>());
-        assert!(seen[6..134].iter().all(|o| o.kind == Kind::PostWrite));
-        assert_eq!(seen[133].chain_index, 127);
-        assert_eq!(seen[134].kind, Kind::Invalidate);
+        assert!(seen[6..6 + 4096].iter().all(|o| o.kind == Kind::PostWrite));
+        assert_eq!(seen[6 + 4095].chain_index, 4095);
+        assert_eq!(seen[6 + 4096].kind, Kind::Invalidate);
         let lost = w.lost().expect("lost counters");
         assert_eq!(lost.sge_truncated, 1);
         assert_eq!(lost.chain_truncated, 1);
