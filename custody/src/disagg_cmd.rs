@@ -378,13 +378,19 @@ fn witness_bench(
         custody_audit::writer::WriterConfig::new(&dir, 0x8000_0000, key),
     )?);
     let cfg = WitnessConfig::default_config();
-    // Attach (with its collector recording into a real audit writer), run `f`, detach.
-    let attached = |f: &mut dyn FnMut()| -> Result<collector::CollectStats> {
+    let discard: Arc<dyn custody_audit::AuditSink> =
+        Arc::new(custody_audit::DiscardSink::default());
+    let audit: Arc<dyn custody_audit::AuditSink> = writer.clone();
+    // Attach (with its collector recording into `sink`), run `f`, detach.
+    let attached_to = |sink: &Arc<dyn custody_audit::AuditSink>,
+                       sges: bool,
+                       f: &mut dyn FnMut()|
+     -> Result<collector::CollectStats> {
         let mut w = Witness::attach(&cfg, &Target::Pid(std::process::id()))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let (s, wr) = (stop.clone(), writer.clone());
+        let (s, wr) = (stop.clone(), sink.clone());
         let interval = cfg.poll_interval();
-        let h = std::thread::spawn(move || collector::run(&mut w, &*wr, &s, interval));
+        let h = std::thread::spawn(move || collector::run_with(&mut w, &*wr, &s, interval, sges));
         f();
         stop.store(true, Ordering::Release);
         h.join()
@@ -424,7 +430,7 @@ fn witness_bench(
     };
     let (reg0, post0) = time_hits();
     let mut hits = (0.0, 0.0);
-    let st = attached(&mut || hits = time_hits())?;
+    let st = attached_to(&discard, true, &mut || hits = time_hits())?;
     println!(
         "witness probe hit: register {:.2} us (detached {:.3} us), post of a 3-request chain {:.2} us (detached {:.3} us); collector lost {}",
         (hits.0 - reg0) * 1e6,
@@ -434,24 +440,34 @@ fn witness_bench(
         st.lost
     );
 
-    // Transfer throughput, detached and attached alternating, at each batch size.
+    // Transfer throughput, detached and attached alternating, at each batch size: the collector
+    // recording into the audit writer (with and without each write's SGE list), and — to
+    // separate the probes' cost from the collector's — into a sink that discards.
     for pages in [16usize, a.pages] {
-        let (mut det, mut att) = (Vec::new(), Vec::new());
+        let mut t: [Vec<f64>; 4] = Default::default();
         for _ in 0..a.reps {
-            det.push(transfer_bench(geom, layers, pages, 3).transfer_s);
-            let mut t = 0.0;
-            let st = attached(&mut || t = transfer_bench(geom, layers, pages, 3).transfer_s)?;
-            if st.lost.total() > 0 {
-                bail!("the witness lost events during the benchmark: {}", st.lost);
+            t[0].push(transfer_bench(geom, layers, pages, 3).transfer_s);
+            for (i, sink, sges) in [(1, &audit, true), (2, &audit, false), (3, &discard, true)] {
+                let mut x = 0.0;
+                let st = attached_to(sink, sges, &mut || {
+                    x = transfer_bench(geom, layers, pages, 3).transfer_s
+                })?;
+                if st.lost.total() > 0 {
+                    bail!("the witness lost events during the benchmark: {}", st.lost);
+                }
+                t[i].push(x);
             }
-            att.push(t);
         }
-        let (d, w) = (median(det), median(att));
+        let [d, w, ws, x] = t.map(median);
         println!(
-            "transfer {pages} pages over tcp loopback: witness detached {:.3} ms, attached {:.3} ms per transfer ({:+.2}% time; medians of {} alternating runs)",
+            "transfer {pages} pages over tcp loopback: witness detached {:.3} ms | attached, into the audit log {:.3} ms ({:+.2}% time) | same without SGE lists {:.3} ms ({:+.2}%) | collector discarding {:.3} ms ({:+.2}%); medians of {} alternating runs",
             d * 1e3,
             w * 1e3,
             (w / d - 1.0) * 100.0,
+            ws * 1e3,
+            (ws / d - 1.0) * 100.0,
+            x * 1e3,
+            (x / d - 1.0) * 100.0,
             a.reps
         );
     }

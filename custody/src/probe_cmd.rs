@@ -136,7 +136,13 @@ pub(crate) fn probe(a: ProbeArgs) -> Result<()> {
         "recording into {} as node {node}; Ctrl-C to stop",
         a.audit.display()
     );
-    let stats = collector::run(&mut witness, &*writer, &stop, cfg.poll_interval())?;
+    let stats = collector::run_with(
+        &mut witness,
+        &*writer,
+        &stop,
+        cfg.poll_interval(),
+        cfg.record_sges,
+    )?;
     writer.close().context("sealing the audit log")?;
     eprintln!(
         "witness: {} transfer-path ops, {} registrations; lost: {}",

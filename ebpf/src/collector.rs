@@ -101,6 +101,18 @@ pub fn run(
     stop: &AtomicBool,
     poll_interval: Duration,
 ) -> Result<CollectStats, CollectError> {
+    run_with(w, sink, stop, poll_interval, true)
+}
+
+/// [`run`], choosing whether each write's scatter/gather entries are recorded
+/// ([`crate::WitnessConfig::record_sges`]).
+pub fn run_with(
+    w: &mut Witness,
+    sink: &dyn AuditSink,
+    stop: &AtomicBool,
+    poll_interval: Duration,
+    record_sges: bool,
+) -> Result<CollectStats, CollectError> {
     let clock = ClockMap::now();
     let mut stats = CollectStats::default();
     let mut reported = Lost::default();
@@ -115,7 +127,12 @@ pub fn run(
                 poll_interval
             },
             RECORDS_PER_POLL,
-            |o| record(&clock, &o, sink, &mut stats, &mut err),
+            |mut o| {
+                if !record_sges {
+                    o.sges.clear();
+                }
+                record(&clock, &o, sink, &mut stats, &mut err)
+            },
         )?;
         if let Some(e) = err.take() {
             return Err(e.into());

@@ -202,7 +202,7 @@ impl Observation {
                 probe_flags: self.probe_flags(),
             }));
         }
-        let sges = (self.kind == Kind::PostWrite).then(|| {
+        let sges = (self.kind == Kind::PostWrite && !self.sges.is_empty()).then(|| {
             self.sges
                 .iter()
                 .map(|s| format!("{:#x}:{}:{}", s.addr, s.length, s.lkey))

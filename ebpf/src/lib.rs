@@ -36,7 +36,10 @@ pub fn require_bpf_or_skip(test: &str) -> bool {
         Ok(()) => true,
         Err(e) => {
             let msg = format!("WITNESS TEST {test} CANNOT RUN: {e}");
-            eprintln!("\n!!!!!!!! {msg} !!!!!!!!\n");
+            // Straight to stderr, not through `eprintln!`, which the test harness captures (and
+            // hides) for a test that passes.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {msg} !!!!!!!!\n");
             assert!(
                 std::env::var("CI").as_deref() != Ok("true"),
                 "{msg} (CI=true: a witness test that cannot run is a failure)"

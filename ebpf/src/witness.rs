@@ -74,8 +74,14 @@ pub struct WitnessConfig {
     pub ring_buffer_bytes: u32,
     pub wakeup_threshold_bytes: u64,
     pub poll_interval_ms: u64,
+    /// Record every scatter/gather entry (`rdma_ops.sges`: local address, length, key) — the
+    /// source memory of each write — or only their count and total bytes (measured cost:
+    /// BENCHMARKS.md).
+    #[serde(default)]
+    pub record_sges: bool,
     pub attach: Vec<AttachSpec>,
 }
+
 
 impl WitnessConfig {
     pub fn from_toml(s: &str) -> Result<Self, WitnessError> {

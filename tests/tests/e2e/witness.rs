@@ -50,7 +50,9 @@ impl Rig {
         let (pw, dw, ww) = (open(node), open(node + 1), open(node + 2));
 
         // The witness first, so it sees the pair from its first registration.
-        let wcfg = WitnessConfig::default_config();
+        // A large ring: the witness sees every pair in this process, including other tests'.
+        let mut wcfg = WitnessConfig::default_config();
+        wcfg.ring_buffer_bytes = 64 << 20;
         let mut witness =
             Witness::attach(&wcfg, &Target::Pid(std::process::id())).expect("witness attaches");
         assert_eq!(witness.attached().len(), 4, "{:?}", witness.attached());
