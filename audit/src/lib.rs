@@ -152,7 +152,22 @@ pub enum Event {
         bytes: u64,
         checksum: u64,
         outcome: String,
+        /// Where the writes went (the transport's key and the page's address in its region) and
+        /// what went out: the page's span in the region (`remote_len`), the bytes of every
+        /// work request of its chain (`wire_bytes`, header included) and their number. What the
+        /// eBPF witness's observed writes are checked against (`custody forensics crosscheck`).
+        rkey: u32,
+        remote_addr: u64,
+        remote_len: u64,
+        wire_bytes: u64,
+        work_requests: u32,
     },
+    /// Observed by the eBPF witness (not by the engine): a posted work request, a completion, or
+    /// an RDMA queue-pair call. Boxed: the engine's hot-path events stay small.
+    RdmaOp(Box<RdmaOp>),
+    /// Observed by the eBPF witness: a memory region registered or invalidated (the transport's
+    /// probe points, or libibverbs' `ibv_reg_mr` / `ibv_dereg_mr`).
+    RdmaMr(Box<RdmaMr>),
     /// A fact about the node itself: `start` (role, configuration), `unsafe_reproduction`
     /// (the incident's faults armed on this node, by name). Names no request.
     Node {
@@ -181,8 +196,69 @@ impl Event {
             | Event::Transfer { ts_ns, .. }
             | Event::IntegrityViolation { ts_ns, .. }
             | Event::Node { ts_ns, .. } => *ts_ns,
+            Event::RdmaOp(o) => o.ts_ns,
+            Event::RdmaMr(m) => m.ts_ns,
         }
     }
+}
+
+/// One operation on the RDMA transfer path, as the eBPF witness saw it (table `rdma_ops`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RdmaOp {
+    /// The collector's monotonic clock (converted from `ktime_ns`).
+    pub ts_ns: MonoNs,
+    /// `bpf_ktime_get_ns` at the probe hit (CLOCK_MONOTONIC, ns).
+    pub ktime_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    /// `post_write`, `complete`, `create_qp`, `modify_qp`, `destroy_qp`.
+    pub op: &'static str,
+    /// The transport's probe context (`(node << 32) | instance`); ibv calls: the QP pointer.
+    pub ctx: u64,
+    pub wr_id: u64,
+    /// Position of the work request in its posted chain.
+    pub chain_index: u32,
+    /// Work-request opcode (`post_write`), completion opcode (`complete`), QP type (`create_qp`).
+    pub opcode: u32,
+    /// Send flags (`post_write`), attribute mask (`modify_qp`).
+    pub flags: u32,
+    /// Immediate data, host byte order.
+    pub imm: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    /// Scatter/gather entries as posted.
+    pub num_sge: u32,
+    /// Sum of the decoded entries' lengths (`post_write`), `byte_len` (`complete`).
+    pub bytes: u64,
+    /// Completion status (`complete`), return value (ibv calls), target state (`modify_qp`).
+    pub status: i32,
+    pub qp_num: u32,
+    /// `addr:length:lkey` per decoded scatter/gather entry, space-separated (`post_write`).
+    pub sges: Option<String>,
+    /// What the probe could not see: `read_fault`, `sge_truncated`, `no_entry` (comma-separated).
+    pub probe_flags: Option<String>,
+}
+
+/// A memory registration seen by the eBPF witness (table `rdma_mr`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RdmaMr {
+    pub ts_ns: MonoNs,
+    pub ktime_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    /// `register`, `invalidate` (the transport's probe points), `ibv_reg_mr`, `ibv_dereg_mr`.
+    pub op: &'static str,
+    /// Probe context (transport) or the `struct ibv_mr` pointer (ibv).
+    pub ctx: u64,
+    pub addr: u64,
+    pub len: u64,
+    pub lkey: u32,
+    pub rkey: u32,
+    /// `ibv_reg_mr` access flags.
+    pub access: u32,
+    /// Return value (ibv calls; -1 for a null `ibv_mr`), 0 for the transport's.
+    pub status: i32,
+    pub probe_flags: Option<String>,
 }
 
 /// Why an event could not be recorded. The engine treats any error as "stop serving" (safety

@@ -8,13 +8,15 @@
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringBuilder, UInt32Array, UInt64Array};
+use arrow::array::{
+    ArrayRef, Int32Array, Int64Array, RecordBatch, StringBuilder, UInt32Array, UInt64Array,
+};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
 use crate::{Event, PageKind, Writer};
 
 /// Version of the table layouts, written into every file's metadata.
-pub const SCHEMA_VERSION: &str = "2";
+pub const SCHEMA_VERSION: &str = "3";
 pub const SCHEMA_VERSION_KEY: &str = "custody.audit.schema_version";
 
 /// The audit tables.
@@ -29,10 +31,14 @@ pub enum Table {
     WriterEvents,
     /// Node lifecycle and configuration facts (start, role, unsafe reproduction switches).
     NodeEvents,
+    /// The eBPF witness's observations of the transfer path (work requests, completions, QPs).
+    RdmaOps,
+    /// The eBPF witness's observations of memory registration.
+    RdmaMr,
 }
 
 impl Table {
-    pub const ALL: [Table; 7] = [
+    pub const ALL: [Table; 9] = [
         Table::Requests,
         Table::PageEvents,
         Table::Transfers,
@@ -40,6 +46,8 @@ impl Table {
         Table::IntegrityViolations,
         Table::WriterEvents,
         Table::NodeEvents,
+        Table::RdmaOps,
+        Table::RdmaMr,
     ];
 
     pub fn name(self) -> &'static str {
@@ -51,6 +59,8 @@ impl Table {
             Table::IntegrityViolations => "integrity_violations",
             Table::WriterEvents => "writer_events",
             Table::NodeEvents => "node_events",
+            Table::RdmaOps => "rdma_ops",
+            Table::RdmaMr => "rdma_mr",
         }
     }
 
@@ -66,12 +76,14 @@ impl Table {
             Event::Read { .. } => Table::PageReads,
             Event::IntegrityViolation { .. } => Table::IntegrityViolations,
             Event::Node { .. } => Table::NodeEvents,
+            Event::RdmaOp(_) => Table::RdmaOps,
+            Event::RdmaMr(_) => Table::RdmaMr,
         }
     }
 
     /// Columns after the four common ones.
     fn columns(self) -> Vec<(&'static str, DataType, bool)> {
-        use DataType::{UInt32, UInt64, Utf8};
+        use DataType::{Int32, UInt32, UInt64, Utf8};
         match self {
             Table::Requests => vec![
                 ("request_id", UInt64, false),
@@ -104,6 +116,11 @@ impl Table {
                 ("bytes", UInt64, false),
                 ("checksum", UInt64, false),
                 ("outcome", Utf8, false),
+                ("rkey", UInt32, false),
+                ("remote_addr", UInt64, false),
+                ("remote_len", UInt64, false),
+                ("wire_bytes", UInt64, false),
+                ("work_requests", UInt32, false),
             ],
             Table::PageReads => vec![
                 ("request_id", UInt64, false),
@@ -126,6 +143,40 @@ impl Table {
             ],
             Table::WriterEvents => vec![("event", Utf8, false), ("count", UInt64, false)],
             Table::NodeEvents => vec![("event", Utf8, false), ("detail", Utf8, false)],
+            Table::RdmaOps => vec![
+                ("ktime_ns", UInt64, false),
+                ("pid", UInt32, false),
+                ("tid", UInt32, false),
+                ("op", Utf8, false),
+                ("ctx", UInt64, false),
+                ("wr_id", UInt64, false),
+                ("chain_index", UInt32, false),
+                ("opcode", UInt32, false),
+                ("flags", UInt32, false),
+                ("imm", UInt32, false),
+                ("remote_addr", UInt64, false),
+                ("rkey", UInt32, false),
+                ("num_sge", UInt32, false),
+                ("bytes", UInt64, false),
+                ("status", Int32, false),
+                ("qp_num", UInt32, false),
+                ("sges", Utf8, true),
+                ("probe_flags", Utf8, true),
+            ],
+            Table::RdmaMr => vec![
+                ("ktime_ns", UInt64, false),
+                ("pid", UInt32, false),
+                ("tid", UInt32, false),
+                ("op", Utf8, false),
+                ("ctx", UInt64, false),
+                ("addr", UInt64, false),
+                ("len", UInt64, false),
+                ("lkey", UInt32, false),
+                ("rkey", UInt32, false),
+                ("access", UInt32, false),
+                ("status", Int32, false),
+                ("probe_flags", Utf8, true),
+            ],
         }
     }
 
@@ -154,6 +205,7 @@ impl Table {
 
 #[derive(Debug)]
 enum Col {
+    I32(Vec<i32>),
     U32(Vec<u32>),
     U64(Vec<u64>),
     OptU32(Vec<Option<u32>>),
@@ -179,6 +231,7 @@ impl TableBuilder {
             .columns()
             .into_iter()
             .map(|(_, t, null)| match (t, null) {
+                (DataType::Int32, _) => Col::I32(Vec::new()),
                 (DataType::UInt32, false) => Col::U32(Vec::new()),
                 (DataType::UInt32, true) => Col::OptU32(Vec::new()),
                 (DataType::UInt64, _) => Col::U64(Vec::new()),
@@ -215,6 +268,12 @@ impl TableBuilder {
     fn u32(&mut self, i: usize, v: u32) {
         let Col::U32(c) = &mut self.cols[i] else {
             unreachable!("column {i} of {:?} is not u32", self.table)
+        };
+        c.push(v);
+    }
+    fn i32(&mut self, i: usize, v: i32) {
+        let Col::I32(c) = &mut self.cols[i] else {
+            unreachable!("column {i} of {:?} is not i32", self.table)
         };
         c.push(v);
     }
@@ -312,6 +371,11 @@ impl TableBuilder {
                 bytes,
                 checksum,
                 outcome,
+                rkey,
+                remote_addr,
+                remote_len,
+                wire_bytes,
+                work_requests,
                 ..
             } => {
                 self.u64(0, *transfer);
@@ -326,6 +390,45 @@ impl TableBuilder {
                 self.u64(9, *bytes);
                 self.u64(10, *checksum);
                 self.s(11, outcome);
+                self.u32(12, *rkey);
+                self.u64(13, *remote_addr);
+                self.u64(14, *remote_len);
+                self.u64(15, *wire_bytes);
+                self.u32(16, *work_requests);
+            }
+            Event::RdmaOp(o) => {
+                self.u64(0, o.ktime_ns);
+                self.u32(1, o.pid);
+                self.u32(2, o.tid);
+                self.s(3, o.op);
+                self.u64(4, o.ctx);
+                self.u64(5, o.wr_id);
+                self.u32(6, o.chain_index);
+                self.u32(7, o.opcode);
+                self.u32(8, o.flags);
+                self.u32(9, o.imm);
+                self.u64(10, o.remote_addr);
+                self.u32(11, o.rkey);
+                self.u32(12, o.num_sge);
+                self.u64(13, o.bytes);
+                self.i32(14, o.status);
+                self.u32(15, o.qp_num);
+                self.os(16, o.sges.as_deref());
+                self.os(17, o.probe_flags.as_deref());
+            }
+            Event::RdmaMr(m) => {
+                self.u64(0, m.ktime_ns);
+                self.u32(1, m.pid);
+                self.u32(2, m.tid);
+                self.s(3, m.op);
+                self.u64(4, m.ctx);
+                self.u64(5, m.addr);
+                self.u64(6, m.len);
+                self.u32(7, m.lkey);
+                self.u32(8, m.rkey);
+                self.u32(9, m.access);
+                self.i32(10, m.status);
+                self.os(11, m.probe_flags.as_deref());
             }
             Event::Read {
                 request,
@@ -398,6 +501,7 @@ impl TableBuilder {
         ];
         for c in &mut self.cols {
             arrays.push(match c {
+                Col::I32(v) => Arc::new(Int32Array::from(std::mem::take(v))),
                 Col::U32(v) => Arc::new(UInt32Array::from(std::mem::take(v))),
                 Col::OptU32(v) => Arc::new(UInt32Array::from(std::mem::take(v))),
                 Col::U64(v) => Arc::new(UInt64Array::from(std::mem::take(v))),

@@ -349,6 +349,131 @@ pub(crate) struct BenchDisaggArgs {
     /// Requests per release-fill measurement.
     #[arg(long, default_value_t = 8)]
     fill_requests: usize,
+    /// Also measure the eBPF witness (needs root): transfer throughput with the witness attached
+    /// to this process vs detached, alternating in the same run, and the cost of one probe hit.
+    #[arg(long)]
+    witness: bool,
+    /// Only the witness measurement (implies --witness).
+    #[arg(long)]
+    witness_only: bool,
+}
+
+/// The witness's cost: `custody_kv_*` probe hits and whole transfers, attached vs detached.
+fn witness_bench(
+    a: &BenchDisaggArgs,
+    geom: custody_kernels::attention::PageGeometry,
+    layers: usize,
+) -> Result<()> {
+    use custody_ebpf::{Target, Witness, WitnessConfig, collector};
+    use custody_runtime::disagg::bench::transfer_bench;
+    use custody_runtime::transport::abi::{self, SendWr, Sge};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    custody_ebpf::check_permitted().context("the witness benchmark needs BPF")?;
+    let dir = std::env::temp_dir().join(format!("custody-witness-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let key = custody_audit::digest::generate_key().context("key")?;
+    let writer = Arc::new(custody_audit::writer::AuditWriter::open(
+        custody_audit::writer::WriterConfig::new(&dir, 0x8000_0000, key),
+    )?);
+    let cfg = WitnessConfig::default_config();
+    let discard: Arc<dyn custody_audit::AuditSink> =
+        Arc::new(custody_audit::DiscardSink::default());
+    let audit: Arc<dyn custody_audit::AuditSink> = writer.clone();
+    // Attach (with its collector recording into `sink`), run `f`, detach.
+    let attached_to = |sink: &Arc<dyn custody_audit::AuditSink>,
+                       sges: bool,
+                       f: &mut dyn FnMut()|
+     -> Result<collector::CollectStats> {
+        let mut w = Witness::attach(&cfg, &Target::Pid(std::process::id()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, wr) = (stop.clone(), sink.clone());
+        let interval = cfg.poll_interval();
+        let h = std::thread::spawn(move || collector::run_with(&mut w, &*wr, &s, interval, sges));
+        f();
+        stop.store(true, Ordering::Release);
+        h.join()
+            .map_err(|_| anyhow::anyhow!("collector thread panicked"))?
+            .map_err(anyhow::Error::from)
+    };
+
+    // Cost per probe hit: a minimal hit (register) and a page's chain (3 requests x 10 SGEs,
+    // the shape of a full page's gathered writes), each timed over many calls.
+    const CALLS: u32 = 200_000;
+    let buf = vec![0u8; 4096];
+    let sges: Vec<Sge> = (0..30)
+        .map(|i| Sge {
+            addr: buf.as_ptr() as u64 + i * 64,
+            length: 64,
+            lkey: 0,
+        })
+        .collect();
+    let mut wrs: Vec<SendWr> = (0..3)
+        .map(|i| SendWr::rdma_write(i, &sges[i as usize * 10..(i as usize + 1) * 10], 0x1000, 1))
+        .collect();
+    for i in 0..2 {
+        let next: *const SendWr = &wrs[i + 1];
+        wrs[i].next = next;
+    }
+    let time_hits = || {
+        let t0 = Instant::now();
+        for i in 0..CALLS {
+            std::hint::black_box(abi::custody_kv_register(1, i, 0, 0));
+        }
+        let reg = t0.elapsed().as_secs_f64() / f64::from(CALLS);
+        let t0 = Instant::now();
+        for _ in 0..CALLS / 10 {
+            std::hint::black_box(abi::custody_kv_post_write(1, &wrs[0]));
+        }
+        (reg, t0.elapsed().as_secs_f64() / f64::from(CALLS / 10))
+    };
+    let (reg0, post0) = time_hits();
+    let mut hits = (0.0, 0.0);
+    let st = attached_to(&discard, true, &mut || hits = time_hits())?;
+    println!(
+        "witness probe hit: register {:.2} us (detached {:.3} us), post of a 3-request chain {:.2} us (detached {:.3} us); collector lost {}",
+        (hits.0 - reg0) * 1e6,
+        reg0 * 1e6,
+        (hits.1 - post0) * 1e6,
+        post0 * 1e6,
+        st.lost
+    );
+
+    // Transfer throughput, detached and attached alternating, at each batch size: the collector
+    // recording into the audit writer (with and without each write's SGE list), and — to
+    // separate the probes' cost from the collector's — into a sink that discards.
+    for pages in [16usize, a.pages] {
+        let mut t: [Vec<f64>; 4] = Default::default();
+        for _ in 0..a.reps {
+            t[0].push(transfer_bench(geom, layers, pages, 3).transfer_s);
+            for (i, sink, sges) in [(1, &audit, true), (2, &audit, false), (3, &discard, true)] {
+                let mut x = 0.0;
+                let st = attached_to(sink, sges, &mut || {
+                    x = transfer_bench(geom, layers, pages, 3).transfer_s
+                })?;
+                if st.lost.total() > 0 {
+                    bail!("the witness lost events during the benchmark: {}", st.lost);
+                }
+                t[i].push(x);
+            }
+        }
+        let [d, w, ws, x] = t.map(median);
+        println!(
+            "transfer {pages} pages over tcp loopback: witness detached {:.3} ms | attached, into the audit log {:.3} ms ({:+.2}% time) | same without SGE lists {:.3} ms ({:+.2}%) | collector discarding {:.3} ms ({:+.2}%); medians of {} alternating runs",
+            d * 1e3,
+            w * 1e3,
+            (w / d - 1.0) * 100.0,
+            ws * 1e3,
+            (ws / d - 1.0) * 100.0,
+            x * 1e3,
+            (x / d - 1.0) * 100.0,
+            a.reps
+        );
+    }
+    writer.close()?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -371,6 +496,12 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
     let (geom, layers) = (model.page_geometry(16), model.config.n_layers);
     let vocab = model.config.vocab_size as u32;
     println!("# custody bench-disagg (reps {}, medians)", a.reps);
+    if a.witness || a.witness_only {
+        witness_bench(&a, geom, layers)?;
+        if a.witness_only {
+            return Ok(());
+        }
+    }
 
     let t = transfer_bench(geom, layers, a.pages, a.reps);
     println!(

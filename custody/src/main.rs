@@ -15,6 +15,7 @@ use custody_runtime::{ChatMessage, Config, Engine, Model, SamplingParams, Tokeni
 #[cfg(feature = "forensics")]
 mod demo_cmd;
 mod disagg_cmd;
+mod probe_cmd;
 #[cfg(feature = "forensics")]
 mod query_cmd;
 mod synth_cmd;
@@ -51,6 +52,12 @@ enum Cmd {
     /// transfer on loopback vs memcpy (with and without checksum), time to first token and decode
     /// tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
     BenchDisagg(disagg_cmd::BenchDisaggArgs),
+    /// The eBPF witness: attach uprobes to the KV transport's probe points (and libibverbs'
+    /// control path where used) of a running process or an executable, and record every posted
+    /// work request, completion and registration into an audit root (`rdma_ops`, `rdma_mr`) as
+    /// the observing host's node — an independent record that `custody forensics crosscheck`
+    /// compares with the engine's. Needs root (CAP_BPF, CAP_PERFMON).
+    Probe(probe_cmd::ProbeArgs),
     /// SQL over an audit root: only files named by a verified digest chain (the tool says so).
     #[cfg(feature = "forensics")]
     /// `-c SQL`, `-f FILE`, or an interactive prompt (`\d`, `\d table`, `\q`).
@@ -223,6 +230,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),
         Cmd::BenchDisagg(a) => disagg_cmd::bench_disagg(a),
+        Cmd::Probe(a) => probe_cmd::probe(a),
         #[cfg(feature = "forensics")]
         Cmd::Query(a) => query_cmd::query(a),
         #[cfg(feature = "forensics")]

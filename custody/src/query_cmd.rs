@@ -82,6 +82,16 @@ pub(crate) enum ForensicsCmd {
         #[arg(long)]
         show_sql: bool,
     },
+    /// The eBPF witness against the engine's record: every transfer the engine recorded has its
+    /// observed writes (keys, offsets, lengths, wr_id); every observed write is in the record and
+    /// landed in the page and generation the record says. Lists each discrepancy with both
+    /// sides; exit code 1 when there is any (or when the witness reported lost events).
+    Crosscheck {
+        #[command(flatten)]
+        src: Source,
+        #[arg(long)]
+        show_sql: bool,
+    },
     /// The timeline of one request on one node: admission, pages and who wrote them, transfers,
     /// reads, violations, release.
     Request {
@@ -470,6 +480,38 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             tenant,
             show_sql,
         } => canned(&src, forensics::tenant_sql(&tenant, None, None), show_sql),
+        ForensicsCmd::Crosscheck { src, show_sql } => {
+            if show_sql {
+                println!(
+                    "-- discrepancies between the engine's transfers and the witness's writes"
+                );
+                println!("{};", forensics::CROSSCHECK_SQL.trim());
+                println!("-- what was compared");
+                println!("{};", forensics::CROSSCHECK_COUNTS_SQL.trim());
+                return Ok(());
+            }
+            let rt = runtime()?;
+            let cc = rt.block_on(async {
+                let ctx = session(&src).await?;
+                println!("# discrepancies (engine side, witness side)");
+                run_sql(&ctx, forensics::CROSSCHECK_SQL, src.format).await?;
+                Ok::<_, anyhow::Error>(forensics::crosscheck(&ctx).await?)
+            })?;
+            println!("# summary\n{}", cc.summary());
+            if cc.observed_writes == 0 && cc.engine_transfers > 0 {
+                anyhow::bail!(
+                    "the root has no witness observations (rdma_ops): run `custody probe` alongside the nodes"
+                );
+            }
+            if !cc.clean() {
+                anyhow::bail!(
+                    "{} discrepancies between the engine's record and the witness ({} witness loss reports)",
+                    cc.discrepancies.len(),
+                    cc.witness_loss_reports
+                );
+            }
+            Ok(())
+        }
         ForensicsCmd::Anomalies { src, show_sql } => {
             canned(&src, forensics::ANOMALIES_SQL.to_owned(), show_sql)
         }

@@ -12,8 +12,9 @@
 //! A read refused by the tag check is not a read: it is an `integrity_violations` row, listed as
 //! a **prevented** exposure.
 
-use datafusion::arrow::array::AsArray;
-use datafusion::arrow::datatypes::{Int64Type, UInt32Type, UInt64Type};
+use datafusion::arrow::array::{Array, AsArray};
+use datafusion::arrow::compute::cast;
+use datafusion::arrow::datatypes::{DataType, Int64Type, UInt32Type, UInt64Type};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
 
@@ -207,7 +208,8 @@ seqs AS (
   SELECT node_id, seq FROM all_requests UNION ALL SELECT node_id, seq FROM all_page_events
   UNION ALL SELECT node_id, seq FROM all_page_reads UNION ALL SELECT node_id, seq FROM all_transfers
   UNION ALL SELECT node_id, seq FROM all_integrity_violations UNION ALL SELECT node_id, seq FROM all_writer_events
-  UNION ALL SELECT node_id, seq FROM all_node_events
+  UNION ALL SELECT node_id, seq FROM all_node_events UNION ALL SELECT node_id, seq FROM all_rdma_ops
+  UNION ALL SELECT node_id, seq FROM all_rdma_mr
 )
 SELECT 'short_transfer' AS kind, a.node_id, a.request_id,
        CONCAT('prompt of ', CAST(a.prompt_tokens AS VARCHAR), ' tokens, ', CAST(x.slots AS VARCHAR), ' slots transferred') AS detail
@@ -229,6 +231,188 @@ SELECT 'sequence_gap', node_id, CAST(NULL AS BIGINT UNSIGNED),
   FROM seqs GROUP BY node_id HAVING MAX(seq) - MIN(seq) + 1 <> COUNT(*)
 ORDER BY kind, node_id, request_id
 "#;
+
+/// The eBPF witness's observed writes (`rdma_ops`, `op = 'post_write'`) against the engine's
+/// record (`transfers`), one row per discrepancy: `kind`, the initiating node, the `wr_id`, and
+/// both sides (`engine`, `witness`). An observed write belongs to node `ctx >> 32` (the probe
+/// context's node) and to the transfer with its `wr_id`. Kinds:
+/// - `transfer_mismatch`: a transfer the initiator recorded whose observed writes differ — not as
+///   many as its chain had (`work_requests`), not as many bytes (`wire_bytes`), or some outside
+///   its key and page span (`rkey`, `[remote_addr, remote_addr + remote_len)`); a missing write
+///   is one of these;
+/// - `unrecorded_write`: an observed write whose wr_id no transfer has;
+/// - `stale_write`: an observed write that landed — per the target's record of which page each
+///   (key, region offset) is — in the very page its transfer names, but in another generation:
+///   the page had been reallocated to another request;
+/// - `misdirected_write`: an observed write that landed outside its transfer's key and page in
+///   any other way.
+///
+/// Where it landed comes from the target node's own rows (`node_id = dst_node`: key, page
+/// address and span → request, page, generation). Keys are never reused within a transport's
+/// life, so a (key, offset) names one page of one reservation for the key's whole life.
+pub const CROSSCHECK_SQL: &str = r#"
+WITH obs AS (
+  SELECT CAST(ctx / 4294967296 AS BIGINT) AS src_node, wr_id, rkey, remote_addr, bytes
+  FROM all_rdma_ops WHERE op = 'post_write'
+),
+eng AS (
+  SELECT CAST(src_node AS BIGINT) AS src_node, transfer_id, request_id, tenant, dst_page,
+         dst_generation, rkey, remote_addr, remote_len, wire_bytes, work_requests
+  FROM all_transfers WHERE node_id = src_node
+),
+landing AS (
+  SELECT request_id AS l_request, tenant AS l_tenant, dst_page AS l_page,
+         dst_generation AS l_generation, rkey AS l_rkey, remote_addr AS l_addr, remote_len AS l_len
+  FROM all_transfers WHERE node_id = dst_node
+),
+per_transfer AS (
+  SELECT e.src_node, e.transfer_id, e.request_id, e.tenant, e.dst_page, e.dst_generation, e.rkey,
+         e.remote_addr, e.remote_len, e.wire_bytes, e.work_requests,
+         COUNT(o.wr_id) AS seen_writes, COALESCE(SUM(o.bytes), 0) AS seen_bytes,
+         SUM(CASE WHEN o.wr_id IS NOT NULL AND (o.rkey <> e.rkey OR o.remote_addr < e.remote_addr
+                  OR o.remote_addr + o.bytes > e.remote_addr + e.remote_len) THEN 1 ELSE 0 END) AS outside
+  FROM eng e LEFT JOIN obs o ON o.src_node = e.src_node AND o.wr_id = e.transfer_id
+  GROUP BY e.src_node, e.transfer_id, e.request_id, e.tenant, e.dst_page, e.dst_generation, e.rkey,
+           e.remote_addr, e.remote_len, e.wire_bytes, e.work_requests
+)
+SELECT 'transfer_mismatch' AS kind, src_node, transfer_id AS wr_id,
+       CONCAT('request ', CAST(request_id AS VARCHAR), ' (', tenant, ') page ', CAST(dst_page AS VARCHAR),
+              ' gen ', CAST(dst_generation AS VARCHAR), ': ', CAST(work_requests AS VARCHAR), ' writes, ',
+              CAST(wire_bytes AS VARCHAR), ' B, key ', CAST(rkey AS VARCHAR), ' at ', CAST(remote_addr AS VARCHAR),
+              '+', CAST(remote_len AS VARCHAR)) AS engine,
+       CONCAT(CAST(seen_writes AS VARCHAR), ' writes, ', CAST(seen_bytes AS VARCHAR), ' B, ',
+              CAST(outside AS VARCHAR), ' outside the page') AS witness
+  FROM per_transfer
+  WHERE seen_writes <> work_requests OR seen_bytes <> wire_bytes OR outside > 0
+UNION ALL
+SELECT CASE WHEN e.transfer_id IS NULL THEN 'unrecorded_write'
+            WHEN l.l_page = e.dst_page AND l.l_generation <> e.dst_generation THEN 'stale_write'
+            ELSE 'misdirected_write' END,
+       o.src_node, o.wr_id,
+       CASE WHEN e.transfer_id IS NULL THEN 'no transfer with this wr_id'
+            ELSE CONCAT('request ', CAST(e.request_id AS VARCHAR), ' (', e.tenant, ') page ',
+                        CAST(e.dst_page AS VARCHAR), ' gen ', CAST(e.dst_generation AS VARCHAR), ', key ',
+                        CAST(e.rkey AS VARCHAR), ' at ', CAST(e.remote_addr AS VARCHAR), '+',
+                        CAST(e.remote_len AS VARCHAR)) END,
+       CONCAT('write of ', CAST(o.bytes AS VARCHAR), ' B with key ', CAST(o.rkey AS VARCHAR), ' at ',
+              CAST(o.remote_addr AS VARCHAR), ' landed in ',
+              COALESCE(CONCAT('page ', CAST(l.l_page AS VARCHAR), ' gen ', CAST(l.l_generation AS VARCHAR),
+                              ' of request ', CAST(l.l_request AS VARCHAR), ' (', l.l_tenant, ')'),
+                       'no page the target recorded'))
+  FROM obs o
+  LEFT JOIN eng e ON o.src_node = e.src_node AND o.wr_id = e.transfer_id
+  LEFT JOIN landing l ON l.l_rkey = o.rkey AND o.remote_addr >= l.l_addr AND o.remote_addr < l.l_addr + l.l_len
+  WHERE e.transfer_id IS NULL OR o.rkey <> e.rkey OR o.remote_addr < e.remote_addr
+     OR o.remote_addr + o.bytes > e.remote_addr + e.remote_len
+ORDER BY kind, src_node, wr_id
+"#;
+
+/// What the cross-check compared.
+pub const CROSSCHECK_COUNTS_SQL: &str = r#"
+SELECT (SELECT COUNT(*) FROM all_transfers WHERE node_id = src_node) AS engine_transfers,
+       (SELECT COALESCE(SUM(work_requests), 0) FROM all_transfers WHERE node_id = src_node) AS engine_writes,
+       (SELECT COUNT(*) FROM all_rdma_ops WHERE op = 'post_write') AS observed_writes,
+       (SELECT COUNT(*) FROM all_node_events WHERE event = 'witness_lost') AS witness_loss_reports
+"#;
+
+/// One discrepancy between the engine's record and the witness's observations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Discrepancy {
+    pub kind: String,
+    pub src_node: i64,
+    pub wr_id: u64,
+    pub engine: String,
+    pub witness: String,
+}
+
+/// The cross-check's answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Crosscheck {
+    pub engine_transfers: i64,
+    pub engine_writes: i64,
+    pub observed_writes: i64,
+    /// `witness_lost` rows: the witness reported lost events (its view is incomplete).
+    pub witness_loss_reports: i64,
+    pub discrepancies: Vec<Discrepancy>,
+}
+
+impl Crosscheck {
+    /// The witness saw something and nothing disagrees.
+    pub fn clean(&self) -> bool {
+        self.discrepancies.is_empty() && self.witness_loss_reports == 0
+    }
+
+    pub fn summary(&self) -> String {
+        format!(
+            "engine transfers (initiator rows): {}\nengine work requests: {}\nwitness-observed writes: {}\nwitness loss reports: {}\ndiscrepancies: {}",
+            self.engine_transfers,
+            self.engine_writes,
+            self.observed_writes,
+            self.witness_loss_reports,
+            self.discrepancies.len()
+        )
+    }
+}
+
+/// Column `i` of `b` cast to `to` (SQL arithmetic and unions choose widths and signedness the
+/// caller should not depend on; strings may come back as views).
+fn column_as(
+    b: &datafusion::arrow::array::RecordBatch,
+    i: usize,
+    to: &DataType,
+) -> Result<datafusion::arrow::array::ArrayRef, QueryError> {
+    cast(b.column(i), to)
+        .map_err(|e| QueryError::DataFusion(datafusion::error::DataFusionError::from(e)))
+}
+
+/// Run the cross-check over a session prepared by [`crate::prepare_forensics`].
+pub async fn crosscheck(ctx: &SessionContext) -> Result<Crosscheck, QueryError> {
+    let mut out = Crosscheck::default();
+    for b in ctx.sql(CROSSCHECK_COUNTS_SQL).await?.collect().await? {
+        if b.num_rows() > 0 {
+            let mut v = [0i64; 4];
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = column_as(&b, i, &DataType::Int64)?
+                    .as_primitive::<Int64Type>()
+                    .value(0);
+            }
+            [
+                out.engine_transfers,
+                out.engine_writes,
+                out.observed_writes,
+                out.witness_loss_reports,
+            ] = v;
+        }
+    }
+    for b in ctx.sql(CROSSCHECK_SQL).await?.collect().await? {
+        let (kind, node, wr, eng, wit) = (
+            column_as(&b, 0, &DataType::Utf8)?,
+            column_as(&b, 1, &DataType::Int64)?,
+            column_as(&b, 2, &DataType::UInt64)?,
+            column_as(&b, 3, &DataType::Utf8)?,
+            column_as(&b, 4, &DataType::Utf8)?,
+        );
+        let (kind, eng, wit) = (
+            kind.as_string::<i32>(),
+            eng.as_string::<i32>(),
+            wit.as_string::<i32>(),
+        );
+        let (node, wr) = (
+            node.as_primitive::<Int64Type>(),
+            wr.as_primitive::<UInt64Type>(),
+        );
+        for i in 0..b.num_rows() {
+            out.discrepancies.push(Discrepancy {
+                kind: kind.value(i).to_owned(),
+                src_node: node.value(i),
+                wr_id: wr.value(i),
+                engine: eng.value(i).to_owned(),
+                witness: wit.value(i).to_owned(),
+            });
+        }
+    }
+    Ok(out)
+}
 
 /// The tenant question for `tenant` (quotes in the id are escaped).
 pub fn tenant_sql(tenant: &str, from_ns: Option<i64>, to_ns: Option<i64>) -> String {

@@ -93,6 +93,8 @@ pub struct DecodeStats {
 struct DReq {
     state: ReqState,
     rkey: u32,
+    /// The region's base address (the transport's): page `idx` is at `base + idx * stride`.
+    base: u64,
     slot: u32,
     pages: Vec<PageRef>,
     prompt_len: usize,
@@ -215,6 +217,7 @@ impl Node {
                     .on(ReqEvent::Reserve)
                     .map_err(|e| Status::internal(e.to_string()))?,
                 rkey: region.rkey,
+                base: region.base,
                 slot,
                 pages: pages.clone(),
                 prompt_len,
@@ -325,6 +328,7 @@ impl Node {
         };
         let (origin, tenant, pr) = (r.origin, r.tenant.clone(), r.pages[idx]);
         let (origin_node, rkey) = (r.origin_node, r.rkey);
+        let remote_addr = r.base + (idx * self.stride) as u64;
         let result = if slots == usize::MAX {
             Err("write beyond the prompt's pages".to_owned())
         } else {
@@ -351,9 +355,14 @@ impl Node {
                     Ok(()) => "verified".into(),
                     Err(e) => format!("rejected: {e}"),
                 },
+                rkey,
+                remote_addr,
+                remote_len: self.stride as u64,
+                // The target does not see the chain, only what landed.
+                wire_bytes: 0,
+                work_requests: 0,
             });
         }
-        let _ = rkey;
         match result {
             Ok(()) => {
                 self.stats.verified_pages += 1;

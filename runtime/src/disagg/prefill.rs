@@ -22,7 +22,7 @@ use super::{admission_status, imm_of, transfer_id};
 use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
 use crate::kv::TransferHeader;
-use crate::transport::abi::Wc;
+use crate::transport::abi::{SendWr, Wc};
 use crate::transport::{FaultInjection, KvTransport, TransportError, TransportKind};
 
 /// Prefill node settings.
@@ -74,6 +74,51 @@ pub struct PrefillStats {
 pub enum PrefillFault {
     /// Cut the KV transport connection (as a crashed NIC or process would).
     DisconnectTransport,
+    /// An engine bug the engine cannot see: with the next transfer, post one extra write (a copy
+    /// of the first page's first work request, same place, overwritten by the real one right
+    /// after) under a wr_id no transfer has, and record nothing about it. Only the eBPF
+    /// witness sees it.
+    PhantomWrite,
+    /// An engine bug the engine cannot see: remember the next transfer's pages; with the
+    /// transfer after it, re-send one of the earlier transfer's writes (its wr_id) into the new
+    /// reservation, at a page the decode node reallocated from the earlier request to the new
+    /// one when there is one (else the first page) — a stale write into a reallocated page. It
+    /// lands before the new page's own write, which overwrites it, so decode's verification
+    /// passes and the engine's record stays clean. Only the eBPF witness sees it.
+    StaleWrite,
+}
+
+/// State of the witness-only faults (tests only, named as such).
+#[derive(Debug, Default)]
+enum StaleFault {
+    #[default]
+    Off,
+    /// Armed: the next transfer's (transfer id, decode page) pairs are remembered.
+    Recording,
+    /// Fire on the next transfer with these earlier writes.
+    Ready(Vec<(u64, u32)>),
+}
+
+#[derive(Debug, Default)]
+struct FaultInjectionState {
+    phantom_next: bool,
+    stale: StaleFault,
+}
+
+/// What was posted for one page (its `transfers` row): source page and generation, data bytes,
+/// checksum, and the chain as it went out (key, page address and span in the region, bytes of
+/// every work request, their number) — what the eBPF witness's observations are checked against.
+#[derive(Clone, Copy, Debug)]
+struct SentPage {
+    page: u32,
+    generation: u32,
+    bytes: u64,
+    checksum: u64,
+    rkey: u32,
+    remote_addr: u64,
+    remote_len: u64,
+    wire_bytes: u64,
+    work_requests: u32,
 }
 
 struct PReq {
@@ -85,8 +130,8 @@ struct PReq {
     done: Option<oneshot::Sender<TransferResult>>,
     outstanding: usize,
     failed: Option<String>,
-    /// (src page, generation, bytes, checksum) per transferred page, for the audit rows.
-    sent: Vec<(u32, u32, u64, u64)>,
+    /// Per transferred page, what its audit row says.
+    sent: Vec<SentPage>,
     /// Per prompt page: (page, slots, checksum), computed when the prefill completed — while the
     /// reservation round trip is in flight and the KV is still warm in cache — so that hashing
     /// is off the transfer's path. The pages are held unchanged until the transfer ends.
@@ -113,6 +158,8 @@ struct Node {
     control: Reconnect,
     last_reconnect: Instant,
     reconnects: u64,
+    /// Faults armed by tests (never set in production: only `fault_inject` arms them).
+    fault: FaultInjectionState,
 }
 
 /// What a reconnect needs: the control-plane client and this node's handshake statement.
@@ -237,6 +284,23 @@ impl Node {
         let stride = res.page_stride;
         let mut posted = 0;
         let mut error = None;
+        // Test-only faults (see `PrefillFault`): (page index, wr_id) of one extra write.
+        let mut extra: Option<(usize, u64)> = None;
+        if std::mem::take(&mut self.fault.phantom_next) && n_pages > 0 {
+            extra = Some((0, transfer_id(id, 0xffff)));
+        }
+        if matches!(self.fault.stale, StaleFault::Ready(_))
+            && n_pages > 0
+            && let StaleFault::Ready(earlier) = std::mem::take(&mut self.fault.stale)
+        {
+            let reused = (0..n_pages).find_map(|j| {
+                earlier
+                    .iter()
+                    .find(|(_, p)| *p == res.pages[j].page)
+                    .map(|&(t, _)| (j, t))
+            });
+            extra = reused.or(earlier.first().map(|&(t, _)| (0, t)));
+        }
         for (idx, pr) in pages.iter().enumerate().take(n_pages) {
             let slots = (n_cached - idx * ps).min(ps);
             let mut bytes = 0u64;
@@ -255,7 +319,7 @@ impl Node {
             }
             .encode();
             let page_base = res.base + idx as u64 * stride;
-            let (_sges, wrs) = super::page_write_chain(
+            let (sges, wrs) = super::page_write_chain(
                 pool,
                 pr.page,
                 slots,
@@ -265,6 +329,21 @@ impl Node {
                 imm_of(res.imm_slot, idx),
                 &header[..],
             );
+            if let Some((j, wr_id)) = extra
+                && j == idx
+            {
+                // Test-only fault: an unrecorded copy of this page's first write, posted first.
+                let n = usize::try_from(wrs[0].num_sge).unwrap_or(0).min(sges.len());
+                let copy = SendWr::rdma_write(wr_id, &sges[..n], wrs[0].remote_addr, res.rkey);
+                tracing::warn!(
+                    wr_id,
+                    page_index = idx,
+                    "FAULT INJECTION (test only): unrecorded KV write"
+                );
+                // SAFETY: as for the chain below: the SGEs are the page's own, in registered
+                // memory, alive for the call; unsignaled, so no completion refers to it.
+                let _ = unsafe { self.transport.post_write(&copy) };
+            }
             // SAFETY: every SGE points into this node's pool pages (held, not written until
             // released after the completion) or into the page's header slot (see
             // `HeaderArena`), both registered with the transport at start; the chain lives in
@@ -273,13 +352,30 @@ impl Node {
             match res_post {
                 Ok(()) => {
                     posted += 1;
-                    r.sent.push((pr.page, pr.generation, bytes, checksum));
+                    r.sent.push(SentPage {
+                        page: pr.page,
+                        generation: pr.generation,
+                        bytes,
+                        checksum,
+                        rkey: res.rkey,
+                        remote_addr: page_base,
+                        remote_len: stride,
+                        wire_bytes: sges.iter().map(|s| u64::from(s.length)).sum(),
+                        work_requests: wrs.len() as u32,
+                    });
                 }
                 Err(e) => {
                     error = Some(format!("posting the KV transfer failed: {e}"));
                     break;
                 }
             }
+        }
+        if matches!(self.fault.stale, StaleFault::Recording) {
+            self.fault.stale = StaleFault::Ready(
+                (0..n_pages)
+                    .map(|idx| (transfer_id(id, idx), res.pages[idx].page))
+                    .collect(),
+            );
         }
         r.outstanding += posted;
         if let Some(e) = error {
@@ -309,8 +405,7 @@ impl Node {
             ));
         }
         if self.engine.auditing()
-            && let (Some(res), Some(&(src_page, src_gen, bytes, checksum))) =
-                (&r.reservation, r.sent.get(idx))
+            && let (Some(res), Some(&sent)) = (&r.reservation, r.sent.get(idx))
         {
             let dst = res.pages.get(idx).copied().unwrap_or_default();
             let ev = audit::Event::Transfer {
@@ -319,14 +414,19 @@ impl Node {
                 request: origin,
                 tenant: r.tenant.clone(),
                 src_node: self.opts.node_id,
-                src_page,
-                src_generation: src_gen,
+                src_page: sent.page,
+                src_generation: sent.generation,
                 dst_node: self.decode_node,
                 dst_page: dst.page,
                 dst_generation: dst.generation,
-                bytes,
-                checksum,
+                bytes: sent.bytes,
+                checksum: sent.checksum,
                 outcome,
+                rkey: sent.rkey,
+                remote_addr: sent.remote_addr,
+                remote_len: sent.remote_len,
+                wire_bytes: sent.wire_bytes,
+                work_requests: sent.work_requests,
             };
             self.engine.record(ev);
         }
@@ -496,6 +596,8 @@ impl Node {
                     tracing::warn!(error = %e, "fault injection refused");
                 }
             }
+            Cmd::Fault(PrefillFault::PhantomWrite) => self.fault.phantom_next = true,
+            Cmd::Fault(PrefillFault::StaleWrite) => self.fault.stale = StaleFault::Recording,
         }
     }
 
@@ -659,6 +761,7 @@ impl PrefillHandle {
             },
             last_reconnect: Instant::now(),
             reconnects: 0,
+            fault: FaultInjectionState::default(),
         };
         std::thread::Builder::new()
             .name("prefill-engine".into())

@@ -11,6 +11,7 @@ mod report;
 mod s3;
 mod scheduler;
 mod synth;
+mod witness;
 
 use custody_runtime::gguf::Gguf;
 use custody_runtime::{Engine, EngineConfig, Model, Tokenizer};
