@@ -374,6 +374,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn serve_section_rejects_bad_tenants() {
+        let ok = format!(
+            "[[serve.tenants]]\nid = \"acme\"\nkeys_sha256 = [\"{}\"]\n",
+            "a".repeat(64)
+        );
+        let c: Config = toml::from_str(&ok).expect("parse");
+        c.serve.validate().expect("valid");
+        assert_eq!(c.serve.tenants[0].max_concurrent, 8);
+        for bad in [
+            ok.replace(&"a".repeat(64), "not-a-hash"),
+            ok.replace(&"a".repeat(64), &"A".repeat(64)),
+            ok.replace("acme", "_canary"),
+            format!("{ok}{}", ok.replace("acme", "other")),
+        ] {
+            let c: Config = toml::from_str(&bad).expect("parse");
+            assert!(c.serve.validate().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn parses_and_rejects_unknown_fields() {
         let c: Config =
             toml::from_str("[engine]\npage_size = 32\nkv_budget_mib = 64\n").expect("parse");
@@ -411,5 +431,12 @@ mod tests {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/single-node.toml");
         let c = Config::load(&p).expect("configs/single-node.toml must parse");
         assert!(c.engine.kv_budget_mib > 0);
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/serve-demo.toml");
+        let c = Config::load(&p).expect("configs/serve-demo.toml must parse");
+        assert_eq!(c.serve.tenants.len(), 3);
+        assert!(
+            c.serve.listen.starts_with("127.0.0.1:"),
+            "demo keys: loopback only"
+        );
     }
 }

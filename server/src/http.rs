@@ -313,7 +313,13 @@ async fn admit_and_run(
         EngineGone::Stopped => ApiError::unavailable(e.to_string(), "engine_stopped"),
     })?;
     *rid = Some(engine_request_id(st.node, id));
-    let events = admitted.map_err(|e| admission_error(&e, prompt_tokens))?;
+    let events = admitted.map_err(|e| {
+        let mut e = admission_error(&e, prompt_tokens);
+        if e.param == Some("messages") && ep == Endpoint::Completions {
+            e.param = Some("prompt");
+        }
+        e
+    })?;
     tracing::debug!(request_id = rid.as_deref().unwrap_or(""), tenant = %tenant.id, prompt_tokens, max_tokens, "admitted");
     st.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
     let run = Run {
