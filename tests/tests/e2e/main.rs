@@ -10,6 +10,7 @@ mod reference;
 mod report;
 mod s3;
 mod scheduler;
+mod serve;
 
 use custody_runtime::gguf::Gguf;
 use custody_runtime::{Engine, EngineConfig, Model, Tokenizer};
