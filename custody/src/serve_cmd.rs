@@ -25,6 +25,11 @@ pub(crate) struct ServeArgs {
     /// Listen address (host:port); default: the config's `[serve] listen`.
     #[arg(long)]
     listen: Option<String>,
+    /// Front a disaggregated pair: the prefill node's front door (`http://host:port`);
+    /// default: the config's `[serve] prefill`, else a colocated engine in this process.
+    /// The model is still loaded here, for the tokenizer and the canary's colocated reference.
+    #[arg(long)]
+    prefill: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -87,6 +92,12 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     if let Some(l) = &a.listen {
         serve_cfg.listen = l.clone();
     }
+    if let Some(p) = &a.prefill {
+        serve_cfg.prefill = p.clone();
+    }
+    if !serve_cfg.prefill.is_empty() {
+        return serve_front(&a, serve_cfg);
+    }
     let Loaded {
         mut engine,
         tokenizer,
@@ -139,6 +150,46 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         tracing::info!("audit log sealed");
     }
     Ok(())
+}
+
+/// `custody serve` in front of a prefill/decode pair: the pair's nodes run the engines and
+/// keep the audit logs; this process authenticates, limits, streams and validates.
+fn serve_front(a: &ServeArgs, serve_cfg: custody_runtime::config::ServeSection) -> Result<()> {
+    if a.audit.audit_dir.is_some() {
+        bail!(
+            "--audit-dir has no effect in front of a pair: the prefill and decode nodes record every page event"
+        );
+    }
+    let Loaded {
+        engine,
+        tokenizer,
+        pool,
+    } = load(&a.common, None)?;
+    let prepared = custody_server::prepare_front(engine, pool, tokenizer, &serve_cfg)?;
+    let opts = ServeOptions {
+        cfg: serve_cfg.clone(),
+        node: 0,
+        audit: None,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&serve_cfg.listen)
+            .await
+            .with_context(|| format!("binding {}", serve_cfg.listen))?;
+        custody_server::serve_prefill(
+            listener,
+            prepared,
+            &serve_cfg.prefill,
+            opts,
+            shutdown_signal(),
+        )
+        .await
+        .map_err(anyhow::Error::from)
+    })
 }
 
 async fn shutdown_signal() {

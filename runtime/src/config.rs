@@ -110,6 +110,9 @@ pub struct ServeSection {
     /// Only prompts at least this long are checked for prefill anomalies (short prompts are
     /// dominated by fixed costs).
     pub prefill_anomaly_min_tokens: usize,
+    /// Front a disaggregated pair instead of running an engine here: the prefill node's gRPC
+    /// front door (`http://host:port`, its `[disagg] prefill_listen`). Empty = colocated.
+    pub prefill: String,
     /// Who may call, by API key.
     pub tenants: Vec<TenantSection>,
 }
@@ -127,6 +130,7 @@ impl Default for ServeSection {
             canary_interval_s: 60,
             prefill_anomaly_factor: 8.0,
             prefill_anomaly_min_tokens: 64,
+            prefill: String::new(),
             tenants: Vec::new(),
         }
     }

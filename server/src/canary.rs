@@ -15,7 +15,8 @@ use custody_audit as audit;
 use custody_runtime::engine::{Engine, GenerateRequest};
 use custody_runtime::{SamplingParams, Tokenizer};
 
-use crate::engine_thread::{EngineHandle, Out, run_alone};
+use crate::backend::Backend;
+use crate::engine_thread::{Out, run_alone};
 use crate::metrics::Metrics;
 
 /// Built-in golden prompts (raw text, no chat template): short, varied, and long enough that
@@ -145,10 +146,10 @@ impl Report {
 
 /// Send every golden prompt through the engine thread at once (so they batch with each other
 /// and with live traffic) and compare.
-pub async fn run_once(engine: &EngineHandle, golden: &[Golden], stop_ids: &[u32]) -> Report {
+pub async fn run_once(engine: &Backend, golden: &[Golden], stop_ids: &[u32]) -> Report {
     let mut pending = Vec::new();
     for g in golden {
-        let r = engine.submit(g.request(CANARY_TENANT, stop_ids)).await;
+        let r = engine.submit(g.request(CANARY_TENANT, stop_ids), 0).await;
         pending.push((g, r));
     }
     let mut report = Report {
@@ -157,9 +158,8 @@ pub async fn run_once(engine: &EngineHandle, golden: &[Golden], stop_ids: &[u32]
     };
     for (g, r) in pending {
         let got = match r {
-            Err(e) => Err(e.to_string()),
-            Ok((_, Err(e))) => Err(e.to_string()),
-            Ok((_, Ok(mut rx))) => {
+            Err((_, e)) => Err(e.message),
+            Ok((_, _, mut rx)) => {
                 let mut toks = Vec::new();
                 let mut res = Err("the engine dropped the request".to_owned());
                 while let Some(ev) = rx.recv().await {
@@ -190,7 +190,7 @@ pub async fn run_once(engine: &EngineHandle, golden: &[Golden], stop_ids: &[u32]
 /// The background canary: every `interval`, one run; the result goes to the metrics, the log
 /// and the audit log (`node_events`, kind `canary`). Runs until the task is aborted.
 pub(crate) async fn canary_loop(
-    engine: EngineHandle,
+    engine: Backend,
     golden: Arc<Vec<Golden>>,
     stop_ids: Vec<u32>,
     metrics: Arc<Metrics>,

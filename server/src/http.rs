@@ -14,14 +14,15 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use custody_runtime::config::ServeSection;
-use custody_runtime::engine::{AdmissionError, FinishReason, GenerateRequest};
+use custody_runtime::engine::{FinishReason, GenerateRequest};
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{SamplingParams, Tokenizer};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::engine_thread::{EngineGone, EngineHandle, Out};
+use crate::backend::Backend;
+use crate::engine_thread::Out;
 use crate::error::ApiError;
 use crate::metrics::{AuditStats, Metrics};
 use crate::openai::{self, Params, Prompt, StopText};
@@ -30,7 +31,7 @@ use crate::tenants::{Tenant, Tenants};
 /// Shared by every handler.
 #[derive(Debug)]
 pub(crate) struct AppState {
-    pub engine: EngineHandle,
+    pub backend: Backend,
     pub tokenizer: Arc<Tokenizer>,
     pub tenants: Tenants,
     pub metrics: Arc<Metrics>,
@@ -113,7 +114,7 @@ async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response
 /// Liveness and readiness in one: 200 while serving, 503 while draining or when the audit log
 /// failed (the node serves nothing then).
 async fn health(State(st): State<Arc<AppState>>) -> Response {
-    let audit_failed = st.engine.gauges.audit_failed.load(Ordering::Relaxed);
+    let audit_failed = st.backend.gauges().audit_failed.load(Ordering::Relaxed);
     let draining = st.draining.load(Ordering::Relaxed);
     let status = if audit_failed {
         "audit_failed"
@@ -131,7 +132,7 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
-    let body = st.metrics.render(&st.engine.gauges, st.audit.as_deref());
+    let body = st.metrics.render(st.backend.gauges(), st.audit.as_deref());
     (
         [(
             header::CONTENT_TYPE,
@@ -161,15 +162,12 @@ fn unix_now_s() -> u64 {
         .unwrap_or(0)
 }
 
-/// The request id returned in `x-request-id`. `req-<node>-<n>`: `n` is the engine's request
-/// id, the `request` column of every audit table on node `<node>` (a rejection at admission is
-/// recorded under it too). `refused-<node>-<n>`: refused before admission (authentication,
-/// malformed body, tenant limits, draining, audit back-pressure), so no page was touched and
-/// the audit log has nothing under it; the server's log does.
-fn engine_request_id(node: u32, id: u64) -> String {
-    format!("req-{node}-{id}")
-}
-
+// The request id returned in `x-request-id`. `req-<node>-<n>`: `n` is the engine's request id
+// (of the prefill node when fronting a pair), the `request_id` column of every audit table on
+// node `<node>` (a rejection at admission is recorded under it too). `refused-<node>-<n>`:
+// refused before admission (authentication, malformed body, tenant limits, draining, audit
+// back-pressure), so no page was touched and the audit log has nothing under it; the server's
+// log does.
 async fn generate(
     st: Arc<AppState>,
     headers: HeaderMap,
@@ -258,7 +256,7 @@ async fn admit_and_run(
             "shutting_down",
         ));
     }
-    if st.engine.gauges.audit_failed.load(Ordering::Relaxed) {
+    if st.backend.gauges().audit_failed.load(Ordering::Relaxed) {
         return Err(ApiError::unavailable(
             "the audit log is unavailable, so this node serves nothing (fail-closed)",
             "audit_unavailable",
@@ -306,20 +304,17 @@ async fn admit_and_run(
         tenant: tenant.id.to_string(),
     };
     let prompt_tokens = req.prompt.len();
-    let (id, admitted) = st.engine.submit(req).await.map_err(|e| match e {
-        EngineGone::Busy(_) => {
-            ApiError::unavailable(format!("server overloaded: {e}"), "engine_queue_full")
+    let (request_id, id, events) = match st.backend.submit(req, st.node).await {
+        Ok(a) => a,
+        Err((r, mut e)) => {
+            *rid = r;
+            if e.param == Some("messages") && ep == Endpoint::Completions {
+                e.param = Some("prompt");
+            }
+            return Err(e);
         }
-        EngineGone::Stopped => ApiError::unavailable(e.to_string(), "engine_stopped"),
-    })?;
-    *rid = Some(engine_request_id(st.node, id));
-    let events = admitted.map_err(|e| {
-        let mut e = admission_error(&e, prompt_tokens);
-        if e.param == Some("messages") && ep == Endpoint::Completions {
-            e.param = Some("prompt");
-        }
-        e
-    })?;
+    };
+    *rid = Some(request_id);
     tracing::debug!(request_id = rid.as_deref().unwrap_or(""), tenant = %tenant.id, prompt_tokens, max_tokens, "admitted");
     st.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
     let run = Run {
@@ -385,35 +380,6 @@ async fn tokenize(st: &Arc<AppState>, prompt: Prompt) -> Result<Vec<u32>, ApiErr
     Ok(ids)
 }
 
-fn admission_error(e: &AdmissionError, prompt_tokens: usize) -> ApiError {
-    match e {
-        AdmissionError::ContextExceeded {
-            prompt_tokens,
-            max_tokens,
-            context_length,
-        } => ApiError::bad_request(format!(
-            "This model's maximum context length is {context_length} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). Please reduce the length of the prompt or max_tokens. Nothing was computed or stored for this request.",
-            prompt_tokens + max_tokens
-        ))
-        .code("context_length_exceeded")
-        .param("messages"),
-        AdmissionError::ExceedsPool { .. } => ApiError::bad_request(format!(
-            "{e} ({prompt_tokens} prompt tokens): this node's KV pool cannot hold the request; reduce the prompt or max_tokens"
-        ))
-        .code("context_length_exceeded"),
-        AdmissionError::EmptyPrompt
-        | AdmissionError::ZeroMaxTokens
-        | AdmissionError::BadToken { .. }
-        | AdmissionError::BadSampling(_) => ApiError::bad_request(e.to_string()),
-        AdmissionError::QueueFull { .. } | AdmissionError::Busy { .. } => {
-            ApiError::unavailable(format!("server overloaded: {e}"), "engine_queue_full")
-        }
-        AdmissionError::AuditUnavailable(_) => {
-            ApiError::unavailable(e.to_string(), "audit_unavailable")
-        }
-    }
-}
-
 /// Gives back a tenant's unused token budget when the request ends, however it ends.
 #[derive(Debug)]
 struct Refund {
@@ -453,7 +419,7 @@ impl Drop for Run {
     fn drop(&mut self) {
         self.st.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
         if !self.finished {
-            self.st.engine.abort(self.id);
+            self.st.backend.abort(self.id);
             tracing::info!(request_id = %self.rid, tenant = %self.tenant.id, "client went away: request aborted");
             self.st
                 .metrics
@@ -512,7 +478,7 @@ impl Run {
                     let (out, stopped) = d.stop.push(&piece);
                     if stopped {
                         // The engine does not know text-level stops: end it here.
-                        self.st.engine.abort(self.id);
+                        self.st.backend.abort(self.id);
                         self.finished = true;
                         if !out.is_empty() {
                             // The caller emits this, then sees the end on the next call.

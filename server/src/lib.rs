@@ -11,6 +11,7 @@
 //! of HTTP, and the audit writer (Arrow, Parquet) stays out of this crate — the binary hands in
 //! what `/metrics` needs through [`AuditStats`].
 
+pub mod backend;
 pub mod canary;
 pub mod client;
 pub mod engine_thread;
@@ -29,6 +30,7 @@ use custody_runtime::config::ServeSection;
 use custody_runtime::engine::{Engine, GenerateRequest};
 use custody_runtime::{SamplingParams, Tokenizer};
 
+pub use backend::Backend;
 pub use canary::Golden;
 pub use engine_thread::{EngineGauges, EngineHandle, PrefillCheck};
 pub use metrics::{AuditStats, Metrics};
@@ -161,16 +163,138 @@ pub async fn serve(
     let context_length = engine.context_length();
     let (handle, join) =
         engine_thread::spawn(engine, pool, opts.cfg.queue_capacity, check, gauges)?;
+    let front = Front {
+        backend: Backend::Local(handle.clone()),
+        tokenizer,
+        golden,
+        model_name,
+        context_length,
+        node: opts.node,
+    };
+    let served = serve_front(listener, front, &opts, shutdown).await;
+    handle.shutdown().await;
+    drop(handle);
+    let engine = tokio::task::spawn_blocking(move || join.join())
+        .await
+        .map_err(|_| ServeError::EnginePanicked)?
+        .map_err(|_| ServeError::EnginePanicked)?;
+    tracing::info!("engine stopped; every request ended");
+    served.map(|()| engine)
+}
+
+/// The golden prompts' reference for a server that fronts a disaggregated pair: computed on a
+/// colocated engine in this process (each prompt alone, greedy), then the engine is dropped.
+/// The canary then checks the pair's output against it token for token.
+#[derive(Debug)]
+pub struct PreparedFront {
+    tokenizer: Arc<Tokenizer>,
+    golden: Vec<Golden>,
+    model_name: String,
+}
+
+pub fn prepare_front(
+    mut reference: Engine,
+    pool: rayon::ThreadPool,
+    tokenizer: Tokenizer,
+    cfg: &ServeSection,
+) -> Result<PreparedFront, ServeError> {
+    cfg.validate()
+        .map_err(|e| ServeError::Config(e.to_string()))?;
+    if cfg.tenants.is_empty() {
+        return Err(ServeError::Config(
+            "no [[serve.tenants]]: nobody could call this server".into(),
+        ));
+    }
+    let golden = canary::reference(&mut reference, &pool, &tokenizer, "_reference")
+        .map_err(ServeError::Startup)?;
+    let model_name = if cfg.model_name.is_empty() {
+        reference.model().config.name.clone()
+    } else {
+        cfg.model_name.clone()
+    };
+    Ok(PreparedFront {
+        tokenizer: Arc::new(tokenizer),
+        golden,
+        model_name,
+    })
+}
+
+/// Serve on `listener` in front of a prefill node (`prefill_url`, its gRPC front door): every
+/// generation goes to the pair; tenants, limits, errors, metrics and the canary are this
+/// server's. Request ids name the prefill node's audit `request_id`.
+pub async fn serve_prefill(
+    listener: tokio::net::TcpListener,
+    prepared: PreparedFront,
+    prefill_url: &str,
+    opts: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    use custody_runtime::disagg::proto::{InfoRequest, prefill_client::PrefillClient};
+    let mut client = PrefillClient::connect(prefill_url.to_owned())
+        .await
+        .map_err(|e| {
+            ServeError::Startup(format!("connecting to the prefill node {prefill_url}: {e}"))
+        })?;
+    let info = client
+        .info(InfoRequest {})
+        .await
+        .map_err(|e| ServeError::Startup(format!("prefill node {prefill_url}: {e}")))?
+        .into_inner();
+    tracing::info!(
+        prefill = prefill_url,
+        node = info.node_id,
+        context_length = info.context_length,
+        "fronting a prefill/decode pair"
+    );
+    let front = Front {
+        backend: Backend::Prefill {
+            client,
+            node: info.node_id,
+            gauges: Arc::new(EngineGauges::default()),
+        },
+        tokenizer: prepared.tokenizer,
+        golden: prepared.golden,
+        model_name: prepared.model_name,
+        context_length: info.context_length as usize,
+        node: info.node_id,
+    };
+    serve_front(listener, front, &opts, shutdown).await
+}
+
+/// What the HTTP front needs, whatever runs the generations.
+struct Front {
+    backend: Backend,
+    tokenizer: Arc<Tokenizer>,
+    golden: Vec<Golden>,
+    model_name: String,
+    context_length: usize,
+    node: u32,
+}
+
+async fn serve_front(
+    listener: tokio::net::TcpListener,
+    front: Front,
+    opts: &ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let Front {
+        backend,
+        tokenizer,
+        golden,
+        model_name,
+        context_length,
+        node,
+    } = front;
     let metrics = Arc::new(Metrics::new());
     let st = Arc::new(http::AppState {
-        engine: handle.clone(),
+        backend: backend.clone(),
         tokenizer: tokenizer.clone(),
         tenants: tenants::Tenants::new(&opts.cfg.tenants),
         metrics: metrics.clone(),
         cfg: opts.cfg.clone(),
         model_name,
         context_length,
-        node: opts.node,
+        node,
         audit: opts.audit.clone(),
         draining: AtomicBool::new(false),
         created_unix_s: SystemTime::now()
@@ -181,7 +305,7 @@ pub async fn serve(
     });
     let canary = (opts.cfg.canary_interval_s > 0 && !golden.is_empty()).then(|| {
         tokio::spawn(canary::canary_loop(
-            handle.clone(),
+            backend.clone(),
             Arc::new(golden),
             tokenizer.stop_ids.clone(),
             metrics.clone(),
@@ -205,12 +329,12 @@ pub async fn serve(
     if let Some(c) = &canary {
         c.abort();
     }
-    let in_flight = st.metrics.in_flight.load(Ordering::Relaxed);
+    let gauges = backend.gauges();
     tracing::info!(
         drain_timeout_s = opts.cfg.drain_timeout_s,
-        running = st.engine.gauges.running.load(Ordering::Relaxed),
-        waiting = st.engine.gauges.waiting.load(Ordering::Relaxed),
-        in_flight,
+        running = gauges.running.load(Ordering::Relaxed),
+        waiting = gauges.waiting.load(Ordering::Relaxed),
+        in_flight = st.metrics.in_flight.load(Ordering::Relaxed),
         "shutting down: draining in-flight requests"
     );
     let _ = sig_tx.send(());
@@ -219,9 +343,10 @@ pub async fn serve(
         Ok(r) => r,
         Err(_) => {
             tracing::warn!("drain timeout: aborting the requests still in flight");
-            handle
-                .abort_all("the server is shutting down (drain timeout)")
-                .await;
+            if let Backend::Local(h) = &backend {
+                h.abort_all("the server is shutting down (drain timeout)")
+                    .await;
+            }
             // Aborted streams end at once; bounded anyway.
             match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
                 Ok(r) => r,
@@ -238,13 +363,8 @@ pub async fn serve(
         Err(e) if e.is_cancelled() => {}
         Err(e) => tracing::error!(error = %e, "HTTP server task failed"),
     }
-    handle.shutdown().await;
-    drop(st);
-    drop(handle);
-    let engine = tokio::task::spawn_blocking(move || join.join())
-        .await
-        .map_err(|_| ServeError::EnginePanicked)?
-        .map_err(|_| ServeError::EnginePanicked)?;
-    tracing::info!("engine stopped; every request ended");
-    Ok(engine)
+    if let Some(c) = canary {
+        let _ = c.await;
+    }
+    Ok(())
 }

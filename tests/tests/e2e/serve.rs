@@ -500,3 +500,129 @@ fn shutdown_drains_a_live_stream_then_seals_the_audit_log() {
     let reqs = requests(&audit);
     assert_eq!(reqs[&id].1, ["admitted", "finished"], "{reqs:?}");
 }
+
+#[test]
+fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
+    use custody_audit::{Event as AEvent, RequestKind};
+    use custody_runtime::config::UnsafeReproduction;
+    let nodes = crate::disagg::start_pair(
+        crate::small_cfg(),
+        crate::small_cfg(),
+        UnsafeReproduction::default(),
+        Duration::from_secs(30),
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("pool");
+    let cfg = serve_cfg();
+    let prepared =
+        custody_server::prepare_front(engine_with(crate::small_cfg()), pool, tokenizer(), &cfg)
+            .expect("prepare");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let prefill = format!("http://{}", nodes.pair.prefill_addr);
+    let opts = ServeOptions {
+        cfg,
+        node: 0,
+        audit: None,
+    };
+    let done = rt.spawn(async move {
+        custody_server::serve_prefill(listener, prepared, &prefill, opts, async move {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let t0 = Instant::now();
+    while client::request(&url, "GET", "/health", None, None, Duration::from_secs(5))
+        .map_or(true, |r| r.status != 200)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "front did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // The pair's greedy output through HTTP equals the colocated reference, token for token.
+    let report = client::validate(&url, KEY, &golden_reference()).expect("validate");
+    assert!(report.pass(), "{report:?}");
+
+    // A streamed chat request; its id names the prefill node's audit record, with the tenant.
+    let r = client::request(
+        &url,
+        "POST",
+        "/v1/chat/completions",
+        Some(KEY),
+        Some(br#"{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0, "stream": true}"#),
+        Duration::from_secs(120),
+    )
+    .expect("chat");
+    let body = String::from_utf8_lossy(&r.body);
+    assert_eq!(r.status, 200, "{body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    let rid = r.header("x-request-id").expect("request id");
+    let id: u64 = rid
+        .strip_prefix("req-1-")
+        .unwrap_or_else(|| panic!("{rid}: not the prefill node's (node 1) id"))
+        .parse()
+        .expect("id");
+    let recorded = nodes
+        .prefill_audit
+        .events
+        .lock()
+        .expect("events")
+        .iter()
+        .any(|e| matches!(e, AEvent::Request { request, tenant, kind: RequestKind::Admitted, .. } if *request == id && &**tenant == "acme"));
+    assert!(
+        recorded,
+        "request {id} of tenant acme is not in the prefill node's audit log"
+    );
+
+    // Over-length: 400 from the pair's admission, with its reason.
+    let long = format!(
+        "{{\"prompt\": \"{}\", \"max_tokens\": 8}}",
+        "hello ".repeat(CONTEXT + 50)
+    );
+    let r = client::request(
+        &url,
+        "POST",
+        "/v1/completions",
+        Some(KEY),
+        Some(long.as_bytes()),
+        Duration::from_secs(120),
+    )
+    .expect("over-length");
+    let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(r.status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().expect("message");
+    assert!(msg.contains("exceeds the context length"), "{msg}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+
+    let _ = stop.send(());
+    rt.block_on(done)
+        .expect("task")
+        .expect("front stopped cleanly");
+    // Nothing is left behind on the pair.
+    let t0 = Instant::now();
+    while nodes
+        .pair
+        .prefill
+        .stats_blocking()
+        .is_none_or(|s| s.live_requests != 0)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "prefill still holds requests"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
