@@ -725,4 +725,30 @@ mod tests {
         assert_eq!(utc_date(1_796_000_000 * 1_000_000_000), "2026-11-30");
         assert_eq!(utc_date(-1), "1969-12-31");
     }
+
+    #[test]
+    fn queue_depth_counts_what_the_writer_has_not_taken() {
+        let root = std::env::temp_dir().join(format!("custody-qdepth-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let key = digest::generate_key().expect("key");
+        let mut cfg = WriterConfig::new(&root, 0, key);
+        cfg.queue_capacity = 4096;
+        let w = AuditWriter::open(cfg).expect("open");
+        assert_eq!(w.queue_capacity(), 4096);
+        assert_eq!(w.queue_depth(), 0);
+        for i in 0..1000 {
+            w.record(Event::Node {
+                ts_ns: i,
+                kind: "test".into(),
+                detail: String::new(),
+            })
+            .expect("record");
+        }
+        assert!(w.queue_depth() <= 1000);
+        // `sync` returns after the writer took (and wrote) everything queued before it.
+        assert_eq!(w.sync().expect("sync"), 1000);
+        assert_eq!(w.queue_depth(), 0);
+        w.close().expect("close");
+        let _ = fs::remove_dir_all(&root);
+    }
 }

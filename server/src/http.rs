@@ -653,7 +653,13 @@ impl Run {
             let mut first = true;
             let send = |v: Value| SseEvent::default().data(v.to_string());
             loop {
-                match run.next_or_end(&mut d).await {
+                // A client that leaves while its request waits for its first token is noticed
+                // here, not only when the next token cannot be sent.
+                let next = tokio::select! {
+                    r = run.next_or_end(&mut d) => r,
+                    () = tx.closed() => return, // dropping `run` aborts the request
+                };
+                match next {
                     Ok(piece) => {
                         if tx
                             .send(Ok(send(run.chunk(Some(&piece), None, first))))
