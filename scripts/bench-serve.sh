@@ -47,9 +47,12 @@ if [[ -z $PY ]]; then
   fi
 fi
 "$PY" -c 'import llama_cpp.server.app' 2>/dev/null || "$PY" -m pip install --quiet 'llama-cpp-python[server]==0.3.36'
-# Same context as serve-demo.toml; flash attention off (the arithmetic custody reproduces).
+# Same context as serve-demo.toml; flash attention off (the arithmetic custody reproduces);
+# --interrupt_requests false: by default a new request cuts the running stream off, which would
+# count as throughput what is really lost work. It serves one request at a time (no batching).
 "$PY" -m llama_cpp.server --model "$MODEL" --model_alias smollm2 --n_threads "$THREADS" \
   --n_threads_batch "$THREADS" --n_ctx 4096 --n_batch 512 --flash_attn false \
+  --interrupt_requests false \
   --host 127.0.0.1 --port 18081 2>"$work/llama.log" &
 pids+=($!)
 wait_up http://127.0.0.1:18081/v1/models

@@ -14,6 +14,7 @@ content chunks of one stream. Used by scripts/bench-serve.sh (custody vs llama-c
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import time
@@ -31,6 +32,15 @@ PROMPTS = [
 ]
 
 
+def machine():
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def pct(xs, p):
     if not xs:
         return None
@@ -41,7 +51,7 @@ def pct(xs, p):
 
 async def one(client, model, i, max_tokens, usage_ok):
     t0 = time.perf_counter()
-    first, last, itl, chunks, usage = None, None, [], 0, None
+    first, last, itl, chunks, usage, finish = None, None, [], 0, None, None
     kwargs = {"stream_options": {"include_usage": True}} if usage_ok else {}
     stream = await client.chat.completions.create(
         model=model,
@@ -55,6 +65,7 @@ async def one(client, model, i, max_tokens, usage_ok):
         if getattr(chunk, "usage", None):
             usage = chunk.usage.completion_tokens
         for c in chunk.choices:
+            finish = c.finish_reason or finish
             if c.delta and c.delta.content:
                 now = time.perf_counter()
                 if first is None:
@@ -64,6 +75,9 @@ async def one(client, model, i, max_tokens, usage_ok):
                 last = now
                 chunks += 1
     end = time.perf_counter()
+    if finish is None:
+        # A stream cut short (interrupted, or the server gave up) is an error, not a result.
+        raise RuntimeError("stream ended without a finish_reason")
     return {
         "ttft_s": (first or end) - t0,
         "itl_s": itl,
@@ -105,7 +119,8 @@ async def main():
             except openai.APIStatusError as e:
                 errors[str(e.status_code)] = errors.get(str(e.status_code), 0) + 1
             except Exception as e:  # noqa: BLE001 - every failure is counted, by type
-                errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+                kind = str(e) if isinstance(e, RuntimeError) else type(e).__name__
+                errors[kind] = errors.get(kind, 0) + 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(a.concurrency)))
@@ -118,7 +133,7 @@ async def main():
         "label": a.label,
         "url": a.url,
         "model": model,
-        "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",
+        "machine": machine(),
         "tenants": len(keys),
         "concurrency": a.concurrency,
         "requests": a.requests,
