@@ -454,6 +454,7 @@ impl Run {
     async fn next(&mut self, d: &mut Decoder) -> Result<String, End> {
         loop {
             let Some(ev) = self.events.recv().await else {
+                self.finished = true;
                 return Err(End::Error(ApiError::internal(
                     "the engine dropped the request",
                     "engine_stopped",
