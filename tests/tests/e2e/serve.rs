@@ -77,6 +77,10 @@ struct TestServer {
 
 impl TestServer {
     fn start(name: &str) -> Self {
+        Self::start_with(name, serve_cfg())
+    }
+
+    fn start_with(name: &str, cfg: ServeSection) -> Self {
         let root = tmp_dir(&format!("serve-{name}"));
         let key = digest::generate_key().expect("key");
         let writer = Arc::new(
@@ -92,7 +96,6 @@ impl TestServer {
             .num_threads(2)
             .build()
             .expect("pool");
-        let cfg = serve_cfg();
         let prepared = custody_server::prepare(engine, pool, tokenizer(), &cfg).expect("prepare");
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -464,7 +467,16 @@ fn fuzzed_bodies_always_get_a_json_error_and_never_a_crash() {
 
 #[test]
 fn shutdown_drains_a_live_stream_then_seals_the_audit_log() {
-    let srv = TestServer::start("drain");
+    // With an absurd yardstick (a prompt of 8+ tokens "should" take hours) every request is a
+    // prefill anomaly: this checks that the flag reaches the metric and the audit log.
+    let srv = TestServer::start_with(
+        "drain",
+        ServeSection {
+            prefill_anomaly_factor: 1e-9,
+            prefill_anomaly_min_tokens: 8,
+            ..serve_cfg()
+        },
+    );
     let url = srv.url.clone();
     let stream = std::thread::spawn(move || {
         client::request(
@@ -486,6 +498,7 @@ fn shutdown_drains_a_live_stream_then_seals_the_audit_log() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let url = srv.url.clone();
+    assert!(srv.metric("custody_prefill_anomalies_total") >= 1.0);
     let audit = srv.stop();
     let r = stream.join().expect("stream thread");
     let body = String::from_utf8_lossy(&r.body);
@@ -499,6 +512,22 @@ fn shutdown_drains_a_live_stream_then_seals_the_audit_log() {
     let id = engine_id(r.header("x-request-id").expect("request id"));
     let reqs = requests(&audit);
     assert_eq!(reqs[&id].1, ["admitted", "finished"], "{reqs:?}");
+    let anomalies: Vec<String> = read_table(&audit, "node_events")
+        .iter()
+        .flat_map(|b| {
+            let (ev, detail) = (col_str(b, "event"), col_str(b, "detail"));
+            (0..ev.len())
+                .filter(|&i| ev[i].as_deref() == Some("prefill_anomaly"))
+                .map(|i| detail[i].clone().unwrap_or_default())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        anomalies
+            .iter()
+            .any(|d| d.contains(&format!("\"request\":{id},")) && d.contains("\"tenant\":\"acme\"")),
+        "no prefill_anomaly event for request {id}: {anomalies:?}"
+    );
 }
 
 #[test]
