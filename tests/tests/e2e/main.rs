@@ -10,6 +10,7 @@ mod reference;
 mod report;
 mod s3;
 mod scheduler;
+mod serve;
 mod synth;
 mod witness;
 

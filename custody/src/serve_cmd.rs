@@ -1,0 +1,277 @@
+//! `custody serve` (the OpenAI-compatible server), `custody serve hash-key`, and
+//! `custody validate`.
+
+use std::io::BufRead;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use custody_audit::writer::AuditWriter;
+use custody_runtime::Config;
+use custody_server::tenants::{generate_key, hash_key};
+use custody_server::{AuditStats, ServeOptions};
+
+use crate::{AuditArgs, Common, Loaded, load, open_audit};
+
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub(crate) struct ServeArgs {
+    #[command(subcommand)]
+    action: Option<ServeAction>,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    audit: AuditArgs,
+    /// Listen address (host:port); default: the config's `[serve] listen`.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Front a disaggregated pair: the prefill node's front door (`http://host:port`);
+    /// default: the config's `[serve] prefill`, else a colocated engine in this process.
+    /// The model is still loaded here, for the tokenizer and the canary's colocated reference.
+    #[arg(long)]
+    prefill: Option<String>,
+}
+
+#[derive(Subcommand, Debug)]
+enum ServeAction {
+    /// Print the SHA-256 of an API key, for `keys_sha256` in `[[serve.tenants]]`.
+    ///
+    /// The key is read from the first line of stdin (so that it stays out of shell history),
+    /// or made up with `--generate` (printed once, with its hash: give the key to the tenant,
+    /// put the hash in the config).
+    HashKey {
+        /// Generate a new random key (`sk-custody-` + 128 random bits in hex).
+        #[arg(long)]
+        generate: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ValidateArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The server to validate; default: http://<the config's [serve] listen>.
+    #[arg(long)]
+    url: Option<String>,
+    /// API key of a tenant (or the environment variable CUSTODY_API_KEY). The validation
+    /// requests run as that tenant and are audited as such.
+    #[arg(long, env = "CUSTODY_API_KEY", hide_env_values = true)]
+    api_key: String,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The audit writer's queue, for `/metrics` and the 503 high-water check.
+#[derive(Debug)]
+struct WriterStats(Arc<AuditWriter>);
+
+impl AuditStats for WriterStats {
+    fn queue_depth(&self) -> u64 {
+        self.0.queue_depth()
+    }
+    fn queue_capacity(&self) -> u64 {
+        self.0.queue_capacity() as u64
+    }
+    fn dropped_total(&self) -> u64 {
+        self.0.dropped_total()
+    }
+}
+
+pub(crate) fn serve(a: ServeArgs) -> Result<()> {
+    if let Some(ServeAction::HashKey { generate }) = a.action {
+        return hash_key_cmd(generate);
+    }
+    let Some(cfg_path) = a.common.config.clone() else {
+        bail!(
+            "custody serve needs --config: the tenants and their API keys live there (see configs/single-node.toml, [serve])"
+        );
+    };
+    let cfg = Config::load(&cfg_path)?;
+    let mut serve_cfg = cfg.serve.clone();
+    if let Some(l) = &a.listen {
+        serve_cfg.listen = l.clone();
+    }
+    if let Some(p) = &a.prefill {
+        serve_cfg.prefill = p.clone();
+    }
+    if !serve_cfg.prefill.is_empty() {
+        return serve_front(&a, serve_cfg);
+    }
+    let Loaded {
+        mut engine,
+        tokenizer,
+        pool,
+    } = load(&a.common, None)?;
+    let node = if a.audit.node != 0 {
+        a.audit.node
+    } else {
+        cfg.audit.node
+    };
+    let audit = open_audit(&a.audit, Some(&cfg_path))?;
+    if let Some(w) = &audit {
+        engine = engine.with_audit(w.clone());
+        let fingerprint = engine.model().gguf().sha256_hex();
+        crate::disagg_cmd::record_start(
+            &mut engine,
+            "serve",
+            &fingerprint,
+            &custody_runtime::config::UnsafeReproduction::default(),
+        );
+    } else {
+        tracing::warn!(
+            "audit is OFF ([audit] dir unset and no --audit-dir): page events are not recorded"
+        );
+    }
+    let prepared = custody_server::prepare(engine, pool, tokenizer, &serve_cfg)?;
+    let opts = ServeOptions {
+        cfg: serve_cfg.clone(),
+        node,
+        audit: audit
+            .clone()
+            .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let engine = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&serve_cfg.listen)
+            .await
+            .with_context(|| format!("binding {}", serve_cfg.listen))?;
+        custody_server::serve(listener, prepared, opts, shutdown_signal())
+            .await
+            .map_err(anyhow::Error::from)
+    })?;
+    drop(engine);
+    if let Some(w) = audit {
+        w.close().context("sealing the audit log")?;
+        tracing::info!("audit log sealed");
+    }
+    Ok(())
+}
+
+/// `custody serve` in front of a prefill/decode pair: the pair's nodes run the engines and
+/// keep the audit logs; this process authenticates, limits, streams and validates.
+fn serve_front(a: &ServeArgs, serve_cfg: custody_runtime::config::ServeSection) -> Result<()> {
+    if a.audit.audit_dir.is_some() {
+        bail!(
+            "--audit-dir has no effect in front of a pair: the prefill and decode nodes record every page event"
+        );
+    }
+    let Loaded {
+        engine,
+        tokenizer,
+        pool,
+    } = load(&a.common, None)?;
+    let prepared = custody_server::prepare_front(engine, pool, tokenizer, &serve_cfg)?;
+    let opts = ServeOptions {
+        cfg: serve_cfg.clone(),
+        node: 0,
+        audit: None,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&serve_cfg.listen)
+            .await
+            .with_context(|| format!("binding {}", serve_cfg.listen))?;
+        custody_server::serve_prefill(
+            listener,
+            prepared,
+            &serve_cfg.prefill,
+            opts,
+            shutdown_signal(),
+        )
+        .await
+        .map_err(anyhow::Error::from)
+    })
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+    tracing::info!("signal received");
+}
+
+fn hash_key_cmd(generate: bool) -> Result<()> {
+    if generate {
+        let key = generate_key().context("reading /dev/urandom")?;
+        println!("key:        {key}");
+        println!("key_sha256: {}", hash_key(&key));
+        return Ok(());
+    }
+    let mut line = String::new();
+    std::io::stdin()
+        .lock()
+        .read_line(&mut line)
+        .context("reading the key from stdin")?;
+    let key = line.trim_end_matches(['\n', '\r']);
+    if key.is_empty() {
+        bail!("no key on stdin (or pass --generate)");
+    }
+    println!("{}", hash_key(key));
+    Ok(())
+}
+
+pub(crate) fn validate(a: ValidateArgs) -> Result<()> {
+    let cfg = match &a.common.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let url = a
+        .url
+        .clone()
+        .unwrap_or_else(|| format!("http://{}", cfg.serve.listen));
+    let Loaded {
+        mut engine,
+        tokenizer,
+        pool,
+    } = load(&a.common, None)?;
+    // The reference: a colocated engine in this process, each golden prompt alone, greedy.
+    let golden = custody_server::canary::reference(&mut engine, &pool, &tokenizer, "_validate")
+        .map_err(anyhow::Error::msg)?;
+    let report = custody_server::client::validate(&url, &a.api_key, &golden)
+        .with_context(|| format!("validating {url}"))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        for g in &golden {
+            let m = report.mismatches.iter().find(|m| m.name == g.name);
+            match m {
+                None => println!("PASS  {:<10} {} tokens identical", g.name, g.expected.len()),
+                Some(m) => match (&m.error, m.first_divergence) {
+                    (Some(e), _) => println!("FAIL  {:<10} request failed: {e}", g.name),
+                    (None, Some(i)) => println!(
+                        "FAIL  {:<10} first differing token at position {i}: expected {:?}, got {:?}",
+                        g.name,
+                        m.expected.get(i),
+                        m.got.get(i)
+                    ),
+                    (None, None) => println!("FAIL  {:<10}", g.name),
+                },
+            }
+        }
+    }
+    if report.pass() {
+        println!(
+            "validation passed: {} golden prompts, output identical to the colocated reference token for token",
+            report.checked
+        );
+        Ok(())
+    } else {
+        println!(
+            "validation FAILED: {} of {} golden prompts differ from the colocated reference",
+            report.mismatches.len(),
+            report.checked
+        );
+        std::process::exit(1);
+    }
+}

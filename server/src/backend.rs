@@ -1,0 +1,251 @@
+//! Where generations run: the colocated engine thread of this process, or the front door of a
+//! disaggregated prefill/decode pair (gRPC `Prefill.Generate`). The HTTP side sees one
+//! interface: submit → (request id, a stream of [`Out`]) or an [`ApiError`].
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use custody_audit as audit;
+use custody_runtime::disagg::proto::{self, prefill_client::PrefillClient};
+use custody_runtime::engine::{AdmissionError, FinishReason, GenerateRequest};
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+
+use crate::engine_thread::{EngineGauges, EngineGone, EngineHandle, Out};
+use crate::error::ApiError;
+
+/// The serving backend.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    /// This process's engine thread.
+    Local(EngineHandle),
+    /// A prefill node's front door; `node` is its node id (from its `Info`).
+    Prefill {
+        client: PrefillClient<Channel>,
+        node: u32,
+        gauges: Arc<EngineGauges>,
+    },
+}
+
+/// An admitted request: its id (`req-<node>-<n>`, `n` the audit `request_id` on `node`) and
+/// its events.
+pub(crate) type Admitted = (String, u64, mpsc::Receiver<Out>);
+
+/// A refusal; with the request id when the engine recorded the refusal under one.
+pub(crate) type Refused = (Option<String>, ApiError);
+
+impl Backend {
+    pub fn gauges(&self) -> &Arc<EngineGauges> {
+        match self {
+            Backend::Local(h) => &h.gauges,
+            Backend::Prefill { gauges, .. } => gauges,
+        }
+    }
+
+    pub(crate) async fn submit(
+        &self,
+        req: GenerateRequest,
+        node: u32,
+    ) -> Result<Admitted, Refused> {
+        let prompt_tokens = req.prompt.len();
+        match self {
+            Backend::Local(h) => {
+                let (id, admitted) = h.submit(req).await.map_err(|e| (None, gone(&e)))?;
+                let rid = format!("req-{node}-{id}");
+                match admitted {
+                    Ok(rx) => Ok((rid, id, rx)),
+                    Err(e) => Err((Some(rid), admission_error(&e, prompt_tokens))),
+                }
+            }
+            Backend::Prefill {
+                client,
+                node,
+                gauges,
+            } => submit_remote(client.clone(), *node, gauges.clone(), req).await,
+        }
+    }
+
+    /// Stop a request early (client gone, stop sequence). Remote: dropping the event stream is
+    /// the abort (the front door and decode abort a request whose client went away).
+    pub(crate) fn abort(&self, id: u64) {
+        if let Backend::Local(h) = self {
+            h.abort(id);
+        }
+    }
+
+    /// Record a server-side audit event. Only a colocated server has a sink; fronting a pair,
+    /// the canary's requests are still audited on both nodes (tenant `_canary`).
+    pub(crate) async fn record(&self, ev: audit::Event) -> Result<(), EngineGone> {
+        match self {
+            Backend::Local(h) => h.record(ev).await,
+            Backend::Prefill { .. } => Ok(()),
+        }
+    }
+}
+
+fn gone(e: &EngineGone) -> ApiError {
+    match e {
+        EngineGone::Busy(_) => {
+            ApiError::unavailable(format!("server overloaded: {e}"), "engine_queue_full")
+        }
+        EngineGone::Stopped => ApiError::unavailable(e.to_string(), "engine_stopped"),
+    }
+}
+
+pub(crate) fn admission_error(e: &AdmissionError, prompt_tokens: usize) -> ApiError {
+    match e {
+        AdmissionError::ContextExceeded {
+            prompt_tokens,
+            max_tokens,
+            context_length,
+        } => ApiError::bad_request(format!(
+            "This model's maximum context length is {context_length} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). Please reduce the length of the prompt or max_tokens. Nothing was computed or stored for this request.",
+            prompt_tokens + max_tokens
+        ))
+        .code("context_length_exceeded")
+        .param("messages"),
+        AdmissionError::ExceedsPool { .. } => ApiError::bad_request(format!(
+            "{e} ({prompt_tokens} prompt tokens): this node's KV pool cannot hold the request; reduce the prompt or max_tokens"
+        ))
+        .code("context_length_exceeded"),
+        AdmissionError::EmptyPrompt
+        | AdmissionError::ZeroMaxTokens
+        | AdmissionError::BadToken { .. }
+        | AdmissionError::BadSampling(_) => ApiError::bad_request(e.to_string()),
+        AdmissionError::QueueFull { .. } | AdmissionError::Busy { .. } => {
+            ApiError::unavailable(format!("server overloaded: {e}"), "engine_queue_full")
+        }
+        AdmissionError::AuditUnavailable(_) => {
+            ApiError::unavailable(e.to_string(), "audit_unavailable")
+        }
+    }
+}
+
+/// The front door's gRPC status → the HTTP answer (see `disagg::admission_status`).
+fn status_error(s: &tonic::Status) -> ApiError {
+    use tonic::Code;
+    let msg = format!("prefill node: {}", s.message());
+    match s.code() {
+        Code::InvalidArgument => {
+            let e = ApiError::bad_request(format!(
+                "{msg}. Nothing was computed or stored for this request."
+            ));
+            if s.message().contains("exceeds the context length")
+                || s.message().contains("KV pages")
+            {
+                e.code("context_length_exceeded")
+            } else {
+                e
+            }
+        }
+        Code::ResourceExhausted => ApiError::unavailable(msg, "engine_queue_full"),
+        Code::Unavailable => ApiError::unavailable(msg, "backend_unavailable"),
+        _ => ApiError::internal(msg, "backend_error"),
+    }
+}
+
+async fn submit_remote(
+    mut client: PrefillClient<Channel>,
+    node: u32,
+    gauges: Arc<EngineGauges>,
+    req: GenerateRequest,
+) -> Result<Admitted, Refused> {
+    let max_tokens = req.max_tokens;
+    let g = proto::GenerateRequest {
+        tenant: req.tenant,
+        prompt: req.prompt,
+        max_tokens: u32::try_from(req.max_tokens).unwrap_or(u32::MAX),
+        sampling: Some(proto::Sampling {
+            temperature: req.sampling.temperature,
+            top_k: req.sampling.top_k as u32,
+            top_p: req.sampling.top_p,
+            seed: req.sampling.seed,
+        }),
+        stop_ids: req.stop_ids,
+    };
+    let mut stream = client
+        .generate(g)
+        .await
+        .map_err(|s| (None, status_error(&s)))?
+        .into_inner();
+    // The front door answers admission with its first event (a token, carrying the request
+    // id) or an error status: wait for it, so that refusals are HTTP errors, not broken streams.
+    let first = match stream.message().await {
+        Ok(Some(ev)) => ev,
+        Ok(None) => {
+            return Err((
+                None,
+                ApiError::unavailable("the prefill node ended the stream", "backend_unavailable"),
+            ));
+        }
+        Err(s) => return Err((None, status_error(&s))),
+    };
+    let id = first.request;
+    // Bounded like the local path: at most max_tokens tokens and one terminal event; the
+    // relay awaits space, which holds back the gRPC stream (never the engines).
+    let (tx, rx) = mpsc::channel(max_tokens.saturating_add(1).min(1 << 16));
+    tokio::spawn(async move {
+        let mut generated = 0usize;
+        let mut ev = Some(first);
+        // Bounded by the stream: it ends after its terminal event.
+        loop {
+            let e = match ev.take() {
+                Some(e) => e,
+                None => match stream.message().await {
+                    Ok(Some(e)) => e,
+                    Ok(None) => {
+                        let _ = tx
+                            .send(Out::Aborted(
+                                "the prefill node ended the stream early".into(),
+                            ))
+                            .await;
+                        return;
+                    }
+                    Err(s) => {
+                        let _ = tx
+                            .send(Out::Aborted(format!("prefill node: {}", s.message())))
+                            .await;
+                        return;
+                    }
+                },
+            };
+            if !e.error.is_empty() {
+                if e.error.contains("integrity") || e.error.contains("tag") {
+                    gauges
+                        .integrity_violations_total
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                let _ = tx.send(Out::Failed(e.error)).await;
+                return;
+            }
+            if e.finish_reason.is_empty() {
+                generated += 1;
+                if tx.send(Out::Token(e.token)).await.is_err() {
+                    return; // client gone: dropping the stream aborts the request upstream
+                }
+                continue;
+            }
+            // A request that ended at its first token carries it in the final event.
+            if e.generated_tokens as usize > generated {
+                generated += 1;
+                if tx.send(Out::Token(e.token)).await.is_err() {
+                    return;
+                }
+            }
+            let reason = if e.finish_reason == "stop" {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            };
+            let _ = tx
+                .send(Out::Finished {
+                    reason,
+                    prompt_tokens: e.prompt_tokens as usize,
+                    generated_tokens: generated,
+                })
+                .await;
+            return;
+        }
+    });
+    Ok((format!("req-{node}-{id}"), id, rx))
+}

@@ -1,0 +1,456 @@
+//! The engine thread: the one thread that owns the [`Engine`] (and through it the page pool).
+//!
+//! HTTP handlers never touch the engine: they send [`Cmd`]s over a bounded channel and receive
+//! each request's tokens over a per-request channel. The per-request channel's capacity is the
+//! most events that request can produce (`max_tokens` tokens + one terminal event), so the
+//! engine thread's `try_send` never finds it full and never has to wait for a slow client; a
+//! closed one (client gone) aborts the request, which releases its pages.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use custody_audit as audit;
+use custody_runtime::engine::{
+    AdmissionError, Engine, Event, FinishReason, GenerateRequest, RequestId,
+};
+use tokio::sync::{mpsc, oneshot};
+
+/// What a request's stream carries, in order: tokens, then exactly one terminal event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Out {
+    Token(u32),
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        generated_tokens: usize,
+    },
+    /// The integrity check refused a read: no further output (the request failed closed).
+    Failed(String),
+    /// Stopped without output: the audit log is unavailable, or the server is shutting down.
+    Aborted(String),
+}
+
+impl Out {
+    pub fn is_terminal(&self) -> bool {
+        !matches!(self, Out::Token(_))
+    }
+}
+
+/// The engine's answer to a submission: the id it assigned (also to a rejection, which the
+/// audit log records under it) and either the request's event stream or why it was refused.
+pub type SubmitReply = (RequestId, Result<mpsc::Receiver<Out>, AdmissionError>);
+
+pub(crate) enum Cmd {
+    Submit {
+        req: GenerateRequest,
+        reply: oneshot::Sender<SubmitReply>,
+    },
+    Abort(RequestId),
+    /// Shutdown's drain timed out: abort everything still running.
+    AbortAll(String),
+    /// A server-side audit event (canary result, prefill anomaly), recorded through the engine's
+    /// sink so that it follows the same fail-closed rule as page events.
+    Record(audit::Event),
+    /// Finish what is running, then return the engine (even if handles remain).
+    Shutdown,
+}
+
+/// Engine state for `/metrics` and admission, updated by the engine thread after every step.
+#[derive(Debug, Default)]
+pub struct EngineGauges {
+    pub waiting: AtomicU64,
+    pub running: AtomicU64,
+    pub pages_total: AtomicU64,
+    pub pages_free: AtomicU64,
+    pub steps_total: AtomicU64,
+    pub integrity_violations_total: AtomicU64,
+    pub aborted_total: AtomicU64,
+    pub prefill_anomalies_total: AtomicU64,
+    /// The engine's audit sink failed: it admits nothing any more (fail-closed).
+    pub audit_failed: AtomicBool,
+    /// Calibrated prefill throughput at start-up, tokens/s (the anomaly check's yardstick).
+    pub calibrated_prefill_tok_s: AtomicU64,
+}
+
+/// Why the engine thread could not take a command.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineGone {
+    #[error("the engine's command queue is full ({0} commands); retry later")]
+    Busy(usize),
+    #[error("the engine thread has stopped")]
+    Stopped,
+}
+
+/// Flags first tokens that arrive sooner than computing the prompt can take.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillCheck {
+    /// Fastest plausible prefill, tokens/s (calibrated rate × the configured factor); 0 = off.
+    pub max_plausible_tok_s: f64,
+    pub min_tokens: usize,
+}
+
+impl PrefillCheck {
+    /// Whether a first token `ttft` after admission is implausibly early for `prompt_tokens`.
+    /// The measured time includes queueing, which only makes it longer, so this never flags a
+    /// request that really computed its prompt at up to `max_plausible_tok_s`.
+    pub fn is_anomalous(&self, prompt_tokens: usize, ttft: Duration) -> bool {
+        if self.max_plausible_tok_s <= 0.0 || prompt_tokens < self.min_tokens {
+            return false;
+        }
+        let floor_s = prompt_tokens as f64 / self.max_plausible_tok_s;
+        ttft.as_secs_f64() < floor_s
+    }
+}
+
+/// Cloneable handle the HTTP side uses.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Cmd>,
+    capacity: usize,
+    pub gauges: Arc<EngineGauges>,
+}
+
+impl std::fmt::Debug for Cmd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Cmd::Submit { .. } => "Submit",
+            Cmd::Abort(_) => "Abort",
+            Cmd::AbortAll(_) => "AbortAll",
+            Cmd::Record(_) => "Record",
+            Cmd::Shutdown => "Shutdown",
+        })
+    }
+}
+
+impl EngineHandle {
+    /// Submit a request. Never waits for queue space: a full queue is the caller's 503.
+    pub async fn submit(&self, req: GenerateRequest) -> Result<SubmitReply, EngineGone> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .try_send(Cmd::Submit { req, reply })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => EngineGone::Busy(self.capacity),
+                mpsc::error::TrySendError::Closed(_) => EngineGone::Stopped,
+            })?;
+        rx.await.map_err(|_| EngineGone::Stopped)
+    }
+
+    /// Best effort: if the queue is full, the engine still notices the closed event channel at
+    /// the request's next token and aborts it then.
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.tx.try_send(Cmd::Abort(id));
+    }
+
+    /// Abort everything in flight (the end of a shutdown drain). Waits for queue space.
+    pub async fn abort_all(&self, reason: &str) {
+        let _ = self.tx.send(Cmd::AbortAll(reason.to_owned())).await;
+    }
+
+    /// Ask the engine thread to end once its work is done.
+    pub async fn shutdown(&self) {
+        let _ = self.tx.send(Cmd::Shutdown).await;
+    }
+
+    /// Record a server-side audit event through the engine's sink.
+    pub async fn record(&self, ev: audit::Event) -> Result<(), EngineGone> {
+        self.tx
+            .send(Cmd::Record(ev))
+            .await
+            .map_err(|_| EngineGone::Stopped)
+    }
+}
+
+struct Route {
+    tx: mpsc::Sender<Out>,
+    admitted: Instant,
+    prompt_tokens: usize,
+    first_token: bool,
+    tenant: Arc<str>,
+}
+
+/// Most commands taken between two steps: a flood of submissions cannot starve running
+/// requests of steps (the rest wait in the bounded queue).
+const CMDS_PER_STEP: usize = 64;
+
+/// Spawn the engine thread. `engine` may already have run start-up work (calibration, the
+/// canary reference). Returns the handle and the thread, which returns the engine when every
+/// handle is dropped and no work is left.
+pub(crate) fn spawn(
+    engine: Engine,
+    pool: rayon::ThreadPool,
+    capacity: usize,
+    check: PrefillCheck,
+    gauges: Arc<EngineGauges>,
+) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<Engine>)> {
+    let (tx, rx) = mpsc::channel(capacity);
+    let g = gauges.clone();
+    let join = std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || run(engine, pool, rx, g, check))?;
+    Ok((
+        EngineHandle {
+            tx,
+            capacity,
+            gauges,
+        },
+        join,
+    ))
+}
+
+fn run(
+    mut engine: Engine,
+    pool: rayon::ThreadPool,
+    mut rx: mpsc::Receiver<Cmd>,
+    gauges: Arc<EngineGauges>,
+    check: PrefillCheck,
+) -> Engine {
+    let mut routes: HashMap<RequestId, Route> = HashMap::new();
+    let mut open = true;
+    update_gauges(&engine, &gauges);
+    loop {
+        for _ in 0..CMDS_PER_STEP {
+            let cmd = if engine.has_work() || !open {
+                match rx.try_recv() {
+                    Ok(c) => c,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            } else {
+                // Idle: sleep until there is something to do.
+                match rx.blocking_recv() {
+                    Some(c) => c,
+                    None => {
+                        open = false;
+                        break;
+                    }
+                }
+            };
+            if matches!(cmd, Cmd::Shutdown) {
+                open = false;
+                break;
+            }
+            handle(&mut engine, &mut routes, cmd, &gauges);
+        }
+        if !engine.has_work() {
+            update_gauges(&engine, &gauges);
+            if !open {
+                break;
+            }
+            continue;
+        }
+        let events = pool.install(|| engine.step());
+        gauges.steps_total.fetch_add(1, Ordering::Relaxed);
+        for ev in events {
+            route(&mut engine, &mut routes, ev, &gauges, &check);
+        }
+        update_gauges(&engine, &gauges);
+    }
+    tracing::info!("engine thread: every handle closed and no work left");
+    engine
+}
+
+fn update_gauges(engine: &Engine, g: &EngineGauges) {
+    g.waiting
+        .store(engine.n_waiting() as u64, Ordering::Relaxed);
+    g.running
+        .store(engine.n_running() as u64, Ordering::Relaxed);
+    g.pages_total
+        .store(engine.pool().n_pages() as u64, Ordering::Relaxed);
+    g.pages_free
+        .store(engine.pool().n_free() as u64, Ordering::Relaxed);
+    g.audit_failed
+        .store(engine.audit_error().is_some(), Ordering::Relaxed);
+}
+
+fn handle(
+    engine: &mut Engine,
+    routes: &mut HashMap<RequestId, Route>,
+    cmd: Cmd,
+    gauges: &EngineGauges,
+) {
+    match cmd {
+        Cmd::Submit { req, reply } => {
+            let id = engine.next_request_id();
+            let prompt_tokens = req.prompt.len();
+            let tenant: Arc<str> = req.tenant.as_str().into();
+            // Bounded by what the request can produce: see the module doc.
+            let (tx, rx) = mpsc::channel(req.max_tokens.saturating_add(1));
+            let result = engine.submit(req).map(|got| {
+                debug_assert_eq!(got, id);
+                routes.insert(
+                    id,
+                    Route {
+                        tx,
+                        admitted: Instant::now(),
+                        prompt_tokens,
+                        first_token: false,
+                        tenant,
+                    },
+                );
+                rx
+            });
+            if let Err((_, Ok(_))) = reply.send((id, result)) {
+                // The caller went away between submitting and hearing back.
+                engine.abort(id);
+                routes.remove(&id);
+            }
+        }
+        Cmd::Abort(id) => {
+            if routes.remove(&id).is_some() {
+                engine.abort(id);
+                gauges.aborted_total.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Cmd::AbortAll(reason) => {
+            for (id, r) in routes.drain() {
+                engine.abort(id);
+                gauges.aborted_total.fetch_add(1, Ordering::Relaxed);
+                let _ = r.tx.try_send(Out::Aborted(reason.clone()));
+            }
+        }
+        Cmd::Record(ev) => engine.record(ev),
+        Cmd::Shutdown => {}
+    }
+}
+
+fn route(
+    engine: &mut Engine,
+    routes: &mut HashMap<RequestId, Route>,
+    ev: Event,
+    gauges: &EngineGauges,
+    check: &PrefillCheck,
+) {
+    let (id, out) = match ev {
+        Event::Token { id, token } => (id, Out::Token(token)),
+        Event::Finished {
+            id,
+            reason,
+            prompt_tokens,
+            generated_tokens,
+        } => (
+            id,
+            Out::Finished {
+                reason,
+                prompt_tokens,
+                generated_tokens,
+            },
+        ),
+        Event::Failed { id, error } => {
+            gauges
+                .integrity_violations_total
+                .fetch_add(1, Ordering::Relaxed);
+            (id, Out::Failed(error.to_string()))
+        }
+        Event::Aborted { id, reason } => {
+            gauges.aborted_total.fetch_add(1, Ordering::Relaxed);
+            (id, Out::Aborted(reason))
+        }
+        // Prefill-only requests are never submitted here.
+        Event::Prefilled { .. } => return,
+    };
+    let Some(r) = routes.get_mut(&id) else {
+        return;
+    };
+    if !r.first_token && matches!(out, Out::Token(_) | Out::Finished { .. }) {
+        r.first_token = true;
+        let ttft = r.admitted.elapsed();
+        if check.is_anomalous(r.prompt_tokens, ttft) {
+            gauges
+                .prefill_anomalies_total
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                request = id,
+                tenant = %r.tenant,
+                prompt_tokens = r.prompt_tokens,
+                ttft_us = ttft.as_micros() as u64,
+                max_plausible_tok_s = check.max_plausible_tok_s,
+                "PREFILL ANOMALY: first token sooner than computing the prompt can take"
+            );
+            let detail = serde_json::json!({
+                "request": id,
+                "tenant": &*r.tenant,
+                "prompt_tokens": r.prompt_tokens,
+                "ttft_ns": ttft.as_nanos() as u64,
+                "max_plausible_tok_s": check.max_plausible_tok_s,
+            });
+            engine.record(audit::Event::Node {
+                ts_ns: audit::mono_now_ns(),
+                kind: "prefill_anomaly".into(),
+                detail: detail.to_string(),
+            });
+        }
+    }
+    let terminal = out.is_terminal();
+    let gone = r.tx.try_send(out).is_err();
+    if terminal {
+        routes.remove(&id);
+    } else if gone {
+        // The client went away (or, impossibly, overran its bound): stop computing for it.
+        routes.remove(&id);
+        engine.abort(id);
+        gauges.aborted_total.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Run one request alone to its end on an engine nobody else is using (start-up work):
+/// its tokens, or why it did not finish.
+pub fn run_alone(
+    engine: &mut Engine,
+    pool: &rayon::ThreadPool,
+    req: GenerateRequest,
+) -> Result<(Vec<u32>, Duration), String> {
+    let id = engine.submit(req).map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let mut ttft = None;
+    let mut tokens = Vec::new();
+    // Bounded: every step either advances the prompt or emits a token, and max_tokens bounds
+    // the tokens; a request that somehow does not end within this many steps is an error.
+    for _ in 0..100_000 {
+        if !engine.has_work() {
+            break;
+        }
+        for ev in pool.install(|| engine.step()) {
+            match ev {
+                Event::Token { id: r, token } if r == id => {
+                    ttft.get_or_insert_with(|| t0.elapsed());
+                    tokens.push(token);
+                }
+                Event::Finished { id: r, .. } if r == id => {
+                    return Ok((tokens, ttft.unwrap_or_else(|| t0.elapsed())));
+                }
+                Event::Failed { id: r, error } if r == id => return Err(error.to_string()),
+                Event::Aborted { id: r, reason } if r == id => return Err(reason),
+                _ => {}
+            }
+        }
+    }
+    Err("the request did not finish".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_check_flags_only_implausibly_early_first_tokens() {
+        let c = PrefillCheck {
+            max_plausible_tok_s: 10_000.0,
+            min_tokens: 64,
+        };
+        // 1000 tokens cannot be computed in under 100 ms at 10k tok/s.
+        assert!(c.is_anomalous(1000, Duration::from_millis(5)));
+        assert!(!c.is_anomalous(1000, Duration::from_millis(150)));
+        // Short prompts are not judged.
+        assert!(!c.is_anomalous(10, Duration::from_nanos(1)));
+        let off = PrefillCheck {
+            max_plausible_tok_s: 0.0,
+            min_tokens: 0,
+        };
+        assert!(!off.is_anomalous(1000, Duration::ZERO));
+    }
+}

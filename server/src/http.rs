@@ -1,0 +1,701 @@
+//! The routes and the life of one generation request.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use custody_runtime::config::ServeSection;
+use custody_runtime::engine::{FinishReason, GenerateRequest};
+use custody_runtime::tokenizer::StreamDecoder;
+use custody_runtime::{SamplingParams, Tokenizer};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::backend::Backend;
+use crate::engine_thread::Out;
+use crate::error::ApiError;
+use crate::metrics::{AuditStats, Metrics};
+use crate::openai::{self, Params, Prompt, StopText};
+use crate::tenants::{Tenant, Tenants};
+
+/// Shared by every handler.
+#[derive(Debug)]
+pub(crate) struct AppState {
+    pub backend: Backend,
+    pub tokenizer: Arc<Tokenizer>,
+    pub tenants: Tenants,
+    pub metrics: Arc<Metrics>,
+    pub cfg: ServeSection,
+    pub model_name: String,
+    pub context_length: usize,
+    pub node: u32,
+    pub audit: Option<Arc<dyn AuditStats>>,
+    /// Set on SIGINT/SIGTERM: new work is refused (503) while in-flight requests finish.
+    pub draining: AtomicBool,
+    pub created_unix_s: u64,
+    /// Ids for requests refused before they reach the engine (never in the audit log).
+    pub refused_seq: AtomicU64,
+}
+
+pub(crate) fn router(st: Arc<AppState>) -> Router {
+    let limit = st.cfg.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(st)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    fn name(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat_completions",
+            Endpoint::Completions => "completions",
+        }
+    }
+}
+
+async fn chat(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(st, headers, body, Endpoint::Chat).await
+}
+
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(st, headers, body, Endpoint::Completions).await
+}
+
+async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = st.tenants.authenticate(headers.get(header::AUTHORIZATION)) {
+        return e.into_response();
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "object": "list",
+            "data": [{
+                "id": st.model_name,
+                "object": "model",
+                "created": st.created_unix_s,
+                "owned_by": "custody",
+                "context_length": st.context_length,
+            }]
+        }),
+    )
+}
+
+/// Liveness and readiness in one: 200 while serving, 503 while draining or when the audit log
+/// failed (the node serves nothing then).
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    let audit_failed = st.backend.gauges().audit_failed.load(Ordering::Relaxed);
+    let draining = st.draining.load(Ordering::Relaxed);
+    let status = if audit_failed {
+        "audit_failed"
+    } else if draining {
+        "draining"
+    } else {
+        "ok"
+    };
+    let code = if status == "ok" {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(code, &json!({ "status": status, "model": st.model_name }))
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let body = st.metrics.render(st.backend.gauges(), st.audit.as_deref());
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        body,
+    )
+        .into_response()
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+fn unix_now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+// The request id returned in `x-request-id`. `req-<node>-<n>`: `n` is the engine's request id
+// (of the prefill node when fronting a pair), the `request_id` column of every audit table on
+// node `<node>` (a rejection at admission is recorded under it too). `refused-<node>-<n>`:
+// refused before admission (authentication, malformed body, tenant limits, draining, audit
+// back-pressure), so no page was touched and the audit log has nothing under it; the server's
+// log does.
+async fn generate(
+    st: Arc<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    ep: Endpoint,
+) -> Response {
+    let t0 = Instant::now();
+    let mut tenant_label = "_unauthenticated".to_owned();
+    let mut rid: Option<String> = None;
+    let result = admit_and_run(&st, &headers, body, ep, t0, &mut tenant_label, &mut rid).await;
+    let rid = rid.unwrap_or_else(|| {
+        format!(
+            "refused-{}-{}",
+            st.node,
+            st.refused_seq.fetch_add(1, Ordering::Relaxed) + 1
+        )
+    });
+    let mut resp = match result {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::info!(
+                request_id = %rid,
+                tenant = %tenant_label,
+                endpoint = ep.name(),
+                status = e.status.as_u16(),
+                error = %e.message,
+                "request refused"
+            );
+            st.metrics
+                .request(&tenant_label, ep.name(), e.status.as_u16());
+            e.into_response()
+        }
+    };
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+/// Everything up to the engine's answer; then the response (streamed or whole). Errors
+/// returned here are answered by `generate`, which also counts them.
+async fn admit_and_run(
+    st: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    ep: Endpoint,
+    t0: Instant,
+    tenant_label: &mut String,
+    rid: &mut Option<String>,
+) -> Result<Response, ApiError> {
+    let tenant = st
+        .tenants
+        .authenticate(headers.get(header::AUTHORIZATION))?;
+    tenant_label.clone_from(&tenant.id.to_string());
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                ..ApiError::bad_request(format!(
+                    "request body larger than {} bytes (serve.max_body_bytes)",
+                    st.cfg.max_body_bytes
+                ))
+            }
+            .code("body_too_large")
+        } else {
+            ApiError::bad_request(format!("could not read the request body: {e}"))
+        }
+    })?;
+    let (prompt, params) = match ep {
+        Endpoint::Chat => openai::parse_chat(&body)?,
+        Endpoint::Completions => openai::parse_completion(&body)?,
+    };
+    if let Some(m) = &params.model
+        && *m != st.model_name
+    {
+        return Err(ApiError::not_found(format!(
+            "the model {m:?} does not exist on this server; it serves {:?} (GET /v1/models)",
+            st.model_name
+        ))
+        .code("model_not_found")
+        .param("model"));
+    }
+    if st.draining.load(Ordering::Relaxed) {
+        return Err(ApiError::unavailable(
+            "the server is shutting down; retry on another node",
+            "shutting_down",
+        ));
+    }
+    if st.backend.gauges().audit_failed.load(Ordering::Relaxed) {
+        return Err(ApiError::unavailable(
+            "the audit log is unavailable, so this node serves nothing (fail-closed)",
+            "audit_unavailable",
+        ));
+    }
+    if let Some(a) = &st.audit {
+        let cap = a.queue_capacity().max(1) as f64;
+        if a.queue_depth() as f64 > cap * st.cfg.audit_high_water {
+            st.metrics
+                .audit_backpressure_rejections_total
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(ApiError::unavailable(
+                "the audit log cannot keep up with the load right now; retry shortly",
+                "audit_backpressure",
+            ));
+        }
+    }
+    let ids = tokenize(st, prompt).await?;
+    let max_tokens = params.max_tokens.unwrap_or_else(|| {
+        // Default: the configured default, lowered to what the context leaves (at least 1, so
+        // that an over-long prompt is still refused by admission with the right message).
+        st.cfg
+            .default_max_tokens
+            .min(st.context_length.saturating_sub(ids.len()))
+            .max(1)
+    });
+    let permit = tenant.try_acquire()?;
+    let charged = (ids.len() as u64).saturating_add(max_tokens as u64);
+    tenant.charge(charged)?;
+    let refund = Refund {
+        tenant: tenant.clone(),
+        charged,
+        used: ids.len() as u64,
+    };
+    let req = GenerateRequest {
+        prompt: ids,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: params.temperature,
+            top_k: 0,
+            top_p: params.top_p,
+            seed: params.seed.unwrap_or_else(random_seed),
+        },
+        stop_ids: st.tokenizer.stop_ids.clone(),
+        tenant: tenant.id.to_string(),
+    };
+    let prompt_tokens = req.prompt.len();
+    let (request_id, id, events) = match st.backend.submit(req, st.node).await {
+        Ok(a) => a,
+        Err((r, mut e)) => {
+            *rid = r;
+            if e.param == Some("messages") && ep == Endpoint::Completions {
+                e.param = Some("prompt");
+            }
+            return Err(e);
+        }
+    };
+    *rid = Some(request_id);
+    tracing::debug!(request_id = rid.as_deref().unwrap_or(""), tenant = %tenant.id, prompt_tokens, max_tokens, "admitted");
+    st.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+    let run = Run {
+        st: st.clone(),
+        id,
+        rid: rid.clone().unwrap_or_default(),
+        ep,
+        tenant,
+        _permit: permit,
+        refund,
+        events,
+        t0,
+        prompt_tokens,
+        params,
+        finished: false,
+        pending_end: None,
+        created: unix_now_s(),
+    };
+    if run.params.stream {
+        Ok(run.stream())
+    } else {
+        run.whole().await
+    }
+}
+
+fn random_seed() -> u64 {
+    // Not cryptographic: a sampling seed only has to differ between requests.
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    static N: AtomicU64 = AtomicU64::new(0);
+    t ^ N
+        .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
+        .rotate_left(17)
+}
+
+async fn tokenize(st: &Arc<AppState>, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+    let tok = st.tokenizer.clone();
+    // Tokenizing up to `max_body_bytes` of text takes milliseconds: off the async workers, so
+    // it never delays other requests' streams.
+    let ids = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, ApiError> {
+        match prompt {
+            Prompt::Tokens(ids) => Ok(ids),
+            Prompt::Text(t) => tok
+                .encode(&t, false)
+                .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"))),
+            Prompt::Chat(msgs) => {
+                let text = tok.apply_chat_template(&msgs).map_err(|e| {
+                    ApiError::bad_request(format!("cannot apply the chat template: {e}"))
+                })?;
+                tok.encode(&text, false).map_err(|e| {
+                    ApiError::bad_request(format!("cannot tokenize the messages: {e}"))
+                })
+            }
+        }
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}"), "internal"))??;
+    if ids.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty").param("prompt"));
+    }
+    Ok(ids)
+}
+
+/// Gives back a tenant's unused token budget when the request ends, however it ends.
+#[derive(Debug)]
+struct Refund {
+    tenant: Arc<Tenant>,
+    charged: u64,
+    used: u64,
+}
+
+impl Drop for Refund {
+    fn drop(&mut self) {
+        self.tenant.refund(self.charged.saturating_sub(self.used));
+    }
+}
+
+/// One admitted request until its end. Dropping it before the end (client gone) aborts the
+/// request in the engine, which releases its pages.
+#[derive(Debug)]
+struct Run {
+    st: Arc<AppState>,
+    id: u64,
+    rid: String,
+    ep: Endpoint,
+    tenant: Arc<Tenant>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    refund: Refund,
+    events: mpsc::Receiver<Out>,
+    t0: Instant,
+    prompt_tokens: usize,
+    params: Params,
+    finished: bool,
+    /// The end, once decided, if its last text has not been handed out yet.
+    pending_end: Option<&'static str>,
+    created: u64,
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        self.st.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if !self.finished {
+            self.st.backend.abort(self.id);
+            tracing::info!(request_id = %self.rid, tenant = %self.tenant.id, "client went away: request aborted");
+            self.st
+                .metrics
+                .request(&self.tenant.id, self.ep.name(), 499);
+        }
+    }
+}
+
+/// How a generation ended, as the client sees it.
+enum End {
+    Done(&'static str),
+    Error(ApiError),
+}
+
+/// Pulls engine events and turns them into text pieces (stop sequences applied).
+struct Decoder {
+    dec: StreamDecoder,
+    stop: StopText,
+    tokens: Vec<u32>,
+    last_token_at: Option<Instant>,
+}
+
+impl Run {
+    fn id_string(&self) -> String {
+        match self.ep {
+            Endpoint::Chat => format!("chatcmpl-{}", self.rid),
+            Endpoint::Completions => format!("cmpl-{}", self.rid),
+        }
+    }
+
+    /// Next piece of text, or the end.
+    async fn next(&mut self, d: &mut Decoder) -> Result<String, End> {
+        loop {
+            let Some(ev) = self.events.recv().await else {
+                self.finished = true;
+                return Err(End::Error(ApiError::internal(
+                    "the engine dropped the request",
+                    "engine_stopped",
+                )));
+            };
+            match ev {
+                Out::Token(t) => {
+                    let now = Instant::now();
+                    match d.last_token_at {
+                        None => self.st.metrics.time_to_first_token.observe(now - self.t0),
+                        Some(prev) => self.st.metrics.inter_token.observe(now - prev),
+                    }
+                    d.last_token_at = Some(now);
+                    d.tokens.push(t);
+                    self.refund.used += 1;
+                    let piece = d.dec.push(&self.st.tokenizer, t).map_err(|e| {
+                        End::Error(ApiError::internal(
+                            format!("cannot decode token {t}: {e}"),
+                            "internal",
+                        ))
+                    })?;
+                    let (out, stopped) = d.stop.push(&piece);
+                    if stopped {
+                        // The engine does not know text-level stops: end it here.
+                        self.st.backend.abort(self.id);
+                        self.finished = true;
+                        if !out.is_empty() {
+                            // The caller emits this, then sees the end on the next call.
+                            self.pending_end = Some("stop");
+                            return Ok(out);
+                        }
+                        return Err(End::Done("stop"));
+                    }
+                    if !out.is_empty() {
+                        return Ok(out);
+                    }
+                }
+                Out::Finished { reason, .. } => {
+                    self.finished = true;
+                    let reason = match reason {
+                        FinishReason::Stop => "stop",
+                        FinishReason::Length => "length",
+                    };
+                    let tail = d.stop.finish();
+                    if !tail.is_empty() {
+                        self.pending_end = Some(reason);
+                        return Ok(tail);
+                    }
+                    return Err(End::Done(reason));
+                }
+                Out::Failed(msg) => {
+                    self.finished = true;
+                    return Err(End::Error(ApiError::internal(
+                        format!(
+                            "the request failed the KV integrity check and was stopped without further output: {msg}"
+                        ),
+                        "integrity_violation",
+                    )));
+                }
+                Out::Aborted(msg) => {
+                    self.finished = true;
+                    return Err(End::Error(ApiError::unavailable(
+                        format!("the request was aborted: {msg}"),
+                        "aborted",
+                    )));
+                }
+            }
+        }
+    }
+
+    fn usage(&self, d: &Decoder) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": d.tokens.len(),
+            "total_tokens": self.prompt_tokens + d.tokens.len(),
+        })
+    }
+
+    fn done(&self, d: &Decoder, status: u16, finish: &str) {
+        let m = &self.st.metrics;
+        m.request(&self.tenant.id, self.ep.name(), status);
+        m.tokens(&self.tenant.id, self.prompt_tokens, d.tokens.len());
+        m.request_duration.observe(self.t0.elapsed());
+        tracing::info!(
+            request_id = %self.rid,
+            tenant = %self.tenant.id,
+            endpoint = self.ep.name(),
+            status,
+            finish_reason = finish,
+            prompt_tokens = self.prompt_tokens,
+            completion_tokens = d.tokens.len(),
+            duration_ms = self.t0.elapsed().as_millis() as u64,
+            "request done"
+        );
+    }
+
+    fn decoder(&self) -> Decoder {
+        Decoder {
+            dec: StreamDecoder::default(),
+            stop: StopText::new(self.params.stop.clone()),
+            tokens: Vec::new(),
+            last_token_at: None,
+        }
+    }
+
+    /// Pieces until the end, with the end reason (an end decided together with a last piece
+    /// of text is reported on the call after it).
+    async fn next_or_end(&mut self, d: &mut Decoder) -> Result<String, End> {
+        if let Some(r) = self.pending_end.take() {
+            return Err(End::Done(r));
+        }
+        self.next(d).await
+    }
+
+    async fn whole(mut self) -> Result<Response, ApiError> {
+        let mut d = self.decoder();
+        let mut text = String::new();
+        let finish = loop {
+            match self.next_or_end(&mut d).await {
+                Ok(piece) => text.push_str(&piece),
+                Err(End::Done(r)) => break r,
+                Err(End::Error(e)) => {
+                    // `generate` counts and logs the error answer.
+                    let m = &self.st.metrics;
+                    m.tokens(&self.tenant.id, self.prompt_tokens, d.tokens.len());
+                    return Err(e);
+                }
+            }
+        };
+        self.done(&d, 200, finish);
+        let mut choice = match self.ep {
+            Endpoint::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+            Endpoint::Completions => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        if self.params.token_ids {
+            choice["token_ids"] = json!(d.tokens);
+        }
+        let body = json!({
+            "id": self.id_string(),
+            "object": match self.ep { Endpoint::Chat => "chat.completion", Endpoint::Completions => "text_completion" },
+            "created": self.created,
+            "model": self.st.model_name,
+            "choices": [choice],
+            "usage": self.usage(&d),
+        });
+        Ok(json_response(StatusCode::OK, &body))
+    }
+
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+        let choice = match self.ep {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Completions => json!({
+                "index": 0,
+                "text": text.unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        json!({
+            "id": self.id_string(),
+            "object": match self.ep { Endpoint::Chat => "chat.completion.chunk", Endpoint::Completions => "text_completion" },
+            "created": self.created,
+            "model": self.st.model_name,
+            "choices": [choice],
+        })
+    }
+
+    /// SSE: one chunk per text piece, a final chunk with `finish_reason`, optionally a usage
+    /// chunk, then `[DONE]`. A failure after the stream started is sent as an `error` event
+    /// (what OpenAI's clients raise on) and the stream ends.
+    fn stream(self) -> Response {
+        // Small and bounded: the writer task waits when the client reads slowly (the engine
+        // never does: its per-request channel holds the whole output).
+        let (tx, rx) = mpsc::channel::<Result<SseEvent, Infallible>>(16);
+        tokio::spawn(async move {
+            let mut run = self;
+            let mut d = run.decoder();
+            let mut first = true;
+            let send = |v: Value| SseEvent::default().data(v.to_string());
+            loop {
+                // A client that leaves while its request waits for its first token is noticed
+                // here, not only when the next token cannot be sent.
+                let next = tokio::select! {
+                    r = run.next_or_end(&mut d) => r,
+                    () = tx.closed() => return, // dropping `run` aborts the request
+                };
+                match next {
+                    Ok(piece) => {
+                        if tx
+                            .send(Ok(send(run.chunk(Some(&piece), None, first))))
+                            .await
+                            .is_err()
+                        {
+                            return; // client gone: dropping `run` aborts the request
+                        }
+                        first = false;
+                    }
+                    Err(End::Done(reason)) => {
+                        let _ = tx
+                            .send(Ok(send(run.chunk(None, Some(reason), first))))
+                            .await;
+                        if run.params.include_usage {
+                            let mut u = run.chunk(None, None, false);
+                            u["choices"] = json!([]);
+                            u["usage"] = run.usage(&d);
+                            let _ = tx.send(Ok(send(u))).await;
+                        }
+                        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                        run.done(&d, 200, reason);
+                        return;
+                    }
+                    Err(End::Error(e)) => {
+                        let _ = tx.send(Ok(send(e.body()))).await;
+                        run.done(&d, e.status.as_u16(), "error");
+                        return;
+                    }
+                }
+            }
+        });
+        let mut r = Sse::new(ReceiverStream::new(rx)).into_response();
+        r.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        r
+    }
+}

@@ -1,0 +1,370 @@
+//! Custody's OpenAI-compatible HTTP server (`custody serve`).
+//!
+//! - [`prepare`]: start-up work on the engine before it serves (prefill calibration for the
+//!   anomaly check, the golden-prompt reference for the canary).
+//! - [`serve`]: axum on a listener until the shutdown future fires, then a bounded drain;
+//!   returns the engine so the caller can seal the audit log.
+//! - The engine runs on its own thread ([`engine_thread`]); handlers reach it over bounded
+//!   channels only, and never touch the page pool.
+//!
+//! Architecture invariant: this crate is the only one that links axum; the runtime stays free
+//! of HTTP, and the audit writer (Arrow, Parquet) stays out of this crate — the binary hands in
+//! what `/metrics` needs through [`AuditStats`].
+
+pub mod backend;
+pub mod canary;
+pub mod client;
+pub mod engine_thread;
+pub mod error;
+mod http;
+pub mod metrics;
+pub mod openai;
+pub mod tenants;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use custody_runtime::config::ServeSection;
+use custody_runtime::engine::{Engine, GenerateRequest};
+use custody_runtime::{SamplingParams, Tokenizer};
+
+pub use backend::Backend;
+pub use canary::Golden;
+pub use engine_thread::{EngineGauges, EngineHandle, PrefillCheck};
+pub use metrics::{AuditStats, Metrics};
+
+/// Why the server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("invalid serve configuration: {0}")]
+    Config(String),
+    #[error("start-up check failed: {0}")]
+    Startup(String),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the engine thread panicked")]
+    EnginePanicked,
+}
+
+/// An engine that has done its start-up work and is ready to serve.
+#[derive(Debug)]
+pub struct Prepared {
+    engine: Engine,
+    pool: rayon::ThreadPool,
+    tokenizer: Arc<Tokenizer>,
+    golden: Vec<Golden>,
+    check: PrefillCheck,
+    gauges: Arc<EngineGauges>,
+}
+
+impl Prepared {
+    /// The golden prompts and their reference outputs.
+    pub fn golden(&self) -> &[Golden] {
+        &self.golden
+    }
+}
+
+/// Tenant of the start-up calibration request (recorded in the audit log like any other).
+pub const CALIBRATION_TENANT: &str = "_calibration";
+
+/// Start-up work, blocking: calibrate prefill throughput (the yardstick of the prefill-anomaly
+/// check) and compute the golden prompts' reference outputs, each on the idle engine.
+pub fn prepare(
+    mut engine: Engine,
+    pool: rayon::ThreadPool,
+    tokenizer: Tokenizer,
+    cfg: &ServeSection,
+) -> Result<Prepared, ServeError> {
+    cfg.validate()
+        .map_err(|e| ServeError::Config(e.to_string()))?;
+    if cfg.tenants.is_empty() {
+        return Err(ServeError::Config(
+            "no [[serve.tenants]]: nobody could call this server (add one with a key hash from `custody serve hash-key`)"
+                .into(),
+        ));
+    }
+    let gauges = Arc::new(EngineGauges::default());
+    // Calibration: a prompt of up to 256 tokens (within the context), prefilled alone.
+    let n = 256.min(engine.context_length().saturating_sub(2)).max(1);
+    let text = "The history of the printing press begins in the fifteenth century. ".repeat(32);
+    let mut ids = tokenizer
+        .encode(&text, false)
+        .map_err(|e| ServeError::Startup(e.to_string()))?;
+    ids.truncate(n);
+    let req = GenerateRequest {
+        prompt: ids.clone(),
+        max_tokens: 1,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        tenant: CALIBRATION_TENANT.into(),
+    };
+    let (_, ttft) = engine_thread::run_alone(&mut engine, &pool, req)
+        .map_err(|e| ServeError::Startup(format!("calibration request: {e}")))?;
+    let tok_s = ids.len() as f64 / ttft.as_secs_f64().max(1e-9);
+    gauges
+        .calibrated_prefill_tok_s
+        .store(tok_s as u64, Ordering::Relaxed);
+    let check = PrefillCheck {
+        max_plausible_tok_s: tok_s * cfg.prefill_anomaly_factor,
+        min_tokens: cfg.prefill_anomaly_min_tokens,
+    };
+    let golden = canary::reference(&mut engine, &pool, &tokenizer, canary::CANARY_TENANT)
+        .map_err(ServeError::Startup)?;
+    tracing::info!(
+        calibrated_prefill_tok_s = tok_s as u64,
+        calibration_prompt_tokens = ids.len(),
+        golden_prompts = golden.len(),
+        "start-up checks done"
+    );
+    Ok(Prepared {
+        engine,
+        pool,
+        tokenizer: Arc::new(tokenizer),
+        golden,
+        check,
+        gauges,
+    })
+}
+
+/// What `serve` needs besides the prepared engine.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub cfg: ServeSection,
+    /// Node id (in request ids, as in the audit log).
+    pub node: u32,
+    /// The audit writer's queue figures, when auditing.
+    pub audit: Option<Arc<dyn AuditStats>>,
+}
+
+/// Serve on `listener` until `shutdown` resolves; then refuse new work, let in-flight requests
+/// finish for up to `drain_timeout_s` (after which they are aborted), stop the engine thread
+/// and return the engine. The caller seals the audit log.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    prepared: Prepared,
+    opts: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Engine, ServeError> {
+    let Prepared {
+        engine,
+        pool,
+        tokenizer,
+        golden,
+        check,
+        gauges,
+    } = prepared;
+    let model_name = if opts.cfg.model_name.is_empty() {
+        engine.model().config.name.clone()
+    } else {
+        opts.cfg.model_name.clone()
+    };
+    let context_length = engine.context_length();
+    let (handle, join) =
+        engine_thread::spawn(engine, pool, opts.cfg.queue_capacity, check, gauges)?;
+    let front = Front {
+        backend: Backend::Local(handle.clone()),
+        tokenizer,
+        golden,
+        model_name,
+        context_length,
+        node: opts.node,
+    };
+    let served = serve_front(listener, front, &opts, shutdown).await;
+    handle.shutdown().await;
+    drop(handle);
+    let engine = tokio::task::spawn_blocking(move || join.join())
+        .await
+        .map_err(|_| ServeError::EnginePanicked)?
+        .map_err(|_| ServeError::EnginePanicked)?;
+    tracing::info!("engine stopped; every request ended");
+    served.map(|()| engine)
+}
+
+/// The golden prompts' reference for a server that fronts a disaggregated pair: computed on a
+/// colocated engine in this process (each prompt alone, greedy), then the engine is dropped.
+/// The canary then checks the pair's output against it token for token.
+#[derive(Debug)]
+pub struct PreparedFront {
+    tokenizer: Arc<Tokenizer>,
+    golden: Vec<Golden>,
+    model_name: String,
+}
+
+pub fn prepare_front(
+    mut reference: Engine,
+    pool: rayon::ThreadPool,
+    tokenizer: Tokenizer,
+    cfg: &ServeSection,
+) -> Result<PreparedFront, ServeError> {
+    cfg.validate()
+        .map_err(|e| ServeError::Config(e.to_string()))?;
+    if cfg.tenants.is_empty() {
+        return Err(ServeError::Config(
+            "no [[serve.tenants]]: nobody could call this server".into(),
+        ));
+    }
+    let golden = canary::reference(&mut reference, &pool, &tokenizer, "_reference")
+        .map_err(ServeError::Startup)?;
+    let model_name = if cfg.model_name.is_empty() {
+        reference.model().config.name.clone()
+    } else {
+        cfg.model_name.clone()
+    };
+    Ok(PreparedFront {
+        tokenizer: Arc::new(tokenizer),
+        golden,
+        model_name,
+    })
+}
+
+/// Serve on `listener` in front of a prefill node (`prefill_url`, its gRPC front door): every
+/// generation goes to the pair; tenants, limits, errors, metrics and the canary are this
+/// server's. Request ids name the prefill node's audit `request_id`.
+pub async fn serve_prefill(
+    listener: tokio::net::TcpListener,
+    prepared: PreparedFront,
+    prefill_url: &str,
+    opts: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    use custody_runtime::disagg::proto::{InfoRequest, prefill_client::PrefillClient};
+    let mut client = PrefillClient::connect(prefill_url.to_owned())
+        .await
+        .map_err(|e| {
+            ServeError::Startup(format!("connecting to the prefill node {prefill_url}: {e}"))
+        })?;
+    let info = client
+        .info(InfoRequest {})
+        .await
+        .map_err(|e| ServeError::Startup(format!("prefill node {prefill_url}: {e}")))?
+        .into_inner();
+    tracing::info!(
+        prefill = prefill_url,
+        node = info.node_id,
+        context_length = info.context_length,
+        "fronting a prefill/decode pair"
+    );
+    let front = Front {
+        backend: Backend::Prefill {
+            client,
+            node: info.node_id,
+            gauges: Arc::new(EngineGauges::default()),
+        },
+        tokenizer: prepared.tokenizer,
+        golden: prepared.golden,
+        model_name: prepared.model_name,
+        context_length: info.context_length as usize,
+        node: info.node_id,
+    };
+    serve_front(listener, front, &opts, shutdown).await
+}
+
+/// What the HTTP front needs, whatever runs the generations.
+struct Front {
+    backend: Backend,
+    tokenizer: Arc<Tokenizer>,
+    golden: Vec<Golden>,
+    model_name: String,
+    context_length: usize,
+    node: u32,
+}
+
+async fn serve_front(
+    listener: tokio::net::TcpListener,
+    front: Front,
+    opts: &ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let Front {
+        backend,
+        tokenizer,
+        golden,
+        model_name,
+        context_length,
+        node,
+    } = front;
+    let metrics = Arc::new(Metrics::new());
+    let st = Arc::new(http::AppState {
+        backend: backend.clone(),
+        tokenizer: tokenizer.clone(),
+        tenants: tenants::Tenants::new(&opts.cfg.tenants),
+        metrics: metrics.clone(),
+        cfg: opts.cfg.clone(),
+        model_name,
+        context_length,
+        node,
+        audit: opts.audit.clone(),
+        draining: AtomicBool::new(false),
+        created_unix_s: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        refused_seq: AtomicU64::new(0),
+    });
+    let canary = (opts.cfg.canary_interval_s > 0 && !golden.is_empty()).then(|| {
+        tokio::spawn(canary::canary_loop(
+            backend.clone(),
+            Arc::new(golden),
+            tokenizer.stop_ids.clone(),
+            metrics.clone(),
+            Duration::from_secs(opts.cfg.canary_interval_s),
+        ))
+    });
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, model = %st.model_name, tenants = opts.cfg.tenants.len(), "serving");
+    let (sig_tx, sig_rx) = tokio::sync::oneshot::channel::<()>();
+    let app = http::router(st.clone());
+    let mut server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = sig_rx.await;
+            })
+            .await
+    });
+    shutdown.await;
+    // Refuse new work first, then stop accepting connections and wait for the open ones.
+    st.draining.store(true, Ordering::Relaxed);
+    if let Some(c) = &canary {
+        c.abort();
+    }
+    let gauges = backend.gauges();
+    tracing::info!(
+        drain_timeout_s = opts.cfg.drain_timeout_s,
+        running = gauges.running.load(Ordering::Relaxed),
+        waiting = gauges.waiting.load(Ordering::Relaxed),
+        in_flight = st.metrics.in_flight.load(Ordering::Relaxed),
+        "shutting down: draining in-flight requests"
+    );
+    let _ = sig_tx.send(());
+    let drain = Duration::from_secs(opts.cfg.drain_timeout_s);
+    let served = match tokio::time::timeout(drain, &mut server).await {
+        Ok(r) => r,
+        Err(_) => {
+            tracing::warn!("drain timeout: aborting the requests still in flight");
+            if let Backend::Local(h) = &backend {
+                h.abort_all("the server is shutting down (drain timeout)")
+                    .await;
+            }
+            // Aborted streams end at once; bounded anyway.
+            match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
+                Ok(r) => r,
+                Err(_) => {
+                    server.abort();
+                    Ok(Ok(()))
+                }
+            }
+        }
+    };
+    match served {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "HTTP server error"),
+        Err(e) if e.is_cancelled() => {}
+        Err(e) => tracing::error!(error = %e, "HTTP server task failed"),
+    }
+    if let Some(c) = canary {
+        let _ = c.await;
+    }
+    Ok(())
+}

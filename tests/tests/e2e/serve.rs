@@ -1,0 +1,657 @@
+//! `custody serve` end to end: the official `openai` Python client against the server,
+//! bounded fuzz of the JSON endpoints, and a graceful shutdown that drains a live stream and
+//! seals the audit log. Every request id the client saw is looked up in the sealed Parquet.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use custody_audit::digest;
+use custody_audit::writer::{AuditWriter, WriterConfig};
+use custody_runtime::config::{ServeSection, TenantSection};
+use custody_runtime::{Engine, EngineConfig};
+use custody_server::client;
+use custody_server::tenants::hash_key;
+use custody_server::{AuditStats, ServeOptions};
+
+use crate::audit::{col_str, col_u64, read_table, tmp_dir};
+use crate::{engine_with, tokenizer};
+
+const KEY: &str = "sk-test-acme";
+const KEY_TINY: &str = "sk-test-tiny";
+const MODEL_ID: &str = "smollm2-test";
+const CONTEXT: usize = 2048;
+const NODE: u32 = 3;
+
+#[derive(Debug)]
+struct Stats(Arc<AuditWriter>);
+
+impl AuditStats for Stats {
+    fn queue_depth(&self) -> u64 {
+        self.0.queue_depth()
+    }
+    fn queue_capacity(&self) -> u64 {
+        self.0.queue_capacity() as u64
+    }
+    fn dropped_total(&self) -> u64 {
+        self.0.dropped_total()
+    }
+}
+
+fn serve_cfg() -> ServeSection {
+    ServeSection {
+        listen: "127.0.0.1:0".into(),
+        model_name: MODEL_ID.into(),
+        // Often enough to run during the client test, rarely enough not to crowd it out.
+        canary_interval_s: 5,
+        drain_timeout_s: 60,
+        tenants: vec![
+            TenantSection {
+                id: "acme".into(),
+                keys_sha256: vec![hash_key(KEY)],
+                max_concurrent: 8,
+                tokens_per_minute: 0,
+            },
+            TenantSection {
+                id: "tiny".into(),
+                keys_sha256: vec![hash_key(KEY_TINY)],
+                max_concurrent: 1,
+                tokens_per_minute: 1000,
+            },
+        ],
+        ..ServeSection::default()
+    }
+}
+
+/// A server in this process on a loopback port, auditing into a temporary root.
+struct TestServer {
+    url: String,
+    root: PathBuf,
+    writer: Arc<AuditWriter>,
+    rt: tokio::runtime::Runtime,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<Result<Engine, custody_server::ServeError>>>,
+}
+
+impl TestServer {
+    fn start(name: &str) -> Self {
+        Self::start_with(name, serve_cfg())
+    }
+
+    fn start_with(name: &str, cfg: ServeSection) -> Self {
+        let root = tmp_dir(&format!("serve-{name}"));
+        let key = digest::generate_key().expect("key");
+        let writer = Arc::new(
+            AuditWriter::open(WriterConfig::new(root.join("audit"), NODE, key)).expect("writer"),
+        );
+        let engine = engine_with(EngineConfig {
+            context_length: Some(CONTEXT),
+            kv_budget_mib: 64,
+            ..EngineConfig::default()
+        })
+        .with_audit(writer.clone());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let prepared = custody_server::prepare(engine, pool, tokenizer(), &cfg).expect("prepare");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let opts = ServeOptions {
+            cfg,
+            node: NODE,
+            audit: Some(Arc::new(Stats(writer.clone()))),
+        };
+        let done = rt.spawn(custody_server::serve(
+            listener,
+            prepared,
+            opts,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Self {
+            url,
+            root,
+            writer,
+            rt,
+            stop: Some(stop),
+            done: Some(done),
+        }
+    }
+
+    fn get(&self, path: &str) -> client::Response {
+        client::request(&self.url, "GET", path, None, None, Duration::from_secs(60)).expect(path)
+    }
+
+    fn post(&self, path: &str, key: &str, body: &[u8]) -> client::Response {
+        client::request(
+            &self.url,
+            "POST",
+            path,
+            Some(key),
+            Some(body),
+            Duration::from_secs(300),
+        )
+        .expect(path)
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let r = self.get("/metrics");
+        let text = String::from_utf8(r.body).expect("utf8");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("metric {name} not in:\n{text}"))
+    }
+
+    /// SIGTERM's path: drain, stop the engine, seal the log. Returns the audit root.
+    fn stop(mut self) -> PathBuf {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let done = self.done.take().expect("running");
+        let engine = self
+            .rt
+            .block_on(done)
+            .expect("serve task")
+            .expect("serve result");
+        drop(engine);
+        self.writer.close().expect("seal the audit log");
+        let audit = self.root.join("audit");
+        let r = digest::verify(&audit, None, None, None);
+        assert!(r.ok(), "audit verify: {:?}", r.problems);
+        assert!(r.live_segments.is_empty(), "everything sealed at shutdown");
+        audit
+    }
+}
+
+/// Requests table: request id → (tenant, lifecycle events).
+fn requests(audit: &std::path::Path) -> BTreeMap<u64, (String, Vec<String>)> {
+    let mut out: BTreeMap<u64, (String, Vec<String>)> = BTreeMap::new();
+    for b in read_table(audit, "requests") {
+        let (ids, tenants, events) = (
+            col_u64(&b, "request_id"),
+            col_str(&b, "tenant"),
+            col_str(&b, "event"),
+        );
+        for i in 0..ids.len() {
+            let e = out.entry(ids[i]).or_default();
+            e.0 = tenants[i].clone().unwrap_or_default();
+            e.1.push(events[i].clone().unwrap_or_default());
+        }
+    }
+    out
+}
+
+fn engine_id(request_id: &str) -> u64 {
+    let rest = request_id
+        .strip_prefix(&format!("req-{NODE}-"))
+        .unwrap_or_else(|| panic!("{request_id:?} is not an engine request id of node {NODE}"));
+    rest.parse().expect("numeric id")
+}
+
+fn python_with_openai() -> &'static str {
+    let ok = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "python3 with the `openai` package is required: run scripts/setup.sh (pip install openai)"
+    );
+    "python3"
+}
+
+#[test]
+fn openai_python_client_against_the_server() {
+    let py = python_with_openai();
+    let srv = TestServer::start("openai");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
+    let out = Command::new(py)
+        .arg(&script)
+        .env("CUSTODY_URL", &srv.url)
+        .env("CUSTODY_KEY", KEY)
+        .env("CUSTODY_KEY_TINY", KEY_TINY)
+        .env("CUSTODY_MODEL_ID", MODEL_ID)
+        .env("CUSTODY_CONTEXT", CONTEXT.to_string())
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "openai client test failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids: BTreeMap<String, String> =
+        serde_json::from_str(stdout.lines().last().expect("ids line")).expect("ids json");
+
+    // The canary runs every 5 s with live traffic; by now it has passed at least once.
+    let t0 = Instant::now();
+    while srv.metric("custody_canary_runs_total{result=\"pass\"}") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no canary run");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        srv.metric("custody_canary_runs_total{result=\"fail\"}"),
+        0.0
+    );
+    assert_eq!(srv.metric("custody_canary_ok"), 1.0);
+    assert_eq!(srv.metric("custody_integrity_violations_total"), 0.0);
+    assert!(
+        srv.metric(
+            "custody_requests_total{tenant=\"acme\",endpoint=\"chat_completions\",status=\"200\"}"
+        ) >= 2.0
+    );
+    assert_eq!(
+        srv.metric(
+            "custody_requests_total{tenant=\"_unauthenticated\",endpoint=\"chat_completions\",status=\"401\"}"
+        ),
+        1.0
+    );
+    assert!(srv.metric("custody_time_to_first_token_seconds_count") >= 6.0);
+    assert!(srv.metric("custody_kv_pages_total") > 0.0);
+    // `custody validate`'s check, over HTTP, against this process's reference.
+    let report = client::validate(&srv.url, KEY, &golden_reference()).expect("validate");
+    assert!(report.pass(), "{report:?}");
+
+    let audit = srv.stop();
+    let reqs = requests(&audit);
+    // Served requests are in the log under the id the client got, with the tenant.
+    let chat = &reqs[&engine_id(&ids["chat"])];
+    assert_eq!(chat.0, "acme");
+    assert_eq!(chat.1, ["admitted", "finished"]);
+    // The over-length prompt was refused at admission: recorded, nothing allocated.
+    let over = engine_id(&ids["over_length"]);
+    assert_eq!(reqs[&over].1, ["rejected"]);
+    let pages = read_table(&audit, "page_events");
+    assert!(
+        pages
+            .iter()
+            .all(|b| col_u64(&b.clone(), "request_id").iter().all(|&r| r != over)),
+        "a rejected request touched a page"
+    );
+    // A refused-before-admission id is never an engine id.
+    assert!(ids["wrong_key"].starts_with(&format!("refused-{NODE}-")));
+    // Every tenant that reached the engine is a configured one or the server's own.
+    for (id, (tenant, _)) in &reqs {
+        assert!(
+            ["acme", "tiny", "_canary", "_calibration"].contains(&tenant.as_str()),
+            "request {id} has tenant {tenant:?}"
+        );
+    }
+    // Canary results are audit events.
+    let canary_events: usize = read_table(&audit, "node_events")
+        .iter()
+        .map(|b| {
+            col_str(b, "event")
+                .iter()
+                .filter(|e| e.as_deref() == Some("canary"))
+                .count()
+        })
+        .sum();
+    assert!(canary_events >= 1, "no canary event in node_events");
+}
+
+/// The golden prompts' reference on a separate, idle engine (what `custody validate` does).
+fn golden_reference() -> Vec<custody_server::Golden> {
+    let mut e = engine_with(crate::small_cfg());
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("pool");
+    custody_server::canary::reference(&mut e, &pool, &tokenizer(), "_validate").expect("reference")
+}
+
+/// SplitMix64: the fuzz cases are reproducible from the seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn fuzz_cases(rng: &mut Rng, n: usize) -> Vec<Vec<u8>> {
+    let valid_chat =
+        br#"{"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 3, "temperature": 0}"#
+            .to_vec();
+    let valid_comp =
+        br#"{"prompt": "Hello", "max_tokens": 3, "temperature": 0.5, "seed": 1}"#.to_vec();
+    let fixed: Vec<Vec<u8>> = vec![
+        b"".to_vec(),
+        b"null".to_vec(),
+        b"{}".to_vec(),
+        b"[]".to_vec(),
+        b"\"string\"".to_vec(),
+        br#"{"prompt": "x", "max_tokens": 1e309}"#.to_vec(),
+        br#"{"prompt": "x", "max_tokens": 18446744073709551616}"#.to_vec(),
+        br#"{"prompt": "x", "max_tokens": 18446744073709551615}"#.to_vec(),
+        br#"{"prompt": "x", "max_tokens": -9223372036854775809}"#.to_vec(),
+        br#"{"prompt": "x", "temperature": 1e308}"#.to_vec(),
+        br#"{"prompt": "x", "top_p": -0.0}"#.to_vec(),
+        br#"{"prompt": "x", "seed": 1e400}"#.to_vec(),
+        br#"{"prompt": [4294967296]}"#.to_vec(),
+        br#"{"prompt": [-1]}"#.to_vec(),
+        br#"{"prompt": [[1, 2]]}"#.to_vec(),
+        br#"{"prompt": ""}"#.to_vec(),
+        br#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#.to_vec(),
+        br#"{"messages": [{"role": "user", "content": "\ud800"}]}"#.to_vec(),
+        b"{\"prompt\": \"\xc3\x28\"}".to_vec(),
+        b"{\"prompt\": \"\xed\xa0\x80\"}".to_vec(),
+        b"\xef\xbb\xbf{\"prompt\": \"bom\"}".to_vec(),
+        format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(),
+        format!("{{\"prompt\": \"{}\"}}", "\\u0000".repeat(1000)).into_bytes(),
+        br#"{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}"#.to_vec(),
+        br#"{"prompt": "x", "stop": [""]}"#.to_vec(),
+        br#"{"prompt": "x", "n": 2}"#.to_vec(),
+        br#"{"prompt": "x", "stream": "yes"}"#.to_vec(),
+        br#"{"prompt": "x", "prompt": 3}"#.to_vec(),
+    ];
+    let mut out = fixed;
+    while out.len() < n {
+        let base = if rng.below(2) == 0 {
+            &valid_chat
+        } else {
+            &valid_comp
+        };
+        let case = match rng.below(4) {
+            // Random bytes.
+            0 => (0..rng.below(256)).map(|_| rng.next() as u8).collect(),
+            // Truncated.
+            1 => base[..rng.below(base.len())].to_vec(),
+            // A byte replaced (often invalid UTF-8 or broken structure, sometimes still valid).
+            2 => {
+                let mut b = base.clone();
+                let i = rng.below(b.len());
+                b[i] = rng.next() as u8;
+                b
+            }
+            // A number replaced by a huge or odd one.
+            _ => {
+                let nums = [
+                    "1e999",
+                    "-0",
+                    "1.5",
+                    "99999999999999999999999",
+                    "NaN",
+                    "Infinity",
+                    "0x10",
+                ];
+                let s = String::from_utf8(base.clone()).expect("utf8");
+                s.replacen('3', nums[rng.below(nums.len())], 1).into_bytes()
+            }
+        };
+        out.push(case);
+    }
+    out
+}
+
+#[test]
+fn fuzzed_bodies_always_get_a_json_error_and_never_a_crash() {
+    let srv = TestServer::start("fuzz");
+    let mut rng = Rng(0x5eed_f00d);
+    let cases = fuzz_cases(&mut rng, 240);
+    let mut by_status: BTreeMap<u16, usize> = BTreeMap::new();
+    for (i, body) in cases.iter().enumerate() {
+        let path = if i % 2 == 0 {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let r = srv.post(path, KEY, body);
+        *by_status.entry(r.status).or_default() += 1;
+        let shown = String::from_utf8_lossy(&body[..body.len().min(120)]).into_owned();
+        assert!(
+            r.status == 200 || (400..500).contains(&r.status),
+            "case {i} {shown:?} on {path}: status {}",
+            r.status
+        );
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap_or_else(|e| {
+            panic!(
+                "case {i} {shown:?}: body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&r.body)
+            )
+        });
+        if r.status == 200 {
+            assert!(v["choices"].is_array(), "case {i}: {v}");
+        } else {
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty()),
+                "case {i} {shown:?}: no error message: {v}"
+            );
+            assert!(
+                r.header("x-request-id").is_some(),
+                "case {i}: no request id"
+            );
+        }
+    }
+    // Mostly errors, as designed; and the server is still healthy and serving.
+    let errors: usize = by_status
+        .iter()
+        .filter(|(s, _)| **s != 200)
+        .map(|(_, n)| n)
+        .sum();
+    assert!(errors > cases.len() / 2, "{by_status:?}");
+    assert_eq!(srv.get("/health").status, 200);
+    let ok = srv.post(
+        "/v1/completions",
+        KEY,
+        br#"{"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}"#,
+    );
+    assert_eq!(ok.status, 200, "{}", String::from_utf8_lossy(&ok.body));
+    assert_eq!(
+        srv.metric("custody_kv_pages_used"),
+        0.0,
+        "every page released"
+    );
+    srv.stop();
+}
+
+#[test]
+fn shutdown_drains_a_live_stream_then_seals_the_audit_log() {
+    // With an absurd yardstick (a prompt of 8+ tokens "should" take hours) every request is a
+    // prefill anomaly: this checks that the flag reaches the metric and the audit log.
+    let srv = TestServer::start_with(
+        "drain",
+        ServeSection {
+            prefill_anomaly_factor: 1e-9,
+            prefill_anomaly_min_tokens: 8,
+            ..serve_cfg()
+        },
+    );
+    let url = srv.url.clone();
+    let stream = std::thread::spawn(move || {
+        client::request(
+            &url,
+            "POST",
+            "/v1/completions",
+            Some(KEY),
+            Some(br#"{"prompt": "Count to one hundred: 1, 2, 3,", "max_tokens": 48, "temperature": 0, "stream": true}"#),
+            Duration::from_secs(300),
+        )
+        .expect("stream")
+    });
+    let t0 = Instant::now();
+    while srv.metric("custody_running_requests") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the stream never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let url = srv.url.clone();
+    assert!(srv.metric("custody_prefill_anomalies_total") >= 1.0);
+    let audit = srv.stop();
+    let r = stream.join().expect("stream thread");
+    let body = String::from_utf8_lossy(&r.body);
+    assert_eq!(r.status, 200);
+    assert!(
+        body.contains("\"finish_reason\":\"length\"") && body.trim_end().ends_with("data: [DONE]"),
+        "the in-flight stream was cut instead of drained: {body}"
+    );
+    // Nothing listens any more.
+    assert!(client::request(&url, "GET", "/health", None, None, Duration::from_secs(5)).is_err());
+    let id = engine_id(r.header("x-request-id").expect("request id"));
+    let reqs = requests(&audit);
+    assert_eq!(reqs[&id].1, ["admitted", "finished"], "{reqs:?}");
+    let anomalies: Vec<String> = read_table(&audit, "node_events")
+        .iter()
+        .flat_map(|b| {
+            let (ev, detail) = (col_str(b, "event"), col_str(b, "detail"));
+            (0..ev.len())
+                .filter(|&i| ev[i].as_deref() == Some("prefill_anomaly"))
+                .map(|i| detail[i].clone().unwrap_or_default())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        anomalies
+            .iter()
+            .any(|d| d.contains(&format!("\"request\":{id},")) && d.contains("\"tenant\":\"acme\"")),
+        "no prefill_anomaly event for request {id}: {anomalies:?}"
+    );
+}
+
+#[test]
+fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
+    use custody_audit::{Event as AEvent, RequestKind};
+    use custody_runtime::config::UnsafeReproduction;
+    let nodes = crate::disagg::start_pair(
+        crate::small_cfg(),
+        crate::small_cfg(),
+        UnsafeReproduction::default(),
+        Duration::from_secs(30),
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("pool");
+    let cfg = serve_cfg();
+    let prepared =
+        custody_server::prepare_front(engine_with(crate::small_cfg()), pool, tokenizer(), &cfg)
+            .expect("prepare");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let prefill = format!("http://{}", nodes.pair.prefill_addr);
+    let opts = ServeOptions {
+        cfg,
+        node: 0,
+        audit: None,
+    };
+    let done = rt.spawn(async move {
+        custody_server::serve_prefill(listener, prepared, &prefill, opts, async move {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let t0 = Instant::now();
+    while client::request(&url, "GET", "/health", None, None, Duration::from_secs(5))
+        .map_or(true, |r| r.status != 200)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "front did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // The pair's greedy output through HTTP equals the colocated reference, token for token.
+    let report = client::validate(&url, KEY, &golden_reference()).expect("validate");
+    assert!(report.pass(), "{report:?}");
+
+    // A streamed chat request; its id names the prefill node's audit record, with the tenant.
+    let r = client::request(
+        &url,
+        "POST",
+        "/v1/chat/completions",
+        Some(KEY),
+        Some(br#"{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0, "stream": true}"#),
+        Duration::from_secs(120),
+    )
+    .expect("chat");
+    let body = String::from_utf8_lossy(&r.body);
+    assert_eq!(r.status, 200, "{body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    let rid = r.header("x-request-id").expect("request id");
+    let id: u64 = rid
+        .strip_prefix("req-1-")
+        .unwrap_or_else(|| panic!("{rid}: not the prefill node's (node 1) id"))
+        .parse()
+        .expect("id");
+    let recorded = nodes
+        .prefill_audit
+        .events
+        .lock()
+        .expect("events")
+        .iter()
+        .any(|e| matches!(e, AEvent::Request { request, tenant, kind: RequestKind::Admitted, .. } if *request == id && &**tenant == "acme"));
+    assert!(
+        recorded,
+        "request {id} of tenant acme is not in the prefill node's audit log"
+    );
+
+    // Over-length: 400 from the pair's admission, with its reason.
+    let long = format!(
+        "{{\"prompt\": \"{}\", \"max_tokens\": 8}}",
+        "hello ".repeat(CONTEXT + 50)
+    );
+    let r = client::request(
+        &url,
+        "POST",
+        "/v1/completions",
+        Some(KEY),
+        Some(long.as_bytes()),
+        Duration::from_secs(120),
+    )
+    .expect("over-length");
+    let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(r.status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().expect("message");
+    assert!(msg.contains("exceeds the context length"), "{msg}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+
+    let _ = stop.send(());
+    rt.block_on(done)
+        .expect("task")
+        .expect("front stopped cleanly");
+    // Nothing is left behind on the pair.
+    let t0 = Instant::now();
+    while nodes
+        .pair
+        .prefill
+        .stats_blocking()
+        .is_none_or(|s| s.live_requests != 0)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "prefill still holds requests"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
