@@ -12,7 +12,7 @@
 //! A read refused by the tag check is not a read: it is an `integrity_violations` row, listed as
 //! a **prevented** exposure.
 
-use datafusion::arrow::array::{Array, AsArray};
+use datafusion::arrow::array::AsArray;
 use datafusion::arrow::compute::cast;
 use datafusion::arrow::datatypes::{DataType, Int64Type, UInt32Type, UInt64Type};
 use datafusion::arrow::record_batch::RecordBatch;
