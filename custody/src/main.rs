@@ -67,8 +67,9 @@ enum Cmd {
     /// Check a running server's output against a colocated reference, token for token
     ///
     /// Loads the model locally, runs the golden prompts greedy (each alone), sends the same
-    /// prompts to the server's /v1/completions (greedy, as token ids) and compares the output
-    /// token ids. Exit code 0 when every prompt matches, 1 otherwise.
+    /// prompts to the server's /v1/completions (greedy, as token ids) — or, with --prefill, to
+    /// a disaggregated pair's front door — and compares the output token ids. Exit code 0 when
+    /// every prompt matches, 1 otherwise.
     #[command(verbatim_doc_comment)]
     Validate(serve_cmd::ValidateArgs),
     /// Measure prefill and decode throughput (tokens/s) and the cost of the tag check.
