@@ -550,7 +550,13 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         .num_threads(2)
         .build()
         .expect("pool");
-    let cfg = serve_cfg();
+    // An absurd prefill yardstick: every prompt of 8+ tokens is "too fast", which checks that
+    // the flag is wired in front of a pair too.
+    let cfg = ServeSection {
+        prefill_anomaly_factor: 1e-9,
+        prefill_anomaly_min_tokens: 8,
+        ..serve_cfg()
+    };
     let prepared =
         custody_server::prepare_front(engine_with(crate::small_cfg()), pool, tokenizer(), &cfg)
             .expect("prepare");
@@ -621,6 +627,18 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         recorded,
         "request {id} of tenant acme is not in the prefill node's audit log"
     );
+    let metrics = client::request(&url, "GET", "/metrics", None, None, Duration::from_secs(30))
+        .expect("metrics");
+    let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
+    let anomalies: f64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("custody_prefill_anomalies_total ")?
+                .parse()
+                .ok()
+        })
+        .expect("anomaly counter");
+    assert!(anomalies >= 1.0, "{metrics}");
 
     // Over-length: 400 from the pair's admission, with its reason.
     let long = format!(
