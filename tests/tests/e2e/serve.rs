@@ -463,11 +463,16 @@ fn fuzzed_bodies_always_get_a_json_error_and_never_a_crash() {
         br#"{"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}"#,
     );
     assert_eq!(ok.status, 200, "{}", String::from_utf8_lossy(&ok.body));
-    assert_eq!(
-        srv.metric("custody_kv_pages_used"),
-        0.0,
-        "every page released"
-    );
+    // Every page comes back (polled: the gauge follows the engine's step, and a canary run may
+    // be holding pages right now).
+    let t0 = Instant::now();
+    while srv.metric("custody_kv_pages_used") != 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "pages still allocated after the fuzz run"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     srv.stop();
 }
 
