@@ -36,7 +36,12 @@ struct Cli {
 enum Cmd {
     /// Generate a completion and stream it to stdout.
     Generate(GenerateArgs),
-    /// Serve the OpenAI-compatible HTTP API on one node (colocated engine).
+    /// Serve the OpenAI-compatible HTTP API (a colocated engine, or in front of a pair)
+    ///
+    /// By default the engine runs in this process. With `--prefill http://host:port` (or
+    /// `[serve] prefill`) the server fronts a disaggregated prefill/decode pair instead: the
+    /// pair runs the engines and keeps the audit logs, this process authenticates, limits,
+    /// streams, and checks the pair's output against a colocated reference (the canary).
     ///
     /// Endpoints: POST /v1/chat/completions and /v1/completions (streaming over SSE or whole;
     /// usage, finish_reason, stop, max_tokens, temperature, top_p, seed), GET /v1/models,
@@ -57,14 +62,16 @@ enum Cmd {
     /// outputs; a background canary re-runs them through the serving path every
     /// `canary_interval_s` and exports the result (metric `custody_canary_ok`, audit event
     /// `node_events` kind `canary`). SIGINT/SIGTERM: refuse new work, let in-flight requests
-    /// finish (up to `drain_timeout_s`), then seal the audit log. See configs/single-node.toml.
+    /// finish (up to `drain_timeout_s`, then they are aborted), then seal the audit log.
+    /// See configs/single-node.toml ([serve], documented) and configs/serve-demo.toml.
     #[command(verbatim_doc_comment)]
     Serve(serve_cmd::ServeArgs),
-    /// Check a running server's output against a colocated reference, token for token.
+    /// Check a running server's output against a colocated reference, token for token
     ///
     /// Loads the model locally, runs the golden prompts greedy (each alone), sends the same
-    /// prompts to the server's /v1/completions (greedy, as token ids) and compares the output
-    /// token ids. Exit code 0 when every prompt matches, 1 otherwise.
+    /// prompts to the server's /v1/completions (greedy, as token ids) — or, with --prefill, to
+    /// a disaggregated pair's front door — and compares the output token ids. Exit code 0 when
+    /// every prompt matches, 1 otherwise.
     #[command(verbatim_doc_comment)]
     Validate(serve_cmd::ValidateArgs),
     /// Measure prefill and decode throughput (tokens/s) and the cost of the tag check.

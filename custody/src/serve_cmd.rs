@@ -51,12 +51,21 @@ pub(crate) struct ValidateArgs {
     #[command(flatten)]
     common: Common,
     /// The server to validate; default: http://<the config's [serve] listen>.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prefill")]
     url: Option<String>,
+    /// Validate a disaggregated pair directly through its prefill node's gRPC front door
+    /// (`http://host:port`) instead of an HTTP server (no API key needed; tenant `_validate`).
+    #[arg(long)]
+    prefill: Option<String>,
     /// API key of a tenant (or the environment variable CUSTODY_API_KEY). The validation
     /// requests run as that tenant and are audited as such.
-    #[arg(long, env = "CUSTODY_API_KEY", hide_env_values = true)]
-    api_key: String,
+    #[arg(
+        long,
+        env = "CUSTODY_API_KEY",
+        hide_env_values = true,
+        required_unless_present = "prefill"
+    )]
+    api_key: Option<String>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -192,6 +201,37 @@ fn serve_front(a: &ServeArgs, serve_cfg: custody_runtime::config::ServeSection) 
     })
 }
 
+/// The golden prompts through a pair's front door (gRPC), each compared with its reference.
+fn validate_pair(
+    prefill: &str,
+    golden: &[custody_server::Golden],
+    stop_ids: &[u32],
+) -> Result<custody_server::canary::Report> {
+    use custody_runtime::disagg::client::collect;
+    use custody_runtime::disagg::proto::prefill_client::PrefillClient;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let mut client = PrefillClient::connect(prefill.to_owned())
+            .await
+            .with_context(|| format!("connecting to the prefill node {prefill}"))?;
+        let mut report = custody_server::canary::Report {
+            checked: 0,
+            mismatches: Vec::new(),
+        };
+        for g in golden {
+            let got = collect(&mut client, &g.request("_validate", stop_ids))
+                .await
+                .map(|r| r.tokens)
+                .map_err(|s| s.message().to_owned());
+            report.add(g, got);
+        }
+        Ok(report)
+    })
+}
+
 async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     tokio::select! {
@@ -238,8 +278,14 @@ pub(crate) fn validate(a: ValidateArgs) -> Result<()> {
     // The reference: a colocated engine in this process, each golden prompt alone, greedy.
     let golden = custody_server::canary::reference(&mut engine, &pool, &tokenizer, "_validate")
         .map_err(anyhow::Error::msg)?;
-    let report = custody_server::client::validate(&url, &a.api_key, &golden)
-        .with_context(|| format!("validating {url}"))?;
+    let report = match &a.prefill {
+        Some(p) => validate_pair(p, &golden, &tokenizer.stop_ids)?,
+        None => {
+            let key = a.api_key.as_deref().unwrap_or_default();
+            custody_server::client::validate(&url, key, &golden)
+                .with_context(|| format!("validating {url}"))?
+        }
+    };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

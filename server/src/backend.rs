@@ -11,7 +11,7 @@ use custody_runtime::engine::{AdmissionError, FinishReason, GenerateRequest};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
-use crate::engine_thread::{EngineGauges, EngineGone, EngineHandle, Out};
+use crate::engine_thread::{EngineGauges, EngineGone, EngineHandle, Out, PrefillCheck};
 use crate::error::ApiError;
 
 /// The serving backend.
@@ -24,6 +24,8 @@ pub enum Backend {
         client: PrefillClient<Channel>,
         node: u32,
         gauges: Arc<EngineGauges>,
+        /// Time to the first event against the prompt's length (see `PrefillCheck`).
+        check: PrefillCheck,
     },
 }
 
@@ -61,7 +63,8 @@ impl Backend {
                 client,
                 node,
                 gauges,
-            } => submit_remote(client.clone(), *node, gauges.clone(), req).await,
+                check,
+            } => submit_remote(client.clone(), *node, gauges.clone(), *check, req).await,
         }
     }
 
@@ -148,9 +151,12 @@ async fn submit_remote(
     mut client: PrefillClient<Channel>,
     node: u32,
     gauges: Arc<EngineGauges>,
+    check: PrefillCheck,
     req: GenerateRequest,
 ) -> Result<Admitted, Refused> {
     let max_tokens = req.max_tokens;
+    let (prompt_tokens, tenant) = (req.prompt.len(), req.tenant.clone());
+    let t0 = std::time::Instant::now();
     let g = proto::GenerateRequest {
         tenant: req.tenant,
         prompt: req.prompt,
@@ -181,6 +187,22 @@ async fn submit_remote(
         Err(s) => return Err((None, status_error(&s))),
     };
     let id = first.request;
+    let ttft = t0.elapsed();
+    if first.error.is_empty() && check.is_anomalous(prompt_tokens, ttft) {
+        // The incident's signature: a long prompt "prefilled" in no time. The pair's own audit
+        // logs hold the pages; this node has no sink, so it is a metric and an ERROR log.
+        gauges
+            .prefill_anomalies_total
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            request_id = %format!("req-{node}-{id}"),
+            %tenant,
+            prompt_tokens,
+            ttft_us = ttft.as_micros() as u64,
+            max_plausible_tok_s = check.max_plausible_tok_s,
+            "PREFILL ANOMALY: the pair's first token came sooner than computing the prompt can take"
+        );
+    }
     // Bounded like the local path: at most max_tokens tokens and one terminal event; the
     // relay awaits space, which holds back the gRPC stream (never the engines).
     let (tx, rx) = mpsc::channel(max_tokens.saturating_add(1).min(1 << 16));

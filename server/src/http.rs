@@ -284,12 +284,19 @@ async fn admit_and_run(
             .max(1)
     });
     let permit = tenant.try_acquire()?;
-    let charged = (ids.len() as u64).saturating_add(max_tokens as u64);
+    // A request longer than the context goes to admission uncharged: it is refused there with
+    // the 400 that says why (and recorded), not with a 429 about the tenant's budget.
+    let fits = ids.len().saturating_add(max_tokens) <= st.context_length;
+    let charged = if fits {
+        (ids.len() as u64).saturating_add(max_tokens as u64)
+    } else {
+        0
+    };
     tenant.charge(charged)?;
     let refund = Refund {
         tenant: tenant.clone(),
         charged,
-        used: ids.len() as u64,
+        used: if fits { ids.len() as u64 } else { 0 },
     };
     let req = GenerateRequest {
         prompt: ids,

@@ -163,4 +163,11 @@ try:
 except openai.RateLimitError as e:
     check("tokens per minute" in e.body["message"], f"{e.body}")
 
+# ... but a prompt longer than the context is the 400 that says so, not a 429 about the budget.
+try:
+    tiny.completions.create(model=MODEL, prompt=long_prompt, max_tokens=8)
+    raise AssertionError("over-length prompt accepted")
+except openai.BadRequestError as e:
+    check(e.body["code"] == "context_length_exceeded", f"{e.body}")
+
 print(json.dumps(ids))

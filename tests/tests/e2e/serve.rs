@@ -81,6 +81,12 @@ impl TestServer {
     }
 
     fn start_with(name: &str, cfg: ServeSection) -> Self {
+        Self::start_full(name, cfg, None)
+    }
+
+    /// `stats`: what `/metrics` and the back-pressure check see of the audit queue (default:
+    /// the real writer's).
+    fn start_full(name: &str, cfg: ServeSection, stats: Option<Arc<dyn AuditStats>>) -> Self {
         let root = tmp_dir(&format!("serve-{name}"));
         let key = digest::generate_key().expect("key");
         let writer = Arc::new(
@@ -110,7 +116,7 @@ impl TestServer {
         let opts = ServeOptions {
             cfg,
             node: NODE,
-            audit: Some(Arc::new(Stats(writer.clone()))),
+            audit: Some(stats.unwrap_or_else(|| Arc::new(Stats(writer.clone())))),
         };
         let done = rt.spawn(custody_server::serve(
             listener,
@@ -457,11 +463,16 @@ fn fuzzed_bodies_always_get_a_json_error_and_never_a_crash() {
         br#"{"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}"#,
     );
     assert_eq!(ok.status, 200, "{}", String::from_utf8_lossy(&ok.body));
-    assert_eq!(
-        srv.metric("custody_kv_pages_used"),
-        0.0,
-        "every page released"
-    );
+    // Every page comes back (polled: the gauge follows the engine's step, and a canary run may
+    // be holding pages right now).
+    let t0 = Instant::now();
+    while srv.metric("custody_kv_pages_used") != 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "pages still allocated after the fuzz run"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     srv.stop();
 }
 
@@ -544,7 +555,13 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         .num_threads(2)
         .build()
         .expect("pool");
-    let cfg = serve_cfg();
+    // An absurd prefill yardstick: every prompt of 8+ tokens is "too fast", which checks that
+    // the flag is wired in front of a pair too.
+    let cfg = ServeSection {
+        prefill_anomaly_factor: 1e-9,
+        prefill_anomaly_min_tokens: 8,
+        ..serve_cfg()
+    };
     let prepared =
         custody_server::prepare_front(engine_with(crate::small_cfg()), pool, tokenizer(), &cfg)
             .expect("prepare");
@@ -615,6 +632,18 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         recorded,
         "request {id} of tenant acme is not in the prefill node's audit log"
     );
+    let metrics = client::request(&url, "GET", "/metrics", None, None, Duration::from_secs(30))
+        .expect("metrics");
+    let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
+    let anomalies: f64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("custody_prefill_anomalies_total ")?
+                .parse()
+                .ok()
+        })
+        .expect("anomaly counter");
+    assert!(anomalies >= 1.0, "{metrics}");
 
     // Over-length: 400 from the pair's admission, with its reason.
     let long = format!(
@@ -654,4 +683,90 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// An audit queue that is always full.
+#[derive(Debug)]
+struct FullQueue;
+
+impl AuditStats for FullQueue {
+    fn queue_depth(&self) -> u64 {
+        1000
+    }
+    fn queue_capacity(&self) -> u64 {
+        1000
+    }
+    fn dropped_total(&self) -> u64 {
+        0
+    }
+}
+
+#[test]
+fn an_audit_log_that_cannot_keep_up_is_503_and_a_drain_that_times_out_aborts() {
+    // Audit back-pressure: refused with 503 and OpenAI's error body, before anything is admitted.
+    let srv = TestServer::start_full("backpressure", serve_cfg(), Some(Arc::new(FullQueue)));
+    let r = srv.post(
+        "/v1/completions",
+        KEY,
+        br#"{"prompt": "Hello", "max_tokens": 4}"#,
+    );
+    let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(r.status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "audit_backpressure");
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(
+        srv.metric("custody_audit_backpressure_rejections_total"),
+        1.0
+    );
+    assert_eq!(srv.metric("custody_audit_queue_depth"), 1000.0);
+    srv.stop();
+
+    // A drain is bounded: a stream that would outlive `drain_timeout_s` is aborted (an error
+    // event, no silent cut), its pages released, and the log sealed and verified all the same.
+    let srv = TestServer::start_with(
+        "drain-timeout",
+        ServeSection {
+            drain_timeout_s: 1,
+            ..serve_cfg()
+        },
+    );
+    let url = srv.url.clone();
+    let stream = std::thread::spawn(move || {
+        client::request(
+            &url,
+            "POST",
+            "/v1/completions",
+            Some(KEY),
+            Some(br#"{"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": true}"#),
+            Duration::from_secs(300),
+        )
+        .expect("stream")
+    });
+    let t0 = Instant::now();
+    while srv.metric("custody_running_requests") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the stream never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let t1 = Instant::now();
+    let audit = srv.stop();
+    assert!(
+        t1.elapsed() < Duration::from_secs(30),
+        "shutdown took {:?}",
+        t1.elapsed()
+    );
+    let r = stream.join().expect("stream thread");
+    let body = String::from_utf8_lossy(&r.body);
+    assert!(
+        body.contains("drain timeout") && body.contains("\"error\""),
+        "the stream must end with an error event: {body}"
+    );
+    assert!(
+        !body.contains("[DONE]"),
+        "an aborted stream must not look complete: {body}"
+    );
+    let id = engine_id(r.header("x-request-id").expect("request id"));
+    assert_eq!(requests(&audit)[&id].1, ["admitted", "aborted"]);
 }
