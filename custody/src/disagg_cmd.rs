@@ -374,9 +374,14 @@ fn witness_bench(
     let dir = std::env::temp_dir().join(format!("custody-witness-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let key = custody_audit::digest::generate_key().context("key")?;
-    let writer = Arc::new(custody_audit::writer::AuditWriter::open(
-        custody_audit::writer::WriterConfig::new(&dir, 0x8000_0000, key),
-    )?);
+    let mut wcfg = custody_audit::writer::WriterConfig::new(&dir, 0x8000_0000, key);
+    if let Ok(ms) = std::env::var("CUSTODY_WITNESS_BENCH_FSYNC_MS") {
+        // Measurement knob: fsync the witness's live segment at most this often.
+        wcfg.fsync = custody_audit::writer::FsyncPolicy::Interval(Duration::from_millis(
+            ms.parse().context("CUSTODY_WITNESS_BENCH_FSYNC_MS")?,
+        ));
+    }
+    let writer = Arc::new(custody_audit::writer::AuditWriter::open(wcfg)?);
     let cfg = WitnessConfig::default_config();
     let discard: Arc<dyn custody_audit::AuditSink> =
         Arc::new(custody_audit::DiscardSink::default());
