@@ -5,7 +5,8 @@
 //! - [`AuditSink`]: the trait the engine emits into. The runtime knows only this.
 //! - With the `writer` feature: the Arrow schema ([`schema`]), the append-only writer
 //!   ([`writer`]: bounded queue → record batches → Arrow IPC live segment → sealed Parquet in
-//!   Hive-style partitions), and the Ed25519 digest chain with `verify` ([`digest`]).
+//!   Hive-style partitions), and the Ed25519 digest chain with `verify` ([`digest`]); and a
+//!   deterministic synthetic log at scale with injected exposures of known answer ([`synth`]).
 //!
 //! Architecture invariant: this crate knows nothing of the runtime. It defines events, writes,
 //! seals and verifies them.
@@ -14,6 +15,8 @@
 pub mod digest;
 #[cfg(feature = "writer")]
 pub mod schema;
+#[cfg(feature = "writer")]
+pub mod synth;
 #[cfg(feature = "writer")]
 pub mod writer;
 

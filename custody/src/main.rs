@@ -18,6 +18,7 @@ mod disagg_cmd;
 mod probe_cmd;
 #[cfg(feature = "forensics")]
 mod query_cmd;
+mod synth_cmd;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -36,7 +37,7 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Measure prefill and decode throughput (tokens/s) and the cost of the tag check.
     Bench(BenchArgs),
-    /// The audit log: keys, verification, writer benchmark.
+    /// The audit log: keys, verification, writer benchmark, synthetic log at scale.
     #[command(subcommand)]
     Audit(AuditCmd),
     /// Run a prefill node: the front door of a disaggregated pair. Admits requests, reserves
@@ -100,6 +101,9 @@ enum AuditCmd {
         #[arg(long)]
         to: Option<String>,
     },
+    /// Generate a realistic synthetic log (many tenants, long contexts, page reuse) through the
+    /// real writers, with injected exposures whose answers go to `<out>/synth-truth.json`.
+    Synth(synth_cmd::SynthArgs),
     /// Writer throughput (events/s on one core) and bytes per event on disk for a realistic mix.
     Bench {
         #[arg(long, default_value_t = 2_000_000)]
@@ -357,6 +361,7 @@ fn audit_cmd(a: AuditCmd) -> Result<()> {
             }
         }
         AuditCmd::Bench { events, dir } => audit_bench(events, dir),
+        AuditCmd::Synth(a) => synth_cmd::synth(a),
     }
 }
 
@@ -486,18 +491,7 @@ fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
     w.close()?;
     let total = t0.elapsed();
     let writer_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
-    let mut bytes = 0u64;
-    let mut stack = vec![dir.clone()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d)? {
-            let p = e?.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "parquet") {
-                bytes += std::fs::metadata(&p)?.len();
-            }
-        }
-    }
+    let bytes = synth_cmd::parquet_bytes(&dir)?;
     let json = serde_json::json!({
         "events": n,
         "record_events_per_s": n as f64 / recorded.as_secs_f64(),

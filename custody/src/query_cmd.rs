@@ -463,11 +463,12 @@ async fn interactive_piped(ctx: &SessionContext, format: Format) -> Result<()> {
 
 fn canned(src: &Source, sql: String, show_sql: bool) -> Result<()> {
     if show_sql {
+        print!("{}", forensics::settings_sql());
         println!("{};", sql.trim());
         return Ok(());
     }
     runtime()?.block_on(async {
-        let ctx = session(src).await?;
+        let ctx = forensics::tuned(&session(src).await?)?;
         run_sql(&ctx, &sql, src.format).await
     })
 }
@@ -529,6 +530,8 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             let from_ns = from.as_deref().map(parse_utc).transpose()?;
             let to_ns = to.as_deref().map(parse_utc).transpose()?;
             if show_sql {
+                println!("-- settings under which it scales (docs/forensics.md)");
+                print!("{}", forensics::settings_sql());
                 println!("-- affected responses, per source tenant");
                 println!(
                     "{}",
@@ -544,13 +547,10 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             let rt = runtime()?;
             rt.block_on(async {
                 let ctx = session(&src).await?;
+                // The exposure query runs once: its rows are printed and summarised.
+                let (e, rows) = forensics::exposure_with_rows(&ctx, from_ns, to_ns).await?;
                 println!("# affected responses (one row per response and source tenant)");
-                run_sql(
-                    &ctx,
-                    &forensics::with_window(forensics::EXPOSURE_SQL, from_ns, to_ns),
-                    src.format,
-                )
-                .await?;
+                print(&rows, src.format)?;
                 println!("# prevented exposures (reads refused by the tag check)");
                 run_sql(
                     &ctx,
@@ -558,7 +558,6 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                     src.format,
                 )
                 .await?;
-                let e = forensics::exposure(&ctx, from_ns, to_ns).await?;
                 println!("# summary\n{}", e.summary());
                 Ok(())
             })

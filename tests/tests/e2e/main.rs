@@ -10,6 +10,7 @@ mod reference;
 mod report;
 mod s3;
 mod scheduler;
+mod synth;
 mod witness;
 
 use custody_runtime::gguf::Gguf;

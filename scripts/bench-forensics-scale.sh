@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Forensics at scale (BENCHMARKS.md, "Forensics at scale"): a synthetic log of N events
+# (`custody audit synth`, default 10^8), the exposure query's wall time and peak RSS
+# (`custody forensics exposure`, release build), its answer checked against the injected ground
+# truth, then DuckDB running the same SQL over the same sealed files (scripts/duckdb-exposure.py).
+#
+#   scripts/bench-forensics-scale.sh [ROOT] [EVENTS]      # ROOT default /tmp/custody-synth-1e8
+#
+# Needs `cargo build --release -p custody` (~25 min on 2 cores), GNU time, and PyPI duckdb for the
+# comparison (skipped with a note if absent). Not run in CI: ~4 minutes and ~250 MB per 10^8 events.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="${1:-/tmp/custody-synth-1e8}"
+events="${2:-100000000}"
+bin=./target/release/custody
+[ -x "$bin" ] || { echo "build first: cargo build --release -p custody" >&2; exit 2; }
+[ -x /usr/bin/time ] || { echo "needs GNU time (apt-get install time)" >&2; exit 2; }
+
+if [ ! -f "$root/synth-truth.json" ]; then
+  echo "# generating $events events into $root"
+  "$bin" audit synth --out "$root" --events "$events"
+fi
+echo "# custody forensics exposure (nproc=$(nproc))"
+out="$(mktemp)"
+/usr/bin/time -f "custody: %e s wall, %U s user, %S s sys, %M KB peak RSS" \
+  "$bin" forensics exposure "$root" --public-key "$root/synth-key.pub" --format csv >"$out"
+grep -A7 '^# summary' "$out"
+python3 - "$root/synth-truth.json" "$out" <<'PY'
+import json, sys
+truth = json.load(open(sys.argv[1]))
+want = {(e["node"], e["request"]): (e["recipient_tenant"], sorted(map(tuple, e["sources"])))
+        for e in truth["exposures"]}
+got = {}
+for line in open(sys.argv[2]):
+    p = line.strip().split(",")
+    if len(p) == 7 and p[0].isdigit():
+        got.setdefault((int(p[0]), int(p[1])), (p[2], []))[1].append((p[3], int(p[4])))
+got = {k: (v[0], sorted(v[1])) for k, v in got.items()}
+ok = got == want
+print(f"ground truth: {len(want)} injected exposures, {len(got)} found, "
+      f"{'EQUAL' if ok else 'DIFFERENT'} (responses, tenant pairs, foreign-slot counts)")
+sys.exit(0 if ok else 1)
+PY
+if python3 -c 'import duckdb' 2>/dev/null; then
+  echo "# DuckDB, same SQL, same files"
+  /usr/bin/time -f "duckdb: %e s wall, %U s user, %S s sys, %M KB peak RSS" \
+    python3 scripts/duckdb-exposure.py "$root" | grep -A3 '^# summary'
+else
+  echo "# DuckDB comparison skipped: pip install duckdb"
+fi
+rm -f "$out"
