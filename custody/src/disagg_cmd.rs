@@ -374,9 +374,14 @@ fn witness_bench(
     let dir = std::env::temp_dir().join(format!("custody-witness-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let key = custody_audit::digest::generate_key().context("key")?;
-    let writer = Arc::new(custody_audit::writer::AuditWriter::open(
-        custody_audit::writer::WriterConfig::new(&dir, 0x8000_0000, key),
-    )?);
+    let mut wcfg = custody_audit::writer::WriterConfig::new(&dir, 0x8000_0000, key);
+    if let Ok(ms) = std::env::var("CUSTODY_WITNESS_BENCH_FSYNC_MS") {
+        // Measurement knob: fsync the witness's live segment at most this often.
+        wcfg.fsync = custody_audit::writer::FsyncPolicy::Interval(Duration::from_millis(
+            ms.parse().context("CUSTODY_WITNESS_BENCH_FSYNC_MS")?,
+        ));
+    }
+    let writer = Arc::new(custody_audit::writer::AuditWriter::open(wcfg)?);
     let cfg = WitnessConfig::default_config();
     let discard: Arc<dyn custody_audit::AuditSink> =
         Arc::new(custody_audit::DiscardSink::default());
@@ -386,7 +391,9 @@ fn witness_bench(
                        sges: bool,
                        f: &mut dyn FnMut()|
      -> Result<collector::CollectStats> {
-        let mut w = Witness::attach(&cfg, &Target::Pid(std::process::id()))?;
+        let mut c = cfg.clone();
+        c.record_sges = sges;
+        let mut w = Witness::attach(&c, &Target::Pid(std::process::id()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let (s, wr) = (stop.clone(), sink.clone());
         let interval = cfg.poll_interval();
@@ -398,8 +405,9 @@ fn witness_bench(
             .map_err(anyhow::Error::from)
     };
 
-    // Cost per probe hit: a minimal hit (register) and a page's chain (3 requests x 10 SGEs,
-    // the shape of a full page's gathered writes), each timed over many calls.
+    // Cost per probe hit (default configuration: no SGE lists in the records): a minimal hit
+    // (register) and a page's chain (3 requests x 10 SGEs, the shape of a full page's gathered
+    // writes), each timed over many calls.
     const CALLS: u32 = 200_000;
     let buf = vec![0u8; 4096];
     let sges: Vec<Sge> = (0..30)
@@ -430,7 +438,7 @@ fn witness_bench(
     };
     let (reg0, post0) = time_hits();
     let mut hits = (0.0, 0.0);
-    let st = attached_to(&discard, true, &mut || hits = time_hits())?;
+    let st = attached_to(&discard, false, &mut || hits = time_hits())?;
     println!(
         "witness probe hit: register {:.2} us (detached {:.3} us), post of a 3-request chain {:.2} us (detached {:.3} us); collector lost {}",
         (hits.0 - reg0) * 1e6,
@@ -447,7 +455,7 @@ fn witness_bench(
         let mut t: [Vec<f64>; 4] = Default::default();
         for _ in 0..a.reps {
             t[0].push(transfer_bench(geom, layers, pages, 3).transfer_s);
-            for (i, sink, sges) in [(1, &audit, true), (2, &audit, false), (3, &discard, true)] {
+            for (i, sink, sges) in [(1, &audit, true), (2, &audit, false), (3, &discard, false)] {
                 let mut x = 0.0;
                 let st = attached_to(sink, sges, &mut || {
                     x = transfer_bench(geom, layers, pages, 3).transfer_s
@@ -460,7 +468,7 @@ fn witness_bench(
         }
         let [d, w, ws, x] = t.map(median);
         println!(
-            "transfer {pages} pages over tcp loopback: witness detached {:.3} ms | attached, into the audit log {:.3} ms ({:+.2}% time) | same without SGE lists {:.3} ms ({:+.2}%) | collector discarding {:.3} ms ({:+.2}%); medians of {} alternating runs",
+            "transfer {pages} pages over tcp loopback: witness detached {:.3} ms | attached, into the audit log {:.3} ms ({:+.2}% time) | same without SGE lists {:.3} ms ({:+.2}%) | collector discarding (no SGE lists) {:.3} ms ({:+.2}%); medians of {} alternating runs",
             d * 1e3,
             w * 1e3,
             (w / d - 1.0) * 100.0,

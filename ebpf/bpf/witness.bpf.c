@@ -158,9 +158,11 @@ struct {
 } lost SEC(".maps");
 
 // config[0]: wake the reader once this many bytes are unread (0: wake on every record).
+// config[1]: non-zero to carry each write's scatter/gather entries in its record; zero to carry
+//            only their count and total length (a 96-byte record instead of 576).
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);
 } config SEC(".maps");
@@ -178,6 +180,14 @@ struct {
 	__type(key, __u32);
 	__type(value, struct pending);
 } pending SEC(".maps");
+
+// Per-CPU scratch for a request's SGE array when the record does not carry it.
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct sge[MAX_SGE]);
+} sge_scratch SEC(".maps");
 
 static __always_inline void count_lost(__u32 idx)
 {
@@ -227,6 +237,8 @@ struct chain_walk {
 	__u64 now;
 	__u32 cpu;
 	__u32 stop; // set when the walk ended early (read fault)
+	__u32 with_sges;
+	__u32 pad;
 };
 
 // One work request of a chain: one record.
@@ -241,55 +253,89 @@ static long post_one(__u32 i, void *data)
 		c->stop = 1;
 		return 1;
 	}
-	struct event *e = bpf_ringbuf_reserve(&events, sizeof(struct event), 0);
-	if (!e) {
-		count_lost(LOST_RING_FULL);
+	__u32 n = h.num_sge < 0 ? 0 : (__u32)h.num_sge;
+	__u32 take = n > MAX_SGE ? MAX_SGE : n;
+	// The size is re-bounded after an optimisation barrier: otherwise clang passes the
+	// unbounded register and the verifier refuses the read.
+	__u64 size = (__u64)take * sizeof(struct sge);
+	asm volatile("" : "+r"(size));
+	if (size > MAX_SGE * sizeof(struct sge))
+		size = MAX_SGE * sizeof(struct sge);
+	struct event *e;
+	struct sge *sg;
+	__u32 zero = 0;
+	if (c->with_sges) {
+		e = bpf_ringbuf_reserve(&events, sizeof(struct event), 0);
+		if (!e) {
+			count_lost(LOST_RING_FULL);
+			c->wr = h.next;
+			return 0;
+		}
+		sg = e->sges;
 	} else {
-		__u32 n = h.num_sge < 0 ? 0 : (__u32)h.num_sge;
-		__u32 take = n > MAX_SGE ? MAX_SGE : n;
-		e->ktime_ns = c->now;
-		e->pid = c->id >> 32;
-		e->tid = (__u32)c->id;
-		e->kind = EV_POST_WRITE;
-		e->flags = 0;
-		e->ctx = c->ctx;
-		e->wr_id = h.wr_id;
-		e->addr = h.remote_addr;
-		e->rkey = h.rkey;
-		e->lkey = 0;
-		e->opcode = h.opcode;
-		e->send_flags = h.send_flags;
-		e->imm_be = h.imm_data;
-		e->status = 0;
-		e->num_sge = n;
-		e->chain_index = i;
-		e->qp_num = 0;
-		e->cpu = c->cpu;
-		if (n > MAX_SGE) {
-			e->flags |= F_SGE_TRUNCATED;
-			count_lost(LOST_SGE_TRUNCATED);
+		e = bpf_ringbuf_reserve(&events, HEAD_BYTES, 0);
+		if (!e) {
+			count_lost(LOST_RING_FULL);
+			c->wr = h.next;
+			return 0;
 		}
-		__builtin_memset(e->sges, 0, sizeof(e->sges));
-		// The size is re-bounded after an optimisation barrier: otherwise clang passes the
-		// unbounded register and the verifier refuses the read.
-		__u64 size = (__u64)take * sizeof(struct sge);
-		asm volatile("" : "+r"(size));
-		if (size > sizeof(e->sges))
-			size = sizeof(e->sges);
-		if (size > 0 && bpf_probe_read_user(e->sges, size, (void *)h.sg_list)) {
-			e->flags |= F_READ_FAULT;
-			count_lost(LOST_READ_FAULT);
+		sg = bpf_map_lookup_elem(&sge_scratch, &zero);
+		if (!sg) {
+			bpf_ringbuf_discard(e, 0);
+			c->stop = 1;
+			return 1;
 		}
-		__u64 total = 0;
+	}
+	e->ktime_ns = c->now;
+	e->pid = c->id >> 32;
+	e->tid = (__u32)c->id;
+	e->kind = EV_POST_WRITE;
+	e->flags = 0;
+	e->ctx = c->ctx;
+	e->wr_id = h.wr_id;
+	e->addr = h.remote_addr;
+	e->rkey = h.rkey;
+	e->lkey = 0;
+	e->opcode = h.opcode;
+	e->send_flags = h.send_flags;
+	e->imm_be = h.imm_data;
+	e->status = 0;
+	e->num_sge = n;
+	e->chain_index = i;
+	e->qp_num = 0;
+	e->cpu = c->cpu;
+	if (n > MAX_SGE) {
+		e->flags |= F_SGE_TRUNCATED;
+		count_lost(LOST_SGE_TRUNCATED);
+	}
+	__u64 total = 0;
+	if (size > 0 && bpf_probe_read_user(sg, size, (void *)h.sg_list)) {
+		e->flags |= F_READ_FAULT;
+		count_lost(LOST_READ_FAULT);
+	} else {
 		__u32 j;
 #pragma clang loop unroll(disable)
 		for (j = 0; j < MAX_SGE; j++) {
 			if (j >= take)
 				break;
-			total += e->sges[j].length;
+			total += sg[j].length;
 		}
-		e->bytes = total;
+	}
+	e->bytes = total;
+	if (c->with_sges) {
+		// Entries past `take` are not read: zero them so no stale ring memory is reported.
+		__u32 j;
+#pragma clang loop unroll(disable)
+		for (j = 0; j < MAX_SGE; j++) {
+			if (j >= take) {
+				sg[j].addr = 0;
+				sg[j].length = 0;
+				sg[j].lkey = 0;
+			}
+		}
 		bpf_ringbuf_submit(e, wake_flags(sizeof(struct event)));
+	} else {
+		bpf_ringbuf_submit(e, wake_flags(HEAD_BYTES));
 	}
 	c->wr = h.next;
 	return 0;
@@ -309,6 +355,9 @@ int custody_post_write(struct pt_regs *regs)
 		.cpu = bpf_get_smp_processor_id(),
 		.stop = 0,
 	};
+	__u32 k = 1;
+	__u64 *with_sges = bpf_map_lookup_elem(&config, &k);
+	c.with_sges = with_sges && *with_sges;
 	bpf_loop(MAX_CHAIN, post_one, &c, 0);
 	if (c.wr && !c.stop)
 		count_lost(LOST_CHAIN_TRUNCATED);

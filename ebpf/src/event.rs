@@ -132,10 +132,8 @@ impl Observation {
         let kind = Kind::from_raw(u32_at(b, 16)).ok_or(DecodeError::Kind(u32_at(b, 16)))?;
         let num_sge = u32_at(b, 80);
         let mut sges = Vec::new();
-        if kind == Kind::PostWrite {
-            if b.len() < EVENT_BYTES {
-                return Err(DecodeError::Short(b.len(), EVENT_BYTES));
-            }
+        // A write's record carries its SGEs only when configured (`record_sges`).
+        if kind == Kind::PostWrite && b.len() >= EVENT_BYTES {
             let n = (num_sge as usize).min(MAX_SGE);
             sges.extend((0..n).map(|i| {
                 let o = HEAD_BYTES + i * 16;
@@ -285,10 +283,9 @@ mod tests {
             Observation::decode(&[0u8; 10]),
             Err(DecodeError::Short(10, HEAD_BYTES))
         );
-        assert_eq!(
-            Observation::decode(&record(1)[..HEAD_BYTES]),
-            Err(DecodeError::Short(HEAD_BYTES, EVENT_BYTES))
-        );
+        let o = Observation::decode(&record(1)[..HEAD_BYTES]).expect("a write without SGEs");
+        assert!(o.sges.is_empty());
+        assert_eq!(o.num_sge, 2);
         assert_eq!(Observation::decode(&record(42)), Err(DecodeError::Kind(42)));
         let o = Observation::decode(&record(3)[..HEAD_BYTES]).expect("a header-only record");
         assert!(matches!(o.to_event(0), Event::RdmaMr(_)));

@@ -82,7 +82,6 @@ pub struct WitnessConfig {
     pub attach: Vec<AttachSpec>,
 }
 
-
 impl WitnessConfig {
     pub fn from_toml(s: &str) -> Result<Self, WitnessError> {
         let c: Self = toml::from_str(s).map_err(|e| WitnessError::Config(e.to_string()))?;
@@ -245,6 +244,9 @@ impl Witness {
             .map_err(map_err("config"))?;
         config
             .set(0, cfg.wakeup_threshold_bytes, 0)
+            .map_err(map_err("config"))?;
+        config
+            .set(1, u64::from(cfg.record_sges), 0)
             .map_err(map_err("config"))?;
 
         let (exe, scope) = match target {
