@@ -139,6 +139,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         audit: audit
             .clone()
             .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
+        events: None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -162,13 +163,21 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
 }
 
 /// `custody serve` in front of a prefill/decode pair: the pair's nodes run the engines and
-/// keep the audit logs; this process authenticates, limits, streams and validates.
+/// keep the audit logs of every page; this process authenticates, limits, streams and
+/// validates. With `--audit-dir` (and `--audit-key`, and its own `--node`) it keeps its own log
+/// of what only it sees: canary results and prefill anomalies (`node_events`).
 fn serve_front(a: &ServeArgs, serve_cfg: custody_runtime::config::ServeSection) -> Result<()> {
-    if a.audit.audit_dir.is_some() {
-        bail!(
-            "--audit-dir has no effect in front of a pair: the prefill and decode nodes record every page event"
-        );
-    }
+    // Only the explicit flag: the config's [audit] section belongs to the engine nodes.
+    let audit = if a.audit.audit_dir.is_some() {
+        if a.audit.node == 0 {
+            bail!(
+                "in front of a pair, --audit-dir needs this server's own --node id (not the prefill's or decode's)"
+            );
+        }
+        open_audit(&a.audit, None)?
+    } else {
+        None
+    };
     let Loaded {
         engine,
         tokenizer,
@@ -178,14 +187,19 @@ fn serve_front(a: &ServeArgs, serve_cfg: custody_runtime::config::ServeSection) 
     let opts = ServeOptions {
         cfg: serve_cfg.clone(),
         node: 0,
-        audit: None,
+        audit: audit
+            .clone()
+            .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
+        events: audit
+            .clone()
+            .map(|w| w as Arc<dyn custody_audit::AuditSink>),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(async {
+    let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(&serve_cfg.listen)
             .await
             .with_context(|| format!("binding {}", serve_cfg.listen))?;
@@ -198,7 +212,12 @@ fn serve_front(a: &ServeArgs, serve_cfg: custody_runtime::config::ServeSection) 
         )
         .await
         .map_err(anyhow::Error::from)
-    })
+    });
+    if let Some(w) = audit {
+        w.close().context("sealing the audit log")?;
+        tracing::info!("audit log sealed");
+    }
+    served
 }
 
 /// The golden prompts through a pair's front door (gRPC), each compared with its reference.

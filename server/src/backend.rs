@@ -26,6 +26,9 @@ pub enum Backend {
         gauges: Arc<EngineGauges>,
         /// Time to the first event against the prompt's length (see `PrefillCheck`).
         check: PrefillCheck,
+        /// This server's own audit log (its node id, `node_events` only: canary results and
+        /// prefill anomalies), when it keeps one; the pair's nodes record every page event.
+        audit: Option<Arc<dyn audit::AuditSink>>,
     },
 }
 
@@ -64,7 +67,18 @@ impl Backend {
                 node,
                 gauges,
                 check,
-            } => submit_remote(client.clone(), *node, gauges.clone(), *check, req).await,
+                audit,
+            } => {
+                submit_remote(
+                    client.clone(),
+                    *node,
+                    gauges.clone(),
+                    *check,
+                    audit.clone(),
+                    req,
+                )
+                .await
+            }
         }
     }
 
@@ -76,12 +90,28 @@ impl Backend {
         }
     }
 
-    /// Record a server-side audit event. Only a colocated server has a sink; fronting a pair,
-    /// the canary's requests are still audited on both nodes (tenant `_canary`).
+    /// Record a server-side audit event: through the engine thread (colocated), or into this
+    /// server's own log in front of a pair (none configured: the event is only logged and
+    /// counted; the canary's requests are still audited on both nodes, tenant `_canary`).
     pub(crate) async fn record(&self, ev: audit::Event) -> Result<(), EngineGone> {
         match self {
             Backend::Local(h) => h.record(ev).await,
-            Backend::Prefill { .. } => Ok(()),
+            Backend::Prefill { audit: None, .. } => Ok(()),
+            Backend::Prefill {
+                audit: Some(sink), ..
+            } => {
+                // The writer's queue is bounded and fail-closed: this may wait for it, so off the
+                // async workers.
+                let sink = sink.clone();
+                match tokio::task::spawn_blocking(move || sink.record(ev)).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => {
+                        tracing::error!(error = %e, "recording a server event in the audit log failed");
+                        Err(EngineGone::Stopped)
+                    }
+                    Err(_) => Err(EngineGone::Stopped),
+                }
+            }
         }
     }
 }
@@ -152,6 +182,7 @@ async fn submit_remote(
     node: u32,
     gauges: Arc<EngineGauges>,
     check: PrefillCheck,
+    audit_sink: Option<Arc<dyn audit::AuditSink>>,
     req: GenerateRequest,
 ) -> Result<Admitted, Refused> {
     let max_tokens = req.max_tokens;
@@ -190,7 +221,26 @@ async fn submit_remote(
     let ttft = t0.elapsed();
     if first.error.is_empty() && check.is_anomalous(prompt_tokens, ttft) {
         // The incident's signature: a long prompt "prefilled" in no time. The pair's own audit
-        // logs hold the pages; this node has no sink, so it is a metric and an ERROR log.
+        // logs hold the pages; this server records the anomaly in its own log when it keeps one,
+        // and always as a metric and an ERROR log.
+        if let Some(sink) = &audit_sink {
+            let detail = serde_json::json!({
+                "request_id": format!("req-{node}-{id}"),
+                "tenant": tenant,
+                "prompt_tokens": prompt_tokens,
+                "ttft_us": ttft.as_micros() as u64,
+                "max_plausible_tok_s": check.max_plausible_tok_s,
+            });
+            let ev = audit::Event::Node {
+                ts_ns: audit::mono_now_ns(),
+                kind: "prefill_anomaly".into(),
+                detail: detail.to_string(),
+            };
+            let sink = sink.clone();
+            if let Err(e) = tokio::task::spawn_blocking(move || sink.record(ev)).await {
+                tracing::error!(error = %e, "recording a prefill anomaly failed");
+            }
+        }
         gauges
             .prefill_anomalies_total
             .fetch_add(1, Ordering::Relaxed);

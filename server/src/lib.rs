@@ -148,6 +148,9 @@ pub struct ServeOptions {
     pub node: u32,
     /// The audit writer's queue figures, when auditing.
     pub audit: Option<Arc<dyn AuditStats>>,
+    /// In front of a pair (`serve_prefill`): this server's own audit log, for its canary results
+    /// and prefill anomalies (`node_events`). Colocated, events go through the engine's sink.
+    pub events: Option<Arc<dyn custody_audit::AuditSink>>,
 }
 
 /// Serve on `listener` until `shutdown` resolves; then refuse new work, let in-flight requests
@@ -275,6 +278,7 @@ pub async fn serve_prefill(
             node: info.node_id,
             gauges: prepared.gauges,
             check: prepared.check,
+            audit: opts.events.clone(),
         },
         tokenizer: prepared.tokenizer,
         golden: prepared.golden,

@@ -117,6 +117,7 @@ impl TestServer {
             cfg,
             node: NODE,
             audit: Some(stats.unwrap_or_else(|| Arc::new(Stats(writer.clone())))),
+            events: None,
         };
         let done = rt.spawn(custody_server::serve(
             listener,
@@ -576,10 +577,13 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let prefill = format!("http://{}", nodes.pair.prefill_addr);
+    // The front's own log (node events: prefill anomalies, canary results).
+    let front_log = Arc::new(custody_audit::MemorySink::default());
     let opts = ServeOptions {
         cfg,
         node: 0,
         audit: None,
+        events: Some(front_log.clone() as Arc<dyn custody_audit::AuditSink>),
     };
     let done = rt.spawn(async move {
         custody_server::serve_prefill(listener, prepared, &prefill, opts, async move {
@@ -644,6 +648,18 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         })
         .expect("anomaly counter");
     assert!(anomalies >= 1.0, "{metrics}");
+    // …and in the front's own audit log, naming the request.
+    let anomaly_events = front_log
+        .events
+        .lock()
+        .expect("events")
+        .iter()
+        .filter(|e| matches!(e, AEvent::Node { kind, .. } if &**kind == "prefill_anomaly"))
+        .count();
+    assert!(
+        anomaly_events >= 1,
+        "no prefill_anomaly node event in the front's audit log"
+    );
 
     // Over-length: 400 from the pair's admission, with its reason.
     let long = format!(
