@@ -273,6 +273,17 @@ pub enum SinkError {
 /// accepts the event (possibly waiting for queue space) or returns an error.
 pub trait AuditSink: Send + Sync + std::fmt::Debug {
     fn record(&self, event: Event) -> Result<(), SinkError>;
+
+    /// Record `events` in order: the same as [`AuditSink::record`] on each, handed off at once
+    /// where the sink can (the writer: one queue message for the lot, so a producer with many
+    /// events at hand — the eBPF witness's collector draining its ring buffer — pays one
+    /// hand-off, not one per event).
+    fn record_all(&self, events: Vec<Event>) -> Result<(), SinkError> {
+        for e in events {
+            self.record(e)?;
+        }
+        Ok(())
+    }
 }
 
 /// A sink that discards everything (audit off). Named as such: only for `--no-audit` runs and the
@@ -285,6 +296,11 @@ pub struct DiscardSink {
 impl AuditSink for DiscardSink {
     fn record(&self, _event: Event) -> Result<(), SinkError> {
         self.count.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn record_all(&self, events: Vec<Event>) -> Result<(), SinkError> {
+        self.count.fetch_add(events.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }

@@ -123,6 +123,8 @@ impl WriterConfig {
 
 enum Msg {
     Event(Event),
+    /// Several events, in order (`record_all`); counted in events against the queue's bound.
+    Events(Vec<Event>),
     /// Write and fsync everything received so far; reply with the highest durable seq (+1).
     Sync(SyncSender<Result<u64, String>>),
     /// Seal the live segment now.
@@ -151,6 +153,7 @@ impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Msg::Event(_) => "Event",
+            Msg::Events(_) => "Events",
             Msg::Sync(_) => "Sync",
             Msg::Rotate(_) => "Rotate",
             Msg::Shutdown => "Shutdown",
@@ -293,6 +296,59 @@ impl AuditSink for AuditWriter {
             },
         }
     }
+
+    fn record_all(&self, events: Vec<Event>) -> Result<(), SinkError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let n = events.len() as u64;
+        let cap = self.queue_capacity as u64;
+        // The queue's bound is in events: a batch is handed off only when it fits (or when the
+        // queue is empty: a batch larger than the whole queue goes alone).
+        let fits = |w: &Self| {
+            let depth = w.queue_depth();
+            depth == 0 || depth + n <= cap
+        };
+        match self.backpressure {
+            Backpressure::Block => {
+                let mut nap = Duration::from_micros(50);
+                while !fits(self) {
+                    let stopped = self
+                        .handle
+                        .lock()
+                        .map(|h| h.as_ref().is_none_or(|j| j.is_finished()))
+                        .unwrap_or(true);
+                    if stopped {
+                        return Err(SinkError::Closed(self.closed()));
+                    }
+                    std::thread::sleep(nap);
+                    nap = (nap * 2).min(Duration::from_millis(5));
+                }
+                self.tx
+                    .send(Msg::Events(events))
+                    .map_err(|_| SinkError::Closed(self.closed()))?;
+                self.enqueued.fetch_add(n, Ordering::Relaxed);
+                Ok(())
+            }
+            Backpressure::AllowDrop => {
+                if !fits(self) {
+                    self.dropped.fetch_add(n, Ordering::Relaxed);
+                    return Ok(());
+                }
+                match self.tx.try_send(Msg::Events(events)) {
+                    Ok(()) => {
+                        self.enqueued.fetch_add(n, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    Err(TrySendError::Full(_)) => {
+                        self.dropped.fetch_add(n, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    Err(TrySendError::Disconnected(_)) => Err(SinkError::Closed(self.closed())),
+                }
+            }
+        }
+    }
 }
 
 /// One table's live IPC stream.
@@ -312,6 +368,8 @@ struct State {
     segment_started: Instant,
     live_bytes: u64,
     last_fsync: Instant,
+    /// A live file was created since the live directory was last fsynced.
+    live_dir_dirty: bool,
     pending_rows: usize,
     anchor_mono: u64,
     anchor_wall: i64,
@@ -369,6 +427,7 @@ impl State {
             segment_started: Instant::now(),
             live_bytes: 0,
             last_fsync: Instant::now(),
+            live_dir_dirty: false,
             pending_rows: 0,
             anchor_mono,
             anchor_wall,
@@ -485,6 +544,17 @@ impl State {
                         self.maybe_rotate()?;
                     }
                 }
+                Ok(Msg::Events(evs)) => {
+                    dequeued.fetch_add(evs.len() as u64, Ordering::Relaxed);
+                    for ev in &evs {
+                        self.push(ev);
+                        if self.pending_rows >= self.cfg.batch_rows {
+                            self.flush_batch(false)?;
+                            last_flush = Instant::now();
+                            self.maybe_rotate()?;
+                        }
+                    }
+                }
                 Ok(Msg::Sync(reply)) => {
                     let r = self.flush_batch(true).map(|()| self.next_seq);
                     // CPU so far, readable after `sync` returns (steady-state cost, before sealing).
@@ -501,8 +571,10 @@ impl State {
                 Ok(Msg::Shutdown) | Err(TryRecvError::Disconnected) => {
                     // Drain what is queued, then seal.
                     while let Ok(m) = rx.try_recv() {
-                        if let Msg::Event(ev) = m {
-                            self.push(&ev);
+                        match m {
+                            Msg::Event(ev) => self.push(&ev),
+                            Msg::Events(evs) => evs.iter().for_each(|ev| self.push(ev)),
+                            _ => {}
                         }
                     }
                     self.record_drops(dropped, &mut reported_drops);
@@ -581,6 +653,7 @@ impl State {
                     .map_err(io(&path))?;
                 let writer = StreamWriter::try_new(BufWriter::new(file), &table.schema())?;
                 self.live.insert(*table, Live { path, writer });
+                self.live_dir_dirty = true;
             }
             let live = self
                 .live
@@ -604,7 +677,12 @@ impl State {
                     .sync_data()
                     .map_err(io(&live.path))?;
             }
-            fsync_dir(&dir)?;
+            // The directory's entries only change when a live file is created: fsync it then,
+            // not after every batch (each is a journal commit).
+            if self.live_dir_dirty {
+                fsync_dir(&dir)?;
+                self.live_dir_dirty = false;
+            }
             self.last_fsync = Instant::now();
         }
         Ok(())

@@ -365,7 +365,7 @@ fn witness_bench(
     layers: usize,
 ) -> Result<()> {
     use custody_ebpf::{Target, Witness, WitnessConfig, collector};
-    use custody_runtime::disagg::bench::transfer_bench;
+    use custody_runtime::disagg::bench::{TransferRig, process_cpu_s};
     use custody_runtime::transport::abi::{self, SendWr, Sge};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -386,23 +386,31 @@ fn witness_bench(
     let discard: Arc<dyn custody_audit::AuditSink> =
         Arc::new(custody_audit::DiscardSink::default());
     let audit: Arc<dyn custody_audit::AuditSink> = writer.clone();
-    // Attach (with its collector recording into `sink`), run `f`, detach.
+    // Attach (with its collector recording into `sink`), run `f`, detach; the collector's
+    // counts and the programs' kernel run statistics (non-zero only under `BpfStats`).
     let attached_to = |sink: &Arc<dyn custody_audit::AuditSink>,
                        sges: bool,
                        f: &mut dyn FnMut()|
-     -> Result<collector::CollectStats> {
+     -> Result<(collector::CollectStats, Vec<custody_ebpf::ProgramStats>)> {
         let mut c = cfg.clone();
         c.record_sges = sges;
         let mut w = Witness::attach(&c, &Target::Pid(std::process::id()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let (s, wr) = (stop.clone(), sink.clone());
         let interval = cfg.poll_interval();
-        let h = std::thread::spawn(move || collector::run_with(&mut w, &*wr, &s, interval, sges));
+        let h = std::thread::Builder::new()
+            .name("witness-collect".into())
+            .spawn(move || {
+                let r = collector::run_with(&mut w, &*wr, &s, interval, sges);
+                (r, w.program_stats())
+            })
+            .context("spawning the collector")?;
         f();
         stop.store(true, Ordering::Release);
-        h.join()
-            .map_err(|_| anyhow::anyhow!("collector thread panicked"))?
-            .map_err(anyhow::Error::from)
+        let (r, progs) = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("collector thread panicked"))?;
+        Ok((r?, progs))
     };
 
     // Cost per probe hit (default configuration: no SGE lists in the records): a minimal hit
@@ -424,6 +432,9 @@ fn witness_bench(
         let next: *const SendWr = &wrs[i + 1];
         wrs[i].next = next;
     }
+    let wcs: Vec<abi::Wc> = (0..16)
+        .map(|i| abi::Wc::new(i, 0, abi::wc_opcode::RDMA_WRITE, 4096, 0))
+        .collect();
     let time_hits = || {
         let t0 = Instant::now();
         for i in 0..CALLS {
@@ -434,49 +445,133 @@ fn witness_bench(
         for _ in 0..CALLS / 10 {
             std::hint::black_box(abi::custody_kv_post_write(1, &wrs[0]));
         }
-        (reg, t0.elapsed().as_secs_f64() / f64::from(CALLS / 10))
+        let post = t0.elapsed().as_secs_f64() / f64::from(CALLS / 10);
+        let t0 = Instant::now();
+        for _ in 0..CALLS / 10 {
+            abi::announce_completions(1, &wcs);
+        }
+        (
+            reg,
+            post,
+            t0.elapsed().as_secs_f64() / f64::from(CALLS / 10),
+        )
     };
-    let (reg0, post0) = time_hits();
-    let mut hits = (0.0, 0.0);
-    let st = attached_to(&discard, false, &mut || hits = time_hits())?;
+    let (reg0, post0, wc0) = time_hits();
+    let mut hits = (0.0, 0.0, 0.0);
+    let (st, _) = attached_to(&discard, false, &mut || hits = time_hits())?;
     println!(
-        "witness probe hit: register {:.2} us (detached {:.3} us), post of a 3-request chain {:.2} us (detached {:.3} us); collector lost {}",
+        "witness probe hit: register {:.2} us (detached {:.3} us), post of a 3-request chain {:.2} us (detached {:.3} us), a batch of 16 completions {:.2} us (detached {:.3} us); collector lost {}",
         (hits.0 - reg0) * 1e6,
         reg0 * 1e6,
         (hits.1 - post0) * 1e6,
         post0 * 1e6,
+        (hits.2 - wc0) * 1e6,
+        wc0 * 1e6,
         st.lost
     );
 
-    // Transfer throughput, detached and attached alternating, at each batch size: the collector
-    // recording into the audit writer (with and without each write's SGE list), and — to
-    // separate the probes' cost from the collector's — into a sink that discards.
+    // Transfer throughput at each batch size, on one warm connection: blocks of back-to-back
+    // transfers (about BLOCK_S each, so the collector and the writer run at their steady rate
+    // inside the block: wake-ups every poll interval, a batch and fsync every flush interval),
+    // detached and attached alternating. Each attached block is compared with the mean of the
+    // detached blocks either side of it (paired ratios; the variants' order rotates per rep),
+    // and the medians of the ratios are reported — wall-clock time per transfer, and the
+    // process's CPU time per transfer (all threads: the probes run in the posting and
+    // completing threads, the collector and its writer in threads of this process). Work the
+    // collector has not done when a block ends (at most one poll interval's records) is not
+    // counted.
+    const BLOCK_S: f64 = 0.3;
+    const VARIANTS: [&str; 3] = [
+        "default (no SGE lists), into the audit log",
+        "SGE lists recorded, into the audit log",
+        "probes only (collector discarding)",
+    ];
     for pages in [16usize, a.pages] {
-        let mut t: [Vec<f64>; 4] = Default::default();
-        for _ in 0..a.reps {
-            t[0].push(transfer_bench(geom, layers, pages, 3).transfer_s);
-            for (i, sink, sges) in [(1, &audit, true), (2, &audit, false), (3, &discard, false)] {
-                let mut x = 0.0;
-                let st = attached_to(sink, sges, &mut || {
-                    x = transfer_bench(geom, layers, pages, 3).transfer_s
-                })?;
+        let mut rig = TransferRig::new(geom, layers, pages);
+        let mut warm: Vec<f64> = (0..8).map(|_| rig.transfer(false, false)).collect();
+        warm.drain(..3);
+        let per_block = ((BLOCK_S / median(warm)).ceil() as usize).clamp(3, 10_000);
+        let block = |rig: &mut TransferRig| {
+            let (t0, c0) = (Instant::now(), process_cpu_s());
+            for _ in 0..per_block {
+                std::hint::black_box(rig.transfer(false, false));
+            }
+            let n = per_block as f64;
+            (t0.elapsed().as_secs_f64() / n, (process_cpu_s() - c0) / n)
+        };
+        let mut detached = vec![block(&mut rig)];
+        let mut wall: [Vec<f64>; 3] = Default::default();
+        let mut cpu: [Vec<f64>; 3] = Default::default();
+        for rep in 0..a.reps {
+            let mut v = [(0.0, 0.0); 3];
+            for k in 0..3 {
+                let i = (k + rep) % 3;
+                let (sink, sges) = match i {
+                    0 => (&audit, false),
+                    1 => (&audit, true),
+                    _ => (&discard, false),
+                };
+                let (st, _) = attached_to(sink, sges, &mut || v[i] = block(&mut rig))?;
                 if st.lost.total() > 0 {
                     bail!("the witness lost events during the benchmark: {}", st.lost);
                 }
-                t[i].push(x);
             }
+            let d = block(&mut rig);
+            let prev = detached[detached.len() - 1];
+            let (dw, dc) = ((prev.0 + d.0) / 2.0, (prev.1 + d.1) / 2.0);
+            for i in 0..3 {
+                wall[i].push(v[i].0 / dw - 1.0);
+                cpu[i].push(v[i].1 / dc - 1.0);
+            }
+            detached.push(d);
         }
-        let [d, w, ws, x] = t.map(median);
+        let dw = median(detached.iter().map(|d| d.0).collect());
+        let dc = median(detached.iter().map(|d| d.1).collect());
         println!(
-            "transfer {pages} pages over tcp loopback: witness detached {:.3} ms | attached, SGE lists recorded, into the audit log {:.3} ms ({:+.2}% time) | attached as configured by default (no SGE lists), into the audit log {:.3} ms ({:+.2}%) | same, collector discarding {:.3} ms ({:+.2}%); medians of {} alternating runs",
-            d * 1e3,
-            w * 1e3,
-            (w / d - 1.0) * 100.0,
-            ws * 1e3,
-            (ws / d - 1.0) * 100.0,
-            x * 1e3,
-            (x / d - 1.0) * 100.0,
-            a.reps
+            "transfer {pages} pages ({:.2} MiB) over tcp loopback, {per_block} transfers per block, {} reps: witness detached {:.3} ms wall, {:.3} ms CPU per transfer",
+            rig.bytes() as f64 / f64::from(1 << 20),
+            a.reps,
+            dw * 1e3,
+            dc * 1e3
+        );
+        for (i, name) in VARIANTS.iter().enumerate() {
+            let (w, c) = (wall[i].clone(), cpu[i].clone());
+            println!(
+                "  attached, {name}: wall {:+.2}% (quartiles {:+.2}% .. {:+.2}%), CPU {:+.2}% (quartiles {:+.2}% .. {:+.2}%)",
+                median(w.clone()) * 100.0,
+                quantile(w.clone(), 0.25) * 100.0,
+                quantile(w, 0.75) * 100.0,
+                median(c.clone()) * 100.0,
+                quantile(c.clone(), 0.25) * 100.0,
+                quantile(c, 0.75) * 100.0,
+            );
+        }
+        // Where the probes' time goes, in context: one more attached block (default
+        // configuration, into the audit log) with the kernel's BPF run statistics on — not part
+        // of the ratios above, as the statistics add two clock reads per program run.
+        let stats = custody_ebpf::BpfStats::enable().context("enabling kernel.bpf_stats")?;
+        let (st, progs) = attached_to(&audit, false, &mut || {
+            block(&mut rig);
+        })?;
+        drop(stats);
+        let transfers = per_block as f64;
+        let per_hit: Vec<String> = progs
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} {:.0} ns x {:.1} per transfer",
+                    p.program,
+                    p.run_ns as f64 / p.runs as f64,
+                    p.runs as f64 / transfers
+                )
+            })
+            .collect();
+        println!(
+            "  in context (kernel BPF run statistics): {}; {:.1} records per transfer ({:.1} per page); lost {}",
+            per_hit.join(", "),
+            st.ops as f64 / transfers,
+            st.ops as f64 / transfers / pages as f64,
+            st.lost
         );
     }
     writer.close()?;
@@ -487,6 +582,13 @@ fn witness_bench(
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// The `q` quantile (nearest rank) of a non-empty sample.
+fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
+    assert!(!v.is_empty() && (0.0..=1.0).contains(&q));
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
 pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {

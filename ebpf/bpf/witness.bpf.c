@@ -7,13 +7,16 @@
 // Invariants:
 // - Knows the transport only through the probe ABI: the C layouts below are that contract's
 //   (`ibv_sge`, `ibv_send_wr`, `ibv_wc`, with the offsets tabled in abi.rs).
-// - Every loop is bounded (a work-request chain by MAX_CHAIN through bpf_loop, scatter/gather
-//   lists by MAX_SGE);
+// - Every loop is bounded (a work-request chain by MAX_CHAIN and a completion batch by
+//   MAX_WC_BATCH through bpf_loop, scatter/gather lists by MAX_SGE);
 //   whatever a bound cuts off is counted in `lost`, never dropped silently.
 // - A record the ring buffer cannot take is counted per CPU in `lost` (LOST_RING_FULL).
-// - Wake-ups are batched: a record is submitted with BPF_RB_NO_WAKEUP unless the unread data
-//   reaches the threshold the loader sets in `config` (the collector also polls on a timer, so a
-//   quiet tail is read within its poll interval).
+// - Wake-ups are batched: a record is submitted with BPF_RB_NO_WAKEUP unless its reservation
+//   took the unread data across a multiple of the threshold the loader sets in `config` — one
+//   wake-up per threshold's worth of records, not one per record above the threshold (each is
+//   an irq_work self-interrupt, and a collector that has not been scheduled yet would otherwise
+//   be re-woken by every record). The collector also polls on a timer, so a quiet tail is read
+//   within its poll interval.
 //
 // Built by ebpf/build.rs: clang -O2 -g -target bpf -D__TARGET_ARCH_x86 (-g: the maps need BTF).
 
@@ -28,6 +31,8 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 // Bounds. A page's chain is a few writes when the page is full and, when it is not, one per
 // contiguous chunk (layer x K/V x KV head) plus the header: 181 for the embedded model.
 #define MAX_CHAIN 4096
+// Completions decoded per announced batch (the transport's abi::COMPLETE_BATCH_MAX).
+#define MAX_WC_BATCH 256
 // Scatter/gather entries decoded per work request (the transport's MAX_SGE is 30).
 #define MAX_SGE 30
 
@@ -46,7 +51,8 @@ enum kind {
 // `lost` counter indices (per CPU).
 enum lost_idx {
 	LOST_RING_FULL = 0,       // a record the ring buffer had no room for
-	LOST_CHAIN_TRUNCATED = 1, // work requests past MAX_CHAIN in one post
+	LOST_CHAIN_TRUNCATED = 1, // work requests past MAX_CHAIN in one post, or completions past
+	                          // MAX_WC_BATCH in one batch
 	LOST_SGE_TRUNCATED = 2,   // scatter/gather entries past MAX_SGE in one request
 	LOST_READ_FAULT = 3,      // user memory that could not be read
 	LOST_PENDING_FULL = 4,    // a uretprobe's entry arguments had no slot
@@ -95,6 +101,7 @@ struct wc {
 	__u8 dlid_path_bits;
 	__u8 reserved[2];
 };
+_Static_assert(sizeof(struct wc) == 48, "struct ibv_wc is 48 bytes (the array stride)");
 
 // libibverbs' public structs (infiniband/verbs.h), the members read here.
 struct ibv_mr_head {
@@ -203,8 +210,15 @@ static __always_inline __u64 wake_flags(__u64 size)
 	__u64 t = threshold ? *threshold : 0;
 	if (t == 0)
 		return 0;
+	// `avail` counts this record (reserved, with its 8-byte header) and any reserved since on
+	// other CPUs. Wake on the record that takes the unread data across the threshold, and again
+	// at each further threshold's worth while the collector has not caught up (a collector busy
+	// when the first wake-up came, or not yet scheduled, is not left to its timer while the
+	// ring fills): one wake-up per `t` bytes of records, not one per record. The window is two
+	// records wide so that a concurrent reservation rarely hides a crossing.
 	__u64 avail = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
-	return avail + size >= t ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
+	__u64 window = 2 * (size + 8);
+	return avail >= t && avail % t < window ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
 }
 
 static __always_inline struct event *reserve_head(__u32 kind)
@@ -364,26 +378,57 @@ int custody_post_write(struct pt_regs *regs)
 	return 0;
 }
 
-// custody_kv_complete(ctx: u64, wc: *const Wc).
-SEC("uprobe")
-int custody_complete(struct pt_regs *regs)
+// State of one completion-batch walk (bpf_loop callback context).
+struct wc_walk {
+	__u64 wcs;  // the array
+	__u64 ctx;
+	__u32 n;    // entries in the array
+	__u32 stop; // set when a read failed or the ring buffer was full
+};
+
+static long complete_one(__u64 i, void *data)
 {
+	struct wc_walk *c = data;
 	struct wc w;
-	if (bpf_probe_read_user(&w, sizeof(w), (void *)PT_REGS_PARM2(regs))) {
+	if (i >= c->n)
+		return 1;
+	if (bpf_probe_read_user(&w, sizeof(w), (void *)(c->wcs + i * sizeof(struct wc)))) {
 		count_lost(LOST_READ_FAULT);
-		return 0;
+		c->stop = 1;
+		return 1;
 	}
 	struct event *e = reserve_head(EV_COMPLETE);
-	if (!e)
-		return 0;
-	e->ctx = PT_REGS_PARM1(regs);
+	if (!e) {
+		c->stop = 1;
+		return 1;
+	}
+	e->ctx = c->ctx;
 	e->wr_id = w.wr_id;
 	e->status = (__s32)w.status;
 	e->opcode = w.opcode;
 	e->bytes = w.byte_len;
 	e->imm_be = w.imm_data;
 	e->qp_num = w.qp_num;
+	e->chain_index = (__u32)i;
 	submit_head(e);
+	return 0;
+}
+
+// custody_kv_complete(ctx: u64, wcs: *const Wc, n: u32): a batch of completions, as one poll of
+// a completion queue returns them; one record each. Entries past MAX_WC_BATCH are counted lost
+// (the transport announces at most that many per call).
+SEC("uprobe")
+int custody_complete(struct pt_regs *regs)
+{
+	struct wc_walk c = {
+		.wcs = PT_REGS_PARM2(regs),
+		.ctx = PT_REGS_PARM1(regs),
+		.n = (__u32)PT_REGS_PARM3(regs),
+		.stop = 0,
+	};
+	bpf_loop(MAX_WC_BATCH, complete_one, &c, 0);
+	if (c.n > MAX_WC_BATCH && !c.stop)
+		count_lost(LOST_CHAIN_TRUNCATED);
 	return 0;
 }
 

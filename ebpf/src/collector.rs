@@ -117,7 +117,8 @@ pub fn run_with(
     let mut stats = CollectStats::default();
     let mut reported = Lost::default();
     let mut last_check = Instant::now();
-    let mut err: Option<SinkError> = None;
+    // One hand-off to the sink per poll (`record_all`), not one per record.
+    let mut batch: Vec<Event> = Vec::with_capacity(RECORDS_PER_POLL);
     loop {
         let stopping = stop.load(Ordering::Acquire);
         let n = w.poll(
@@ -131,11 +132,16 @@ pub fn run_with(
                 if !record_sges {
                     o.sges.clear();
                 }
-                record(&clock, &o, sink, &mut stats, &mut err)
+                count(&o, &mut stats);
+                batch.push(o.to_event(clock.audit_ns(o.ktime_ns)));
             },
         )?;
-        if let Some(e) = err.take() {
-            return Err(e.into());
+        debug_assert!(batch.len() <= RECORDS_PER_POLL);
+        if !batch.is_empty() {
+            sink.record_all(std::mem::replace(
+                &mut batch,
+                Vec::with_capacity(RECORDS_PER_POLL),
+            ))?;
         }
         if stopping && n == 0 {
             break;
@@ -157,23 +163,11 @@ pub fn run_with(
     Ok(stats)
 }
 
-fn record(
-    clock: &ClockMap,
-    o: &Observation,
-    sink: &dyn AuditSink,
-    stats: &mut CollectStats,
-    err: &mut Option<SinkError>,
-) {
-    if err.is_some() {
-        return;
-    }
+fn count(o: &Observation, stats: &mut CollectStats) {
     if o.kind.is_registration() {
         stats.registrations += 1;
     } else {
         stats.ops += 1;
-    }
-    if let Err(e) = sink.record(o.to_event(clock.audit_ns(o.ktime_ns))) {
-        *err = Some(e);
     }
 }
 

@@ -25,7 +25,8 @@ pub mod witness;
 pub use collector::{ClockMap, CollectError, CollectStats};
 pub use event::{Kind, Observation};
 pub use witness::{
-    AttachSpec, Attached, Lost, Target, Witness, WitnessConfig, WitnessError, check_permitted,
+    AttachSpec, Attached, BpfStats, Lost, ProgramStats, Target, Witness, WitnessConfig,
+    WitnessError, check_permitted,
 };
 
 /// For tests of anything that needs BPF: `Ok` when the witness can run here; otherwise the
@@ -96,8 +97,8 @@ mod tests {
     }
     #[unsafe(no_mangle)]
     #[inline(never)]
-    extern "C" fn custody_kv_complete(ctx: u64, wc: *const Wc) -> i32 {
-        std::hint::black_box((ctx, wc));
+    extern "C" fn custody_kv_complete(ctx: u64, wcs: *const Wc, n: u32) -> i32 {
+        std::hint::black_box((ctx, wcs, n));
         0
     }
     #[unsafe(no_mangle)]
@@ -157,25 +158,31 @@ mod tests {
         let small = chain(3, 2, &sges);
         custody_kv_register(ctx, 77, 0x10_0000, 1 << 20);
         custody_kv_post_write(ctx, &small[0]);
-        let wc = Wc {
-            wr_id: 0x5002,
-            status: 0,
-            opcode: 1,
-            byte_len: 201,
-            imm_data: 9u32.to_be(),
-            qp_num: 12,
-            ..Wc::default()
-        };
-        custody_kv_complete(ctx, &wc);
-        // 40 SGEs in one request (bound 30) and a chain of 4100 (bound 4096): counted as lost.
+        let wcs: Vec<Wc> = (0..300u32)
+            .map(|i| Wc {
+                wr_id: 0x5002 + u64::from(i),
+                status: i % 2,
+                opcode: 1,
+                byte_len: 201 + i,
+                imm_data: (9 + i).to_be(),
+                qp_num: 12,
+                ..Wc::default()
+            })
+            .collect();
+        // A batch of three completions: one probe hit, one record each.
+        custody_kv_complete(ctx, wcs.as_ptr(), 3);
+        // 40 SGEs in one request (bound 30), a chain of 4100 (bound 4096) and a batch of 300
+        // completions (bound 256): what the bounds cut is counted as lost.
         let wide = chain(1, 40, &sges);
         custody_kv_post_write(ctx, &wide[0]);
         let long = chain(4100, 1, &sges);
         custody_kv_post_write(ctx, &long[0]);
+        custody_kv_complete(ctx, wcs.as_ptr(), 300);
         custody_kv_invalidate(ctx, 77);
 
-        // register, 3 writes, completion, the wide write, 4096 of the long chain, invalidate.
-        const EXPECTED: usize = 1 + 3 + 1 + 1 + 4096 + 1;
+        // register, 3 writes, 3 completions, the wide write, 4096 of the long chain, 256 of the
+        // long batch, invalidate.
+        const EXPECTED: usize = 1 + 3 + 3 + 1 + 4096 + 256 + 1;
         let mut seen = Vec::new();
         for _ in 0..50 {
             // Other tests of this binary may hit the probe points concurrently: only ours.
@@ -210,21 +217,37 @@ mod tests {
             assert_eq!(u32::from_be(o.imm_be), 0x0102_0304 + i as u32);
         }
         assert_eq!((seen[3].opcode, seen[3].send_flags), (1, 2));
-        assert_eq!(seen[4].kind, Kind::Complete);
-        assert_eq!(
-            (seen[4].wr_id, seen[4].bytes, seen[4].qp_num),
-            (0x5002, 201, 12)
-        );
-        let wide_o = &seen[5];
+        for (i, o) in seen[4..7].iter().enumerate() {
+            assert_eq!(o.kind, Kind::Complete);
+            assert_eq!(
+                (o.ctx, o.wr_id, o.status, o.bytes, o.qp_num, o.chain_index),
+                (
+                    ctx,
+                    0x5002 + i as u64,
+                    i as i32 % 2,
+                    201 + i as u64,
+                    12,
+                    i as u32
+                )
+            );
+            assert_eq!(u32::from_be(o.imm_be), 9 + i as u32);
+        }
+        let wide_o = &seen[7];
         assert_eq!((wide_o.num_sge, wide_o.sges.len()), (40, 30));
         assert_ne!(wide_o.flags & event::F_SGE_TRUNCATED, 0);
         assert_eq!(wide_o.bytes, (100..130).sum::<u64>());
-        assert!(seen[6..6 + 4096].iter().all(|o| o.kind == Kind::PostWrite));
-        assert_eq!(seen[6 + 4095].chain_index, 4095);
-        assert_eq!(seen[6 + 4096].kind, Kind::Invalidate);
+        assert!(seen[8..8 + 4096].iter().all(|o| o.kind == Kind::PostWrite));
+        assert_eq!(seen[8 + 4095].chain_index, 4095);
+        let batch = &seen[8 + 4096..8 + 4096 + 256];
+        assert!(batch.iter().all(|o| o.kind == Kind::Complete));
+        assert_eq!(
+            (batch[255].wr_id, batch[255].chain_index),
+            (0x5002 + 255, 255)
+        );
+        assert_eq!(seen[8 + 4096 + 256].kind, Kind::Invalidate);
         let lost = w.lost().expect("lost counters");
         assert_eq!(lost.sge_truncated, 1);
-        assert_eq!(lost.chain_truncated, 1);
+        assert_eq!(lost.chain_truncated, 2, "the long chain and the long batch");
         assert_eq!(lost.ring_full, 0);
 
         // And the collector turns them into audit rows.
@@ -234,7 +257,7 @@ mod tests {
         let stats = collector::run(&mut w, &sink, &stop, std::time::Duration::from_millis(1))
             .expect("collect");
         assert_eq!(stats.registrations, 1);
-        assert_eq!(stats.lost.chain_truncated, 1);
+        assert_eq!(stats.lost.chain_truncated, 2);
         let events = sink.events.lock().expect("events");
         assert!(events.iter().any(
             |e| matches!(e, custody_audit::Event::RdmaMr(m) if m.rkey == 78 && m.op == "invalidate")

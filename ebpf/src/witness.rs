@@ -406,6 +406,66 @@ impl Witness {
     pub fn programs(&self) -> Vec<String> {
         self.bpf.programs().map(|(n, _)| n.to_owned()).collect()
     }
+
+    /// The kernel's run statistics of each program that ran since this witness loaded it (its
+    /// `fdinfo`: `run_cnt`, `run_time_ns`), counted only while `kernel.bpf_stats_enabled` is 1
+    /// (see [`BpfStats`]): the cost of a probe hit where it happens, inside the traced threads.
+    pub fn program_stats(&self) -> Vec<ProgramStats> {
+        use std::os::fd::{AsFd, AsRawFd};
+        self.bpf
+            .programs()
+            .filter_map(|(name, p)| {
+                let fd = p.fd().ok()?.as_fd().as_raw_fd();
+                let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+                let field = |k: &str| {
+                    info.lines()
+                        .find_map(|l| l.strip_prefix(k))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                        .unwrap_or(0)
+                };
+                Some(ProgramStats {
+                    program: name.to_owned(),
+                    runs: field("run_cnt:"),
+                    run_ns: field("run_time_ns:"),
+                })
+            })
+            .filter(|s| s.runs > 0)
+            .collect()
+    }
+}
+
+/// One program's kernel run statistics ([`Witness::program_stats`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProgramStats {
+    pub program: String,
+    pub runs: u64,
+    pub run_ns: u64,
+}
+
+/// Turns the kernel's BPF run statistics on (`kernel.bpf_stats_enabled = 1`) for its lifetime
+/// and restores the previous setting on drop. The statistics cost two clock reads per program
+/// run; only benchmarks use them.
+#[derive(Debug)]
+pub struct BpfStats {
+    previous: String,
+}
+
+const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+impl BpfStats {
+    pub fn enable() -> std::io::Result<Self> {
+        let previous = std::fs::read_to_string(BPF_STATS_SYSCTL)?;
+        std::fs::write(BPF_STATS_SYSCTL, "1")?;
+        Ok(Self { previous })
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(BPF_STATS_SYSCTL, self.previous.trim()) {
+            tracing::warn!(error = %e, "could not restore kernel.bpf_stats_enabled");
+        }
+    }
 }
 
 /// The error with the end of the verifier's log (where its verdict is), not all of it.

@@ -34,123 +34,154 @@ impl TransferBench {
     }
 }
 
+/// CPU seconds this process has used, all threads, user and system (`CLOCK_PROCESS_CPUTIME_ID`):
+/// includes BPF programs run in its threads' context and any collector thread it hosts.
+pub fn process_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write; the clock exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "CLOCK_PROCESS_CPUTIME_ID");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-/// Transfer `n_pages` full pages of `geom` × `n_layers` from one pool to another over the tcp
-/// transport on loopback (`reps` times, median), against a memcpy of the same chunks.
-pub fn transfer_bench(
+type RegReply = std::sync::mpsc::Sender<(u32, u64, Vec<u32>)>;
+
+/// A prefill-to-decode transfer set up once and run many times: `n_pages` full pages of `geom` ×
+/// `n_layers` from a source pool to a receiving pool over the tcp transport on loopback (one
+/// connection, kept warm), the receiver on its own thread. Each [`TransferRig::transfer`] is one
+/// timed transfer, posted as the prefill node posts (one chain per page: its gathered chunks
+/// and its header with the immediate data) and complete when every page's completion arrived.
+pub struct TransferRig {
     geom: PageGeometry,
-    n_layers: usize,
-    n_pages: usize,
-    reps: usize,
-) -> TransferBench {
-    assert!(n_pages > 0 && reps > 0);
-    let mut src = PagePool::new(geom, n_layers, n_pages);
-    let owner = 7;
-    let pages = src.alloc(owner, n_pages).expect("alloc");
-    // Fill the source pages with data.
-    let kvd = geom.n_kv_heads * geom.head_dim;
-    let row: Vec<f32> = (0..kvd).map(|i| (i as f32 * 0.37).sin()).collect();
-    for l in 0..n_layers {
-        for pr in &pages {
-            for s in 0..geom.page_size {
-                src.write_slot(l, *pr, s, owner, &row, &row).expect("write");
-            }
-        }
-    }
-    let stride = src.region_page_stride();
-    let mut bytes = 0u64;
-    src.for_each_transfer_chunk(pages[0].page, geom.page_size, |_, b| {
-        bytes += b.len() as u64
-    });
-    bytes *= n_pages as u64;
+    src: PagePool,
+    pages: Vec<custody_kernels::attention::PageRef>,
+    stride: usize,
+    bytes: u64,
+    init: TcpTransport,
+    tx_reg: Option<std::sync::mpsc::Sender<(bool, RegReply)>>,
+    stop: Arc<AtomicBool>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
 
-    // memcpy reference: the same chunks into a second pool's memory.
-    let mut dst_mem = vec![0u8; stride * n_pages];
-    let mut memcpy = Vec::new();
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        for (i, pr) in pages.iter().enumerate() {
-            src.for_each_transfer_chunk(pr.page, geom.page_size, |off, b| {
-                dst_mem[i * stride + off..i * stride + off + b.len()].copy_from_slice(b);
-            });
-        }
-        std::hint::black_box(&dst_mem);
-        memcpy.push(t0.elapsed().as_secs_f64());
-    }
-    let mut checksum_only = Vec::new();
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        let mut x = 0u64;
-        for pr in &pages {
-            x ^= src.page_checksum(pr.page, geom.page_size);
-        }
-        std::hint::black_box(x);
-        checksum_only.push(t0.elapsed().as_secs_f64());
-    }
-
-    // Transport: target thread lands into `dst`, verifying when asked.
-    let mut target = TcpTransport::new(2);
-    let addr: SocketAddr = target
-        .listen("127.0.0.1:0".parse().expect("addr"))
-        .expect("listen");
-    let mut init = TcpTransport::new(1);
-    init.connect(addr).expect("connect");
-    let (tx_reg, rx_reg) =
-        std::sync::mpsc::channel::<(bool, std::sync::mpsc::Sender<(u32, u64, Vec<u32>)>)>();
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = Arc::clone(&stop);
-    let n = n_pages;
-    let worker = std::thread::spawn(move || {
-        let mut dst = PagePool::new(geom, n_layers, n);
-        let mut regions: HashMap<u32, Vec<custody_kernels::attention::PageRef>> = HashMap::new();
-        while let Ok((verify, reply)) = rx_reg.recv() {
-            let dpages = dst.alloc(9, n).expect("alloc");
-            let region = target.register((stride * n) as u64).expect("register");
-            regions.insert(region.rkey, dpages.clone());
-            let gens: Vec<u32> = dpages.iter().map(|p| p.generation).collect();
-            let _ = reply.send((region.rkey, region.base, gens));
-            let mut landed = 0;
-            let mut wcs = Vec::new();
-            while landed < n && !stop2.load(Ordering::Relaxed) {
-                wcs.clear();
-                let regions = &regions;
-                let mut mem = super::PoolLanding {
-                    pool: &mut dst,
-                    stride,
-                    page_of: |rkey: u32, idx: usize| {
-                        regions
-                            .get(&rkey)
-                            .and_then(|p| p.get(idx))
-                            .copied()
-                            .ok_or_else(|| AccessError("no region".into()))
-                    },
-                };
-                // A few frames per poll (about one page): each page is verified right after it landed,
-                // while its bytes are still in cache.
-                target.poll_recv(&mut mem, &mut wcs, 4).expect("poll");
-                for wc in &wcs {
-                    let idx = wc.imm() as usize;
-                    if verify {
-                        dst.verify_landed(dpages[idx], 9, geom.page_size, true)
-                            .expect("verify");
-                    }
-                    landed += 1;
+impl TransferRig {
+    pub fn new(geom: PageGeometry, n_layers: usize, n_pages: usize) -> Self {
+        assert!(n_pages > 0);
+        let mut src = PagePool::new(geom, n_layers, n_pages);
+        let owner = 7;
+        let pages = src.alloc(owner, n_pages).expect("alloc");
+        // Fill the source pages with data.
+        let kvd = geom.n_kv_heads * geom.head_dim;
+        let row: Vec<f32> = (0..kvd).map(|i| (i as f32 * 0.37).sin()).collect();
+        for l in 0..n_layers {
+            for pr in &pages {
+                for s in 0..geom.page_size {
+                    src.write_slot(l, *pr, s, owner, &row, &row).expect("write");
                 }
             }
-            target.invalidate(region.rkey).expect("invalidate");
-            dst.release(9, &dpages).expect("release");
         }
-    });
-    // (verify on the receiver, hash on the sender before the timed transfer)
-    let mut run = |verify: bool, precompute: bool| -> f64 {
+        let stride = src.region_page_stride();
+        let mut bytes = 0u64;
+        src.for_each_transfer_chunk(pages[0].page, geom.page_size, |_, b| {
+            bytes += b.len() as u64
+        });
+        bytes *= n_pages as u64;
+
+        // Transport: target thread lands into `dst`, verifying when asked.
+        let mut target = TcpTransport::new(2);
+        let addr: SocketAddr = target
+            .listen("127.0.0.1:0".parse().expect("addr"))
+            .expect("listen");
+        let mut init = TcpTransport::new(1);
+        init.connect(addr).expect("connect");
+        let (tx_reg, rx_reg) = std::sync::mpsc::channel::<(bool, RegReply)>();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let n = n_pages;
+        let worker = std::thread::spawn(move || {
+            let mut dst = PagePool::new(geom, n_layers, n);
+            let mut regions: HashMap<u32, Vec<custody_kernels::attention::PageRef>> =
+                HashMap::new();
+            while let Ok((verify, reply)) = rx_reg.recv() {
+                let dpages = dst.alloc(9, n).expect("alloc");
+                let region = target.register((stride * n) as u64).expect("register");
+                regions.insert(region.rkey, dpages.clone());
+                let gens: Vec<u32> = dpages.iter().map(|p| p.generation).collect();
+                let _ = reply.send((region.rkey, region.base, gens));
+                let mut landed = 0;
+                let mut wcs = Vec::new();
+                while landed < n && !stop2.load(Ordering::Relaxed) {
+                    wcs.clear();
+                    let regions = &regions;
+                    let mut mem = super::PoolLanding {
+                        pool: &mut dst,
+                        stride,
+                        page_of: |rkey: u32, idx: usize| {
+                            regions
+                                .get(&rkey)
+                                .and_then(|p| p.get(idx))
+                                .copied()
+                                .ok_or_else(|| AccessError("no region".into()))
+                        },
+                    };
+                    // A few frames per poll (about one page): each page is verified right after
+                    // it landed, while its bytes are still in cache.
+                    target.poll_recv(&mut mem, &mut wcs, 4).expect("poll");
+                    for wc in &wcs {
+                        let idx = wc.imm() as usize;
+                        if verify {
+                            dst.verify_landed(dpages[idx], 9, geom.page_size, true)
+                                .expect("verify");
+                        }
+                        landed += 1;
+                    }
+                }
+                target.invalidate(region.rkey).expect("invalidate");
+                regions.remove(&region.rkey);
+                dst.release(9, &dpages).expect("release");
+            }
+        });
+        Self {
+            geom,
+            src,
+            pages,
+            stride,
+            bytes,
+            init,
+            tx_reg: Some(tx_reg),
+            stop,
+            worker: Some(worker),
+        }
+    }
+
+    /// Bytes of KV moved per transfer.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// One transfer; returns its wall-clock seconds (from the first post to the last
+    /// completion). `verify`: the receiver verifies each page's checksum as it lands;
+    /// `precompute`: the sender's checksums are computed before the timed part (as the prefill
+    /// node does, at prefill completion), otherwise inside it, right before each page's post.
+    pub fn transfer(&mut self, verify: bool, precompute: bool) -> f64 {
+        let geom = self.geom;
+        let (src, pages, stride) = (&self.src, &self.pages, self.stride);
+        let n_pages = pages.len();
         let (rtx, rrx) = std::sync::mpsc::channel();
-        tx_reg.send((verify, rtx)).expect("worker");
+        self.tx_reg
+            .as_ref()
+            .expect("rig alive")
+            .send((verify, rtx))
+            .expect("worker");
         let (rkey, base, gens) = rrx.recv().expect("region");
-        let pre: Vec<u64> = if precompute {
+        let pre: Vec<u64> = if verify && precompute {
             pages
                 .iter()
                 .map(|pr| src.page_checksum(pr.page, geom.page_size))
@@ -178,7 +209,7 @@ pub fn transfer_bench(
             );
             let pb = base + (i * stride) as u64;
             let (_sges, wrs) = super::page_write_chain(
-                &src,
+                src,
                 pr.page,
                 geom.page_size,
                 pb,
@@ -187,15 +218,19 @@ pub fn transfer_bench(
                 i as u32,
                 &headers[i],
             );
+            // Posted as the prefill node posts: one chain per page. (Linking a transfer's pages
+            // into one post — doorbell batching — cost the tcp transport 25 % at 16 pages here:
+            // one large writev loses the sender/receiver overlap.)
             // SAFETY: the chunks are in `src` (not modified during the run) and the headers in
-            // `headers`, both alive until every completion below.
-            unsafe { init.post_write(&wrs[0]) }.expect("post");
+            // `headers` (capacity reserved up front: never reallocated), both alive until every
+            // completion below; the chain and its SGE list live for the call.
+            unsafe { self.init.post_write(&wrs[0]) }.expect("post");
         }
         let mut done = 0;
         let mut wcs: Vec<Wc> = Vec::new();
         while done < n_pages {
             wcs.clear();
-            init.poll_send(&mut wcs, 4096).expect("poll");
+            self.init.poll_send(&mut wcs, 4096).expect("poll");
             for wc in &wcs {
                 assert!(wc.ok(), "transfer failed: {wc:?}");
             }
@@ -205,16 +240,71 @@ pub fn transfer_bench(
             }
         }
         t0.elapsed().as_secs_f64()
-    };
+    }
+}
+
+impl std::fmt::Debug for TransferRig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferRig")
+            .field("pages", &self.pages.len())
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for TransferRig {
+    fn drop(&mut self) {
+        drop(self.tx_reg.take());
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Transfer `n_pages` full pages of `geom` × `n_layers` from one pool to another over the tcp
+/// transport on loopback (`reps` times, median), against a memcpy of the same chunks.
+pub fn transfer_bench(
+    geom: PageGeometry,
+    n_layers: usize,
+    n_pages: usize,
+    reps: usize,
+) -> TransferBench {
+    assert!(n_pages > 0 && reps > 0);
+    let mut rig = TransferRig::new(geom, n_layers, n_pages);
+    let (bytes, stride) = (rig.bytes, rig.stride);
+    // memcpy reference: the same chunks into a second pool's memory.
+    let mut dst_mem = vec![0u8; stride * n_pages];
+    let mut memcpy = Vec::new();
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        for (i, pr) in rig.pages.iter().enumerate() {
+            rig.src
+                .for_each_transfer_chunk(pr.page, geom.page_size, |off, b| {
+                    dst_mem[i * stride + off..i * stride + off + b.len()].copy_from_slice(b);
+                });
+        }
+        std::hint::black_box(&dst_mem);
+        memcpy.push(t0.elapsed().as_secs_f64());
+    }
+    let mut checksum_only = Vec::new();
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        let mut x = 0u64;
+        for pr in &rig.pages {
+            x ^= rig.src.page_checksum(pr.page, geom.page_size);
+        }
+        std::hint::black_box(x);
+        checksum_only.push(t0.elapsed().as_secs_f64());
+    }
+    let mut run = |verify: bool, precompute: bool| rig.transfer(verify, precompute);
     let (mut plain, mut checked, mut inline) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps {
         plain.push(run(false, false));
         checked.push(run(true, true));
         inline.push(run(true, false));
     }
-    drop(tx_reg);
-    stop.store(true, Ordering::Relaxed);
-    let _ = worker.join();
+    drop(rig);
     TransferBench {
         bytes,
         memcpy_s: median(memcpy),

@@ -683,7 +683,8 @@ fn finish(c: &mut Conn, st: &mut TargetState, mem: &mut dyn TargetMemory) -> Opt
 }
 
 /// Acknowledge (if signaled) and complete (if with immediate data and successful) a write.
-fn complete(acks: &mut Vec<u8>, ctx: u64, fin: &Finished, out: &mut Vec<Wc>) {
+/// (The receive completions are announced to the probe point by `poll_recv`, one batch per call.)
+fn complete(acks: &mut Vec<u8>, fin: &Finished, out: &mut Vec<Wc>) {
     if fin.flags & SEND_SIGNALED != 0 {
         acks.extend_from_slice(&MAGIC_ACK.to_le_bytes());
         acks.extend_from_slice(&fin.status.to_le_bytes());
@@ -699,7 +700,6 @@ fn complete(acks: &mut Vec<u8>, ctx: u64, fin: &Finished, out: &mut Vec<Wc>) {
             fin.len,
             fin.imm,
         );
-        abi::custody_kv_complete(ctx, &wc);
         out.push(wc);
     }
 }
@@ -725,6 +725,9 @@ fn flush_acks(c: &mut Conn) {
     }
 }
 
+/// Acknowledgements read per `read` call at most: one probe hit announces each read's batch.
+const ACKS_PER_READ: usize = 64;
+
 fn ack_loop(
     mut s: TcpStream,
     tx: SyncSender<Wc>,
@@ -732,26 +735,49 @@ fn ack_loop(
     alive: Arc<AtomicBool>,
     ctx: u64,
 ) {
-    let mut buf = [0u8; ACK_LEN];
-    while s.read_exact(&mut buf).is_ok() {
-        let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
-        if u32_at(0) != MAGIC_ACK {
-            break;
+    let mut buf = [0u8; ACK_LEN * ACKS_PER_READ];
+    let mut have = 0;
+    let mut wcs: Vec<Wc> = Vec::with_capacity(ACKS_PER_READ);
+    'read: loop {
+        debug_assert!(have < ACK_LEN);
+        match s.read(&mut buf[have..]) {
+            Ok(0) => break,
+            Ok(k) => have += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
         }
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&buf[8..16]);
-        let wr_id = u64::from_le_bytes(w);
-        let wc = Wc::new(wr_id, u32_at(4), wc_opcode::RDMA_WRITE, u32_at(16), 0);
-        let known = outstanding
-            .lock()
-            .map(|mut o| o.remove(&wr_id))
-            .unwrap_or(false);
-        if known {
-            abi::custody_kv_complete(ctx, &wc);
+        let whole = have / ACK_LEN * ACK_LEN;
+        let mut bad = false;
+        wcs.clear();
+        for a in buf[..whole].chunks_exact(ACK_LEN) {
+            let u32_at = |i: usize| u32::from_le_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+            if u32_at(0) != MAGIC_ACK {
+                bad = true;
+                break;
+            }
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&a[8..16]);
+            let wr_id = u64::from_le_bytes(w);
+            let wc = Wc::new(wr_id, u32_at(4), wc_opcode::RDMA_WRITE, u32_at(16), 0);
+            let known = outstanding
+                .lock()
+                .map(|mut o| o.remove(&wr_id))
+                .unwrap_or(false);
+            if known {
+                wcs.push(wc);
+            }
+        }
+        abi::announce_completions(ctx, &wcs);
+        for wc in wcs.drain(..) {
             if tx.send(wc).is_err() {
                 return;
             }
         }
+        if bad {
+            break 'read;
+        }
+        buf.copy_within(whole..have, 0);
+        have -= whole;
     }
     // Connection gone: everything still outstanding is flushed in error (never "completed").
     alive.store(false, Ordering::Release);
@@ -759,9 +785,12 @@ fn ack_loop(
         .lock()
         .map(|mut o| o.drain().collect())
         .unwrap_or_default();
-    for wr_id in ids {
-        let wc = Wc::new(wr_id, wc_status::WR_FLUSH_ERR, wc_opcode::RDMA_WRITE, 0, 0);
-        abi::custody_kv_complete(ctx, &wc);
+    let flushed: Vec<Wc> = ids
+        .into_iter()
+        .map(|wr_id| Wc::new(wr_id, wc_status::WR_FLUSH_ERR, wc_opcode::RDMA_WRITE, 0, 0))
+        .collect();
+    abi::announce_completions(ctx, &flushed);
+    for wc in flushed {
         if tx.send(wc).is_err() {
             return;
         }
@@ -849,6 +878,7 @@ impl KvTransport for TcpTransport {
     ) -> Result<usize, TransportError> {
         let ctx = self.ctx;
         let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
+        let announced = out.len();
         while let Ok((id, stream)) = t.st.new_conns.try_recv() {
             t.conns.push(Conn {
                 id,
@@ -877,9 +907,9 @@ impl KvTransport for TcpTransport {
             };
             // A dead peer learns nothing; its writes were flushed on its side.
             if let Some(c) = t.conns.iter_mut().find(|c| c.id == frame.conn) {
-                complete(&mut c.acks, ctx, &fin, out);
+                complete(&mut c.acks, &fin, out);
             } else {
-                complete(&mut Vec::new(), ctx, &fin, out);
+                complete(&mut Vec::new(), &fin, out);
             }
         }
         let mut budget = t.st.poll_bytes_max;
@@ -891,7 +921,7 @@ impl KvTransport for TcpTransport {
                         budget = budget.saturating_sub(k);
                         if let Some(fin) = fin {
                             n += 1;
-                            complete(&mut c.acks, ctx, &fin, out);
+                            complete(&mut c.acks, &fin, out);
                         }
                     }
                     Step::Blocked => break,
@@ -906,6 +936,9 @@ impl KvTransport for TcpTransport {
             }
             !c.closed
         });
+        // One probe hit for everything that landed in this call (after the landing, before the
+        // caller learns of it).
+        abi::announce_completions(ctx, &out[announced..]);
         Ok(n)
     }
 

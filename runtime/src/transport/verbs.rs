@@ -50,7 +50,7 @@
 //!   requests (stops polling) stalls the initiator, as a full `tcp` queue does.
 //!
 //! Every work request and completion is announced through the probe points of [`abi`]
-//! (`custody_kv_post_write` before posting, `custody_kv_complete` per completion,
+//! (`custody_kv_post_write` before posting, `custody_kv_complete` per polled batch,
 //! `custody_kv_register`, `custody_kv_invalidate`), exactly as `tcp` does.
 
 use std::alloc::Layout;
@@ -1171,11 +1171,11 @@ impl KvTransport for VerbsTransport {
             return Err(TransportError::NotConnected);
         }
         let ctx = self.ctx;
+        let announced = out.len();
         let mut stale = 0;
         while stale < max
             && let Some(wc) = self.stale_send.pop_front()
         {
-            abi::custody_kv_complete(ctx, &wc);
             out.push(wc);
             stale += 1;
         }
@@ -1185,9 +1185,10 @@ impl KvTransport for VerbsTransport {
             if !wc.ok() && first_err.is_none() {
                 first_err = Some(wc);
             }
-            abi::custody_kv_complete(ctx, &wc);
             out.push(wc);
         })?;
+        // One probe hit per poll: what `ibv_poll_cq` returned (and any parked stale entries).
+        abi::announce_completions(ctx, &out[announced..]);
         if let Some(wc) = first_err
             && !self.broken
         {
@@ -1240,10 +1241,8 @@ impl KvTransport for VerbsTransport {
         if !landed.is_empty() {
             self.land_owned(mem);
         }
-        for wc in landed {
-            abi::custody_kv_complete(self.ctx, &wc);
-            out.push(wc);
-        }
+        abi::announce_completions(self.ctx, &landed);
+        out.extend_from_slice(&landed);
         self.refill_recv()?;
         Ok(n)
     }
