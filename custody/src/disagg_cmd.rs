@@ -579,6 +579,81 @@ fn witness_bench(
     Ok(())
 }
 
+/// The witness on the engine's real path: whole requests through an in-process disaggregated
+/// pair (prefill, the KV transfer of the prompt's pages, decode), detached and attached
+/// alternating; the witness recording into its own audit log as `custody probe` does.
+fn witness_pair_bench(
+    pair: &custody_runtime::disagg::client::Pair,
+    req: &custody_runtime::GenerateRequest,
+    reps: usize,
+) -> Result<()> {
+    use custody_ebpf::{Target, Witness, WitnessConfig, collector};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = std::env::temp_dir().join(format!("custody-witness-pair-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let key = custody_audit::digest::generate_key().context("key")?;
+    let writer = Arc::new(custody_audit::writer::AuditWriter::open(
+        custody_audit::writer::WriterConfig::new(&dir, 0x8000_0001, key),
+    )?);
+    let cfg = WitnessConfig::default_config();
+    let run = |pair: &custody_runtime::disagg::client::Pair| -> Result<(f64, f64, f64)> {
+        let t0 = Instant::now();
+        let g = pair
+            .generate(req)
+            .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+        let total = t0.elapsed().as_secs_f64();
+        let tps = (g.tokens.len() - 1) as f64 / (g.total - g.ttft).as_secs_f64();
+        Ok((g.ttft.as_secs_f64(), tps, total))
+    };
+    run(pair)?; // warm-up
+    let (mut ttft, mut tps, mut total): (Vec<f64>, Vec<f64>, Vec<f64>) = Default::default();
+    let mut ops = 0u64;
+    for _ in 0..reps {
+        let d = run(pair)?;
+        let mut w = Witness::attach(&cfg, &Target::Pid(std::process::id()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, sink) = (stop.clone(), writer.clone());
+        let interval = cfg.poll_interval();
+        let h = std::thread::Builder::new()
+            .name("witness-collect".into())
+            .spawn(move || collector::run(&mut w, &*sink, &s, interval))
+            .context("spawning the collector")?;
+        let x = run(pair);
+        stop.store(true, Ordering::Release);
+        let st = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("collector thread panicked"))??;
+        let x = x?;
+        if st.lost.total() > 0 {
+            bail!("the witness lost events during the benchmark: {}", st.lost);
+        }
+        ops += st.ops;
+        ttft.push(x.0 / d.0 - 1.0);
+        tps.push(x.1 / d.1 - 1.0);
+        total.push(x.2 / d.2 - 1.0);
+    }
+    writer.close()?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let pct = |v: &Vec<f64>| {
+        format!(
+            "{:+.2}% (quartiles {:+.2}% .. {:+.2}%)",
+            median(v.clone()) * 100.0,
+            quantile(v.clone(), 0.25) * 100.0,
+            quantile(v.clone(), 0.75) * 100.0
+        )
+    };
+    println!(
+        "whole requests through the pair ({} prompt tokens, {} generated; {:.0} witness records per request), witness attached into its audit log vs detached, paired: time to first token {}, decode tok/s {}, request time {}; {reps} reps",
+        req.prompt.len(),
+        req.max_tokens,
+        ops as f64 / reps as f64,
+        pct(&ttft),
+        pct(&tps),
+        pct(&total),
+    );
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -608,25 +683,24 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
     println!("# custody bench-disagg (reps {}, medians)", a.reps);
     if a.witness || a.witness_only {
         witness_bench(&a, geom, layers)?;
-        if a.witness_only {
-            return Ok(());
-        }
     }
 
-    let t = transfer_bench(geom, layers, a.pages, a.reps);
-    println!(
-        "transfer {} pages ({:.1} MiB): memcpy {:.2} GB/s | tcp loopback {:.2} GB/s = {:.2}x memcpy | tcp + checksum (hashed at prefill completion, verified on landing) {:.2} GB/s = {:.2}x memcpy | tcp + checksum hashed inside the transfer {:.2} GB/s = {:.2}x memcpy | checksum alone {:.2} GB/s",
-        a.pages,
-        t.bytes as f64 / (1 << 20) as f64,
-        t.gbps(t.memcpy_s),
-        t.gbps(t.transfer_s),
-        t.memcpy_s / t.transfer_s,
-        t.gbps(t.transfer_checksum_s),
-        t.memcpy_s / t.transfer_checksum_s,
-        t.gbps(t.transfer_checksum_inline_s),
-        t.memcpy_s / t.transfer_checksum_inline_s,
-        t.gbps(t.checksum_only_s),
-    );
+    if !a.witness_only {
+        let t = transfer_bench(geom, layers, a.pages, a.reps);
+        println!(
+            "transfer {} pages ({:.1} MiB): memcpy {:.2} GB/s | tcp loopback {:.2} GB/s = {:.2}x memcpy | tcp + checksum (hashed at prefill completion, verified on landing) {:.2} GB/s = {:.2}x memcpy | tcp + checksum hashed inside the transfer {:.2} GB/s = {:.2}x memcpy | checksum alone {:.2} GB/s",
+            a.pages,
+            t.bytes as f64 / (1 << 20) as f64,
+            t.gbps(t.memcpy_s),
+            t.gbps(t.transfer_s),
+            t.memcpy_s / t.transfer_s,
+            t.gbps(t.transfer_checksum_s),
+            t.memcpy_s / t.transfer_checksum_s,
+            t.gbps(t.transfer_checksum_inline_s),
+            t.memcpy_s / t.transfer_checksum_inline_s,
+            t.gbps(t.checksum_only_s),
+        );
+    }
 
     // Colocated vs disaggregated, same prompt, alternating.
     let ecfg = custody_runtime::EngineConfig {
@@ -668,6 +742,12 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         Engine::new(load()?, ecfg.clone())?,
         opts,
     )?;
+    if a.witness || a.witness_only {
+        witness_pair_bench(&pair, &req, a.reps)?;
+        if a.witness_only {
+            return Ok(());
+        }
+    }
     let colocated = |e: &mut Engine| -> Result<(f64, f64)> {
         let id = e.submit(req.clone())?;
         let t0 = Instant::now();
