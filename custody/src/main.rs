@@ -149,6 +149,10 @@ enum AuditCmd {
         events: u64,
         #[arg(long)]
         dir: Option<PathBuf>,
+        /// The eBPF witness's mix instead (`rdma_ops` rows: per page, three posted work requests
+        /// and two completions), handed over in batches as its collector does.
+        #[arg(long)]
+        witness: bool,
     },
 }
 
@@ -401,9 +405,73 @@ fn audit_cmd(a: AuditCmd) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        AuditCmd::Bench { events, dir } => audit_bench(events, dir),
+        AuditCmd::Bench {
+            events,
+            dir,
+            witness,
+        } => audit_bench(events, dir, witness),
         AuditCmd::Synth(a) => synth_cmd::synth(a),
     }
+}
+
+/// Record `events` (at least; whole batches) of the eBPF witness's rows for 16-page transfers:
+/// per page three posted work requests and two completions, in `record_all` batches of 256.
+fn record_witness_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result<u64> {
+    use custody_audit::{AuditSink, Event, RdmaOp};
+    const BATCH: usize = 256;
+    let mut n = 0u64;
+    let mut page = 0u64;
+    let mut batch: Vec<Event> = Vec::with_capacity(BATCH + 5);
+    while n < events {
+        page += 1;
+        let ts = custody_audit::mono_now_ns();
+        let wr_id = ((page / 16) << 16) | (page % 16);
+        let base = 0x7f00_0000_0000 + (page % 4096) * 361_536;
+        for (i, (off, bytes)) in [(0u64, 175_104u64), (175_104, 175_104), (0, 48)]
+            .into_iter()
+            .enumerate()
+        {
+            batch.push(Event::RdmaOp(Box::new(RdmaOp {
+                ts_ns: ts,
+                ktime_ns: ts + 1_000_000,
+                pid: 4242,
+                tid: 4243,
+                op: "post_write",
+                ctx: (1 << 32) | 1,
+                wr_id,
+                chain_index: i as u32,
+                opcode: u32::from(i == 2),
+                flags: if i == 2 { 2 } else { 0 },
+                imm: (page % 16) as u32,
+                remote_addr: base + off,
+                rkey: (page / 16) as u32,
+                num_sge: if i == 2 { 1 } else { 30 },
+                bytes,
+                ..RdmaOp::default()
+            })));
+        }
+        for (tid, opcode, bytes) in [(4244u32, 1u32, 48u64), (4245, 129, 48)] {
+            batch.push(Event::RdmaOp(Box::new(RdmaOp {
+                ts_ns: ts + 20_000,
+                ktime_ns: ts + 1_020_000,
+                pid: 4242,
+                tid,
+                op: "complete",
+                ctx: (2 << 32) | 1,
+                wr_id,
+                opcode,
+                imm: (page % 16) as u32,
+                bytes,
+                ..RdmaOp::default()
+            })));
+        }
+        n += 5;
+        if batch.len() >= BATCH {
+            w.record_all(std::mem::replace(&mut batch, Vec::with_capacity(BATCH + 5)))?;
+        }
+    }
+    w.record_all(batch)?;
+    Ok(n)
 }
 
 /// Record `events` (at least; whole requests) of the realistic per-request mix the audit
@@ -514,7 +582,7 @@ fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result<u64
 
 /// Writer throughput and bytes per event: a realistic mix (per request: lifecycle, page allocs,
 /// write-ahead records per step, run-length reads, releases), recorded from one producer thread.
-fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
+fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<()> {
     use custody_audit::writer::{AuditWriter, FsyncPolicy, WriterConfig};
     let dir = dir.unwrap_or_else(|| {
         std::env::temp_dir().join(format!("custody-audit-bench-{}", std::process::id()))
@@ -527,7 +595,11 @@ fn audit_bench(events: u64, dir: Option<PathBuf>) -> Result<()> {
     cfg.fsync = FsyncPolicy::Interval(std::time::Duration::from_millis(100));
     let w = AuditWriter::open(cfg)?;
     let t0 = Instant::now();
-    let n = record_mix(&w, events)?;
+    let n = if witness {
+        record_witness_mix(&w, events)?
+    } else {
+        record_mix(&w, events)?
+    };
     let recorded = t0.elapsed();
     w.close()?;
     let total = t0.elapsed();

@@ -57,6 +57,16 @@ pub struct CollectStats {
     pub ops: u64,
     pub registrations: u64,
     pub lost: Lost,
+    /// CPU time of the collecting thread over the run (decoding, converting, handing off), ns.
+    pub cpu_ns: u64,
+}
+
+/// This thread's CPU time so far (Linux `schedstat`: ns on CPU); 0 where unreadable.
+fn thread_cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|x| x.parse().ok()))
+        .unwrap_or(0)
 }
 
 fn node_event(kind: &str, detail: String) -> Event {
@@ -113,6 +123,7 @@ pub fn run_with(
     poll_interval: Duration,
     record_sges: bool,
 ) -> Result<CollectStats, CollectError> {
+    let cpu_start_ns = thread_cpu_ns();
     let clock = ClockMap::now();
     let mut stats = CollectStats::default();
     let mut reported = Lost::default();
@@ -153,6 +164,7 @@ pub fn run_with(
     }
     report_lost(w, sink, &mut reported)?;
     stats.lost = reported;
+    stats.cpu_ns = thread_cpu_ns().saturating_sub(cpu_start_ns);
     sink.record(node_event(
         "witness_stop",
         format!(
