@@ -56,6 +56,7 @@ mod tests {
     //! not link the runtime): chains decoded field by field, bounds counted as lost.
     use super::*;
     use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
 
     #[repr(C)]
     struct Sge {
@@ -114,6 +115,105 @@ mod tests {
         0
     }
 
+    /// The BPF tests of this binary attach to the same probe points, and every witness sees
+    /// every hit in the process: one at a time, so that no test's records land in another's
+    /// ring (its counts, its wake-up threshold).
+    static BPF_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// IRQ work interrupts so far, all CPUs (`/proc/interrupts`, `IWI`): a ring-buffer wake-up
+    /// is one.
+    fn irq_work_interrupts() -> Option<u64> {
+        let s = std::fs::read_to_string("/proc/interrupts").ok()?;
+        let line = s.lines().find(|l| l.trim_start().starts_with("IWI:"))?;
+        Some(
+            line.split_whitespace()
+                .skip(1)
+                .map_while(|x| x.parse::<u64>().ok())
+                .sum(),
+        )
+    }
+
+    /// Wake-ups are batched: records under the threshold do not wake a waiting collector, the
+    /// record that crosses it does, and past it the collector is woken once per threshold's
+    /// worth of records — not once per record (each wake-up is an irq_work interrupt).
+    #[test]
+    fn the_collector_is_woken_at_each_threshold_not_by_each_record() {
+        if !require_bpf_or_skip("ebpf::wake_ups_are_batched") {
+            return;
+        }
+        let _one_at_a_time = BPF_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        const THRESHOLD: u64 = 8192;
+        let mut cfg = WitnessConfig::default_config();
+        cfg.wakeup_threshold_bytes = THRESHOLD;
+        let mut w = Witness::attach(&cfg, &Target::Pid(std::process::id())).expect("attach");
+        let ctx = (9u64 << 32) | 1;
+        // 1. Ten records (≈ 1 KiB) do not wake a waiting collector; crossing the threshold does.
+        let producer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            for i in 0..10 {
+                custody_kv_register(ctx, i, 0, 0);
+            }
+            std::thread::sleep(Duration::from_millis(700));
+            for i in 0..200 {
+                custody_kv_register(ctx, 100 + i, 0, 0);
+            }
+        });
+        let t0 = std::time::Instant::now();
+        let mut seen = 0usize;
+        w.poll(Duration::from_secs(10), 100_000, |o| {
+            seen += usize::from(o.ctx == ctx);
+        })
+        .expect("poll");
+        let woke = t0.elapsed();
+        producer.join().expect("producer");
+        assert!(
+            woke >= Duration::from_millis(900),
+            "woken after {woke:?}: by records under the threshold"
+        );
+        assert!(
+            woke < Duration::from_secs(5),
+            "not woken by crossing the threshold ({woke:?})"
+        );
+        while seen < 210 {
+            let n = w
+                .poll(Duration::from_millis(100), 100_000, |o| {
+                    seen += usize::from(o.ctx == ctx);
+                })
+                .expect("poll");
+            if n == 0 {
+                break;
+            }
+        }
+        assert_eq!(seen, 210, "every record arrives");
+
+        // 2. Far past the threshold, with nobody reading: one wake-up per threshold's worth.
+        const RECORDS: u64 = 5000; // 104 B each with its header: ~63 thresholds' worth
+        let Some(before) = irq_work_interrupts() else {
+            eprintln!("SKIP part 2: no IWI line in /proc/interrupts");
+            return;
+        };
+        for i in 0..RECORDS {
+            custody_kv_register(ctx, 1000 + i as u32, 0, 0);
+        }
+        let after = irq_work_interrupts().expect("IWI");
+        let expected = RECORDS * 104 / THRESHOLD;
+        assert!(
+            after - before < 4 * expected + 100,
+            "{} irq_work interrupts for {RECORDS} records ({expected} thresholds' worth): a wake-up per record?",
+            after - before
+        );
+        let mut drained = 0u64;
+        while w
+            .poll(Duration::ZERO, 100_000, |o| {
+                drained += u64::from(o.ctx == ctx);
+            })
+            .expect("poll")
+            > 0
+        {}
+        assert_eq!(drained, RECORDS);
+        assert_eq!(w.lost().expect("lost").total(), 0);
+    }
+
     fn chain(n_wrs: usize, sges_per_wr: usize, sges: &[Sge]) -> Vec<SendWr> {
         let mut wrs: Vec<SendWr> = (0..n_wrs)
             .map(|i| SendWr {
@@ -141,6 +241,7 @@ mod tests {
         if !require_bpf_or_skip("ebpf::witness_decodes_chains") {
             return;
         }
+        let _one_at_a_time = BPF_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let mut cfg = WitnessConfig::default_config();
         cfg.record_sges = true;
         let mut w = Witness::attach(&cfg, &Target::Pid(std::process::id()))
@@ -274,6 +375,7 @@ mod tests {
         if !require_bpf_or_skip("ebpf::libibverbs_programs_load_and_attach") {
             return;
         }
+        let _one_at_a_time = BPF_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let Some(lib) = symbols::find_library("libibverbs.so.1") else {
             eprintln!("SKIP: libibverbs.so.1 is not installed (scripts/setup.sh installs it)");
             assert!(std::env::var("CI").as_deref() != Ok("true"));
@@ -300,6 +402,7 @@ mod tests {
         if !require_bpf_or_skip("ebpf::witness_without_sge_lists") {
             return;
         }
+        let _one_at_a_time = BPF_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let mut w = Witness::attach(
             &WitnessConfig::default_config(),
             &Target::Pid(std::process::id()),
