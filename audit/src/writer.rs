@@ -839,4 +839,32 @@ mod tests {
         w.close().expect("close");
         let _ = fs::remove_dir_all(&root);
     }
+
+    #[test]
+    fn record_all_hands_over_whole_batches_and_refuses_after_close() {
+        let root = std::env::temp_dir().join(format!("custody-recall-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let key = digest::generate_key().expect("key");
+        let mut cfg = WriterConfig::new(&root, 0, key);
+        // Smaller than the batches below: a batch waits for an empty queue, then goes alone.
+        cfg.queue_capacity = 64;
+        let w = AuditWriter::open(cfg).expect("open");
+        let batch = |k: u64| -> Vec<Event> {
+            (0..100)
+                .map(|i| Event::Node {
+                    ts_ns: k * 100 + i,
+                    kind: "test".into(),
+                    detail: String::new(),
+                })
+                .collect()
+        };
+        for k in 0..10 {
+            w.record_all(batch(k)).expect("record_all");
+            assert!(w.queue_depth() <= 100, "one batch in the queue at most");
+        }
+        assert_eq!(w.sync().expect("sync"), 1000, "every event, once");
+        w.close().expect("close");
+        assert!(matches!(w.record_all(batch(10)), Err(SinkError::Closed(_))));
+        let _ = fs::remove_dir_all(&root);
+    }
 }
