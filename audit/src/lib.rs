@@ -35,6 +35,15 @@ pub fn mono_now_ns() -> MonoNs {
         .as_nanos() as u64
 }
 
+/// The calling thread's CPU time so far, in nanoseconds (Linux `schedstat`: time on CPU); 0
+/// where unreadable. How the writer and the witness's collector report their own cost.
+pub fn thread_cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|x| x.parse().ok()))
+        .unwrap_or(0)
+}
+
 /// A request's lifecycle event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RequestKind {

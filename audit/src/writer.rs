@@ -39,7 +39,7 @@ use parquet::file::properties::WriterProperties;
 
 use crate::digest::{self, DigestFile, SealedFile};
 use crate::schema::{SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, TableBuilder};
-use crate::{AuditSink, Event, SinkError, mono_now_ns};
+use crate::{AuditSink, Event, SinkError, mono_now_ns, thread_cpu_ns};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriterError {
@@ -374,14 +374,6 @@ struct State {
     anchor_mono: u64,
     anchor_wall: i64,
     chain: digest::ChainHead,
-}
-
-/// This thread's CPU time (Linux `schedstat`: ns on CPU).
-fn thread_cpu_ns() -> u64 {
-    fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().and_then(|x| x.parse().ok()))
-        .unwrap_or(0)
 }
 
 fn live_dir(root: &Path, node: u32) -> PathBuf {

@@ -364,11 +364,9 @@ fn witness_bench(
     geom: custody_kernels::attention::PageGeometry,
     layers: usize,
 ) -> Result<()> {
-    use custody_ebpf::{Target, Witness, WitnessConfig, collector};
+    use custody_ebpf::WitnessConfig;
     use custody_runtime::disagg::bench::{TransferRig, process_cpu_s};
     use custody_runtime::transport::abi::{self, SendWr, Sge};
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
 
     custody_ebpf::check_permitted().context("the witness benchmark needs BPF")?;
     let dir = std::env::temp_dir().join(format!("custody-witness-bench-{}", std::process::id()));
@@ -386,32 +384,12 @@ fn witness_bench(
     let discard: Arc<dyn custody_audit::AuditSink> =
         Arc::new(custody_audit::DiscardSink::default());
     let audit: Arc<dyn custody_audit::AuditSink> = writer.clone();
-    // Attach (with its collector recording into `sink`), run `f`, detach; the collector's
-    // counts and the programs' kernel run statistics (non-zero only under `BpfStats`).
-    let attached_to = |sink: &Arc<dyn custody_audit::AuditSink>,
-                       sges: bool,
-                       f: &mut dyn FnMut()|
-     -> Result<(collector::CollectStats, Vec<custody_ebpf::ProgramStats>)> {
-        let mut c = cfg.clone();
-        c.record_sges = sges;
-        let mut w = Witness::attach(&c, &Target::Pid(std::process::id()))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let (s, wr) = (stop.clone(), sink.clone());
-        let interval = cfg.poll_interval();
-        let h = std::thread::Builder::new()
-            .name("witness-collect".into())
-            .spawn(move || {
-                let r = collector::run_with(&mut w, &*wr, &s, interval, sges);
-                (r, w.program_stats())
-            })
-            .context("spawning the collector")?;
-        f();
-        stop.store(true, Ordering::Release);
-        let (r, progs) = h
-            .join()
-            .map_err(|_| anyhow::anyhow!("collector thread panicked"))?;
-        Ok((r?, progs))
-    };
+    let attached_to =
+        |sink: &Arc<dyn custody_audit::AuditSink>, sges: bool, f: &mut dyn FnMut()| {
+            let mut c = cfg.clone();
+            c.record_sges = sges;
+            with_witness(&c, sink.clone(), f)
+        };
 
     // Cost per probe hit (default configuration: no SGE lists in the records): a minimal hit
     // (register) and a page's chain (3 requests x 10 SGEs, the shape of a full page's gathered
@@ -628,6 +606,38 @@ fn witness_bench(
     Ok(())
 }
 
+/// Attach the witness to this process with its collector recording into `sink`, run `f`,
+/// detach: the collector's counts and the programs' kernel run statistics (non-zero only under
+/// `BpfStats`).
+fn with_witness(
+    cfg: &custody_ebpf::WitnessConfig,
+    sink: Arc<dyn custody_audit::AuditSink>,
+    f: &mut dyn FnMut(),
+) -> Result<(
+    custody_ebpf::collector::CollectStats,
+    Vec<custody_ebpf::ProgramStats>,
+)> {
+    use custody_ebpf::{Target, Witness, collector};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut w = Witness::attach(cfg, &Target::Pid(std::process::id()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    let (interval, sges) = (cfg.poll_interval(), cfg.record_sges);
+    let h = std::thread::Builder::new()
+        .name("witness-collect".into())
+        .spawn(move || {
+            let r = collector::run_with(&mut w, &*sink, &s, interval, sges);
+            (r, w.program_stats())
+        })
+        .context("spawning the collector")?;
+    f();
+    stop.store(true, Ordering::Release);
+    let (r, progs) = h
+        .join()
+        .map_err(|_| anyhow::anyhow!("collector thread panicked"))?;
+    Ok((r?, progs))
+}
+
 /// The witness on the engine's real path: whole requests through an in-process disaggregated
 /// pair (prefill, the KV transfer of the prompt's pages, decode), detached and attached
 /// alternating; the witness recording into its own audit log as `custody probe` does.
@@ -636,8 +646,7 @@ fn witness_pair_bench(
     req: &custody_runtime::GenerateRequest,
     reps: usize,
 ) -> Result<()> {
-    use custody_ebpf::{Target, Witness, WitnessConfig, collector};
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use custody_ebpf::WitnessConfig;
     let dir = std::env::temp_dir().join(format!("custody-witness-pair-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let key = custody_audit::digest::generate_key().context("key")?;
@@ -659,19 +668,8 @@ fn witness_pair_bench(
     let mut ops = 0u64;
     for _ in 0..reps {
         let d = run(pair)?;
-        let mut w = Witness::attach(&cfg, &Target::Pid(std::process::id()))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let (s, sink) = (stop.clone(), writer.clone());
-        let interval = cfg.poll_interval();
-        let h = std::thread::Builder::new()
-            .name("witness-collect".into())
-            .spawn(move || collector::run(&mut w, &*sink, &s, interval))
-            .context("spawning the collector")?;
-        let x = run(pair);
-        stop.store(true, Ordering::Release);
-        let st = h
-            .join()
-            .map_err(|_| anyhow::anyhow!("collector thread panicked"))??;
+        let mut x = Ok((0.0, 0.0, 0.0));
+        let (st, _) = with_witness(&cfg, writer.clone(), &mut || x = run(pair))?;
         let x = x?;
         if st.lost.total() > 0 {
             bail!("the witness lost events during the benchmark: {}", st.lost);

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use custody_audit::{AuditSink, Event, SinkError, mono_now_ns};
+use custody_audit::{AuditSink, Event, SinkError, mono_now_ns, thread_cpu_ns};
 
 use crate::event::Observation;
 use crate::witness::{Lost, Witness, WitnessError};
@@ -59,14 +59,6 @@ pub struct CollectStats {
     pub lost: Lost,
     /// CPU time of the collecting thread over the run (decoding, converting, handing off), ns.
     pub cpu_ns: u64,
-}
-
-/// This thread's CPU time so far (Linux `schedstat`: ns on CPU); 0 where unreadable.
-fn thread_cpu_ns() -> u64 {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().and_then(|x| x.parse().ok()))
-        .unwrap_or(0)
 }
 
 fn node_event(kind: &str, detail: String) -> Event {
