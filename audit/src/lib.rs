@@ -248,6 +248,153 @@ pub struct RdmaOp {
     pub probe_flags: Option<String>,
 }
 
+/// Rows of `rdma_ops`, column by column: what the eBPF witness's collector hands the writer per
+/// ring-buffer drain. The witness writes at the transfer path's rate (5 rows per KV page), so its
+/// rows skip the per-event path (an `Event` allocated, matched and freed per row, appended to
+/// generic column builders): the collector appends straight into these columns and the writer
+/// wraps them as one Arrow record batch without copying (`schema::rdma_ops_batch`).
+///
+/// Invariant: every column has [`RdmaOpRows::len`] entries (checked by `push`'s construction and
+/// asserted where the batch is built).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RdmaOpRows {
+    pub ts_ns: Vec<MonoNs>,
+    pub ktime_ns: Vec<u64>,
+    pub pid: Vec<u32>,
+    pub tid: Vec<u32>,
+    pub op: Vec<&'static str>,
+    pub ctx: Vec<u64>,
+    pub wr_id: Vec<u64>,
+    pub chain_index: Vec<u32>,
+    pub opcode: Vec<u32>,
+    pub flags: Vec<u32>,
+    pub imm: Vec<u32>,
+    pub remote_addr: Vec<u64>,
+    pub rkey: Vec<u32>,
+    pub num_sge: Vec<u32>,
+    pub bytes: Vec<u64>,
+    pub status: Vec<i32>,
+    pub qp_num: Vec<u32>,
+    pub sges: Vec<Option<String>>,
+    pub probe_flags: Vec<Option<String>>,
+}
+
+impl RdmaOpRows {
+    pub fn with_capacity(n: usize) -> Self {
+        Self {
+            ts_ns: Vec::with_capacity(n),
+            ktime_ns: Vec::with_capacity(n),
+            pid: Vec::with_capacity(n),
+            tid: Vec::with_capacity(n),
+            op: Vec::with_capacity(n),
+            ctx: Vec::with_capacity(n),
+            wr_id: Vec::with_capacity(n),
+            chain_index: Vec::with_capacity(n),
+            opcode: Vec::with_capacity(n),
+            flags: Vec::with_capacity(n),
+            imm: Vec::with_capacity(n),
+            remote_addr: Vec::with_capacity(n),
+            rkey: Vec::with_capacity(n),
+            num_sge: Vec::with_capacity(n),
+            bytes: Vec::with_capacity(n),
+            status: Vec::with_capacity(n),
+            qp_num: Vec::with_capacity(n),
+            sges: Vec::with_capacity(n),
+            probe_flags: Vec::with_capacity(n),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.ts_ns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ts_ns.is_empty()
+    }
+
+    /// True when every column has the same number of entries.
+    pub fn is_rectangular(&self) -> bool {
+        let n = self.len();
+        [
+            self.ktime_ns.len(),
+            self.pid.len(),
+            self.tid.len(),
+            self.op.len(),
+            self.ctx.len(),
+            self.wr_id.len(),
+            self.chain_index.len(),
+            self.opcode.len(),
+            self.flags.len(),
+            self.imm.len(),
+            self.remote_addr.len(),
+            self.rkey.len(),
+            self.num_sge.len(),
+            self.bytes.len(),
+            self.status.len(),
+            self.qp_num.len(),
+            self.sges.len(),
+            self.probe_flags.len(),
+        ]
+        .iter()
+        .all(|&l| l == n)
+    }
+
+    pub fn push(&mut self, o: RdmaOp) {
+        self.ts_ns.push(o.ts_ns);
+        self.ktime_ns.push(o.ktime_ns);
+        self.pid.push(o.pid);
+        self.tid.push(o.tid);
+        self.op.push(o.op);
+        self.ctx.push(o.ctx);
+        self.wr_id.push(o.wr_id);
+        self.chain_index.push(o.chain_index);
+        self.opcode.push(o.opcode);
+        self.flags.push(o.flags);
+        self.imm.push(o.imm);
+        self.remote_addr.push(o.remote_addr);
+        self.rkey.push(o.rkey);
+        self.num_sge.push(o.num_sge);
+        self.bytes.push(o.bytes);
+        self.status.push(o.status);
+        self.qp_num.push(o.qp_num);
+        self.sges.push(o.sges);
+        self.probe_flags.push(o.probe_flags);
+        debug_assert!(self.is_rectangular());
+    }
+
+    /// Row `i` as an event (for sinks that take events one by one).
+    pub fn row(&self, i: usize) -> RdmaOp {
+        RdmaOp {
+            ts_ns: self.ts_ns[i],
+            ktime_ns: self.ktime_ns[i],
+            pid: self.pid[i],
+            tid: self.tid[i],
+            op: self.op[i],
+            ctx: self.ctx[i],
+            wr_id: self.wr_id[i],
+            chain_index: self.chain_index[i],
+            opcode: self.opcode[i],
+            flags: self.flags[i],
+            imm: self.imm[i],
+            remote_addr: self.remote_addr[i],
+            rkey: self.rkey[i],
+            num_sge: self.num_sge[i],
+            bytes: self.bytes[i],
+            status: self.status[i],
+            qp_num: self.qp_num[i],
+            sges: self.sges[i].clone(),
+            probe_flags: self.probe_flags[i].clone(),
+        }
+    }
+
+    pub fn into_events(self) -> Vec<Event> {
+        assert!(self.is_rectangular(), "rdma_ops columns of unequal length");
+        (0..self.len())
+            .map(|i| Event::RdmaOp(Box::new(self.row(i))))
+            .collect()
+    }
+}
+
 /// A memory registration seen by the eBPF witness (table `rdma_mr`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RdmaMr {
@@ -293,6 +440,12 @@ pub trait AuditSink: Send + Sync + std::fmt::Debug {
         }
         Ok(())
     }
+
+    /// Record witness rows (`rdma_ops`), in order: the same as [`AuditSink::record_all`] on
+    /// [`RdmaOpRows::into_events`], without the per-row events where the sink can (the writer).
+    fn record_rdma_ops(&self, rows: RdmaOpRows) -> Result<(), SinkError> {
+        self.record_all(rows.into_events())
+    }
 }
 
 /// A sink that discards everything (audit off). Named as such: only for `--no-audit` runs and the
@@ -310,6 +463,11 @@ impl AuditSink for DiscardSink {
 
     fn record_all(&self, events: Vec<Event>) -> Result<(), SinkError> {
         self.count.fetch_add(events.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn record_rdma_ops(&self, rows: RdmaOpRows) -> Result<(), SinkError> {
+        self.count.fetch_add(rows.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }

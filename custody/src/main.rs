@@ -417,11 +417,11 @@ fn audit_cmd(a: AuditCmd) -> Result<()> {
 /// Record `events` (at least; whole batches) of the eBPF witness's rows for 16-page transfers:
 /// per page three posted work requests and two completions, in `record_all` batches of 256.
 fn record_witness_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result<u64> {
-    use custody_audit::{AuditSink, Event, RdmaOp};
+    use custody_audit::{AuditSink, RdmaOp, RdmaOpRows};
     const BATCH: usize = 256;
     let mut n = 0u64;
     let mut page = 0u64;
-    let mut batch: Vec<Event> = Vec::with_capacity(BATCH + 5);
+    let mut batch = RdmaOpRows::with_capacity(BATCH + 5);
     while n < events {
         page += 1;
         let ts = custody_audit::mono_now_ns();
@@ -431,7 +431,7 @@ fn record_witness_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Re
             .into_iter()
             .enumerate()
         {
-            batch.push(Event::RdmaOp(Box::new(RdmaOp {
+            batch.push(RdmaOp {
                 ts_ns: ts,
                 ktime_ns: ts + 1_000_000,
                 pid: 4242,
@@ -448,10 +448,10 @@ fn record_witness_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Re
                 num_sge: if i == 2 { 1 } else { 30 },
                 bytes,
                 ..RdmaOp::default()
-            })));
+            });
         }
         for (tid, opcode, bytes) in [(4244u32, 1u32, 48u64), (4245, 129, 48)] {
-            batch.push(Event::RdmaOp(Box::new(RdmaOp {
+            batch.push(RdmaOp {
                 ts_ns: ts + 20_000,
                 ktime_ns: ts + 1_020_000,
                 pid: 4242,
@@ -463,14 +463,17 @@ fn record_witness_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Re
                 imm: (page % 16) as u32,
                 bytes,
                 ..RdmaOp::default()
-            })));
+            });
         }
         n += 5;
         if batch.len() >= BATCH {
-            w.record_all(std::mem::replace(&mut batch, Vec::with_capacity(BATCH + 5)))?;
+            w.record_rdma_ops(std::mem::replace(
+                &mut batch,
+                RdmaOpRows::with_capacity(BATCH + 5),
+            ))?;
         }
     }
-    w.record_all(batch)?;
+    w.record_rdma_ops(batch)?;
     Ok(n)
 }
 
@@ -593,6 +596,8 @@ fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<()> {
     let key = custody_audit::digest::generate_key()?;
     let mut cfg = WriterConfig::new(&dir, 0, key);
     cfg.fsync = FsyncPolicy::Interval(std::time::Duration::from_millis(100));
+    // One segment, sealed at the end: the live-segment work and the sealing are measured apart.
+    cfg.rotate_bytes = u64::MAX;
     let w = AuditWriter::open(cfg)?;
     let t0 = Instant::now();
     let n = if witness {
@@ -600,7 +605,9 @@ fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<()> {
     } else {
         record_mix(&w, events)?
     };
+    w.sync()?;
     let recorded = t0.elapsed();
+    let live_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
     w.close()?;
     let total = t0.elapsed();
     let writer_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
@@ -610,6 +617,8 @@ fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<()> {
         "record_events_per_s": n as f64 / recorded.as_secs_f64(),
         "sealed_events_per_s": n as f64 / total.as_secs_f64(),
         "writer_thread_cpu_s": writer_cpu_s,
+        "writer_live_ns_per_event": live_cpu_s * 1e9 / n as f64,
+        "writer_seal_ns_per_event": (writer_cpu_s - live_cpu_s) * 1e9 / n as f64,
         "writer_events_per_cpu_s": if writer_cpu_s > 0.0 { n as f64 / writer_cpu_s } else { 0.0 },
         "parquet_bytes": bytes,
         "bytes_per_event": bytes as f64 / n as f64,

@@ -46,6 +46,7 @@ enum kind {
 	EV_IBV_CREATE_QP = 7,
 	EV_IBV_MODIFY_QP = 8,
 	EV_IBV_DESTROY_QP = 9,
+	EV_POST_BATCH = 10, // a run of a posted chain's work requests: header + wr_entry[n]
 };
 
 // `lost` counter indices (per CPU).
@@ -151,6 +152,33 @@ struct event {
 };
 
 #define HEAD_BYTES __builtin_offsetof(struct event, sges)
+
+// One work request in an EV_POST_BATCH record (without SGE lists, the default): the header's
+// ktime_ns, pid, tid, ctx and cpu are the post's; `chain_index` is the first entry's position in
+// its chain and `num_sge` the record's entry count. One record per POST_BATCH_WRS requests
+// instead of one per request: a post of a 16-page transfer (48 requests) is 6 ring-buffer
+// writes, not 48 reservations, wake-up checks and commits.
+struct wr_entry {
+	__u64 wr_id;
+	__u64 remote_addr;
+	__u64 bytes;       // sum of the decoded SGE lengths
+	__u32 rkey;
+	__u32 opcode;
+	__u32 send_flags;
+	__u32 imm_be;
+	__u32 num_sge;     // as posted
+	__u32 flags;       // F_*
+};
+_Static_assert(sizeof(struct wr_entry) == 48, "wr_entry is 48 bytes (ebpf/src/event.rs)");
+// Entries per batch record: reserved whole, so a short post wastes the unused entries' ring
+// space (a 3-request post: 240 of 480 bytes) — the bound trades that against reservations.
+#define POST_BATCH_WRS 8
+struct post_batch {
+	__u8 head[HEAD_BYTES];
+	struct wr_entry wrs[POST_BATCH_WRS];
+};
+// SGEs read per probe read when only their lengths are summed (on the stack: 128 bytes).
+#define SGE_CHUNK 8
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -355,6 +383,121 @@ static long post_one(__u32 i, void *data)
 	return 0;
 }
 
+// Sum of the lengths of `n` SGEs at `list`, read SGE_CHUNK at a time onto the stack (no shared
+// scratch: a uprobe program can be preempted, and another hit on the same CPU would clobber a
+// per-CPU buffer mid-use). Returns -1 when the memory cannot be read.
+static __always_inline __s64 sge_bytes(__u64 list, __u32 n)
+{
+	struct sge chunk[SGE_CHUNK];
+	__u64 total = 0;
+	__u32 done = 0;
+#pragma clang loop unroll(disable)
+	for (int r = 0; r < (MAX_SGE + SGE_CHUNK - 1) / SGE_CHUNK; r++) {
+		if (done >= n)
+			break;
+		__u32 take = n - done;
+		if (take > SGE_CHUNK)
+			take = SGE_CHUNK;
+		__u64 size = (__u64)take * sizeof(struct sge);
+		asm volatile("" : "+r"(size));
+		if (size > sizeof(chunk))
+			size = sizeof(chunk);
+		if (size == 0)
+			break;
+		if (bpf_probe_read_user(chunk, size, (void *)(list + (__u64)done * sizeof(struct sge))))
+			return -1;
+#pragma clang loop unroll(disable)
+		for (int j = 0; j < SGE_CHUNK; j++) {
+			if (j >= take)
+				break;
+			total += chunk[j].length;
+		}
+		done += take;
+	}
+	return (__s64)total;
+}
+
+// State of one batched chain walk (bpf_loop callback context).
+struct batch_walk {
+	__u64 wr;   // next work request to decode (0: the chain ended)
+	__u64 ctx;
+	__u64 id;   // pid_tgid
+	__u64 now;
+	__u32 cpu;
+	__u32 index; // chain position of the next request
+	__u32 stop;  // set when the walk ended early (read fault)
+	__u32 pad;
+};
+
+// Up to POST_BATCH_WRS requests of the chain: one EV_POST_BATCH record.
+static long post_batch_one(__u32 i, void *data)
+{
+	struct batch_walk *c = data;
+	if (!c->wr)
+		return 1;
+	struct post_batch *b = bpf_ringbuf_reserve(&events, sizeof(struct post_batch), 0);
+	if (!b) {
+		// The chain's remaining requests are not walked: one count for the record lost.
+		count_lost(LOST_RING_FULL);
+		c->stop = 1;
+		return 1;
+	}
+	struct event *e = (struct event *)b->head;
+	__builtin_memset(e, 0, HEAD_BYTES);
+	e->ktime_ns = c->now;
+	e->pid = c->id >> 32;
+	e->tid = (__u32)c->id;
+	e->kind = EV_POST_BATCH;
+	e->ctx = c->ctx;
+	e->cpu = c->cpu;
+	e->chain_index = c->index;
+	__u32 n = 0;
+#pragma clang loop unroll(disable)
+	for (int k = 0; k < POST_BATCH_WRS; k++) {
+		struct send_wr_head h;
+		if (!c->wr)
+			break;
+		if (bpf_probe_read_user(&h, sizeof(h), (void *)c->wr)) {
+			count_lost(LOST_READ_FAULT);
+			c->stop = 1;
+			c->wr = 0;
+			break;
+		}
+		struct wr_entry *w = &b->wrs[k];
+		__u32 ns = h.num_sge < 0 ? 0 : (__u32)h.num_sge;
+		w->wr_id = h.wr_id;
+		w->remote_addr = h.remote_addr;
+		w->rkey = h.rkey;
+		w->opcode = h.opcode;
+		w->send_flags = h.send_flags;
+		w->imm_be = h.imm_data;
+		w->num_sge = ns;
+		w->flags = 0;
+		if (ns > MAX_SGE) {
+			w->flags |= F_SGE_TRUNCATED;
+			count_lost(LOST_SGE_TRUNCATED);
+			ns = MAX_SGE;
+		}
+		__s64 total = sge_bytes(h.sg_list, ns);
+		if (total < 0) {
+			w->flags |= F_READ_FAULT;
+			count_lost(LOST_READ_FAULT);
+			total = 0;
+		}
+		w->bytes = (__u64)total;
+		n++;
+		c->index++;
+		c->wr = h.next;
+	}
+	if (n == 0) {
+		bpf_ringbuf_discard(b, BPF_RB_NO_WAKEUP);
+		return 1;
+	}
+	e->num_sge = n;
+	bpf_ringbuf_submit(b, wake_flags(sizeof(struct post_batch)));
+	return c->wr ? 0 : 1;
+}
+
 // custody_kv_post_write(ctx: u64, wr: *const SendWr): one record per work request of the chain,
 // walked with bpf_loop (a chain of a partially filled page is one request per layer and head:
 // hundreds for larger models; bpf_loop keeps the verifier's cost independent of the bound).
@@ -372,8 +515,19 @@ int custody_post_write(struct pt_regs *regs)
 	__u32 k = 1;
 	__u64 *with_sges = bpf_map_lookup_elem(&config, &k);
 	c.with_sges = with_sges && *with_sges;
-	bpf_loop(MAX_CHAIN, post_one, &c, 0);
-	if (c.wr && !c.stop)
+	if (c.with_sges) {
+		bpf_loop(MAX_CHAIN, post_one, &c, 0);
+		if (c.wr && !c.stop)
+			count_lost(LOST_CHAIN_TRUNCATED);
+		return 0;
+	}
+	// Without SGE lists: batch records (EV_POST_BATCH) of up to POST_BATCH_WRS requests.
+	struct batch_walk bw = {
+		.wr = c.wr, .ctx = c.ctx, .id = c.id, .now = c.now, .cpu = c.cpu,
+		.index = 0, .stop = 0,
+	};
+	bpf_loop(MAX_CHAIN / POST_BATCH_WRS, post_batch_one, &bw, 0);
+	if (bw.wr && !bw.stop)
 		count_lost(LOST_CHAIN_TRUNCATED);
 	return 0;
 }

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use custody_audit::{AuditSink, Event, SinkError, mono_now_ns, thread_cpu_ns};
+use custody_audit::{AuditSink, Event, RdmaOpRows, SinkError, mono_now_ns, thread_cpu_ns};
 
 use crate::event::Observation;
 use crate::witness::{Lost, Witness, WitnessError};
@@ -120,8 +120,11 @@ pub fn run_with(
     let mut stats = CollectStats::default();
     let mut reported = Lost::default();
     let mut last_check = Instant::now();
-    // One hand-off to the sink per poll (`record_all`), not one per record.
-    let mut batch: Vec<Event> = Vec::with_capacity(RECORDS_PER_POLL);
+    // One hand-off to the sink per poll, not one per record: operations as columns
+    // (`record_rdma_ops`: no event per row), registrations (few) as events, handed over first
+    // (a region is registered before writes into it).
+    let mut batch: Vec<Event> = Vec::new();
+    let mut ops = RdmaOpRows::default();
     loop {
         let stopping = stop.load(Ordering::Acquire);
         let n = w.poll(
@@ -136,15 +139,21 @@ pub fn run_with(
                     o.sges.clear();
                 }
                 count(&o, &mut stats);
-                batch.push(o.to_event(clock.audit_ns(o.ktime_ns)));
+                let ts_ns = clock.audit_ns(o.ktime_ns);
+                if o.kind.is_registration() {
+                    batch.push(o.to_event(ts_ns));
+                } else {
+                    ops.push(o.to_rdma_op(ts_ns));
+                }
             },
         )?;
-        debug_assert!(batch.len() <= RECORDS_PER_POLL);
+        debug_assert!(batch.len() + ops.len() <= RECORDS_PER_POLL);
         if !batch.is_empty() {
-            sink.record_all(std::mem::replace(
-                &mut batch,
-                Vec::with_capacity(RECORDS_PER_POLL),
-            ))?;
+            sink.record_all(std::mem::take(&mut batch))?;
+        }
+        if !ops.is_empty() {
+            let cap = ops.len();
+            sink.record_rdma_ops(std::mem::replace(&mut ops, RdmaOpRows::with_capacity(cap)))?;
         }
         if stopping && n == 0 {
             break;

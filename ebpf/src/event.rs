@@ -9,6 +9,13 @@ pub const MAX_SGE: usize = 30;
 pub const HEAD_BYTES: usize = 96;
 /// A whole work-request record.
 pub const EVENT_BYTES: usize = HEAD_BYTES + MAX_SGE * 16;
+/// `EV_POST_BATCH`: a header and up to [`POST_BATCH_WRS`] work-request entries (`struct
+/// wr_entry`, [`WR_ENTRY_BYTES`] each) of one post — the default record of a posted chain (without
+/// SGE lists). The header's `chain_index` is the first entry's position in its chain and its
+/// `num_sge` the number of entries.
+pub const KIND_POST_BATCH: u32 = 10;
+pub const POST_BATCH_WRS: usize = 8;
+pub const WR_ENTRY_BYTES: usize = 48;
 
 /// What was observed (`enum kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,10 +128,59 @@ pub enum DecodeError {
     Short(usize, usize),
     #[error("unknown record kind {0}")]
     Kind(u32),
+    #[error("batch record of {0} entries (at most {POST_BATCH_WRS})")]
+    Entries(usize),
 }
 
 impl Observation {
-    /// Decode one ring-buffer record.
+    /// Every observation in one ring-buffer record, in order: one, or a batch record's entries
+    /// (each a [`Kind::PostWrite`] with the post's header fields). Returns how many.
+    pub fn decode_all(b: &[u8], mut f: impl FnMut(Observation)) -> Result<usize, DecodeError> {
+        if b.len() < HEAD_BYTES {
+            return Err(DecodeError::Short(b.len(), HEAD_BYTES));
+        }
+        if u32_at(b, 16) != KIND_POST_BATCH {
+            f(Self::decode(b)?);
+            return Ok(1);
+        }
+        let n = u32_at(b, 80) as usize;
+        if n > POST_BATCH_WRS {
+            return Err(DecodeError::Entries(n));
+        }
+        let need = HEAD_BYTES + n * WR_ENTRY_BYTES;
+        if b.len() < need {
+            return Err(DecodeError::Short(b.len(), need));
+        }
+        let first = u32_at(b, 84);
+        for i in 0..n {
+            let o = HEAD_BYTES + i * WR_ENTRY_BYTES;
+            f(Observation {
+                ktime_ns: u64_at(b, 0),
+                pid: u32_at(b, 8),
+                tid: u32_at(b, 12),
+                kind: Kind::PostWrite,
+                flags: u32_at(b, o + 44),
+                ctx: u64_at(b, 24),
+                wr_id: u64_at(b, o),
+                addr: u64_at(b, o + 8),
+                bytes: u64_at(b, o + 16),
+                rkey: u32_at(b, o + 24),
+                lkey: 0,
+                opcode: u32_at(b, o + 28),
+                send_flags: u32_at(b, o + 32),
+                imm_be: u32_at(b, o + 36),
+                status: 0,
+                num_sge: u32_at(b, o + 40),
+                chain_index: first + i as u32,
+                qp_num: 0,
+                cpu: u32_at(b, 92),
+                sges: Vec::new(),
+            });
+        }
+        Ok(n)
+    }
+
+    /// Decode one ring-buffer record (not a batch record: see [`Observation::decode_all`]).
     pub fn decode(b: &[u8]) -> Result<Self, DecodeError> {
         if b.len() < HEAD_BYTES {
             return Err(DecodeError::Short(b.len(), HEAD_BYTES));
@@ -200,6 +256,12 @@ impl Observation {
                 probe_flags: self.probe_flags(),
             }));
         }
+        Event::RdmaOp(Box::new(self.to_rdma_op(ts_ns)))
+    }
+
+    /// An operation (not a registration: see [`Kind::is_registration`]) as its `rdma_ops` row.
+    pub fn to_rdma_op(&self, ts_ns: u64) -> RdmaOp {
+        debug_assert!(!self.kind.is_registration());
         let sges = (self.kind == Kind::PostWrite && !self.sges.is_empty()).then(|| {
             self.sges
                 .iter()
@@ -207,7 +269,7 @@ impl Observation {
                 .collect::<Vec<_>>()
                 .join(" ")
         });
-        Event::RdmaOp(Box::new(RdmaOp {
+        RdmaOp {
             ts_ns,
             ktime_ns: self.ktime_ns,
             pid: self.pid,
@@ -227,7 +289,7 @@ impl Observation {
             qp_num: self.qp_num,
             sges,
             probe_flags: self.probe_flags(),
-        }))
+        }
     }
 }
 
@@ -289,5 +351,76 @@ mod tests {
         assert_eq!(Observation::decode(&record(42)), Err(DecodeError::Kind(42)));
         let o = Observation::decode(&record(3)[..HEAD_BYTES]).expect("a header-only record");
         assert!(matches!(o.to_event(0), Event::RdmaMr(_)));
+    }
+
+    fn batch(n: u32, entries: usize) -> Vec<u8> {
+        let mut b = vec![0u8; HEAD_BYTES + entries * WR_ENTRY_BYTES];
+        b[0..8].copy_from_slice(&555u64.to_le_bytes());
+        b[8..12].copy_from_slice(&7u32.to_le_bytes());
+        b[12..16].copy_from_slice(&8u32.to_le_bytes());
+        b[16..20].copy_from_slice(&KIND_POST_BATCH.to_le_bytes());
+        b[24..32].copy_from_slice(&99u64.to_le_bytes());
+        b[80..84].copy_from_slice(&n.to_le_bytes());
+        b[84..88].copy_from_slice(&16u32.to_le_bytes()); // first entry's chain index
+        b[92..96].copy_from_slice(&1u32.to_le_bytes());
+        for i in 0..entries {
+            let o = HEAD_BYTES + i * WR_ENTRY_BYTES;
+            b[o..o + 8].copy_from_slice(&(0x700 + i as u64).to_le_bytes());
+            b[o + 8..o + 16].copy_from_slice(&(0x1000 * i as u64).to_le_bytes());
+            b[o + 16..o + 24].copy_from_slice(&(64 * i as u64).to_le_bytes());
+            b[o + 24..o + 28].copy_from_slice(&5u32.to_le_bytes());
+            b[o + 28..o + 32].copy_from_slice(&1u32.to_le_bytes());
+            b[o + 32..o + 36].copy_from_slice(&2u32.to_le_bytes());
+            b[o + 36..o + 40].copy_from_slice(&(40 + i as u32).to_be().to_le_bytes());
+            b[o + 40..o + 44].copy_from_slice(&3u32.to_le_bytes());
+            b[o + 44..o + 48].copy_from_slice(&(i as u32 % 2).to_le_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn decodes_a_batch_record_entry_by_entry() {
+        let mut got = Vec::new();
+        let n = Observation::decode_all(&batch(3, 3), |o| got.push(o)).expect("decode");
+        assert_eq!((n, got.len()), (3, 3));
+        for (i, o) in got.iter().enumerate() {
+            assert_eq!(o.kind, Kind::PostWrite);
+            assert_eq!((o.ktime_ns, o.pid, o.tid, o.ctx, o.cpu), (555, 7, 8, 99, 1));
+            assert_eq!(o.chain_index, 16 + i as u32);
+            assert_eq!(
+                (o.wr_id, o.addr, o.bytes),
+                (0x700 + i as u64, 0x1000 * i as u64, 64 * i as u64)
+            );
+            assert_eq!((o.rkey, o.opcode, o.send_flags, o.num_sge), (5, 1, 2, 3));
+            assert_eq!(
+                (u32::from_be(o.imm_be), o.flags),
+                (40 + i as u32, i as u32 % 2)
+            );
+        }
+        let row = got[1].to_rdma_op(10);
+        assert_eq!(
+            (row.op, row.imm, row.probe_flags.as_deref()),
+            ("post_write", 41, Some("read_fault"))
+        );
+        // A single record decodes as one.
+        let mut one = 0;
+        assert_eq!(Observation::decode_all(&record(2), |_| one += 1), Ok(1));
+        assert_eq!(one, 1);
+    }
+
+    #[test]
+    fn a_malformed_batch_record_is_an_error_not_a_guess() {
+        let short = batch(3, 2);
+        assert_eq!(
+            Observation::decode_all(&short, |_| panic!("nothing decoded")),
+            Err(DecodeError::Short(
+                short.len(),
+                HEAD_BYTES + 3 * WR_ENTRY_BYTES
+            ))
+        );
+        assert_eq!(
+            Observation::decode_all(&batch(9, 9), |_| panic!("nothing decoded")),
+            Err(DecodeError::Entries(9))
+        );
     }
 }

@@ -395,11 +395,12 @@ mod tests {
         }
     }
 
-    /// Without `record_sges` (the default) a write's record is its 96-byte header: the SGE
-    /// count and total length, not the entries.
+    /// Without `record_sges` (the default) a post's requests travel in batch records (a header
+    /// and up to 8 entries): every request decoded field by field across records, its SGE count
+    /// and total length (not the entries), and the chain bound still counted.
     #[test]
-    fn witness_without_sge_lists_still_sums_the_lengths() {
-        if !require_bpf_or_skip("ebpf::witness_without_sge_lists") {
+    fn witness_batches_a_posts_requests_and_still_sums_the_lengths() {
+        if !require_bpf_or_skip("ebpf::witness_batches_posts") {
             return;
         }
         let _one_at_a_time = BPF_TESTS.lock().unwrap_or_else(|e| e.into_inner());
@@ -408,7 +409,7 @@ mod tests {
             &Target::Pid(std::process::id()),
         )
         .expect("attach");
-        let sges: Vec<Sge> = (0..5)
+        let sges: Vec<Sge> = (0..12)
             .map(|i| Sge {
                 addr: 0x9000_0000 + 0x100 * i,
                 length: 10 + i as u32,
@@ -416,24 +417,48 @@ mod tests {
             })
             .collect();
         let ctx = (4u64 << 32) | 1;
-        let c = chain(2, 5, &sges);
+        // 20 requests of 12 SGEs (more than one 8-SGE read each): three batch records.
+        let c = chain(20, 12, &sges);
         custody_kv_post_write(ctx, &c[0]);
+        // A chain past the bound (4096): what it cuts is counted.
+        let long = chain(4100, 1, &sges);
+        custody_kv_post_write(ctx, &long[0]);
         let mut seen = Vec::new();
+        let mut records = 0;
         for _ in 0..50 {
-            w.poll(std::time::Duration::from_millis(20), 100, |o| {
-                if o.ctx == ctx {
-                    seen.push(o)
-                }
-            })
-            .expect("poll");
-            if seen.len() >= 2 {
+            records += w
+                .poll(std::time::Duration::from_millis(20), 10_000, |o| {
+                    if o.ctx == ctx {
+                        seen.push(o)
+                    }
+                })
+                .expect("poll");
+            if seen.len() >= 20 + 4096 {
                 break;
             }
         }
-        assert_eq!(seen.len(), 2);
-        for o in &seen {
-            assert_eq!((o.num_sge, o.bytes), (5, 10 + 11 + 12 + 13 + 14));
+        assert_eq!(seen.len(), 20 + 4096, "every request arrives");
+        assert!(records < 20 + 4096, "batched: {records} records");
+        let total: u64 = (10..22).sum();
+        for (i, o) in seen[..20].iter().enumerate() {
+            assert_eq!(o.kind, Kind::PostWrite);
+            assert_eq!((o.pid, o.ctx), (std::process::id(), ctx));
+            assert_eq!((o.wr_id, o.chain_index), (0x5000 + i as u64, i as u32));
+            assert_eq!((o.rkey, o.addr), (77, 0x10_0000 + 4096 * i as u64));
+            assert_eq!((o.num_sge, o.bytes, o.flags), (12, total, 0));
+            assert_eq!(u32::from_be(o.imm_be), 0x0102_0304 + i as u32);
+            let last = i == 19;
+            assert_eq!(
+                (o.opcode, o.send_flags),
+                (u32::from(last), if last { 2 } else { 0 })
+            );
             assert!(o.sges.is_empty());
         }
+        assert!(
+            seen[..20].iter().all(|o| o.ktime_ns == seen[0].ktime_ns),
+            "one post"
+        );
+        assert_eq!(seen[20 + 4095].chain_index, 4095);
+        assert_eq!(w.lost().expect("lost").chain_truncated, 1);
     }
 }

@@ -375,8 +375,8 @@ impl Witness {
         let mut n = 0;
         while n < max {
             let Some(item) = self.ring.next() else { break };
-            match Observation::decode(&item) {
-                Ok(o) => f(o),
+            match Observation::decode_all(&item, &mut *f) {
+                Ok(_) => {}
                 Err(e) => {
                     self.undecodable += 1;
                     log_undecodable(&e);

@@ -191,11 +191,12 @@ impl TransferRig {
         };
         let t0 = Instant::now();
         let mut headers: Vec<[u8; crate::kv::TRANSFER_HDR_BYTES]> = Vec::with_capacity(n_pages);
+        let mut chains = Vec::with_capacity(n_pages);
         for (i, pr) in pages.iter().enumerate() {
             let checksum = match (verify, pre.get(i)) {
                 (false, _) => 0,
                 (true, Some(&c)) => c,
-                // Inline: each page's checksum right before its writes are posted.
+                // Inline: each page's checksum inside the timed transfer, before its post.
                 (true, None) => src.page_checksum(pr.page, geom.page_size),
             };
             headers.push(
@@ -208,7 +209,7 @@ impl TransferRig {
                 .encode(),
             );
             let pb = base + (i * stride) as u64;
-            let (_sges, wrs) = super::page_write_chain(
+            chains.push(super::page_write_chain(
                 src,
                 pr.page,
                 geom.page_size,
@@ -217,14 +218,19 @@ impl TransferRig {
                 i as u64,
                 i as u32,
                 &headers[i],
-            );
-            // Posted as the prefill node posts: one chain per page. (Linking a transfer's pages
-            // into one post — doorbell batching — cost the tcp transport 25 % at 16 pages here:
-            // one large writev loses the sender/receiver overlap.)
+            ));
+        }
+        // Posted as the prefill node posts: consecutive pages' chains linked into posts of at
+        // most POST_WRS_MAX requests (the transport still writes page-sized pieces, so the
+        // sender and the receiver overlap as when each page was posted alone).
+        let mut first = 0;
+        while first < n_pages {
+            let end = super::link_post_group(&mut chains, first);
             // SAFETY: the chunks are in `src` (not modified during the run) and the headers in
             // `headers` (capacity reserved up front: never reallocated), both alive until every
-            // completion below; the chain and its SGE list live for the call.
-            unsafe { self.init.post_write(&wrs[0]) }.expect("post");
+            // completion below; the linked chains and their SGE lists live in `chains`.
+            unsafe { self.init.post_write(&chains[first].1[0]) }.expect("post");
+            first = end;
         }
         let mut done = 0;
         let mut wcs: Vec<Wc> = Vec::new();

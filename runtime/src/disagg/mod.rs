@@ -274,6 +274,13 @@ pub(crate) fn admission_status(e: &crate::engine::AdmissionError) -> tonic::Stat
 /// Scatter/gather entries per work request (what common RDMA NICs accept: mlx5's RC limit).
 pub const MAX_SGE: usize = 30;
 
+/// Work requests per post at most: prefill links consecutive pages' chains into one post of up
+/// to this many requests (a whole transfer of the engine's usual 16 pages is one post of 48). One
+/// post is one doorbell on a NIC and one probe hit for the eBPF witness instead of one per page;
+/// the bound keeps a post well inside a send queue (verbs' default depth is 1,024) and the
+/// witness's walk of it inside its chain bound (4,096).
+pub const POST_WRS_MAX: usize = 256;
+
 /// The work requests that write `slots` slots of `page` (from `pool`) into page `idx` of a
 /// remote region, then its in-band `header` with immediate data `imm`: chunks that are
 /// contiguous in the remote layout are gathered into one request (up to [`MAX_SGE`] entries),
@@ -335,9 +342,90 @@ pub fn page_write_chain(
     (sges, wrs)
 }
 
+/// Link the page chains `chains[first..end]` into one chain of at most [`POST_WRS_MAX`] work
+/// requests (always at least the first page's) and return `end`: post `&chains[first].1[0]`.
+/// The chains' heap buffers must not move until that post returns.
+pub fn link_post_group(
+    chains: &mut [(
+        Vec<crate::transport::abi::Sge>,
+        Vec<crate::transport::abi::SendWr>,
+    )],
+    first: usize,
+) -> usize {
+    use crate::transport::abi::SendWr;
+    assert!(first < chains.len() && !chains[first].1.is_empty());
+    let mut end = first + 1;
+    let mut n_wrs = chains[first].1.len();
+    while end < chains.len() && n_wrs + chains[end].1.len() <= POST_WRS_MAX {
+        n_wrs += chains[end].1.len();
+        end += 1;
+    }
+    for k in first..end - 1 {
+        let next: *const SendWr = chains[k + 1].1.as_ptr();
+        if let Some(last) = chains[k].1.last_mut() {
+            last.next = next;
+        }
+    }
+    if let Some(last) = chains[end - 1].1.last_mut() {
+        last.next = std::ptr::null();
+    }
+    debug_assert!(end > first && (end - first == 1 || n_wrs <= POST_WRS_MAX));
+    end
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pages' chains are linked into posts of at most POST_WRS_MAX requests, each whole page in
+    /// one post, the last request of a post ending the chain; a page longer than the bound goes
+    /// alone.
+    #[test]
+    fn pages_are_posted_in_linked_groups_within_the_bound() {
+        use crate::transport::abi::{SendWr, Sge};
+        let sge = [Sge::default()];
+        let page = |n: usize| -> (Vec<Sge>, Vec<SendWr>) {
+            let mut wrs: Vec<SendWr> = (0..n)
+                .map(|i| SendWr::rdma_write(i as u64, &sge, 0, 1))
+                .collect();
+            for i in 0..n - 1 {
+                let next: *const SendWr = &wrs[i + 1];
+                wrs[i].next = next;
+            }
+            (sge.to_vec(), wrs)
+        };
+        let walk = |first: &SendWr| {
+            let mut n = 0;
+            let mut w: *const SendWr = first;
+            while !w.is_null() {
+                n += 1;
+                // SAFETY: the chains live in `chains` for the walk.
+                w = unsafe { (*w).next };
+            }
+            n
+        };
+        // 100 three-request pages, one page longer than the bound, 10 more pages.
+        let mut chains: Vec<_> = (0..111).map(|_| page(3)).collect();
+        chains[100] = page(POST_WRS_MAX + 1);
+        let mut first = 0;
+        let mut groups = Vec::new();
+        while first < chains.len() {
+            let end = link_post_group(&mut chains, first);
+            let n_wrs: usize = chains[first..end].iter().map(|c| c.1.len()).sum();
+            assert_eq!(walk(&chains[first].1[0]), n_wrs, "the group is one chain");
+            groups.push((first, end, n_wrs));
+            first = end;
+        }
+        assert_eq!(
+            groups,
+            [
+                (0, 85, 255),
+                (85, 100, 45),
+                (100, 101, POST_WRS_MAX + 1),
+                (101, 111, 30)
+            ]
+        );
+    }
 
     fn info(role: &str, pool: u64) -> proto::NodeInfo {
         proto::NodeInfo {

@@ -22,7 +22,7 @@ use super::{admission_status, imm_of, transfer_id};
 use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
 use crate::kv::TransferHeader;
-use crate::transport::abi::{SendWr, Wc};
+use crate::transport::abi::{self, SendWr, Wc};
 use crate::transport::{FaultInjection, KvTransport, TransportError, TransportKind};
 
 /// Prefill node settings.
@@ -301,6 +301,12 @@ impl Node {
             });
             extra = reused.or(earlier.first().map(|&(t, _)| (0, t)));
         }
+        // Every page's chain is built first, then posted in groups: the pages' chains linked
+        // into one chain of at most POST_WRS_MAX work requests (one post and one doorbell per
+        // group, as RDMA engines batch their writes; the witness's probe fires once per post).
+        // A group is all or nothing; a failed post stops the rest.
+        let mut chains: Vec<(Vec<abi::Sge>, Vec<SendWr>)> = Vec::with_capacity(n_pages);
+        let mut sent: Vec<SentPage> = Vec::with_capacity(n_pages);
         for (idx, pr) in pages.iter().enumerate().take(n_pages) {
             let slots = (n_cached - idx * ps).min(ps);
             let mut bytes = 0u64;
@@ -329,15 +335,34 @@ impl Node {
                 imm_of(res.imm_slot, idx),
                 &header[..],
             );
+            sent.push(SentPage {
+                page: pr.page,
+                generation: pr.generation,
+                bytes,
+                checksum,
+                rkey: res.rkey,
+                remote_addr: page_base,
+                remote_len: stride,
+                wire_bytes: sges.iter().map(|s| u64::from(s.length)).sum(),
+                work_requests: wrs.len() as u32,
+            });
+            chains.push((sges, wrs));
+        }
+        debug_assert_eq!(chains.len(), n_pages);
+        let mut first = 0;
+        while first < n_pages {
+            // The group: pages first..end, at least one, at most POST_WRS_MAX requests.
+            let end = super::link_post_group(&mut chains, first);
             if let Some((j, wr_id)) = extra
-                && j == idx
+                && (first..end).contains(&j)
             {
-                // Test-only fault: an unrecorded copy of this page's first write, posted first.
+                // Test-only fault: an unrecorded copy of page j's first write, posted first.
+                let (sges, wrs) = &chains[j];
                 let n = usize::try_from(wrs[0].num_sge).unwrap_or(0).min(sges.len());
                 let copy = SendWr::rdma_write(wr_id, &sges[..n], wrs[0].remote_addr, res.rkey);
                 tracing::warn!(
                     wr_id,
-                    page_index = idx,
+                    page_index = j,
                     "FAULT INJECTION (test only): unrecorded KV write"
                 );
                 // SAFETY: as for the chain below: the SGEs are the page's own, in registered
@@ -346,29 +371,20 @@ impl Node {
             }
             // SAFETY: every SGE points into this node's pool pages (held, not written until
             // released after the completion) or into the page's header slot (see
-            // `HeaderArena`), both registered with the transport at start; the chain lives in
-            // `wrs` for the duration of the call.
-            let res_post = unsafe { self.transport.post_write(&wrs[0]) };
+            // `HeaderArena`), both registered with the transport at start; the linked chains
+            // live in `chains` (their heap buffers do not move) for the duration of the call.
+            let res_post = unsafe { self.transport.post_write(&chains[first].1[0]) };
             match res_post {
                 Ok(()) => {
-                    posted += 1;
-                    r.sent.push(SentPage {
-                        page: pr.page,
-                        generation: pr.generation,
-                        bytes,
-                        checksum,
-                        rkey: res.rkey,
-                        remote_addr: page_base,
-                        remote_len: stride,
-                        wire_bytes: sges.iter().map(|s| u64::from(s.length)).sum(),
-                        work_requests: wrs.len() as u32,
-                    });
+                    posted += end - first;
+                    r.sent.extend_from_slice(&sent[first..end]);
                 }
                 Err(e) => {
                     error = Some(format!("posting the KV transfer failed: {e}"));
                     break;
                 }
             }
+            first = end;
         }
         if matches!(self.fault.stale, StaleFault::Recording) {
             self.fault.stale = StaleFault::Ready(
