@@ -897,7 +897,11 @@ mod tests {
             ktime_ns: 5_000 + i,
             pid: 11,
             tid: 12,
-            op: if i.is_multiple_of(2) { "post_write" } else { "complete" },
+            op: if i.is_multiple_of(2) {
+                "post_write"
+            } else {
+                "complete"
+            },
             ctx: (3 << 32) | 1,
             wr_id: 0x100 + i,
             chain_index: i as u32,

@@ -601,9 +601,75 @@ fn witness_bench(
             seal_fixed_ns as f64 / 1e6
         );
     }
+
+    // The witness on a core of its own, as it is deployed (`custody probe` is its own process;
+    // an operator gives it a housekeeping core): the transfer's threads pinned to CPU 0, the
+    // witness's collector and audit writer to CPU 1, detached and attached (default, into the
+    // audit log) alternating and paired as above. The transfer has one core here, so its
+    // baseline is slower than above; the ratio is what the witness costs the transfer path
+    // itself — the probes, run inline in the posting and completing threads, and what the
+    // witness's threads do to the caches and memory bandwidth the transfer shares — while the
+    // witness's own work is done beside it rather than taken from it.
+    let n_cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if n_cpus >= 2 {
+        for pages in [16usize, a.pages] {
+            let mut rig = TransferRig::new(geom, layers, pages);
+            pin_threads(Some((0, 1)))?;
+            let mut warm: Vec<f64> = (0..8).map(|_| rig.transfer(false, false)).collect();
+            warm.drain(..3);
+            let per_block = ((BLOCK_S / median(warm)).ceil() as usize).clamp(3, 10_000);
+            let block = |rig: &mut TransferRig| -> Result<(f64, f64)> {
+                pin_threads(Some((0, 1)))?;
+                let (t0, c0) = (Instant::now(), process_cpu_s());
+                for _ in 0..per_block {
+                    std::hint::black_box(rig.transfer(false, false));
+                }
+                let n = per_block as f64;
+                Ok((t0.elapsed().as_secs_f64() / n, (process_cpu_s() - c0) / n))
+            };
+            let mut detached = vec![block(&mut rig)?];
+            let (mut wall, mut cpu) = (Vec::new(), Vec::new());
+            for _ in 0..a.reps {
+                let mut v = Ok((0.0, 0.0));
+                let (st, _) = attached_to(&audit, false, &mut || v = block(&mut rig))?;
+                let v = v?;
+                if st.lost.total() > 0 {
+                    bail!("the witness lost events during the benchmark: {}", st.lost);
+                }
+                let d = block(&mut rig)?;
+                let prev = detached[detached.len() - 1];
+                wall.push(v.0 / ((prev.0 + d.0) / 2.0) - 1.0);
+                cpu.push(v.1 / ((prev.1 + d.1) / 2.0) - 1.0);
+                detached.push(d);
+            }
+            pin_threads(None)?;
+            println!(
+                "transfer {pages} pages, its threads on CPU 0 and the witness's collector and writer on CPU 1, {per_block} transfers per block, {} reps: detached {:.3} ms wall per transfer; attached (default, into the audit log): wall {:+.2}% (quartiles {:+.2}% .. {:+.2}%), process CPU {:+.2}% (quartiles {:+.2}% .. {:+.2}%)",
+                a.reps,
+                median(detached.iter().map(|d| d.0).collect()) * 1e3,
+                median(wall.clone()) * 100.0,
+                quantile(wall.clone(), 0.25) * 100.0,
+                quantile(wall, 0.75) * 100.0,
+                median(cpu.clone()) * 100.0,
+                quantile(cpu.clone(), 0.25) * 100.0,
+                quantile(cpu, 0.75) * 100.0,
+            );
+        }
+    }
     writer.close()?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// Pin every thread of this process: `Some((transfer_cpu, witness_cpu))` puts the witness's
+/// threads (its collector, `witness-collect`, and audit writers, `audit-writer-*`) on
+/// `witness_cpu` and every other thread on `transfer_cpu`; `None` lets every thread run on
+/// every CPU again.
+fn pin_threads(cpus: Option<(usize, usize)>) -> Result<()> {
+    custody_runtime::disagg::bench::pin_threads(cpus, |comm| {
+        comm.starts_with("witness-collect") || comm.starts_with("audit-writer")
+    })
+    .context("pinning this process's threads")
 }
 
 /// Attach the witness to this process with its collector recording into `sink`, run `f`,

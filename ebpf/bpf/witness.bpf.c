@@ -177,8 +177,9 @@ struct post_batch {
 	__u8 head[HEAD_BYTES];
 	struct wr_entry wrs[POST_BATCH_WRS];
 };
-// SGEs read per probe read when only their lengths are summed (on the stack: 128 bytes).
-#define SGE_CHUNK 8
+// SGEs read per probe read when only their lengths are summed (on the stack: 240 bytes; a
+// full request of MAX_SGE entries is two reads).
+#define SGE_CHUNK 15
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);

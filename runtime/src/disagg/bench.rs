@@ -47,6 +47,55 @@ pub fn process_cpu_s() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// Pin every thread of this process (read from `/proc/self/task`, named by `comm`):
+/// `Some((a, b))` puts the threads `on_b` picks on CPU `b` and every other on CPU `a`; `None`
+/// lets every thread run on every CPU again. A thread that exits meanwhile is skipped.
+pub fn pin_threads(
+    cpus: Option<(usize, usize)>,
+    on_b: impl Fn(&str) -> bool,
+) -> std::io::Result<()> {
+    // Not `available_parallelism`: that is the calling thread's affinity, which this narrows.
+    // SAFETY: sysconf has no preconditions.
+    let n_cpus = usize::try_from(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).unwrap_or(1);
+    for entry in std::fs::read_dir("/proc/self/task")? {
+        let entry = entry?;
+        let Some(tid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        // SAFETY: cpu_set_t is plain data; all zeroes is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        match cpus {
+            Some((a, b)) => {
+                let cpu = if on_b(comm.trim()) { b } else { a };
+                assert!(cpu < n_cpus, "CPU {cpu} of {n_cpus}");
+                // SAFETY: a CPU index below CPU_SETSIZE into a live set.
+                unsafe { libc::CPU_SET(cpu, &mut set) };
+            }
+            None => {
+                for c in 0..n_cpus {
+                    // SAFETY: as above.
+                    unsafe { libc::CPU_SET(c, &mut set) };
+                }
+            }
+        }
+        // SAFETY: a thread id of this process and a valid set of its size.
+        let rc =
+            unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ESRCH) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
