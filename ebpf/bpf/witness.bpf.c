@@ -1,8 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0 OR Apache-2.0
 //
 // Custody's eBPF witness: uprobes on the KV transport's probe points (runtime/src/transport/abi.rs,
-// "the probe ABI") and on libibverbs' control path. Every observation is one fixed-layout record
-// (`struct event`, mirrored by `ebpf/src/event.rs`) in one ring buffer.
+// "the probe ABI") and on libibverbs' control path. Every observation is a fixed-layout record
+// (`struct event`, mirrored by `ebpf/src/event.rs`) in one ring buffer — or, for the requests of
+// a post without SGE lists, an entry (`struct wr_entry`) of a batch record that shares one
+// `struct event` header among up to POST_BATCH_WRS requests.
+//
+// No program keeps state in a per-CPU map across helper calls: a uprobe program runs with
+// migration disabled but can be preempted, and another hit on the same CPU would share it.
 //
 // Invariants:
 // - Knows the transport only through the probe ABI: the C layouts below are that contract's
@@ -194,8 +199,9 @@ struct {
 } lost SEC(".maps");
 
 // config[0]: wake the reader once this many bytes are unread (0: wake on every record).
-// config[1]: non-zero to carry each write's scatter/gather entries in its record; zero to carry
-//            only their count and total length (a 96-byte record instead of 576).
+// config[1]: non-zero to carry each write's scatter/gather entries in its record (one 576-byte
+//            record per request); zero to carry only their count and total length (batch
+//            records: 48 bytes per request).
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 2);
@@ -216,14 +222,6 @@ struct {
 	__type(key, __u32);
 	__type(value, struct pending);
 } pending SEC(".maps");
-
-// Per-CPU scratch for a request's SGE array when the record does not carry it.
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct sge[MAX_SGE]);
-} sge_scratch SEC(".maps");
 
 static __always_inline void count_lost(__u32 idx)
 {
@@ -280,11 +278,10 @@ struct chain_walk {
 	__u64 now;
 	__u32 cpu;
 	__u32 stop; // set when the walk ended early (read fault)
-	__u32 with_sges;
 	__u32 pad;
 };
 
-// One work request of a chain: one record.
+// One work request of a chain, with its SGE entries (`record_sges`): one record.
 static long post_one(__u32 i, void *data)
 {
 	struct chain_walk *c = data;
@@ -304,31 +301,13 @@ static long post_one(__u32 i, void *data)
 	asm volatile("" : "+r"(size));
 	if (size > MAX_SGE * sizeof(struct sge))
 		size = MAX_SGE * sizeof(struct sge);
-	struct event *e;
-	struct sge *sg;
-	__u32 zero = 0;
-	if (c->with_sges) {
-		e = bpf_ringbuf_reserve(&events, sizeof(struct event), 0);
-		if (!e) {
-			count_lost(LOST_RING_FULL);
-			c->wr = h.next;
-			return 0;
-		}
-		sg = e->sges;
-	} else {
-		e = bpf_ringbuf_reserve(&events, HEAD_BYTES, 0);
-		if (!e) {
-			count_lost(LOST_RING_FULL);
-			c->wr = h.next;
-			return 0;
-		}
-		sg = bpf_map_lookup_elem(&sge_scratch, &zero);
-		if (!sg) {
-			bpf_ringbuf_discard(e, 0);
-			c->stop = 1;
-			return 1;
-		}
+	struct event *e = bpf_ringbuf_reserve(&events, sizeof(struct event), 0);
+	if (!e) {
+		count_lost(LOST_RING_FULL);
+		c->wr = h.next;
+		return 0;
 	}
+	struct sge *sg = e->sges;
 	e->ktime_ns = c->now;
 	e->pid = c->id >> 32;
 	e->tid = (__u32)c->id;
@@ -365,21 +344,17 @@ static long post_one(__u32 i, void *data)
 		}
 	}
 	e->bytes = total;
-	if (c->with_sges) {
-		// Entries past `take` are not read: zero them so no stale ring memory is reported.
-		__u32 j;
+	// Entries past `take` are not read: zero them so no stale ring memory is reported.
+	__u32 j;
 #pragma clang loop unroll(disable)
-		for (j = 0; j < MAX_SGE; j++) {
-			if (j >= take) {
-				sg[j].addr = 0;
-				sg[j].length = 0;
-				sg[j].lkey = 0;
-			}
+	for (j = 0; j < MAX_SGE; j++) {
+		if (j >= take) {
+			sg[j].addr = 0;
+			sg[j].length = 0;
+			sg[j].lkey = 0;
 		}
-		bpf_ringbuf_submit(e, wake_flags(sizeof(struct event)));
-	} else {
-		bpf_ringbuf_submit(e, wake_flags(HEAD_BYTES));
 	}
+	bpf_ringbuf_submit(e, wake_flags(sizeof(struct event)));
 	c->wr = h.next;
 	return 0;
 }
@@ -499,9 +474,11 @@ static long post_batch_one(__u32 i, void *data)
 	return c->wr ? 0 : 1;
 }
 
-// custody_kv_post_write(ctx: u64, wr: *const SendWr): one record per work request of the chain,
-// walked with bpf_loop (a chain of a partially filled page is one request per layer and head:
-// hundreds for larger models; bpf_loop keeps the verifier's cost independent of the bound).
+// custody_kv_post_write(ctx: u64, wr: *const SendWr): the work-request chain walked with bpf_loop
+// (a chain of a partially filled page is one request per layer and head: hundreds for larger
+// models, and a post links several pages; bpf_loop keeps the verifier's cost independent of the
+// bound) into batch records of POST_BATCH_WRS requests, or, with `record_sges`, one record per
+// request carrying its SGE entries.
 SEC("uprobe")
 int custody_post_write(struct pt_regs *regs)
 {
@@ -515,8 +492,7 @@ int custody_post_write(struct pt_regs *regs)
 	};
 	__u32 k = 1;
 	__u64 *with_sges = bpf_map_lookup_elem(&config, &k);
-	c.with_sges = with_sges && *with_sges;
-	if (c.with_sges) {
+	if (with_sges && *with_sges) {
 		bpf_loop(MAX_CHAIN, post_one, &c, 0);
 		if (c.wr && !c.stop)
 			count_lost(LOST_CHAIN_TRUNCATED);
