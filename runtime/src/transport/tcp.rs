@@ -388,8 +388,9 @@ impl TcpTransport {
     }
 }
 
-/// Bytes per vectored write when a chain is longer (a page's frames are ~360 KiB for the
-/// embedded model: one write per page, as when pages were posted one by one).
+/// A chain's frames are written once at least this many bytes are gathered (whole frames: a
+/// full page of the embedded model is ~360 KiB in 3 frames, so about one write per page, as when
+/// pages were posted one by one).
 const WRITE_BYTES_GROUP: usize = 256 << 10;
 /// I/O vectors per write at most (Linux's IOV_MAX is 1,024; std splits above it anyway).
 const IOV_GROUP_MAX: usize = 512;
