@@ -698,9 +698,7 @@ impl State {
         }
         let seq = self.next_seq;
         self.next_seq += n as u64;
-        let (anchor_mono, anchor_wall) = (self.anchor_mono, self.anchor_wall);
-        let wall = move |ts: u64| anchor_wall + (ts as i64 - anchor_mono as i64);
-        let batch = schema::rdma_ops_batch(self.cfg.node, seq, wall, rows);
+        let batch = schema::rdma_ops_batch(self.cfg.node, seq, |ts| self.wall(ts), rows);
         debug_assert_eq!(batch.num_rows(), n);
         self.batches.entry(table).or_default().push(batch);
         self.pending_rows += n;
