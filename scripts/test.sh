@@ -5,6 +5,13 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# The binary with its default features (what run.sh builds), kept aside for the symbol test
+# (e2e `symbols`): the workspace test build below unifies the test crate's `fault-injection`
+# and `test-oracle` features into every binary it builds.
+target="${CARGO_TARGET_DIR:-target}"
+cargo build --quiet -p custody
+mkdir -p "$target/default-features"
+cp "$target/debug/custody" "$target/default-features/custody"
 cargo test --workspace
 # The `rdma` feature (real verbs through rdma-sys) must compile, lint clean, and report "no
 # device" clearly on machines without RDMA (these): its bindgen needs libclang <= 15.

@@ -202,7 +202,7 @@ fn serve(
         let unsafe_ = cfg.unsafe_switches(run.armed);
         let mut engine = Engine::new_with_unsafe(load()?, cfg.engine.clone(), &unsafe_)
             .with_context(|| format!("starting the {role} engine from {}", path.display()))?;
-        engine.pool_mut().set_release_fill(cfg.disagg.release_fill);
+        engine.set_release_fill(cfg.disagg.release_fill);
         let w = Arc::new(custody_audit::writer::AuditWriter::open(
             custody_audit::writer::WriterConfig::new(root, node as u32 + 1, key.clone()),
         )?);

@@ -78,7 +78,7 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
     let fingerprint = model.gguf().sha256_hex();
     let mut engine = Engine::new_with_unsafe(model, cfg.engine.clone(), &unsafe_)
         .with_context(|| format!("starting the {role} engine"))?;
-    engine.pool_mut().set_release_fill(cfg.disagg.release_fill);
+    engine.set_release_fill(cfg.disagg.release_fill);
     let node = if a.audit.node != 0 {
         a.audit.node
     } else {
@@ -915,7 +915,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             .into_iter()
             .enumerate()
         {
-            colo.pool_mut().set_release_fill(fill);
+            colo.set_release_fill(fill);
             let t0 = Instant::now();
             for _ in 0..a.fill_requests {
                 colo.submit(short.clone())?;

@@ -21,9 +21,11 @@ use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
+use crate::disagg::protocol::{KeyState, release_allowed};
 use crate::kv::{PagePool, PoolError, VerifyError};
 use crate::model::{Logits, Model, Scratch, Segment};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::transport::KeyInvalidated;
 
 pub type RequestId = u64;
 
@@ -86,6 +88,62 @@ pub enum ImportError {
     },
     #[error(transparent)]
     Verify(#[from] VerifyError),
+    #[error("request {id}: the invalidated key {proved:#x} is not its transfer key {bound:?}")]
+    WrongKey {
+        id: RequestId,
+        proved: u32,
+        bound: Option<u32>,
+    },
+}
+
+/// Why quarantined pages were not released (they stay quarantined: the safe direction).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReleaseRefused {
+    #[error("request {0} has no quarantined pages")]
+    NotQuarantined(RequestId),
+    #[error(
+        "request {id}: its transfer key {rkey:#x} is not proven invalidated; a write may still land"
+    )]
+    KeyStillValid { id: RequestId, rkey: u32 },
+}
+
+/// The transfer key of an importing request's pages (decode node), as the engine knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ImportKey {
+    /// No key was ever registered for the pages: no remote writer exists.
+    None,
+    /// Registered: writes under `rkey` may land.
+    Valid(u32),
+    /// A [`KeyInvalidated`] for `rkey` was presented: no write of it can land any more.
+    Invalidated(u32),
+}
+
+impl ImportKey {
+    fn state(self) -> Option<KeyState> {
+        match self {
+            ImportKey::None => None,
+            ImportKey::Valid(_) => Some(KeyState::Valid),
+            ImportKey::Invalidated(_) => Some(KeyState::Invalidated),
+        }
+    }
+
+    /// Record `proof` if it is this key's; an error names the mismatch.
+    fn invalidate(&mut self, proof: &KeyInvalidated) -> Result<(), u32> {
+        match *self {
+            ImportKey::Valid(k) | ImportKey::Invalidated(k) if k == proof.rkey() => {
+                *self = ImportKey::Invalidated(k);
+                Ok(())
+            }
+            _ => Err(proof.rkey()),
+        }
+    }
+
+    fn rkey(self) -> Option<u32> {
+        match self {
+            ImportKey::None => None,
+            ImportKey::Valid(k) | ImportKey::Invalidated(k) => Some(k),
+        }
+    }
 }
 
 /// Why the engine refused to start.
@@ -183,6 +241,8 @@ struct Seq {
     prefill_only: bool,
     /// Decode node: per logical page, slots verified from a transfer (0 = not yet).
     imported: Vec<u32>,
+    /// Decode node: the transfer key of the pages (gates their release from quarantine).
+    import_key: ImportKey,
 }
 
 impl Seq {
@@ -210,6 +270,7 @@ impl Seq {
             reads: Vec::new(),
             prefill_only,
             imported: Vec::new(),
+            import_key: ImportKey::None,
         }
     }
 }
@@ -324,10 +385,15 @@ impl Engine {
         self.tag_check
     }
 
-    /// Mutable pool access for the transport's landing (decode node) — the engine thread lends
-    /// it between steps; nothing reads the pool concurrently.
-    pub fn pool_mut(&mut self) -> &mut PagePool {
+    /// Mutable pool access for the transport's landing (decode node, this crate only) — the
+    /// engine thread lends it between steps; nothing reads the pool concurrently.
+    pub(crate) fn pool_mut(&mut self) -> &mut PagePool {
         &mut self.pool
+    }
+
+    /// What released pages are overwritten with (see [`crate::kv::ReleaseFill`]).
+    pub fn set_release_fill(&mut self, fill: crate::kv::ReleaseFill) {
+        self.pool.set_release_fill(fill);
     }
 
     /// Record every page allocation, write, read and release, and every request's lifecycle, into
@@ -606,6 +672,19 @@ impl Engine {
         Ok((id, pages))
     }
 
+    /// Decode node: the transport registered `rkey` for importing request `id`'s pages. From
+    /// now on the pages leave quarantine only with that key's [`KeyInvalidated`].
+    pub fn bind_import_key(&mut self, id: RequestId, rkey: u32) -> Result<(), ImportError> {
+        let s = self
+            .importing
+            .iter_mut()
+            .find(|s| s.id == id)
+            .ok_or(ImportError::Unknown(id))?;
+        debug_assert_eq!(s.import_key, ImportKey::None, "one key per reservation");
+        s.import_key = ImportKey::Valid(rkey);
+        Ok(())
+    }
+
     /// Decode node: a transfer into logical page `idx` of importing request `id` landed; verify
     /// its in-band header and (unless disabled) checksum, and only then count its `slots` as
     /// written (recorded as a `write` by `transfer`).
@@ -659,15 +738,24 @@ impl Engine {
     /// token was sampled by prefill (`first_token`, counted as generated). Unless
     /// `require_verified` is false (the incident reproduction only), every prompt page must
     /// have been verified with exactly the slots the prompt fills.
+    ///
+    /// `invalidated` proves that the transfer key is dead: nothing can land in pages that decode
+    /// is about to read and append to.
     pub fn activate_import(
         &mut self,
         id: RequestId,
         first_token: u32,
         require_verified: bool,
+        invalidated: &KeyInvalidated,
     ) -> Result<(), ImportError> {
         let Some(si) = self.importing.iter().position(|s| s.id == id) else {
             return Err(ImportError::Unknown(id));
         };
+        let bound = self.importing[si].import_key.rkey();
+        self.importing[si]
+            .import_key
+            .invalidate(invalidated)
+            .map_err(|proved| ImportError::WrongKey { id, proved, bound })?;
         let ps = self.pool.page_size();
         let s = &self.importing[si];
         let need = s.prompt.len().div_ceil(ps);
@@ -725,16 +813,39 @@ impl Engine {
         true
     }
 
-    /// Decode node: the transport proved no write of a quarantined request's key can land any
-    /// more (the key is invalidated): its pages return to the free list.
-    pub fn release_quarantined(&mut self, id: RequestId) -> bool {
+    /// Decode node: a quarantined request's pages return to the free list — only if
+    /// [`release_allowed`] (the protocol's rule, the one the model checker checks) admits its
+    /// key's state: never registered, already proven invalidated (at handoff), or proven dead
+    /// now by `proof`, which only a transport's `invalidate` can construct. Otherwise the pages
+    /// stay quarantined and the refusal says why (safety property 2, "no early reuse").
+    pub fn release_quarantined(
+        &mut self,
+        id: RequestId,
+        proof: Option<&KeyInvalidated>,
+    ) -> Result<(), ReleaseRefused> {
         let Some(i) = self.quarantined.iter().position(|s| s.id == id) else {
-            return false;
+            return Err(ReleaseRefused::NotQuarantined(id));
         };
+        let key = &mut self.quarantined[i].import_key;
+        if let Some(p) = proof
+            && key.invalidate(p).is_err()
+        {
+            tracing::error!(
+                request = id,
+                proved = p.rkey(),
+                "invalidation proof for another key"
+            );
+        }
+        if !release_allowed(key.state()) {
+            return Err(ReleaseRefused::KeyStillValid {
+                id,
+                rkey: key.rkey().unwrap_or_default(),
+            });
+        }
         let s = self.quarantined.swap_remove(i);
         self.flush_reads(&s);
         self.release(&s);
-        true
+        Ok(())
     }
 
     /// Pages currently quarantined.
@@ -1121,6 +1232,7 @@ impl Engine {
             tenant: "score".into(),
             prefill_only: false,
             imported: Vec::new(),
+            import_key: ImportKey::None,
         };
         self.retire(
             s,
@@ -1131,8 +1243,9 @@ impl Engine {
         result.map(|()| out)
     }
 
-    /// Fault injection for tests (named as such): corrupt engine state the way the incident's
-    /// bugs did, to prove the integrity check catches it.
+    /// Fault injection (feature `fault-injection`, tests only): corrupt engine state the way
+    /// the incident's bugs did, to prove the integrity check catches it.
+    #[cfg(feature = "fault-injection")]
     pub fn fault_injection(&mut self) -> FaultInjector<'_> {
         FaultInjector { engine: self }
     }
@@ -1174,12 +1287,14 @@ pub enum ScoreError {
     Integrity(IntegrityError),
 }
 
-/// See [`Engine::fault_injection`].
+/// See `Engine::fault_injection` (feature `fault-injection`).
+#[cfg(feature = "fault-injection")]
 #[derive(Debug)]
 pub struct FaultInjector<'a> {
     engine: &'a mut Engine,
 }
 
+#[cfg(feature = "fault-injection")]
 impl FaultInjector<'_> {
     fn seq(&mut self, id: RequestId) -> &mut Seq {
         self.engine

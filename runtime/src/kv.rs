@@ -12,14 +12,22 @@
 //! - Writes go through [`PagePool::write_slot`], which checks the tag (generation and owner) and
 //!   requires `slot == filled` (append-only): an out-of-order write could otherwise leave an
 //!   unwritten hole below `filled`.
-//! - Reads go through `custody_kernels::attention::paged_attention`, which checks the same tags.
+//! - Reads go through [`PagePool::attend`], the only read of K/V this crate offers: it hands
+//!   `custody_kernels::attention::paged_attention` the pool's *own* tags and memory, and the
+//!   kernel checks every page's tag before it reads a slot. The K/V arrays are private; nothing
+//!   else can reach them except the transfer path's gather (raw pointers for a NIC to read:
+//!   [`PagePool::source_regions`], [`PagePool::for_each_transfer_chunk`]) and, only with the
+//!   `test-oracle` feature, the tests' oracle.
 //! - Release requires the caller's generation and owner to match, and clears the owner.
 //!
 //! Safety property 2 ("no early reuse") for local writers: a page is on the free list only after
 //! `release`, and its owner's later writes then fail the owner check. Remote writers (transfers)
 //! add quarantine on top of this in the transport layer.
 
-use custody_kernels::attention::{self, IntegrityError, PageGeometry, PageRef, TagCheck, TagView};
+use custody_kernels::attention::{
+    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, TagCheck,
+    TagView,
+};
 use half::f16;
 
 /// Most destinations [`PagePool::land_dests`] hands out at once (one vectored read).
@@ -540,11 +548,59 @@ impl PagePool {
         }
     }
 
-    pub fn k_cache(&self, layer: usize) -> &[f16] {
-        &self.k[layer]
+    /// Causal paged attention of one sequence over `layer` — the pool's one read of K/V. The
+    /// kernel gets this pool's tags and memory (never a caller's), checks every page of
+    /// `read.block_table` first, and on a mismatch returns the error without reading a slot or
+    /// touching `out`.
+    pub fn attend(
+        &self,
+        layer: usize,
+        read: &AttendRead<'_>,
+        out: &mut [f32],
+        scratch: &mut AttnScratch,
+    ) -> Result<(), IntegrityError> {
+        let args = AttentionArgs {
+            q: read.q,
+            n_heads: read.n_heads,
+            start_pos: read.start_pos,
+            k_cache: &self.k[layer],
+            v_cache: &self.v[layer],
+            geom: self.geom,
+            block_table: read.block_table,
+            tags: self.tags(layer),
+            owner: read.owner,
+            order: read.order,
+            check: read.check,
+        };
+        attention::paged_attention(&args, out, scratch)
     }
-    pub fn v_cache(&self, layer: usize) -> &[f16] {
-        &self.v[layer]
+
+    /// Where the K/V storage lives, layer by layer (K then V): for a transport to register as
+    /// the source of one-sided writes (a NIC reads it). Raw addresses, not slices: reading
+    /// through them is the transport's `unsafe` contract, never a read path of the engine.
+    pub fn source_regions(&self) -> Vec<SourceRegion> {
+        self.k
+            .iter()
+            .zip(&self.v)
+            .flat_map(|(k, v)| [k, v])
+            .map(|c| SourceRegion {
+                addr: c.as_ptr().cast(),
+                len_bytes: std::mem::size_of_val(&c[..]),
+            })
+            .collect()
+    }
+
+    /// Test oracle (feature `test-oracle`, enabled only by the test crate): the raw K bytes of
+    /// `page` at `layer` (layout `[kv_head][slot][dim]`, f16 little-endian), read *without* the
+    /// tag check — what a component with the incident's bug would attend over.
+    #[cfg(feature = "test-oracle")]
+    pub fn test_oracle_k_page_bytes(&self, layer: usize, page: u32) -> Vec<u8> {
+        let g = self.geom;
+        let r = g.offset(page as usize, 0, 0)..g.offset(page as usize + 1, 0, 0);
+        self.k[layer][r]
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect()
     }
 
     /// The current tag of `page`: (generation, owner, filled on layer 0).
@@ -553,12 +609,35 @@ impl PagePool {
         (self.generation[p], self.owner[p], self.filled[0][p])
     }
 
-    /// Fault injection (tests only, named as such): overwrite a page's tag fields as a buggy or
-    /// malicious component could, to prove that the read-side check catches it.
+    /// Fault injection (feature `fault-injection`, tests only): overwrite a page's tag fields
+    /// as a buggy or malicious component could, to prove that the read-side check catches it.
+    #[cfg(feature = "fault-injection")]
     pub fn fault_inject_set_tag(&mut self, page: u32, generation: u32, owner: u64) {
         self.generation[page as usize] = generation;
         self.owner[page as usize] = owner;
     }
+}
+
+/// One read of [`PagePool::attend`]: a sequence's queries and the pages it claims.
+#[derive(Clone, Copy, Debug)]
+pub struct AttendRead<'a> {
+    /// `n_q × n_heads × head_dim`; query `i` is at position `start_pos + i`.
+    pub q: &'a [f32],
+    pub n_heads: usize,
+    pub start_pos: usize,
+    pub block_table: &'a [PageRef],
+    /// The reader: every page must be this owner's, in the block table's generation.
+    pub owner: u64,
+    pub order: ReduceOrder,
+    /// Always [`TagCheck::Enforced`] outside the incident reproduction.
+    pub check: TagCheck,
+}
+
+/// A contiguous piece of the pool's K/V storage, for registration with a transport.
+#[derive(Clone, Copy, Debug)]
+pub struct SourceRegion {
+    pub addr: *const u8,
+    pub len_bytes: usize,
 }
 
 /// Size of the in-band header at the start of each page in a transfer region.

@@ -11,13 +11,13 @@
 use std::path::Path;
 
 use custody_kernels::attention::{
-    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, TagCheck,
+    AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, TagCheck,
 };
 use custody_kernels::matmul::matmul_many;
 use custody_kernels::{DType, QInput, QMatrix, ops};
 
 use crate::gguf::{Gguf, GgufError};
-use crate::kv::PagePool;
+use crate::kv::{AttendRead, PagePool};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -409,20 +409,16 @@ impl Model {
                     out.fill(0.0);
                     continue;
                 }
-                let args = AttentionArgs {
+                let read = AttendRead {
                     q: &s.q[rows.start * qd..rows.end * qd],
                     n_heads: c.n_heads,
                     start_pos: sg.start_pos,
-                    k_cache: pool.k_cache(li),
-                    v_cache: pool.v_cache(li),
-                    geom: pool.geometry(),
                     block_table: sg.block_table,
-                    tags: pool.tags(li),
                     owner: sg.owner,
                     order: sg.order,
                     check: sg.check,
                 };
-                if let Err(e) = attention::paged_attention(&args, out, &mut s.attn) {
+                if let Err(e) = pool.attend(li, &read, out, &mut s.attn) {
                     out.fill(0.0);
                     failed[si] = Some(e);
                 }

@@ -192,7 +192,7 @@ impl TransferRig {
                         landed += 1;
                     }
                 }
-                target.invalidate(region.rkey).expect("invalidate");
+                let _proof = target.invalidate(region.rkey).expect("invalidate");
                 regions.remove(&region.rkey);
                 dst.release(9, &dpages).expect("release");
             }

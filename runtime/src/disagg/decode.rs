@@ -18,12 +18,14 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::proto::{self, decode_server};
-use super::protocol::{ReqEvent, ReqState};
+use super::protocol::{IllegalTransition, ReqEvent, ReqMachine, ReqState};
 use super::{MAX_PAGES_PER_REQUEST, MAX_RESERVATIONS, admission_status, check_pair, imm_split};
 use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
 
-use crate::transport::{AccessError, FaultInjection, KvTransport, TargetStats, TransportKind};
+#[cfg(feature = "fault-injection")]
+use crate::transport::FaultInjection;
+use crate::transport::{AccessError, KeyInvalidated, KvTransport, TargetStats, TransportKind};
 
 /// Decode node settings.
 #[derive(Clone, Debug)]
@@ -61,11 +63,14 @@ enum Cmd {
     ),
     Abort(u64, String, oneshot::Sender<bool>),
     Stats(oneshot::Sender<DecodeStats>),
+    #[cfg(feature = "fault-injection")]
     Fault(DecodeFault),
+    #[cfg(feature = "test-oracle")]
     Inspect(usize, Vec<u32>, oneshot::Sender<Vec<Vec<u8>>>),
 }
 
-/// Fault injection into a running decode node (tests only, named as such).
+/// Fault injection into a running decode node (feature `fault-injection`, tests only).
+#[cfg(feature = "fault-injection")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeFault {
     /// Flip a byte of the next landed payload (corruption in flight).
@@ -91,7 +96,8 @@ pub struct DecodeStats {
 }
 
 struct DReq {
-    state: ReqState,
+    /// This node's view of the request in the protocol; changed only through its `on`.
+    machine: ReqMachine,
     rkey: u32,
     /// The region's base address (the transport's): page `idx` is at `base + idx * stride`.
     base: u64,
@@ -103,7 +109,8 @@ struct DReq {
     tenant: Arc<str>,
     verified: Vec<bool>,
     tokens: Option<TokenTx>,
-    key_valid: bool,
+    /// Set at handoff: the transport's proof that the key is dead (then the pages are read).
+    invalidated: Option<KeyInvalidated>,
     reserved_at: Instant,
 }
 
@@ -117,6 +124,7 @@ struct Node {
     free_slots: Vec<u32>,
     next_slot: u32,
     stats: DecodeStats,
+    #[cfg(feature = "fault-injection")]
     hold_next: bool,
     info: proto::NodeInfo,
     stride: usize,
@@ -134,17 +142,33 @@ impl Node {
         None
     }
 
-    fn transition(&mut self, id: RequestId, ev: ReqEvent) -> Result<ReqState, Status> {
+    /// Apply `events` to request `id`'s machine. An illegal transition fails the request
+    /// (`requests` row `failed`, the transition as the reason; pages quarantined, released once
+    /// the key is proven dead) and is returned as `failed_precondition`.
+    fn transition(&mut self, id: RequestId, events: &[ReqEvent]) -> Result<(), Status> {
         let r = self
             .reqs
             .get_mut(&id)
             .ok_or_else(|| Status::not_found(format!("no request {id} on this decode node")))?;
-        let next = r
-            .state
-            .on(ev)
-            .map_err(|e| Status::failed_precondition(format!("request {id}: {e}")))?;
-        r.state = next;
-        Ok(next)
+        match r.machine.on_all(events) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.fail_illegal(id, e)),
+        }
+    }
+
+    /// Fail request `id` on an illegal protocol transition; the status for its caller.
+    fn fail_illegal(&mut self, id: RequestId, e: IllegalTransition) -> Status {
+        tracing::error!(request = id, error = %e, "illegal protocol transition: request failed");
+        let reason = format!("request {id}: {e}");
+        self.end(
+            id,
+            ReqEvent::Fail,
+            RequestKind::Failed {
+                reason: reason.clone(),
+            },
+            Some(reason.clone()),
+        );
+        Status::failed_precondition(reason)
     }
 
     fn handshake(&mut self, peer: proto::NodeInfo) -> Result<proto::NodeInfo, Status> {
@@ -197,12 +221,19 @@ impl Node {
             Err(e) => {
                 self.free_slots.push(slot);
                 self.engine.quarantine(id, RequestKind::Aborted);
-                self.engine.release_quarantined(id); // never registered: no writer exists
+                // Never registered: no writer exists, and the engine knows no key to wait for.
+                if let Err(e) = self.engine.release_quarantined(id, None) {
+                    tracing::error!(request = id, error = %e, "pages stay quarantined");
+                }
                 return Err(Status::unavailable(format!(
                     "cannot register KV region: {e}"
                 )));
             }
         };
+        if let Err(e) = self.engine.bind_import_key(id, region.rkey) {
+            return Err(Status::internal(e.to_string()));
+        }
+        #[cfg(feature = "fault-injection")]
         if self.hold_next {
             self.hold_next = false;
             let _ = self
@@ -210,12 +241,14 @@ impl Node {
                 .fault_inject(FaultInjection::HoldKey(region.rkey));
         }
         let n_pages = pages.len();
+        let mut machine = ReqMachine::new();
+        machine
+            .on(ReqEvent::Reserve)
+            .map_err(|e| Status::internal(e.to_string()))?;
         self.reqs.insert(
             id,
             DReq {
-                state: ReqState::Received
-                    .on(ReqEvent::Reserve)
-                    .map_err(|e| Status::internal(e.to_string()))?,
+                machine,
                 rkey: region.rkey,
                 base: region.base,
                 slot,
@@ -226,7 +259,7 @@ impl Node {
                 tenant: req.tenant.into(),
                 verified: vec![false; n_pages],
                 tokens: None,
-                key_valid: true,
+                invalidated: None,
                 reserved_at: Instant::now(),
             },
         );
@@ -310,11 +343,13 @@ impl Node {
         };
         // Progress renews the lease: only a stalled transfer expires.
         r.reserved_at = Instant::now();
-        if r.state == ReqState::Reserved {
-            // The first landed page tells decode that prefill has computed and posted.
-            r.state = ReqState::Transferring;
+        if idx >= r.pages.len() {
+            return; // the landing refused it (outside the region): nothing landed
         }
-        if r.state != ReqState::Transferring || idx >= r.pages.len() {
+        // A landed page proves that prefill started and posted; after `AllVerified` (or from
+        // any state but `Reserved`/`Transferring`) a landing is an illegal transition.
+        if let Err(e) = r.machine.observe_posted() {
+            let _ = self.fail_illegal(id, e);
             return;
         }
         let n_prompt_pages = r.prompt_len.div_ceil(ps);
@@ -374,7 +409,7 @@ impl Node {
                     .iter()
                     .all(|&v| v)
                 {
-                    r.state = r.state.on(ReqEvent::AllVerified).unwrap_or(r.state);
+                    let _ = self.transition(id, &[ReqEvent::AllVerified]);
                 }
             }
             Err(e) => {
@@ -400,36 +435,51 @@ impl Node {
                 "no request {id} on this decode node (failed or aborted)"
             ))
         })?;
-        if legacy && matches!(r.state, ReqState::Reserved | ReqState::Transferring) {
+        if legacy
+            && matches!(
+                r.machine.state(),
+                ReqState::Reserved | ReqState::Transferring
+            )
+        {
             // UNSAFE (incident reproduction): prefill "reported the transfer complete", and the
-            // legacy decode believed it.
+            // legacy decode believed it — the model checker's `LEGACY` completion, which offers
+            // `AllVerified` without verifying.
             tracing::error!(
                 request = id,
                 "UNSAFE REPRODUCTION: handing off a request whose pages were not all verified"
             );
-            r.state = ReqState::Prefilled;
+            if let Err(e) = r.machine.observe_posted() {
+                return Err(self.fail_illegal(id, e));
+            }
+            self.transition(id, &[ReqEvent::AllVerified])?;
         }
-        self.transition(id, ReqEvent::Handoff)?;
+        self.transition(id, &[ReqEvent::Handoff])?;
         // No further write is expected: invalidate the key now, so nothing can land in pages that
         // decode is about to read and append to.
         let rkey = self.reqs.get(&id).map(|r| r.rkey).unwrap_or(0);
-        if let Err(e) = self.transport.invalidate(rkey) {
-            tracing::error!(request = id, error = %e, "cannot invalidate the transfer key at handoff");
-            self.end(
-                id,
-                ReqEvent::Fail,
-                RequestKind::Failed {
-                    reason: "invalidate".into(),
-                },
-                Some(e.to_string()),
-            );
-            return Err(Status::internal("cannot invalidate the transfer key"));
-        }
+        let proof = match self.transport.invalidate(rkey) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(request = id, error = %e, "cannot invalidate the transfer key at handoff");
+                self.end(
+                    id,
+                    ReqEvent::Fail,
+                    RequestKind::Failed {
+                        reason: "invalidate".into(),
+                    },
+                    Some(e.to_string()),
+                );
+                return Err(Status::internal("cannot invalidate the transfer key"));
+            }
+        };
+        let activated = self
+            .engine
+            .activate_import(id, c.first_token, !legacy, &proof);
         if let Some(r) = self.reqs.get_mut(&id) {
-            r.key_valid = false;
+            r.invalidated = Some(proof);
             r.tokens = Some(tokens);
         }
-        if let Err(e) = self.engine.activate_import(id, c.first_token, !legacy) {
+        if let Err(e) = activated {
             self.end(
                 id,
                 ReqEvent::Fail,
@@ -449,20 +499,36 @@ impl Node {
         let Some(mut r) = self.reqs.remove(&id) else {
             return;
         };
-        r.state = r.state.on(ev).unwrap_or(r.state);
+        let kind = match r.machine.end(ev) {
+            Ok(_) => kind,
+            Err(e) => {
+                tracing::error!(request = id, error = %e, "illegal end of a request: failed");
+                RequestKind::Failed {
+                    reason: format!("request {id}: {e}"),
+                }
+            }
+        };
         self.by_slot.remove(&r.slot);
         self.by_key.remove(&r.rkey);
         if let (Some(tx), Some(e)) = (&r.tokens, &error) {
             let _ = tx.send(Err(Status::aborted(e.clone())));
         }
         self.engine.quarantine(id, kind);
-        let invalidated = !r.key_valid || self.transport.invalidate(r.rkey).is_ok();
-        if invalidated {
-            self.engine.release_quarantined(id);
+        let proof = match r.invalidated.take() {
+            Some(p) => Ok(p),
+            None => self.transport.invalidate(r.rkey),
+        };
+        let released = match &proof {
+            Ok(p) => self.engine.release_quarantined(id, Some(p)),
+            Err(e) => {
+                tracing::error!(request = id, error = %e, "key not invalidated: pages stay quarantined");
+                return;
+            }
+        };
+        match released {
             // The slot is reused only after the key is dead: a late completion can't be misrouted.
-            self.free_slots.push(r.slot);
-        } else {
-            tracing::error!(request = id, "key not invalidated: pages stay quarantined");
+            Ok(()) => self.free_slots.push(r.slot),
+            Err(e) => tracing::error!(request = id, error = %e, "pages stay quarantined"),
         }
     }
 
@@ -486,11 +552,14 @@ impl Node {
                     prompt_tokens,
                     generated_tokens,
                 } => {
-                    if let Some(r) = self.reqs.remove(&id) {
+                    if let Some(mut r) = self.reqs.remove(&id) {
                         self.by_slot.remove(&r.slot);
                         self.by_key.remove(&r.rkey);
                         self.free_slots.push(r.slot);
-                        debug_assert!(!r.key_valid, "a decoding request's key is invalidated");
+                        debug_assert!(r.invalidated.is_some(), "a decoding request's key is dead");
+                        if let Err(e) = r.machine.end(ReqEvent::Finish) {
+                            tracing::error!(request = id, error = %e, "engine finished a request the protocol did not let decode");
+                        }
                         if let Some(tx) = r.tokens {
                             let _ = tx.send(Ok(proto::TokenEvent {
                                 finish_reason: match reason {
@@ -506,7 +575,10 @@ impl Node {
                 }
                 Event::Failed { id, error } => {
                     // The engine released the pages (key already invalidated at handoff).
-                    if let Some(r) = self.reqs.remove(&id) {
+                    if let Some(mut r) = self.reqs.remove(&id) {
+                        if let Err(e) = r.machine.end(ReqEvent::Fail) {
+                            tracing::error!(request = id, error = %e, "illegal failure transition");
+                        }
                         self.by_slot.remove(&r.slot);
                         self.by_key.remove(&r.rkey);
                         self.free_slots.push(r.slot);
@@ -518,7 +590,10 @@ impl Node {
                     }
                 }
                 Event::Aborted { id, reason } => {
-                    if let Some(r) = self.reqs.remove(&id) {
+                    if let Some(mut r) = self.reqs.remove(&id) {
+                        if let Err(e) = r.machine.end(ReqEvent::Abort) {
+                            tracing::error!(request = id, error = %e, "illegal abort transition");
+                        }
                         self.by_slot.remove(&r.slot);
                         self.by_key.remove(&r.rkey);
                         if let Some(tx) = r.tokens {
@@ -589,21 +664,16 @@ impl Node {
             Cmd::Stats(tx) => {
                 let _ = tx.send(self.stats());
             }
+            #[cfg(feature = "test-oracle")]
             Cmd::Inspect(layer, pages, tx) => {
                 let pool = self.engine.pool();
-                let g = pool.geometry();
-                let k = pool.k_cache(layer);
                 let out = pages
                     .iter()
-                    .map(|&p| {
-                        let r = g.offset(p as usize, 0, 0)..g.offset(p as usize + 1, 0, 0);
-                        k[r].iter()
-                            .flat_map(|x| x.to_bits().to_le_bytes())
-                            .collect()
-                    })
+                    .map(|&p| pool.test_oracle_k_page_bytes(layer, p))
                     .collect();
                 let _ = tx.send(out);
             }
+            #[cfg(feature = "fault-injection")]
             Cmd::Fault(f) => match f {
                 DecodeFault::CorruptNextPayload => {
                     if let Err(e) = self
@@ -673,7 +743,9 @@ impl std::fmt::Debug for Cmd {
             Cmd::Commit(..) => "Commit",
             Cmd::Abort(..) => "Abort",
             Cmd::Stats(..) => "Stats",
+            #[cfg(feature = "fault-injection")]
             Cmd::Fault(..) => "Fault",
+            #[cfg(feature = "test-oracle")]
             Cmd::Inspect(..) => "Inspect",
         })
     }
@@ -718,6 +790,7 @@ impl DecodeHandle {
             free_slots: Vec::new(),
             next_slot: 0,
             stats: DecodeStats::default(),
+            #[cfg(feature = "fault-injection")]
             hold_next: false,
             info: info.clone(),
             stride,
@@ -755,16 +828,18 @@ impl DecodeHandle {
         rx.await.ok()
     }
 
-    /// Test oracle only: the raw K bytes of `layer` for `pages` (page layout `[kv_head][slot][dim]`),
-    /// read straight from pool memory *without* the tag check — what an attacker with the
-    /// incident's bug would attend over. Never used by serving code.
+    /// Test oracle (feature `test-oracle`): the raw K bytes of `layer` for `pages` (page layout
+    /// `[kv_head][slot][dim]`), read straight from pool memory *without* the tag check — what
+    /// an attacker with the incident's bug would attend over. Never compiled into a binary.
+    #[cfg(feature = "test-oracle")]
     pub fn inspect_k_blocking(&self, layer: usize, pages: Vec<u32>) -> Option<Vec<Vec<u8>>> {
         let (tx, rx) = oneshot::channel();
         self.send(Cmd::Inspect(layer, pages, tx)).ok()?;
         rx.blocking_recv().ok()
     }
 
-    /// Fault injection (tests only).
+    /// Fault injection (feature `fault-injection`, tests only).
+    #[cfg(feature = "fault-injection")]
     pub fn fault_inject(&self, f: DecodeFault) {
         let _ = self.send(Cmd::Fault(f));
     }

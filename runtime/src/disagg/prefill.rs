@@ -17,13 +17,18 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use super::proto::{self, decode_client::DecodeClient, prefill_server};
-use super::protocol::{ReqEvent, ReqState};
+use super::protocol::{IllegalTransition, ReqEvent, ReqMachine};
 use super::{admission_status, imm_of, transfer_id};
 use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
 use crate::kv::TransferHeader;
 use crate::transport::abi::{self, SendWr, Wc};
-use crate::transport::{FaultInjection, KvTransport, TransportError, TransportKind};
+use crate::transport::{KvTransport, TransportError, TransportKind};
+
+#[cfg(feature = "fault-injection")]
+mod faults;
+#[cfg(feature = "fault-injection")]
+pub use faults::PrefillFault;
 
 /// Prefill node settings.
 #[derive(Clone, Debug)]
@@ -55,6 +60,7 @@ enum Cmd {
         oneshot::Sender<TransferResult>,
     ),
     Abort(RequestId),
+    #[cfg(feature = "fault-injection")]
     Fault(PrefillFault),
     Stats(oneshot::Sender<PrefillStats>),
 }
@@ -67,42 +73,6 @@ pub struct PrefillStats {
     pub live_requests: usize,
     pub transfers_in_flight: usize,
     pub reconnects: u64,
-}
-
-/// Fault injection into a running prefill node (tests only, named as such).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PrefillFault {
-    /// Cut the KV transport connection (as a crashed NIC or process would).
-    DisconnectTransport,
-    /// An engine bug the engine cannot see: with the next transfer, post one extra write (a copy
-    /// of the first page's first work request, same place, overwritten by the real one right
-    /// after) under a wr_id no transfer has, and record nothing about it. Only the eBPF
-    /// witness sees it.
-    PhantomWrite,
-    /// An engine bug the engine cannot see: remember the next transfer's pages; with the
-    /// transfer after it, re-send one of the earlier transfer's writes (its wr_id) into the new
-    /// reservation, at a page the decode node reallocated from the earlier request to the new
-    /// one when there is one (else the first page) — a stale write into a reallocated page. It
-    /// lands before the new page's own write, which overwrites it, so decode's verification
-    /// passes and the engine's record stays clean. Only the eBPF witness sees it.
-    StaleWrite,
-}
-
-/// State of the witness-only faults (tests only, named as such).
-#[derive(Debug, Default)]
-enum StaleFault {
-    #[default]
-    Off,
-    /// Armed: the next transfer's (transfer id, decode page) pairs are remembered.
-    Recording,
-    /// Fire on the next transfer with these earlier writes.
-    Ready(Vec<(u64, u32)>),
-}
-
-#[derive(Debug, Default)]
-struct FaultInjectionState {
-    phantom_next: bool,
-    stale: StaleFault,
 }
 
 /// What was posted for one page (its `transfers` row): source page and generation, data bytes,
@@ -122,7 +92,8 @@ struct SentPage {
 }
 
 struct PReq {
-    state: ReqState,
+    /// This node's view of the request in the protocol; changed only through its `on`.
+    machine: ReqMachine,
     tenant: Arc<str>,
     reservation: Option<proto::ReserveReply>,
     first_token: Option<u32>,
@@ -158,8 +129,9 @@ struct Node {
     control: Reconnect,
     last_reconnect: Instant,
     reconnects: u64,
-    /// Faults armed by tests (never set in production: only `fault_inject` arms them).
-    fault: FaultInjectionState,
+    /// Faults armed by tests (feature `fault-injection`; not compiled into a binary).
+    #[cfg(feature = "fault-injection")]
+    fault: faults::FaultState,
 }
 
 /// What a reconnect needs: the control-plane client and this node's handshake statement.
@@ -197,14 +169,10 @@ impl Node {
             .engine
             .submit_prefill(req)
             .map_err(|e| admission_status(&e))?;
-        let state = ReqState::Received
-            .on(ReqEvent::Reserve)
-            .and_then(|s| s.on(ReqEvent::StartPrefill))
-            .map_err(|e| Status::internal(e.to_string()))?;
         self.reqs.insert(
             id,
             PReq {
-                state,
+                machine: ReqMachine::new(),
                 tenant,
                 reservation: None,
                 first_token: None,
@@ -231,6 +199,14 @@ impl Node {
         };
         r.reservation = Some(res);
         r.done = Some(done);
+        // Decode's pages exist from here on; prefill starts the transfer phase for them.
+        if let Err(e) = r
+            .machine
+            .on_all(&[ReqEvent::Reserve, ReqEvent::StartPrefill])
+        {
+            self.fail_illegal(id, e);
+            return;
+        }
         if r.first_token.is_some() {
             self.post(id);
         }
@@ -267,7 +243,18 @@ impl Node {
         let Some(res) = r.reservation.clone() else {
             return;
         };
-        r.state = r.state.on(ReqEvent::PostWrites).unwrap_or(r.state);
+        #[cfg(feature = "fault-injection")]
+        let injected = self.fault.take_injected_event();
+        #[cfg(not(feature = "fault-injection"))]
+        let injected: Option<ReqEvent> = None;
+        let moved = match injected {
+            Some(ev) => r.machine.on_all(&[ev, ReqEvent::PostWrites]),
+            None => r.machine.on(ReqEvent::PostWrites),
+        };
+        if let Err(e) = moved {
+            self.fail_illegal(id, e);
+            return;
+        }
         let pool = self.engine.pool();
         let ps = pool.page_size();
         let n_pages = n_cached.div_ceil(ps);
@@ -285,22 +272,8 @@ impl Node {
         let mut posted = 0;
         let mut error = None;
         // Test-only faults (see `PrefillFault`): (page index, wr_id) of one extra write.
-        let mut extra: Option<(usize, u64)> = None;
-        if std::mem::take(&mut self.fault.phantom_next) && n_pages > 0 {
-            extra = Some((0, transfer_id(id, 0xffff)));
-        }
-        if matches!(self.fault.stale, StaleFault::Ready(_))
-            && n_pages > 0
-            && let StaleFault::Ready(earlier) = std::mem::take(&mut self.fault.stale)
-        {
-            let reused = (0..n_pages).find_map(|j| {
-                earlier
-                    .iter()
-                    .find(|(_, p)| *p == res.pages[j].page)
-                    .map(|&(t, _)| (j, t))
-            });
-            extra = reused.or(earlier.first().map(|&(t, _)| (0, t)));
-        }
+        #[cfg(feature = "fault-injection")]
+        let extra = self.fault.extra_write(id, n_pages, &res.pages);
         // Every page's chain is built first, then posted in groups: the pages' chains linked
         // into one chain of at most POST_WRS_MAX work requests (one post and one doorbell per
         // group, as RDMA engines batch their writes; the witness's probe fires once per post).
@@ -353,21 +326,16 @@ impl Node {
         while first < n_pages {
             // The group: pages first..end, at least one, at most POST_WRS_MAX requests.
             let end = super::link_post_group(&mut chains, first);
-            if let Some((j, wr_id)) = extra
-                && (first..end).contains(&j)
+            #[cfg(feature = "fault-injection")]
+            if let Some(x) = extra
+                && (first..end).contains(&x.page_index)
             {
-                // Test-only fault: an unrecorded copy of page j's first write, posted first.
-                let (sges, wrs) = &chains[j];
-                let n = usize::try_from(wrs[0].num_sge).unwrap_or(0).min(sges.len());
-                let copy = SendWr::rdma_write(wr_id, &sges[..n], wrs[0].remote_addr, res.rkey);
-                tracing::warn!(
-                    wr_id,
-                    page_index = j,
-                    "FAULT INJECTION (test only): unrecorded KV write"
+                faults::post_unrecorded_copy(
+                    &mut *self.transport,
+                    &chains[x.page_index],
+                    x,
+                    res.rkey,
                 );
-                // SAFETY: as for the chain below: the SGEs are the page's own, in registered
-                // memory, alive for the call; unsignaled, so no completion refers to it.
-                let _ = unsafe { self.transport.post_write(&copy) };
             }
             // SAFETY: every SGE points into this node's pool pages (held, not written until
             // released after the completion) or into the page's header slot (see
@@ -386,13 +354,8 @@ impl Node {
             }
             first = end;
         }
-        if matches!(self.fault.stale, StaleFault::Recording) {
-            self.fault.stale = StaleFault::Ready(
-                (0..n_pages)
-                    .map(|idx| (transfer_id(id, idx), res.pages[idx].page))
-                    .collect(),
-            );
-        }
+        #[cfg(feature = "fault-injection")]
+        self.fault.after_post(id, n_pages, &res.pages);
         r.outstanding += posted;
         if let Some(e) = error {
             r.failed.get_or_insert(e);
@@ -464,20 +427,49 @@ impl Node {
         let Some(mut r) = self.reqs.remove(&id) else {
             return;
         };
-        let kind = match &result {
-            Ok(_) => {
-                r.state = r.state.on(ReqEvent::AllVerified).unwrap_or(r.state);
-                RequestKind::Finished {
-                    reason: "handed_off".into(),
+        let (result, kind) = match result {
+            Ok(t) => match r.machine.on(ReqEvent::AllVerified) {
+                Ok(_) => (
+                    Ok(t),
+                    RequestKind::Finished {
+                        reason: "handed_off".into(),
+                    },
+                ),
+                Err(e) => {
+                    let _ = r.machine.end(ReqEvent::Fail);
+                    let reason = format!("request {id}: {e}");
+                    (Err(reason.clone()), RequestKind::Failed { reason })
                 }
-            }
-            Err(e) => RequestKind::Failed {
-                reason: format!("transfer: {e}"),
             },
+            Err(e) => {
+                let reason = if r.machine.is_terminal() {
+                    e.clone() // already failed on an illegal transition: its reason as it is
+                } else {
+                    let _ = r.machine.end(ReqEvent::Fail);
+                    format!("transfer: {e}")
+                };
+                (Err(e), RequestKind::Failed { reason })
+            }
         };
         self.engine.release_held(id, kind);
         if let Some(done) = r.done.take() {
             let _ = done.send(result);
+        }
+    }
+
+    /// Fail request `id` on an illegal protocol transition: the client gets the transition as
+    /// the error, the `requests` row says `failed` with it as the reason, and the pages are
+    /// released once no write of them is in flight.
+    fn fail_illegal(&mut self, id: RequestId, e: IllegalTransition) {
+        tracing::error!(request = id, error = %e, "illegal protocol transition: request failed");
+        let reason = format!("request {id}: {e}");
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        let _ = r.machine.end(ReqEvent::Fail);
+        r.failed.get_or_insert(reason.clone());
+        if r.outstanding == 0 {
+            self.finish(id, Err(reason));
         }
     }
 
@@ -492,7 +484,11 @@ impl Node {
             }
             return;
         }
-        self.reqs.remove(&id);
+        if let Some(mut r) = self.reqs.remove(&id)
+            && let Err(e) = r.machine.end(ReqEvent::Abort)
+        {
+            tracing::error!(request = id, error = %e, "illegal abort transition");
+        }
         self.engine.abort(id);
     }
 
@@ -607,13 +603,8 @@ impl Node {
             }
             Cmd::Attach(id, res, tx) => self.attach(id, res, tx),
             Cmd::Abort(id) => self.abort(id),
-            Cmd::Fault(PrefillFault::DisconnectTransport) => {
-                if let Err(e) = self.transport.fault_inject(FaultInjection::Disconnect) {
-                    tracing::warn!(error = %e, "fault injection refused");
-                }
-            }
-            Cmd::Fault(PrefillFault::PhantomWrite) => self.fault.phantom_next = true,
-            Cmd::Fault(PrefillFault::StaleWrite) => self.fault.stale = StaleFault::Recording,
+            #[cfg(feature = "fault-injection")]
+            Cmd::Fault(f) => self.fault.arm(f, &mut *self.transport),
         }
     }
 
@@ -649,6 +640,7 @@ impl std::fmt::Debug for Cmd {
             Cmd::Submit(..) => "Submit",
             Cmd::Attach(..) => "Attach",
             Cmd::Abort(..) => "Abort",
+            #[cfg(feature = "fault-injection")]
             Cmd::Fault(..) => "Fault",
             Cmd::Stats(..) => "Stats",
         })
@@ -744,15 +736,8 @@ impl PrefillHandle {
             })
         };
         {
-            let pool = engine.pool();
-            for layer in 0..engine.model().config.n_layers {
-                for cache in [pool.k_cache(layer), pool.v_cache(layer)] {
-                    register(
-                        &mut transport,
-                        cache.as_ptr().cast(),
-                        std::mem::size_of_val(cache),
-                    )?;
-                }
+            for region in engine.pool().source_regions() {
+                register(&mut transport, region.addr, region.len_bytes)?;
             }
             let h = &headers.0;
             register(
@@ -777,7 +762,8 @@ impl PrefillHandle {
             },
             last_reconnect: Instant::now(),
             reconnects: 0,
-            fault: FaultInjectionState::default(),
+            #[cfg(feature = "fault-injection")]
+            fault: faults::FaultState::default(),
         };
         std::thread::Builder::new()
             .name("prefill-engine".into())
@@ -811,7 +797,8 @@ impl PrefillHandle {
         rx.blocking_recv().ok()
     }
 
-    /// Fault injection (tests only).
+    /// Fault injection (feature `fault-injection`, tests only).
+    #[cfg(feature = "fault-injection")]
     pub fn fault_inject(&self, f: PrefillFault) {
         let _ = self.send(Cmd::Fault(f));
     }

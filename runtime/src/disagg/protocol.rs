@@ -15,9 +15,18 @@
 //!   abort is allowed from every non-terminal state ──> Aborted
 //!   fail (integrity / checksum / transport error)   ──> Failed
 //! ```
-//! Only `Prefilled` can be handed to decode: there is no other transition into `Decoding`. In the
-//! engine this is also a type: `Prefilled` values are built only by the decode node after it
-//! verified every page (see `disagg::DecodeNode::handoff`).
+//! Only `Prefilled` can be handed to decode: there is no other transition into `Decoding`.
+//!
+//! # Who drives it
+//! Both nodes hold a [`ReqMachine`] per request (its state is private to this module) and change
+//! it only through [`ReqMachine::on`]; an illegal transition fails the request (`requests` row
+//! `failed`, reason = the [`IllegalTransition`]), it is never ignored. The prefill node computes
+//! the prompt into its *own* pool before it asks decode for pages, which touches no decode page
+//! and is outside this machine; its machine goes `Reserve`, `StartPrefill` when decode's
+//! reservation arrives, `PostWrites` when it posts, `AllVerified` when every write completed.
+//! The decode node's machine goes `Reserve` when it allocates, [`ReqMachine::observe_posted`]
+//! when the first write lands, `AllVerified` when every prompt page verified, `Handoff` at
+//! commit. The model checker (`tests/tests/e2e/model_check.rs`) drives the same `ReqMachine`.
 //!
 //! # Decode page states
 //! ```text
@@ -26,7 +35,10 @@
 //!   Quarantined ──key invalidated (no write can land any more)──> Free
 //! ```
 //! A page leaves `Quarantined` only when the transport proves that no write of its key can land
-//! (`KeyState::Invalidated`), never on a timeout — safety property 2, "no early reuse".
+//! (`KeyState::Invalidated`), never on a timeout — safety property 2, "no early reuse". In the
+//! engine the proof is a value: `Engine::release_quarantined` takes the
+//! `transport::KeyInvalidated` that only a transport's `invalidate` can construct, and admits
+//! the release through [`release_allowed`].
 
 /// Where one request is in the disaggregated protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -120,6 +132,90 @@ impl ReqState {
     }
 }
 
+/// One request's place in the protocol, as a node holds it. The state is private to this
+/// module: a node (or the model checker) changes it only through [`ReqMachine::on`], the one
+/// transition function, which refuses every edge the protocol does not have with a typed
+/// [`IllegalTransition`]. There is no way to build a machine in any state but `Received` other
+/// than by a sequence of legal events — so the machine the nodes run is the machine that
+/// `tests/tests/e2e/model_check.rs` checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReqMachine {
+    state: ReqState,
+}
+
+impl Default for ReqMachine {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ReqMachine {
+    /// A request that just arrived: nothing allocated.
+    pub const fn new() -> Self {
+        Self {
+            state: ReqState::Received,
+        }
+    }
+
+    pub const fn state(&self) -> ReqState {
+        self.state
+    }
+
+    /// Apply `event`. On an illegal transition the state is left as it was and the error says
+    /// which edge was asked for; the caller must fail the request (never ignore the error).
+    pub fn on(&mut self, event: ReqEvent) -> Result<ReqState, IllegalTransition> {
+        let next = self.state.on(event)?;
+        self.state = next;
+        Ok(next)
+    }
+
+    /// Apply several events in order, stopping at the first illegal one.
+    pub fn on_all(&mut self, events: &[ReqEvent]) -> Result<ReqState, IllegalTransition> {
+        for &e in events {
+            self.on(e)?;
+        }
+        Ok(self.state)
+    }
+
+    /// The decode node's view of prefill's progress: the first write that lands proves that
+    /// prefill started and posted (`StartPrefill`, `PostWrites`), which decode cannot observe
+    /// otherwise. A no-op once the request is `Transferring`; illegal from any other state.
+    pub fn observe_posted(&mut self) -> Result<ReqState, IllegalTransition> {
+        match self.state {
+            ReqState::Transferring => Ok(self.state),
+            _ => self.on_all(&[ReqEvent::StartPrefill, ReqEvent::PostWrites]),
+        }
+    }
+
+    /// End the request with `event` (`Finish`, `Abort` or `Fail`). If that edge is illegal the
+    /// request is failed instead when it can be (the error is returned for the record); a
+    /// terminal request stays as it is.
+    pub fn end(&mut self, event: ReqEvent) -> Result<ReqState, IllegalTransition> {
+        debug_assert!(matches!(
+            event,
+            ReqEvent::Finish | ReqEvent::Abort | ReqEvent::Fail
+        ));
+        match self.on(event) {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                let _ = self
+                    .on(ReqEvent::Fail)
+                    .or_else(|_| self.on(ReqEvent::Abort));
+                Err(e)
+            }
+        }
+    }
+
+    pub const fn is_terminal(&self) -> bool {
+        self.state.is_terminal()
+    }
+
+    /// Whether the decode node may attend over the request's pages now.
+    pub const fn may_read(&self) -> bool {
+        self.state.may_read()
+    }
+}
+
 /// Whether writes carrying a region key can still land.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum KeyState {
@@ -193,6 +289,26 @@ mod tests {
         let s = ReqState::Received.on(ReqEvent::Reject).expect("reject");
         assert!(s.on(ReqEvent::Handoff).is_err());
         assert!(s.on(ReqEvent::Reserve).is_err());
+    }
+
+    #[test]
+    fn machine_refuses_illegal_edges_and_keeps_its_state() {
+        let mut m = ReqMachine::new();
+        assert_eq!(m.on(ReqEvent::Reserve), Ok(ReqState::Reserved));
+        let e = m
+            .on(ReqEvent::Handoff)
+            .expect_err("Reserved cannot be handed off");
+        assert_eq!((e.from, e.event), (ReqState::Reserved, ReqEvent::Handoff));
+        assert_eq!(m.state(), ReqState::Reserved);
+        assert_eq!(m.observe_posted(), Ok(ReqState::Transferring));
+        assert_eq!(m.observe_posted(), Ok(ReqState::Transferring));
+        assert!(
+            m.end(ReqEvent::Finish).is_err(),
+            "Transferring cannot finish"
+        );
+        assert_eq!(m.state(), ReqState::Failed);
+        assert!(m.end(ReqEvent::Abort).is_err());
+        assert_eq!(m.state(), ReqState::Failed, "terminal stays terminal");
     }
 
     #[test]

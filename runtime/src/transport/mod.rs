@@ -187,8 +187,33 @@ pub struct TargetStats {
     pub rejected_writes: u64,
 }
 
-/// Faults a transport can inject on purpose (tests only, named as such). A transport that
-/// cannot inject one returns [`TransportError::Unsupported`].
+/// Proof that no write under region key `rkey` can land any more: returned by
+/// [`KvTransport::invalidate`] and by nothing else. Its constructor is visible only inside this
+/// module tree (the transports), so the engine's `release_quarantined`, which takes one, cannot
+/// be fed a key that was not invalidated — safety property 2 as a type. Neither `Clone` nor
+/// `Copy`: one invalidation, one proof.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "the proof is what lets quarantined pages go back to the free list"]
+pub struct KeyInvalidated {
+    rkey: u32,
+}
+
+impl KeyInvalidated {
+    /// Only a transport, after its key can no longer be used by any write, issues this.
+    pub(in crate::transport) const fn issued_by_transport(rkey: u32) -> Self {
+        Self { rkey }
+    }
+
+    /// The key this proves dead.
+    pub const fn rkey(&self) -> u32 {
+        self.rkey
+    }
+}
+
+/// Faults a transport can inject on purpose (tests only, named as such; compiled only with the
+/// `fault-injection` feature). A transport that cannot inject one returns
+/// [`TransportError::Unsupported`].
+#[cfg(feature = "fault-injection")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FaultInjection {
     /// Target: flip one byte of the next payload that lands (corruption the wire did not catch).
@@ -206,8 +231,9 @@ pub trait KvTransport: Send + std::fmt::Debug {
     /// Target: register a region of `len` bytes.
     fn register(&mut self, len: u64) -> Result<Region, TransportError>;
 
-    /// Target: after this returns, no write with `rkey` lands.
-    fn invalidate(&mut self, rkey: u32) -> Result<(), TransportError>;
+    /// Target: after this returns `Ok`, no write with `rkey` lands; the value returned is the
+    /// proof of it.
+    fn invalidate(&mut self, rkey: u32) -> Result<KeyInvalidated, TransportError>;
 
     /// Initiator: post a chain of work requests (linked through `next`).
     ///
@@ -275,6 +301,7 @@ pub trait KvTransport: Send + std::fmt::Debug {
 
     /// Inject a fault (tests only). Returns a count where the fault has one (held writes
     /// released), else 0.
+    #[cfg(feature = "fault-injection")]
     fn fault_inject(&mut self, f: FaultInjection) -> Result<usize, TransportError> {
         let _ = f;
         Err(TransportError::Unsupported {

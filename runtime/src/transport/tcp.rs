@@ -29,10 +29,12 @@ use std::sync::{Arc, Mutex};
 
 pub use super::TargetStats;
 
+#[cfg(feature = "fault-injection")]
+use super::FaultInjection;
 use super::abi::{
     self, SEND_SIGNALED, SendWr, WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, Wc, wc_opcode, wc_status,
 };
-use super::{FaultInjection, KvTransport, Region, TargetMemory, TransportError};
+use super::{KeyInvalidated, KvTransport, Region, TargetMemory, TransportError};
 
 const MAGIC_WR: u32 = 0x4b56_5752; // "KVWR"
 const MAGIC_ACK: u32 = 0x4b56_4143; // "KVAC"
@@ -253,6 +255,7 @@ impl TcpTransport {
             .is_some_and(|t| matches!(t.st.keys.get(&rkey), Some(KeyEntry::Valid { .. })))
     }
 
+    #[cfg(any(test, feature = "fault-injection"))]
     /// Fault injection: flip one byte of the next payload that lands (corruption in flight that
     /// TCP's own checksum would not catch, e.g. a buggy NIC or memory error).
     pub fn fault_inject_corrupt_next_payload(&mut self) {
@@ -261,6 +264,7 @@ impl TcpTransport {
         }
     }
 
+    #[cfg(any(test, feature = "fault-injection"))]
     /// Fault injection: hold back every arriving write of `rkey` (a delayed packet).
     pub fn fault_inject_hold_key(&mut self, rkey: u32) {
         if let Some(t) = &mut self.target {
@@ -268,6 +272,7 @@ impl TcpTransport {
         }
     }
 
+    #[cfg(any(test, feature = "fault-injection"))]
     /// Fault injection: deliver every held write at the next `poll_recv` (late, possibly after
     /// the key was invalidated and the pages reallocated). Returns how many.
     pub fn fault_inject_release_held(&mut self) -> usize {
@@ -279,6 +284,7 @@ impl TcpTransport {
         n
     }
 
+    #[cfg(any(test, feature = "fault-injection"))]
     /// Fault injection: cut the initiator's connection abruptly.
     pub fn fault_inject_disconnect(&mut self) {
         if let Some(s) = &self.init.stream {
@@ -840,14 +846,16 @@ impl KvTransport for TcpTransport {
         Ok(region)
     }
 
-    fn invalidate(&mut self, rkey: u32) -> Result<(), TransportError> {
+    fn invalidate(&mut self, rkey: u32) -> Result<KeyInvalidated, TransportError> {
         let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
         match t.st.keys.get_mut(&rkey) {
             Some(e) => *e = KeyEntry::Invalidated,
             None => return Err(TransportError::UnknownKey(rkey)),
         }
         abi::custody_kv_invalidate(self.ctx, rkey);
-        Ok(())
+        // Frames are read only on this thread (`poll_recv`), which re-checks the key before
+        // every piece: from here on none of `rkey`'s bytes lands.
+        Ok(KeyInvalidated::issued_by_transport(rkey))
     }
 
     unsafe fn post_write(&mut self, wr: &SendWr) -> Result<(), TransportError> {
@@ -986,6 +994,7 @@ impl KvTransport for TcpTransport {
         TcpTransport::target_stats(self)
     }
 
+    #[cfg(feature = "fault-injection")]
     fn fault_inject(&mut self, f: FaultInjection) -> Result<usize, TransportError> {
         match f {
             FaultInjection::CorruptNextPayload => self.fault_inject_corrupt_next_payload(),
@@ -1128,7 +1137,7 @@ mod tests {
         assert_eq!(r[0].imm(), 5);
         assert_eq!(&mem.bytes[&region.rkey][10..110], &data[..]);
 
-        target.invalidate(region.rkey).expect("invalidate");
+        let _proof = target.invalidate(region.rkey).expect("invalidate");
         let data2 = [9u8; 100];
         let sge = [Sge {
             addr: data2.as_ptr() as u64,
@@ -1271,7 +1280,7 @@ mod tests {
             landed_before > 0 && landed_before <= 1000,
             "{landed_before}"
         );
-        target.invalidate(region.rkey).expect("invalidate");
+        let _proof = target.invalidate(region.rkey).expect("invalidate");
         target.set_poll_bytes_max(1 << 20);
         let (mut s, mut r) = (Vec::new(), Vec::new());
         for _ in 0..5000 {
@@ -1335,7 +1344,7 @@ mod tests {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        target.invalidate(region.rkey).expect("invalidate");
+        let _proof = target.invalidate(region.rkey).expect("invalidate");
         assert_eq!(target.fault_inject_release_held(), 1);
         let (s, _) = pump(&mut init, &mut target, &mut mem, 1);
         assert_eq!(s[0].status, wc_status::REM_ACCESS_ERR);

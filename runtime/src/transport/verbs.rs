@@ -72,7 +72,7 @@ use rdma_sys::{
 };
 
 use super::abi::{self, SendWr, WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, Wc, wc_opcode, wc_status};
-use super::{KvTransport, Region, TargetMemory, TransportError};
+use super::{KeyInvalidated, KvTransport, Region, TargetMemory, TransportError};
 
 /// `IBV_LINK_LAYER_ETHERNET` (RoCE: addressing needs a GRH with the peer's GID).
 const LINK_LAYER_ETHERNET: u8 = 2;
@@ -1103,10 +1103,10 @@ impl KvTransport for VerbsTransport {
         unsafe { self.register_target(addr, n, Some(buf)) }
     }
 
-    fn invalidate(&mut self, rkey: u32) -> Result<(), TransportError> {
+    fn invalidate(&mut self, rkey: u32) -> Result<KeyInvalidated, TransportError> {
         if self.retired.contains(&rkey) {
             abi::custody_kv_invalidate(self.ctx, rkey);
-            return Ok(());
+            return Ok(KeyInvalidated::issued_by_transport(rkey));
         }
         let Some(m) = self.regions.get(&rkey) else {
             return Err(TransportError::UnknownKey(rkey));
@@ -1123,7 +1123,8 @@ impl KvTransport for VerbsTransport {
         }
         self.retired.insert(rkey);
         abi::custody_kv_invalidate(self.ctx, rkey);
-        Ok(())
+        // Deregistered: the device can no longer write through this key.
+        Ok(KeyInvalidated::issued_by_transport(rkey))
     }
 
     unsafe fn post_write(&mut self, wr: &SendWr) -> Result<(), TransportError> {
@@ -1450,7 +1451,7 @@ mod tests {
         assert_eq!(&zc[8..58], &data[50..], "zero-copy region written in place");
         assert!(!mem.bytes.contains_key(&zc_region.rkey));
 
-        target.invalidate(region.rkey).expect("invalidate");
+        let _proof = target.invalidate(region.rkey).expect("invalidate");
         // SAFETY: as above.
         let local2 = unsafe { init.register_local(data2.as_ptr(), data2.len()) }.expect("local");
         let sge = [Sge {

@@ -556,16 +556,9 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
                 _ => None,
             })
             .collect();
-        let g = colo.pool().geometry();
         let raw: Vec<Vec<u8>> = pages
             .iter()
-            .map(|&pg| {
-                let r = g.offset(pg as usize, 0, 0)..g.offset(pg as usize + 1, 0, 0);
-                colo.pool().k_cache(ORACLE_LAYER)[r]
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect()
-            })
+            .map(|&pg| colo.pool().test_oracle_k_page_bytes(ORACLE_LAYER, pg))
             .collect();
         for row in k_rows(&raw, toks.len(), ps, heads, hd) {
             dict.insert(row, k);
@@ -1188,16 +1181,9 @@ fn run_scenario(sc: &Scenario) -> (std::collections::BTreeMap<String, u64>, Vec<
                 _ => None,
             })
             .collect();
-        let g = colo.pool().geometry();
         let raw: Vec<Vec<u8>> = pages
             .iter()
-            .map(|&pg| {
-                let r = g.offset(pg as usize, 0, 0)..g.offset(pg as usize + 1, 0, 0);
-                colo.pool().k_cache(ORACLE_LAYER)[r]
-                    .iter()
-                    .flat_map(|x| x.to_bits().to_le_bytes())
-                    .collect()
-            })
+            .map(|&pg| colo.pool().test_oracle_k_page_bytes(ORACLE_LAYER, pg))
             .collect();
         for row in k_rows(&raw, toks.len(), sc.page_size, mc.n_kv_heads, mc.head_dim) {
             dict.insert(row, t.clone());

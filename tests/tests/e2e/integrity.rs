@@ -2,11 +2,11 @@
 //! request whose pages are wrong, emits no token for it, and lets the others finish.
 
 use custody_kernels::attention::{
-    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder,
+    self, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder,
 };
 use custody_runtime::SamplingParams;
 use custody_runtime::engine::{Event, GenerateRequest};
-use custody_runtime::kv::PagePool;
+use custody_runtime::kv::{AttendRead, PagePool};
 use proptest::prelude::*;
 
 use crate::{engine_with, small_cfg, tokenizer};
@@ -193,14 +193,14 @@ proptest! {
                     // A single query at position n_ctx - 1 attends slots 0..n_ctx. Uniform query:
                     // the output is the mean of the attended V rows if every row is this owner's.
                     let q = vec![0.0f32; G.head_dim];
-                    let args = AttentionArgs {
+                    // The pool's one read path, with the pool's own tags and memory.
+                    let read = AttendRead {
                         q: &q, n_heads: 1, start_pos: n_ctx - 1,
-                        k_cache: pool.k_cache(0), v_cache: pool.v_cache(0), geom: G,
-                        block_table: &s.pages, tags: pool.tags(0), owner: s.owner,
+                        block_table: &s.pages, owner: s.owner,
                         order: ReduceOrder::Vec, check: attention::TagCheck::Enforced,
                     };
                     let mut out = vec![0.0f32; G.head_dim];
-                    match attention::paged_attention(&args, &mut out, &mut scratch) {
+                    match pool.attend(0, &read, &mut out, &mut scratch) {
                         Ok(()) => {
                             // The check passed: the reader must be live and every slot written by it.
                             prop_assert!(s.live, "a freed sequence read its old pages");

@@ -6,11 +6,13 @@ mod gguf_corruption;
 mod integrity;
 mod model_check;
 mod netns;
+mod protocol;
 mod reference;
 mod report;
 mod s3;
 mod scheduler;
 mod serve;
+mod symbols;
 mod synth;
 mod witness;
 

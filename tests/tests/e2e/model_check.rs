@@ -1,11 +1,15 @@
 //! Model check (`stateright`, breadth-first, exhaustive) of the disaggregated prefill/decode
 //! KV-transfer, abort and release protocol — over the engine's own state machine.
 //!
-//! Every request state change in this model goes through `ReqState::on`, "may decode read now?"
-//! is `ReqState::may_read`, and every page release is gated by `release_allowed`, all imported
-//! from `custody_runtime::disagg::protocol` (`runtime/src/disagg/protocol.rs`), together with
+//! Every request state change in this model goes through `ReqMachine::on` — the value both
+//! nodes hold per request, whose state is private to the protocol module — "may decode read
+//! now?" is `ReqMachine::may_read`, and every page release is gated by `release_allowed` (the
+//! rule `Engine::release_quarantined` applies), all imported from
+//! `custody_runtime::disagg::protocol` (`runtime/src/disagg/protocol.rs`), together with
 //! `ReqEvent`, `KeyState` and `PageState`. Nothing is redefined here: a change to the state
-//! machine the engine runs is a change to the machine checked here.
+//! machine the nodes run is a change to the machine checked here
+//! (`protocol_is_driven_only_through_the_machine` keeps the nodes from holding a state of
+//! their own).
 //!
 //! # What is modelled
 //! - **One prefill node** whose pool holds `context_pages`: a prompt longer than that is
@@ -105,7 +109,9 @@
 //! flush/invalidate of an ended request's region; `Release` = the page pool's quarantine-to-free
 //! step, gated by `release_allowed`.
 
-use custody_runtime::disagg::protocol::{KeyState, PageState, ReqEvent, ReqState, release_allowed};
+use custody_runtime::disagg::protocol::{
+    KeyState, PageState, ReqEvent, ReqMachine, ReqState, release_allowed,
+};
 use stateright::{Checker, HasDiscoveries, Model, Property};
 use std::time::Instant;
 
@@ -147,7 +153,8 @@ struct Seen {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Req {
-    state: ReqState,
+    /// The nodes' own per-request machine (`Copy`, hashable): the model's request state.
+    machine: ReqMachine,
     /// The request's region key; `None` until decode registered it.
     key: Option<KeyState>,
     /// The `(page, generation)` pairs decode reserved for the request and expects to read.
@@ -291,15 +298,15 @@ impl Disagg {
 /// Apply a protocol event through the shared transition function. The model only offers events
 /// for which `on` succeeds, so a failure here is a bug in the model.
 fn step(req: &mut Req, event: ReqEvent) {
-    req.state = req
-        .state
+    req.machine
         .on(event)
         .expect("the model only offers legal transitions");
 }
 
-/// Whether the shared state machine allows `event` now.
-fn allows(state: ReqState, event: ReqEvent) -> bool {
-    state.on(event).is_ok()
+/// Whether the shared state machine allows `event` now (tried on a copy).
+fn allows(machine: ReqMachine, event: ReqEvent) -> bool {
+    let mut m = machine;
+    m.on(event).is_ok()
 }
 
 /// A request just ended: every page it still owns goes to quarantine (a write may still land).
@@ -348,7 +355,7 @@ impl Model for Disagg {
                 .reqs
                 .iter()
                 .map(|_| Req {
-                    state: ReqState::Received,
+                    machine: ReqMachine::new(),
                     key: None,
                     pages: Vec::new(),
                     posted: 0,
@@ -376,8 +383,8 @@ impl Model for Disagg {
             .fold(0, |m, (i, _)| m | (1 << i));
         for (i, req) in s.reqs.iter().enumerate() {
             let r = i as ReqId;
-            let st = req.state;
-            if st == ReqState::Received {
+            let st = req.machine;
+            if st.state() == ReqState::Received {
                 if self.over_length(r) && self.defenses.admission_rejects_over_length {
                     if allows(st, ReqEvent::Reject) {
                         actions.push(Action::Reject(r));
@@ -554,16 +561,18 @@ impl Model for Disagg {
             Property::always(NO_SILENT_TRUNCATION, |m: &Disagg, s: &State| {
                 s.reqs.iter().enumerate().all(|(r, req)| {
                     !matches!(
-                        req.state,
+                        req.machine.state(),
                         ReqState::Prefilled | ReqState::Decoding | ReqState::Finished
                     ) || req.posted == m.spec(r as ReqId).pages
                 })
             }),
             Property::always(NO_INTEGRITY_FAILURE, |_, s: &State| {
-                s.reqs.iter().all(|r| r.state != ReqState::Failed)
+                s.reqs.iter().all(|r| r.machine.state() != ReqState::Failed)
             }),
             Property::sometimes("an over-length request is rejected", |_, s: &State| {
-                s.reqs.iter().any(|r| r.state == ReqState::Rejected)
+                s.reqs
+                    .iter()
+                    .any(|r| r.machine.state() == ReqState::Rejected)
             }),
             Property::sometimes("a request reads a reallocated page", |_, s: &State| {
                 s.reqs
@@ -575,7 +584,7 @@ impl Model for Disagg {
                 |_, s: &State| {
                     s.net
                         .iter()
-                        .any(|w| s.reqs[usize::from(w.key)].state == ReqState::Aborted)
+                        .any(|w| s.reqs[usize::from(w.key)].machine.state() == ReqState::Aborted)
                 },
             ),
             Property::sometimes(
@@ -797,5 +806,38 @@ fn model_check_legacy_protocol_reproduces_the_incident() {
             assert_eq!(req.posted, 1, "prefill wrote one page");
             assert_eq!(req.pages.len(), usize::from(m.spec(reader).pages));
         }
+    }
+}
+
+/// The nodes change a request's state only through the machine checked above: each node's
+/// per-request record holds a `ReqMachine` (whose state is private to the protocol module, so
+/// it moves only through `on`), and the node sources name a `ReqState` only to *read* one
+/// (`….state()`), never to declare, build or assign one. This test fails if a node grows a
+/// state field of its own or writes a state by hand — the defect this check was written for
+/// (decode once set `Transferring` straight from `Reserved` and `Prefilled` by hand).
+#[test]
+fn protocol_is_driven_only_through_the_machine() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime/src/disagg");
+    for node in ["prefill.rs", "decode.rs"] {
+        let src = std::fs::read_to_string(root.join(node)).expect("node source");
+        assert!(
+            src.contains("machine: ReqMachine,"),
+            "{node}: the per-request record must hold the protocol's ReqMachine"
+        );
+        for (i, line) in src.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            if !code.contains("ReqState") || code.trim_start().starts_with("use ") {
+                continue;
+            }
+            assert!(
+                code.contains(".state()"),
+                "{node}:{}: a node may only read a ReqState (`….state()`): {line}",
+                i + 1
+            );
+        }
+        assert!(
+            !src.contains(".unwrap_or(r.state)") && !src.contains("unwrap_or(state)"),
+            "{node}: an illegal transition must fail the request, never be ignored"
+        );
     }
 }
