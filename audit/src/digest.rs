@@ -101,6 +101,42 @@ pub struct ChainHead {
     pub prev_signature: Option<String>,
 }
 
+/// Why a digest or a key could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum DigestError {
+    #[error("{}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", .path.display())]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{}: not a hex Ed25519 {what}", .path.display())]
+    NotAKey { path: PathBuf, what: &'static str },
+    #[error("{}: {source}", .path.display())]
+    BadKey {
+        path: PathBuf,
+        source: ed25519_dalek::SignatureError,
+    },
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> DigestError + '_ {
+    move |source| DigestError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn json_at(path: &Path) -> impl FnOnce(serde_json::Error) -> DigestError + '_ {
+    move |source| DigestError::Json {
+        path: path.to_owned(),
+        source,
+    }
+}
+
 pub fn digest_dir(root: &Path, node: u32) -> PathBuf {
     root.join("_digests").join(format!("node={node}"))
 }
@@ -111,7 +147,7 @@ fn canonical(body: &DigestBody) -> Vec<u8> {
 }
 
 impl ChainHead {
-    pub fn load(root: &Path, node: u32) -> Result<Self, String> {
+    pub fn load(root: &Path, node: u32) -> Result<Self, DigestError> {
         let dir = digest_dir(root, node);
         let Ok(rd) = fs::read_dir(&dir) else {
             return Ok(Self::default());
@@ -124,9 +160,8 @@ impl ChainHead {
         let Some(last) = names.last() else {
             return Ok(Self::default());
         };
-        let bytes = fs::read(last).map_err(|e| format!("{}: {e}", last.display()))?;
-        let d: DigestFile =
-            serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", last.display()))?;
+        let bytes = fs::read(last).map_err(io_at(last))?;
+        let d: DigestFile = serde_json::from_slice(&bytes).map_err(json_at(last))?;
         Ok(Self {
             next_seq: d.body.seq_end,
             next_segment: d.body.segment + 1,
@@ -169,10 +204,10 @@ impl DigestFile {
     }
 
     /// Write durably (temp, fsync, rename, fsync dir) and return the new chain head.
-    pub fn write(&self, root: &Path) -> Result<ChainHead, String> {
+    pub fn write(&self, root: &Path) -> Result<ChainHead, DigestError> {
         let dir = digest_dir(root, self.body.node);
-        fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let bytes = serde_json::to_vec_pretty(self).map_err(|e| e.to_string())?;
+        fs::create_dir_all(&dir).map_err(io_at(&dir))?;
+        let bytes = serde_json::to_vec_pretty(self).map_err(json_at(&dir))?;
         let name = format!("{:016}.json", self.body.digest_seq);
         let tmp = dir.join(format!(".{name}.tmp"));
         let path = dir.join(name);
@@ -183,7 +218,7 @@ impl DigestFile {
             fs::rename(&tmp, &path)?;
             fs::File::open(&dir)?.sync_all()
         })();
-        res.map_err(|e| format!("{}: {e}", path.display()))?;
+        res.map_err(io_at(&path))?;
         Ok(ChainHead {
             next_seq: self.body.seq_end,
             next_segment: self.body.segment + 1,
@@ -216,20 +251,28 @@ pub fn write_key(key: &SigningKey, path: &Path) -> std::io::Result<PathBuf> {
     Ok(pub_path)
 }
 
-pub fn read_signing_key(path: &Path) -> Result<SigningKey, String> {
-    let s = fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let b: [u8; 32] = unhex(s.trim())
+/// The 32 bytes of a hex key file.
+fn read_key_bytes(path: &Path, what: &'static str) -> Result<[u8; 32], DigestError> {
+    let s = fs::read_to_string(path).map_err(io_at(path))?;
+    unhex(s.trim())
         .and_then(|v| v.try_into().ok())
-        .ok_or_else(|| format!("{}: not a hex Ed25519 seed", path.display()))?;
-    Ok(SigningKey::from_bytes(&b))
+        .ok_or_else(|| DigestError::NotAKey {
+            path: path.to_owned(),
+            what,
+        })
 }
 
-pub fn read_verifying_key(path: &Path) -> Result<VerifyingKey, String> {
-    let s = fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let b: [u8; 32] = unhex(s.trim())
-        .and_then(|v| v.try_into().ok())
-        .ok_or_else(|| format!("{}: not a hex Ed25519 public key", path.display()))?;
-    VerifyingKey::from_bytes(&b).map_err(|e| format!("{}: {e}", path.display()))
+pub fn read_signing_key(path: &Path) -> Result<SigningKey, DigestError> {
+    Ok(SigningKey::from_bytes(&read_key_bytes(path, "seed")?))
+}
+
+pub fn read_verifying_key(path: &Path) -> Result<VerifyingKey, DigestError> {
+    VerifyingKey::from_bytes(&read_key_bytes(path, "public key")?).map_err(|source| {
+        DigestError::BadKey {
+            path: path.to_owned(),
+            source,
+        }
+    })
 }
 
 /// One finding of [`verify`].

@@ -53,7 +53,9 @@ pub enum WriterError {
     #[error("parquet: {0}")]
     Parquet(#[from] parquet::errors::ParquetError),
     #[error("digest chain: {0}")]
-    Digest(String),
+    Digest(#[from] digest::DigestError),
+    #[error("unrecognised live file {}", .0.display())]
+    UnknownLiveFile(PathBuf),
     #[error("audit writer is closed: {0}")]
     Closed(String),
 }
@@ -128,9 +130,9 @@ enum Msg {
     /// Witness rows, column by column (`record_rdma_ops`); counted in rows.
     RdmaOps(Box<RdmaOpRows>),
     /// Write and fsync everything received so far; reply with the highest durable seq (+1).
-    Sync(SyncSender<Result<u64, String>>),
+    Sync(SyncSender<Result<u64, WriterError>>),
     /// Seal the live segment now.
-    Rotate(SyncSender<Result<(), String>>),
+    Rotate(SyncSender<Result<(), WriterError>>),
     Shutdown,
 }
 
@@ -218,9 +220,7 @@ impl AuditWriter {
         self.tx
             .send(Msg::Sync(tx))
             .map_err(|_| WriterError::Closed(self.closed()))?;
-        rx.recv()
-            .map_err(|_| WriterError::Closed(self.closed()))?
-            .map_err(WriterError::Closed)
+        rx.recv().map_err(|_| WriterError::Closed(self.closed()))?
     }
 
     /// Seal the live segment now (Parquet + digest).
@@ -229,9 +229,7 @@ impl AuditWriter {
         self.tx
             .send(Msg::Rotate(tx))
             .map_err(|_| WriterError::Closed(self.closed()))?;
-        rx.recv()
-            .map_err(|_| WriterError::Closed(self.closed()))?
-            .map_err(WriterError::Closed)
+        rx.recv().map_err(|_| WriterError::Closed(self.closed()))?
     }
 
     /// CPU time of the writer thread in ns as of the last [`AuditWriter::sync`] or, after
@@ -502,9 +500,7 @@ impl State {
                 .and_then(|s| s.to_str())
                 .and_then(|s| s.split_once('-'))
                 .and_then(|(_, t)| Table::from_name(t))
-                .ok_or_else(|| {
-                    WriterError::Digest(format!("unrecognised live file {}", f.display()))
-                })?;
+                .ok_or_else(|| WriterError::UnknownLiveFile(f.clone()))?;
             let Ok(reader) = File::open(f)
                 .map_err(io(f))
                 .and_then(|fh| Ok(StreamReader::try_new(fh, None)?))
@@ -607,13 +603,22 @@ impl State {
                     let r = self.flush_batch(true).map(|()| self.next_seq);
                     // CPU so far, readable after `sync` returns (steady-state cost, before sealing).
                     cpu_ns.store(thread_cpu_ns(), Ordering::Relaxed);
-                    let _ = reply.send(r.as_ref().map(|v| *v).map_err(|e| e.to_string()));
+                    // The error goes on below (it stops the writer); the caller hears it as the reason.
+                    let _ = reply.send(
+                        r.as_ref()
+                            .map(|v| *v)
+                            .map_err(|e| WriterError::Closed(e.to_string())),
+                    );
                     r?;
                     last_flush = Instant::now();
                 }
                 Ok(Msg::Rotate(reply)) => {
                     let r = self.rotate();
-                    let _ = reply.send(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+                    let _ = reply.send(
+                        r.as_ref()
+                            .map(|_| ())
+                            .map_err(|e| WriterError::Closed(e.to_string())),
+                    );
                     r?;
                 }
                 Ok(Msg::Shutdown) | Err(TryRecvError::Disconnected) => {

@@ -28,6 +28,10 @@ mod synth_cmd;
     about = "Multi-tenant LLM inference with integrity-tagged, audited KV pages"
 )]
 struct Cli {
+    /// More log output on stderr: -v info, -vv debug, -vvv trace (default: warn; the servers,
+    /// nodes and the probe: info). `RUST_LOG` / `CUSTODY_LOG` override it.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -79,40 +83,52 @@ enum Cmd {
     /// The audit log: keys, verification, writer benchmark, synthetic log at scale.
     #[command(subcommand)]
     Audit(AuditCmd),
-    /// Run a prefill node: the front door of a disaggregated pair. Admits requests, reserves
-    /// pages on the decode node, computes prompt KV and writes it into the decode node's pages
-    /// over the KV transport, then relays decode's tokens. Config: `[disagg]`, `[engine]`,
-    /// `[audit]`, `[unsafe_reproduction]` (see configs/disagg-prefill.toml).
+    /// Run a prefill node: the front door of a disaggregated pair
+    ///
+    /// Admits requests, reserves pages on the decode node, computes prompt KV and writes it
+    /// into the decode node's pages over the KV transport, then relays decode's tokens. Config:
+    /// `[disagg]`, `[engine]`, `[audit]`, `[unsafe_reproduction]` (see
+    /// configs/disagg-prefill.toml).
     Prefill(disagg_cmd::RoleArgs),
-    /// Run a decode node: reserves pages for prefilled requests, verifies every transferred page
-    /// (in-band tag and checksum) before reading it, and generates. See configs/disagg-decode.toml.
+    /// Run a decode node: verifies every transferred page, then generates
+    ///
+    /// Reserves pages for prefilled requests, verifies every transferred page (in-band tag and
+    /// checksum) before reading it, and generates. See configs/disagg-decode.toml.
     Decode(disagg_cmd::RoleArgs),
-    /// Benchmark the disaggregated path, each figure against a reference in the same run: KV
-    /// transfer on loopback vs memcpy (with and without checksum), time to first token and decode
-    /// tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
+    /// Benchmark the disaggregated path against references measured in the same run
+    ///
+    /// KV transfer on loopback vs memcpy (with and without checksum), time to first token and
+    /// decode tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
     BenchDisagg(disagg_cmd::BenchDisaggArgs),
-    /// The eBPF witness: attach uprobes to the KV transport's probe points (and libibverbs'
-    /// control path where used) of a running process or an executable, and record every posted
-    /// work request, completion and registration into an audit root (`rdma_ops`, `rdma_mr`) as
-    /// the observing host's node — an independent record that `custody forensics crosscheck`
-    /// compares with the engine's. Needs root (CAP_BPF, CAP_PERFMON).
+    /// The eBPF witness: record a process's KV transfers from outside it (needs root)
+    ///
+    /// Attaches uprobes to the KV transport's probe points (and libibverbs' control path where
+    /// used) of a running process or an executable, and records every posted work request,
+    /// completion and registration into an audit root (`rdma_ops`, `rdma_mr`) as the observing
+    /// host's node — an independent record that `custody forensics crosscheck` compares with
+    /// the engine's. Needs root (CAP_BPF, CAP_PERFMON).
     Probe(probe_cmd::ProbeArgs),
-    /// SQL over an audit root: only files named by a verified digest chain (the tool says so).
+    /// SQL over an audit root (only files a verified digest chain names)
+    ///
+    /// `-c SQL`, `-f FILE`, or an interactive prompt (`\d`, `\d table`, `\q`). Files that no
+    /// verified digest names are not read (the tool says so).
     #[cfg(feature = "forensics")]
-    /// `-c SQL`, `-f FILE`, or an interactive prompt (`\d`, `\d table`, `\q`).
     Query(query_cmd::QueryArgs),
-    /// Canned forensic questions over an audit root (each prints its SQL with --show-sql).
+    /// Canned forensic questions over an audit root (--show-sql prints each one's SQL)
     #[cfg(feature = "forensics")]
     #[command(subcommand)]
     Forensics(query_cmd::ForensicsCmd),
-    /// The compliance report: one self-contained HTML file (inline SVG charts, no network) —
-    /// requests and tokens per tenant over time, integrity violations and prevented exposures,
-    /// transfer outcomes, latency distribution, the audit log's own verification, and the
-    /// exposure summary.
+    /// The compliance report: one self-contained HTML file
+    ///
+    /// Inline SVG charts, no network: requests and tokens per tenant over time, integrity
+    /// violations and prevented exposures, transfer outcomes, latency distribution, the audit
+    /// log's own verification, and the exposure summary.
     #[cfg(feature = "forensics")]
     Report(query_cmd::ReportArgs),
-    /// The main job: a prefill/decode pair on loopback serves a multi-tenant workload with every
-    /// protection on, then again with the incident's faults armed (`configs/incident*.toml`,
+    /// The main job: the incident, prevented and then reproduced, and its forensics
+    ///
+    /// A prefill/decode pair on loopback serves a multi-tenant workload with every protection
+    /// on, then again with the incident's faults armed (`configs/incident*.toml`,
     /// `--unsafe-reproduction`); prints both exposure summaries from the audit files alone and
     /// writes a compliance report per run.
     #[cfg(feature = "forensics")]
@@ -250,13 +266,7 @@ struct BenchArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CUSTODY_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    init_logging(&cli);
     match try_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -264,6 +274,29 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Logs go to stderr (stdout is the command's output), without escape codes when stderr is not
+/// a terminal. Level: `RUST_LOG` or `CUSTODY_LOG` if set; else `-v` counted up from the
+/// command's default — warn for interactive commands, info for the long-running servers,
+/// nodes and probe (their logs are their output).
+fn init_logging(cli: &Cli) {
+    use std::io::IsTerminal;
+    const LEVELS: [&str; 5] = ["error", "warn", "info", "debug", "trace"];
+    let daemon = matches!(
+        cli.cmd,
+        Cmd::Serve(_) | Cmd::Prefill(_) | Cmd::Decode(_) | Cmd::Probe(_)
+    );
+    let base = if daemon { 2 } else { 1 };
+    let level = LEVELS[(base + usize::from(cli.verbose)).min(LEVELS.len() - 1)];
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_env("CUSTODY_LOG"))
+        .unwrap_or_else(|_| level.into());
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(filter)
+        .init();
 }
 
 fn try_main(cli: Cli) -> Result<()> {

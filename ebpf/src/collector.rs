@@ -147,7 +147,9 @@ pub fn run_with(
                 }
             },
         )?;
-        debug_assert!(batch.len() + ops.len() <= RECORDS_PER_POLL);
+        // A ring record carries up to POST_BATCH_WRS observations (a batch of posted work
+        // requests); `RECORDS_PER_POLL` bounds records, so this bounds what one poll hands over.
+        debug_assert!(batch.len() + ops.len() <= RECORDS_PER_POLL * crate::event::POST_BATCH_WRS);
         if !batch.is_empty() {
             sink.record_all(std::mem::take(&mut batch))?;
         }

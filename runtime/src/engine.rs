@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 
-use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, TagCheck};
+use custody_kernels::attention::{PageRef, ReduceOrder, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
 use crate::disagg::protocol::{KeyState, release_allowed};
@@ -26,6 +26,9 @@ use crate::kv::{PagePool, PoolError, VerifyError};
 use crate::model::{Logits, Model, Scratch, Segment};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::transport::KeyInvalidated;
+
+/// The integrity error a failed request carries ([`Event::Failed`]).
+pub use custody_kernels::attention::IntegrityError;
 
 pub type RequestId = u64;
 
@@ -54,7 +57,7 @@ pub enum AdmissionError {
     #[error("the wait queue is full ({max_waiting} requests)")]
     QueueFull { max_waiting: usize },
     #[error("invalid sampling parameters: {0}")]
-    BadSampling(String),
+    BadSampling(crate::sampling::SamplingError),
     #[error("the audit log is unavailable, so no work is admitted: {0}")]
     AuditUnavailable(String),
     #[error("the KV pool is busy: {needed_pages} pages needed, {free_pages} free; retry later")]

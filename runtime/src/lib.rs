@@ -4,6 +4,7 @@
 //! Architecture invariants: this crate knows nothing of Parquet, DataFusion or BPF. All compute
 //! goes through `custody-kernels`; all KV reads go through the kernel's tag-checking attention.
 
+pub mod actor;
 pub mod config;
 pub mod disagg;
 pub mod engine;

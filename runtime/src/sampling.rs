@@ -24,16 +24,27 @@ impl Default for SamplingParams {
     }
 }
 
+/// Sampling parameters out of range.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SamplingError {
+    /// `got`: the value as given (rendered: it may be NaN).
+    #[error("temperature must be a finite number >= 0, got {got}")]
+    Temperature { got: String },
+    #[error("top_p must be in (0, 1], got {got}")]
+    TopP { got: String },
+}
+
 impl SamplingParams {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SamplingError> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(format!(
-                "temperature must be a finite number >= 0, got {}",
-                self.temperature
-            ));
+            return Err(SamplingError::Temperature {
+                got: self.temperature.to_string(),
+            });
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return Err(SamplingError::TopP {
+                got: self.top_p.to_string(),
+            });
         }
         Ok(())
     }

@@ -61,6 +61,21 @@ impl Golden {
     }
 }
 
+/// Why the golden reference could not be computed.
+#[derive(Debug, thiserror::Error)]
+pub enum GoldenError {
+    #[error("golden prompt {name}: {source}")]
+    Tokenize {
+        name: &'static str,
+        source: custody_runtime::tokenizer::TokenizerError,
+    },
+    #[error("golden prompt {name}: {source}")]
+    Run {
+        name: &'static str,
+        source: crate::engine_thread::RunAloneError,
+    },
+}
+
 /// Compute the reference outputs: each golden prompt alone, greedy, on `engine` (which must
 /// have no other work). Recorded in the audit log like any request, as tenant `tenant`.
 pub fn reference(
@@ -68,10 +83,12 @@ pub fn reference(
     pool: &rayon::ThreadPool,
     tokenizer: &Tokenizer,
     tenant: &str,
-) -> Result<Vec<Golden>, String> {
+) -> Result<Vec<Golden>, GoldenError> {
     let mut out = Vec::new();
-    for (name, text) in GOLDEN_TEXTS {
-        let prompt = tokenizer.encode(text, false).map_err(|e| e.to_string())?;
+    for &(name, text) in GOLDEN_TEXTS {
+        let prompt = tokenizer
+            .encode(text, false)
+            .map_err(|source| GoldenError::Tokenize { name, source })?;
         let mut g = Golden {
             name: (*name).into(),
             prompt,
@@ -79,7 +96,7 @@ pub fn reference(
             expected: Vec::new(),
         };
         let (tokens, _) = run_alone(engine, pool, g.request(tenant, &tokenizer.stop_ids))
-            .map_err(|e| format!("golden prompt {name}: {e}"))?;
+            .map_err(|source| GoldenError::Run { name, source })?;
         g.expected = tokens;
         out.push(g);
     }
@@ -119,7 +136,8 @@ impl Report {
         self.checked > 0 && self.mismatches.is_empty()
     }
 
-    pub fn add(&mut self, g: &Golden, got: Result<Vec<u32>, String>) {
+    /// Count `g`'s run: its tokens, or why it produced none.
+    pub fn add<E: std::fmt::Display>(&mut self, g: &Golden, got: Result<Vec<u32>, E>) {
         self.checked += 1;
         match got {
             Ok(got) => {
@@ -138,7 +156,7 @@ impl Report {
                 first_divergence: None,
                 expected: g.expected.clone(),
                 got: Vec::new(),
-                error: Some(e),
+                error: Some(e.to_string()),
             }),
         }
     }
@@ -246,9 +264,9 @@ mod tests {
             checked: 0,
             mismatches: Vec::new(),
         };
-        r.add(&g, Ok(vec![1, 2, 3]));
+        r.add::<&str>(&g, Ok(vec![1, 2, 3]));
         assert!(r.pass());
-        r.add(&g, Err("boom".into()));
+        r.add(&g, Err("boom"));
         assert!(!r.pass());
     }
 }

@@ -1,4 +1,7 @@
-//! The engine thread: the one thread that owns the [`Engine`] (and through it the page pool).
+//! The engine thread: the one thread that owns the [`Engine`] (and through it the page pool) —
+//! the runtime's one engine-thread actor (`custody_runtime::actor`: bounded queue, at most
+//! `cmds_per_step` commands between two steps, blocking when idle), as the disaggregated nodes
+//! use it.
 //!
 //! HTTP handlers never touch the engine: they send [`Cmd`]s over a bounded channel and receive
 //! each request's tokens over a per-request channel. The per-request channel's capacity is the
@@ -12,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use custody_audit as audit;
+use custody_runtime::actor::{self, Actor, ActorLimits, Control, Mailbox, MailboxError, Work};
 use custody_runtime::engine::{
     AdmissionError, Engine, Event, FinishReason, GenerateRequest, RequestId,
 };
@@ -107,8 +111,7 @@ impl PrefillCheck {
 /// Cloneable handle the HTTP side uses.
 #[derive(Clone, Debug)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Cmd>,
-    capacity: usize,
+    tx: Mailbox<Cmd>,
     pub gauges: Arc<EngineGauges>,
 }
 
@@ -131,10 +134,19 @@ impl EngineHandle {
         self.tx
             .try_send(Cmd::Submit { req, reply })
             .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => EngineGone::Busy(self.capacity),
-                mpsc::error::TrySendError::Closed(_) => EngineGone::Stopped,
+                MailboxError::Full { capacity, .. } => EngineGone::Busy(capacity),
+                MailboxError::Stopped(_) => EngineGone::Stopped,
             })?;
         rx.await.map_err(|_| EngineGone::Stopped)
+    }
+
+    /// Queue a control command, waiting for space off the async workers (rare commands only:
+    /// shutdown, abort-all, server-side audit records).
+    async fn send_waiting(&self, cmd: Cmd) -> Result<(), EngineGone> {
+        let tx = self.tx.clone();
+        tokio::task::spawn_blocking(move || tx.send_blocking(cmd).map_err(|_| EngineGone::Stopped))
+            .await
+            .map_err(|_| EngineGone::Stopped)?
     }
 
     /// Best effort: if the queue is full, the engine still notices the closed event channel at
@@ -145,20 +157,17 @@ impl EngineHandle {
 
     /// Abort everything in flight (the end of a shutdown drain). Waits for queue space.
     pub async fn abort_all(&self, reason: &str) {
-        let _ = self.tx.send(Cmd::AbortAll(reason.to_owned())).await;
+        let _ = self.send_waiting(Cmd::AbortAll(reason.to_owned())).await;
     }
 
     /// Ask the engine thread to end once its work is done.
     pub async fn shutdown(&self) {
-        let _ = self.tx.send(Cmd::Shutdown).await;
+        let _ = self.send_waiting(Cmd::Shutdown).await;
     }
 
     /// Record a server-side audit event through the engine's sink.
     pub async fn record(&self, ev: audit::Event) -> Result<(), EngineGone> {
-        self.tx
-            .send(Cmd::Record(ev))
-            .await
-            .map_err(|_| EngineGone::Stopped)
+        self.send_waiting(Cmd::Record(ev)).await
     }
 }
 
@@ -174,84 +183,73 @@ struct Route {
 /// requests of steps (the rest wait in the bounded queue).
 const CMDS_PER_STEP: usize = 64;
 
+/// The engine thread's state: the engine, the kernels' thread pool, and each request's route.
+pub(crate) struct EngineActor {
+    pub(crate) engine: Engine,
+    pool: rayon::ThreadPool,
+    routes: HashMap<RequestId, Route>,
+    gauges: Arc<EngineGauges>,
+    check: PrefillCheck,
+}
+
+impl Actor for EngineActor {
+    type Cmd = Cmd;
+    /// Shutdown finishes what is running, then returns the engine.
+    const FINISH_WORK_ON_CLOSE: bool = true;
+
+    fn handle(&mut self, cmd: Cmd) -> Control {
+        if matches!(cmd, Cmd::Shutdown) {
+            return Control::Close;
+        }
+        handle(&mut self.engine, &mut self.routes, cmd, &self.gauges);
+        Control::Continue
+    }
+
+    fn work(&mut self) -> Work {
+        if !self.engine.has_work() {
+            update_gauges(&self.engine, &self.gauges);
+            return Work::Idle;
+        }
+        let events = self.pool.install(|| self.engine.step());
+        self.gauges.steps_total.fetch_add(1, Ordering::Relaxed);
+        for ev in events {
+            route(
+                &mut self.engine,
+                &mut self.routes,
+                ev,
+                &self.gauges,
+                &self.check,
+            );
+        }
+        update_gauges(&self.engine, &self.gauges);
+        Work::Busy
+    }
+}
+
 /// Spawn the engine thread. `engine` may already have run start-up work (calibration, the
-/// canary reference). Returns the handle and the thread, which returns the engine when every
-/// handle is dropped and no work is left.
+/// canary reference). Returns the handle and the thread, which returns the engine's actor (its
+/// `engine`) when every handle is dropped or shutdown was asked, and no work is left.
 pub(crate) fn spawn(
     engine: Engine,
     pool: rayon::ThreadPool,
     capacity: usize,
     check: PrefillCheck,
     gauges: Arc<EngineGauges>,
-) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<Engine>)> {
-    let (tx, rx) = mpsc::channel(capacity);
-    let g = gauges.clone();
-    let join = std::thread::Builder::new()
-        .name("engine".into())
-        .spawn(move || run(engine, pool, rx, g, check))?;
-    Ok((
-        EngineHandle {
-            tx,
-            capacity,
-            gauges,
-        },
-        join,
-    ))
-}
-
-fn run(
-    mut engine: Engine,
-    pool: rayon::ThreadPool,
-    mut rx: mpsc::Receiver<Cmd>,
-    gauges: Arc<EngineGauges>,
-    check: PrefillCheck,
-) -> Engine {
-    let mut routes: HashMap<RequestId, Route> = HashMap::new();
-    let mut open = true;
+) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<EngineActor>)> {
     update_gauges(&engine, &gauges);
-    loop {
-        for _ in 0..CMDS_PER_STEP {
-            let cmd = if engine.has_work() || !open {
-                match rx.try_recv() {
-                    Ok(c) => c,
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
-                }
-            } else {
-                // Idle: sleep until there is something to do.
-                match rx.blocking_recv() {
-                    Some(c) => c,
-                    None => {
-                        open = false;
-                        break;
-                    }
-                }
-            };
-            if matches!(cmd, Cmd::Shutdown) {
-                open = false;
-                break;
-            }
-            handle(&mut engine, &mut routes, cmd, &gauges);
-        }
-        if !engine.has_work() {
-            update_gauges(&engine, &gauges);
-            if !open {
-                break;
-            }
-            continue;
-        }
-        let events = pool.install(|| engine.step());
-        gauges.steps_total.fetch_add(1, Ordering::Relaxed);
-        for ev in events {
-            route(&mut engine, &mut routes, ev, &gauges, &check);
-        }
-        update_gauges(&engine, &gauges);
-    }
-    tracing::info!("engine thread: every handle closed and no work left");
-    engine
+    let actor = EngineActor {
+        engine,
+        pool,
+        routes: HashMap::new(),
+        gauges: gauges.clone(),
+        check,
+    };
+    let limits = ActorLimits {
+        queue_capacity_cmds: capacity,
+        cmds_per_step: CMDS_PER_STEP,
+    };
+    let (tx, join) = actor::spawn("engine", actor, limits)?;
+    Ok((EngineHandle { tx, gauges }, join))
 }
 
 fn update_gauges(engine: &Engine, g: &EngineGauges) {
@@ -397,20 +395,36 @@ fn route(
     }
 }
 
+/// Why a request run alone did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum RunAloneError {
+    #[error(transparent)]
+    Admission(#[from] AdmissionError),
+    #[error("integrity check failed: {0}")]
+    Integrity(custody_runtime::engine::IntegrityError),
+    #[error("aborted: {0}")]
+    Aborted(String),
+    #[error("the request did not finish within {steps} steps")]
+    DidNotFinish { steps: usize },
+}
+
+/// Most engine steps a request run alone may take (each advances the prompt or emits a token).
+const RUN_ALONE_MAX_STEPS: usize = 100_000;
+
 /// Run one request alone to its end on an engine nobody else is using (start-up work):
-/// its tokens, or why it did not finish.
+/// its tokens and time to first token, or why it did not finish.
 pub fn run_alone(
     engine: &mut Engine,
     pool: &rayon::ThreadPool,
     req: GenerateRequest,
-) -> Result<(Vec<u32>, Duration), String> {
-    let id = engine.submit(req).map_err(|e| e.to_string())?;
+) -> Result<(Vec<u32>, Duration), RunAloneError> {
+    let id = engine.submit(req)?;
     let t0 = Instant::now();
     let mut ttft = None;
     let mut tokens = Vec::new();
     // Bounded: every step either advances the prompt or emits a token, and max_tokens bounds
     // the tokens; a request that somehow does not end within this many steps is an error.
-    for _ in 0..100_000 {
+    for _ in 0..RUN_ALONE_MAX_STEPS {
         if !engine.has_work() {
             break;
         }
@@ -423,13 +437,19 @@ pub fn run_alone(
                 Event::Finished { id: r, .. } if r == id => {
                     return Ok((tokens, ttft.unwrap_or_else(|| t0.elapsed())));
                 }
-                Event::Failed { id: r, error } if r == id => return Err(error.to_string()),
-                Event::Aborted { id: r, reason } if r == id => return Err(reason),
+                Event::Failed { id: r, error } if r == id => {
+                    return Err(RunAloneError::Integrity(error));
+                }
+                Event::Aborted { id: r, reason } if r == id => {
+                    return Err(RunAloneError::Aborted(reason));
+                }
                 _ => {}
             }
         }
     }
-    Err("the request did not finish".into())
+    Err(RunAloneError::DidNotFinish {
+        steps: RUN_ALONE_MAX_STEPS,
+    })
 }
 
 #[cfg(test)]

@@ -42,6 +42,8 @@ pub enum ServeError {
     Config(String),
     #[error("start-up check failed: {0}")]
     Startup(String),
+    #[error("start-up golden reference: {0}")]
+    Golden(#[from] canary::GoldenError),
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
     #[error("the engine thread panicked")]
@@ -90,8 +92,7 @@ pub fn prepare(
     gauges
         .calibrated_prefill_tok_s
         .store(tok_s as u64, Ordering::Relaxed);
-    let golden = canary::reference(&mut engine, &pool, &tokenizer, canary::CANARY_TENANT)
-        .map_err(ServeError::Startup)?;
+    let golden = canary::reference(&mut engine, &pool, &tokenizer, canary::CANARY_TENANT)?;
     tracing::info!(
         calibrated_prefill_tok_s = tok_s as u64,
         golden_prompts = golden.len(),
@@ -192,7 +193,8 @@ pub async fn serve(
     let engine = tokio::task::spawn_blocking(move || join.join())
         .await
         .map_err(|_| ServeError::EnginePanicked)?
-        .map_err(|_| ServeError::EnginePanicked)?;
+        .map_err(|_| ServeError::EnginePanicked)?
+        .engine;
     tracing::info!("engine stopped; every request ended");
     served.map(|()| engine)
 }
@@ -229,8 +231,7 @@ pub fn prepare_front(
     gauges
         .calibrated_prefill_tok_s
         .store(tok_s as u64, Ordering::Relaxed);
-    let golden = canary::reference(&mut reference, &pool, &tokenizer, "_reference")
-        .map_err(ServeError::Startup)?;
+    let golden = canary::reference(&mut reference, &pool, &tokenizer, "_reference")?;
     let model_name = if cfg.model_name.is_empty() {
         reference.model().config.name.clone()
     } else {

@@ -8,7 +8,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::time::{Duration, Instant};
 
 use custody_audit::{self as audit, RequestKind};
@@ -20,6 +19,7 @@ use tonic::{Request, Response, Status};
 use super::proto::{self, decode_server};
 use super::protocol::{IllegalTransition, ReqEvent, ReqMachine, ReqState};
 use super::{MAX_PAGES_PER_REQUEST, MAX_RESERVATIONS, admission_status, check_pair, imm_split};
+use crate::actor::{self, ActorLimits, Mailbox, MailboxError};
 use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
 
@@ -45,7 +45,8 @@ pub struct DecodeOptions {
     pub fingerprint: String,
 }
 
-type TokenTx = mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>;
+type TokenTx = mpsc::Sender<Result<proto::TokenEvent, Status>>;
+type TokenRx = mpsc::Receiver<Result<proto::TokenEvent, Status>>;
 
 enum Cmd {
     Handshake(
@@ -56,10 +57,10 @@ enum Cmd {
         proto::ReserveRequest,
         oneshot::Sender<Result<proto::ReserveReply, Status>>,
     ),
+    /// Hand off; the reply carries the request's token relay.
     Commit(
         proto::CommitRequest,
-        TokenTx,
-        oneshot::Sender<Result<(), Status>>,
+        oneshot::Sender<Result<TokenRx, Status>>,
     ),
     Abort(u64, String, oneshot::Sender<bool>),
     Stats(oneshot::Sender<DecodeStats>),
@@ -109,6 +110,7 @@ struct DReq {
     tenant: Arc<str>,
     verified: Vec<bool>,
     tokens: Option<TokenTx>,
+    max_tokens: usize,
     /// Set at handoff: the transport's proof that the key is dead (then the pages are read).
     invalidated: Option<KeyInvalidated>,
     reserved_at: Instant,
@@ -124,6 +126,7 @@ struct Node {
     free_slots: Vec<u32>,
     next_slot: u32,
     stats: DecodeStats,
+    last_reap: Instant,
     #[cfg(feature = "fault-injection")]
     hold_next: bool,
     info: proto::NodeInfo,
@@ -172,7 +175,7 @@ impl Node {
     }
 
     fn handshake(&mut self, peer: proto::NodeInfo) -> Result<proto::NodeInfo, Status> {
-        check_pair(&peer, &self.info).map_err(Status::failed_precondition)?;
+        check_pair(&peer, &self.info).map_err(|e| Status::failed_precondition(e.to_string()))?;
         // `verbs`: connect our queue pair to the prefill node's (a repeated handshake is a
         // reconnect: the old connection's writes fail). `tcp`: the prefill node dials us.
         self.transport
@@ -259,6 +262,7 @@ impl Node {
                 tenant: req.tenant.into(),
                 verified: vec![false; n_pages],
                 tokens: None,
+                max_tokens: req.max_tokens as usize,
                 invalidated: None,
                 reserved_at: Instant::now(),
             },
@@ -427,7 +431,7 @@ impl Node {
         }
     }
 
-    fn commit(&mut self, c: proto::CommitRequest, tokens: TokenTx) -> Result<(), Status> {
+    fn commit(&mut self, c: proto::CommitRequest) -> Result<TokenRx, Status> {
         let id = c.request;
         let legacy = self.opts.unsafe_.truncate_overlength;
         let r = self.reqs.get_mut(&id).ok_or_else(|| {
@@ -475,6 +479,9 @@ impl Node {
         let activated = self
             .engine
             .activate_import(id, c.first_token, !legacy, &proof);
+        let (tokens, rx) = mpsc::channel(super::token_relay_capacity_events(
+            self.reqs.get(&id).map_or(0, |r| r.max_tokens),
+        ));
         if let Some(r) = self.reqs.get_mut(&id) {
             r.invalidated = Some(proof);
             r.tokens = Some(tokens);
@@ -490,7 +497,7 @@ impl Node {
             );
             return Err(Status::failed_precondition(e.to_string()));
         }
-        Ok(())
+        Ok(rx)
     }
 
     /// End a request that did not finish normally: quarantine its pages, invalidate its key,
@@ -511,7 +518,7 @@ impl Node {
         self.by_slot.remove(&r.slot);
         self.by_key.remove(&r.rkey);
         if let (Some(tx), Some(e)) = (&r.tokens, &error) {
-            let _ = tx.send(Err(Status::aborted(e.clone())));
+            let _ = tx.try_send(Err(Status::aborted(e.clone())));
         }
         self.engine.quarantine(id, kind);
         let proof = match r.invalidated.take() {
@@ -540,7 +547,7 @@ impl Node {
             match ev {
                 Event::Token { id, token } => {
                     if let Some(tx) = self.reqs.get(&id).and_then(|r| r.tokens.as_ref()) {
-                        let _ = tx.send(Ok(proto::TokenEvent {
+                        let _ = tx.try_send(Ok(proto::TokenEvent {
                             token,
                             ..Default::default()
                         }));
@@ -561,7 +568,7 @@ impl Node {
                             tracing::error!(request = id, error = %e, "engine finished a request the protocol did not let decode");
                         }
                         if let Some(tx) = r.tokens {
-                            let _ = tx.send(Ok(proto::TokenEvent {
+                            let _ = tx.try_send(Ok(proto::TokenEvent {
                                 finish_reason: match reason {
                                     crate::engine::FinishReason::Stop => "stop".into(),
                                     crate::engine::FinishReason::Length => "length".into(),
@@ -583,7 +590,7 @@ impl Node {
                         self.by_key.remove(&r.rkey);
                         self.free_slots.push(r.slot);
                         if let Some(tx) = r.tokens {
-                            let _ = tx.send(Err(Status::data_loss(format!(
+                            let _ = tx.try_send(Err(Status::data_loss(format!(
                                 "integrity check failed: {error}"
                             ))));
                         }
@@ -597,7 +604,7 @@ impl Node {
                         self.by_slot.remove(&r.slot);
                         self.by_key.remove(&r.rkey);
                         if let Some(tx) = r.tokens {
-                            let _ = tx.send(Err(Status::unavailable(reason)));
+                            let _ = tx.try_send(Err(Status::unavailable(reason)));
                         }
                     }
                 }
@@ -650,8 +657,8 @@ impl Node {
             Cmd::Reserve(req, tx) => {
                 let _ = tx.send(self.reserve(req));
             }
-            Cmd::Commit(c, tokens, tx) => {
-                let _ = tx.send(self.commit(c, tokens));
+            Cmd::Commit(c, tx) => {
+                let _ = tx.send(self.commit(c));
             }
             Cmd::Abort(id, reason, tx) => {
                 let existed = self.reqs.contains_key(&id);
@@ -694,34 +701,42 @@ impl Node {
             },
         }
     }
+}
 
-    fn run(mut self, rx: Receiver<Cmd>) {
-        let mut last_reap = Instant::now();
-        loop {
-            let mut busy = false;
-            loop {
-                match rx.try_recv() {
-                    Ok(cmd) => {
-                        self.handle(cmd);
-                        busy = true;
-                    }
-                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
-                }
-            }
-            busy |= self.poll_transport() > 0;
-            busy |= self.step();
-            if last_reap.elapsed() > Duration::from_millis(20) {
-                self.reap();
-                last_reap = Instant::now();
-            }
-            if !busy {
-                match rx.recv_timeout(Duration::from_micros(500)) {
-                    Ok(cmd) => self.handle(cmd),
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
-            }
+/// How long the engine thread may sleep while reservations wait for bytes: the tcp transport
+/// is read on this thread (no reactor wakes it), so landing latency is at most this.
+const LANDING_POLL: Duration = Duration::from_micros(500);
+/// How often reservation leases and closed token relays are looked at.
+const REAP_INTERVAL: Duration = Duration::from_millis(20);
+
+impl crate::actor::Actor for Node {
+    type Cmd = Cmd;
+    /// Its peers are gone: nothing is left to serve.
+    const FINISH_WORK_ON_CLOSE: bool = false;
+
+    fn handle(&mut self, cmd: Cmd) -> crate::actor::Control {
+        Node::handle(self, cmd);
+        crate::actor::Control::Continue
+    }
+
+    fn work(&mut self) -> crate::actor::Work {
+        use crate::actor::Work;
+        let mut busy = self.poll_transport() > 0;
+        busy |= self.step();
+        if self.last_reap.elapsed() > REAP_INTERVAL {
+            self.reap();
+            self.last_reap = Instant::now();
+        }
+        if busy {
+            Work::Busy
+        } else if self.reqs.values().any(|r| r.tokens.is_none()) {
+            // Reservations wait for their bytes (and their lease).
+            Work::PollAfter(LANDING_POLL)
+        } else if !self.reqs.is_empty() {
+            // Decoding requests whose clients may go away.
+            Work::PollAfter(REAP_INTERVAL)
+        } else {
+            Work::Idle
         }
     }
 }
@@ -729,7 +744,7 @@ impl Node {
 /// Handle to a running decode node's engine thread.
 #[derive(Clone, Debug)]
 pub struct DecodeHandle {
-    tx: SyncSender<Cmd>,
+    tx: Mailbox<Cmd>,
     /// The transport's endpoint: `tcp`, its listening address; `verbs`, the queue pair's.
     pub transport_addr: String,
     pub info: proto::NodeInfo,
@@ -752,7 +767,7 @@ impl std::fmt::Debug for Cmd {
 }
 
 /// Commands waiting for the engine thread (bounded: a full queue answers `unavailable`).
-const CMD_QUEUE: usize = 1024;
+const CMD_QUEUE_CMDS: usize = 1024;
 
 impl DecodeHandle {
     /// Start the engine thread and the KV transport listener.
@@ -779,7 +794,6 @@ impl DecodeHandle {
             transport_addr.clone(),
             &opts.unsafe_.names(),
         );
-        let (tx, rx) = sync_channel(CMD_QUEUE);
         let node = Node {
             engine,
             transport,
@@ -790,14 +804,17 @@ impl DecodeHandle {
             free_slots: Vec::new(),
             next_slot: 0,
             stats: DecodeStats::default(),
+            last_reap: Instant::now(),
             #[cfg(feature = "fault-injection")]
             hold_next: false,
             info: info.clone(),
             stride,
         };
-        std::thread::Builder::new()
-            .name("decode-engine".into())
-            .spawn(move || node.run(rx))?;
+        let (tx, _join) = actor::spawn(
+            "decode-engine",
+            node,
+            ActorLimits::with_queue(CMD_QUEUE_CMDS),
+        )?;
         Ok(Self {
             tx,
             transport_addr,
@@ -808,10 +825,10 @@ impl DecodeHandle {
     fn send(&self, cmd: Cmd) -> Result<(), Status> {
         match self.tx.try_send(cmd) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => {
+            Err(MailboxError::Full { .. }) => {
                 Err(Status::unavailable("decode node command queue full"))
             }
-            Err(TrySendError::Disconnected(_)) => Err(Status::unavailable("decode engine stopped")),
+            Err(MailboxError::Stopped(_)) => Err(Status::unavailable("decode engine stopped")),
         }
     }
 
@@ -897,9 +914,8 @@ impl decode_server::Decode for DecodeService {
         r: Request<proto::CommitRequest>,
     ) -> Result<Response<Self::CommitStream>, Status> {
         let c = r.into_inner();
-        let (ttx, trx) = mpsc::unbounded_channel();
-        ask(&self.h, |tx| Cmd::Commit(c, ttx, tx)).await??;
-        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(trx);
+        let trx = ask(&self.h, |tx| Cmd::Commit(c, tx)).await??;
+        let stream = tokio_stream::wrappers::ReceiverStream::new(trx);
         Ok(Response::new(Box::pin(stream)))
     }
 

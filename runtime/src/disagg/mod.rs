@@ -45,6 +45,12 @@ pub const MAX_PAGES_PER_REQUEST: usize = 1 << 12;
 /// Reservation slots (live reservations) the immediate data can address.
 pub const MAX_RESERVATIONS: u32 = 1 << 20;
 
+/// Events one request's token relay can carry: at most `max_tokens` tokens, then one terminal
+/// event, plus one error — so a sender on the engine thread (`try_send`) never finds it full.
+pub fn token_relay_capacity_events(max_tokens: usize) -> usize {
+    max_tokens.saturating_add(2)
+}
+
 pub fn imm_of(slot: u32, idx: usize) -> u32 {
     debug_assert!(slot < MAX_RESERVATIONS && idx < MAX_PAGES_PER_REQUEST);
     (slot << 12) | idx as u32
@@ -184,9 +190,17 @@ pub fn node_info(
     }
 }
 
+/// A prefill/decode pair that must not run together: every difference, so the operator fixes
+/// them all at once.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the prefill/decode pair refuses to run: {}", .differences.join("; "))]
+pub struct PairMismatch {
+    pub differences: Vec<String>,
+}
+
 /// The pair's compatibility rule. Every difference is listed, so the operator fixes them all at
 /// once.
-pub fn check_pair(prefill: &proto::NodeInfo, decode: &proto::NodeInfo) -> Result<(), String> {
+pub fn check_pair(prefill: &proto::NodeInfo, decode: &proto::NodeInfo) -> Result<(), PairMismatch> {
     let mut bad = Vec::new();
     if prefill.model_fingerprint != decode.model_fingerprint {
         bad.push(format!(
@@ -233,10 +247,7 @@ pub fn check_pair(prefill: &proto::NodeInfo, decode: &proto::NodeInfo) -> Result
     if bad.is_empty() {
         Ok(())
     } else {
-        Err(format!(
-            "the prefill/decode pair refuses to run: {}",
-            bad.join("; ")
-        ))
+        Err(PairMismatch { differences: bad })
     }
 }
 
@@ -451,7 +462,9 @@ mod tests {
         d.page_size = 32;
         d.model_fingerprint = "cd".into();
         d.transport = "verbs".into();
-        let e = check_pair(&info("prefill", 4096), &d).expect_err("mismatch");
+        let e = check_pair(&info("prefill", 4096), &d)
+            .expect_err("mismatch")
+            .to_string();
         assert!(
             e.contains("fingerprint")
                 && e.contains("KV transport differs")

@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::time::{Duration, Instant};
 
 use custody_audit::{self as audit, RequestKind};
@@ -19,6 +18,7 @@ use tonic::{Request, Response, Status};
 use super::proto::{self, decode_client::DecodeClient, prefill_server};
 use super::protocol::{IllegalTransition, ReqEvent, ReqMachine};
 use super::{admission_status, imm_of, transfer_id};
+use crate::actor::{self, ActorLimits, Mailbox, MailboxError};
 use crate::config::UnsafeReproduction;
 use crate::engine::{Engine, Event, GenerateRequest, RequestId};
 use crate::kv::TransferHeader;
@@ -42,8 +42,39 @@ pub struct PrefillOptions {
     pub transport_kind: TransportKind,
 }
 
-/// How a request's transfer ended, as seen by prefill.
-type TransferResult = Result<u32, String>;
+/// Why a request's transfer (or its prefill) failed, as prefill saw it: the reason recorded in
+/// its `requests` row and told to the client.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct TransferFailed(pub String);
+
+impl From<String> for TransferFailed {
+    fn from(s: String) -> Self {
+        Self(s)
+    }
+}
+
+impl From<&str> for TransferFailed {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
+/// How a request's transfer ended, as seen by prefill: the first token, or why not.
+type TransferResult = Result<u32, TransferFailed>;
+
+/// Why a lost transport connection could not be re-established (retried).
+#[derive(Debug, thiserror::Error)]
+enum ReconnectError {
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error("handshake timed out")]
+    Timeout,
+    #[error("handshake refused: {0}")]
+    Refused(String),
+    #[error(transparent)]
+    Pair(#[from] super::PairMismatch),
+}
 
 enum Cmd {
     /// Admit a prompt (prefill-only). Replies with the prefill request id and whether the
@@ -194,7 +225,7 @@ impl Node {
         done: oneshot::Sender<TransferResult>,
     ) {
         let Some(r) = self.reqs.get_mut(&id) else {
-            let _ = done.send(Err(format!("prefill request {id} is gone")));
+            let _ = done.send(Err(format!("prefill request {id} is gone").into()));
             return;
         };
         r.reservation = Some(res);
@@ -264,7 +295,8 @@ impl Node {
                 Err(format!(
                     "decode reserved {} pages, the prompt needs {n_pages}",
                     res.pages.len()
-                )),
+                )
+                .into()),
             );
             return;
         }
@@ -361,7 +393,7 @@ impl Node {
             r.failed.get_or_insert(e);
             if r.outstanding == 0 {
                 let e = r.failed.clone().unwrap_or_default();
-                self.finish(id, Err(e));
+                self.finish(id, Err(e.into()));
             }
         }
     }
@@ -414,7 +446,7 @@ impl Node {
         };
         if r.outstanding == 0 {
             let result = match (&r.failed, r.first_token) {
-                (Some(e), _) => Err(e.clone()),
+                (Some(e), _) => Err(e.as_str().into()),
                 (None, Some(t)) => Ok(t),
                 (None, None) => Err("no first token".into()),
             };
@@ -438,12 +470,12 @@ impl Node {
                 Err(e) => {
                     let _ = r.machine.end(ReqEvent::Fail);
                     let reason = format!("request {id}: {e}");
-                    (Err(reason.clone()), RequestKind::Failed { reason })
+                    (Err(reason.as_str().into()), RequestKind::Failed { reason })
                 }
             },
             Err(e) => {
                 let reason = if r.machine.is_terminal() {
-                    e.clone() // already failed on an illegal transition: its reason as it is
+                    e.0.clone() // already failed on an illegal transition: its reason as it is
                 } else {
                     let _ = r.machine.end(ReqEvent::Fail);
                     format!("transfer: {e}")
@@ -469,7 +501,7 @@ impl Node {
         let _ = r.machine.end(ReqEvent::Fail);
         r.failed.get_or_insert(reason.clone());
         if r.outstanding == 0 {
-            self.finish(id, Err(reason));
+            self.finish(id, Err(reason.into()));
         }
     }
 
@@ -517,20 +549,20 @@ impl Node {
                         if let Some(mut r) = self.reqs.remove(&id) {
                             let e = format!("integrity check failed in prefill: {error}");
                             if let Some(tx) = r.prefilled.take() {
-                                let _ = tx.send(Err(e.clone()));
+                                let _ = tx.send(Err(e.as_str().into()));
                             }
                             if let Some(done) = r.done.take() {
-                                let _ = done.send(Err(e));
+                                let _ = done.send(Err(e.into()));
                             }
                         }
                     }
                     Event::Aborted { id, reason } => {
                         if let Some(mut r) = self.reqs.remove(&id) {
                             if let Some(tx) = r.prefilled.take() {
-                                let _ = tx.send(Err(reason.clone()));
+                                let _ = tx.send(Err(reason.as_str().into()));
                             }
                             if let Some(done) = r.done.take() {
-                                let _ = done.send(Err(reason));
+                                let _ = done.send(Err(reason.into()));
                             }
                         }
                     }
@@ -566,8 +598,8 @@ impl Node {
 
     /// A fresh handshake (both transports: `verbs` must exchange new queue-pair endpoints, and
     /// `tcp` learns the address anew), then connect. Blocks this thread for one round trip.
-    fn reconnect(&mut self) -> Result<String, String> {
-        self.transport.reset().map_err(|e| e.to_string())?;
+    fn reconnect(&mut self) -> Result<String, ReconnectError> {
+        self.transport.reset()?;
         let mut info = self.control.info.clone();
         info.transport_addr = self.transport.endpoint();
         let mut decode = self.control.decode.clone();
@@ -577,13 +609,11 @@ impl Node {
             .block_on(async move {
                 tokio::time::timeout(Duration::from_secs(5), decode.handshake(info)).await
             })
-            .map_err(|_| "handshake timed out".to_owned())?
-            .map_err(|s| format!("handshake refused: {}", s.message()))?
+            .map_err(|_| ReconnectError::Timeout)?
+            .map_err(|s| ReconnectError::Refused(s.message().to_owned()))?
             .into_inner();
         super::check_pair(&self.control.info, &reply)?;
-        self.transport
-            .connect_peer(&reply.transport_addr)
-            .map_err(|e| e.to_string())?;
+        self.transport.connect_peer(&reply.transport_addr)?;
         Ok(reply.transport_addr)
     }
 
@@ -607,29 +637,35 @@ impl Node {
             Cmd::Fault(f) => self.fault.arm(f, &mut *self.transport),
         }
     }
+}
 
-    fn run(mut self, rx: Receiver<Cmd>) {
-        loop {
-            let mut busy = false;
-            loop {
-                match rx.try_recv() {
-                    Ok(cmd) => {
-                        self.handle(cmd);
-                        busy = true;
-                    }
-                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
-                }
-            }
-            busy |= self.step();
-            self.maybe_reconnect();
-            if !busy {
-                match rx.recv_timeout(Duration::from_micros(500)) {
-                    Ok(cmd) => self.handle(cmd),
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
-            }
+/// How long the engine thread may sleep while writes are in flight: the transport's
+/// completions arrive on a channel this thread polls (no reactor wakes it).
+const COMPLETION_POLL: Duration = Duration::from_micros(500);
+/// How often a lost transport connection is redialled.
+const RECONNECT_INTERVAL: Duration = Duration::from_millis(50);
+
+impl actor::Actor for Node {
+    type Cmd = Cmd;
+    /// Its clients and its decode node are gone: nothing is left to serve.
+    const FINISH_WORK_ON_CLOSE: bool = false;
+
+    fn handle(&mut self, cmd: Cmd) -> actor::Control {
+        Node::handle(self, cmd);
+        actor::Control::Continue
+    }
+
+    fn work(&mut self) -> actor::Work {
+        let busy = self.step();
+        self.maybe_reconnect();
+        if busy {
+            actor::Work::Busy
+        } else if !self.transport.connected() {
+            actor::Work::PollAfter(RECONNECT_INTERVAL)
+        } else if self.reqs.values().any(|r| r.outstanding > 0) {
+            actor::Work::PollAfter(COMPLETION_POLL)
+        } else {
+            actor::Work::Idle
         }
     }
 }
@@ -647,12 +683,13 @@ impl std::fmt::Debug for Cmd {
     }
 }
 
-const CMD_QUEUE: usize = 1024;
+/// Commands waiting for the engine thread (bounded: a full queue answers `unavailable`).
+const CMD_QUEUE_CMDS: usize = 1024;
 
 /// A running prefill node: its engine thread, and a control-plane client of its decode node.
 #[derive(Clone, Debug)]
 pub struct PrefillHandle {
-    tx: SyncSender<Cmd>,
+    tx: Mailbox<Cmd>,
     decode: DecodeClient<Channel>,
     opts: PrefillOptions,
     pub info: proto::NodeInfo,
@@ -669,6 +706,8 @@ pub enum PrefillStartError {
     },
     #[error("handshake refused: {0}")]
     Handshake(String),
+    #[error(transparent)]
+    Pair(#[from] super::PairMismatch),
     #[error("cannot connect the KV transport to {addr}: {source}")]
     Transport {
         addr: String,
@@ -716,7 +755,7 @@ impl PrefillHandle {
             .await
             .map_err(|s| PrefillStartError::Handshake(s.message().to_owned()))?
             .into_inner();
-        super::check_pair(&info, &decode_info).map_err(PrefillStartError::Handshake)?;
+        super::check_pair(&info, &decode_info)?;
         transport
             .connect_peer(&decode_info.transport_addr)
             .map_err(|source| PrefillStartError::Transport {
@@ -746,7 +785,6 @@ impl PrefillHandle {
                 std::mem::size_of_val(&**h),
             )?;
         }
-        let (tx, rx) = sync_channel(CMD_QUEUE);
         let peer = decode_info.transport_addr.clone();
         let node = Node {
             transport,
@@ -765,9 +803,11 @@ impl PrefillHandle {
             #[cfg(feature = "fault-injection")]
             fault: faults::FaultState::default(),
         };
-        std::thread::Builder::new()
-            .name("prefill-engine".into())
-            .spawn(move || node.run(rx))?;
+        let (tx, _join) = actor::spawn(
+            "prefill-engine",
+            node,
+            ActorLimits::with_queue(CMD_QUEUE_CMDS),
+        )?;
         tracing::info!(decode = decode_info.node_id, transport = %peer, "prefill node paired with decode node");
         Ok(Self {
             tx,
@@ -781,12 +821,10 @@ impl PrefillHandle {
     fn send(&self, cmd: Cmd) -> Result<(), Status> {
         match self.tx.try_send(cmd) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => {
+            Err(MailboxError::Full { .. }) => {
                 Err(Status::unavailable("prefill node command queue full"))
             }
-            Err(TrySendError::Disconnected(_)) => {
-                Err(Status::unavailable("prefill engine stopped"))
-            }
+            Err(MailboxError::Stopped(_)) => Err(Status::unavailable("prefill engine stopped")),
         }
     }
 
@@ -808,17 +846,17 @@ impl PrefillHandle {
     pub async fn generate(
         &self,
         req: GenerateRequest,
-        out: mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>,
+        out: mpsc::Sender<Result<proto::TokenEvent, Status>>,
     ) {
         if let Err(s) = self.generate_inner(req, &out).await {
-            let _ = out.send(Err(s));
+            let _ = out.send(Err(s)).await;
         }
     }
 
     async fn generate_inner(
         &self,
         req: GenerateRequest,
-        out: &mpsc::UnboundedSender<Result<proto::TokenEvent, Status>>,
+        out: &mpsc::Sender<Result<proto::TokenEvent, Status>>,
     ) -> Result<(), Status> {
         let t0 = Instant::now();
         let original = req.clone();
@@ -878,7 +916,7 @@ impl PrefillHandle {
         let first = match rx.await {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => {
-                let _ = decode.abort(abort_req(decode_id, &e)).await;
+                let _ = decode.abort(abort_req(decode_id, &e.0)).await;
                 return Err(Status::unavailable(format!("KV transfer failed: {e}")));
             }
             Err(_) => {
@@ -894,14 +932,16 @@ impl PrefillHandle {
             let _ = decode
                 .abort(abort_req(decode_id, "finished at the first token"))
                 .await;
-            let _ = out.send(Ok(proto::TokenEvent {
-                finish_reason: if stop { "stop".into() } else { "length".into() },
-                prompt_tokens: original.prompt.len() as u32,
-                generated_tokens: u32::from(!stop),
-                token: if stop { 0 } else { first },
-                request: id,
-                ..Default::default()
-            }));
+            let _ = out
+                .send(Ok(proto::TokenEvent {
+                    finish_reason: if stop { "stop".into() } else { "length".into() },
+                    prompt_tokens: original.prompt.len() as u32,
+                    generated_tokens: u32::from(!stop),
+                    token: if stop { 0 } else { first },
+                    request: id,
+                    ..Default::default()
+                }))
+                .await;
             return Ok(());
         }
         if out
@@ -910,6 +950,7 @@ impl PrefillHandle {
                 request: id,
                 ..Default::default()
             }))
+            .await
             .is_err()
         {
             let _ = decode.abort(abort_req(decode_id, "client went away")).await;
@@ -932,7 +973,7 @@ impl PrefillHandle {
                 }
                 Err(_) => true,
             };
-            if out.send(item).is_err() {
+            if out.send(item).await.is_err() {
                 // Client gone: dropping the stream tells decode, which aborts the request.
                 return Ok(());
             }
@@ -980,11 +1021,13 @@ impl prefill_server::Prefill for PrefillService {
             stop_ids: g.stop_ids,
             tenant: g.tenant,
         };
-        let (tx, rx) = mpsc::unbounded_channel();
+        // Bounded by what the request can produce; the relay awaits a slow client (its own
+        // task), never the engine thread.
+        let (tx, rx) = mpsc::channel(super::token_relay_capacity_events(req.max_tokens));
         let h = self.h.clone();
         tokio::spawn(async move { h.generate(req, tx).await });
         Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+            tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
     }
 

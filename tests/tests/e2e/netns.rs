@@ -290,7 +290,9 @@ fn netns_child_node() {
             .map(|k| {
                 let (h, r) = (h.clone(), request(k, &p));
                 rt.spawn(async move {
-                    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                    let (tx, mut rx) = tokio::sync::mpsc::channel(
+                        custody_runtime::disagg::token_relay_capacity_events(r.max_tokens),
+                    );
                     let hh = h.clone();
                     tokio::spawn(async move { hh.generate(r, tx).await });
                     let mut toks = Vec::new();

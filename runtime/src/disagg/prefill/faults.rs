@@ -92,7 +92,10 @@ impl FaultState {
                 wr_id: transfer_id(id, 0xffff),
             });
         }
-        if let StaleFault::Ready(earlier) = std::mem::take(&mut self.stale) {
+        // Only a ready stale fault fires (and is used up); a recording one waits for `after_post`.
+        if matches!(self.stale, StaleFault::Ready(_))
+            && let StaleFault::Ready(earlier) = std::mem::take(&mut self.stale)
+        {
             let reused = (0..n_pages).find_map(|j| {
                 earlier
                     .iter()
