@@ -16,7 +16,9 @@ use custody_runtime::disagg::proto::prefill_client::PrefillClient;
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{Config, Engine, Model, SamplingParams, Tokenizer};
 
-use crate::{AuditArgs, Common, GenerateArgs, open_audit};
+use crate::bench::stats::median;
+use crate::common::{AuditArgs, Common, open_audit};
+use crate::generate_cmd::GenerateArgs;
 
 #[derive(Args, Debug)]
 pub(crate) struct RoleArgs {
@@ -767,11 +769,6 @@ fn witness_pair_bench(
     Ok(())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// The `q` quantile (nearest rank) of a non-empty sample.
 fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
     assert!(!v.is_empty() && (0.0..=1.0).contains(&q));
@@ -800,18 +797,26 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
 
     if !a.witness_only {
         let t = transfer_bench(geom, layers, a.pages, a.reps);
+        let [memcpy_s, transfer_s, checksum_s, inline_s, checksum_only_s] = [
+            &t.memcpy_s,
+            &t.transfer_s,
+            &t.transfer_checksum_s,
+            &t.transfer_checksum_inline_s,
+            &t.checksum_only_s,
+        ]
+        .map(|v| median(v.clone()));
         println!(
             "transfer {} pages ({:.1} MiB): memcpy {:.2} GB/s | tcp loopback {:.2} GB/s = {:.2}x memcpy | tcp + checksum (hashed at prefill completion, verified on landing) {:.2} GB/s = {:.2}x memcpy | tcp + checksum hashed inside the transfer {:.2} GB/s = {:.2}x memcpy | checksum alone {:.2} GB/s",
             a.pages,
             t.bytes as f64 / (1 << 20) as f64,
-            t.gbps(t.memcpy_s),
-            t.gbps(t.transfer_s),
-            t.memcpy_s / t.transfer_s,
-            t.gbps(t.transfer_checksum_s),
-            t.memcpy_s / t.transfer_checksum_s,
-            t.gbps(t.transfer_checksum_inline_s),
-            t.memcpy_s / t.transfer_checksum_inline_s,
-            t.gbps(t.checksum_only_s),
+            t.gbps(memcpy_s),
+            t.gbps(transfer_s),
+            memcpy_s / transfer_s,
+            t.gbps(checksum_s),
+            memcpy_s / checksum_s,
+            t.gbps(inline_s),
+            memcpy_s / inline_s,
+            t.gbps(checksum_only_s),
         );
     }
 

@@ -11,7 +11,7 @@ use custody_runtime::Config;
 use custody_server::tenants::{generate_key, hash_key};
 use custody_server::{AuditStats, ServeOptions};
 
-use crate::{AuditArgs, Common, Loaded, load, open_audit};
+use crate::common::{AuditArgs, Common, Loaded, load, open_audit};
 
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]

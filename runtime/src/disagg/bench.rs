@@ -14,18 +14,19 @@ use crate::transport::abi::Wc;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{AccessError, KvTransport};
 
-/// One measurement: seconds per repetition (median) for each variant.
-#[derive(Clone, Copy, Debug)]
+/// One measurement: seconds of each repetition for each variant (the caller's statistics
+/// summarise them: one `median` for every benchmark, in the binary's `bench::stats`).
+#[derive(Clone, Debug)]
 pub struct TransferBench {
     pub bytes: u64,
-    pub memcpy_s: f64,
-    pub transfer_s: f64,
+    pub memcpy_s: Vec<f64>,
+    pub transfer_s: Vec<f64>,
     /// Checksums computed by the sender before the transfer (as the prefill node does, at
     /// prefill completion), verified by the receiver as each page lands.
-    pub transfer_checksum_s: f64,
+    pub transfer_checksum_s: Vec<f64>,
     /// Worst case: the sender hashes each page inside the timed transfer, right before posting.
-    pub transfer_checksum_inline_s: f64,
-    pub checksum_only_s: f64,
+    pub transfer_checksum_inline_s: Vec<f64>,
+    pub checksum_only_s: Vec<f64>,
 }
 
 impl TransferBench {
@@ -94,11 +95,6 @@ pub fn pin_threads(
         }
     }
     Ok(())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 type RegReply = std::sync::mpsc::Sender<(u32, u64, Vec<u32>)>;
@@ -318,7 +314,7 @@ impl Drop for TransferRig {
 }
 
 /// Transfer `n_pages` full pages of `geom` × `n_layers` from one pool to another over the tcp
-/// transport on loopback (`reps` times, median), against a memcpy of the same chunks.
+/// transport on loopback (`reps` times), against a memcpy of the same chunks.
 pub fn transfer_bench(
     geom: PageGeometry,
     n_layers: usize,
@@ -362,10 +358,10 @@ pub fn transfer_bench(
     drop(rig);
     TransferBench {
         bytes,
-        memcpy_s: median(memcpy),
-        transfer_s: median(plain),
-        transfer_checksum_s: median(checked),
-        transfer_checksum_inline_s: median(inline),
-        checksum_only_s: median(checksum_only),
+        memcpy_s: memcpy,
+        transfer_s: plain,
+        transfer_checksum_s: checked,
+        transfer_checksum_inline_s: inline,
+        checksum_only_s: checksum_only,
     }
 }

@@ -1,0 +1,228 @@
+//! `custody audit bench`: writer throughput and bytes per event on a realistic mix.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Result;
+
+/// Record `events` (at least; whole batches) of the eBPF witness's rows for 16-page transfers:
+/// per page three posted work requests and two completions, in `record_all` batches of 256.
+pub(crate) fn record_witness_mix(
+    w: &custody_audit::writer::AuditWriter,
+    events: u64,
+) -> Result<u64> {
+    use custody_audit::{AuditSink, RdmaOp, RdmaOpRows};
+    const BATCH: usize = 256;
+    let mut n = 0u64;
+    let mut page = 0u64;
+    let mut batch = RdmaOpRows::with_capacity(BATCH + 5);
+    while n < events {
+        page += 1;
+        let ts = custody_audit::mono_now_ns();
+        let wr_id = ((page / 16) << 16) | (page % 16);
+        let base = 0x7f00_0000_0000 + (page % 4096) * 361_536;
+        for (i, (off, bytes)) in [(0u64, 175_104u64), (175_104, 175_104), (0, 48)]
+            .into_iter()
+            .enumerate()
+        {
+            batch.push(RdmaOp {
+                ts_ns: ts,
+                ktime_ns: ts + 1_000_000,
+                pid: 4242,
+                tid: 4243,
+                op: "post_write",
+                ctx: (1 << 32) | 1,
+                wr_id,
+                chain_index: i as u32,
+                opcode: u32::from(i == 2),
+                flags: if i == 2 { 2 } else { 0 },
+                imm: (page % 16) as u32,
+                remote_addr: base + off,
+                rkey: (page / 16) as u32,
+                num_sge: if i == 2 { 1 } else { 30 },
+                bytes,
+                ..RdmaOp::default()
+            });
+        }
+        for (tid, opcode, bytes) in [(4244u32, 1u32, 48u64), (4245, 129, 48)] {
+            batch.push(RdmaOp {
+                ts_ns: ts + 20_000,
+                ktime_ns: ts + 1_020_000,
+                pid: 4242,
+                tid,
+                op: "complete",
+                ctx: (2 << 32) | 1,
+                wr_id,
+                opcode,
+                imm: (page % 16) as u32,
+                bytes,
+                ..RdmaOp::default()
+            });
+        }
+        n += 5;
+        if batch.len() >= BATCH {
+            w.record_rdma_ops(std::mem::replace(
+                &mut batch,
+                RdmaOpRows::with_capacity(BATCH + 5),
+            ))?;
+        }
+    }
+    w.record_rdma_ops(batch)?;
+    Ok(n)
+}
+
+/// Record `events` (at least; whole requests) of the realistic per-request mix the audit
+/// benchmarks use: lifecycle, 8 page allocs, 28 write-ahead page writes, 8 run-length reads,
+/// 8 releases. Returns the number recorded.
+pub(crate) fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result<u64> {
+    use custody_audit::{AuditSink, Event, PageKind, RequestKind, Writer};
+    let mut n = 0u64;
+    let mut req = 0u64;
+    let tenants = ["acme", "globex", "initech", "umbrella"];
+    while n < events {
+        req += 1;
+        let tenant: std::sync::Arc<str> = tenants[(req % 4) as usize].into();
+        let ts = custody_audit::mono_now_ns();
+        let pages: Vec<u32> = (0..8).map(|i| ((req * 8 + i) % 4096) as u32).collect();
+        let rec = |ev: Event, n: &mut u64| -> Result<()> {
+            w.record(ev).map_err(anyhow::Error::msg)?;
+            *n += 1;
+            Ok(())
+        };
+        rec(
+            Event::Request {
+                ts_ns: ts,
+                request: req,
+                tenant: tenant.clone(),
+                kind: RequestKind::Admitted,
+                prompt_tokens: 100,
+                output_tokens: 0,
+            },
+            &mut n,
+        )?;
+        for &p in &pages {
+            rec(
+                Event::Page {
+                    ts_ns: ts,
+                    request: req,
+                    tenant: tenant.clone(),
+                    page: p,
+                    generation: (req % 1000) as u32,
+                    kind: PageKind::Alloc,
+                },
+                &mut n,
+            )?;
+        }
+        for step in 0..28u32 {
+            let p = pages[(step as usize * 8 / 28).min(7)];
+            let kind = PageKind::Write {
+                slot_start: step % 16,
+                slot_end: step % 16 + 1,
+                writer: Writer::Local,
+            };
+            rec(
+                Event::Page {
+                    ts_ns: ts + u64::from(step) * 1000,
+                    request: req,
+                    tenant: tenant.clone(),
+                    page: p,
+                    generation: (req % 1000) as u32,
+                    kind,
+                },
+                &mut n,
+            )?;
+        }
+        for &p in &pages {
+            rec(
+                Event::Read {
+                    ts_ns: ts,
+                    request: req,
+                    tenant: tenant.clone(),
+                    page: p,
+                    generation: (req % 1000) as u32,
+                    slot_start: 0,
+                    slot_end: 16,
+                    first_step: 1,
+                    last_step: 28,
+                    verified: true,
+                },
+                &mut n,
+            )?;
+            rec(
+                Event::Page {
+                    ts_ns: ts,
+                    request: req,
+                    tenant: tenant.clone(),
+                    page: p,
+                    generation: (req % 1000) as u32,
+                    kind: PageKind::Release,
+                },
+                &mut n,
+            )?;
+        }
+        rec(
+            Event::Request {
+                ts_ns: ts,
+                request: req,
+                tenant: tenant.clone(),
+                kind: RequestKind::Finished {
+                    reason: "length".into(),
+                },
+                prompt_tokens: 100,
+                output_tokens: 28,
+            },
+            &mut n,
+        )?;
+    }
+    Ok(n)
+}
+
+/// Writer throughput and bytes per event: a realistic mix (per request: lifecycle, page allocs,
+/// write-ahead records per step, run-length reads, releases), recorded from one producer thread.
+pub(crate) fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<()> {
+    use custody_audit::writer::{AuditWriter, FsyncPolicy, WriterConfig};
+    let dir = dir.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("custody-audit-bench-{}", std::process::id()))
+    });
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    let key = custody_audit::digest::generate_key()?;
+    let mut cfg = WriterConfig::new(&dir, 0, key);
+    cfg.fsync = FsyncPolicy::Interval(std::time::Duration::from_millis(100));
+    if witness {
+        // One segment, sealed at the end: the live-segment work and the sealing are measured
+        // apart (`writer_live_ns_per_event`, `writer_seal_ns_per_event`).
+        cfg.rotate_bytes = u64::MAX;
+    }
+    let w = AuditWriter::open(cfg)?;
+    let t0 = Instant::now();
+    let n = if witness {
+        record_witness_mix(&w, events)?
+    } else {
+        record_mix(&w, events)?
+    };
+    w.sync()?;
+    let recorded = t0.elapsed();
+    let live_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
+    w.close()?;
+    let total = t0.elapsed();
+    let writer_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
+    let bytes = crate::synth_cmd::parquet_bytes(&dir)?;
+    let json = serde_json::json!({
+        "events": n,
+        "record_events_per_s": n as f64 / recorded.as_secs_f64(),
+        "sealed_events_per_s": n as f64 / total.as_secs_f64(),
+        "writer_thread_cpu_s": writer_cpu_s,
+        // With --witness (one segment): the live segment's work and the sealing, apart. Without
+        // it, segments rotate every 64 MiB during the run and "live" includes their sealing.
+        "writer_live_ns_per_event": live_cpu_s * 1e9 / n as f64,
+        "writer_seal_ns_per_event": (writer_cpu_s - live_cpu_s) * 1e9 / n as f64,
+        "writer_events_per_cpu_s": if writer_cpu_s > 0.0 { n as f64 / writer_cpu_s } else { 0.0 },
+        "parquet_bytes": bytes,
+        "bytes_per_event": bytes as f64 / n as f64,
+    });
+    println!("{json}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

@@ -1,0 +1,319 @@
+//! `custody bench`: prefill and decode throughput, the tag check's share of a decode step,
+//! and (with `--audit-cost`) what auditing costs, each against a reference in the same run.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use custody_runtime::engine::{Event, GenerateRequest};
+use custody_runtime::{Engine, SamplingParams};
+
+use super::stats::{median, median_ci};
+use crate::common::{Common, Loaded, load};
+
+#[derive(Args, Debug)]
+pub(crate) struct BenchArgs {
+    #[command(flatten)]
+    pub(crate) common: Common,
+    /// Prompt length (tokens) for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) prompt_tokens: usize,
+    /// Decode steps measured after the prefill.
+    #[arg(long, default_value_t = 128)]
+    pub(crate) gen_tokens: usize,
+    /// Repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) reps: usize,
+    /// JSON file with the prompt ids (a list, or an object with `all_ids`); default: a built-in
+    /// text repeated to length.
+    #[arg(long)]
+    pub(crate) prompt_ids: Option<PathBuf>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Also run every repetition with the audit writer recording (to a temporary directory) and
+    /// report the throughput ratio, audit on vs off, measured in the same run.
+    #[arg(long)]
+    pub(crate) audit_cost: bool,
+    /// With --audit-cost: fsync the live segment at most this often (0 = after every batch).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) audit_fsync_interval_ms: u64,
+}
+
+/// One prefill of `ids` then `gen_tokens` decode steps: (prefill seconds, decode seconds, steps).
+fn bench_once(engine: &mut Engine, ids: &[u32], gen_tokens: usize) -> Result<(f64, f64, usize)> {
+    let req = GenerateRequest {
+        prompt: ids.to_vec(),
+        max_tokens: gen_tokens + 1,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        tenant: "bench".into(),
+    };
+    engine.submit(req)?;
+    let t0 = Instant::now();
+    let ev = engine.step();
+    let t_prefill = t0.elapsed().as_secs_f64();
+    if !matches!(ev.first(), Some(Event::Token { .. })) {
+        bail!("prefill did not complete in one step: {ev:?}");
+    }
+    let t1 = Instant::now();
+    let mut steps = 0;
+    while engine.has_work() {
+        engine.step();
+        steps += 1;
+    }
+    let t_decode = t1.elapsed().as_secs_f64();
+    if steps != gen_tokens {
+        bail!("expected {gen_tokens} decode steps, ran {steps}");
+    }
+    Ok((t_prefill, t_decode, steps))
+}
+
+fn read_prompt_ids(path: &Path) -> Result<Vec<u32>> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)
+        .with_context(|| format!("parsing {}", path.display()))?;
+    let arr = v.get("all_ids").unwrap_or(&v);
+    let ids: Vec<u32> =
+        serde_json::from_value(arr.clone()).context("prompt ids must be a list of token ids")?;
+    Ok(ids)
+}
+
+pub(crate) fn bench(a: BenchArgs) -> Result<()> {
+    if a.reps == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
+        bail!("--reps, --prompt-tokens and --gen-tokens must be positive");
+    }
+    let Loaded {
+        mut engine,
+        tokenizer,
+        pool,
+    } = load(&a.common, Some(a.prompt_tokens + a.gen_tokens + 1))?;
+    let mut ids = match &a.prompt_ids {
+        Some(p) => read_prompt_ids(p)?,
+        None => {
+            let text =
+                "The history of the printing press begins in the fifteenth century. ".repeat(64);
+            tokenizer.encode(&text, true)?
+        }
+    };
+    if ids.len() < a.prompt_tokens {
+        bail!(
+            "prompt has only {} tokens, {} requested",
+            ids.len(),
+            a.prompt_tokens
+        );
+    }
+    ids.truncate(a.prompt_tokens);
+    let threads = pool.current_num_threads();
+    let (mut prefill, mut decode, mut check_frac) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut prefill_audit, mut decode_audit) = (Vec::new(), Vec::new());
+    // Per repetition: (prefill ratio on/off, decode ratio on/off) from the same repetition, and
+    // the audited run's events, writer-thread CPU seconds while generating and for sealing the
+    // run's one segment at close, and wall seconds.
+    let (mut paired_prefill, mut paired_decode) = (Vec::new(), Vec::new());
+    let mut audited_runs: Vec<(u64, f64, f64, f64)> = Vec::new();
+    let audit_dir =
+        std::env::temp_dir().join(format!("custody-bench-audit-{}", std::process::id()));
+    pool.install(|| -> Result<()> {
+        for rep in 0..a.reps {
+            // Alternate which configuration runs first, so that order effects (cache warmth,
+            // frequency drift) do not bias the on-vs-off ratio.
+            let order = if rep % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            for audited in order {
+                if audited && !a.audit_cost {
+                    continue;
+                }
+                let writer = if audited {
+                    let _ = std::fs::remove_dir_all(&audit_dir);
+                    let key = custody_audit::digest::generate_key()?;
+                    let mut wcfg = custody_audit::writer::WriterConfig::new(&audit_dir, 0, key);
+                    if a.audit_fsync_interval_ms > 0 {
+                        wcfg.fsync = custody_audit::writer::FsyncPolicy::Interval(
+                            std::time::Duration::from_millis(a.audit_fsync_interval_ms),
+                        );
+                    }
+                    let w = std::sync::Arc::new(custody_audit::writer::AuditWriter::open(wcfg)?);
+                    engine.set_audit(Some(w.clone()));
+                    Some(w)
+                } else {
+                    engine.set_audit(None);
+                    None
+                };
+                let (tp, td, steps) = bench_once(&mut engine, &ids, a.gen_tokens)?;
+                if let Some(w) = writer {
+                    engine.set_audit(None);
+                    let events = w.sync()?;
+                    let running_cpu_ns = w.writer_cpu_ns();
+                    w.close()?;
+                    audited_runs.push((
+                        events,
+                        running_cpu_ns as f64 / 1e9,
+                        w.writer_cpu_ns().saturating_sub(running_cpu_ns) as f64 / 1e9,
+                        tp + td,
+                    ));
+                    prefill_audit.push(a.prompt_tokens as f64 / tp);
+                    decode_audit.push(a.gen_tokens as f64 / td);
+                } else {
+                    prefill.push(a.prompt_tokens as f64 / tp);
+                    decode.push(a.gen_tokens as f64 / td);
+                    check_frac.push(tag_check_cost(
+                        &engine,
+                        a.prompt_tokens + a.gen_tokens / 2,
+                        td / steps as f64,
+                    ));
+                }
+            }
+            if a.audit_cost {
+                let n = prefill.len();
+                paired_prefill.push(prefill_audit[n - 1] / prefill[n - 1]);
+                paired_decode.push(decode_audit[n - 1] / decode[n - 1]);
+            }
+        }
+        Ok(())
+    })?;
+    let _ = std::fs::remove_dir_all(&audit_dir);
+    let audit = (!prefill_audit.is_empty()).then(|| (median(prefill_audit), median(decode_audit)));
+    let cpu_bound = if a.audit_cost {
+        Some(audit_cpu_bound(&audited_runs, &audit_dir)?)
+    } else {
+        None
+    };
+    let (p, d, c) = (median(prefill), median(decode), median(check_frac));
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "threads": threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
+                "prefill_tok_s": p, "decode_tok_s": d, "tag_check_fraction_of_decode_step": c,
+                "simd": format!("{:?}", custody_kernels::simd::level()),
+                "audited_prefill_tok_s": audit.map(|x| x.0), "audited_decode_tok_s": audit.map(|x| x.1),
+                "audit_paired_prefill_ratio": (!paired_prefill.is_empty()).then(|| median_ci(&paired_prefill)),
+                "audit_paired_decode_ratio": (!paired_decode.is_empty()).then(|| median_ci(&paired_decode)),
+                "audit_cpu_bound": cpu_bound.as_ref().map(|b| serde_json::json!({
+                    "events_per_run": b.events_per_run, "producer_ns_per_event": b.producer_ns_per_event,
+                    "writer_cpu_ms_per_run": b.writer_cpu_ms_per_run, "seal_cpu_ms_per_segment": b.seal_cpu_ms_per_segment, "fraction_of_wall": b.fraction_of_wall,
+                })),
+            })
+        );
+    } else {
+        println!(
+            "threads {threads}  prompt {} tokens  gen {} tokens  (median of {})",
+            a.prompt_tokens, a.gen_tokens, a.reps
+        );
+        println!("prefill  {p:8.1} tok/s");
+        println!("decode   {d:8.1} tok/s");
+        println!("tag check: {:.3} % of a decode step", c * 100.0);
+        if let Some((ap, ad)) = audit {
+            println!(
+                "audit on: prefill {ap:8.1} tok/s ({:+.2} %), decode {ad:8.1} tok/s ({:+.2} %)",
+                (ap / p - 1.0) * 100.0,
+                (ad / d - 1.0) * 100.0
+            );
+            for (what, r) in [("prefill", &paired_prefill), ("decode", &paired_decode)] {
+                let (m, lo, hi) = median_ci(r);
+                println!(
+                    "audit on/off, paired by repetition, {what}: median {:+.2} %  (95 % CI of the median {:+.2} % .. {:+.2} %, n = {})",
+                    (m - 1.0) * 100.0,
+                    (lo - 1.0) * 100.0,
+                    (hi - 1.0) * 100.0,
+                    r.len()
+                );
+            }
+        }
+        if let Some(b) = &cpu_bound {
+            println!(
+                "audit CPU: {:.0} events/run, producer {:.0} ns/event, writer thread {:.2} ms/run = {:.4} % of the audited run's wall time (upper bound on the throughput cost); sealing a segment: {:.1} ms CPU, once per rotation",
+                b.events_per_run,
+                b.producer_ns_per_event,
+                b.writer_cpu_ms_per_run,
+                b.fraction_of_wall * 100.0,
+                b.seal_cpu_ms_per_segment
+            );
+        }
+    }
+    Ok(())
+}
+
+/// CPU that auditing adds to a generation, counted rather than inferred from a noisy
+/// throughput difference: events recorded per run × the producer-side cost of one `record`
+/// (measured here on the same mix the writer benchmark uses) + the writer thread's own CPU time
+/// (schedstat, includes its fsyncs) while the generation runs. Divided by the audited run's wall
+/// time this bounds the throughput cost from above: it assumes every audit nanosecond lands on
+/// the critical path, although the writer runs on its own thread. Sealing (Parquet, zstd,
+/// SHA-256, Ed25519 digest) happens once per segment rotation, not per run; the benchmark seals
+/// one segment per run and reports that cost separately.
+#[derive(Debug)]
+pub(crate) struct AuditCpuBound {
+    pub(crate) events_per_run: f64,
+    pub(crate) producer_ns_per_event: f64,
+    pub(crate) writer_cpu_ms_per_run: f64,
+    pub(crate) seal_cpu_ms_per_segment: f64,
+    pub(crate) fraction_of_wall: f64,
+}
+
+pub(crate) fn audit_cpu_bound(
+    runs: &[(u64, f64, f64, f64)],
+    scratch: &Path,
+) -> Result<AuditCpuBound> {
+    assert!(!runs.is_empty());
+    let n = runs.len() as f64;
+    let events_per_run = runs.iter().map(|r| r.0 as f64).sum::<f64>() / n;
+    let writer_cpu_s = runs.iter().map(|r| r.1).sum::<f64>() / n;
+    let seal_cpu_s = runs.iter().map(|r| r.2).sum::<f64>() / n;
+    let wall_s = runs.iter().map(|r| r.3).sum::<f64>() / n;
+    let _ = std::fs::remove_dir_all(scratch);
+    let key = custody_audit::digest::generate_key()?;
+    let w = custody_audit::writer::AuditWriter::open(custody_audit::writer::WriterConfig::new(
+        scratch, 0, key,
+    ))?;
+    let t0 = Instant::now();
+    let recorded = super::audit::record_mix(&w, 200_000)?;
+    let producer_s = t0.elapsed().as_secs_f64() / recorded as f64;
+    w.close()?;
+    let _ = std::fs::remove_dir_all(scratch);
+    Ok(AuditCpuBound {
+        events_per_run,
+        producer_ns_per_event: producer_s * 1e9,
+        writer_cpu_ms_per_run: writer_cpu_s * 1e3,
+        seal_cpu_ms_per_segment: seal_cpu_s * 1e3,
+        fraction_of_wall: (events_per_run * producer_s + writer_cpu_s) / wall_s,
+    })
+}
+
+/// The tag check's share of a decode step: time `n_layers` checks of a block table covering
+/// `ctx` slots (what one decode step of one sequence performs) against the measured step time.
+fn tag_check_cost(engine: &Engine, ctx: usize, step_s: f64) -> f64 {
+    use custody_kernels::attention::{PageRef, TagView, check_tags};
+    let ps = engine.pool().page_size();
+    let n_pages = ctx.div_ceil(ps);
+    let generation = vec![1u32; n_pages];
+    let owner = vec![7u64; n_pages];
+    let filled = vec![ps as u32; n_pages];
+    let table: Vec<PageRef> = (0..n_pages as u32)
+        .map(|page| PageRef {
+            page,
+            generation: 1,
+        })
+        .collect();
+    let tags = TagView {
+        generation: &generation,
+        owner: &owner,
+        filled: &filled,
+        stamp_owner: &owner,
+        stamp_generation: &generation,
+    };
+    let layers = engine.model().config.n_layers;
+    let iters = 200;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        for _ in 0..layers {
+            let r = check_tags(std::hint::black_box(&table), ctx, ps, &tags, 7);
+            assert!(r.is_ok());
+        }
+    }
+    t0.elapsed().as_secs_f64() / iters as f64 / step_s
+}

@@ -1,0 +1,158 @@
+//! What several subcommands share: model/engine loading, the audit writer from flags and
+//! config, and UTC time parsing.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use custody_runtime::{Config, Engine, Model, Tokenizer};
+
+/// Audit options shared by commands that run the engine.
+#[derive(Args, Debug)]
+pub(crate) struct AuditArgs {
+    /// Record every page event into this audit root (Parquet); requires --audit-key.
+    #[arg(long)]
+    pub(crate) audit_dir: Option<PathBuf>,
+    /// Ed25519 signing key for the digest chain (`custody audit keygen`).
+    #[arg(long)]
+    pub(crate) audit_key: Option<PathBuf>,
+    /// Node id recorded in the audit log.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) node: u32,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct Common {
+    /// GGUF model (any Llama-family model); default: config's model.path, else the embedded one.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Node configuration (TOML).
+    #[arg(long)]
+    pub(crate) config: Option<PathBuf>,
+    /// Compute threads (0 = the config's, else all cores).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) threads: usize,
+}
+
+/// The audit writer from flags, falling back to the config's `[audit]` section.
+pub(crate) fn open_audit(
+    a: &AuditArgs,
+    cfg_path: Option<&Path>,
+) -> Result<Option<std::sync::Arc<custody_audit::writer::AuditWriter>>> {
+    use custody_audit::writer::{Backpressure, FsyncPolicy, WriterConfig};
+    let conf = match cfg_path {
+        Some(p) => Config::load(p)?.audit,
+        None => custody_runtime::config::AuditSection::default(),
+    };
+    let Some(dir) = a.audit_dir.clone().or(conf.dir) else {
+        return Ok(None);
+    };
+    let key_path = a.audit_key.clone().or(conf.key).context(
+        "an audit directory needs a signing key: --audit-key or [audit] key (create one with `custody audit keygen`)",
+    )?;
+    let key = custody_audit::digest::read_signing_key(&key_path).map_err(anyhow::Error::msg)?;
+    let node = if a.node != 0 { a.node } else { conf.node };
+    let mut cfg = WriterConfig::new(&dir, node, key);
+    cfg.fsync = match conf.fsync_interval_ms {
+        0 => FsyncPolicy::EveryBatch,
+        ms => FsyncPolicy::Interval(std::time::Duration::from_millis(ms)),
+    };
+    if conf.allow_drop {
+        tracing::warn!(
+            "audit allow_drop is on: events may be dropped under load (each drop is counted in the log)"
+        );
+        cfg.backpressure = Backpressure::AllowDrop;
+    }
+    let w = custody_audit::writer::AuditWriter::open(cfg)
+        .with_context(|| format!("opening audit log {}", dir.display()))?;
+    Ok(Some(std::sync::Arc::new(w)))
+}
+
+/// `YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ` (UTC) → Unix nanoseconds.
+pub(crate) fn parse_utc(s: &str) -> Result<i64> {
+    let bad =
+        || anyhow::anyhow!("invalid time {s:?}: use YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ (UTC)");
+    let (date, time) = s.split_once('T').unwrap_or((s, "00:00:00Z"));
+    let d: Vec<i64> = date
+        .split('-')
+        .map(|x| x.parse().map_err(|_| bad()))
+        .collect::<Result<_>>()?;
+    let t: Vec<i64> = time
+        .trim_end_matches('Z')
+        .split(':')
+        .map(|x| x.parse().map_err(|_| bad()))
+        .collect::<Result<_>>()?;
+    let [y, m, dd] = <[i64; 3]>::try_from(d).map_err(|_| bad())?;
+    let [hh, mm, ss] = <[i64; 3]>::try_from(t).map_err(|_| bad())?;
+    // days from civil (proleptic Gregorian)
+    let y2 = if m <= 2 { y - 1 } else { y };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + dd - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Ok((days * 86_400 + hh * 3600 + mm * 60 + ss) * 1_000_000_000)
+}
+
+pub(crate) struct Loaded {
+    pub(crate) engine: Engine,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) pool: rayon::ThreadPool,
+}
+
+pub(crate) fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
+    let cfg = match &c.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let path = c
+        .model
+        .clone()
+        .or(cfg.model.path.clone())
+        .unwrap_or_else(custody_runtime::config::default_model_path);
+    if !path.exists() {
+        bail!(
+            "model not found at {}: run scripts/fetch-model.sh (the embedded default) or pass --model PATH",
+            path.display()
+        );
+    }
+    let threads = if c.threads > 0 {
+        c.threads
+    } else {
+        cfg.engine.threads
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("building the compute thread pool")?;
+    let t0 = Instant::now();
+    let model = Model::load(&path).with_context(|| format!("loading model {}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(model.gguf())
+        .with_context(|| format!("loading tokenizer from {}", path.display()))?;
+    let mut ecfg = cfg.engine;
+    if let Some(n) = context_override {
+        ecfg.context_length = Some(
+            ecfg.context_length
+                .map_or(n, |c| c.max(n))
+                .min(model.config.context_length),
+        );
+    }
+    tracing::info!(
+        model = %model.config.name,
+        layers = model.config.n_layers,
+        dim = model.config.dim,
+        heads = model.config.n_heads,
+        kv_heads = model.config.n_kv_heads,
+        weights = ?model.weight_dtype(),
+        threads = pool.current_num_threads(),
+        load_ms = t0.elapsed().as_millis() as u64,
+        "model loaded"
+    );
+    let engine = Engine::new(model, ecfg)?;
+    Ok(Loaded {
+        engine,
+        tokenizer,
+        pool,
+    })
+}
