@@ -16,5 +16,5 @@ cargo test --workspace
 # The `rdma` feature (real verbs through rdma-sys) must compile, lint clean, and report "no
 # device" clearly on machines without RDMA (these): its bindgen needs libclang <= 15.
 export LIBCLANG_PATH="${LIBCLANG_PATH:-/usr/lib/llvm-14/lib}"
-cargo clippy -p custody-runtime --features rdma --all-targets --quiet -- -D warnings
-cargo test -p custody-runtime --features rdma --lib transport::verbs
+cargo clippy -p custody-transport -p custody-runtime --features rdma --all-targets --quiet -- -D warnings
+cargo test -p custody-transport --features rdma --lib verbs

@@ -58,62 +58,11 @@ mod tests {
     use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
-    #[repr(C)]
-    struct Sge {
-        addr: u64,
-        length: u32,
-        lkey: u32,
-    }
-    #[repr(C)]
-    struct SendWr {
-        wr_id: u64,
-        next: *const SendWr,
-        sg_list: *const Sge,
-        num_sge: i32,
-        opcode: u32,
-        send_flags: u32,
-        imm_data: u32,
-        remote_addr: u64,
-        rkey: u32,
-        reserved: [u32; 19],
-    }
-    #[repr(C)]
-    #[derive(Default)]
-    struct Wc {
-        wr_id: u64,
-        status: u32,
-        opcode: u32,
-        vendor_err: u32,
-        byte_len: u32,
-        imm_data: u32,
-        qp_num: u32,
-        rest: [u32; 4],
-    }
-
-    #[unsafe(no_mangle)]
-    #[inline(never)]
-    extern "C" fn custody_kv_post_write(ctx: u64, wr: *const SendWr) -> i32 {
-        std::hint::black_box((ctx, wr));
-        0
-    }
-    #[unsafe(no_mangle)]
-    #[inline(never)]
-    extern "C" fn custody_kv_complete(ctx: u64, wcs: *const Wc, n: u32) -> i32 {
-        std::hint::black_box((ctx, wcs, n));
-        0
-    }
-    #[unsafe(no_mangle)]
-    #[inline(never)]
-    extern "C" fn custody_kv_register(ctx: u64, rkey: u32, addr: u64, len: u64) -> i32 {
-        std::hint::black_box((ctx, rkey, addr, len));
-        0
-    }
-    #[unsafe(no_mangle)]
-    #[inline(never)]
-    extern "C" fn custody_kv_invalidate(ctx: u64, rkey: u32) -> i32 {
-        std::hint::black_box((ctx, rkey));
-        0
-    }
+    // The probe points and layouts are the transport's own (`custody-probe-abi`).
+    use custody_probe_abi::{
+        SendWr, Sge, Wc, custody_kv_complete, custody_kv_invalidate, custody_kv_post_write,
+        custody_kv_register,
+    };
 
     /// The BPF tests of this binary attach to the same probe points, and every witness sees
     /// every hit in the process: one at a time, so that no test's records land in another's
@@ -216,17 +165,19 @@ mod tests {
 
     fn chain(n_wrs: usize, sges_per_wr: usize, sges: &[Sge]) -> Vec<SendWr> {
         let mut wrs: Vec<SendWr> = (0..n_wrs)
-            .map(|i| SendWr {
-                wr_id: 0x5000 + i as u64,
-                next: std::ptr::null(),
-                sg_list: sges.as_ptr(),
-                num_sge: sges_per_wr as i32,
-                opcode: u32::from(i + 1 == n_wrs),
-                send_flags: if i + 1 == n_wrs { 2 } else { 0 },
-                imm_data: (0x0102_0304u32 + i as u32).to_be(),
-                remote_addr: 0x10_0000 + 4096 * i as u64,
-                rkey: 77,
-                reserved: [0; 19],
+            .map(|i| {
+                let mut wr = SendWr::rdma_write(
+                    0x5000 + i as u64,
+                    &sges[..sges_per_wr.min(sges.len())],
+                    0x10_0000 + 4096 * i as u64,
+                    77,
+                );
+                // `num_sge` as asked, even past the slice (the witness's SGE bound is tested).
+                wr.num_sge = sges_per_wr as i32;
+                wr.opcode = u32::from(i + 1 == n_wrs);
+                wr.send_flags = if i + 1 == n_wrs { 2 } else { 0 };
+                wr.imm_data = (0x0102_0304u32 + i as u32).to_be();
+                wr
             })
             .collect();
         for i in 0..n_wrs.saturating_sub(1) {
@@ -260,14 +211,10 @@ mod tests {
         custody_kv_register(ctx, 77, 0x10_0000, 1 << 20);
         custody_kv_post_write(ctx, &small[0]);
         let wcs: Vec<Wc> = (0..300u32)
-            .map(|i| Wc {
-                wr_id: 0x5002 + u64::from(i),
-                status: i % 2,
-                opcode: 1,
-                byte_len: 201 + i,
-                imm_data: (9 + i).to_be(),
-                qp_num: 12,
-                ..Wc::default()
+            .map(|i| {
+                let mut wc = Wc::new(0x5002 + u64::from(i), i % 2, 1, 201 + i, 9 + i);
+                wc.qp_num = 12;
+                wc
             })
             .collect();
         // A batch of three completions: one probe hit, one record each.

@@ -30,8 +30,8 @@ use custody_kernels::attention::{
 };
 use half::f16;
 
-/// Most destinations [`PagePool::land_dests`] hands out at once (one vectored read).
-pub const MAX_LAND_DESTS: usize = 64;
+/// Most destinations [`PagePool::land_dests`] hands out at once (the transport's bound).
+pub use crate::transport::MAX_LAND_DESTS;
 
 /// Owner value of a free page. Request ids start at 1.
 pub const NO_OWNER: u64 = 0;

@@ -13,7 +13,9 @@ pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod tokenizer;
-pub mod transport;
+
+/// The KV transports (their own crate: no engine, no pool, no async runtime).
+pub use custody_transport as transport;
 
 pub use config::{Config, EngineConfig};
 pub use engine::{

@@ -2,8 +2,10 @@
 //! `ibv_sge`, `ibv_send_wr` and `ibv_wc` (x86-64 layouts, checked by the assertions below), and
 //! the `#[no_mangle]` probe-point functions every transport calls.
 //!
-//! This is a documented contract for the eBPF witness (`ebpf/`): one decoder reads the work
-//! requests of the `tcp` transport and of real verbs. Field offsets (bytes):
+//! This is the contract with the eBPF witness (`ebpf/`): one decoder reads the work requests of
+//! the `tcp` transport and of real verbs. It is a crate of its own with no dependencies, which
+//! the transports and the witness's tests both compile against: a change here is a change to
+//! both, caught by the build and by the witness's tests, not by a witness in production. Field offsets (bytes):
 //!
 //! | struct      | field        | offset | size |
 //! |-------------|--------------|--------|------|

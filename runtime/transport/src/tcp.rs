@@ -607,7 +607,7 @@ fn read_step(
     }
     let io = match &mut f.mode {
         Mode::Direct { offset } => {
-            let mut dests: Vec<&mut [u8]> = Vec::with_capacity(crate::kv::MAX_LAND_DESTS);
+            let mut dests: Vec<&mut [u8]> = Vec::with_capacity(crate::MAX_LAND_DESTS);
             match mem.dests(f.rkey, *offset + u64::from(f.got), rem, &mut dests) {
                 Ok(()) => {
                     debug_assert!(
@@ -1028,20 +1028,15 @@ fn land(t: &mut TargetState, mem: &mut dyn TargetMemory, f: &Frame) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::abi::Sge;
     use super::*;
+    use crate::abi::Sge;
 
     #[derive(Default)]
     struct Mem {
         bytes: HashMap<u32, Vec<u8>>,
     }
     impl TargetMemory for Mem {
-        fn write(
-            &mut self,
-            rkey: u32,
-            offset: u64,
-            b: &[u8],
-        ) -> Result<(), super::super::AccessError> {
+        fn write(&mut self, rkey: u32, offset: u64, b: &[u8]) -> Result<(), crate::AccessError> {
             let m = self.bytes.entry(rkey).or_insert_with(|| vec![0; 1024]);
             m[offset as usize..offset as usize + b.len()].copy_from_slice(b);
             Ok(())
@@ -1056,12 +1051,7 @@ mod tests {
         done: Vec<(u32, u64, u64)>,
     }
     impl TargetMemory for DirectMem {
-        fn write(
-            &mut self,
-            _rkey: u32,
-            offset: u64,
-            b: &[u8],
-        ) -> Result<(), super::super::AccessError> {
+        fn write(&mut self, _rkey: u32, offset: u64, b: &[u8]) -> Result<(), crate::AccessError> {
             self.bytes[offset as usize..offset as usize + b.len()].copy_from_slice(b);
             Ok(())
         }
@@ -1073,7 +1063,7 @@ mod tests {
             _rkey: u32,
             offset: u64,
             max_len: usize,
-        ) -> Result<&mut [u8], super::super::AccessError> {
+        ) -> Result<&mut [u8], crate::AccessError> {
             let n = max_len.min(self.piece);
             Ok(&mut self.bytes[offset as usize..offset as usize + n])
         }
@@ -1082,7 +1072,7 @@ mod tests {
             rkey: u32,
             offset: u64,
             len: u64,
-        ) -> Result<(), super::super::AccessError> {
+        ) -> Result<(), crate::AccessError> {
             self.done.push((rkey, offset, len));
             Ok(())
         }

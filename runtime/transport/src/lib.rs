@@ -16,7 +16,8 @@
 //!   registered region, done by the thread that owns the memory (no shared mutable pool).
 //! - Every transport calls the probe points of [`abi`] with the exact structures it uses.
 
-pub mod abi;
+/// The probe ABI (its own dependency-free crate, which the eBPF witness compiles against too).
+pub use custody_probe_abi as abi;
 pub mod tcp;
 #[cfg(feature = "rdma")]
 pub mod verbs;
@@ -187,10 +188,14 @@ pub struct TargetStats {
     pub rejected_writes: u64,
 }
 
+/// Most destinations one [`TargetMemory::dests`] call hands out (one vectored read).
+pub const MAX_LAND_DESTS: usize = 64;
+
 /// Proof that no write under region key `rkey` can land any more: returned by
 /// [`KvTransport::invalidate`] and by nothing else. Its constructor is visible only inside this
 /// module tree (the transports), so the engine's `release_quarantined`, which takes one, cannot
-/// be fed a key that was not invalidated — safety property 2 as a type. Neither `Clone` nor
+/// be fed a key that was not invalidated — safety property 2 as a type. (The constructor is
+/// `pub(crate)` in this crate, which holds every transport: nothing outside can build one.) Neither `Clone` nor
 /// `Copy`: one invalidation, one proof.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "the proof is what lets quarantined pages go back to the free list"]
@@ -200,7 +205,7 @@ pub struct KeyInvalidated {
 
 impl KeyInvalidated {
     /// Only a transport, after its key can no longer be used by any write, issues this.
-    pub(in crate::transport) const fn issued_by_transport(rkey: u32) -> Self {
+    pub(crate) const fn issued_by_transport(rkey: u32) -> Self {
         Self { rkey }
     }
 

@@ -1331,9 +1331,9 @@ impl Drop for VerbsTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::super::AccessError;
-    use super::super::abi::Sge;
     use super::*;
+    use crate::AccessError;
+    use crate::abi::Sge;
 
     #[derive(Default)]
     struct Mem {
