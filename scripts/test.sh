@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+./scripts/check-boundaries.sh
 # The binary with its default features (what run.sh builds), kept aside for the symbol test
 # (e2e `symbols`): the workspace test build below unifies the test crate's `fault-injection`
 # and `test-oracle` features into every binary it builds.

@@ -1,26 +1,16 @@
-//! Custody's engine: model loading (GGUF weights, tokenizer, chat template), the Llama-family
-//! forward pass, the tagged KV page pool, admission and continuous batching, and sampling.
-//!
-//! Architecture invariants: this crate knows nothing of Parquet, DataFusion or BPF. All compute
-//! goes through `custody-kernels`; all KV reads go through the kernel's tag-checking attention.
+//! `custody-runtime`: the one import for the binary, the server and the tests — a facade over
+//! the runtime's crates, with no code of its own:
+//! - `custody-engine` (`runtime/engine`): the synchronous engine (model, GGUF, tokenizer, page
+//!   pool, scheduler, protocol state machine, engine-thread actor); knows no network;
+//! - `custody-transport` (`runtime/transport`): the KV transports (trait, tcp, verbs);
+//! - `custody-disagg` (`runtime/disagg`): the disaggregated nodes (gRPC proto, prefill,
+//!   decode, client);
+//! - `custody-probe-abi` (`runtime/probe-abi`): the probe ABI the eBPF witness observes.
 
-pub mod actor;
-pub mod config;
-pub mod disagg;
-pub mod engine;
-pub mod gguf;
-pub mod kv;
-pub mod model;
-pub mod sampling;
-pub mod tokenizer;
-
-/// The KV transports (their own crate: no engine, no pool, no async runtime).
-pub use custody_transport as transport;
-
-pub use config::{Config, EngineConfig};
-pub use engine::{
-    AdmissionError, Engine, Event, FinishReason, GenerateRequest, RequestId, StartupError,
+pub use custody_disagg as disagg;
+pub use custody_engine::{
+    AdmissionError, ChatMessage, Config, Engine, EngineConfig, Event, FinishReason,
+    GenerateRequest, Model, RequestId, SamplingParams, StartupError, Tokenizer,
 };
-pub use model::Model;
-pub use sampling::SamplingParams;
-pub use tokenizer::{ChatMessage, Tokenizer};
+pub use custody_engine::{actor, config, engine, gguf, kv, model, protocol, sampling, tokenizer};
+pub use custody_transport as transport;

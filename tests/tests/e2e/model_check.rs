@@ -5,7 +5,7 @@
 //! nodes hold per request, whose state is private to the protocol module — "may decode read
 //! now?" is `ReqMachine::may_read`, and every page release is gated by `release_allowed` (the
 //! rule `Engine::release_quarantined` applies), all imported from
-//! `custody_runtime::disagg::protocol` (`runtime/src/disagg/protocol.rs`), together with
+//! `custody_runtime::disagg::protocol` (`runtime/engine/src/protocol.rs`), together with
 //! `ReqEvent`, `KeyState` and `PageState`. Nothing is redefined here: a change to the state
 //! machine the nodes run is a change to the machine checked here
 //! (`protocol_is_driven_only_through_the_machine` keeps the nodes from holding a state of
@@ -818,7 +818,7 @@ fn model_check_legacy_protocol_reproduces_the_incident() {
 /// by hand, and ignored illegal transitions with `.unwrap_or(r.state)`).
 #[test]
 fn protocol_is_driven_only_through_the_machine() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime/src/disagg");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime/disagg/src");
     for node in ["prefill.rs", "decode.rs"] {
         let src = std::fs::read_to_string(root.join(node)).expect("node source");
         assert!(

@@ -21,11 +21,11 @@ use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 use custody_kernels::attention::{PageRef, ReduceOrder, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
-use crate::disagg::protocol::{KeyState, release_allowed};
 use crate::kv::{PagePool, PoolError, VerifyError};
 use crate::model::{Logits, Model, Scratch, Segment};
+use crate::protocol::{KeyState, release_allowed};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::transport::KeyInvalidated;
+use custody_transport::KeyInvalidated;
 
 /// The integrity error a failed request carries ([`Event::Failed`]).
 pub use custody_kernels::attention::IntegrityError;
@@ -390,7 +390,7 @@ impl Engine {
 
     /// Mutable pool access for the transport's landing (decode node, this crate only) — the
     /// engine thread lends it between steps; nothing reads the pool concurrently.
-    pub(crate) fn pool_mut(&mut self) -> &mut PagePool {
+    pub fn pool_mut(&mut self) -> &mut PagePool {
         &mut self.pool
     }
 

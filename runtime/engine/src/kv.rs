@@ -31,7 +31,7 @@ use custody_kernels::attention::{
 use half::f16;
 
 /// Most destinations [`PagePool::land_dests`] hands out at once (the transport's bound).
-pub use crate::transport::MAX_LAND_DESTS;
+pub use custody_transport::MAX_LAND_DESTS;
 
 /// Owner value of a free page. Request ids start at 1.
 pub const NO_OWNER: u64 = 0;

@@ -26,16 +26,22 @@ pub mod bench;
 pub mod client;
 pub mod decode;
 pub mod prefill;
-pub mod protocol;
+/// The request protocol's state machine (in the engine crate: the engine applies its page rule).
+pub use custody_engine::protocol;
 
 /// Re-exported so callers (the binary, tests) use the same gRPC types.
 pub use tonic;
 
-/// Generated gRPC types and services (`runtime/proto/disagg.proto`).
+/// Generated gRPC types and services (`runtime/disagg/proto/disagg.proto`).
 #[allow(clippy::all, missing_debug_implementations, unreachable_pub)]
 pub mod proto {
     tonic::include_proto!("custody.disagg.v1");
 }
+
+// The engine's and the transport's modules under their own names, so that the nodes read as
+// they did inside one crate (`crate::engine::Engine`, `crate::transport::KvTransport`).
+use custody_engine::{actor, config, engine, kv, model, sampling};
+use custody_transport as transport;
 
 use crate::model::Model;
 use crate::sampling::SamplingParams;

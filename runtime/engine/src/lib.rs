@@ -1,0 +1,27 @@
+//! Custody's synchronous engine: model loading (GGUF weights, tokenizer, chat template), the
+//! Llama-family forward pass, the tagged KV page pool, admission and continuous batching,
+//! sampling, the request protocol's state machine, and the engine-thread actor.
+//!
+//! Architecture invariants: this crate knows no network and no async runtime (no tokio, no
+//! tonic); nothing of Parquet, DataFusion or BPF. All compute goes through `custody-kernels`;
+//! the only read of K/V is `kv::PagePool::attend`, the kernel's tag-checking attention over the
+//! pool's own tags. It depends on `custody-transport` only for the `KeyInvalidated` proof that
+//! lets quarantined pages go (the transports' code is never called from here).
+
+pub mod actor;
+pub mod config;
+pub mod engine;
+pub mod gguf;
+pub mod kv;
+pub mod model;
+pub mod protocol;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use config::{Config, EngineConfig};
+pub use engine::{
+    AdmissionError, Engine, Event, FinishReason, GenerateRequest, RequestId, StartupError,
+};
+pub use model::Model;
+pub use sampling::SamplingParams;
+pub use tokenizer::{ChatMessage, Tokenizer};
