@@ -1,6 +1,6 @@
 //! A deterministic synthetic audit log at scale, with injected exposures whose answers are known.
 //!
-//! Each node is simulated as the engine behaves (`runtime/src/engine.rs`), step by step, and
+//! Each node is simulated as the engine behaves (`runtime/engine/src/engine.rs`), step by step, and
 //! recorded through its own real [`AuditWriter`] into one audit root, so the log is sealed,
 //! chained, signed and verifiable like a production one:
 //!

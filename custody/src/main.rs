@@ -102,7 +102,7 @@ enum Cmd {
     ///
     /// KV transfer on loopback vs memcpy (with and without checksum), time to first token and
     /// decode tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
-    BenchDisagg(disagg_cmd::BenchDisaggArgs),
+    BenchDisagg(bench::disagg::BenchDisaggArgs),
     /// The eBPF witness: record a process's KV transfers from outside it (needs root)
     ///
     /// Attaches uprobes to the KV transport's probe points (and libibverbs' control path where
@@ -182,7 +182,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Audit(a) => audit_cmd::audit_cmd(a),
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),
-        Cmd::BenchDisagg(a) => disagg_cmd::bench_disagg(a),
+        Cmd::BenchDisagg(a) => bench::disagg::bench_disagg(a),
         Cmd::Probe(a) => probe_cmd::probe(a),
         #[cfg(feature = "forensics")]
         Cmd::Query(a) => query_cmd::query(a),

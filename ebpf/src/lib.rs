@@ -14,7 +14,7 @@
 //!   events → `node_events` rows (reported, never silent).
 //!
 //! Architecture invariant: this crate knows the transport only through its probe ABI
-//! (`runtime/src/transport/abi.rs`: C layouts and symbol names), never its code; it does not
+//! (`custody-probe-abi`: C layouts and symbol names), never its code; it does not
 //! depend on `custody-runtime`.
 
 pub mod collector;

@@ -2,5 +2,6 @@
 //! Their statistics live in [`stats`] (one median for all of them).
 
 pub(crate) mod audit;
+pub(crate) mod disagg;
 pub(crate) mod engine;
 pub(crate) mod stats;

@@ -32,3 +32,10 @@ pub(crate) fn median_ci(v: &[f64]) -> (f64, f64, f64) {
         (m, s[k - 1], s[n - k])
     }
 }
+
+/// The `q` quantile (nearest rank) of a non-empty sample.
+pub(crate) fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
+    assert!(!v.is_empty() && (0.0..=1.0).contains(&q));
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}

@@ -408,7 +408,7 @@ mod tests {
 
     #[test]
     fn shipped_disaggregated_and_incident_configs_are_valid() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
         for f in ["disagg-prefill.toml", "disagg-decode.toml"] {
             let c = Config::load(&dir.join(f)).expect(f);
             assert!(
@@ -432,10 +432,10 @@ mod tests {
 
     #[test]
     fn shipped_single_node_config_is_valid() {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/single-node.toml");
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/single-node.toml");
         let c = Config::load(&p).expect("configs/single-node.toml must parse");
         assert!(c.engine.kv_budget_mib > 0);
-        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/serve-demo.toml");
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/serve-demo.toml");
         let c = Config::load(&p).expect("configs/serve-demo.toml must parse");
         assert_eq!(c.serve.tenants.len(), 3);
         assert!(

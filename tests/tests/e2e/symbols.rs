@@ -64,11 +64,13 @@ fn default_features_binary_has_no_fault_injection_test_oracle_or_raw_kv_symbols(
         bin.display()
     );
     let syms = defined_symbols(&bin);
-    assert!(
-        syms.iter().any(|s| s.contains("custody_runtime")),
-        "{}: no runtime symbols at all (stripped?)",
-        bin.display()
-    );
+    for krate in ["custody_engine", "custody_disagg", "custody_transport"] {
+        assert!(
+            syms.iter().any(|s| s.contains(krate)),
+            "{}: no {krate} symbols at all (stripped?)",
+            bin.display()
+        );
+    }
     let found: Vec<&String> = syms
         .iter()
         .filter(|s| FORBIDDEN.iter().any(|f| s.contains(f)))
