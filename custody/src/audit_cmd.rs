@@ -5,7 +5,75 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 
+use custody_audit::digest;
+
 use crate::common::parse_utc;
+use crate::progress::Progress;
+
+/// [`digest::verify`] through a store that counts what it reads, shown as progress (a root of
+/// 10⁸ events is minutes of hashing).
+fn verify_showing_progress(
+    root: &std::path::Path,
+    key: Option<&digest::VerifyingKey>,
+    from: Option<i64>,
+    to: Option<i64>,
+) -> digest::Report {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    /// The local store, counting objects read and hashed.
+    struct Counting<'a> {
+        inner: digest::LocalStore,
+        done: AtomicU64,
+        shown: &'a std::sync::Mutex<Progress>,
+    }
+    impl digest::LogStore for Counting<'_> {
+        fn list(&self, prefix: &str) -> Result<Vec<String>, digest::StoreError> {
+            let objects = self.inner.list(prefix)?;
+            if let Ok(mut p) = self.shown.lock() {
+                p.set_total(objects.len() as u64);
+            }
+            Ok(objects)
+        }
+        fn read(&self, path: &str) -> Result<Vec<u8>, digest::StoreError> {
+            let r = self.inner.read(path);
+            self.tick();
+            r
+        }
+        fn sha256(&self, path: &str) -> Result<(String, u64), digest::StoreError> {
+            let r = self.inner.sha256(path);
+            self.tick();
+            r
+        }
+        fn locate(&self, path: &str) -> std::path::PathBuf {
+            self.inner.locate(path)
+        }
+    }
+    impl Counting<'_> {
+        fn tick(&self) {
+            let n = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+            if let Ok(p) = self.shown.lock() {
+                p.set(n);
+            }
+        }
+    }
+    let shown = std::sync::Mutex::new(Progress::counted("verify", 0, "objects"));
+    let store = Counting {
+        inner: digest::LocalStore::new(root),
+        done: AtomicU64::new(0),
+        shown: &shown,
+    };
+    let report = digest::verify_store(&store, key, from, to).unwrap_or_else(|e| digest::Report {
+        problems: vec![digest::Problem::Unreadable {
+            path: std::path::PathBuf::from(e.path),
+            why: e.why,
+        }],
+        ..digest::Report::default()
+    });
+    let done = store.done.load(Ordering::Relaxed);
+    if let Ok(p) = shown.into_inner() {
+        p.finish(done);
+    }
+    report
+}
 
 #[derive(Subcommand, Debug)]
 pub(crate) enum AuditCmd {
@@ -46,7 +114,6 @@ pub(crate) enum AuditCmd {
 }
 
 pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
-    use custody_audit::digest;
     match a {
         AuditCmd::Keygen { out } => {
             let key = digest::generate_key().context("reading /dev/urandom")?;
@@ -75,7 +142,7 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             if !root.is_dir() {
                 bail!("audit root {} is not a directory", root.display());
             }
-            let r = digest::verify(&root, key.as_ref(), from, to);
+            let r = verify_showing_progress(&root, key.as_ref(), from, to);
             if key.is_none() {
                 eprintln!(
                     "note: no --public-key given; signatures were checked against the key named in each node's first digest"

@@ -16,6 +16,7 @@ mod demo_cmd;
 mod disagg_cmd;
 mod generate_cmd;
 mod probe_cmd;
+mod progress;
 #[cfg(feature = "forensics")]
 mod query_cmd;
 mod serve_cmd;

@@ -121,9 +121,12 @@ async fn verified_session(src: &Source) -> Result<custody_query::VerifiedSession
         ),
         None => None,
     };
+    let shown = crate::progress::Progress::spinner("verifying the digest chain");
     let vs = custody_query::open_session(&src.root, key.as_ref(), src.include_unverified)
         .await
-        .with_context(|| format!("opening audit root {}", src.root))?;
+        .with_context(|| format!("opening audit root {}", src.root));
+    shown.finish(0);
+    let vs = vs?;
     let r = &vs.report;
     let key_note = if key.is_none() {
         " (key: the one in the first digest; pass --public-key to pin it)"
@@ -298,8 +301,10 @@ fn print(batches: &[RecordBatch], format: Format) -> Result<()> {
 }
 
 async fn run_sql(ctx: &SessionContext, sql: &str, format: Format) -> Result<()> {
-    let batches = ctx.sql(sql).await?.collect().await?;
-    print(&batches, format)
+    let shown = crate::progress::Progress::spinner("running the query");
+    let batches = async { Ok::<_, anyhow::Error>(ctx.sql(sql).await?.collect().await?) }.await;
+    shown.finish(0);
+    print(&batches?, format)
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -548,7 +553,10 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             rt.block_on(async {
                 let ctx = session(&src).await?;
                 // The exposure query runs once: its rows are printed and summarised.
-                let (e, rows) = forensics::exposure_with_rows(&ctx, from_ns, to_ns).await?;
+                let shown = crate::progress::Progress::spinner("running the exposure query");
+                let exposure = forensics::exposure_with_rows(&ctx, from_ns, to_ns).await;
+                shown.finish(0);
+                let (e, rows) = exposure?;
                 println!("# affected responses (one row per response and source tenant)");
                 print(&rows, src.format)?;
                 println!("# prevented exposures (reads refused by the tag check)");

@@ -50,22 +50,12 @@ pub(crate) fn synth(a: SynthArgs) -> Result<()> {
     let progress = AtomicU64::new(0);
     let done = AtomicBool::new(false);
     let t0 = Instant::now();
+    let shown = crate::progress::Progress::counted("synth", a.events, "events");
     let truth = std::thread::scope(|s| {
         s.spawn(|| {
-            let mut last = Instant::now();
             while !done.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(100));
-                if last.elapsed() >= Duration::from_secs(5) {
-                    last = Instant::now();
-                    let n = progress.load(Ordering::Relaxed);
-                    let secs = t0.elapsed().as_secs_f64();
-                    eprintln!(
-                        "synth: {n} / {} events ({:.0} %), {:.2} M events/s",
-                        a.events,
-                        100.0 * n as f64 / a.events as f64,
-                        n as f64 / secs / 1e6
-                    );
-                }
+                shown.set(progress.load(Ordering::Relaxed));
             }
         });
         let r = synth::generate(&cfg, &a.out, &key, &progress);
@@ -73,6 +63,7 @@ pub(crate) fn synth(a: SynthArgs) -> Result<()> {
         r
     })
     .with_context(|| format!("generating a synthetic log in {}", a.out.display()))?;
+    shown.finish(progress.load(Ordering::Relaxed));
     let wall_s = t0.elapsed().as_secs_f64();
     let truth_path = a.out.join("synth-truth.json");
     std::fs::write(&truth_path, serde_json::to_string_pretty(&truth)?)

@@ -114,8 +114,10 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
     let mut audited_runs: Vec<(u64, f64, f64, f64)> = Vec::new();
     let audit_dir =
         std::env::temp_dir().join(format!("custody-bench-audit-{}", std::process::id()));
+    let shown = crate::progress::Progress::counted("bench", a.reps as u64, "reps");
     pool.install(|| -> Result<()> {
         for rep in 0..a.reps {
+            shown.set(rep as u64);
             // Alternate which configuration runs first, so that order effects (cache warmth,
             // frequency drift) do not bias the on-vs-off ratio.
             let order = if rep % 2 == 0 {
@@ -175,6 +177,7 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
         }
         Ok(())
     })?;
+    shown.finish(a.reps as u64);
     let _ = std::fs::remove_dir_all(&audit_dir);
     let audit = (!prefill_audit.is_empty()).then(|| (median(prefill_audit), median(decode_audit)));
     let cpu_bound = if a.audit_cost {
