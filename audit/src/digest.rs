@@ -577,7 +577,17 @@ pub fn verify(
     from_ns: Option<i64>,
     to_ns: Option<i64>,
 ) -> Report {
-    verify_store(&LocalStore::new(root), key, from_ns, to_ns).unwrap_or_else(|e| Report {
+    verify_reporting(&LocalStore::new(root), key, from_ns, to_ns)
+}
+
+/// [`verify_store`], with a store that cannot be listed reported as [`Problem::Unreadable`].
+pub fn verify_reporting(
+    store: &dyn LogStore,
+    key: Option<&VerifyingKey>,
+    from_ns: Option<i64>,
+    to_ns: Option<i64>,
+) -> Report {
+    verify_store(store, key, from_ns, to_ns).unwrap_or_else(|e| Report {
         problems: vec![Problem::Unreadable {
             path: PathBuf::from(e.path),
             why: e.why,

@@ -61,13 +61,7 @@ fn verify_showing_progress(
         done: AtomicU64::new(0),
         shown: &shown,
     };
-    let report = digest::verify_store(&store, key, from, to).unwrap_or_else(|e| digest::Report {
-        problems: vec![digest::Problem::Unreadable {
-            path: std::path::PathBuf::from(e.path),
-            why: e.why,
-        }],
-        ..digest::Report::default()
-    });
+    let report = digest::verify_reporting(&store, key, from, to);
     let done = store.done.load(Ordering::Relaxed);
     if let Ok(p) = shown.into_inner() {
         p.finish(done);

@@ -856,11 +856,6 @@ impl Engine {
         self.quarantined.iter().map(|s| s.pages.len()).sum()
     }
 
-    /// Importing request ids (decode node).
-    pub fn importing_ids(&self) -> Vec<RequestId> {
-        self.importing.iter().map(|s| s.id).collect()
-    }
-
     fn check_admission(
         &self,
         req: &GenerateRequest,
@@ -927,6 +922,14 @@ impl Engine {
     }
 
     fn release(&mut self, s: &Seq) {
+        // Safety property 2: pages a remote writer may still write never reach the free list —
+        // every path here (finish, failure, abort, quarantine release) has a dead or no key.
+        debug_assert!(
+            release_allowed(s.import_key.state()),
+            "request {}: pages released while transfer key {:?} may still land",
+            s.id,
+            s.import_key
+        );
         // Page by page: a page whose tag no longer proves it is ours is not returned to the free
         // list (leaked rather than reused — the safe direction).
         for pr in &s.pages {

@@ -474,11 +474,6 @@ impl Gguf {
             .collect()
     }
 
-    /// Total file size in bytes.
-    pub fn file_len(&self) -> usize {
-        self.mmap.len()
-    }
-
     /// SHA-256 of the whole file, hex: the model fingerprint nodes compare in the handshake.
     pub fn sha256_hex(&self) -> String {
         use sha2::Digest;

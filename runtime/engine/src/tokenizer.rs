@@ -203,10 +203,6 @@ impl Tokenizer {
         })?;
         Ok(out)
     }
-
-    pub fn is_stop(&self, id: u32) -> bool {
-        self.stop_ids.contains(&id)
-    }
 }
 
 /// Incremental detokenizer for streaming: yields only complete UTF-8 text.

@@ -248,13 +248,6 @@ impl TcpTransport {
         }
     }
 
-    /// Whether `rkey` is registered and valid.
-    pub fn key_valid(&self, rkey: u32) -> bool {
-        self.target
-            .as_ref()
-            .is_some_and(|t| matches!(t.st.keys.get(&rkey), Some(KeyEntry::Valid { .. })))
-    }
-
     #[cfg(any(test, feature = "fault-injection"))]
     /// Fault injection: flip one byte of the next payload that lands (corruption in flight that
     /// TCP's own checksum would not catch, e.g. a buggy NIC or memory error).
