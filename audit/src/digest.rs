@@ -28,7 +28,7 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-pub fn unhex(s: &str) -> Option<Vec<u8>> {
+fn unhex(s: &str) -> Option<Vec<u8>> {
     if !s.len().is_multiple_of(2) {
         return None;
     }
@@ -139,7 +139,7 @@ fn json_at(path: &Path) -> impl FnOnce(serde_json::Error) -> DigestError + '_ {
     }
 }
 
-pub fn digest_dir(root: &Path, node: u32) -> PathBuf {
+fn digest_dir(root: &Path, node: u32) -> PathBuf {
     root.join("_digests").join(format!("node={node}"))
 }
 

@@ -12,6 +12,8 @@
 //! seals and verifies them.
 
 #[cfg(feature = "writer")]
+pub mod config;
+#[cfg(feature = "writer")]
 pub mod digest;
 #[cfg(feature = "writer")]
 pub mod schema;
@@ -387,7 +389,7 @@ impl RdmaOpRows {
         }
     }
 
-    pub fn into_events(self) -> Vec<Event> {
+    fn into_events(self) -> Vec<Event> {
         assert!(self.is_rectangular(), "rdma_ops columns of unequal length");
         (0..self.len())
             .map(|i| Event::RdmaOp(Box::new(self.row(i))))

@@ -176,7 +176,7 @@ pub struct SynthTruth {
 }
 
 /// `tenant-007`: zero-padded so that name order is index order.
-pub fn tenant_name(i: u32, tenants: u32) -> String {
+fn tenant_name(i: u32, tenants: u32) -> String {
     let width = tenants.saturating_sub(1).max(1).ilog10() as usize + 1;
     format!("tenant-{i:0width$}")
 }

@@ -429,7 +429,7 @@ fn fsync_dir(dir: &Path) -> Result<(), WriterError> {
 }
 
 /// `YYYY-MM-DD` (UTC) of a Unix time in nanoseconds (civil-from-days, proleptic Gregorian).
-pub fn utc_date(wall_ns: i64) -> String {
+fn utc_date(wall_ns: i64) -> String {
     let days = wall_ns.div_euclid(86_400_000_000_000);
     let z = days + 719_468;
     let era = z.div_euclid(146_097);

@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use custody_runtime::{Config, Engine, Model, Tokenizer};
+use custody_runtime::{Engine, Model, Tokenizer};
+
+use crate::config::Config;
 
 /// Audit options shared by commands that run the engine.
 #[derive(Args, Debug)]
@@ -43,7 +45,7 @@ pub(crate) fn open_audit(
     use custody_audit::writer::{Backpressure, FsyncPolicy, WriterConfig};
     let conf = match cfg_path {
         Some(p) => Config::load(p)?.audit,
-        None => custody_runtime::config::AuditSection::default(),
+        None => custody_audit::config::AuditSection::default(),
     };
     let Some(dir) = a.audit_dir.clone().or(conf.dir) else {
         return Ok(None);

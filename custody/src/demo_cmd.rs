@@ -21,7 +21,9 @@ use custody_runtime::config::UnsafeReproduction;
 use custody_runtime::disagg::client::{Pair, PairOptions};
 use custody_runtime::disagg::decode::DecodeOptions;
 use custody_runtime::disagg::prefill::PrefillOptions;
-use custody_runtime::{Config, Engine, GenerateRequest, Model, SamplingParams, Tokenizer};
+use custody_runtime::{Engine, GenerateRequest, Model, SamplingParams, Tokenizer};
+
+use crate::config::Config;
 
 #[derive(Args, Debug)]
 pub(crate) struct DemoArgs {

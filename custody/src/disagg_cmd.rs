@@ -14,7 +14,9 @@ use custody_runtime::disagg::decode::{DecodeHandle, DecodeOptions};
 use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
 use custody_runtime::disagg::proto::prefill_client::PrefillClient;
 use custody_runtime::tokenizer::StreamDecoder;
-use custody_runtime::{Config, Engine, Model, SamplingParams, Tokenizer};
+use custody_runtime::{Engine, Model, SamplingParams, Tokenizer};
+
+use crate::config::Config;
 
 use crate::common::{AuditArgs, Common, open_audit};
 use crate::generate_cmd::GenerateArgs;
@@ -146,7 +148,7 @@ async fn shutdown_signal(tx: tokio::sync::oneshot::Sender<()>) {
 }
 
 fn transport_kind(
-    d: &custody_runtime::config::DisaggSection,
+    d: &custody_runtime::disagg::config::DisaggSection,
 ) -> Result<custody_runtime::transport::TransportKind> {
     let device = (!d.verbs_device.is_empty()).then_some(d.verbs_device.as_str());
     custody_runtime::transport::TransportKind::parse(&d.transport, device)

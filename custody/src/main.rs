@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 mod audit_cmd;
 mod bench;
 mod common;
+mod config;
 #[cfg(feature = "forensics")]
 mod demo_cmd;
 mod disagg_cmd;

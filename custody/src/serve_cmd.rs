@@ -4,10 +4,10 @@
 use std::io::BufRead;
 use std::sync::Arc;
 
+use crate::config::Config;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use custody_audit::writer::AuditWriter;
-use custody_runtime::Config;
 use custody_server::tenants::{generate_key, hash_key};
 use custody_server::{AuditStats, ServeOptions};
 
@@ -166,7 +166,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
 /// keep the audit logs of every page; this process authenticates, limits, streams and
 /// validates. With `--audit-dir` (and `--audit-key`, and its own `--node`) it keeps its own log
 /// of what only it sees: canary results and prefill anomalies (`node_events`).
-fn serve_front(a: &ServeArgs, serve_cfg: custody_runtime::config::ServeSection) -> Result<()> {
+fn serve_front(a: &ServeArgs, serve_cfg: custody_server::config::ServeSection) -> Result<()> {
     // Only the explicit flag: the config's [audit] section belongs to the engine nodes.
     let audit = if a.audit.audit_dir.is_some() {
         if a.audit.node == 0 {

@@ -46,7 +46,7 @@ impl ClockMap {
         }
     }
 
-    pub fn audit_ns(&self, ktime_ns: u64) -> u64 {
+    fn audit_ns(&self, ktime_ns: u64) -> u64 {
         ktime_ns.saturating_sub(self.offset_ns)
     }
 }

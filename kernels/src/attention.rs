@@ -628,7 +628,8 @@ fn attend_compat_body(
 
 /// Scalar reference attention over plain per-position K/V rows (`[t][kv_head][d]`, f32), used by
 /// tests to validate [`paged_attention`]. Applies the same f16 roundings.
-pub fn attention_reference(
+#[cfg(test)]
+fn attention_reference(
     q: &[f32],
     n_heads: usize,
     n_kv_heads: usize,

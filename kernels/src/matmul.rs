@@ -33,7 +33,7 @@ impl<'a> QMatrix<'a> {
         })
     }
 
-    pub fn row_bytes(&self) -> usize {
+    fn row_bytes(&self) -> usize {
         self.cols / self.dtype.block_elems() * self.dtype.block_bytes()
     }
 
@@ -244,7 +244,8 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr, r0: usize, r1: usize) {
 }
 
 /// Scalar reference of [`matmul`] (single-threaded, no SIMD). Used by tests.
-pub fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
+#[cfg(test)]
+fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
     assert_eq!(x.cols, w.cols);
     assert_eq!(out.len(), x.n_tok * w.rows);
     let mut tmp = vec![0.0f32; w.cols];

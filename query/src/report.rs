@@ -58,7 +58,7 @@ fn esc(s: &str) -> String {
 }
 
 /// `YYYY-MM-DD HH:MM:SS UTC` of Unix ns.
-pub fn utc(ns: i64) -> String {
+fn utc(ns: i64) -> String {
     let secs = ns.div_euclid(1_000_000_000);
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).

@@ -9,8 +9,8 @@
 
 pub use custody_disagg as disagg;
 pub use custody_engine::{
-    AdmissionError, ChatMessage, Config, Engine, EngineConfig, Event, FinishReason,
-    GenerateRequest, Model, RequestId, SamplingParams, StartupError, Tokenizer,
+    AdmissionError, ChatMessage, Engine, EngineConfig, Event, FinishReason, GenerateRequest, Model,
+    RequestId, SamplingParams, StartupError, Tokenizer,
 };
 pub use custody_engine::{actor, config, engine, gguf, kv, model, protocol, sampling, tokenizer};
 pub use custody_transport as transport;

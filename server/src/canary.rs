@@ -164,7 +164,7 @@ impl Report {
 
 /// Send every golden prompt through the engine thread at once (so they batch with each other
 /// and with live traffic) and compare.
-pub async fn run_once(engine: &Backend, golden: &[Golden], stop_ids: &[u32]) -> Report {
+async fn run_once(engine: &Backend, golden: &[Golden], stop_ids: &[u32]) -> Report {
     let mut pending = Vec::new();
     for g in golden {
         let r = engine.submit(g.request(CANARY_TENANT, stop_ids), 0).await;

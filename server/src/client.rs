@@ -41,7 +41,7 @@ impl Response {
 }
 
 /// `http://host:port[/]` → `host:port`.
-pub fn authority(base: &str) -> Result<String, ClientError> {
+fn authority(base: &str) -> Result<String, ClientError> {
     let rest = base
         .strip_prefix("http://")
         .ok_or_else(|| ClientError::Url(base.into()))?;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use crate::config::ServeSection;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -13,7 +14,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use custody_runtime::config::ServeSection;
 use custody_runtime::engine::{FinishReason, GenerateRequest};
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{SamplingParams, Tokenizer};

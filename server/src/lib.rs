@@ -14,6 +14,7 @@
 pub mod backend;
 pub mod canary;
 pub mod client;
+pub mod config;
 pub mod engine_thread;
 pub mod error;
 mod http;
@@ -26,7 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use custody_runtime::config::ServeSection;
+use crate::config::ServeSection;
 use custody_runtime::engine::{Engine, GenerateRequest};
 use custody_runtime::{SamplingParams, Tokenizer};
 

@@ -20,8 +20,8 @@ use super::proto::{self, decode_server};
 use super::protocol::{IllegalTransition, ReqEvent, ReqMachine, ReqState};
 use super::{MAX_PAGES_PER_REQUEST, MAX_RESERVATIONS, admission_status, check_pair, imm_split};
 use crate::actor::{self, ActorLimits, Mailbox, MailboxError};
-use crate::config::UnsafeReproduction;
-use crate::engine::{Engine, Event, GenerateRequest, RequestId};
+use crate::engine::{DecodeEngine, Engine, Event, GenerateRequest, RequestId};
+use custody_engine::config::UnsafeReproduction;
 
 #[cfg(feature = "fault-injection")]
 use crate::transport::FaultInjection;
@@ -117,7 +117,7 @@ struct DReq {
 }
 
 struct Node {
-    engine: Engine,
+    engine: DecodeEngine,
     transport: Box<dyn KvTransport>,
     opts: DecodeOptions,
     reqs: HashMap<RequestId, DReq>,
@@ -203,7 +203,7 @@ impl Node {
             stop_ids: req.stop_ids,
             tenant: req.tenant.clone(),
         };
-        if prompt_len.div_ceil(self.engine.pool().page_size()) > MAX_PAGES_PER_REQUEST {
+        if prompt_len.div_ceil(self.engine.core().pool().page_size()) > MAX_PAGES_PER_REQUEST {
             return Err(Status::invalid_argument(
                 "prompt exceeds the transfer's page index",
             ));
@@ -300,7 +300,7 @@ impl Node {
                     let (reqs, by_key) = (&self.reqs, &self.by_key);
                     let mut mem =
                         super::PoolLanding {
-                            pool: self.engine.pool_mut(),
+                            pool: self.engine.landing_pool(),
                             stride: self.stride,
                             // Region → reservation → its page `idx`.
                             page_of: |rkey: u32, idx: usize| {
@@ -341,7 +341,7 @@ impl Node {
     fn page_landed(&mut self, id: RequestId, idx: usize) {
         let legacy = self.opts.unsafe_.truncate_overlength;
         let checksum = self.opts.checksum && !self.opts.unsafe_.disable_checksum;
-        let ps = self.engine.pool().page_size();
+        let ps = self.engine.core().pool().page_size();
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
@@ -359,7 +359,7 @@ impl Node {
         let n_prompt_pages = r.prompt_len.div_ceil(ps);
         let slots = if legacy {
             // The legacy path believes whatever the header says.
-            self.engine.pool().landed_slots(r.pages[idx].page) as usize
+            self.engine.core().pool().landed_slots(r.pages[idx].page) as usize
         } else if idx < n_prompt_pages {
             (r.prompt_len - idx * ps).min(ps)
         } else {
@@ -375,8 +375,8 @@ impl Node {
                 .verify_import(id, idx, slots, checksum)
                 .map_err(|e| e.to_string())
         };
-        if self.engine.auditing() {
-            let checksum_v = self.engine.pool().landed_checksum(pr.page);
+        if self.engine.core().auditing() {
+            let checksum_v = self.engine.core().pool().landed_checksum(pr.page);
             self.engine.record(audit::Event::Transfer {
                 ts_ns: audit::mono_now_ns(),
                 transfer: super::transfer_id(origin, idx),
@@ -639,8 +639,8 @@ impl Node {
 
     fn stats(&self) -> DecodeStats {
         DecodeStats {
-            pool_pages: self.engine.pool().n_pages(),
-            free_pages: self.engine.pool().n_free(),
+            pool_pages: self.engine.core().pool().n_pages(),
+            free_pages: self.engine.core().pool().n_free(),
             quarantined_pages: self.engine.n_quarantined_pages(),
             live_requests: self.engine.n_live(),
             reservations: self.reqs.len(),
@@ -673,7 +673,7 @@ impl Node {
             }
             #[cfg(feature = "test-oracle")]
             Cmd::Inspect(layer, pages, tx) => {
-                let pool = self.engine.pool();
+                let pool = self.engine.core().pool();
                 let out = pages
                     .iter()
                     .map(|&p| pool.test_oracle_k_page_bytes(layer, p))
@@ -770,26 +770,28 @@ impl std::fmt::Debug for Cmd {
 const CMD_QUEUE_CMDS: usize = 1024;
 
 impl DecodeHandle {
-    /// Start the engine thread and the KV transport listener.
+    /// Start the engine thread and the KV transport listener. `engine` (idle) takes the decode
+    /// role.
     pub fn start(
         engine: Engine,
         opts: DecodeOptions,
     ) -> Result<Self, crate::transport::TransportError> {
+        let engine = DecodeEngine::new(engine);
         let transport = crate::transport::open_target(
             opts.node_id,
             &opts.transport_kind,
             opts.transport_listen,
         )?;
         let transport_addr = transport.endpoint();
-        let stride = engine.pool().region_page_stride();
+        let stride = engine.core().pool().region_page_stride();
         let info = super::node_info(
-            engine.model(),
+            engine.core().model(),
             &opts.fingerprint,
             opts.node_id,
             "decode",
-            engine.pool().page_size(),
-            engine.context_length(),
-            engine.pool().n_pages() * engine.pool().page_size(),
+            engine.core().pool().page_size(),
+            engine.core().context_length(),
+            engine.core().pool().n_pages() * engine.core().pool().page_size(),
             transport.kind(),
             transport_addr.clone(),
             &opts.unsafe_.names(),

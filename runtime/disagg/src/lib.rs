@@ -24,6 +24,7 @@
 
 pub mod bench;
 pub mod client;
+pub mod config;
 pub mod decode;
 pub mod prefill;
 /// The request protocol's state machine (in the engine crate: the engine applies its page rule).
@@ -40,7 +41,7 @@ pub mod proto {
 
 // The engine's and the transport's modules under their own names, so that the nodes read as
 // they did inside one crate (`crate::engine::Engine`, `crate::transport::KvTransport`).
-use custody_engine::{actor, config, engine, kv, model, sampling};
+use custody_engine::{actor, engine, kv, model, sampling};
 use custody_transport as transport;
 
 use crate::model::Model;

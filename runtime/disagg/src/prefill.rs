@@ -19,11 +19,11 @@ use super::proto::{self, decode_client::DecodeClient, prefill_server};
 use super::protocol::{IllegalTransition, ReqEvent, ReqMachine};
 use super::{admission_status, imm_of, transfer_id};
 use crate::actor::{self, ActorLimits, Mailbox, MailboxError};
-use crate::config::UnsafeReproduction;
-use crate::engine::{Engine, Event, GenerateRequest, RequestId};
+use crate::engine::{Engine, Event, GenerateRequest, PrefillEngine, RequestId};
 use crate::kv::TransferHeader;
 use crate::transport::abi::{self, SendWr, Wc};
 use crate::transport::{KvTransport, TransportError, TransportKind};
+use custody_engine::config::UnsafeReproduction;
 
 #[cfg(feature = "fault-injection")]
 mod faults;
@@ -151,7 +151,7 @@ struct Node {
     /// Declared (so dropped) before the memory registered with it: the engine's pool and the
     /// header arena.
     transport: Box<dyn KvTransport>,
-    engine: Engine,
+    engine: PrefillEngine,
     headers: HeaderArena,
     opts: PrefillOptions,
     decode_node: u32,
@@ -179,10 +179,10 @@ impl Node {
         prefilled: oneshot::Sender<TransferResult>,
     ) -> Result<(RequestId, bool), Status> {
         let mut truncated = false;
-        // Only the legacy path looks before it leaps; otherwise `submit_prefill` checks and
+        // Only the legacy path looks before it leaps; otherwise `PrefillEngine::submit` checks and
         // records the rejection itself.
         if self.opts.unsafe_.truncate_overlength
-            && let Err(e) = self.engine.check(&req, true)
+            && let Err(e) = self.engine.check(&req)
             && e.is_over_length()
         {
             // UNSAFE (incident reproduction): the legacy "rejection" — swap the prompt for a
@@ -196,10 +196,7 @@ impl Node {
             truncated = true;
         }
         let tenant: Arc<str> = req.tenant.as_str().into();
-        let id = self
-            .engine
-            .submit_prefill(req)
-            .map_err(|e| admission_status(&e))?;
+        let id = self.engine.submit(req).map_err(|e| admission_status(&e))?;
         self.reqs.insert(
             id,
             PReq {
@@ -248,7 +245,7 @@ impl Node {
         let Some((pages, n_cached)) = self.engine.held(id) else {
             return Vec::new();
         };
-        let pool = self.engine.pool();
+        let pool = self.engine.core().pool();
         let ps = pool.page_size();
         pages
             .iter()
@@ -286,7 +283,7 @@ impl Node {
             self.fail_illegal(id, e);
             return;
         }
-        let pool = self.engine.pool();
+        let pool = self.engine.core().pool();
         let ps = pool.page_size();
         let n_pages = n_cached.div_ceil(ps);
         if n_pages > res.pages.len() {
@@ -415,7 +412,7 @@ impl Node {
                 wc.status
             ));
         }
-        if self.engine.auditing()
+        if self.engine.core().auditing()
             && let (Some(res), Some(&sent)) = (&r.reservation, r.sent.get(idx))
         {
             let dst = res.pages.get(idx).copied().unwrap_or_default();
@@ -621,8 +618,8 @@ impl Node {
         match cmd {
             Cmd::Stats(tx) => {
                 let _ = tx.send(PrefillStats {
-                    pool_pages: self.engine.pool().n_pages(),
-                    free_pages: self.engine.pool().n_free(),
+                    pool_pages: self.engine.core().pool().n_pages(),
+                    free_pages: self.engine.core().pool().n_free(),
                     live_requests: self.engine.n_live(),
                     transfers_in_flight: self.reqs.values().map(|r| r.outstanding).sum(),
                     reconnects: self.reconnects,
@@ -719,12 +716,14 @@ pub enum PrefillStartError {
 
 impl PrefillHandle {
     /// Connect to the decode node (`decode_control` = `http://host:port`), run the handshake on
-    /// both sides, connect the KV transport, and start the engine thread.
+    /// both sides, connect the KV transport, and start the engine thread. `engine` (idle) takes
+    /// the prefill role.
     pub async fn start(
         engine: Engine,
         opts: PrefillOptions,
         decode_control: &str,
     ) -> Result<Self, PrefillStartError> {
+        let engine = PrefillEngine::new(engine);
         let mut decode = DecodeClient::connect(decode_control.to_owned())
             .await
             .map_err(|source| PrefillStartError::Connect {
@@ -737,13 +736,13 @@ impl PrefillHandle {
                 source,
             })?;
         let info = super::node_info(
-            engine.model(),
+            engine.core().model(),
             &opts.fingerprint,
             opts.node_id,
             "prefill",
-            engine.pool().page_size(),
-            engine.context_length(),
-            engine.pool().n_pages() * engine.pool().page_size(),
+            engine.core().pool().page_size(),
+            engine.core().context_length(),
+            engine.core().pool().n_pages() * engine.core().pool().page_size(),
             transport.kind(),
             String::new(),
             &opts.unsafe_.names(),
@@ -763,7 +762,8 @@ impl PrefillHandle {
                 source,
             })?;
         let headers = HeaderArena(
-            vec![[0u8; crate::kv::TRANSFER_HDR_BYTES]; engine.pool().n_pages()].into_boxed_slice(),
+            vec![[0u8; crate::kv::TRANSFER_HDR_BYTES]; engine.core().pool().n_pages()]
+                .into_boxed_slice(),
         );
         let register = |t: &mut Box<dyn KvTransport>, p: *const u8, len: usize| {
             // SAFETY: the pool's K/V storage and the header arena are allocated once and
@@ -775,7 +775,7 @@ impl PrefillHandle {
             })
         };
         {
-            for region in engine.pool().source_regions() {
+            for region in engine.core().pool().source_regions() {
                 register(&mut transport, region.addr, region.len_bytes)?;
             }
             let h = &headers.0;

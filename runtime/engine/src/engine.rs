@@ -21,11 +21,15 @@ use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 use custody_kernels::attention::{PageRef, ReduceOrder, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
-use crate::kv::{PagePool, PoolError, VerifyError};
+use crate::kv::{PagePool, PoolError};
 use crate::model::{Logits, Model, Scratch, Segment};
-use crate::protocol::{KeyState, release_allowed};
 use crate::sampling::{Sampler, SamplingParams};
-use custody_transport::KeyInvalidated;
+
+mod decode;
+mod prefill;
+
+pub use decode::{DecodeEngine, ImportError, ReleaseRefused};
+pub use prefill::PrefillEngine;
 
 /// The integrity error a failed request carries ([`Event::Failed`]).
 pub use custody_kernels::attention::IntegrityError;
@@ -75,77 +79,6 @@ impl AdmissionError {
             self,
             AdmissionError::ContextExceeded { .. } | AdmissionError::ExceedsPool { .. }
         )
-    }
-}
-
-/// Why an imported (disaggregated) request cannot start decoding.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum ImportError {
-    #[error("request {0} is not awaiting its KV transfer")]
-    Unknown(RequestId),
-    #[error("request {id}: page {idx} of {need} has not been verified")]
-    Incomplete {
-        id: RequestId,
-        idx: usize,
-        need: usize,
-    },
-    #[error(transparent)]
-    Verify(#[from] VerifyError),
-    #[error("request {id}: the invalidated key {proved:#x} is not its transfer key {bound:?}")]
-    WrongKey {
-        id: RequestId,
-        proved: u32,
-        bound: Option<u32>,
-    },
-}
-
-/// Why quarantined pages were not released (they stay quarantined: the safe direction).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum ReleaseRefused {
-    #[error("request {0} has no quarantined pages")]
-    NotQuarantined(RequestId),
-    #[error(
-        "request {id}: its transfer key {rkey:#x} is not proven invalidated; a write may still land"
-    )]
-    KeyStillValid { id: RequestId, rkey: u32 },
-}
-
-/// The transfer key of an importing request's pages (decode node), as the engine knows it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum ImportKey {
-    /// No key was ever registered for the pages: no remote writer exists.
-    None,
-    /// Registered: writes under `rkey` may land.
-    Valid(u32),
-    /// A [`KeyInvalidated`] for `rkey` was presented: no write of it can land any more.
-    Invalidated(u32),
-}
-
-impl ImportKey {
-    fn state(self) -> Option<KeyState> {
-        match self {
-            ImportKey::None => None,
-            ImportKey::Valid(_) => Some(KeyState::Valid),
-            ImportKey::Invalidated(_) => Some(KeyState::Invalidated),
-        }
-    }
-
-    /// Record `proof` if it is this key's; an error names the mismatch.
-    fn invalidate(&mut self, proof: &KeyInvalidated) -> Result<(), u32> {
-        match *self {
-            ImportKey::Valid(k) | ImportKey::Invalidated(k) if k == proof.rkey() => {
-                *self = ImportKey::Invalidated(k);
-                Ok(())
-            }
-            _ => Err(proof.rkey()),
-        }
-    }
-
-    fn rkey(self) -> Option<u32> {
-        match self {
-            ImportKey::None => None,
-            ImportKey::Valid(k) | ImportKey::Invalidated(k) => Some(k),
-        }
     }
 }
 
@@ -240,25 +173,39 @@ struct Seq {
     tenant: Arc<str>,
     /// Run-length read record per logical page: (slot_end, first_step, last_step).
     reads: Vec<Option<(u32, u32, u32)>>,
-    /// Prefill node: stop after the prompt and hold the pages for the transfer.
-    prefill_only: bool,
-    /// Decode node: per logical page, slots verified from a transfer (0 = not yet).
-    imported: Vec<u32>,
-    /// Decode node: the transfer key of the pages (gates their release from quarantine).
-    import_key: ImportKey,
+    /// What the request asks of this engine.
+    goal: Goal,
+}
+
+/// What a request asks of the engine that runs it. Only [`PrefillEngine`] admits
+/// [`Goal::PrefillOnly`]: a single-node or decode engine never holds a prefilled sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Goal {
+    /// Prompt, then tokens until a stop token or `max_tokens`.
+    Generate,
+    /// Prefill node: the prompt's KV and the first sampled token; the pages are then handed to
+    /// the caller (held for the transfer).
+    PrefillOnly,
+}
+
+/// What one step produced: events, and (prefill role only) the sequences whose prompt KV is now
+/// complete, handed to the [`PrefillEngine`] that holds them for their transfer.
+struct StepOutput {
+    events: Vec<Event>,
+    prefilled: Vec<Seq>,
 }
 
 impl Seq {
     /// Token slots this sequence reserves: its prompt, plus its output unless it only prefills.
     fn reserve_tokens(&self) -> usize {
-        if self.prefill_only {
+        if self.goal == Goal::PrefillOnly {
             self.prompt.len()
         } else {
             self.prompt.len() + self.max_tokens
         }
     }
 
-    fn new(id: RequestId, req: GenerateRequest, prefill_only: bool) -> Self {
+    fn new(id: RequestId, req: GenerateRequest, goal: Goal) -> Self {
         Seq {
             id,
             prompt: req.prompt,
@@ -271,14 +218,16 @@ impl Seq {
             phase: Phase::Prefill,
             tenant: req.tenant.into(),
             reads: Vec::new(),
-            prefill_only,
-            imported: Vec::new(),
-            import_key: ImportKey::None,
+            goal,
         }
     }
 }
 
-/// The single-node engine. Not `Sync`: one scheduler thread drives it; kernels parallelise inside.
+/// The engine core: admission, continuous batching over `waiting` and `running`, the page pool
+/// and the audit sink. Used as is by a single node; the disaggregated roles wrap it
+/// ([`PrefillEngine`] owns the held set, [`DecodeEngine`] the importing and quarantined sets), so
+/// a sequence in the core never carries a live transfer key. Not `Sync`: one scheduler thread
+/// drives it; kernels parallelise inside.
 #[derive(Debug)]
 pub struct Engine {
     model: Model,
@@ -293,12 +242,6 @@ pub struct Engine {
     /// Set when the sink refused an event: the engine then admits and runs nothing (fail-closed).
     audit_error: Option<String>,
     step_no: u32,
-    /// Prefill node: prompts done, pages held until the transfer completes.
-    held: Vec<Seq>,
-    /// Decode node: reserved, waiting for their KV to land and verify.
-    importing: Vec<Seq>,
-    /// Pages of ended requests that a remote writer may still write (see `disagg::protocol`).
-    quarantined: Vec<Seq>,
     tag_check: TagCheck,
 }
 
@@ -371,9 +314,6 @@ impl Engine {
             sink: None,
             audit_error: None,
             step_no: 0,
-            held: Vec::new(),
-            importing: Vec::new(),
-            quarantined: Vec::new(),
             tag_check: if unsafe_.disable_tag_check {
                 tracing::error!("UNSAFE REPRODUCTION: the KV page tag check is DISABLED");
                 TagCheck::DisabledForIncidentReproduction
@@ -381,17 +321,6 @@ impl Engine {
                 TagCheck::Enforced
             },
         })
-    }
-
-    /// The tag-check mode (always `Enforced` outside the incident reproduction).
-    pub fn tag_check(&self) -> TagCheck {
-        self.tag_check
-    }
-
-    /// Mutable pool access for the transport's landing (decode node, this crate only) — the
-    /// engine thread lends it between steps; nothing reads the pool concurrently.
-    pub fn pool_mut(&mut self) -> &mut PagePool {
-        &mut self.pool
     }
 
     /// What released pages are overwritten with (see [`crate::kv::ReleaseFill`]).
@@ -564,13 +493,10 @@ impl Engine {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    /// Requests in any state, including held, importing and quarantined (0 = pool fully free).
+    /// Requests waiting or running (for a single node: 0 = pool fully free; the role wrappers
+    /// add the sets they own).
     pub fn n_live(&self) -> usize {
-        self.waiting.len()
-            + self.running.len()
-            + self.held.len()
-            + self.importing.len()
-            + self.quarantined.len()
+        self.waiting.len() + self.running.len()
     }
 
     fn pages_for(&self, tokens: usize) -> usize {
@@ -579,30 +505,14 @@ impl Engine {
 
     /// Admit or reject a request. Rejection happens before any page is allocated.
     pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, AdmissionError> {
-        self.submit_as(req, false)
+        self.submit_as(req, Goal::Generate)
     }
 
-    /// Prefill node: admit a request that stops after its prompt (plus the first sampled token,
-    /// [`Event::Prefilled`]) and holds its pages for the transfer until
-    /// [`Engine::release_held`]. Its page reservation is the prompt only.
-    pub fn submit_prefill(&mut self, req: GenerateRequest) -> Result<RequestId, AdmissionError> {
-        self.submit_as(req, true)
-    }
-
-    /// The admission check alone (nothing recorded, nothing allocated).
-    pub fn check(&self, req: &GenerateRequest, prefill_only: bool) -> Result<(), AdmissionError> {
-        self.check_admission(req, prefill_only)
-    }
-
-    fn submit_as(
-        &mut self,
-        req: GenerateRequest,
-        prefill_only: bool,
-    ) -> Result<RequestId, AdmissionError> {
+    fn submit_as(&mut self, req: GenerateRequest, goal: Goal) -> Result<RequestId, AdmissionError> {
         if let Some(e) = &self.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
         }
-        let checked = self.check_admission(&req, prefill_only);
+        let checked = self.check_admission(&req, goal);
         let id = self.next_id;
         self.next_id += 1;
         if let Err(e) = checked {
@@ -621,246 +531,11 @@ impl Engine {
         if let Some(e) = &self.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
         }
-        self.waiting.push_back(Seq::new(id, req, prefill_only));
+        self.waiting.push_back(Seq::new(id, req, goal));
         Ok(id)
     }
 
-    /// Decode node: admit a request whose prompt KV will arrive by transfer, and allocate its
-    /// whole reservation (`prompt + max_tokens`) now — the pages the transfer writes into. Fails
-    /// fast with [`AdmissionError::Busy`] when the pages are not free (the caller retries).
-    pub fn reserve_import(
-        &mut self,
-        req: GenerateRequest,
-    ) -> Result<(RequestId, Vec<PageRef>), AdmissionError> {
-        if let Some(e) = &self.audit_error {
-            return Err(AdmissionError::AuditUnavailable(e.clone()));
-        }
-        let checked = self.check_admission(&req, false).and_then(|()| {
-            let need = self.pages_for(req.prompt.len() + req.max_tokens);
-            if need > self.pool.n_free() {
-                Err(AdmissionError::Busy {
-                    needed_pages: need,
-                    free_pages: self.pool.n_free(),
-                })
-            } else {
-                Ok(need)
-            }
-        });
-        let id = self.next_id;
-        self.next_id += 1;
-        let need = match checked {
-            Ok(need) => need,
-            Err(e) => {
-                let reason = RequestKind::Rejected {
-                    reason: e.to_string(),
-                };
-                self.emit_request(id, &req.tenant, reason, req.prompt.len(), 0);
-                return Err(e);
-            }
-        };
-        self.emit_request(id, &req.tenant, RequestKind::Admitted, req.prompt.len(), 0);
-        let mut s = Seq::new(id, req, false);
-        match self.pool.alloc(id, need) {
-            Ok(pages) => s.pages = pages,
-            Err(e) => unreachable!("free pages checked above: {e}"),
-        }
-        s.reads = vec![None; s.pages.len()];
-        s.imported = vec![0; s.pages.len()];
-        let pages = s.pages.clone();
-        self.emit_pages(id, &s.tenant, &pages, PageKind::Alloc);
-        self.importing.push(s);
-        if let Some(e) = &self.audit_error {
-            return Err(AdmissionError::AuditUnavailable(e.clone()));
-        }
-        Ok((id, pages))
-    }
-
-    /// Decode node: the transport registered `rkey` for importing request `id`'s pages. From
-    /// now on the pages leave quarantine only with that key's [`KeyInvalidated`].
-    pub fn bind_import_key(&mut self, id: RequestId, rkey: u32) -> Result<(), ImportError> {
-        let s = self
-            .importing
-            .iter_mut()
-            .find(|s| s.id == id)
-            .ok_or(ImportError::Unknown(id))?;
-        debug_assert_eq!(s.import_key, ImportKey::None, "one key per reservation");
-        s.import_key = ImportKey::Valid(rkey);
-        Ok(())
-    }
-
-    /// Decode node: a transfer into logical page `idx` of importing request `id` landed; verify
-    /// its in-band header and (unless disabled) checksum, and only then count its `slots` as
-    /// written (recorded as a `write` by `transfer`).
-    pub fn verify_import(
-        &mut self,
-        id: RequestId,
-        idx: usize,
-        slots: usize,
-        check_checksum: bool,
-    ) -> Result<(), ImportError> {
-        let Some(si) = self.importing.iter().position(|s| s.id == id) else {
-            return Err(ImportError::Unknown(id));
-        };
-        let Some(&pr) = self.importing[si].pages.get(idx) else {
-            return Err(ImportError::Incomplete {
-                id,
-                idx,
-                need: self.importing[si].pages.len(),
-            });
-        };
-        let tenant = self.importing[si].tenant.clone();
-        if self.sink.is_some() {
-            let kind = PageKind::Write {
-                slot_start: 0,
-                slot_end: slots as u32,
-                writer: audit::Writer::Transfer,
-            };
-            self.emit_pages(id, &tenant, &[pr], kind);
-        }
-        match self.pool.verify_landed(pr, id, slots, check_checksum) {
-            Ok(()) => {
-                self.importing[si].imported[idx] = slots as u32;
-                Ok(())
-            }
-            Err(e) => {
-                self.emit(audit::Event::IntegrityViolation {
-                    ts_ns: now_ns(),
-                    request: id,
-                    tenant,
-                    page: Some(pr.page),
-                    generation: Some(pr.generation),
-                    kind: "TransferVerify".into(),
-                    detail: e.to_string(),
-                });
-                Err(e.into())
-            }
-        }
-    }
-
-    /// Decode node: start decoding an imported request whose prompt KV is verified. Its first
-    /// token was sampled by prefill (`first_token`, counted as generated). Unless
-    /// `require_verified` is false (the incident reproduction only), every prompt page must
-    /// have been verified with exactly the slots the prompt fills.
-    ///
-    /// `invalidated` proves that the transfer key is dead: nothing can land in pages that decode
-    /// is about to read and append to.
-    pub fn activate_import(
-        &mut self,
-        id: RequestId,
-        first_token: u32,
-        require_verified: bool,
-        invalidated: &KeyInvalidated,
-    ) -> Result<(), ImportError> {
-        let Some(si) = self.importing.iter().position(|s| s.id == id) else {
-            return Err(ImportError::Unknown(id));
-        };
-        let bound = self.importing[si].import_key.rkey();
-        self.importing[si]
-            .import_key
-            .invalidate(invalidated)
-            .map_err(|proved| ImportError::WrongKey { id, proved, bound })?;
-        let ps = self.pool.page_size();
-        let s = &self.importing[si];
-        let need = s.prompt.len().div_ceil(ps);
-        if require_verified {
-            for idx in 0..need {
-                let want = (s.prompt.len() - idx * ps).min(ps) as u32;
-                if s.imported[idx] != want {
-                    return Err(ImportError::Incomplete { id, idx, need });
-                }
-            }
-        }
-        let mut s = self.importing.swap_remove(si);
-        s.n_cached = s.prompt.len();
-        s.generated = 1;
-        s.phase = Phase::Decode {
-            next_input: first_token,
-        };
-        self.running.push(s);
-        Ok(())
-    }
-
-    /// Pages (block table) and filled slots of a held (prefilled) request.
-    pub fn held(&self, id: RequestId) -> Option<(&[PageRef], usize)> {
-        self.held
-            .iter()
-            .find(|s| s.id == id)
-            .map(|s| (&s.pages[..], s.n_cached))
-    }
-
-    /// Prefill node: the transfer of a held request is over (every write completed or failed):
-    /// release its pages and record how it ended.
-    pub fn release_held(&mut self, id: RequestId, kind: RequestKind) -> bool {
-        let Some(i) = self.held.iter().position(|s| s.id == id) else {
-            return false;
-        };
-        let s = self.held.swap_remove(i);
-        self.retire(s, kind);
-        true
-    }
-
-    /// Decode node: end an importing or running request whose pages a remote writer may still
-    /// write: its pages go to quarantine (recorded), not to the free list.
-    pub fn quarantine(&mut self, id: RequestId, kind: RequestKind) -> bool {
-        let s = if let Some(i) = self.importing.iter().position(|s| s.id == id) {
-            self.importing.swap_remove(i)
-        } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            self.running.swap_remove(i)
-        } else {
-            return false;
-        };
-        let pages = s.pages.clone();
-        self.emit_pages(s.id, &s.tenant.clone(), &pages, PageKind::Quarantine);
-        self.emit_request(s.id, &s.tenant.clone(), kind, s.prompt.len(), s.generated);
-        self.quarantined.push(s);
-        true
-    }
-
-    /// Decode node: a quarantined request's pages return to the free list — only if
-    /// [`release_allowed`] (the protocol's rule, the one the model checker checks) admits its
-    /// key's state: never registered, already proven invalidated (at handoff), or proven dead
-    /// now by `proof`, which only a transport's `invalidate` can construct. Otherwise the pages
-    /// stay quarantined and the refusal says why (safety property 2, "no early reuse").
-    pub fn release_quarantined(
-        &mut self,
-        id: RequestId,
-        proof: Option<&KeyInvalidated>,
-    ) -> Result<(), ReleaseRefused> {
-        let Some(i) = self.quarantined.iter().position(|s| s.id == id) else {
-            return Err(ReleaseRefused::NotQuarantined(id));
-        };
-        let key = &mut self.quarantined[i].import_key;
-        if let Some(p) = proof
-            && key.invalidate(p).is_err()
-        {
-            tracing::error!(
-                request = id,
-                proved = p.rkey(),
-                "invalidation proof for another key"
-            );
-        }
-        if !release_allowed(key.state()) {
-            return Err(ReleaseRefused::KeyStillValid {
-                id,
-                rkey: key.rkey().unwrap_or_default(),
-            });
-        }
-        let s = self.quarantined.swap_remove(i);
-        self.flush_reads(&s);
-        self.release(&s);
-        Ok(())
-    }
-
-    /// Pages currently quarantined.
-    pub fn n_quarantined_pages(&self) -> usize {
-        self.quarantined.iter().map(|s| s.pages.len()).sum()
-    }
-
-    fn check_admission(
-        &self,
-        req: &GenerateRequest,
-        prefill_only: bool,
-    ) -> Result<(), AdmissionError> {
+    fn check_admission(&self, req: &GenerateRequest, goal: Goal) -> Result<(), AdmissionError> {
         if req.prompt.is_empty() {
             return Err(AdmissionError::EmptyPrompt);
         }
@@ -882,7 +557,7 @@ impl Engine {
                 context_length: self.context_length,
             });
         }
-        let needed_pages = self.pages_for(if prefill_only {
+        let needed_pages = self.pages_for(if goal == Goal::PrefillOnly {
             req.prompt.len()
         } else {
             total
@@ -909,27 +584,19 @@ impl Engine {
             }
             return true;
         }
-        if self.importing.iter().any(|s| s.id == id) {
-            // A transfer may still write these pages: quarantine, never the free list.
-            return self.quarantine(id, RequestKind::Aborted);
-        }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let s = self.running.swap_remove(i);
             self.retire(s, RequestKind::Aborted);
             return true;
         }
-        self.release_held(id, RequestKind::Aborted)
+        false
     }
 
+    /// Return a sequence's pages to the free list. Safety property 2 ("no early reuse") holds by
+    /// construction here: a core sequence carries no transfer key — pages a remote writer may
+    /// still write live in [`DecodeEngine`]'s importing and quarantined sets, which hand them
+    /// back only with the transport's proof that the key is dead.
     fn release(&mut self, s: &Seq) {
-        // Safety property 2: pages a remote writer may still write never reach the free list —
-        // every path here (finish, failure, abort, quarantine release) has a dead or no key.
-        debug_assert!(
-            release_allowed(s.import_key.state()),
-            "request {}: pages released while transfer key {:?} may still land",
-            s.id,
-            s.import_key
-        );
         // Page by page: a page whose tag no longer proves it is ours is not returned to the free
         // list (leaked rather than reused — the safe direction).
         for pr in &s.pages {
@@ -976,12 +643,26 @@ impl Engine {
 
     /// Run one batch. Returns the events it produced (empty when idle).
     pub fn step(&mut self) -> Vec<Event> {
+        let out = self.step_collect();
+        // Only `PrefillEngine` admits prefill-only requests.
+        debug_assert!(
+            out.prefilled.is_empty(),
+            "a core engine holds no prefilled KV"
+        );
+        out.events
+    }
+
+    fn step_collect(&mut self) -> StepOutput {
+        let idle = |events: Vec<Event>| StepOutput {
+            events,
+            prefilled: Vec::new(),
+        };
         if self.audit_error.is_some() {
-            return self.abort_all();
+            return idle(self.abort_all());
         }
         self.admit();
         if self.running.is_empty() {
-            return Vec::new();
+            return idle(Vec::new());
         }
         self.step_no = self.step_no.wrapping_add(1);
         // Plan: (running index, input tokens, start position, wants logits).
@@ -1015,7 +696,7 @@ impl Engine {
             self.emit_writes(id, &tenant, &pages, *start, toks.len());
         }
         if self.audit_error.is_some() {
-            return self.abort_all();
+            return idle(self.abort_all());
         }
         let segments: Vec<Segment<'_>> = plan
             .iter()
@@ -1072,7 +753,7 @@ impl Engine {
                         continue;
                     }
                     let tok = s.sampler.sample(&logits);
-                    if s.prefill_only {
+                    if s.goal == Goal::PrefillOnly {
                         events.push(Event::Prefilled {
                             id: s.id,
                             first_token: tok,
@@ -1132,37 +813,26 @@ impl Engine {
             .chain(held.into_iter().map(|i| (i, None)))
             .collect();
         leaving.sort_unstable_by_key(|(i, _)| *i);
+        let mut prefilled = Vec::new();
         for (i, kind) in leaving.into_iter().rev() {
             let s = self.running.remove(i);
             match kind {
                 Some(kind) => self.retire(s, kind),
-                None => self.held.push(s),
+                None => prefilled.push(s),
             }
         }
-        events
+        StepOutput { events, prefilled }
     }
 
     /// Audit failure: stop everything, emitting no further tokens.
     fn abort_all(&mut self) -> Vec<Event> {
-        let reason = format!(
-            "audit log unavailable: {}",
-            self.audit_error.clone().unwrap_or_default()
-        );
+        let reason = self.audit_abort_reason();
         let mut events = Vec::new();
         let all: Vec<Seq> = self
             .running
             .drain(..)
             .chain(self.waiting.drain(..))
-            .chain(self.held.drain(..))
             .collect();
-        // Importing requests' pages may still be written by a transfer: quarantine them.
-        for s in std::mem::take(&mut self.importing) {
-            events.push(Event::Aborted {
-                id: s.id,
-                reason: reason.clone(),
-            });
-            self.quarantined.push(s);
-        }
         for s in all {
             events.push(Event::Aborted {
                 id: s.id,
@@ -1171,6 +841,14 @@ impl Engine {
             self.release(&s);
         }
         events
+    }
+
+    /// Why work stops after an audit failure (the reason every aborted request carries).
+    fn audit_abort_reason(&self) -> String {
+        format!(
+            "audit log unavailable: {}",
+            self.audit_error.clone().unwrap_or_default()
+        )
     }
 
     /// Teacher-forced scoring: logits (`tokens.len() × vocab`) at every position of `tokens`,
@@ -1236,9 +914,7 @@ impl Engine {
             generated: 0,
             phase: Phase::Prefill,
             tenant: "score".into(),
-            prefill_only: false,
-            imported: Vec::new(),
-            import_key: ImportKey::None,
+            goal: Goal::Generate,
         };
         self.retire(
             s,

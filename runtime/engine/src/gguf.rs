@@ -139,7 +139,7 @@ impl Value {
         }
     }
 
-    pub fn as_f64(&self) -> Option<f64> {
+    fn as_f64(&self) -> Option<f64> {
         match *self {
             Value::F32(v) => Some(v.into()),
             Value::F64(v) => Some(v),

@@ -115,7 +115,7 @@ impl PagePool {
     }
 
     /// Bytes of one layer's K (or V) part of a page.
-    pub fn page_layer_bytes(&self) -> usize {
+    fn page_layer_bytes(&self) -> usize {
         self.geom.page_elems() * 2
     }
 

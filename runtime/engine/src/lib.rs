@@ -18,9 +18,10 @@ pub mod protocol;
 pub mod sampling;
 pub mod tokenizer;
 
-pub use config::{Config, EngineConfig};
+pub use config::EngineConfig;
 pub use engine::{
-    AdmissionError, Engine, Event, FinishReason, GenerateRequest, RequestId, StartupError,
+    AdmissionError, DecodeEngine, Engine, Event, FinishReason, GenerateRequest, PrefillEngine,
+    RequestId, StartupError,
 };
 pub use model::Model;
 pub use sampling::SamplingParams;

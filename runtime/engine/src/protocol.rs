@@ -36,7 +36,7 @@
 //! ```
 //! A page leaves `Quarantined` only when the transport proves that no write of its key can land
 //! (`KeyState::Invalidated`), never on a timeout — safety property 2, "no early reuse". In the
-//! engine the proof is a value: `Engine::release_quarantined` takes the
+//! engine the proof is a value: `DecodeEngine::release_quarantined` takes the
 //! `transport::KeyInvalidated` that only a transport's `invalidate` can construct, and admits
 //! the release through [`release_allowed`].
 

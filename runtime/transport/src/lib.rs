@@ -193,7 +193,7 @@ pub const MAX_LAND_DESTS: usize = 64;
 
 /// Proof that no write under region key `rkey` can land any more: returned by
 /// [`KvTransport::invalidate`] and by nothing else. Its constructor is visible only inside this
-/// module tree (the transports), so the engine's `release_quarantined`, which takes one, cannot
+/// module tree (the transports), so the decode engine's `release_quarantined`, which takes one, cannot
 /// be fed a key that was not invalidated — safety property 2 as a type. (The constructor is
 /// `pub(crate)` in this crate, which holds every transport: nothing outside can build one.) Neither `Clone` nor
 /// `Copy`: one invalidation, one proof.

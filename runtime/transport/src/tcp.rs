@@ -241,7 +241,8 @@ impl TcpTransport {
 
     /// Bound the bytes one `poll_recv` reads (default 32 MiB): smaller keeps the caller's other
     /// work responsive during large transfers. Tests use tiny values to stop mid-write.
-    pub fn set_poll_bytes_max(&mut self, bytes: usize) {
+    #[cfg(test)]
+    fn set_poll_bytes_max(&mut self, bytes: usize) {
         assert!(bytes > 0);
         if let Some(t) = &mut self.target {
             t.st.poll_bytes_max = bytes;

@@ -9,6 +9,7 @@ mod netns;
 mod protocol;
 mod reference;
 mod report;
+mod roles;
 mod s3;
 mod scheduler;
 mod serve;

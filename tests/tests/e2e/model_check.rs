@@ -4,7 +4,7 @@
 //! Every request state change in this model goes through `ReqMachine::on` — the value both
 //! nodes hold per request, whose state is private to the protocol module — "may decode read
 //! now?" is `ReqMachine::may_read`, and every page release is gated by `release_allowed` (the
-//! rule `Engine::release_quarantined` applies), all imported from
+//! rule `DecodeEngine::release_quarantined` applies), all imported from
 //! `custody_runtime::disagg::protocol` (`runtime/engine/src/protocol.rs`), together with
 //! `ReqEvent`, `KeyState` and `PageState`. Nothing is redefined here: a change to the state
 //! machine the nodes run is a change to the machine checked here

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use custody_audit::digest;
 use custody_audit::writer::{AuditWriter, WriterConfig};
-use custody_runtime::config::{ServeSection, TenantSection};
 use custody_runtime::{Engine, EngineConfig};
 use custody_server::client;
+use custody_server::config::{ServeSection, TenantSection};
 use custody_server::tenants::hash_key;
 use custody_server::{AuditStats, ServeOptions};
 

@@ -1,0 +1,41 @@
+//! `[disagg]`: the disaggregated pair's addresses and transfer options (plain data; the binary
+//! deserialises it from the node's TOML file).
+
+use serde::Deserialize;
+
+use crate::kv::ReleaseFill;
+
+/// The disaggregated pair (`custody prefill` / `custody decode`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DisaggSection {
+    /// Decode: gRPC control-plane listen address. Prefill: the decode node's control address.
+    pub decode_control: String,
+    /// Decode: KV transport (tcp) listen address; advertised to prefill in the handshake.
+    pub decode_transport: String,
+    /// KV transport of both nodes: "tcp" (software, everywhere) or "verbs" (RDMA; needs a build
+    /// with `--features rdma` and a device). Both nodes must agree (the handshake checks).
+    pub transport: String,
+    /// With `transport = "verbs"`: the device (e.g. "mlx5_0"); empty = the first one.
+    pub verbs_device: String,
+    /// Prefill: gRPC front-door listen address (clients submit generations here).
+    pub prefill_listen: String,
+    /// Verify a checksum of every transferred page before marking it written.
+    pub checksum: bool,
+    /// What released pages are overwritten with: "none", "zero" or "canary".
+    pub release_fill: ReleaseFill,
+}
+
+impl Default for DisaggSection {
+    fn default() -> Self {
+        Self {
+            decode_control: "127.0.0.1:7071".into(),
+            decode_transport: "127.0.0.1:7072".into(),
+            transport: "tcp".into(),
+            verbs_device: String::new(),
+            prefill_listen: "127.0.0.1:7070".into(),
+            checksum: true,
+            release_fill: ReleaseFill::None,
+        }
+    }
+}
