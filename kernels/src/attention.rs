@@ -137,6 +137,46 @@ pub enum IntegrityError {
     },
 }
 
+/// Benchmark of the tag check alone: the mean wall time of the checks one decode step performs
+/// for one sequence — `n_layers` calls of [`check_tags`] over a block table covering `n_ctx`
+/// slots of `page_size`-slot pages, every page written and owned by the reader (the common case:
+/// the check passes and reads every tag) — over `iters` steps. `custody bench` states it as a
+/// share of the measured decode step.
+pub fn bench_decode_step_tag_checks(
+    n_ctx: usize,
+    page_size: usize,
+    n_layers: usize,
+    iters: u32,
+) -> std::time::Duration {
+    assert!(page_size > 0 && iters > 0);
+    const OWNER: u64 = 7;
+    let n_pages = n_ctx.div_ceil(page_size);
+    let generation = vec![1u32; n_pages];
+    let owner = vec![OWNER; n_pages];
+    let filled = vec![page_size as u32; n_pages];
+    let table: Vec<PageRef> = (0..n_pages as u32)
+        .map(|page| PageRef {
+            page,
+            generation: 1,
+        })
+        .collect();
+    let tags = TagView {
+        generation: &generation,
+        owner: &owner,
+        filled: &filled,
+        stamp_owner: &owner,
+        stamp_generation: &generation,
+    };
+    let t0 = std::time::Instant::now();
+    for _ in 0..iters {
+        for _ in 0..n_layers {
+            let r = check_tags(std::hint::black_box(&table), n_ctx, page_size, &tags, OWNER);
+            assert!(r.is_ok(), "the benchmark's tags are valid");
+        }
+    }
+    t0.elapsed() / iters
+}
+
 /// Verify the tags of every page that attending `n_ctx` slots through `block_table` touches.
 /// See the module documentation for the exact rule.
 pub fn check_tags(

@@ -287,36 +287,11 @@ pub(crate) fn audit_cpu_bound(
     })
 }
 
-/// The tag check's share of a decode step: time `n_layers` checks of a block table covering
-/// `ctx` slots (what one decode step of one sequence performs) against the measured step time.
+/// The tag check's share of a decode step: the checks one decode step of one sequence performs
+/// over `ctx` slots (the kernel's own benchmark of `check_tags`) against the measured step time.
 fn tag_check_cost(engine: &Engine, ctx: usize, step_s: f64) -> f64 {
-    use custody_kernels::attention::{PageRef, TagView, check_tags};
     let ps = engine.pool().page_size();
-    let n_pages = ctx.div_ceil(ps);
-    let generation = vec![1u32; n_pages];
-    let owner = vec![7u64; n_pages];
-    let filled = vec![ps as u32; n_pages];
-    let table: Vec<PageRef> = (0..n_pages as u32)
-        .map(|page| PageRef {
-            page,
-            generation: 1,
-        })
-        .collect();
-    let tags = TagView {
-        generation: &generation,
-        owner: &owner,
-        filled: &filled,
-        stamp_owner: &owner,
-        stamp_generation: &generation,
-    };
     let layers = engine.model().config.n_layers;
-    let iters = 200;
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        for _ in 0..layers {
-            let r = check_tags(std::hint::black_box(&table), ctx, ps, &tags, 7);
-            assert!(r.is_ok());
-        }
-    }
-    t0.elapsed().as_secs_f64() / iters as f64 / step_s
+    let check = custody_kernels::attention::bench_decode_step_tag_checks(ctx, ps, layers, 200);
+    check.as_secs_f64() / step_s
 }
