@@ -6,8 +6,9 @@
 # Usage: scripts/bench-build.sh BEFORE_REV AFTER_REV   (defaults: HEAD~1 HEAD)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-before=${1:-HEAD~1}
-after=${2:-HEAD}
+# Resolved here: inside the scratch worktree `HEAD` would name the worktree's own checkout.
+before=$(git rev-parse --verify "${1:-HEAD~1}^{commit}")
+after=$(git rev-parse --verify "${2:-HEAD}^{commit}")
 wt=$(mktemp -d /tmp/custody-bench-build.XXXXXX)
 trap 'git worktree remove --force "$wt" >/dev/null 2>&1 || true' EXIT
 git worktree add --detach "$wt" "$before" >/dev/null

@@ -94,15 +94,19 @@ def main():
     prevented = con.execute(PREVENTED_SQL).fetchone()[0] if "integrity_violations" in files else 0
 
     print("# affected responses (one row per response and source tenant)")
-    print("node_id,request_id,recipient_tenant,source_tenant,foreign_slots,wall_ns,unchecked")
+    print("node_id,request_id,recipient_tenant,source_tenant,foreign_slots,wall_ns,unchecked,last_wall_ns")
     affected = {}
-    for node, req, rt, st, n, wall, unchecked in rows:
-        print(f"{node},{req},{rt},{st},{n},{wall},{unchecked}")
-        a_ = affected.setdefault((node, req), {"tenant": rt, "slots": 0, "wall": wall, "sources": set()})
+    for node, req, rt, st, n, wall, unchecked, last_wall in rows:
+        print(f"{node},{req},{rt},{st},{n},{wall},{unchecked},{last_wall}")
+        a_ = affected.setdefault(
+            (node, req), {"tenant": rt, "slots": 0, "first": wall, "last": last_wall, "sources": set()}
+        )
         a_["slots"] += n
-        a_["wall"] = min(a_["wall"], wall)
+        a_["first"] = min(a_["first"], wall)
+        a_["last"] = max(a_["last"], last_wall)
         a_["sources"].add(st)
-    walls = [v["wall"] for v in affected.values()]
+    firsts = [v["first"] for v in affected.values()]
+    lasts = [v["last"] for v in affected.values()]
     print("# summary")
     print(f"affected responses: {len(affected)}")
     print(
@@ -111,8 +115,8 @@ def main():
     )
     print(f"distinct recipient tenants (who received it): {len({v['tenant'] for v in affected.values()})}")
     print(f"max foreign slots in one reply: {max((v['slots'] for v in affected.values()), default=0)}")
-    print(f"first occurrence (wall ns): {min(walls, default=0)}")
-    print(f"last occurrence (wall ns): {max(walls, default=0)}")
+    print(f"first occurrence (wall ns): {min(firsts, default=0)}")
+    print(f"last occurrence (wall ns): {max(lasts, default=0)}")
     print(f"prevented exposures (reads refused by the tag check): {prevented}")
     sys.stdout.flush()
     print(

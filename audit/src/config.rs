@@ -20,4 +20,15 @@ pub struct AuditSection {
     pub fsync_interval_ms: u64,
     /// Drop (and count) events instead of pausing admission when the queue is full.
     pub allow_drop: bool,
+    /// Signed checkpoints of the chain (`checkpoint`), published at least this often, idle or
+    /// not, besides after every seal; 0 = the writer's default (60 s).
+    pub checkpoint_interval_s: u64,
+    /// Directories on other disks or mounts (a peer's volume) that receive this node's newest
+    /// checkpoint — places this node's own storage cannot rewrite.
+    pub checkpoint_dirs: Vec<PathBuf>,
+    /// Also print every checkpoint on stdout (`custody-checkpoint {json}`) for a log collector.
+    pub checkpoint_stdout: bool,
+    /// An object-store prefix (`s3://bucket/prefix`) that receives this node's newest
+    /// checkpoint (a build with the `forensics` feature; `AWS_*` variables as for a root).
+    pub checkpoint_url: Option<String>,
 }

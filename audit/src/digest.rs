@@ -22,13 +22,15 @@ pub use ed25519_dalek::{SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
+use crate::checkpoint::{Checkpoint, CheckpointError};
+
 pub const DIGEST_FORMAT: &str = "custody-audit-digest-1";
 
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Option<Vec<u8>> {
+pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
     if !s.len().is_multiple_of(2) {
         return None;
     }
@@ -238,7 +240,8 @@ pub fn generate_key() -> std::io::Result<SigningKey> {
     Ok(SigningKey::from_bytes(&seed))
 }
 
-/// Write `key` (hex seed, mode 0600) to `path` and its public key to `path.pub`.
+/// Write `key` (hex seed, mode 0600) to `path` and its public key to `<path>.pub` (the whole
+/// name with `.pub` appended: `k.key` → `k.key.pub`). Returns the public key's path.
 pub fn write_key(key: &SigningKey, path: &Path) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = fs::OpenOptions::new()
@@ -248,7 +251,9 @@ pub fn write_key(key: &SigningKey, path: &Path) -> std::io::Result<PathBuf> {
         .open(path)?;
     std::io::Write::write_all(&mut f, hex(&key.to_bytes()).as_bytes())?;
     f.sync_all()?;
-    let pub_path = path.with_extension("pub");
+    let mut pub_name = path.as_os_str().to_owned();
+    pub_name.push(".pub");
+    let pub_path = PathBuf::from(pub_name);
     fs::write(&pub_path, hex(key.verifying_key().as_bytes()))?;
     Ok(pub_path)
 }
@@ -336,6 +341,40 @@ pub enum Problem {
     Unreadable {
         path: PathBuf,
         why: String,
+    },
+    /// No digest at all under the root: nothing is sealed, so nothing is verified.
+    EmptyRoot,
+    /// A checkpoint (kept outside the chain) names digest `checkpoint_digest_seq` of `node`, but
+    /// the chain ends before it: the newest sealings were deleted (`last_present`: the newest
+    /// digest still there).
+    TailCut {
+        node: u32,
+        checkpoint_digest_seq: u64,
+        last_present: Option<u64>,
+        place: String,
+    },
+    /// The node's digest `digest_seq` is not the file its checkpoint hashed: the chain was
+    /// rewritten after the checkpoint (a fork).
+    CheckpointMismatch {
+        node: u32,
+        digest_seq: u64,
+        place: String,
+    },
+    /// A checkpoint that claims to be signed by the node's key, but is not (altered).
+    CheckpointInvalid {
+        place: String,
+        why: String,
+    },
+    /// A node that should be in the root (`--expect-node`) has neither digests nor checkpoints.
+    NodeMissing {
+        node: u32,
+    },
+    /// The node's newest evidence (a sealing or a checkpoint) is older than allowed before
+    /// `now`: its log stopped, or its recent part was removed.
+    Stale {
+        node: u32,
+        last_evidence_wall_ns: Option<i64>,
+        max_age_s: u64,
     },
 }
 
@@ -425,6 +464,49 @@ impl std::fmt::Display for Problem {
             Problem::Unreadable { path, why } => {
                 write!(f, "{} could NOT BE READ: {why}", path.display())
             }
+            Problem::EmptyRoot => {
+                write!(f, "NO DIGEST under the root: nothing is sealed or verified")
+            }
+            Problem::TailCut {
+                node,
+                checkpoint_digest_seq,
+                last_present,
+                place,
+            } => {
+                let last = last_present.map_or("none".to_owned(), |s| s.to_string());
+                write!(
+                    f,
+                    "TAIL CUT on node {node}: the checkpoint in {place} names digest {checkpoint_digest_seq}, but the chain ends at digest {last} (sealed data deleted)"
+                )
+            }
+            Problem::CheckpointMismatch {
+                node,
+                digest_seq,
+                place,
+            } => write!(
+                f,
+                "digest {digest_seq} of node {node} is NOT the one the checkpoint in {place} hashed (chain rewritten)"
+            ),
+            Problem::CheckpointInvalid { place, why } => {
+                write!(f, "checkpoint in {place} is INVALID: {why}")
+            }
+            Problem::NodeMissing { node } => {
+                write!(
+                    f,
+                    "node {node} is MISSING: no digest and no checkpoint of it"
+                )
+            }
+            Problem::Stale {
+                node,
+                last_evidence_wall_ns,
+                max_age_s,
+            } => match last_evidence_wall_ns {
+                Some(ns) => write!(
+                    f,
+                    "node {node} is STALE: its newest sealing or checkpoint (wall ns {ns}) is more than {max_age_s} s old"
+                ),
+                None => write!(f, "node {node} is STALE: no sealing or checkpoint at all"),
+            },
         }
     }
 }
@@ -442,6 +524,39 @@ pub struct Report {
     /// Every Parquet file present under the root, verified or not (what a reader that was asked
     /// to include unverified data reads).
     pub parquet_files: Vec<PathBuf>,
+    /// Checkpoints held against the chains (valid, signed by their node's key), and where the
+    /// newest of each node was found.
+    pub checkpoints: usize,
+    pub newest_checkpoints: BTreeMap<u32, String>,
+}
+
+/// What [`verify_store_expecting`] holds a root to beyond its own content.
+#[derive(Clone, Debug, Default)]
+pub struct Expect {
+    /// Checkpoints obtained outside the root (a file, a URL, a log collector's lines), with
+    /// where each came from. Those the root itself holds (`_checkpoints/`, and `checkpoint`
+    /// rows in its verified `node_events`: other nodes' logs) are always read too.
+    pub checkpoints: Vec<(crate::checkpoint::Checkpoint, String)>,
+    /// Nodes whose log must be in the root.
+    pub nodes: Vec<u32>,
+    /// Every node's newest sealing or checkpoint must be at most this old at this time.
+    pub freshness: Option<Freshness>,
+}
+
+/// The staleness rule of [`Expect`].
+#[derive(Clone, Copy, Debug)]
+pub struct Freshness {
+    pub now_wall_ns: i64,
+    pub max_age: std::time::Duration,
+}
+
+/// What one node's chain showed (for the checkpoint checks).
+#[derive(Debug, Default)]
+struct NodeChain {
+    /// digest_seq → SHA-256 of its file, for every readable digest.
+    digests: BTreeMap<u64, String>,
+    last_sealed_wall_ns: Option<i64>,
+    key: Option<VerifyingKey>,
 }
 
 impl Report {
@@ -577,7 +692,13 @@ pub fn verify(
     from_ns: Option<i64>,
     to_ns: Option<i64>,
 ) -> Report {
-    verify_reporting(&LocalStore::new(root), key, from_ns, to_ns)
+    verify_reporting(
+        &LocalStore::new(root),
+        key,
+        from_ns,
+        to_ns,
+        &Expect::default(),
+    )
 }
 
 /// [`verify_store`], with a store that cannot be listed reported as [`Problem::Unreadable`].
@@ -586,8 +707,9 @@ pub fn verify_reporting(
     key: Option<&VerifyingKey>,
     from_ns: Option<i64>,
     to_ns: Option<i64>,
+    expect: &Expect,
 ) -> Report {
-    verify_store(store, key, from_ns, to_ns).unwrap_or_else(|e| Report {
+    verify_store_expecting(store, key, from_ns, to_ns, expect).unwrap_or_else(|e| Report {
         problems: vec![Problem::Unreadable {
             path: PathBuf::from(e.path),
             why: e.why,
@@ -605,7 +727,21 @@ pub fn verify_store(
     from_ns: Option<i64>,
     to_ns: Option<i64>,
 ) -> Result<Report, StoreError> {
+    verify_store_expecting(store, key, from_ns, to_ns, &Expect::default())
+}
+
+/// [`verify_store`], and the root held to `expect` and to every checkpoint it can find: a
+/// chain cut before a checkpoint's digest, a digest that is not the one its checkpoint hashed,
+/// a missing node, a stale node, and an empty root are [`Problem`]s.
+pub fn verify_store_expecting(
+    store: &dyn LogStore,
+    key: Option<&VerifyingKey>,
+    from_ns: Option<i64>,
+    to_ns: Option<i64>,
+    expect: &Expect,
+) -> Result<Report, StoreError> {
     let mut r = Report::default();
+    let mut chains: BTreeMap<u32, NodeChain> = BTreeMap::new();
     let mut objects = store.list("")?;
     objects.sort();
     let mut named: BTreeMap<PathBuf, (String, u64)> = BTreeMap::new();
@@ -653,6 +789,9 @@ pub fn verify_store(
                 }
             };
             let sha = hex(&Sha256::digest(&bytes));
+            let chain = chains.entry(node).or_default();
+            chain.digests.insert(d.body.digest_seq, sha.clone());
+            chain.last_sealed_wall_ns = chain.last_sealed_wall_ns.max(Some(d.body.sealed_wall_ns));
             let mut ok = true;
             // Signature.
             let vk = match node_key {
@@ -662,6 +801,7 @@ pub fn verify_store(
                     .and_then(|b| VerifyingKey::from_bytes(&b).ok()),
             };
             node_key = node_key.or(vk);
+            chains.entry(node).or_default().key = node_key;
             let sig_ok = vk.is_some_and(|vk| {
                 unhex(&d.signature)
                     .and_then(|s| <[u8; 64]>::try_from(s).ok())
@@ -684,6 +824,10 @@ pub fn verify_store(
                 });
                 ok = false;
             }
+            // Only an authentic digest (signed by the expected key) vouches for its files: the
+            // files of any other are neither valid nor readable as verified (their digest's
+            // problem is reported; they are not "extra" either — a digest names them).
+            let authentic = ok;
             // Chain link and order.
             match &prev {
                 None => {
@@ -746,8 +890,11 @@ pub fn verify_store(
                 && to_ns.is_none_or(|t| d.body.sealed_wall_ns < t);
             for f in &d.body.files {
                 let p = store.locate(&f.path);
-                named.insert(p.clone(), (f.sha256.clone(), f.bytes));
-                if in_range {
+                // What an authentic digest says of a path is never overridden by another digest.
+                if authentic || !named.contains_key(&p) {
+                    named.insert(p.clone(), (f.sha256.clone(), f.bytes));
+                }
+                if in_range && authentic {
                     in_range_files.insert(p);
                 }
             }
@@ -806,6 +953,21 @@ pub fn verify_store(
             r.problems.push(Problem::FileExtra { path: p.clone() });
         }
     }
+    let verified_node_events: Vec<&str> = r
+        .verified_files
+        .iter()
+        .filter_map(|p| present.get(p).copied())
+        .filter(|rel| rel.starts_with("node_events/"))
+        .collect();
+    check_checkpoints(
+        store,
+        &objects,
+        &verified_node_events,
+        &chains,
+        key,
+        expect,
+        &mut r,
+    );
     r.parquet_files = present.into_keys().collect();
     r.live_segments = objects
         .iter()
@@ -813,6 +975,185 @@ pub fn verify_store(
         .map(|o| store.locate(o))
         .collect();
     Ok(r)
+}
+
+/// Every checkpoint the root holds or `expect` brings, by where it was found: the root's own
+/// copies (`_checkpoints/*.json`), `checkpoint` rows in its verified `node_events` files (the
+/// logs of other nodes that kept them), then the expected ones.
+fn gather_checkpoints(
+    store: &dyn LogStore,
+    objects: &[String],
+    verified_node_events: &[&str],
+    expect: &Expect,
+    r: &mut Report,
+) -> Vec<(Checkpoint, String)> {
+    let mut found = Vec::new();
+    let mut take = |text: &str, place: String, r: &mut Report| {
+        for cp in Checkpoint::parse_all(text) {
+            match cp {
+                Ok(cp) => found.push((cp, place.clone())),
+                Err(e) => r.problems.push(Problem::CheckpointInvalid {
+                    place: place.clone(),
+                    why: e.to_string(),
+                }),
+            }
+        }
+    };
+    for o in objects
+        .iter()
+        .filter(|o| o.starts_with("_checkpoints/") && o.ends_with(".json"))
+    {
+        let place = store.locate(o).display().to_string();
+        match store.read(o) {
+            Ok(b) => take(&String::from_utf8_lossy(&b), place, r),
+            Err(e) => r.problems.push(Problem::Unreadable {
+                path: store.locate(o),
+                why: e.why,
+            }),
+        }
+    }
+    for rel in verified_node_events {
+        let place = store.locate(rel).display().to_string();
+        match store
+            .read(rel)
+            .map(|b| node_event_details(b, crate::checkpoint::NODE_EVENT_KIND))
+        {
+            Ok(Ok(details)) => {
+                for d in details {
+                    take(&d, place.clone(), r);
+                }
+            }
+            Ok(Err(why)) | Err(StoreError { why, .. }) => r.problems.push(Problem::Unreadable {
+                path: store.locate(rel),
+                why,
+            }),
+        }
+    }
+    found.extend(expect.checkpoints.iter().cloned());
+    found
+}
+
+/// The `detail` of every `node_events` row of kind `kind` in a sealed Parquet file.
+fn node_event_details(file: Vec<u8>, kind: &str) -> Result<Vec<String>, String> {
+    use arrow::array::{Array, AsArray};
+    let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(
+        bytes::Bytes::from(file),
+    )
+    .and_then(|b| b.build())
+    .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for batch in reader {
+        let batch = batch.map_err(|e| e.to_string())?;
+        let (Some(ev), Some(detail)) = (
+            batch.column_by_name("event"),
+            batch.column_by_name("detail"),
+        ) else {
+            return Err("not a node_events file (no event/detail columns)".into());
+        };
+        let (ev, detail) = (ev.as_string::<i32>(), detail.as_string::<i32>());
+        for i in 0..batch.num_rows() {
+            if ev.is_valid(i) && ev.value(i) == kind && detail.is_valid(i) {
+                out.push(detail.value(i).to_owned());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Hold every node's chain to its newest valid checkpoint, and the root to `expect`.
+fn check_checkpoints(
+    store: &dyn LogStore,
+    objects: &[String],
+    verified_node_events: &[&str],
+    chains: &BTreeMap<u32, NodeChain>,
+    key: Option<&VerifyingKey>,
+    expect: &Expect,
+    r: &mut Report,
+) {
+    // Per node: the valid checkpoint with the newest digest, and the newest issue time.
+    let mut newest: BTreeMap<u32, (Checkpoint, String)> = BTreeMap::new();
+    let mut latest_issue: BTreeMap<u32, i64> = BTreeMap::new();
+    for (cp, place) in gather_checkpoints(store, objects, verified_node_events, expect, r) {
+        let node = cp.body.node;
+        // The node's key: the expected one, else its chain's, else (no chain left) its own.
+        let node_key = key.copied().or(chains.get(&node).and_then(|c| c.key));
+        match cp.verify(node_key.as_ref()) {
+            Ok(()) => {}
+            // Signed by another key: it vouches for nothing about this node (not evidence).
+            Err(CheckpointError::WrongKey { .. }) => continue,
+            Err(e) => {
+                r.problems.push(Problem::CheckpointInvalid {
+                    place,
+                    why: e.to_string(),
+                });
+                continue;
+            }
+        }
+        r.checkpoints += 1;
+        let issued = latest_issue.entry(node).or_insert(i64::MIN);
+        *issued = (*issued).max(cp.body.issued_wall_ns);
+        let better = newest.get(&node).is_none_or(|(b, _)| {
+            (cp.body.digest_seq, cp.body.issued_wall_ns)
+                > (b.body.digest_seq, b.body.issued_wall_ns)
+        });
+        if better {
+            newest.insert(node, (cp, place));
+        }
+    }
+    if chains.is_empty() {
+        r.problems.push(Problem::EmptyRoot);
+    }
+    for (node, (cp, place)) in &newest {
+        r.newest_checkpoints.insert(*node, place.clone());
+        let (Some(want), Some(sha)) = (cp.body.digest_seq, cp.body.digest_sha256.as_ref()) else {
+            continue; // issued before the node's first seal: nothing to hold the chain to
+        };
+        let digests = chains.get(node).map(|c| &c.digests);
+        let last_present = digests.and_then(|d| d.keys().next_back().copied());
+        match digests.and_then(|d| d.get(&want)) {
+            Some(have) if have != sha => r.problems.push(Problem::CheckpointMismatch {
+                node: *node,
+                digest_seq: want,
+                place: place.clone(),
+            }),
+            Some(_) => {}
+            // Missing below the chain's end is a `DigestMissing` already; past it, a cut tail.
+            None if last_present.is_none_or(|last| last < want) => {
+                r.problems.push(Problem::TailCut {
+                    node: *node,
+                    checkpoint_digest_seq: want,
+                    last_present,
+                    place: place.clone(),
+                })
+            }
+            None => {}
+        }
+    }
+    for &node in &expect.nodes {
+        if !chains.contains_key(&node) && !newest.contains_key(&node) {
+            r.problems.push(Problem::NodeMissing { node });
+        }
+    }
+    if let Some(f) = expect.freshness {
+        let nodes: BTreeSet<u32> = chains
+            .keys()
+            .chain(newest.keys())
+            .chain(expect.nodes.iter())
+            .copied()
+            .collect();
+        let oldest_ok = f.now_wall_ns.saturating_sub(f.max_age.as_nanos() as i64);
+        for node in nodes {
+            let sealed = chains.get(&node).and_then(|c| c.last_sealed_wall_ns);
+            let last = sealed.max(latest_issue.get(&node).copied());
+            if last.is_none_or(|t| t < oldest_ok) {
+                r.problems.push(Problem::Stale {
+                    node,
+                    last_evidence_wall_ns: last,
+                    max_age_s: f.max_age.as_secs(),
+                });
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@
 //! seals and verifies them.
 
 #[cfg(feature = "writer")]
+pub mod checkpoint;
+#[cfg(feature = "writer")]
 pub mod config;
 #[cfg(feature = "writer")]
 pub mod digest;
@@ -50,10 +52,20 @@ pub fn thread_cpu_ns() -> u64 {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RequestKind {
     Admitted,
-    Rejected { reason: String },
-    Aborted,
-    Finished { reason: String },
-    Failed { reason: String },
+    Rejected {
+        reason: String,
+    },
+    /// Ended before the engine finished it: `reason` says by whom or why (`client_disconnected`,
+    /// the drain, the audit log, a transfer failure, …).
+    Aborted {
+        reason: String,
+    },
+    Finished {
+        reason: String,
+    },
+    Failed {
+        reason: String,
+    },
 }
 
 impl RequestKind {
@@ -61,7 +73,7 @@ impl RequestKind {
         match self {
             RequestKind::Admitted => "admitted",
             RequestKind::Rejected { .. } => "rejected",
-            RequestKind::Aborted => "aborted",
+            RequestKind::Aborted { .. } => "aborted",
             RequestKind::Finished { .. } => "finished",
             RequestKind::Failed { .. } => "failed",
         }
@@ -69,9 +81,10 @@ impl RequestKind {
     pub fn reason(&self) -> Option<&str> {
         match self {
             RequestKind::Rejected { reason }
+            | RequestKind::Aborted { reason }
             | RequestKind::Finished { reason }
             | RequestKind::Failed { reason } => Some(reason),
-            RequestKind::Admitted | RequestKind::Aborted => None,
+            RequestKind::Admitted => None,
         }
     }
 }

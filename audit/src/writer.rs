@@ -37,6 +37,7 @@ use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 
+use crate::checkpoint::{Checkpoint, CheckpointSink, DirSink};
 use crate::digest::{self, DigestFile, SealedFile};
 use crate::schema::{self, SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, TableBuilder};
 use crate::{AuditSink, Event, RdmaOpRows, SinkError, mono_now_ns, thread_cpu_ns};
@@ -104,6 +105,14 @@ pub struct WriterConfig {
     pub rotate_interval: Duration,
     pub backpressure: Backpressure,
     pub signing_key: SigningKey,
+    /// Signed checkpoints of the chain ([`crate::checkpoint`]) are issued at start, after every
+    /// seal, at close, and at least this often in between — idle or not.
+    pub checkpoint_interval: Duration,
+    /// Where checkpoints go besides the root's own copy (`<root>/_checkpoints/`, which whoever
+    /// controls this disk can delete): other disks, other nodes' logs, stdout, an object store.
+    /// Published by a thread of their own, so a slow place never stalls the log. Never this
+    /// writer's own log (a `LogSink` over it).
+    pub checkpoint_sinks: Vec<Arc<dyn CheckpointSink>>,
 }
 
 impl WriterConfig {
@@ -119,8 +128,18 @@ impl WriterConfig {
             rotate_interval: Duration::from_secs(300),
             backpressure: Backpressure::Block,
             signing_key,
+            checkpoint_interval: Duration::from_secs(60),
+            checkpoint_sinks: Vec::new(),
         }
     }
+}
+
+/// Whether a checkpoint may be skipped when the publisher is behind (an interval's, a seal's)
+/// or must wait for room (the first and the last).
+#[derive(Clone, Copy, Debug)]
+enum Urgency {
+    Wait,
+    Skippable,
 }
 
 enum Msg {
@@ -151,7 +170,38 @@ pub struct AuditWriter {
     enqueued: AtomicU64,
     dequeued: Arc<AtomicU64>,
     queue_capacity: usize,
+    /// The checkpoint publisher (joined after the writer thread, which hands it the last one).
+    publisher: Mutex<Option<JoinHandle<()>>>,
+    checkpoint_failures: Arc<AtomicU64>,
 }
+
+/// Checkpoints waiting for the publisher: a few; when full, an interval's checkpoint is skipped
+/// (a newer one follows) and the final one waits.
+const CHECKPOINT_QUEUE: usize = 4;
+
+/// The publisher thread: each checkpoint to the root's own copy, then to every sink. A failure
+/// is logged and counted; the log goes on (the checkpoint's absence is what a verifier sees).
+fn publish_checkpoints(
+    rx: Receiver<Checkpoint>,
+    root: PathBuf,
+    sinks: Vec<Arc<dyn CheckpointSink>>,
+    failures: &AtomicU64,
+) {
+    let local = DirSink::new(root.join(LOCAL_CHECKPOINTS));
+    while let Ok(cp) = rx.recv() {
+        let places =
+            std::iter::once(&local as &dyn CheckpointSink).chain(sinks.iter().map(|s| s.as_ref()));
+        for place in places {
+            if let Err(e) = place.publish(&cp) {
+                failures.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(error = %e, node = cp.body.node, "checkpoint not published");
+            }
+        }
+    }
+}
+
+/// The root's own copy of its newest checkpoints (`<root>/_checkpoints/node=<id>.json`).
+pub const LOCAL_CHECKPOINTS: &str = "_checkpoints";
 
 impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -171,6 +221,18 @@ impl AuditWriter {
     pub fn open(cfg: WriterConfig) -> Result<Self, WriterError> {
         assert!(cfg.queue_capacity > 0 && cfg.batch_rows > 0);
         let mut st = State::open(cfg.clone())?;
+        let checkpoint_failures = Arc::new(AtomicU64::new(0));
+        let (cp_tx, cp_rx) = mpsc::sync_channel(CHECKPOINT_QUEUE);
+        let (root, sinks, fails) = (
+            cfg.root.clone(),
+            cfg.checkpoint_sinks.clone(),
+            checkpoint_failures.clone(),
+        );
+        let publisher = std::thread::Builder::new()
+            .name(format!("audit-checkpoints-{}", cfg.node))
+            .spawn(move || publish_checkpoints(cp_rx, root, sinks, &fails))
+            .map_err(|e| WriterError::Closed(e.to_string()))?;
+        st.publisher = Some(cp_tx);
         let (tx, rx) = mpsc::sync_channel(cfg.queue_capacity);
         let dropped = Arc::new(AtomicU64::new(0));
         let failure = Arc::new(Mutex::new(None));
@@ -202,7 +264,14 @@ impl AuditWriter {
             enqueued: AtomicU64::new(0),
             dequeued,
             queue_capacity: cfg.queue_capacity,
+            publisher: Mutex::new(Some(publisher)),
+            checkpoint_failures,
         })
+    }
+
+    /// Checkpoints that a place refused (each logged at ERROR).
+    pub fn checkpoint_failures(&self) -> u64 {
+        self.checkpoint_failures.load(Ordering::Relaxed)
     }
 
     fn closed(&self) -> String {
@@ -259,6 +328,11 @@ impl AuditWriter {
     pub fn close(&self) -> Result<(), WriterError> {
         let _ = self.tx.send(Msg::Shutdown);
         if let Some(h) = self.handle.lock().ok().and_then(|mut g| g.take()) {
+            let _ = h.join();
+        }
+        // The writer thread handed over its last checkpoint and dropped its end: the publisher
+        // finishes the queue and stops.
+        if let Some(h) = self.publisher.lock().ok().and_then(|mut g| g.take()) {
             let _ = h.join();
         }
         match self.failure.lock().ok().and_then(|g| g.clone()) {
@@ -391,6 +465,9 @@ struct State {
     anchor_mono: u64,
     anchor_wall: i64,
     chain: digest::ChainHead,
+    /// To the checkpoint publisher (set once the thread runs).
+    publisher: Option<SyncSender<Checkpoint>>,
+    last_checkpoint: Instant,
 }
 
 /// A complete live file's record batches, for sealing: the file read in one call and decoded
@@ -469,6 +546,8 @@ impl State {
             anchor_mono,
             anchor_wall,
             chain,
+            publisher: None,
+            last_checkpoint: Instant::now(),
             cfg,
         };
         st.recover()?;
@@ -564,6 +643,8 @@ impl State {
         let mut nap = NAP_MIN;
         let mut reported_drops = 0u64;
         let mut last_flush = Instant::now();
+        // A checkpoint at start: a node that never seals still says where its chain stands.
+        self.checkpoint(Urgency::Wait);
         loop {
             let msg = rx.try_recv();
             if msg.is_ok() {
@@ -632,7 +713,9 @@ impl State {
                         }
                     }
                     self.record_drops(dropped, &mut reported_drops);
-                    return self.rotate();
+                    let r = self.rotate();
+                    self.checkpoint(Urgency::Wait);
+                    return r;
                 }
                 Err(TryRecvError::Empty) => {
                     self.record_drops(dropped, &mut reported_drops);
@@ -654,7 +737,33 @@ impl State {
         {
             self.rotate()?;
         }
+        if self.last_checkpoint.elapsed() >= self.cfg.checkpoint_interval {
+            self.checkpoint(Urgency::Skippable);
+        }
         Ok(())
+    }
+
+    /// Sign where the chain stands now and hand it to the publisher.
+    fn checkpoint(&mut self, urgency: Urgency) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i64);
+        let cp = Checkpoint::sign(&self.chain, self.cfg.node, now, &self.cfg.signing_key);
+        self.last_checkpoint = Instant::now();
+        let Some(tx) = &self.publisher else { return };
+        match urgency {
+            Urgency::Wait => {
+                let _ = tx.send(cp);
+            }
+            Urgency::Skippable => {
+                if let Err(TrySendError::Full(_)) = tx.try_send(cp) {
+                    tracing::warn!(
+                        node = self.cfg.node,
+                        "checkpoint publisher behind: an interval's checkpoint skipped"
+                    );
+                }
+            }
+        }
     }
 
     fn record_drops(&mut self, dropped: &AtomicU64, reported: &mut u64) {
@@ -876,6 +985,7 @@ impl State {
         self.chain = d.write(&self.cfg.root).map_err(WriterError::Digest)?;
         self.segment += 1;
         self.segment_seq_start = self.next_seq;
+        self.checkpoint(Urgency::Skippable);
         Ok(())
     }
 }

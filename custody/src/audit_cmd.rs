@@ -17,6 +17,7 @@ fn verify_showing_progress(
     key: Option<&digest::VerifyingKey>,
     from: Option<i64>,
     to: Option<i64>,
+    expect: &digest::Expect,
 ) -> digest::Report {
     use std::sync::atomic::{AtomicU64, Ordering};
     /// The local store, counting objects read and hashed.
@@ -61,12 +62,63 @@ fn verify_showing_progress(
         done: AtomicU64::new(0),
         shown: &shown,
     };
-    let report = digest::verify_reporting(&store, key, from, to);
+    let report = digest::verify_reporting(&store, key, from, to, expect);
     let done = store.done.load(Ordering::Relaxed);
     if let Ok(p) = shown.into_inner() {
         p.finish(done);
     }
     report
+}
+
+/// What `audit verify` holds the root to beyond its content.
+fn expectations(
+    places: &[String],
+    nodes: Vec<u32>,
+    max_age_s: Option<u64>,
+    now: Option<&str>,
+) -> Result<digest::Expect> {
+    let mut checkpoints = Vec::new();
+    for place in places {
+        checkpoints.extend(read_checkpoints(place)?);
+    }
+    let freshness = match max_age_s {
+        None => None,
+        Some(s) => Some(digest::Freshness {
+            now_wall_ns: match now {
+                Some(t) => parse_utc(t)?,
+                None => std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as i64),
+            },
+            max_age: std::time::Duration::from_secs(s),
+        }),
+    };
+    Ok(digest::Expect {
+        checkpoints,
+        nodes,
+        freshness,
+    })
+}
+
+/// The checkpoints at `place`: a file, or (with `forensics`) an object-store prefix.
+fn read_checkpoints(place: &str) -> Result<Vec<(custody_audit::checkpoint::Checkpoint, String)>> {
+    use custody_audit::checkpoint::Checkpoint;
+    if place.starts_with("s3://") {
+        #[cfg(feature = "forensics")]
+        return custody_query::checkpoints::fetch_checkpoints(place)
+            .with_context(|| format!("reading checkpoints at {place}"));
+        #[cfg(not(feature = "forensics"))]
+        bail!("{place}: object stores need a build with the `forensics` feature");
+    }
+    let text = std::fs::read_to_string(place).with_context(|| format!("reading {place}"))?;
+    let mut out = Vec::new();
+    for cp in Checkpoint::parse_all(&text) {
+        out.push((cp.with_context(|| format!("in {place}"))?, place.to_owned()));
+    }
+    if out.is_empty() {
+        bail!("{place}: no checkpoint in it");
+    }
+    Ok(out)
 }
 
 #[derive(Subcommand, Debug)]
@@ -89,6 +141,21 @@ pub(crate) enum AuditCmd {
         /// Only digests sealed before this UTC time.
         #[arg(long)]
         to: Option<String>,
+        /// A checkpoint kept outside the root — a file (a checkpoint place's `node=<n>.json`,
+        /// or a log collector's lines) or `s3://bucket/prefix`; repeatable. Those inside the
+        /// root (`_checkpoints/`, other nodes' logs) are always read.
+        #[arg(long)]
+        expect_checkpoint: Vec<String>,
+        /// A node whose log must be in the root; repeatable.
+        #[arg(long)]
+        expect_node: Vec<u32>,
+        /// Every node's newest sealing or checkpoint must be at most this many seconds old at
+        /// `--now` (report a stale log).
+        #[arg(long)]
+        max_age_s: Option<u64>,
+        /// The time `--max-age-s` is measured at (UTC; default: now).
+        #[arg(long)]
+        now: Option<String>,
     },
     /// Generate a realistic synthetic log (many tenants, long contexts, page reuse) through the
     /// real writers, with injected exposures whose answers go to `<out>/synth-truth.json`.
@@ -125,6 +192,10 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             public_key,
             from,
             to,
+            expect_checkpoint,
+            expect_node,
+            max_age_s,
+            now,
         } => {
             let key = public_key
                 .as_deref()
@@ -136,7 +207,8 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             if !root.is_dir() {
                 bail!("audit root {} is not a directory", root.display());
             }
-            let r = verify_showing_progress(&root, key.as_ref(), from, to);
+            let expect = expectations(&expect_checkpoint, expect_node, max_age_s, now.as_deref())?;
+            let r = verify_showing_progress(&root, key.as_ref(), from, to, &expect);
             if key.is_none() {
                 eprintln!(
                     "note: no --public-key given; signatures were checked against the key named in each node's first digest"
@@ -144,6 +216,15 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             }
             println!("valid digests: {}", r.valid_digests);
             println!("valid files:   {}", r.valid_files);
+            println!("checkpoints:   {}", r.checkpoints);
+            for (node, place) in &r.newest_checkpoints {
+                println!("  node {node}: newest checkpoint from {place}");
+            }
+            if r.checkpoints == 0 {
+                println!(
+                    "note: no checkpoint found: a deletion of the newest sealings cannot be seen (keep checkpoints outside the root and pass --expect-checkpoint)"
+                );
+            }
             for p in &r.live_segments {
                 println!(
                     "unsealed live segment (recoverable, not yet covered by a digest): {}",

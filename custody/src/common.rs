@@ -22,6 +22,13 @@ pub(crate) struct AuditArgs {
     /// Node id recorded in the audit log.
     #[arg(long, default_value_t = 0)]
     pub(crate) node: u32,
+    /// Also publish the log's signed checkpoints into this directory (another disk or mount);
+    /// repeatable; added to [audit] checkpoint_dirs.
+    #[arg(long)]
+    pub(crate) checkpoint_dir: Vec<PathBuf>,
+    /// Also publish them to this object-store prefix (`s3://bucket/prefix`).
+    #[arg(long)]
+    pub(crate) checkpoint_url: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -47,10 +54,10 @@ pub(crate) fn open_audit(
         Some(p) => Config::load(p)?.audit,
         None => custody_audit::config::AuditSection::default(),
     };
-    let Some(dir) = a.audit_dir.clone().or(conf.dir) else {
+    let Some(dir) = a.audit_dir.clone().or(conf.dir.clone()) else {
         return Ok(None);
     };
-    let key_path = a.audit_key.clone().or(conf.key).context(
+    let key_path = a.audit_key.clone().or(conf.key.clone()).context(
         "an audit directory needs a signing key: --audit-key or [audit] key (create one with `custody audit keygen`)",
     )?;
     let key = custody_audit::digest::read_signing_key(&key_path).map_err(anyhow::Error::msg)?;
@@ -60,6 +67,10 @@ pub(crate) fn open_audit(
         0 => FsyncPolicy::EveryBatch,
         ms => FsyncPolicy::Interval(std::time::Duration::from_millis(ms)),
     };
+    if conf.checkpoint_interval_s > 0 {
+        cfg.checkpoint_interval = std::time::Duration::from_secs(conf.checkpoint_interval_s);
+    }
+    cfg.checkpoint_sinks = checkpoint_sinks(a, &conf)?;
     if conf.allow_drop {
         tracing::warn!(
             "audit allow_drop is on: events may be dropped under load (each drop is counted in the log)"
@@ -69,6 +80,41 @@ pub(crate) fn open_audit(
     let w = custody_audit::writer::AuditWriter::open(cfg)
         .with_context(|| format!("opening audit log {}", dir.display()))?;
     Ok(Some(std::sync::Arc::new(w)))
+}
+
+/// Where the writer publishes its checkpoints, from flags and `[audit]`.
+fn checkpoint_sinks(
+    a: &AuditArgs,
+    conf: &custody_audit::config::AuditSection,
+) -> Result<Vec<std::sync::Arc<dyn custody_audit::checkpoint::CheckpointSink>>> {
+    use custody_audit::checkpoint::{CheckpointSink, DirSink, StdoutSink};
+    let mut sinks: Vec<std::sync::Arc<dyn CheckpointSink>> = Vec::new();
+    for d in conf.checkpoint_dirs.iter().chain(&a.checkpoint_dir) {
+        sinks.push(std::sync::Arc::new(DirSink::new(d)));
+    }
+    if conf.checkpoint_stdout {
+        sinks.push(std::sync::Arc::new(StdoutSink));
+    }
+    if let Some(url) = a.checkpoint_url.as_ref().or(conf.checkpoint_url.as_ref()) {
+        sinks.push(object_checkpoint_sink(url)?);
+    }
+    Ok(sinks)
+}
+
+#[cfg(feature = "forensics")]
+fn object_checkpoint_sink(
+    url: &str,
+) -> Result<std::sync::Arc<dyn custody_audit::checkpoint::CheckpointSink>> {
+    let sink = custody_query::checkpoints::ObjectCheckpointSink::s3(url)
+        .with_context(|| format!("checkpoint place {url}"))?;
+    Ok(std::sync::Arc::new(sink))
+}
+
+#[cfg(not(feature = "forensics"))]
+fn object_checkpoint_sink(
+    url: &str,
+) -> Result<std::sync::Arc<dyn custody_audit::checkpoint::CheckpointSink>> {
+    anyhow::bail!("checkpoint place {url}: object stores need a build with the `forensics` feature")
 }
 
 /// `YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ` (UTC) → Unix nanoseconds.

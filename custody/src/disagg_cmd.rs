@@ -192,6 +192,43 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
     Ok(())
 }
 
+/// How long a prefill node waits for its decode node's control plane before giving up.
+const PEER_WAIT_BOUND: Duration = Duration::from_secs(60);
+/// First and largest pause between two connection attempts (doubling in between).
+const PEER_RETRY_FIRST: Duration = Duration::from_millis(200);
+const PEER_RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// Wait for `addr` (the decode node's control plane, which may still be starting) to accept a
+/// TCP connection: each failed attempt is logged with what is awaited and the next try, with
+/// doubling pauses; after `bound`, a clear error naming the address, the attempts and the last
+/// failure.
+async fn wait_for_peer(addr: &str, bound: Duration) -> Result<()> {
+    let t0 = Instant::now();
+    let mut pause = PEER_RETRY_FIRST;
+    for attempt in 1u32.. {
+        let e = match tokio::net::TcpStream::connect(addr).await {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        let waited = t0.elapsed();
+        if waited + pause > bound {
+            bail!(
+                "decode node control plane at {addr} not reachable after {attempt} attempts in {:.1} s: {e} (is `custody decode` running there, and is [disagg] decode_control right?)",
+                waited.as_secs_f64()
+            );
+        }
+        tracing::warn!(
+            attempt,
+            error = %e,
+            retry_in_ms = pause.as_millis() as u64,
+            "waiting for the decode node's control plane at {addr}"
+        );
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(PEER_RETRY_MAX);
+    }
+    unreachable!("the loop returns or fails within `bound`")
+}
+
 pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
     let r = load_role(&a, "prefill")?;
     let listen = addr(&r.cfg.disagg.prefill_listen, "disagg.prefill_listen")?;
@@ -208,14 +245,7 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
     rt.block_on(async {
         // The decode node may still be starting: wait for its control port (bounded), then run
         // the handshake once — a refused handshake is final.
-        let t0 = Instant::now();
-        let control = r.cfg.disagg.decode_control.clone();
-        while tokio::net::TcpStream::connect(&control).await.is_err() {
-            if t0.elapsed() > Duration::from_secs(60) {
-                bail!("decode node control plane at {control} not reachable after 60 s");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        wait_for_peer(&r.cfg.disagg.decode_control, PEER_WAIT_BOUND).await?;
         let Some(e) = engine.take() else {
             bail!("engine lost")
         };
@@ -332,4 +362,41 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
         );
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An unreachable decode node is retried with growing pauses, then a clear error naming the
+    /// address and the attempts — within the bound, never an endless silent wait.
+    #[test]
+    fn an_unreachable_peer_is_a_clear_error_within_the_bound() {
+        // A port nothing listens on: bind one, then drop the listener.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .to_string();
+        let rt = runtime().expect("runtime");
+        let t0 = Instant::now();
+        let bound = Duration::from_millis(1500);
+        let e = rt
+            .block_on(wait_for_peer(&addr, bound))
+            .expect_err("nothing listens");
+        assert!(
+            t0.elapsed() <= bound + Duration::from_millis(500),
+            "{:?}",
+            t0.elapsed()
+        );
+        let msg = format!("{e:#}");
+        assert!(msg.contains(&addr) && msg.contains("attempts"), "{msg}");
+        // 200 + 400 + 800 ms of pauses fit in 1.5 s: at least three attempts.
+        let attempts: u32 = msg
+            .split(" attempts")
+            .next()
+            .and_then(|h| h.rsplit(' ').next())
+            .and_then(|n| n.parse().ok())
+            .expect("attempt count");
+        assert!(attempts >= 3, "{msg}");
+    }
 }

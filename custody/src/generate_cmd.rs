@@ -41,7 +41,8 @@ pub(crate) struct GenerateArgs {
     /// the model in this process (the model file is still read, for the tokenizer).
     #[arg(long)]
     pub(crate) prefill: Option<String>,
-    /// Tenant id recorded with the request (with --prefill).
+    /// Tenant id recorded with the request and every audit event of it (here or, with
+    /// --prefill, on the pair's nodes).
     #[arg(long, default_value = "cli")]
     pub(crate) tenant: String,
 }
@@ -86,7 +87,7 @@ pub(crate) fn generate(a: GenerateArgs) -> Result<()> {
             seed: a.seed,
         },
         stop_ids: tokenizer.stop_ids.clone(),
-        tenant: "cli".into(),
+        tenant: a.tenant.clone(),
     };
     let n_prompt = req.prompt.len();
     let id = engine.submit(req).context("request rejected")?;

@@ -40,10 +40,11 @@ pub(crate) struct Source {
 pub(crate) struct QueryArgs {
     #[command(flatten)]
     src: Source,
-    /// Run this SQL and exit.
-    #[arg(short = 'c', long = "command")]
+    /// Run this SQL and exit: one or more `;`-separated statements, `--` comments allowed
+    /// (what `--show-sql` prints runs as printed).
+    #[arg(short = 'c', long = "command", allow_hyphen_values = true)]
     command: Option<String>,
-    /// Run the SQL in this file and exit.
+    /// Run the SQL in this file (statements as for `-c`) and exit.
     #[arg(short = 'f', long = "file")]
     file: Option<PathBuf>,
 }
@@ -302,9 +303,12 @@ fn print(batches: &[RecordBatch], format: Format) -> Result<()> {
 
 async fn run_sql(ctx: &SessionContext, sql: &str, format: Format) -> Result<()> {
     let shown = crate::progress::Progress::spinner("running the query");
-    let batches = async { Ok::<_, anyhow::Error>(ctx.sql(sql).await?.collect().await?) }.await;
+    let results = custody_query::run_script(ctx, sql).await;
     shown.finish(0);
-    print(&batches?, format)
+    for batches in results? {
+        print(&batches, format)?;
+    }
+    Ok(())
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -324,10 +328,7 @@ pub(crate) fn query(a: QueryArgs) -> Result<()> {
         if let Some(f) = &a.file {
             let sql =
                 std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
-            for stmt in sql.split(';').map(str::trim).filter(|s| !s.is_empty()) {
-                run_sql(&ctx, stmt, a.src.format).await?;
-            }
-            return Ok(());
+            return run_sql(&ctx, &sql, a.src.format).await;
         }
         interactive(&ctx, a.src.format).await
     })
@@ -468,8 +469,7 @@ async fn interactive_piped(ctx: &SessionContext, format: Format) -> Result<()> {
 
 fn canned(src: &Source, sql: String, show_sql: bool) -> Result<()> {
     if show_sql {
-        print!("{}", forensics::settings_sql());
-        println!("{};", sql.trim());
+        print!("{}", forensics::script(&sql));
         return Ok(());
     }
     runtime()?.block_on(async {
@@ -535,18 +535,7 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             let from_ns = from.as_deref().map(parse_utc).transpose()?;
             let to_ns = to.as_deref().map(parse_utc).transpose()?;
             if show_sql {
-                println!("-- settings under which it scales (docs/forensics.md)");
-                print!("{}", forensics::settings_sql());
-                println!("-- affected responses, per source tenant");
-                println!(
-                    "{}",
-                    forensics::with_window(forensics::EXPOSURE_SQL, from_ns, to_ns).trim()
-                );
-                println!(";\n-- prevented exposures (reads the tag check refused)");
-                println!(
-                    "{};",
-                    forensics::with_window(forensics::PREVENTED_SQL, from_ns, to_ns).trim()
-                );
+                print!("{}", forensics::exposure_script(from_ns, to_ns));
                 return Ok(());
             }
             let rt = runtime()?;

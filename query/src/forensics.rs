@@ -104,7 +104,8 @@ latest AS (
 )
 SELECT node_id, request_id, tenant AS recipient_tenant, src_tenant AS source_tenant,
        CAST(COUNT(*) AS BIGINT) AS foreign_slots, MIN(wall_ns) AS wall_ns,
-       MAX(CASE WHEN verdict = 'unchecked' THEN 1 ELSE 0 END) AS unchecked
+       MAX(CASE WHEN verdict = 'unchecked' THEN 1 ELSE 0 END) AS unchecked,
+       MAX(wall_ns) AS last_wall_ns
 FROM latest
 WHERE rn = 1 AND src_tenant <> tenant
 GROUP BY node_id, request_id, tenant, src_tenant
@@ -145,6 +146,26 @@ pub fn settings_sql() -> String {
         .iter()
         .map(|(k, v)| format!("SET {k} = {v};\n"))
         .collect()
+}
+
+/// A canned query as `--show-sql` prints it: the [`SETTINGS`] as `SET` statements, then `sql`,
+/// `;`-terminated — a script that `custody query -c` or `-f` (and [`crate::run_script`]) runs as
+/// printed.
+pub fn script(sql: &str) -> String {
+    format!("{}{};\n", settings_sql(), sql.trim())
+}
+
+/// The exposure question as `--show-sql` prints it (a runnable script): the settings, the
+/// affected responses per source tenant ([`EXPOSURE_SQL`]), the prevented exposures.
+pub fn exposure_script(from_ns: Option<i64>, to_ns: Option<i64>) -> String {
+    format!(
+        "-- settings under which it scales (docs/forensics.md)\n{}\
+         -- affected responses, per source tenant\n{};\n\
+         -- prevented exposures (reads the tag check refused)\n{};\n",
+        settings_sql(),
+        with_window(EXPOSURE_SQL, from_ns, to_ns).trim(),
+        with_window(PREVENTED_SQL, from_ns, to_ns).trim()
+    )
 }
 
 /// Blast radius of tenant `{tenant}`: every (recipient, source) pair of the exposure answer that
@@ -296,9 +317,10 @@ SELECT CASE WHEN e.transfer_id IS NULL THEN 'unrecorded_write'
                         CAST(e.remote_len AS VARCHAR)) END,
        CONCAT('write of ', CAST(o.bytes AS VARCHAR), ' B with key ', CAST(o.rkey AS VARCHAR), ' at ',
               CAST(o.remote_addr AS VARCHAR), ' landed in ',
-              COALESCE(CONCAT('page ', CAST(l.l_page AS VARCHAR), ' gen ', CAST(l.l_generation AS VARCHAR),
-                              ' of request ', CAST(l.l_request AS VARCHAR), ' (', l.l_tenant, ')'),
-                       'no page the target recorded'))
+              -- CONCAT skips NULLs (it never returns NULL): test for the missing landing row.
+              CASE WHEN l.l_page IS NULL THEN 'no page the target recorded'
+                   ELSE CONCAT('page ', CAST(l.l_page AS VARCHAR), ' gen ', CAST(l.l_generation AS VARCHAR),
+                               ' of request ', CAST(l.l_request AS VARCHAR), ' (', l.l_tenant, ')') END)
   FROM obs o
   LEFT JOIN eng e ON o.src_node = e.src_node AND o.wr_id = e.transfer_id
   LEFT JOIN landing l ON l.l_rkey = o.rkey AND o.remote_addr >= l.l_addr AND o.remote_addr < l.l_addr + l.l_len
@@ -449,7 +471,9 @@ pub struct Affected {
     /// (source tenant, slots of its data attended), by tenant.
     pub sources: Vec<(String, u64)>,
     pub foreign_slots: u64,
-    pub wall_ns: i64,
+    /// When the response's earliest and latest foreign reads were recorded (wall ns).
+    pub first_wall_ns: i64,
+    pub last_wall_ns: i64,
     /// The node read these slots without the tag check (incident reproduction).
     pub unchecked: bool,
 }
@@ -484,9 +508,11 @@ impl Exposure {
             .max()
             .unwrap_or(0)
     }
+    /// The earliest and the latest foreign read of any affected response.
     pub fn first_last_wall_ns(&self) -> Option<(i64, i64)> {
-        let it = self.affected.iter().map(|a| a.wall_ns);
-        Some((it.clone().min()?, it.max()?))
+        let first = self.affected.iter().map(|a| a.first_wall_ns).min()?;
+        let last = self.affected.iter().map(|a| a.last_wall_ns).max()?;
+        Some((first, last))
     }
 
     /// The summary a responder publishes.
@@ -541,6 +567,7 @@ pub async fn exposure_with_rows(
         let n = b.column(4).as_primitive::<Int64Type>();
         let wall = b.column(5).as_primitive::<Int64Type>();
         let unchecked = b.column(6).as_primitive::<Int64Type>();
+        let last_wall = b.column(7).as_primitive::<Int64Type>();
         for i in 0..b.num_rows() {
             let (nd, rq) = (node.value(i), req.value(i));
             let slots = n.value(i) as u64;
@@ -548,7 +575,8 @@ pub async fn exposure_with_rows(
                 Some(a) if a.node == nd && a.request == rq => {
                     a.sources.push((st.value(i).to_owned(), slots));
                     a.foreign_slots += slots;
-                    a.wall_ns = a.wall_ns.min(wall.value(i));
+                    a.first_wall_ns = a.first_wall_ns.min(wall.value(i));
+                    a.last_wall_ns = a.last_wall_ns.max(last_wall.value(i));
                     a.unchecked |= unchecked.value(i) != 0;
                 }
                 _ => out.push(Affected {
@@ -557,7 +585,8 @@ pub async fn exposure_with_rows(
                     recipient_tenant: rt.value(i).to_owned(),
                     sources: vec![(st.value(i).to_owned(), slots)],
                     foreign_slots: slots,
-                    wall_ns: wall.value(i),
+                    first_wall_ns: wall.value(i),
+                    last_wall_ns: last_wall.value(i),
                     unchecked: unchecked.value(i) != 0,
                 }),
             }
@@ -578,4 +607,37 @@ pub async fn exposure_with_rows(
         },
         batches,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn affected(request: u64, first_wall_ns: i64, last_wall_ns: i64) -> Affected {
+        Affected {
+            node: 1,
+            request,
+            recipient_tenant: "victim".into(),
+            sources: vec![("owner".into(), 3)],
+            foreign_slots: 3,
+            first_wall_ns,
+            last_wall_ns,
+            unchecked: false,
+        }
+    }
+
+    /// The summary's last occurrence is the latest foreign read of any response — not the
+    /// latest response's earliest one (response 1 here starts first and reads foreign data
+    /// last).
+    #[test]
+    fn summary_spans_the_earliest_to_the_latest_foreign_read() {
+        let e = Exposure {
+            affected: vec![affected(1, 10, 50), affected(2, 20, 30)],
+            prevented: 0,
+        };
+        assert_eq!(e.first_last_wall_ns(), Some((10, 50)));
+        let s = e.summary();
+        assert!(s.contains("first occurrence (wall ns): 10\n"), "{s}");
+        assert!(s.contains("last occurrence (wall ns): 50\n"), "{s}");
+    }
 }

@@ -15,6 +15,7 @@
 //! - [`forensics`]: the canned forensic questions as documented SQL; [`prepare_forensics`] adds
 //!   the `all_<table>` views (sealed ∪ live) they run over.
 
+pub mod checkpoints;
 pub mod forensics;
 pub mod report;
 pub mod source;
@@ -60,6 +61,8 @@ pub enum QueryError {
     ObjectStore(datafusion::object_store::Error),
     #[error("verification did not finish: {0}")]
     Verification(String),
+    #[error("no SQL statement given")]
+    NoStatement,
 }
 
 impl From<StoreError> for QueryError {
@@ -275,6 +278,31 @@ fn read_live(store: &dyn LogStore, base: &Path, report: &Report) -> Vec<Vec<Reco
             live
         })
         .collect()
+}
+
+/// Run every statement of `sql` in order — `;`-separated, `--` comments allowed, `SET`
+/// statements applied to `ctx` — and return the result of each statement that yields rows
+/// (`SET` and other statements without rows yield none). What `--show-sql` prints runs here as
+/// printed.
+pub async fn run_script(
+    ctx: &SessionContext,
+    sql: &str,
+) -> Result<Vec<Vec<RecordBatch>>, QueryError> {
+    use datafusion::logical_expr::LogicalPlan;
+    let statements = datafusion::sql::parser::DFParser::parse_sql(sql)?;
+    if statements.is_empty() {
+        return Err(QueryError::NoStatement);
+    }
+    let mut results = Vec::new();
+    for statement in statements {
+        let plan = ctx.state().statement_to_plan(statement).await?;
+        let rows = !matches!(plan, LogicalPlan::Statement(_) | LogicalPlan::Ddl(_));
+        let batches = ctx.execute_logical_plan(plan).await?.collect().await?;
+        if rows {
+            results.push(batches);
+        }
+    }
+    Ok(results)
 }
 
 /// Make every table queryable for the forensic SQL, even when a node never wrote it: register an

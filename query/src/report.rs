@@ -490,7 +490,7 @@ fn exposure_section(h: &mut String, e: &Exposure) {
                     .collect::<Vec<_>>()
                     .join(", ")),
                 a.foreign_slots,
-                utc(a.wall_ns),
+                utc(a.first_wall_ns),
                 if a.unchecked { "off (unsafe)" } else { "on" }
             );
         }

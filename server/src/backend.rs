@@ -11,7 +11,9 @@ use custody_runtime::engine::{AdmissionError, FinishReason, GenerateRequest};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
-use crate::engine_thread::{EngineGauges, EngineGone, EngineHandle, Out, PrefillCheck};
+use crate::engine_thread::{
+    EndSlot, EngineGauges, EngineGone, EngineHandle, Events, Out, PrefillCheck,
+};
 use crate::error::ApiError;
 
 /// The serving backend.
@@ -34,7 +36,7 @@ pub enum Backend {
 
 /// An admitted request: its id (`req-<node>-<n>`, `n` the audit `request_id` on `node`) and
 /// its events.
-pub(crate) type Admitted = (String, u64, mpsc::Receiver<Out>);
+pub(crate) type Admitted = (String, u64, Events);
 
 /// A refusal; with the request id when the engine recorded the refusal under one.
 pub(crate) type Refused = (Option<String>, ApiError);
@@ -58,7 +60,7 @@ impl Backend {
                 let (id, admitted) = h.submit(req).await.map_err(|e| (None, gone(&e)))?;
                 let rid = format!("req-{node}-{id}");
                 match admitted {
-                    Ok(rx) => Ok((rid, id, rx)),
+                    Ok(events) => Ok((rid, id, events)),
                     Err(e) => Err((Some(rid), admission_error(&e, prompt_tokens))),
                 }
             }
@@ -82,11 +84,12 @@ impl Backend {
         }
     }
 
-    /// Stop a request early (client gone, stop sequence). Remote: dropping the event stream is
-    /// the abort (the front door and decode abort a request whose client went away).
-    pub(crate) fn abort(&self, id: u64) {
+    /// The server ended a request early (stop sequence, client gone; its [`EndSlot`] says how
+    /// the client saw the end). Remote: dropping the event stream is the abort (the front door
+    /// and decode abort a request whose client went away).
+    pub(crate) fn end(&self, id: u64) {
         if let Backend::Local(h) = self {
-            h.abort(id);
+            h.end(id);
         }
     }
 
@@ -319,5 +322,10 @@ async fn submit_remote(
             return;
         }
     });
-    Ok((format!("req-{node}-{id}"), id, rx))
+    // In front of a pair the nodes record their own ends (a dropped stream is an abort there).
+    let events = Events {
+        rx,
+        end: EndSlot::default(),
+    };
+    Ok((format!("req-{node}-{id}"), id, events))
 }

@@ -177,10 +177,10 @@ async fn run_once(engine: &Backend, golden: &[Golden], stop_ids: &[u32]) -> Repo
     for (g, r) in pending {
         let got = match r {
             Err((_, e)) => Err(e.message),
-            Ok((_, _, mut rx)) => {
+            Ok((_, _, mut events)) => {
                 let mut toks = Vec::new();
                 let mut res = Err("the engine dropped the request".to_owned());
-                while let Some(ev) = rx.recv().await {
+                while let Some(ev) = events.rx.recv().await {
                     match ev {
                         Out::Token(t) => toks.push(t),
                         Out::Finished { .. } => {

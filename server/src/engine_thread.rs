@@ -43,15 +43,51 @@ impl Out {
 }
 
 /// The engine's answer to a submission: the id it assigned (also to a rejection, which the
-/// audit log records under it) and either the request's event stream or why it was refused.
-pub type SubmitReply = (RequestId, Result<mpsc::Receiver<Out>, AdmissionError>);
+/// audit log records under it) and either the request's events or why it was refused.
+pub type SubmitReply = (RequestId, Result<Events, AdmissionError>);
+
+/// An admitted request's side of its route: the engine's events, and the slot where the server
+/// says how the request ended for its client when the server, not the engine, ended it.
+#[derive(Debug)]
+pub struct Events {
+    pub rx: mpsc::Receiver<Out>,
+    pub end: EndSlot,
+}
+
+/// How a request ended as its client saw it, when the server ended it before the engine did: a
+/// stop sequence matched in the text (`finished`, reason `stop`), the client gone (`aborted`,
+/// `client_disconnected`). `delivered_tokens` is what the client received (its `usage`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientEnd {
+    pub kind: audit::RequestKind,
+    pub delivered_tokens: usize,
+}
+
+/// Shared by a request's route (engine thread) and its server side: set once by the server,
+/// read by the engine thread when it ends the request — whichever it notices first, the
+/// server's end command or the closed event channel, the log records the same end.
+#[derive(Clone, Debug, Default)]
+pub struct EndSlot(Arc<std::sync::OnceLock<ClientEnd>>);
+
+impl EndSlot {
+    /// Say how the request ended for the client (the first statement wins).
+    pub fn set(&self, end: ClientEnd) {
+        let _ = self.0.set(end);
+    }
+
+    fn get(&self) -> Option<&ClientEnd> {
+        self.0.get()
+    }
+}
 
 pub(crate) enum Cmd {
     Submit {
         req: GenerateRequest,
         reply: oneshot::Sender<SubmitReply>,
     },
-    Abort(RequestId),
+    /// The server ended the request (stop sequence, client gone): end it as its [`EndSlot`]
+    /// says (`aborted`, `client_disconnected` if the slot is empty).
+    End(RequestId),
     /// Shutdown's drain timed out: abort everything still running.
     AbortAll(String),
     /// A server-side audit event (canary result, prefill anomaly), recorded through the engine's
@@ -119,7 +155,7 @@ impl std::fmt::Debug for Cmd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Cmd::Submit { .. } => "Submit",
-            Cmd::Abort(_) => "Abort",
+            Cmd::End(_) => "End",
             Cmd::AbortAll(_) => "AbortAll",
             Cmd::Record(_) => "Record",
             Cmd::Shutdown => "Shutdown",
@@ -149,10 +185,11 @@ impl EngineHandle {
             .map_err(|_| EngineGone::Stopped)?
     }
 
-    /// Best effort: if the queue is full, the engine still notices the closed event channel at
-    /// the request's next token and aborts it then.
-    pub fn abort(&self, id: RequestId) {
-        let _ = self.tx.try_send(Cmd::Abort(id));
+    /// The server ended request `id` (its [`EndSlot`] says how). Best effort: if the queue is
+    /// full, the engine still notices the closed event channel at the request's next token and
+    /// ends it then, the same way.
+    pub fn end(&self, id: RequestId) {
+        let _ = self.tx.try_send(Cmd::End(id));
     }
 
     /// Abort everything in flight (the end of a shutdown drain). Waits for queue space.
@@ -173,6 +210,7 @@ impl EngineHandle {
 
 struct Route {
     tx: mpsc::Sender<Out>,
+    end: EndSlot,
     admitted: Instant,
     prompt_tokens: usize,
     first_token: bool,
@@ -278,35 +316,36 @@ fn handle(
             let tenant: Arc<str> = req.tenant.as_str().into();
             // Bounded by what the request can produce: see the module doc.
             let (tx, rx) = mpsc::channel(req.max_tokens.saturating_add(1));
+            let end = EndSlot::default();
             let result = engine.submit(req).map(|got| {
                 debug_assert_eq!(got, id);
                 routes.insert(
                     id,
                     Route {
                         tx,
+                        end: end.clone(),
                         admitted: Instant::now(),
                         prompt_tokens,
                         first_token: false,
                         tenant,
                     },
                 );
-                rx
+                Events { rx, end }
             });
             if let Err((_, Ok(_))) = reply.send((id, result)) {
                 // The caller went away between submitting and hearing back.
-                engine.abort(id);
+                engine.abort(id, CLIENT_DISCONNECTED);
                 routes.remove(&id);
             }
         }
-        Cmd::Abort(id) => {
-            if routes.remove(&id).is_some() {
-                engine.abort(id);
-                gauges.aborted_total.fetch_add(1, Ordering::Relaxed);
+        Cmd::End(id) => {
+            if let Some(r) = routes.remove(&id) {
+                end_as_the_client_saw(engine, id, &r, gauges);
             }
         }
         Cmd::AbortAll(reason) => {
             for (id, r) in routes.drain() {
-                engine.abort(id);
+                engine.abort(id, &reason);
                 gauges.aborted_total.fetch_add(1, Ordering::Relaxed);
                 let _ = r.tx.try_send(Out::Aborted(reason.clone()));
             }
@@ -389,8 +428,24 @@ fn route(
         routes.remove(&id);
     } else if gone {
         // The client went away (or, impossibly, overran its bound): stop computing for it.
-        routes.remove(&id);
-        engine.abort(id);
+        if let Some(r) = routes.remove(&id) {
+            end_as_the_client_saw(engine, id, &r, gauges);
+        }
+    }
+}
+
+/// The `aborted` reason of a request whose client went away.
+const CLIENT_DISCONNECTED: &str = "client_disconnected";
+
+/// End a request the server ended, recorded as its [`EndSlot`] says (the client's view);
+/// without a statement, the client went away: `aborted`, every produced token counted.
+fn end_as_the_client_saw(engine: &mut Engine, id: RequestId, r: &Route, gauges: &EngineGauges) {
+    let ended = match r.end.get() {
+        Some(end) => engine.end_early(id, end.kind.clone(), Some(end.delivered_tokens)),
+        None => engine.abort(id, CLIENT_DISCONNECTED),
+    };
+    let finished = matches!(r.end.get(), Some(e) if e.kind.name() == "finished");
+    if ended && !finished {
         gauges.aborted_total.fetch_add(1, Ordering::Relaxed);
     }
 }

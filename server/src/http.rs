@@ -14,6 +14,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use custody_audit::RequestKind;
 use custody_runtime::engine::{FinishReason, GenerateRequest};
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{SamplingParams, Tokenizer};
@@ -22,7 +23,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::backend::Backend;
-use crate::engine_thread::Out;
+use crate::engine_thread::{ClientEnd, Events, Out};
 use crate::error::ApiError;
 use crate::metrics::{AuditStats, Metrics};
 use crate::openai::{self, Params, Prompt, StopText};
@@ -333,6 +334,7 @@ async fn admit_and_run(
         _permit: permit,
         refund,
         events,
+        delivered_tokens: 0,
         t0,
         prompt_tokens,
         params,
@@ -412,7 +414,9 @@ struct Run {
     tenant: Arc<Tenant>,
     _permit: tokio::sync::OwnedSemaphorePermit,
     refund: Refund,
-    events: mpsc::Receiver<Out>,
+    events: Events,
+    /// Output tokens taken from the engine and handed on to the client so far.
+    delivered_tokens: usize,
     t0: Instant,
     prompt_tokens: usize,
     params: Params,
@@ -426,7 +430,13 @@ impl Drop for Run {
     fn drop(&mut self) {
         self.st.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
         if !self.finished {
-            self.st.backend.abort(self.id);
+            self.events.end.set(ClientEnd {
+                kind: RequestKind::Aborted {
+                    reason: "client_disconnected".into(),
+                },
+                delivered_tokens: self.delivered_tokens,
+            });
+            self.st.backend.end(self.id);
             tracing::info!(request_id = %self.rid, tenant = %self.tenant.id, "client went away: request aborted");
             self.st
                 .metrics
@@ -460,7 +470,7 @@ impl Run {
     /// Next piece of text, or the end.
     async fn next(&mut self, d: &mut Decoder) -> Result<String, End> {
         loop {
-            let Some(ev) = self.events.recv().await else {
+            let Some(ev) = self.events.rx.recv().await else {
                 self.finished = true;
                 return Err(End::Error(ApiError::internal(
                     "the engine dropped the request",
@@ -477,6 +487,7 @@ impl Run {
                     d.last_token_at = Some(now);
                     d.tokens.push(t);
                     self.refund.used += 1;
+                    self.delivered_tokens += 1;
                     let piece = d.dec.push(&self.st.tokenizer, t).map_err(|e| {
                         End::Error(ApiError::internal(
                             format!("cannot decode token {t}: {e}"),
@@ -485,8 +496,15 @@ impl Run {
                     })?;
                     let (out, stopped) = d.stop.push(&piece);
                     if stopped {
-                        // The engine does not know text-level stops: end it here.
-                        self.st.backend.abort(self.id);
+                        // The engine does not know text-level stops: end it here, recorded as
+                        // the client sees it (finished, `stop`, the tokens in its `usage`).
+                        self.events.end.set(ClientEnd {
+                            kind: RequestKind::Finished {
+                                reason: "stop".into(),
+                            },
+                            delivered_tokens: d.tokens.len(),
+                        });
+                        self.st.backend.end(self.id);
                         self.finished = true;
                         if !out.is_empty() {
                             // The caller emits this, then sees the end on the next call.

@@ -33,7 +33,7 @@ use custody_runtime::{SamplingParams, Tokenizer};
 
 pub use backend::Backend;
 pub use canary::Golden;
-pub use engine_thread::{EngineGauges, EngineHandle, PrefillCheck};
+pub use engine_thread::{ClientEnd, EndSlot, EngineGauges, EngineHandle, Events, PrefillCheck};
 pub use metrics::{AuditStats, Metrics};
 
 /// Why the server could not start or stopped with an error.

@@ -223,7 +223,10 @@ impl Node {
             Ok(r) => r,
             Err(e) => {
                 self.free_slots.push(slot);
-                self.engine.quarantine(id, RequestKind::Aborted);
+                let kind = RequestKind::Aborted {
+                    reason: "cannot register the KV region".into(),
+                };
+                self.engine.quarantine(id, kind);
                 // Never registered: no writer exists, and the engine knows no key to wait for.
                 if let Err(e) = self.engine.release_quarantined(id, None) {
                     tracing::error!(request = id, error = %e, "pages stay quarantined");
@@ -633,7 +636,15 @@ impl Node {
                     "reservation lease expired without a commit: aborting (key invalidated before pages are freed)"
                 );
             }
-            self.end(id, ReqEvent::Abort, RequestKind::Aborted, None);
+            let reason = if expired {
+                "reservation lease expired"
+            } else {
+                "client_disconnected"
+            };
+            let kind = RequestKind::Aborted {
+                reason: reason.into(),
+            };
+            self.end(id, ReqEvent::Abort, kind, None);
         }
     }
 
@@ -664,7 +675,10 @@ impl Node {
                 let existed = self.reqs.contains_key(&id);
                 if existed {
                     tracing::info!(request = id, reason, "abort");
-                    self.end(id, ReqEvent::Abort, RequestKind::Aborted, Some(reason));
+                    let kind = RequestKind::Aborted {
+                        reason: reason.clone(),
+                    };
+                    self.end(id, ReqEvent::Abort, kind, Some(reason));
                 }
                 let _ = tx.send(existed);
             }

@@ -90,7 +90,7 @@ enum Cmd {
         proto::ReserveReply,
         oneshot::Sender<TransferResult>,
     ),
-    Abort(RequestId),
+    Abort(RequestId, String),
     #[cfg(feature = "fault-injection")]
     Fault(PrefillFault),
     Stats(oneshot::Sender<PrefillStats>),
@@ -502,13 +502,13 @@ impl Node {
         }
     }
 
-    fn abort(&mut self, id: RequestId) {
+    fn abort(&mut self, id: RequestId, reason: &str) {
         let Some(r) = self.reqs.get(&id) else { return };
         if r.outstanding > 0 {
             // Writes are in flight: the pages they read stay held until they complete (a NIC
             // may still be reading them); mark the request so its completion only cleans up.
             if let Some(r) = self.reqs.get_mut(&id) {
-                r.failed.get_or_insert("aborted".into());
+                r.failed.get_or_insert(format!("aborted: {reason}"));
                 r.done = None;
             }
             return;
@@ -518,7 +518,7 @@ impl Node {
         {
             tracing::error!(request = id, error = %e, "illegal abort transition");
         }
-        self.engine.abort(id);
+        self.engine.abort(id, reason);
     }
 
     fn step(&mut self) -> bool {
@@ -539,7 +539,10 @@ impl Node {
                                 self.post(id);
                             }
                         } else {
-                            self.engine.release_held(id, RequestKind::Aborted);
+                            let kind = RequestKind::Aborted {
+                                reason: "client_disconnected".into(),
+                            };
+                            self.engine.release_held(id, kind);
                         }
                     }
                     Event::Failed { id, error } => {
@@ -629,7 +632,7 @@ impl Node {
                 let _ = tx.send(self.submit(req, prefilled));
             }
             Cmd::Attach(id, res, tx) => self.attach(id, res, tx),
-            Cmd::Abort(id) => self.abort(id),
+            Cmd::Abort(id, reason) => self.abort(id, &reason),
             #[cfg(feature = "fault-injection")]
             Cmd::Fault(f) => self.fault.arm(f, &mut *self.transport),
         }
@@ -873,7 +876,7 @@ impl PrefillHandle {
             Ok(Ok(_first)) => {}
             Ok(Err(e)) => return Err(Status::aborted(format!("prefill failed: {e}"))),
             Err(_) => {
-                let _ = self.send(Cmd::Abort(id));
+                let _ = self.send(Cmd::Abort(id, "prefill engine stopped".into()));
                 return Err(Status::unavailable("prefill engine stopped"));
             }
         }
@@ -899,7 +902,8 @@ impl PrefillHandle {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 Err(s) => {
-                    let _ = self.send(Cmd::Abort(id));
+                    let reason = format!("decode reservation failed: {}", s.message());
+                    let _ = self.send(Cmd::Abort(id, reason));
                     return Err(s);
                 }
             }

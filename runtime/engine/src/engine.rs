@@ -435,9 +435,21 @@ impl Engine {
 
     /// Flush a sequence's read runs, release its pages, and record how it ended.
     fn retire(&mut self, s: Seq, kind: RequestKind) {
+        let out = s.generated;
+        self.retire_as(s, kind, out);
+    }
+
+    /// [`Engine::retire`], recording `output_tokens` as the request's output (what its client
+    /// received, at most what it produced).
+    fn retire_as(&mut self, s: Seq, kind: RequestKind, output_tokens: usize) {
+        debug_assert!(
+            output_tokens <= s.generated,
+            "request {}: more tokens delivered than produced",
+            s.id
+        );
         self.flush_reads(&s);
         self.release(&s);
-        let out = s.generated;
+        let out = output_tokens.min(s.generated);
         self.emit_request(s.id, &s.tenant, kind, s.prompt.len(), out);
     }
 
@@ -576,20 +588,39 @@ impl Engine {
         Ok(())
     }
 
-    /// Abort a request (waiting or running). Returns whether it existed.
-    pub fn abort(&mut self, id: RequestId) -> bool {
-        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            if let Some(s) = self.waiting.remove(i) {
-                self.retire(s, RequestKind::Aborted);
-            }
-            return true;
-        }
-        if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            let s = self.running.swap_remove(i);
-            self.retire(s, RequestKind::Aborted);
-            return true;
-        }
-        false
+    /// Abort a request (waiting or running): recorded `aborted` with `reason` and the tokens
+    /// it produced. Returns whether it existed.
+    pub fn abort(&mut self, id: RequestId, reason: &str) -> bool {
+        let kind = RequestKind::Aborted {
+            reason: reason.into(),
+        };
+        self.end_early(id, kind, None)
+    }
+
+    /// End a request the engine has not finished (waiting or running) the way its caller — who
+    /// answered the client — saw it end: `kind` (e.g. `finished`, reason `stop`, for a stop
+    /// sequence the server matched in the text, which the engine cannot see) and
+    /// `delivered_tokens`, the output tokens the client received (`None`: every token produced).
+    /// Returns whether it existed.
+    pub fn end_early(
+        &mut self,
+        id: RequestId,
+        kind: RequestKind,
+        delivered_tokens: Option<usize>,
+    ) -> bool {
+        let s = if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(i)
+        } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            Some(self.running.swap_remove(i))
+        } else {
+            None
+        };
+        let Some(s) = s else {
+            return false;
+        };
+        let out = delivered_tokens.unwrap_or(s.generated);
+        self.retire_as(s, kind, out);
+        true
     }
 
     /// Return a sequence's pages to the free list. Safety property 2 ("no early reuse") holds by

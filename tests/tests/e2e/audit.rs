@@ -68,7 +68,7 @@ pub(crate) fn col_u64(b: &RecordBatch, name: &str) -> Vec<u64> {
         .values()
         .to_vec()
 }
-fn col_u32(b: &RecordBatch, name: &str) -> Vec<Option<u32>> {
+pub(crate) fn col_u32(b: &RecordBatch, name: &str) -> Vec<Option<u32>> {
     let a = b
         .column_by_name(name)
         .expect(name)
@@ -816,5 +816,93 @@ fn verified_session_uses_only_digest_named_files_and_marks_the_live_segment() {
         "the live segment is queryable, under its own name"
     );
     assert_eq!(problems, 2, "and the exclusions are reported");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A witnessed write outside its transfer's page, where the target recorded no landing, is a
+/// `misdirected_write` whose row says so — every field filled (CONCAT skips NULLs, so the
+/// missing landing once printed as "page  gen  of request  ()").
+#[test]
+fn a_misdirected_write_that_landed_nowhere_recorded_says_so() {
+    let root = tmp_dir("crosscheck-misdirected");
+    let k = key();
+    let w = AuditWriter::open(WriterConfig::new(&root, 1, k.0.clone())).expect("writer");
+    w.record(AEvent::Transfer {
+        ts_ns: custody_audit::mono_now_ns(),
+        transfer: 5,
+        request: 42,
+        tenant: "acme".into(),
+        src_node: 1,
+        src_page: 3,
+        src_generation: 1,
+        dst_node: 2,
+        dst_page: 8,
+        dst_generation: 4,
+        bytes: 4096,
+        checksum: 7,
+        outcome: "ok".into(),
+        rkey: 11,
+        remote_addr: 1 << 20,
+        remote_len: 4096,
+        wire_bytes: 4096,
+        work_requests: 1,
+    })
+    .expect("transfer");
+    w.record(AEvent::RdmaOp(Box::new(custody_audit::RdmaOp {
+        ts_ns: custody_audit::mono_now_ns(),
+        ktime_ns: 1,
+        pid: 1,
+        tid: 1,
+        op: "post_write",
+        ctx: 1 << 32,
+        wr_id: 5,
+        chain_index: 0,
+        opcode: 0,
+        flags: 0,
+        imm: 0,
+        remote_addr: 9 << 20,
+        rkey: 11,
+        num_sge: 1,
+        bytes: 4096,
+        status: 0,
+        qp_num: 0,
+        sges: None,
+        probe_flags: None,
+    })))
+    .expect("observed write");
+    w.close().expect("seal");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let cc = rt.block_on(async {
+        let vs = custody_query::session_over_verified(&root, Some(&k.0.verifying_key()))
+            .await
+            .expect("session");
+        custody_query::prepare_forensics(&vs.ctx)
+            .await
+            .expect("prepare");
+        custody_query::forensics::crosscheck(&vs.ctx)
+            .await
+            .expect("crosscheck")
+    });
+    // The write is also outside its transfer's span (`transfer_mismatch`, the engine's side).
+    let d = cc
+        .discrepancies
+        .iter()
+        .find(|d| d.kind == "misdirected_write")
+        .unwrap_or_else(|| panic!("{cc:?}"));
+    assert_eq!(
+        (d.kind.as_str(), d.wr_id),
+        ("misdirected_write", 5),
+        "{d:?}"
+    );
+    assert!(
+        d.engine.contains("request 42 (acme) page 8 gen 4, key 11"),
+        "{d:?}"
+    );
+    assert!(
+        d.witness.ends_with("landed in no page the target recorded"),
+        "{d:?}"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -1,6 +1,8 @@
 //! End-to-end tests across Custody's crates, on the real embedded model.
 
 mod audit;
+mod checkpoint;
+mod cli;
 mod disagg;
 mod gguf_corruption;
 mod integrity;

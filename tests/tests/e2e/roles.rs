@@ -10,6 +10,12 @@ use custody_runtime::transport::{self, TransportKind};
 use crate::disagg::req;
 use crate::{engine_with, small_cfg};
 
+fn aborted() -> RequestKind {
+    RequestKind::Aborted {
+        reason: "test".into(),
+    }
+}
+
 const PROMPT: [u32; 20] = [
     1, 504, 3458, 282, 1, 504, 3458, 282, 1, 504, 3458, 282, 1, 504, 3458, 282, 9, 9, 9, 9,
 ];
@@ -53,8 +59,8 @@ fn prefill_engine_holds_prefilled_pages_outside_every_queue() {
     );
     assert_eq!(e.n_live(), 1);
     assert!(e.step().is_empty());
-    assert!(e.release_held(id, RequestKind::Aborted));
-    assert!(!e.release_held(id, RequestKind::Aborted), "released once");
+    assert!(e.release_held(id, aborted()));
+    assert!(!e.release_held(id, aborted()), "released once");
     assert_eq!(e.n_live(), 0);
     assert_eq!(e.core().pool().n_free(), all_free, "every page back");
 }
@@ -81,7 +87,7 @@ fn decode_engine_frees_quarantined_pages_only_with_the_keys_own_proof() {
         Err(ImportError::WrongKey { .. })
     ));
 
-    assert!(e.quarantine(id, RequestKind::Aborted));
+    assert!(e.quarantine(id, aborted()));
     assert_eq!(e.n_quarantined_pages(), pages.len());
     assert_eq!(
         e.release_quarantined(id, None),

@@ -472,3 +472,45 @@ fn s3_session_from_the_environment_child() {
     });
     println!("child-result: {line}");
 }
+
+/// Checkpoints published into an object-store prefix (the moto server) catch a cut tail after
+/// the attacker with the node's disk also deleted the root's own copy.
+#[test]
+fn a_cut_tail_is_found_from_checkpoints_in_an_object_store() {
+    use custody_audit::digest::{Expect, LocalStore};
+    use custody_query::checkpoints::{ObjectCheckpointSink, fetch_checkpoints_with};
+
+    let moto = Moto::start();
+    let dir = tmp_dir("s3-checkpoints");
+    let key = digest::generate_key().expect("key");
+    let url = format!("s3://{BUCKET}/checkpoints/prod");
+    let sink = ObjectCheckpointSink::new(moto.client(), &url).expect("sink");
+    crate::checkpoint::node_log(&dir, &key, vec![Arc::new(sink)]);
+    crate::checkpoint::cut_tail(&dir, true);
+    let checkpoints = fetch_checkpoints_with(moto.client(), &url).expect("fetch");
+    assert_eq!(checkpoints.len(), 1, "one object per node: {checkpoints:?}");
+    assert!(checkpoints[0].1.starts_with(&url), "{}", checkpoints[0].1);
+    let blind = digest::verify(&dir, Some(&key.verifying_key()), None, None);
+    assert!(
+        blind.ok(),
+        "without the outside checkpoint: {:?}",
+        blind.problems
+    );
+    let r = digest::verify_reporting(
+        &LocalStore::new(&dir),
+        Some(&key.verifying_key()),
+        None,
+        None,
+        &Expect {
+            checkpoints,
+            ..Expect::default()
+        },
+    );
+    assert!(
+        crate::checkpoint::tail_cut(&r).is_some_and(|p| p.starts_with("s3://")),
+        "{:?}",
+        r.problems
+    );
+    drop(moto);
+    let _ = std::fs::remove_dir_all(&dir);
+}

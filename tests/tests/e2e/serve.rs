@@ -16,7 +16,7 @@ use custody_server::config::{ServeSection, TenantSection};
 use custody_server::tenants::hash_key;
 use custody_server::{AuditStats, ServeOptions};
 
-use crate::audit::{col_str, col_u64, read_table, tmp_dir};
+use crate::audit::{col_str, col_u32, col_u64, read_table, tmp_dir};
 use crate::{engine_with, tokenizer};
 
 const KEY: &str = "sk-test-acme";
@@ -785,4 +785,118 @@ fn an_audit_log_that_cannot_keep_up_is_503_and_a_drain_that_times_out_aborts() {
     );
     let id = engine_id(r.header("x-request-id").expect("request id"));
     assert_eq!(requests(&audit)[&id].1, ["admitted", "aborted"]);
+}
+
+/// The terminal `requests` row of each request: (event, reason, output_tokens).
+fn ends(audit: &std::path::Path) -> BTreeMap<u64, (String, Option<String>, u32)> {
+    let mut out = BTreeMap::new();
+    for b in read_table(audit, "requests") {
+        let (ids, events, reasons, outputs) = (
+            col_u64(&b, "request_id"),
+            col_str(&b, "event"),
+            col_str(&b, "reason"),
+            col_u32(&b, "output_tokens"),
+        );
+        for i in 0..ids.len() {
+            let ev = events[i].clone().unwrap_or_default();
+            if ev != "admitted" {
+                out.insert(ids[i], (ev, reasons[i].clone(), outputs[i].unwrap_or(0)));
+            }
+        }
+    }
+    out
+}
+
+/// Every way a request ends is recorded as its client saw it: the `requests` row's event and
+/// reason are the response's finish (or why it was cut), and `output_tokens` is its `usage` —
+/// a stop sequence the server matched in the text is `finished`/`stop` with the tokens the
+/// client got (not `aborted` with however many the engine had computed by then).
+#[test]
+fn every_end_is_recorded_as_the_client_saw_it() {
+    let srv = TestServer::start("ends");
+    let completion = |body: &str| {
+        let r = srv.post("/v1/completions", KEY, body.as_bytes());
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        let id = engine_id(r.header("x-request-id").expect("request id"));
+        (id, v)
+    };
+    let prompt = "Count to one hundred: 1, 2, 3,";
+    // Length.
+    let (len_id, v) = completion(&format!(
+        r#"{{"prompt": "{prompt}", "max_tokens": 12, "temperature": 0}}"#
+    ));
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    let text = v["choices"][0]["text"].as_str().expect("text").to_owned();
+    // A stop sequence from the middle of that (greedy, so the same) text.
+    let half = text.len() / 2;
+    let stop: String = text[half..].chars().take(2).collect();
+    assert!(
+        text.find(&stop).is_some_and(|i| i > 0),
+        "{text:?} / {stop:?}"
+    );
+    let (stop_id, v) = completion(&format!(
+        r#"{{"prompt": "{prompt}", "max_tokens": 12, "temperature": 0, "stop": [{stop:?}]}}"#
+    ));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let stop_usage = v["usage"]["completion_tokens"].as_u64().expect("usage") as u32;
+    assert!((1..12).contains(&stop_usage), "{v}");
+    // A client that goes away mid-stream.
+    let gone_id = {
+        use std::io::{BufRead, BufReader, Write};
+        let host = srv.url.trim_start_matches("http://").to_owned();
+        let mut sock = std::net::TcpStream::connect(&host).expect("connect");
+        let body = format!(
+            r#"{{"prompt": "{prompt}", "max_tokens": 400, "temperature": 0, "stream": true}}"#
+        );
+        write!(
+            sock,
+            "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send");
+        let mut lines = BufReader::new(sock.try_clone().expect("clone"));
+        let (mut id, mut line) = (None, String::new());
+        while lines.read_line(&mut line).expect("read") > 0 {
+            if let Some(v) = line.trim().strip_prefix("x-request-id: ") {
+                id = Some(engine_id(v));
+            }
+            if line.starts_with("data: ") {
+                break; // the first chunk arrived: now go away
+            }
+            line.clear();
+        }
+        drop(lines);
+        drop(sock);
+        id.expect("x-request-id header")
+    };
+    let t0 = Instant::now();
+    while srv.metric("custody_running_requests") > 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the abandoned stream kept running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let audit = srv.stop();
+    let ends = ends(&audit);
+    assert_eq!(
+        ends[&len_id],
+        ("finished".into(), Some("length".into()), 12)
+    );
+    assert_eq!(
+        ends[&stop_id],
+        ("finished".into(), Some("stop".into()), stop_usage),
+        "the log must say what the client got"
+    );
+    let (ev, reason, out) = &ends[&gone_id];
+    assert_eq!(
+        (ev.as_str(), reason.as_deref()),
+        ("aborted", Some("client_disconnected"))
+    );
+    assert!(
+        (1..400).contains(out),
+        "{out} tokens handed to the client before it left"
+    );
 }

@@ -36,7 +36,7 @@ fn defined_symbols(bin: &std::path::Path) -> Vec<String> {
         .collect()
 }
 
-fn default_features_binary() -> PathBuf {
+pub(crate) fn default_features_binary() -> PathBuf {
     if let Some(p) = std::env::var_os("CUSTODY_DEFAULT_FEATURES_BIN") {
         return p.into();
     }

@@ -265,3 +265,53 @@ fn exposure_sql_equals_the_definition_on_adversarial_logs() {
         "the logs do expose data ({exposed} responses)"
     );
 }
+
+/// What `--show-sql` prints is a script that runs as printed (settings, comments, several
+/// statements): the exposure script returns exactly the exposure query's rows, then the
+/// prevented count; a `;` inside a comment or a string does not split a statement.
+#[test]
+fn show_sql_scripts_run_as_printed() {
+    let key = custody_audit::digest::generate_key().expect("key");
+    let root = tmp_dir("synth-show-sql");
+    let want = adversarial_log(&root, &key, 3);
+    assert!(!want.is_empty(), "seed 3 exposes data");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("rt");
+    rt.block_on(async {
+        let vs = custody_query::session_over_verified(&root, Some(&key.verifying_key()))
+            .await
+            .expect("session");
+        custody_query::prepare_forensics(&vs.ctx)
+            .await
+            .expect("prepare");
+        let (_, rows) = custody_query::forensics::exposure_with_rows(&vs.ctx, None, None)
+            .await
+            .expect("exposure");
+        let script = custody_query::forensics::exposure_script(None, None);
+        let results = custody_query::run_script(&vs.ctx, &script)
+            .await
+            .expect("the printed script runs");
+        assert_eq!(results.len(), 2, "affected rows, then prevented exposures");
+        let pretty = |b: &[datafusion_batches::RecordBatch]| {
+            datafusion_batches::pretty_format_batches(b)
+                .expect("format")
+                .to_string()
+        };
+        assert_eq!(pretty(&results[0]), pretty(&rows));
+        let odd = "-- a comment; with a semicolon\nSELECT 'a;b' AS x;\nSELECT 2 AS y";
+        let results = custody_query::run_script(&vs.ctx, odd).await.expect("odd");
+        assert_eq!(results.len(), 2);
+        assert!(pretty(&results[0]).contains("a;b"));
+        assert!(matches!(
+            custody_query::run_script(&vs.ctx, "-- nothing\n").await,
+            Err(custody_query::QueryError::NoStatement)
+        ));
+    });
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+mod datafusion_batches {
+    pub use custody_query::datafusion::arrow::record_batch::RecordBatch;
+    pub use custody_query::datafusion::arrow::util::pretty::pretty_format_batches;
+}

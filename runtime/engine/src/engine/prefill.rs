@@ -62,9 +62,16 @@ impl PrefillEngine {
         true
     }
 
-    /// Abort a request, waiting, prefilling or held. Returns whether it existed.
-    pub fn abort(&mut self, id: RequestId) -> bool {
-        self.core.abort(id) || self.release_held(id, RequestKind::Aborted)
+    /// Abort a request, waiting, prefilling or held (recorded `aborted` with `reason`).
+    /// Returns whether it existed.
+    pub fn abort(&mut self, id: RequestId, reason: &str) -> bool {
+        self.core.abort(id, reason)
+            || self.release_held(
+                id,
+                RequestKind::Aborted {
+                    reason: reason.into(),
+                },
+            )
     }
 
     /// Run one batch; sequences whose prompt completed move to the held set. After an audit

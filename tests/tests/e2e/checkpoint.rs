@@ -1,0 +1,291 @@
+//! A node's tail cannot be cut silently: signed checkpoints kept where the node's own disk cannot
+//! rewrite them — another node's log (the peer's, the eBPF witness's), another directory, an
+//! object store — show a chain that ends before them. Each place is tested against the attacker
+//! who controls the node's disk: who deletes the newest sealing (its digest and every file it
+//! names) *and* the root's own copy of the checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use custody_audit::checkpoint::{Checkpoint, CheckpointSink, DirSink, LogSink};
+use custody_audit::digest::{self, Expect, Freshness, Problem, SigningKey};
+use custody_audit::writer::{AuditWriter, WriterConfig};
+use custody_audit::{AuditSink, Event, PageKind};
+
+use crate::audit::tmp_dir;
+
+const NODE: u32 = 1;
+const PEER: u32 = 2;
+const WITNESS: u32 = 9;
+
+/// Node `NODE` seals three segments; every checkpoint also goes to `sinks`.
+pub(crate) fn node_log(root: &Path, key: &SigningKey, sinks: Vec<Arc<dyn CheckpointSink>>) {
+    let mut cfg = WriterConfig::new(root, NODE, key.clone());
+    cfg.checkpoint_sinks = sinks;
+    let w = AuditWriter::open(cfg).expect("writer");
+    for seg in 0..3u64 {
+        for i in 0..50u64 {
+            w.record(Event::Page {
+                ts_ns: custody_audit::mono_now_ns(),
+                request: seg * 100 + i,
+                tenant: "acme".into(),
+                page: (i % 5) as u32,
+                generation: 1,
+                kind: PageKind::Alloc,
+            })
+            .expect("record");
+        }
+        w.rotate().expect("seal");
+    }
+    w.close().expect("close");
+}
+
+/// Another node's writer in the same root (a peer, or the witness with its own node id).
+fn other_log(root: &Path, node: u32, key: &SigningKey) -> Arc<AuditWriter> {
+    Arc::new(AuditWriter::open(WriterConfig::new(root, node, key.clone())).expect("writer"))
+}
+
+/// The attacker with `NODE`'s disk: the newest digest and every file it names go, and (when
+/// `local_copy_too`) the root's own checkpoint copy.
+pub(crate) fn cut_tail(root: &Path, local_copy_too: bool) {
+    let dir = root.join(format!("_digests/node={NODE}"));
+    let mut digests: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("digests")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    digests.sort();
+    let newest = digests.pop().expect("a digest");
+    let d: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&newest).expect("read")).expect("json");
+    for f in d["files"].as_array().expect("files") {
+        std::fs::remove_file(root.join(f["path"].as_str().expect("path"))).expect("rm file");
+    }
+    std::fs::remove_file(&newest).expect("rm digest");
+    if local_copy_too {
+        std::fs::remove_file(DirSink::path(&root.join("_checkpoints"), NODE)).expect("rm copy");
+    }
+}
+
+fn verify(root: &Path, key: &SigningKey, expect: &Expect) -> digest::Report {
+    digest::verify_reporting(
+        &digest::LocalStore::new(root),
+        Some(&key.verifying_key()),
+        None,
+        None,
+        expect,
+    )
+}
+
+pub(crate) fn tail_cut(r: &digest::Report) -> Option<String> {
+    r.problems.iter().find_map(|p| match p {
+        Problem::TailCut {
+            node: NODE,
+            checkpoint_digest_seq: 2,
+            last_present: Some(1),
+            place,
+        } => Some(place.clone()),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_cut_tail_is_found_from_every_place_a_checkpoint_lives() {
+    let key = digest::generate_key().expect("key");
+
+    // The root's own copy: enough against an attacker who forgets it, nothing against one who
+    // does not (the documented limit without an outside checkpoint).
+    let root = tmp_dir("cp-local");
+    node_log(&root, &key, Vec::new());
+    let clean = verify(&root, &key, &Expect::default());
+    assert!(clean.ok(), "{:?}", clean.problems);
+    assert!(clean.checkpoints >= 1);
+    cut_tail(&root, false);
+    let r = verify(&root, &key, &Expect::default());
+    assert!(
+        tail_cut(&r).is_some_and(|p| p.contains("_checkpoints")),
+        "{:?}",
+        r.problems
+    );
+    std::fs::remove_file(DirSink::path(&root.join("_checkpoints"), NODE)).expect("rm copy");
+    let r = verify(&root, &key, &Expect::default());
+    assert!(
+        r.ok(),
+        "without an outside checkpoint a clean cut verifies: {:?}",
+        r.problems
+    );
+
+    // The peer's and the witness's logs: each keeps the node's checkpoints in its own signed
+    // chain; verifying the shared root finds them there.
+    for (other, name) in [(PEER, "peer"), (WITNESS, "witness")] {
+        let root = tmp_dir(&format!("cp-{name}"));
+        let other_key = digest::generate_key().expect("key");
+        let log = other_log(&root, other, &other_key);
+        node_log(&root, &key, vec![Arc::new(LogSink::new(log.clone(), name))]);
+        log.close().expect("seal the other log");
+        let r = verify(&root, &key, &Expect::default());
+        assert!(
+            r.problems
+                .iter()
+                .all(|p| matches!(p, Problem::BadSignature { .. } | Problem::WrongKey { .. })),
+            "only the other log's key differs from the expected one: {:?}",
+            r.problems
+        );
+        cut_tail(&root, true);
+        let r = digest::verify(&root, None, None, None);
+        let place = tail_cut(&r).unwrap_or_else(|| panic!("{name}: {:?}", r.problems));
+        assert!(
+            place.contains("node_events") && place.contains(&format!("node={other}")),
+            "{place}"
+        );
+    }
+
+    // Another directory (another disk or mount), given to verify.
+    let root = tmp_dir("cp-dir");
+    let outside = tmp_dir("cp-dir-outside");
+    node_log(&root, &key, vec![Arc::new(DirSink::new(&outside))]);
+    cut_tail(&root, true);
+    let file = DirSink::path(&outside, NODE);
+    let cp = Checkpoint::parse(&std::fs::read_to_string(&file).expect("read")).expect("parse");
+    let expect = Expect {
+        checkpoints: vec![(cp, file.display().to_string())],
+        ..Expect::default()
+    };
+    let r = verify(&root, &key, &expect);
+    assert!(
+        tail_cut(&r).is_some_and(|p| p.contains("cp-dir-outside")),
+        "{:?}",
+        r.problems
+    );
+    for d in [root, outside] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn rewritten_missing_stale_and_empty_logs_are_reported() {
+    let key = digest::generate_key().expect("key");
+    let root = tmp_dir("cp-rewritten");
+    node_log(&root, &key, Vec::new());
+    // The newest digest re-serialised: still validly signed (the signature covers its fields),
+    // but not the file the checkpoint hashed.
+    let newest = root.join(format!("_digests/node={NODE}/0000000000000002.json"));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&newest).expect("read")).expect("json");
+    std::fs::write(&newest, serde_json::to_vec(&v).expect("compact")).expect("write");
+    let r = verify(&root, &key, &Expect::default());
+    assert!(
+        r.problems
+            == [Problem::CheckpointMismatch {
+                node: NODE,
+                digest_seq: 2,
+                place: r.newest_checkpoints[&NODE].clone()
+            }],
+        "{:?}",
+        r.problems
+    );
+
+    // A node that must be there and is not; a log whose newest evidence is too old.
+    let root = tmp_dir("cp-stale");
+    node_log(&root, &key, Vec::new());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos() as i64;
+    let fresh = Expect {
+        nodes: vec![NODE],
+        freshness: Some(Freshness {
+            now_wall_ns: now,
+            max_age: std::time::Duration::from_secs(600),
+        }),
+        ..Expect::default()
+    };
+    assert!(verify(&root, &key, &fresh).ok());
+    let later = Expect {
+        nodes: vec![NODE, 5],
+        freshness: Some(Freshness {
+            now_wall_ns: now + 3_600_000_000_000,
+            max_age: std::time::Duration::from_secs(600),
+        }),
+        ..Expect::default()
+    };
+    let r = verify(&root, &key, &later);
+    assert!(
+        r.problems.contains(&Problem::NodeMissing { node: 5 }),
+        "{:?}",
+        r.problems
+    );
+    assert!(
+        r.problems.iter().any(|p| matches!(
+            p,
+            Problem::Stale {
+                node: NODE,
+                last_evidence_wall_ns: Some(_),
+                max_age_s: 600
+            }
+        )),
+        "{:?}",
+        r.problems
+    );
+    assert!(r.problems.iter().any(|p| matches!(
+        p,
+        Problem::Stale {
+            node: 5,
+            last_evidence_wall_ns: None,
+            ..
+        }
+    )));
+
+    // An empty root verifies as nothing, never as OK.
+    let empty = tmp_dir("cp-empty");
+    let r = verify(&empty, &key, &Expect::default());
+    assert_eq!(r.problems, [Problem::EmptyRoot]);
+    for d in [root, empty] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// An idle node still says where it stands: checkpoints at the interval without any seal.
+#[test]
+fn an_idle_writer_publishes_checkpoints_on_its_interval() {
+    let key = digest::generate_key().expect("key");
+    let root = tmp_dir("cp-idle");
+    let outside = tmp_dir("cp-idle-outside");
+    let mut cfg = WriterConfig::new(&root, NODE, key.clone());
+    cfg.checkpoint_interval = std::time::Duration::from_millis(100);
+    cfg.checkpoint_sinks = vec![Arc::new(DirSink::new(&outside))];
+    let w = AuditWriter::open(cfg).expect("writer");
+    let file = DirSink::path(&outside, NODE);
+    let issued = |f: &Path| {
+        Checkpoint::parse(&std::fs::read_to_string(f).expect("read"))
+            .expect("parse")
+            .body
+            .issued_wall_ns
+    };
+    let t0 = std::time::Instant::now();
+    while !file.exists() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "no checkpoint at start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let first = issued(&file);
+    while issued(&file) == first {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "no checkpoint while idle"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let cp = Checkpoint::parse(&std::fs::read_to_string(&file).expect("read")).expect("parse");
+    assert_eq!(
+        (cp.body.digest_seq, cp.body.seq_end),
+        (None, 0),
+        "nothing sealed yet"
+    );
+    cp.verify(Some(&key.verifying_key())).expect("signed");
+    w.close().expect("close");
+    for d in [root, outside] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
