@@ -265,6 +265,64 @@ impl CheckpointSink for LogSink {
     }
 }
 
+/// Keeps, in another log, the checkpoints a node publishes into a directory: what a peer node
+/// or the eBPF witness (`custody probe --checkpoints-from`) runs when the node is another
+/// process — on this host, or on a shared mount. Each new checkpoint (newer `issued_wall_ns`
+/// than the last relayed one of its node) becomes a `node_events` row [`NODE_EVENT_KIND`] in
+/// `log`, sealed under that log's key; unreadable or foreign files are skipped (the verifier
+/// checks every relayed checkpoint's signature against the node's key).
+#[derive(Debug)]
+pub struct Relay {
+    dir: PathBuf,
+    log: Arc<dyn AuditSink>,
+    /// Per node, the issue time of the newest checkpoint relayed.
+    relayed: std::collections::BTreeMap<u32, i64>,
+}
+
+/// Most checkpoint files one [`Relay::poll`] reads (one per node: a directory with more is not a
+/// checkpoint place).
+const RELAY_MAX_FILES: usize = 4096;
+
+impl Relay {
+    pub fn new(dir: impl Into<PathBuf>, log: Arc<dyn AuditSink>) -> Self {
+        Self {
+            dir: dir.into(),
+            log,
+            relayed: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// Relay what is new in the directory; returns how many checkpoints were recorded. A missing
+    /// directory is nothing new; a log that refuses the event is an error (the relay stops).
+    pub fn poll(&mut self) -> Result<usize, PublishError> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Ok(0);
+        };
+        let mut n = 0;
+        for e in entries.flatten().take(RELAY_MAX_FILES) {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if !(name.starts_with("node=") && name.ends_with(".json")) {
+                continue;
+            }
+            let Ok(text) = std::fs::read_to_string(e.path()) else {
+                continue;
+            };
+            let Ok(cp) = Checkpoint::parse(&text) else {
+                continue;
+            };
+            let last = self.relayed.get(&cp.body.node).copied();
+            if last.is_some_and(|t| t >= cp.body.issued_wall_ns) {
+                continue;
+            }
+            LogSink::new(self.log.clone(), self.dir.display().to_string()).publish(&cp)?;
+            self.relayed.insert(cp.body.node, cp.body.issued_wall_ns);
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

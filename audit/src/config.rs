@@ -31,4 +31,7 @@ pub struct AuditSection {
     /// An object-store prefix (`s3://bucket/prefix`) that receives this node's newest
     /// checkpoint (a build with the `forensics` feature; `AWS_*` variables as for a root).
     pub checkpoint_url: Option<String>,
+    /// Directories where other nodes (peers) publish their checkpoints: each new one is kept
+    /// in this node's log (`node_events` `checkpoint`), where a cut of their tails shows.
+    pub checkpoints_from: Vec<PathBuf>,
 }

@@ -81,6 +81,11 @@ pub struct SynthConfig {
     pub prefill_chunk: u32,
     /// Per mille of requests rejected at admission (no pages).
     pub reject_per_mille: u32,
+    /// Fraction of admitted requests with the incident's faults (as `exposures`, but at a rate:
+    /// a realistic fleet in an incident, for the forensic query's cost): prompt KV truncated and
+    /// attended unchecked, and one stray write into a page another request holds. Those whose
+    /// recycled pages held only their own tenant's data expose nothing and are not retried.
+    pub fault_rate: f64,
     /// Seal the live segment at this size (larger files: fewer, bigger Parquet files).
     pub rotate_bytes: u64,
 }
@@ -100,6 +105,7 @@ impl SynthConfig {
             max_tokens: vec![128, 256, 512, 1024],
             prefill_chunk: 2048,
             reject_per_mille: 5,
+            fault_rate: 0.0,
             rotate_bytes: 256 << 20,
         }
     }
@@ -138,6 +144,9 @@ impl SynthConfig {
         }
         if u64::from(self.pool_pages) * u64::from(self.page_size) > u64::from(u32::MAX) {
             return bad("pool_pages * page_size must fit in u32");
+        }
+        if !(0.0..=1.0).contains(&self.fault_rate) {
+            return bad("fault_rate must be in [0, 1]");
         }
         if self.reject_per_mille >= 1000 {
             return bad("reject_per_mille must be below 1000");
@@ -321,6 +330,9 @@ struct Req {
     reads: Vec<(u32, u32)>,
     /// The incident's fault: prompt KV truncated to one slot, whole prompt attended unchecked.
     injected: bool,
+    /// One of the `exposures` owed (retried on the next request if it exposes nothing), not a
+    /// `fault_rate` draw.
+    owed: bool,
 }
 
 struct NodeSim<'a> {
@@ -415,7 +427,7 @@ impl<'a> NodeSim<'a> {
             kind: "start".into(),
             detail: start,
         })?;
-        if !self.inject_at.is_empty() {
+        if !self.inject_at.is_empty() || self.cfg.fault_rate > 0.0 {
             self.emit(Event::Node {
                 ts_ns: mono_now_ns(),
                 kind: "unsafe_reproduction".into(),
@@ -547,10 +559,13 @@ impl<'a> NodeSim<'a> {
                     kind: PageKind::Alloc,
                 })?;
             }
-            let injected = self.inject_pending > 0;
-            if injected {
+            let owed = self.inject_pending > 0;
+            if owed {
                 self.inject_pending -= 1;
             }
+            // Drawn only with a rate, so that the sequence of a rate-free seed is unchanged.
+            let injected =
+                owed || (self.cfg.fault_rate > 0.0 && self.rng.unit() < self.cfg.fault_rate);
             self.active.push(Req {
                 id,
                 tenant,
@@ -562,6 +577,7 @@ impl<'a> NodeSim<'a> {
                 generated: 0,
                 reads: vec![(0, 0); need],
                 injected,
+                owed,
             });
         }
         Ok(())
@@ -597,6 +613,38 @@ impl<'a> NodeSim<'a> {
                 .fill(tenant + 1);
             pos = stop;
         }
+        Ok(())
+    }
+
+    /// The incident's other symptom, for `fault_rate` faults: a write of faulty request `i`
+    /// lands in a page another request holds — in a slot that request reserved but never
+    /// writes or attends (`prompt + output - 1`), so no answer changes, but the page's history
+    /// now has an overlapping write (the forensic query's clearing must stay local to it).
+    fn stray_write(&mut self, i: usize) -> Result<(), SynthError> {
+        let ps = self.ps;
+        let Some(j) = (0..self.active.len()).find(|&j| j != i && !self.active[j].injected) else {
+            return Ok(());
+        };
+        let (v, s) = (&self.active[j], &self.active[i]);
+        let q = v.prompt + v.output - 1;
+        let (page, generation) = v.pages[(q / ps) as usize];
+        let slot = q % ps;
+        let ev = Event::Page {
+            ts_ns: self.ts_ns,
+            request: s.id,
+            tenant: self.tenants[s.tenant as usize].clone(),
+            page,
+            generation,
+            kind: PageKind::Write {
+                slot_start: slot,
+                slot_end: slot + 1,
+                writer: Writer::Local,
+            },
+        };
+        let tenant = s.tenant;
+        self.emit(ev)?;
+        self.totals.writes += 1;
+        self.last_writer[(page * ps + slot) as usize] = tenant + 1;
         Ok(())
     }
 
@@ -636,6 +684,9 @@ impl<'a> NodeSim<'a> {
         } else {
             // Decode: the KV of the latest token, then attend everything so far.
             let pos = prompt + generated - 1;
+            if injected && generated == 1 && self.cfg.fault_rate > 0.0 {
+                self.stray_write(i)?;
+            }
             self.write(i, pos, pos + 1)?;
             self.attend(i, pos, pos + 1);
             self.active[i].generated += 1;
@@ -710,8 +761,10 @@ impl<'a> NodeSim<'a> {
         if r.injected {
             if foreign.is_empty() {
                 // Its recycled pages held only its own tenant's data (or nothing): no exposure;
-                // inject into the next request instead.
-                self.inject_pending += 1;
+                // an owed one is injected into the next request instead.
+                if r.owed {
+                    self.inject_pending += 1;
+                }
             } else {
                 let n = self.cfg.tenants;
                 self.totals.exposures.push(InjectedExposure {

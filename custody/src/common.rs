@@ -29,6 +29,10 @@ pub(crate) struct AuditArgs {
     /// Also publish them to this object-store prefix (`s3://bucket/prefix`).
     #[arg(long)]
     pub(crate) checkpoint_url: Option<String>,
+    /// Keep in this log the checkpoints another node (a peer) publishes into this directory;
+    /// repeatable; added to [audit] checkpoints_from.
+    #[arg(long)]
+    pub(crate) checkpoints_from: Vec<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -79,7 +83,40 @@ pub(crate) fn open_audit(
     }
     let w = custody_audit::writer::AuditWriter::open(cfg)
         .with_context(|| format!("opening audit log {}", dir.display()))?;
-    Ok(Some(std::sync::Arc::new(w)))
+    let w = std::sync::Arc::new(w);
+    for from in conf.checkpoints_from.iter().chain(&a.checkpoints_from) {
+        relay_checkpoints(from.clone(), w.clone(), None)?;
+    }
+    Ok(Some(w))
+}
+
+/// How often a relay looks for new checkpoints in a peer's checkpoint directory.
+const CHECKPOINT_RELAY_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A thread that keeps, in `log`, the checkpoints another node publishes into `dir` (see
+/// `custody_audit::checkpoint::Relay`), until `stop` is set or the log is closed.
+pub(crate) fn relay_checkpoints(
+    dir: PathBuf,
+    log: std::sync::Arc<custody_audit::writer::AuditWriter>,
+    stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+) -> Result<()> {
+    use std::sync::atomic::Ordering;
+    let mut relay = custody_audit::checkpoint::Relay::new(&dir, log);
+    std::thread::Builder::new()
+        .name("checkpoint-relay".into())
+        .spawn(move || {
+            while !stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)) {
+                if let Err(e) = relay.poll() {
+                    tracing::debug!(error = %e, "checkpoint relay stopped: the log is closed");
+                    return;
+                }
+                std::thread::sleep(CHECKPOINT_RELAY_INTERVAL);
+            }
+            // A last look: what the node published just before the stop.
+            let _ = relay.poll();
+        })
+        .with_context(|| format!("starting the checkpoint relay from {}", dir.display()))?;
+    Ok(())
 }
 
 /// Where the writer publishes its checkpoints, from flags and `[audit]`.

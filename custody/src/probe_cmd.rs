@@ -38,6 +38,11 @@ pub(crate) struct ProbeArgs {
     /// Stop after this many seconds (default: until the process exits, or Ctrl-C / SIGTERM).
     #[arg(long)]
     duration_s: Option<u64>,
+    /// Keep, in the witness's own log, the signed checkpoints the watched node publishes into
+    /// this directory (its `--checkpoint-dir` / `[audit] checkpoint_dirs`): a cut of the node's
+    /// tail then shows against the witness's record. Repeatable.
+    #[arg(long)]
+    checkpoints_from: Vec<PathBuf>,
 }
 
 /// The observing host's node id: FNV-1a of the host name with the high bit set.
@@ -131,6 +136,9 @@ pub(crate) fn probe(a: ProbeArgs) -> Result<()> {
                     std::thread::sleep(Duration::from_millis(100));
                 }
             })?;
+    }
+    for dir in &a.checkpoints_from {
+        crate::common::relay_checkpoints(dir.clone(), writer.clone(), Some(stop.clone()))?;
     }
     eprintln!(
         "recording into {} as node {node}; Ctrl-C to stop",

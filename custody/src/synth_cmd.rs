@@ -28,6 +28,10 @@ pub(crate) struct SynthArgs {
     /// Injected exposures (known answers).
     #[arg(long, default_value_t = 8)]
     exposures: u32,
+    /// Fraction of requests with the incident's fault besides the `--exposures` (e.g. 0.01: an
+    /// incident across a fleet, for the forensic query's cost); 0 = none.
+    #[arg(long, default_value_t = 0.0)]
+    fault_rate: f64,
     /// Pages in each node's pool.
     #[arg(long, default_value_t = 8192)]
     pool_pages: u32,
@@ -46,6 +50,7 @@ pub(crate) fn synth(a: SynthArgs) -> Result<()> {
     cfg.tenants = a.tenants;
     cfg.nodes = a.nodes;
     cfg.exposures = a.exposures;
+    cfg.fault_rate = a.fault_rate;
     cfg.pool_pages = a.pool_pages;
     let progress = AtomicU64::new(0);
     let done = AtomicBool::new(false);

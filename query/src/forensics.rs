@@ -26,10 +26,12 @@ use crate::QueryError;
 /// Linear in the log, not in page reuse (`docs/forensics.md`, "At scale"). Reads that provably
 /// attended only their own writes are cleared in bulk, one row per (node, page, request, tenant):
 /// its writes all precede its reads and cover every slot they attended (bitmasks: pages of up to
-/// 62 slots; a read beyond slot 62 is never cleared this way), and on its page the spans
-/// `[first write, max(last write, last read)]` of these rows, in order of first write, do not
-/// overlap (so no other request or tenant wrote the page between its first write and its reads).
-/// By the definition such reads have no foreign slot. Only the other reads (`suspect`: in the
+/// 62 slots; a read beyond slot 62 is never cleared this way), and its span
+/// `[first write, max(last write, last read)]` meets no other row's span on the page (so no other
+/// request or tenant wrote the page between its first write and its reads). The test is local
+/// in time — the spans that began before it and the next one to begin — so one stray write
+/// makes suspect only the reads whose spans it meets, not every read of the page ever. By the
+/// definition such reads have no foreign slot. Only the other reads (`suspect`: in the
 /// incident, the victim's) are expanded to slots and matched against every earlier write of
 /// their page, latest first.
 pub const EXPOSURE_SQL: &str = r#"
@@ -68,20 +70,21 @@ own AS (
 spans AS (
   SELECT node_id, page, request_id, first_read IS NOT NULL AS has_reads,
          COALESCE((written & attended) = attended AND last_write < first_read, FALSE) AS reads_own,
-         COALESCE((LAG(GREATEST(last_write, last_read))
-                     OVER (PARTITION BY node_id, page ORDER BY first_write ASC NULLS LAST))
-                  >= first_write, FALSE) AS overlaps_prev
+         -- Another span of the page meets this one: one that began earlier and had not ended
+         -- by this one's first write, or the next to begin, before this one ended.
+         COALESCE(MAX(GREATEST(last_write, last_read))
+                    OVER (PARTITION BY node_id, page ORDER BY first_write ASC NULLS LAST
+                          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+                  >= first_write, FALSE)
+         OR COALESCE(LEAD(first_write)
+                       OVER (PARTITION BY node_id, page ORDER BY first_write ASC NULLS LAST)
+                     <= GREATEST(last_write, last_read), FALSE) AS tangled
   FROM own
-),
-checked AS (
-  SELECT node_id, page, request_id, has_reads, reads_own,
-         MAX(CASE WHEN overlaps_prev THEN 1 ELSE 0 END) OVER (PARTITION BY node_id, page) AS tangled
-  FROM spans
 ),
 dirty AS (
   SELECT DISTINCT node_id, page, request_id
-  FROM checked
-  WHERE has_reads AND NOT (reads_own AND tangled = 0)
+  FROM spans
+  WHERE has_reads AND NOT (reads_own AND NOT tangled)
 ),
 suspect AS (
   SELECT r.node_id, r.page, r.seq AS read_seq, r.request_id, r.tenant, r.slot_start, r.slot_end,

@@ -289,3 +289,35 @@ fn an_idle_writer_publishes_checkpoints_on_its_interval() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// The relay `custody probe --checkpoints-from` (and a peer's `[audit] checkpoints_from`) runs
+/// when the node is another process: the node publishes into a directory, the relay keeps each
+/// new checkpoint in the witness's log, where the cut tail shows.
+#[test]
+fn a_relayed_checkpoint_in_the_witness_log_catches_a_cut_tail() {
+    use custody_audit::checkpoint::Relay;
+    let key = digest::generate_key().expect("key");
+    let root = tmp_dir("cp-relay");
+    let published = tmp_dir("cp-relay-published");
+    let witness = other_log(&root, WITNESS, &digest::generate_key().expect("key"));
+    let mut relay = Relay::new(&published, witness.clone());
+    assert_eq!(relay.poll().expect("poll"), 0, "nothing published yet");
+    node_log(&root, &key, vec![Arc::new(DirSink::new(&published))]);
+    assert_eq!(
+        relay.poll().expect("poll"),
+        1,
+        "the newest checkpoint of node {NODE}"
+    );
+    assert_eq!(relay.poll().expect("poll"), 0, "nothing new");
+    witness.close().expect("seal the witness log");
+    cut_tail(&root, true);
+    let r = digest::verify(&root, None, None, None);
+    let place = tail_cut(&r).unwrap_or_else(|| panic!("{:?}", r.problems));
+    assert!(
+        place.contains(&format!("node_events/node={WITNESS}")),
+        "{place}"
+    );
+    for d in [root, published] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
