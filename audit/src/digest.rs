@@ -541,6 +541,10 @@ pub struct Expect {
     pub nodes: Vec<u32>,
     /// Every node's newest sealing or checkpoint must be at most this old at this time.
     pub freshness: Option<Freshness>,
+    /// The expected key of particular nodes (over the one key `verify` is given for all):
+    /// a root that holds other nodes' logs — a peer's, the witness's — is verified with each
+    /// one's own key, so the checkpoints they keep count.
+    pub node_keys: BTreeMap<u32, VerifyingKey>,
 }
 
 /// The staleness rule of [`Expect`].
@@ -764,7 +768,8 @@ pub fn verify_store_expecting(
             .and_then(|n| n.parse().ok())
             .unwrap_or(u32::MAX);
         let mut prev: Option<(String, String, u64, u64)> = None; // (sha, signature, digest_seq, seq_end)
-        let mut node_key: Option<VerifyingKey> = key.copied();
+        let expected: Option<VerifyingKey> = expect.node_keys.get(&node).copied().or(key.copied());
+        let mut node_key: Option<VerifyingKey> = expected;
         for rel in files {
             let path = store.locate(rel);
             let bytes = match store.read(rel) {
@@ -815,7 +820,7 @@ pub fn verify_store_expecting(
                     digest: path.clone(),
                 });
                 ok = false;
-            } else if let Some(k) = key
+            } else if let Some(k) = expected
                 && hex(k.as_bytes()) != d.body.public_key
             {
                 r.problems.push(Problem::WrongKey {
@@ -1076,7 +1081,12 @@ fn check_checkpoints(
     for (cp, place) in gather_checkpoints(store, objects, verified_node_events, expect, r) {
         let node = cp.body.node;
         // The node's key: the expected one, else its chain's, else (no chain left) its own.
-        let node_key = key.copied().or(chains.get(&node).and_then(|c| c.key));
+        let node_key = expect
+            .node_keys
+            .get(&node)
+            .copied()
+            .or(key.copied())
+            .or(chains.get(&node).and_then(|c| c.key));
         match cp.verify(node_key.as_ref()) {
             Ok(()) => {}
             // Signed by another key: it vouches for nothing about this node (not evidence).

@@ -97,7 +97,26 @@ fn expectations(
         checkpoints,
         nodes,
         freshness,
+        node_keys: Default::default(),
     })
+}
+
+/// `N=FILE` pairs: each node's expected public key.
+fn node_keys(pairs: &[String]) -> Result<std::collections::BTreeMap<u32, digest::VerifyingKey>> {
+    let mut keys = std::collections::BTreeMap::new();
+    for p in pairs {
+        let (node, file) = p
+            .split_once('=')
+            .with_context(|| format!("--node-key {p:?}: expected N=FILE"))?;
+        let node: u32 = node
+            .parse()
+            .with_context(|| format!("--node-key {p:?}: {node:?} is not a node id"))?;
+        let key = digest::read_verifying_key(std::path::Path::new(file))
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("--node-key {p:?}"))?;
+        keys.insert(node, key);
+    }
+    Ok(keys)
 }
 
 /// The checkpoints at `place`: a file, or (with `forensics`) an object-store prefix.
@@ -156,6 +175,11 @@ pub(crate) enum AuditCmd {
         /// The time `--max-age-s` is measured at (UTC; default: now).
         #[arg(long)]
         now: Option<String>,
+        /// `N=FILE`: the expected public key of node N, over `--public-key` — for a root that
+        /// holds other nodes' logs (a peer's, the witness's), whose kept checkpoints then count.
+        /// Repeatable.
+        #[arg(long)]
+        node_key: Vec<String>,
     },
     /// Generate a realistic synthetic log (many tenants, long contexts, page reuse) through the
     /// real writers, with injected exposures whose answers go to `<out>/synth-truth.json`.
@@ -196,6 +220,7 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             expect_node,
             max_age_s,
             now,
+            node_key,
         } => {
             let key = public_key
                 .as_deref()
@@ -207,7 +232,9 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             if !root.is_dir() {
                 bail!("audit root {} is not a directory", root.display());
             }
-            let expect = expectations(&expect_checkpoint, expect_node, max_age_s, now.as_deref())?;
+            let mut expect =
+                expectations(&expect_checkpoint, expect_node, max_age_s, now.as_deref())?;
+            expect.node_keys = node_keys(&node_key)?;
             let r = verify_showing_progress(&root, key.as_ref(), from, to, &expect);
             if key.is_none() {
                 eprintln!(

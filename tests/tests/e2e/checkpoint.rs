@@ -133,6 +133,24 @@ fn a_cut_tail_is_found_from_every_place_a_checkpoint_lives() {
         cut_tail(&root, true);
         let r = digest::verify(&root, None, None, None);
         let place = tail_cut(&r).unwrap_or_else(|| panic!("{name}: {:?}", r.problems));
+        // The same with every key pinned: the node's for all, the other log's for its node.
+        let pinned = Expect {
+            node_keys: [(other, other_key.verifying_key())].into(),
+            ..Expect::default()
+        };
+        let r = verify(&root, &key, &pinned);
+        assert!(
+            tail_cut(&r).is_some(),
+            "{name}, keys pinned: {:?}",
+            r.problems
+        );
+        assert!(
+            r.problems
+                .iter()
+                .all(|p| matches!(p, Problem::TailCut { .. })),
+            "{name}, keys pinned: {:?}",
+            r.problems
+        );
         assert!(
             place.contains("node_events") && place.contains(&format!("node={other}")),
             "{place}"
