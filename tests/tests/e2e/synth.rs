@@ -279,12 +279,7 @@ fn show_sql_scripts_run_as_printed() {
         .build()
         .expect("rt");
     rt.block_on(async {
-        let vs = custody_query::session_over_verified(&root, Some(&key.verifying_key()))
-            .await
-            .expect("session");
-        custody_query::prepare_forensics(&vs.ctx)
-            .await
-            .expect("prepare");
+        let vs = forensic_session(&root, &key).await;
         let (_, rows) = custody_query::forensics::exposure_with_rows(&vs.ctx, None, None)
             .await
             .expect("exposure");
@@ -371,12 +366,7 @@ fn faults_at_a_rate_make_only_nearby_reads_suspect() {
         .build()
         .expect("rt");
     let (suspect, reads) = rt.block_on(async {
-        let vs = custody_query::session_over_verified(&root, Some(&key.verifying_key()))
-            .await
-            .expect("session");
-        custody_query::prepare_forensics(&vs.ctx)
-            .await
-            .expect("prepare");
+        let vs = forensic_session(&root, &key).await;
         let one = |sql: String| {
             let ctx = vs.ctx.clone();
             async move {
@@ -412,4 +402,15 @@ fn faults_at_a_rate_make_only_nearby_reads_suspect() {
         "{suspect} of {reads} reads suspect with 1 % faulty requests: the clearing is not local"
     );
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A verified session over `root` with the forensic views.
+async fn forensic_session(root: &Path, key: &SigningKey) -> custody_query::VerifiedSession {
+    let vs = custody_query::session_over_verified(root, Some(&key.verifying_key()))
+        .await
+        .expect("session");
+    custody_query::prepare_forensics(&vs.ctx)
+        .await
+        .expect("prepare");
+    vs
 }
