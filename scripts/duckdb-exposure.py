@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The exposure question, answered by DuckDB over the same audit root: an independent engine
-running the same SQL (`EXPOSURE_SQL` in query/src/forensics.rs, read from the source as is) on
-the same sealed Parquet files.
+running the same SQL (`EXPOSURE_PREPARE_SQL`, then `EXPOSURE_SQL`, in query/src/forensics.rs, read
+from the source as is) on the same sealed Parquet files.
 
     pip install duckdb
     scripts/duckdb-exposure.py <audit-root> [--threads N] [--memory-limit 8GB] [--no-hash-check]
@@ -30,16 +30,20 @@ PREVENTED_SQL = "SELECT COUNT(*) FROM all_integrity_violations"
 
 
 def exposure_sql():
-    """EXPOSURE_SQL exactly as custody runs it, with the time window left open."""
+    """(EXPOSURE_PREPARE_SQL, EXPOSURE_SQL) exactly as custody runs them, with the time window
+    left open."""
     src = open(os.path.join(REPO, "query", "src", "forensics.rs"), encoding="utf-8").read()
-    m = re.search(r'pub const EXPOSURE_SQL: &str = r#"(.*?)"#;', src, re.S)
-    if not m:
-        sys.exit("EXPOSURE_SQL not found in query/src/forensics.rs")
-    return (
-        m.group(1)
-        .replace("{from_ns}", str(-(2**63)))
-        .replace("{to_ns}", str(2**63 - 1))
-    )
+    out = []
+    for name in ("EXPOSURE_PREPARE_SQL", "EXPOSURE_SQL"):
+        m = re.search(r"pub const " + name + r': &str = r#"(.*?)"#;', src, re.S)
+        if not m:
+            sys.exit(f"{name} not found in query/src/forensics.rs")
+        out.append(
+            m.group(1)
+            .replace("{from_ns}", str(-(2**63)))
+            .replace("{to_ns}", str(2**63 - 1))
+        )
+    return out
 
 
 def sealed_files(root, check_hashes):
@@ -89,7 +93,9 @@ def main():
                 "WHERE FALSE"
             )
     t1 = time.monotonic()
-    rows = con.execute(exposure_sql()).fetchall()
+    prepare, query = exposure_sql()
+    con.execute(prepare)
+    rows = con.execute(query).fetchall()
     t_query = time.monotonic() - t1
     prevented = con.execute(PREVENTED_SQL).fetchone()[0] if "integrity_violations" in files else 0
 

@@ -20,21 +20,31 @@ use datafusion::prelude::SessionContext;
 
 use crate::QueryError;
 
-/// Every attended slot whose latest earlier write was another tenant's: one row per affected
-/// response and source tenant.
+/// The exposure question's preparation: statements that leave in the session the table its
+/// answer ([`EXPOSURE_SQL`]) is read from, `exposure_candidates` — the suspect reads and every
+/// write that can be the latest one before them. Linear in the log, and in an incident linear in
+/// the faults, not in page reuse (`docs/forensics.md`, "At scale"):
 ///
-/// Linear in the log, not in page reuse (`docs/forensics.md`, "At scale"). Reads that provably
-/// attended only their own writes are cleared in bulk, one row per (node, page, request, tenant):
-/// its writes all precede its reads and cover every slot they attended (bitmasks: pages of up to
-/// 62 slots; a read beyond slot 62 is never cleared this way), and its span
-/// `[first write, max(last write, last read)]` meets no other row's span on the page (so no other
-/// request or tenant wrote the page between its first write and its reads). The test is local
-/// in time — the spans that began before it and the next one to begin — so one stray write
-/// makes suspect only the reads whose spans it meets, not every read of the page ever. By the
-/// definition such reads have no foreign slot. Only the other reads (`suspect`: in the
-/// incident, the victim's) are expanded to slots and matched against every earlier write of
-/// their page, latest first.
-pub const EXPOSURE_SQL: &str = r#"
+/// 1. `exposure_spans`: one row per (node, page, request, tenant) — a *span* — over its writes
+///    and reads (slot bitmasks for pages of up to 62 slots), in start order per page. A span's
+///    reads are cleared in bulk when its own writes precede and cover them and no other span's
+///    activity overlaps its own (the latest span to begin before it had ended before it began,
+///    and the next began after it ended): then they attended only its own writes. The others
+///    are `dirty`; on a clean log, the injected exposures' victims only.
+/// 2. `exposure_epochs`, for pages with a dirty span: *anchors* — spans that wrote every slot any
+///    earlier span of the page wrote, all before their own reads, and that began after every
+///    earlier span had ended — cut each page's history into epochs. For a read at `s` of a span
+///    in epoch `e` whose anchor's writes all precede `s`, the latest write of each slot before `s`
+///    is the anchor's or later, and every write from the anchor's start to `s` belongs to a span
+///    of epoch `e` (spans before the anchor ended before it; a span of a later epoch began after
+///    that epoch's anchor, which began after this span ended). Such a read needs epoch `e`'s
+///    writes only; any other dirty span (`far`: no such anchor, or reads beyond slot 61) needs
+///    the page's whole history up to its epoch.
+/// 3. `exposure_candidates`: the dirty spans' reads and the writes of the epochs they need.
+///
+/// Spans, anchors and epochs are tables, not views, because each is read twice.
+pub const EXPOSURE_PREPARE_SQL: &str = r#"
+CREATE OR REPLACE TABLE exposure_spans AS
 WITH w AS (
   SELECT node_id, page, seq, request_id, tenant, slot_start, slot_end
   FROM all_page_events
@@ -46,12 +56,13 @@ r AS (
   WHERE wall_ns >= {from_ns} AND wall_ns < {to_ns}
 ),
 own AS (
-  SELECT node_id, page, request_id,
-         MIN(CASE WHEN is_read = 0 THEN seq END) AS first_write,
+  SELECT node_id, page, request_id, tenant,
+         MIN(seq) AS start_seq,
          MAX(CASE WHEN is_read = 0 THEN seq END) AS last_write,
          MIN(CASE WHEN is_read = 1 THEN seq END) AS first_read,
-         MAX(CASE WHEN is_read = 1 THEN seq END) AS last_read,
+         MAX(seq) AS end_seq,
          bit_or(CASE WHEN is_read = 0 THEN mask END) AS written,
+         MAX(CASE WHEN is_read = 0 AND mask IS NULL THEN 1 ELSE 0 END) AS wide_write,
          bit_or(CASE WHEN is_read = 1 THEN mask END) AS attended
   FROM (
     SELECT node_id, page, request_id, tenant, seq, 0 AS is_read,
@@ -68,50 +79,146 @@ own AS (
   GROUP BY node_id, page, request_id, tenant
 ),
 spans AS (
-  SELECT node_id, page, request_id, first_read IS NOT NULL AS has_reads,
+  SELECT node_id, page, request_id, tenant, start_seq, end_seq, last_write, first_read,
+         written, wide_write, attended,
          COALESCE((written & attended) = attended AND last_write < first_read, FALSE) AS reads_own,
-         -- Another span of the page meets this one: one that began earlier and had not ended
-         -- by this one's first write, or the next to begin, before this one ended.
-         COALESCE(MAX(GREATEST(last_write, last_read))
-                    OVER (PARTITION BY node_id, page ORDER BY first_write ASC NULLS LAST
-                          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-                  >= first_write, FALSE)
-         OR COALESCE(LEAD(first_write)
-                       OVER (PARTITION BY node_id, page ORDER BY first_write ASC NULLS LAST)
-                     <= GREATEST(last_write, last_read), FALSE) AS tangled
+         MAX(end_seq) OVER (PARTITION BY node_id, page ORDER BY start_seq
+                            ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_end,
+         LEAD(start_seq) OVER (PARTITION BY node_id, page ORDER BY start_seq) AS next_start
   FROM own
+)
+SELECT node_id, page, request_id, tenant, start_seq, last_write, first_read, written, wide_write,
+       attended, before_end,
+       first_read IS NOT NULL
+         AND NOT (reads_own AND NOT COALESCE(before_end >= start_seq OR next_start <= end_seq, FALSE))
+         AS dirty
+FROM spans;
+
+CREATE OR REPLACE TABLE exposure_epochs AS
+WITH covered AS (
+  SELECT s.node_id, s.page, s.request_id, s.tenant, s.start_seq, s.last_write, s.first_read,
+         s.written, s.attended, s.before_end, s.dirty,
+         bit_or(CASE WHEN s.wide_write = 1 THEN -1 ELSE s.written END)
+           OVER (PARTITION BY s.node_id, s.page ORDER BY s.start_seq
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS written_so_far
+  FROM (SELECT DISTINCT node_id, page FROM exposure_spans WHERE dirty) AS d
+  JOIN exposure_spans s ON s.node_id = d.node_id AND s.page = d.page
 ),
-dirty AS (
-  SELECT DISTINCT node_id, page, request_id
-  FROM spans
-  WHERE has_reads AND NOT (reads_own AND NOT tangled)
+marked AS (
+  SELECT node_id, page, request_id, tenant, start_seq, last_write, first_read, attended, dirty,
+         CASE WHEN COALESCE(written = written_so_far, FALSE)
+                   AND COALESCE(before_end < start_seq, TRUE)
+                   AND COALESCE(last_write < first_read, TRUE)
+              THEN 1 ELSE 0 END AS anchor
+  FROM covered
 ),
-suspect AS (
-  SELECT r.node_id, r.page, r.seq AS read_seq, r.request_id, r.tenant, r.slot_start, r.slot_end,
-         r.wall_ns, r.verdict
-  FROM dirty d JOIN r
-    ON r.node_id = d.node_id AND r.page = d.page AND r.request_id = d.request_id
+epochs AS (
+  SELECT node_id, page, request_id, tenant, first_read, attended, dirty,
+         SUM(anchor) OVER (PARTITION BY node_id, page ORDER BY start_seq
+                           ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS epoch,
+         MAX(CASE WHEN anchor = 1 THEN last_write END)
+           OVER (PARTITION BY node_id, page ORDER BY start_seq
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS anchor_last_write
+  FROM marked
+)
+SELECT node_id, page, request_id, tenant, epoch, dirty,
+       dirty AND NOT COALESCE(epoch > 0 AND anchor_last_write < first_read AND attended <> -1,
+                              FALSE) AS far
+FROM epochs;
+
+DROP TABLE exposure_spans;
+
+CREATE OR REPLACE TABLE exposure_candidates AS
+WITH w AS (
+  SELECT node_id, page, seq, request_id, tenant, slot_start, slot_end
+  FROM all_page_events
+  WHERE event = 'write'
 ),
-pairs AS (
-  SELECT s.node_id, s.read_seq, s.request_id, s.tenant, s.wall_ns, s.verdict,
-         w.seq AS write_seq, w.tenant AS src_tenant,
-         unnest(range(greatest(w.slot_start, s.slot_start), least(w.slot_end, s.slot_end))) AS slot
-  FROM suspect s JOIN w
-    ON s.node_id = w.node_id AND s.page = w.page AND w.seq < s.read_seq
-   AND w.slot_start < s.slot_end AND s.slot_start < w.slot_end
+r AS (
+  SELECT node_id, page, seq, request_id, tenant, slot_start, slot_end, wall_ns, verdict
+  FROM all_page_reads
+  WHERE wall_ns >= {from_ns} AND wall_ns < {to_ns}
+),
+needed AS (SELECT DISTINCT node_id, page, epoch FROM exposure_epochs WHERE dirty),
+far_pages AS (
+  SELECT node_id, page, MAX(epoch) AS far_epoch FROM exposure_epochs WHERE far
+  GROUP BY node_id, page
+),
+kept AS (
+  SELECT node_id, page, request_id, tenant, bool_or(reads) AS reads
+  FROM (
+    SELECT s.node_id, s.page, s.request_id, s.tenant, s.dirty AS reads
+    FROM needed n JOIN exposure_epochs s
+      ON s.node_id = n.node_id AND s.page = n.page AND s.epoch = n.epoch
+    UNION ALL
+    SELECT s.node_id, s.page, s.request_id, s.tenant, FALSE AS reads
+    FROM far_pages f JOIN exposure_epochs s
+      ON s.node_id = f.node_id AND s.page = f.page AND s.epoch < f.far_epoch
+  ) AS k
+  GROUP BY node_id, page, request_id, tenant
+)
+SELECT x.node_id, x.page, x.seq, x.tenant, x.request_id, x.is_read, x.slot_start, x.slot_end,
+       x.wall_ns, x.verdict
+FROM kept k
+JOIN (
+  SELECT node_id, page, request_id, tenant, seq, 0 AS is_read, slot_start, slot_end,
+         CAST(NULL AS BIGINT) AS wall_ns, CAST(NULL AS VARCHAR) AS verdict
+  FROM w
+  UNION ALL
+  SELECT node_id, page, request_id, tenant, seq, 1 AS is_read, slot_start, slot_end,
+         wall_ns, verdict
+  FROM r
+) AS x
+  ON x.node_id = k.node_id AND x.page = k.page AND x.request_id = k.request_id
+ AND x.tenant = k.tenant
+WHERE x.is_read = 0 OR k.reads;
+
+DROP TABLE exposure_epochs;
+"#;
+
+/// Every attended slot whose latest earlier write was another tenant's: one row per affected
+/// response and source tenant. Reads the table [`EXPOSURE_PREPARE_SQL`] leaves: each suspect
+/// read's slots are matched with the latest candidate write before them (an as-of match by one
+/// ordered pass, not a join with the page's history).
+pub const EXPOSURE_SQL: &str = r#"
+WITH slotted AS (
+  SELECT node_id, page, seq, request_id, tenant, is_read, wall_ns, verdict,
+         unnest(range(slot_start, slot_end)) AS slot
+  FROM exposure_candidates
+),
+-- The latest candidate write of each read's slot before it: per page, in (slot, seq) order, the
+-- running maximum of the writes' (slot, seq) keys: it is this slot's write if its slot is this
+-- slot's (the key is at least the slot's base), else the slot has no earlier write.
+keyed AS (
+  SELECT node_id, page, seq, request_id, tenant, is_read, wall_ns, verdict, slot,
+         CAST(slot AS DECIMAL(38, 0)) * CAST(100000000000000000000 AS DECIMAL(38, 0)) AS base
+  FROM slotted
 ),
 latest AS (
-  SELECT node_id, request_id, tenant, wall_ns, verdict, src_tenant,
-         ROW_NUMBER() OVER (PARTITION BY node_id, read_seq, slot ORDER BY write_seq DESC) AS rn
-  FROM pairs
+  SELECT node_id, request_id, tenant, is_read, wall_ns, verdict,
+         CAST(key_max - base AS BIGINT) AS write_seq
+  FROM (
+    SELECT node_id, request_id, tenant, is_read, wall_ns, verdict, base,
+           MAX(CASE WHEN is_read = 0 THEN base + CAST(seq AS DECIMAL(38, 0)) END)
+             OVER (PARTITION BY node_id, page ORDER BY slot, seq
+                   ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS key_max
+    FROM keyed
+  ) AS k
+  WHERE is_read = 1 AND key_max >= base
+),
+sourced AS (
+  SELECT l.node_id, l.request_id, l.tenant, c.tenant AS source_tenant, l.wall_ns, l.verdict
+  FROM latest l
+  JOIN exposure_candidates c
+    ON c.node_id = l.node_id AND c.seq = l.write_seq AND c.is_read = 0
 )
-SELECT node_id, request_id, tenant AS recipient_tenant, src_tenant AS source_tenant,
+SELECT node_id, request_id, tenant AS recipient_tenant, source_tenant,
        CAST(COUNT(*) AS BIGINT) AS foreign_slots, MIN(wall_ns) AS wall_ns,
        MAX(CASE WHEN verdict = 'unchecked' THEN 1 ELSE 0 END) AS unchecked,
        MAX(wall_ns) AS last_wall_ns
-FROM latest
-WHERE rn = 1 AND src_tenant <> tenant
-GROUP BY node_id, request_id, tenant, src_tenant
+FROM sourced
+WHERE source_tenant <> tenant
+GROUP BY node_id, request_id, tenant, source_tenant
 ORDER BY node_id, request_id, source_tenant
 "#;
 
@@ -159,16 +266,37 @@ pub fn script(sql: &str) -> String {
 }
 
 /// The exposure question as `--show-sql` prints it (a runnable script): the settings, the
-/// affected responses per source tenant ([`EXPOSURE_SQL`]), the prevented exposures.
+/// preparation ([`EXPOSURE_PREPARE_SQL`]), the affected responses per source tenant
+/// ([`EXPOSURE_SQL`]), the prevented exposures.
 pub fn exposure_script(from_ns: Option<i64>, to_ns: Option<i64>) -> String {
     format!(
         "-- settings under which it scales (docs/forensics.md)\n{}\
+         -- the suspect reads and their candidate writes (tables exposure_*)\n{}\n\
          -- affected responses, per source tenant\n{};\n\
          -- prevented exposures (reads the tag check refused)\n{};\n",
         settings_sql(),
+        with_window(EXPOSURE_PREPARE_SQL, from_ns, to_ns).trim(),
         with_window(EXPOSURE_SQL, from_ns, to_ns).trim(),
         with_window(PREVENTED_SQL, from_ns, to_ns).trim()
     )
+}
+
+/// Leave in `ctx`'s catalog the table [`EXPOSURE_SQL`] reads ([`EXPOSURE_PREPARE_SQL`], under
+/// [`SETTINGS`]). Two preparations at once on one catalog would replace each other's tables.
+pub async fn prepare_exposure(
+    ctx: &SessionContext,
+    from_ns: Option<i64>,
+    to_ns: Option<i64>,
+) -> Result<(), QueryError> {
+    let prepare = with_window(EXPOSURE_PREPARE_SQL, from_ns, to_ns);
+    crate::run_script(&tuned(ctx)?, &prepare).await?;
+    Ok(())
+}
+
+/// Drop what [`prepare_exposure`] left (its memory: the suspect reads and candidate writes).
+pub async fn drop_exposure_tables(ctx: &SessionContext) -> Result<(), QueryError> {
+    crate::run_script(ctx, "DROP TABLE IF EXISTS exposure_candidates").await?;
+    Ok(())
 }
 
 /// Blast radius of tenant `{tenant}`: every (recipient, source) pair of the exposure answer that
@@ -439,15 +567,22 @@ pub async fn crosscheck(ctx: &SessionContext) -> Result<Crosscheck, QueryError> 
     Ok(out)
 }
 
-/// The tenant question for `tenant` (quotes in the id are escaped).
+/// The tenant question for `tenant` (quotes in the id are escaped), as a script: the exposure
+/// preparation, then [`TENANT_SQL`] over [`EXPOSURE_SQL`] (run it with [`crate::run_script`];
+/// its one result is the answer).
 pub fn tenant_sql(tenant: &str, from_ns: Option<i64>, to_ns: Option<i64>) -> String {
     let exposure = with_window(EXPOSURE_SQL, from_ns, to_ns);
     let exposure = exposure
         .trim()
         .replace("ORDER BY node_id, request_id, source_tenant", "");
-    TENANT_SQL
+    let question = TENANT_SQL
         .replace("{exposure}", &exposure)
-        .replace("{tenant}", &tenant.replace('\'', "''"))
+        .replace("{tenant}", &tenant.replace('\'', "''"));
+    format!(
+        "{}\n{};\n",
+        with_window(EXPOSURE_PREPARE_SQL, from_ns, to_ns).trim(),
+        question.trim()
+    )
 }
 
 /// The request timeline for (`node`, `request`).
@@ -556,11 +691,13 @@ pub async fn exposure_with_rows(
     from_ns: Option<i64>,
     to_ns: Option<i64>,
 ) -> Result<(Exposure, Vec<RecordBatch>), QueryError> {
+    prepare_exposure(ctx, from_ns, to_ns).await?;
     let batches = tuned(ctx)?
         .sql(&with_window(EXPOSURE_SQL, from_ns, to_ns))
         .await?
         .collect()
         .await?;
+    drop_exposure_tables(ctx).await?;
     let mut out: Vec<Affected> = Vec::new();
     for b in &batches {
         let node = b.column(0).as_primitive::<UInt32Type>();

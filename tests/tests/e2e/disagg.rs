@@ -600,16 +600,14 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
             .await
             .expect("exposure");
         // The tenant and request questions over the same files.
-        let t = vs
-            .ctx
-            .sql(&custody_query::forensics::tenant_sql(
-                "tenant-b", None, None,
-            ))
-            .await
-            .expect("tenant sql")
-            .collect()
-            .await
-            .expect("tenant");
+        let t = custody_query::run_script(
+            &vs.ctx,
+            &custody_query::forensics::tenant_sql("tenant-b", None, None),
+        )
+        .await
+        .expect("tenant sql")
+        .pop()
+        .expect("the tenant answer");
         assert_eq!(
             t.iter().map(|b| b.num_rows()).sum::<usize>(),
             1,

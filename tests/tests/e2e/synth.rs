@@ -130,6 +130,109 @@ impl Rng {
     }
 }
 
+/// Records one node's page writes and reads through a real writer, and evaluates the exposure
+/// definition as it goes (in recording = sequence order): for each attended slot, the latest
+/// earlier write's tenant. Tenants are `t0`, `t1`, …; one page generation.
+struct Recorder {
+    w: AuditWriter,
+    node: u32,
+    ts: u64,
+    tenants: Vec<Arc<str>>,
+    last_writer: BTreeMap<(u32, u32), u32>,
+}
+
+impl Recorder {
+    fn open(root: &Path, key: &SigningKey, node: u32) -> Self {
+        Self {
+            w: AuditWriter::open(WriterConfig::new(root, node, key.clone())).expect("writer"),
+            node,
+            ts: 0,
+            tenants: (0..3).map(|i| Arc::from(format!("t{i}"))).collect(),
+            last_writer: BTreeMap::new(),
+        }
+    }
+
+    /// Request `req` writes slots `[a, b)` of `page`, recorded under tenant `wt`.
+    fn write(&mut self, req: u64, wt: u32, page: u32, (a, b): (u32, u32)) {
+        self.ts += 1;
+        self.w
+            .record(Event::Page {
+                ts_ns: self.ts,
+                request: req,
+                tenant: self.tenants[wt as usize].clone(),
+                page,
+                generation: 1,
+                kind: PageKind::Write {
+                    slot_start: a,
+                    slot_end: b,
+                    writer: Writer::Local,
+                },
+            })
+            .expect("record");
+        for s in a..b {
+            self.last_writer.insert((page, s), wt);
+        }
+    }
+
+    /// Request `req` of tenant `tenant` attends slots `[a, b)` of `page`.
+    fn read(
+        &mut self,
+        oracle: &mut Oracle,
+        (req, tenant): (u64, u32),
+        page: u32,
+        (a, b): (u32, u32),
+        verified: bool,
+    ) {
+        self.ts += 1;
+        self.w
+            .record(Event::Read {
+                ts_ns: self.ts,
+                request: req,
+                tenant: self.tenants[tenant as usize].clone(),
+                page,
+                generation: 1,
+                slot_start: a,
+                slot_end: b,
+                first_step: 1,
+                last_step: 2,
+                verified,
+            })
+            .expect("record");
+        for s in a..b {
+            if let Some(&src) = self.last_writer.get(&(page, s))
+                && src != tenant
+            {
+                let e = oracle
+                    .entry((self.node, req, tenant))
+                    .or_default()
+                    .entry(src)
+                    .or_default();
+                e.0 += 1;
+                e.1 |= !verified;
+            }
+        }
+    }
+
+    fn close(self) {
+        self.w.close().expect("seal");
+    }
+}
+
+fn oracle_answer(oracle: Oracle) -> Answer {
+    oracle
+        .into_iter()
+        .map(|((node, req, tenant), sources)| {
+            let unchecked = sources.values().any(|v| v.1);
+            let total = sources.values().map(|v| v.0).sum();
+            let sources = sources
+                .into_iter()
+                .map(|(t, v)| (format!("t{t}"), v.0))
+                .collect();
+            (node, req, format!("t{tenant}"), sources, total, unchecked)
+        })
+        .collect()
+}
+
 /// A log that follows the engine's pattern most of the time (a request fills its own page in
 /// order and reads what it wrote) and breaks it the rest: writes and reads of random ranges of
 /// random pages at random times, requests sharing tenants, writes recorded under another tenant,
@@ -144,17 +247,15 @@ fn adversarial_log(root: &Path, key: &SigningKey, seed: u64) -> Answer {
     let pages = [4u32, 8][(seed / 3 % 2) as usize];
     // Requests all active at once (long, interleaved lifetimes), or coming and going.
     let sliced = seed / 6 % 2 == 1;
-    let tenants: Vec<Arc<str>> = (0..3).map(|i| Arc::from(format!("t{i}"))).collect();
     let mut oracle: Oracle = BTreeMap::new();
     for node in 1..=2u32 {
-        let w = AuditWriter::open(WriterConfig::new(root, node, key.clone())).expect("writer");
+        let mut rec = Recorder::open(root, key, node);
         // Sliced: at any time two requests are active, each for about 60 events, and a page
         // passes from request to request (with what the previous holders left in it).
         let requests = 11u64;
         let req_tenant: Vec<u32> = (0..requests).map(|_| rng.below(3)).collect();
         let home: Vec<u32> = (0..requests).map(|i| (i as u32) % pages).collect();
         let mut filled = vec![0u32; requests as usize];
-        let mut last_writer: BTreeMap<(u32, u32), u32> = BTreeMap::new();
         for ts in 0..300u64 {
             let req = if sliced {
                 ((ts / 30) as u32 + rng.below(2)).min(requests as u32 - 1)
@@ -186,66 +287,86 @@ fn adversarial_log(root: &Path, key: &SigningKey, seed: u64) -> Answer {
                 } else {
                     tenant
                 };
-                w.record(Event::Page {
-                    ts_ns: ts,
-                    request: req as u64,
-                    tenant: tenants[wt as usize].clone(),
-                    page,
-                    generation: 1,
-                    kind: PageKind::Write {
-                        slot_start: a,
-                        slot_end: b,
-                        writer: Writer::Local,
-                    },
-                })
-                .expect("record");
-                for s in a..b {
-                    last_writer.insert((page, s), wt);
-                }
+                rec.write(req as u64, wt, page, (a, b));
             } else {
                 let verified = rng.below(2) == 0;
-                w.record(Event::Read {
-                    ts_ns: ts,
-                    request: req as u64,
-                    tenant: tenants[tenant as usize].clone(),
-                    page,
-                    generation: 1,
-                    slot_start: a,
-                    slot_end: b,
-                    first_step: 1,
-                    last_step: 2,
-                    verified,
-                })
-                .expect("record");
-                for s in a..b {
-                    if let Some(&src) = last_writer.get(&(page, s))
-                        && src != tenant
-                    {
-                        let e = oracle
-                            .entry((node, req as u64, tenant))
-                            .or_default()
-                            .entry(src)
-                            .or_default();
-                        e.0 += 1;
-                        e.1 |= !verified;
-                    }
-                }
+                rec.read(&mut oracle, (req as u64, tenant), page, (a, b), verified);
             }
         }
-        w.close().expect("seal");
+        rec.close();
     }
-    oracle
-        .into_iter()
-        .map(|((node, req, tenant), sources)| {
-            let unchecked = sources.values().any(|v| v.1);
-            let total = sources.values().map(|v| v.0).sum();
-            let sources = sources
-                .into_iter()
-                .map(|(t, v)| (format!("t{t}"), v.0))
-                .collect();
-            (node, req, format!("t{tenant}"), sources, total, unchecked)
-        })
-        .collect()
+    oracle_answer(oracle)
+}
+
+/// One step of a scripted page history: request, tenant, write (or read), slots.
+struct Op(u64, u32, bool, (u32, u32));
+
+/// Page histories that each break one step the query's epochs lean on, with the definition's
+/// answer: an anchor still writing when a later request reads (that read needs the epochs before
+/// the anchor), a partial writer between the anchor and the read, a slot only a long-gone request
+/// wrote, a read before any anchor.
+const SCRIPTS: &[&[Op]] = &[
+    // Anchor 1 still writes slots 2..4 after request 2 read them: 2..4 are request 0's.
+    &[
+        Op(0, 0, true, (0, 4)),
+        Op(1, 1, true, (0, 2)),
+        Op(2, 2, false, (0, 4)),
+        Op(1, 1, true, (2, 4)),
+    ],
+    // A partial writer (1) after the anchor (0): slot 0 is 1's, 1..4 are 0's.
+    &[
+        Op(0, 0, true, (0, 4)),
+        Op(0, 0, false, (0, 4)),
+        Op(1, 1, true, (0, 1)),
+        Op(2, 2, false, (0, 4)),
+    ],
+    // Slots 4..8 were written once, by request 0; requests 1 and 2 write only 0..4 (not
+    // anchors: they do not cover 4..8); request 3 reads 0..8.
+    &[
+        Op(0, 0, true, (0, 8)),
+        Op(1, 1, true, (0, 4)),
+        Op(1, 1, false, (0, 4)),
+        Op(2, 2, true, (0, 4)),
+        Op(2, 2, false, (0, 4)),
+        Op(3, 1, false, (0, 8)),
+    ],
+    // No anchor before the read (interleaved starts), then one after it.
+    &[
+        Op(0, 0, true, (0, 2)),
+        Op(1, 1, true, (2, 4)),
+        Op(0, 0, true, (4, 6)),
+        Op(2, 2, false, (0, 6)),
+        Op(3, 0, true, (0, 6)),
+        Op(4, 1, false, (0, 6)),
+    ],
+];
+
+#[test]
+fn exposure_sql_equals_the_definition_on_scripted_page_histories() {
+    let key = custody_audit::digest::generate_key().expect("key");
+    for (i, script) in SCRIPTS.iter().enumerate() {
+        let root = tmp_dir(&format!("synth-scripted-{i}"));
+        let mut oracle: Oracle = BTreeMap::new();
+        let mut rec = Recorder::open(&root, &key, 1);
+        // The same history on two pages, the second after unrelated traffic on a third.
+        for page in [0u32, 1] {
+            for &Op(req, tenant, write, slots) in script.iter() {
+                let req = req + u64::from(page) * 100;
+                if write {
+                    rec.write(req, tenant, page, slots);
+                } else {
+                    rec.read(&mut oracle, (req, tenant), page, slots, false);
+                }
+            }
+            rec.write(999, 0, 2, (0, 4));
+            rec.read(&mut oracle, (999, 0), 2, (0, 4), true);
+        }
+        rec.close();
+        let want = oracle_answer(oracle);
+        assert!(!want.is_empty(), "script {i} exposes data");
+        assert_eq!(answer(&exposure_of(&root, &key)), want, "script {i}");
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }
 
 #[test]
@@ -350,32 +471,22 @@ fn faults_at_a_rate_make_only_nearby_reads_suspect() {
         want,
         "exactly the faulty requests that read foreign data"
     );
-    // The query's own suspect set, counted by the same SQL up to it.
-    let sql =
-        custody_query::forensics::with_window(custody_query::forensics::EXPOSURE_SQL, None, None);
-    let upto = sql
-        .split("pairs AS (")
-        .next()
-        .expect("suspect CTE")
-        .trim_end();
-    let count_suspect = format!(
-        "{}\nSELECT COUNT(*) FROM suspect",
-        upto.trim_end_matches(',')
-    );
+    // The query's own suspect set: the reads its preparation keeps.
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("rt");
     let (suspect, reads) = rt.block_on(async {
         let vs = forensic_session(&root, &key).await;
-        let one = |sql: String| {
+        custody_query::forensics::prepare_exposure(&vs.ctx, None, None)
+            .await
+            .expect("prepare");
+        let one = |sql: &'static str| {
             let ctx = vs.ctx.clone();
             async move {
-                let b = ctx
-                    .sql(&sql)
+                let b = custody_query::run_script(&ctx, sql)
                     .await
                     .expect("sql")
-                    .collect()
-                    .await
+                    .pop()
                     .expect("rows");
                 let c = b[0].column(0);
                 custody_query::datafusion::arrow::compute::cast(
@@ -390,8 +501,8 @@ fn faults_at_a_rate_make_only_nearby_reads_suspect() {
             }
         };
         (
-            one(count_suspect).await,
-            one("SELECT COUNT(*) FROM all_page_reads".into()).await,
+            one("SELECT COUNT(*) FROM exposure_candidates WHERE is_read = 1").await,
+            one("SELECT COUNT(*) FROM all_page_reads").await,
         )
     });
     // Measured here (200 k events, 30 641 read rows): 167 suspect, the faulty requests' own
