@@ -231,6 +231,57 @@ impl CheckpointSink for StdoutSink {
     }
 }
 
+/// The newest checkpoint its writer published, kept in memory for whoever hands it on (a pair's
+/// peer exchange sends it to the other node, which keeps it in its own log).
+#[derive(Debug, Default)]
+pub struct Latest(std::sync::Mutex<Option<Checkpoint>>);
+
+impl Latest {
+    pub fn get(&self) -> Option<Checkpoint> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl CheckpointSink for Latest {
+    fn publish(&self, cp: &Checkpoint) -> Result<(), PublishError> {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(cp.clone());
+        Ok(())
+    }
+}
+
+/// Keeps in a log the checkpoints another node hands over (a pair's peer exchange): each
+/// checkpoint of a node newer than the last one kept of that node becomes a row as [`LogSink`]
+/// writes it. What is kept is not trusted: `verify` checks each against the node's key.
+#[derive(Debug)]
+pub struct Keeper {
+    log: LogSink,
+    newest: std::collections::BTreeMap<u32, i64>,
+}
+
+impl Keeper {
+    pub fn new(log: Arc<dyn AuditSink>, name: impl Into<String>) -> Self {
+        Self {
+            log: LogSink::new(log, name),
+            newest: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// Keep `cp` if it is newer than the last of its node; returns whether it was recorded.
+    pub fn keep(&mut self, cp: &Checkpoint) -> Result<bool, PublishError> {
+        let node = cp.body.node;
+        if self
+            .newest
+            .get(&node)
+            .is_some_and(|&t| t >= cp.body.issued_wall_ns)
+        {
+            return Ok(false);
+        }
+        self.log.publish(cp)?;
+        self.newest.insert(node, cp.body.issued_wall_ns);
+        Ok(true)
+    }
+}
+
 /// Another log — a peer node's, the eBPF witness's: each checkpoint recorded there as a
 /// `node_events` row (kind [`NODE_EVENT_KIND`], detail the checkpoint's JSON), sealed and
 /// signed under *that* log's key. `verify` finds them in the root's verified files.
@@ -274,9 +325,7 @@ impl CheckpointSink for LogSink {
 #[derive(Debug)]
 pub struct Relay {
     dir: PathBuf,
-    log: Arc<dyn AuditSink>,
-    /// Per node, the issue time of the newest checkpoint relayed.
-    relayed: std::collections::BTreeMap<u32, i64>,
+    keeper: Keeper,
 }
 
 /// Most checkpoint files one [`Relay::poll`] reads (one per node: a directory with more is not a
@@ -285,11 +334,9 @@ const RELAY_MAX_FILES: usize = 4096;
 
 impl Relay {
     pub fn new(dir: impl Into<PathBuf>, log: Arc<dyn AuditSink>) -> Self {
-        Self {
-            dir: dir.into(),
-            log,
-            relayed: std::collections::BTreeMap::new(),
-        }
+        let dir = dir.into();
+        let keeper = Keeper::new(log, dir.display().to_string());
+        Self { dir, keeper }
     }
 
     /// Relay what is new in the directory; returns how many checkpoints were recorded. A missing
@@ -311,13 +358,7 @@ impl Relay {
             let Ok(cp) = Checkpoint::parse(&text) else {
                 continue;
             };
-            let last = self.relayed.get(&cp.body.node).copied();
-            if last.is_some_and(|t| t >= cp.body.issued_wall_ns) {
-                continue;
-            }
-            LogSink::new(self.log.clone(), self.dir.display().to_string()).publish(&cp)?;
-            self.relayed.insert(cp.body.node, cp.body.issued_wall_ns);
-            n += 1;
+            n += usize::from(self.keeper.keep(&cp)?);
         }
         Ok(n)
     }

@@ -53,6 +53,20 @@ pub(crate) fn open_audit(
     a: &AuditArgs,
     cfg_path: Option<&Path>,
 ) -> Result<Option<std::sync::Arc<custody_audit::writer::AuditWriter>>> {
+    Ok(open_node_audit(a, cfg_path)?.map(|n| n.writer))
+}
+
+/// A node's audit writer, and what a pair's peer checkpoint exchange needs of it.
+pub(crate) struct NodeAudit {
+    pub(crate) writer: std::sync::Arc<custody_audit::writer::AuditWriter>,
+    /// The writer's newest checkpoint (one of its sinks).
+    pub(crate) latest: std::sync::Arc<custody_audit::checkpoint::Latest>,
+    /// The writer's checkpoint interval.
+    pub(crate) checkpoint_interval: std::time::Duration,
+}
+
+/// [`open_audit`], with the writer's newest checkpoint kept for a peer exchange.
+pub(crate) fn open_node_audit(a: &AuditArgs, cfg_path: Option<&Path>) -> Result<Option<NodeAudit>> {
     use custody_audit::writer::{Backpressure, FsyncPolicy, WriterConfig};
     let conf = match cfg_path {
         Some(p) => Config::load(p)?.audit,
@@ -75,6 +89,9 @@ pub(crate) fn open_audit(
         cfg.checkpoint_interval = std::time::Duration::from_secs(conf.checkpoint_interval_s);
     }
     cfg.checkpoint_sinks = checkpoint_sinks(a, &conf)?;
+    let latest = std::sync::Arc::new(custody_audit::checkpoint::Latest::default());
+    cfg.checkpoint_sinks.push(latest.clone());
+    let checkpoint_interval = cfg.checkpoint_interval;
     if conf.allow_drop {
         tracing::warn!(
             "audit allow_drop is on: events may be dropped under load (each drop is counted in the log)"
@@ -87,7 +104,11 @@ pub(crate) fn open_audit(
     for from in conf.checkpoints_from.iter().chain(&a.checkpoints_from) {
         relay_checkpoints(from.clone(), w.clone(), None)?;
     }
-    Ok(Some(w))
+    Ok(Some(NodeAudit {
+        writer: w,
+        latest,
+        checkpoint_interval,
+    }))
 }
 
 /// How often a relay looks for new checkpoints in a peer's checkpoint directory.

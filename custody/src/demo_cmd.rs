@@ -234,6 +234,7 @@ fn serve(
             fingerprint: fingerprint.to_owned(),
             reserve_wait: Duration::from_secs(30),
             transport_kind: Default::default(),
+            checkpoints: None,
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -243,6 +244,7 @@ fn serve(
             reservation_lease: Duration::from_secs(30),
             unsafe_: unsafe_all,
             fingerprint: fingerprint.to_owned(),
+            checkpoints: None,
         },
     };
     let pair = Pair::start(pe, de, opts).context("starting the prefill/decode pair")?;

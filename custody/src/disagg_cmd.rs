@@ -9,6 +9,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use custody_audit::{AuditSink, Event as AuditEvent};
 use custody_runtime::config::UnsafeReproduction;
+use custody_runtime::disagg::checkpoints::PeerCheckpoints;
 use custody_runtime::disagg::client::{serve_decode, serve_prefill};
 use custody_runtime::disagg::decode::{DecodeHandle, DecodeOptions};
 use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
@@ -18,7 +19,7 @@ use custody_runtime::{Engine, Model, SamplingParams, Tokenizer};
 
 use crate::config::Config;
 
-use crate::common::{AuditArgs, Common, open_audit};
+use crate::common::{AuditArgs, Common, open_node_audit};
 use crate::generate_cmd::GenerateArgs;
 
 #[derive(Args, Debug)]
@@ -45,6 +46,7 @@ struct Role {
     fingerprint: String,
     node: u32,
     audit: Option<Arc<custody_audit::writer::AuditWriter>>,
+    checkpoints: Option<PeerCheckpoints>,
 }
 
 fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
@@ -87,11 +89,18 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
     } else {
         cfg.audit.node
     };
-    let audit = open_audit(&a.audit, a.common.config.as_deref())?;
-    if let Some(w) = &audit {
-        let sink: Arc<dyn AuditSink> = w.clone();
-        engine = engine.with_audit(sink);
+    let opened = open_node_audit(&a.audit, a.common.config.as_deref())?;
+    let mut checkpoints = None;
+    if let Some(n) = &opened {
+        let sink: Arc<dyn AuditSink> = n.writer.clone();
+        engine = engine.with_audit(sink.clone());
         record_start(&mut engine, role, &fingerprint, &unsafe_);
+        // The pair keeps each other's checkpoints (where this node's disk cannot reach).
+        checkpoints = Some(PeerCheckpoints {
+            own: n.latest.clone(),
+            log: sink,
+            interval: n.checkpoint_interval,
+        });
     }
     Ok(Role {
         cfg,
@@ -99,7 +108,8 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
         unsafe_,
         fingerprint,
         node,
-        audit,
+        audit: opened.map(|n| n.writer),
+        checkpoints,
     })
 }
 
@@ -171,6 +181,7 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
         reservation_lease: Duration::from_millis(a.lease_ms),
         unsafe_: r.unsafe_,
         fingerprint: r.fingerprint,
+        checkpoints: r.checkpoints,
     };
     let h = DecodeHandle::start(r.engine, opts).context("starting the decode node")?;
     let rt = runtime()?;
@@ -239,6 +250,7 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         fingerprint: r.fingerprint,
         reserve_wait: Duration::from_secs(30),
         transport_kind: transport_kind(&r.cfg.disagg)?,
+        checkpoints: r.checkpoints,
     };
     let rt = runtime()?;
     let mut engine = Some(r.engine);

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
 use crate::engine_thread::{
-    EndSlot, EngineGauges, EngineGone, EngineHandle, Events, Out, PrefillCheck,
+    ClientEnd, EndSlot, EngineGauges, EngineGone, EngineHandle, Events, Out, PrefillCheck,
 };
 use crate::error::ApiError;
 
@@ -85,8 +85,8 @@ impl Backend {
     }
 
     /// The server ended a request early (stop sequence, client gone; its [`EndSlot`] says how
-    /// the client saw the end). Remote: dropping the event stream is the abort (the front door
-    /// and decode abort a request whose client went away).
+    /// the client saw the end). Remote: the relay sees its event channel close and tells the
+    /// front door what the slot says (`end_upstream`) before it drops the stream.
     pub(crate) fn end(&self, id: u64) {
         if let Backend::Local(h) = self {
             h.end(id);
@@ -259,6 +259,8 @@ async fn submit_remote(
     // Bounded like the local path: at most max_tokens tokens and one terminal event; the
     // relay awaits space, which holds back the gRPC stream (never the engines).
     let (tx, rx) = mpsc::channel(max_tokens.saturating_add(1).min(1 << 16));
+    let end = EndSlot::default();
+    let said = end.clone();
     tokio::spawn(async move {
         let mut generated = 0usize;
         let mut ev = Some(first);
@@ -266,7 +268,14 @@ async fn submit_remote(
         loop {
             let e = match ev.take() {
                 Some(e) => e,
-                None => match stream.message().await {
+                None => match tokio::select! {
+                    m = stream.message() => m,
+                    () = tx.closed() => {
+                        // The server ended the request, or its client went away.
+                        end_upstream(&mut client, id, said.get()).await;
+                        return;
+                    }
+                } {
                     Ok(Some(e)) => e,
                     Ok(None) => {
                         let _ = tx
@@ -296,7 +305,8 @@ async fn submit_remote(
             if e.finish_reason.is_empty() {
                 generated += 1;
                 if tx.send(Out::Token(e.token)).await.is_err() {
-                    return; // client gone: dropping the stream aborts the request upstream
+                    end_upstream(&mut client, id, said.get()).await;
+                    return; // dropping the stream aborts what the front door did not end
                 }
                 continue;
             }
@@ -322,10 +332,40 @@ async fn submit_remote(
             return;
         }
     });
-    // In front of a pair the nodes record their own ends (a dropped stream is an abort there).
-    let events = Events {
-        rx,
-        end: EndSlot::default(),
-    };
+    // What the server says in `end` reaches the pair's nodes (`end_upstream`), which record it.
+    let events = Events { rx, end };
     Ok((format!("req-{node}-{id}"), id, events))
+}
+
+/// How long telling the front door about a request's end may take before the relay gives up
+/// (the dropped stream then ends it upstream, recorded `aborted`).
+const END_UPSTREAM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Tell the front door how the server ended request `id` (its [`EndSlot`]), so that both nodes
+/// record the end as the client saw it: `finished`/`stop` with the tokens in its `usage`, or
+/// `aborted` with the reason. Nothing said: the dropped stream is the abort.
+async fn end_upstream(client: &mut PrefillClient<Channel>, id: u64, end: Option<&ClientEnd>) {
+    let Some(end) = end else { return };
+    let (finish_reason, reason) = match &end.kind {
+        audit::RequestKind::Finished { reason } => (reason.clone(), String::new()),
+        audit::RequestKind::Aborted { reason } => (String::new(), reason.clone()),
+        other => (String::new(), other.name().to_owned()),
+    };
+    let req = proto::EndRequest {
+        request: id,
+        finish_reason,
+        reason,
+        delivered_tokens: u32::try_from(end.delivered_tokens).ok(),
+    };
+    match tokio::time::timeout(END_UPSTREAM_TIMEOUT, client.end(req)).await {
+        Ok(Ok(r)) if r.get_ref().existed => {}
+        Ok(Ok(_)) => tracing::debug!(request = id, "the pair had already ended the request"),
+        Ok(Err(s)) => {
+            tracing::warn!(request = id, error = %s.message(), "telling the front door how a request ended failed")
+        }
+        Err(_) => tracing::warn!(
+            request = id,
+            "telling the front door how a request ended timed out"
+        ),
+    }
 }

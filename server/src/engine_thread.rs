@@ -75,7 +75,7 @@ impl EndSlot {
         let _ = self.0.set(end);
     }
 
-    fn get(&self) -> Option<&ClientEnd> {
+    pub(crate) fn get(&self) -> Option<&ClientEnd> {
         self.0.get()
     }
 }

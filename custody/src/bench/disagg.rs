@@ -518,6 +518,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             fingerprint: fingerprint.clone(),
             reserve_wait: Duration::from_secs(30),
             transport_kind: Default::default(),
+            checkpoints: None,
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -527,6 +528,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             reservation_lease: Duration::from_secs(30),
             unsafe_: UnsafeReproduction::default(),
             fingerprint,
+            checkpoints: None,
         },
     };
     let pair = Pair::start(

@@ -43,6 +43,41 @@ pub struct DecodeOptions {
     /// Already armed by `--unsafe-reproduction` (or default).
     pub unsafe_: UnsafeReproduction,
     pub fingerprint: String,
+    /// Keep the prefill node's checkpoints in this node's log and answer with this node's own
+    /// (`None`: the exchange is refused, e.g. without an audit writer).
+    pub checkpoints: Option<crate::checkpoints::PeerCheckpoints>,
+}
+
+/// How prefill (for the front behind it) ended a request: the `requests` row's kind and the
+/// output tokens its client received (`None`: every token produced).
+#[derive(Debug)]
+struct FrontEnd {
+    kind: RequestKind,
+    delivered_tokens: Option<usize>,
+}
+
+impl FrontEnd {
+    /// From an `Abort`: `finish_reason` `stop`/`length` is a finish the client saw, empty an
+    /// abort with `reason`; anything else is refused.
+    fn from_proto(a: &proto::AbortRequest) -> Result<Self, Status> {
+        let kind = match a.finish_reason.as_str() {
+            "" => RequestKind::Aborted {
+                reason: a.reason.clone(),
+            },
+            "stop" | "length" => RequestKind::Finished {
+                reason: a.finish_reason.clone(),
+            },
+            other => {
+                return Err(Status::invalid_argument(format!(
+                    "finish_reason {other:?}: want \"stop\", \"length\" or empty (aborted)"
+                )));
+            }
+        };
+        Ok(Self {
+            kind,
+            delivered_tokens: a.delivered_tokens.map(|n| n as usize),
+        })
+    }
 }
 
 type TokenTx = mpsc::Sender<Result<proto::TokenEvent, Status>>;
@@ -62,7 +97,7 @@ enum Cmd {
         proto::CommitRequest,
         oneshot::Sender<Result<TokenRx, Status>>,
     ),
-    Abort(u64, String, oneshot::Sender<bool>),
+    Abort(u64, FrontEnd, oneshot::Sender<bool>),
     Stats(oneshot::Sender<DecodeStats>),
     #[cfg(feature = "fault-injection")]
     Fault(DecodeFault),
@@ -226,7 +261,7 @@ impl Node {
                 let kind = RequestKind::Aborted {
                     reason: "cannot register the KV region".into(),
                 };
-                self.engine.quarantine(id, kind);
+                self.engine.quarantine(id, kind, None);
                 // Never registered: no writer exists, and the engine knows no key to wait for.
                 if let Err(e) = self.engine.release_quarantined(id, None) {
                     tracing::error!(request = id, error = %e, "pages stay quarantined");
@@ -506,6 +541,23 @@ impl Node {
     /// End a request that did not finish normally: quarantine its pages, invalidate its key,
     /// and free the pages only once the key is invalidated (safety property 2).
     fn end(&mut self, id: RequestId, ev: ReqEvent, kind: RequestKind, error: Option<String>) {
+        self.end_with(
+            id,
+            ev,
+            FrontEnd {
+                kind,
+                delivered_tokens: None,
+            },
+            error,
+        );
+    }
+
+    /// [`Self::end`], recording `end.delivered_tokens` output tokens when given.
+    fn end_with(&mut self, id: RequestId, ev: ReqEvent, end: FrontEnd, error: Option<String>) {
+        let FrontEnd {
+            kind,
+            delivered_tokens,
+        } = end;
         let Some(mut r) = self.reqs.remove(&id) else {
             return;
         };
@@ -523,7 +575,7 @@ impl Node {
         if let (Some(tx), Some(e)) = (&r.tokens, &error) {
             let _ = tx.try_send(Err(Status::aborted(e.clone())));
         }
-        self.engine.quarantine(id, kind);
+        self.engine.quarantine(id, kind, delivered_tokens);
         let proof = match r.invalidated.take() {
             Some(p) => Ok(p),
             None => self.transport.invalidate(r.rkey),
@@ -671,14 +723,15 @@ impl Node {
             Cmd::Commit(c, tx) => {
                 let _ = tx.send(self.commit(c));
             }
-            Cmd::Abort(id, reason, tx) => {
+            Cmd::Abort(id, end, tx) => {
                 let existed = self.reqs.contains_key(&id);
                 if existed {
-                    tracing::info!(request = id, reason, "abort");
-                    let kind = RequestKind::Aborted {
-                        reason: reason.clone(),
+                    tracing::info!(request = id, end = ?end.kind, "ended by prefill");
+                    let note = match &end.kind {
+                        RequestKind::Aborted { reason } => reason.clone(),
+                        other => format!("{} by the front", other.name()),
                     };
-                    self.end(id, ReqEvent::Abort, kind, Some(reason));
+                    self.end_with(id, ReqEvent::Abort, end, Some(note));
                 }
                 let _ = tx.send(existed);
             }
@@ -759,6 +812,8 @@ impl crate::actor::Actor for Node {
 #[derive(Clone, Debug)]
 pub struct DecodeHandle {
     tx: Mailbox<Cmd>,
+    /// The peer checkpoint exchange (`None`: refused).
+    checkpoints: Option<Arc<crate::checkpoints::Exchange>>,
     /// The transport's endpoint: `tcp`, its listening address; `verbs`, the queue pair's.
     pub transport_addr: String,
     pub info: proto::NodeInfo,
@@ -797,6 +852,13 @@ impl DecodeHandle {
             opts.transport_listen,
         )?;
         let transport_addr = transport.endpoint();
+        let checkpoints = opts.checkpoints.as_ref().map(|p| {
+            Arc::new(crate::checkpoints::Exchange::new(
+                p,
+                opts.node_id,
+                "prefill",
+            ))
+        });
         let stride = engine.core().pool().region_page_stride();
         let info = super::node_info(
             engine.core().model(),
@@ -833,6 +895,7 @@ impl DecodeHandle {
         )?;
         Ok(Self {
             tx,
+            checkpoints,
             transport_addr,
             info,
         })
@@ -940,7 +1003,26 @@ impl decode_server::Decode for DecodeService {
         r: Request<proto::AbortRequest>,
     ) -> Result<Response<proto::AbortReply>, Status> {
         let a = r.into_inner();
-        let existed = ask(&self.h, |tx| Cmd::Abort(a.request, a.reason, tx)).await?;
+        let end = FrontEnd::from_proto(&a)?;
+        let existed = ask(&self.h, |tx| Cmd::Abort(a.request, end, tx)).await?;
         Ok(Response::new(proto::AbortReply { existed }))
+    }
+
+    async fn exchange_checkpoints(
+        &self,
+        r: Request<proto::Checkpoints>,
+    ) -> Result<Response<proto::Checkpoints>, Status> {
+        let Some(ex) = self.h.checkpoints.clone() else {
+            return Err(Status::unimplemented(
+                "this decode node keeps no peer checkpoints (no audit log)",
+            ));
+        };
+        let sent = r.into_inner();
+        let own = ex.own_message();
+        // The log's queue is bounded and may make the recording wait: off the async workers.
+        tokio::task::spawn_blocking(move || ex.keep(&sent))
+            .await
+            .map_err(|_| Status::internal("keeping the peer's checkpoints"))??;
+        Ok(Response::new(own))
     }
 }

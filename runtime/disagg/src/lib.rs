@@ -23,6 +23,7 @@
 //! only then frees them (safety property 2).
 
 pub mod bench;
+pub mod checkpoints;
 pub mod client;
 pub mod config;
 pub mod decode;

@@ -40,6 +40,32 @@ pub struct PrefillOptions {
     pub reserve_wait: Duration,
     /// `tcp` or `verbs` (must match the decode node's).
     pub transport_kind: TransportKind,
+    /// Exchange checkpoints with the decode node: keep its newest in this node's log, send it
+    /// this node's (`None`: no exchange, e.g. without an audit writer).
+    pub checkpoints: Option<crate::checkpoints::PeerCheckpoints>,
+}
+
+/// The requests a front may still end early, by this node's request id: the decode request each
+/// was reserved as. An entry lives while its `generate` runs (bounded by the live requests).
+#[derive(Debug, Default)]
+struct Relays(std::sync::Mutex<HashMap<RequestId, u64>>);
+
+impl Relays {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RequestId, u64>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Removes its request from [`Relays`] when its `generate` returns, however it returns.
+struct RelayEntry {
+    relays: Arc<Relays>,
+    id: RequestId,
+}
+
+impl Drop for RelayEntry {
+    fn drop(&mut self) {
+        self.relays.lock().remove(&self.id);
+    }
 }
 
 /// Why a request's transfer (or its prefill) failed, as prefill saw it: the reason recorded in
@@ -692,6 +718,9 @@ pub struct PrefillHandle {
     tx: Mailbox<Cmd>,
     decode: DecodeClient<Channel>,
     opts: PrefillOptions,
+    relays: Arc<Relays>,
+    /// Held by every handle: the checkpoint exchange stops when the last one is gone.
+    _alive: Arc<()>,
     pub info: proto::NodeInfo,
     pub decode_info: proto::NodeInfo,
 }
@@ -812,10 +841,22 @@ impl PrefillHandle {
             ActorLimits::with_queue(CMD_QUEUE_CMDS),
         )?;
         tracing::info!(decode = decode_info.node_id, transport = %peer, "prefill node paired with decode node");
+        let alive = Arc::new(());
+        if let Some(p) = &opts.checkpoints {
+            let ex = crate::checkpoints::Exchange::new(p, opts.node_id, "decode");
+            tokio::spawn(crate::checkpoints::exchange_loop(
+                decode.clone(),
+                Arc::new(ex),
+                p.interval,
+                Arc::downgrade(&alive),
+            ));
+        }
         Ok(Self {
             tx,
             decode,
             opts,
+            relays: Arc::default(),
+            _alive: alive,
             info,
             decode_info,
         })
@@ -909,6 +950,11 @@ impl PrefillHandle {
             }
         };
         let decode_id = res.request;
+        self.relays.lock().insert(id, decode_id);
+        let _relay = RelayEntry {
+            relays: self.relays.clone(),
+            id,
+        };
         // 4. Transfer; wait for every write to complete.
         let (tx, rx) = oneshot::channel();
         if let Err(s) = self.send(Cmd::Attach(id, res, tx)) {
@@ -933,9 +979,14 @@ impl PrefillHandle {
         // 5. The first token is prefill's. If it ends the request, decode never starts.
         let stop = original.stop_ids.contains(&first);
         if stop || original.max_tokens <= 1 {
-            let _ = decode
-                .abort(abort_req(decode_id, "finished at the first token"))
-                .await;
+            // Decode never starts: its row says how the client saw the end.
+            let ended = proto::AbortRequest {
+                request: decode_id,
+                reason: "finished at the first token".into(),
+                finish_reason: if stop { "stop".into() } else { "length".into() },
+                delivered_tokens: Some(u32::from(!stop)),
+            };
+            let _ = decode.abort(ended).await;
             let _ = out
                 .send(Ok(proto::TokenEvent {
                     finish_reason: if stop { "stop".into() } else { "length".into() },
@@ -988,6 +1039,27 @@ impl PrefillHandle {
         Ok(())
     }
 
+    /// The front ended request `e.request` (this node's id) early: decode records the end as
+    /// the front's client saw it. Returns whether decode still had the request (a request that
+    /// ended on its own first is recorded as it ended).
+    pub async fn end(&self, e: proto::EndRequest) -> Result<bool, Status> {
+        let Some(decode_id) = self.relays.lock().get(&e.request).copied() else {
+            return Ok(false);
+        };
+        let reason = if e.reason.is_empty() && e.finish_reason.is_empty() {
+            "ended by the front".to_owned()
+        } else {
+            e.reason
+        };
+        let ended = proto::AbortRequest {
+            request: decode_id,
+            reason,
+            finish_reason: e.finish_reason,
+            delivered_tokens: e.delivered_tokens,
+        };
+        Ok(self.decode.clone().abort(ended).await?.into_inner().existed)
+    }
+
     /// The gRPC front-door service over this handle.
     pub fn service(&self) -> prefill_server::PrefillServer<PrefillService> {
         prefill_server::PrefillServer::new(PrefillService { h: self.clone() })
@@ -998,6 +1070,8 @@ fn abort_req(request: u64, reason: &str) -> proto::AbortRequest {
     proto::AbortRequest {
         request,
         reason: reason.to_owned(),
+        finish_reason: String::new(),
+        delivered_tokens: None,
     }
 }
 
@@ -1040,5 +1114,13 @@ impl prefill_server::Prefill for PrefillService {
         _r: Request<proto::InfoRequest>,
     ) -> Result<Response<proto::NodeInfo>, Status> {
         Ok(Response::new(self.h.info.clone()))
+    }
+
+    async fn end(
+        &self,
+        r: Request<proto::EndRequest>,
+    ) -> Result<Response<proto::AbortReply>, Status> {
+        let existed = self.h.end(r.into_inner()).await?;
+        Ok(Response::new(proto::AbortReply { existed }))
     }
 }

@@ -308,6 +308,17 @@ fn an_idle_writer_publishes_checkpoints_on_its_interval() {
     }
 }
 
+/// The attacker cuts `NODE`'s tail (and the root's copy); the witness's log shows it.
+fn cut_tail_shows_in_the_witness_log(root: &Path) {
+    cut_tail(root, true);
+    let r = digest::verify(root, None, None, None);
+    let place = tail_cut(&r).unwrap_or_else(|| panic!("{:?}", r.problems));
+    assert!(
+        place.contains(&format!("node_events/node={WITNESS}")),
+        "{place}"
+    );
+}
+
 /// The relay `custody probe --checkpoints-from` (and a peer's `[audit] checkpoints_from`) runs
 /// when the node is another process: the node publishes into a directory, the relay keeps each
 /// new checkpoint in the witness's log, where the cut tail shows.
@@ -328,14 +339,212 @@ fn a_relayed_checkpoint_in_the_witness_log_catches_a_cut_tail() {
     );
     assert_eq!(relay.poll().expect("poll"), 0, "nothing new");
     witness.close().expect("seal the witness log");
-    cut_tail(&root, true);
-    let r = digest::verify(&root, None, None, None);
-    let place = tail_cut(&r).unwrap_or_else(|| panic!("{:?}", r.problems));
-    assert!(
-        place.contains(&format!("node_events/node={WITNESS}")),
-        "{place}"
-    );
+    cut_tail_shows_in_the_witness_log(&root);
     for d in [root, published] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// The attacker with node `node`'s disk deletes every sealing from digest `from` on (digests and
+/// the files they name) and the root's own copy of its checkpoint.
+fn cut_from(root: &Path, node: u32, from: u64) {
+    let dir = root.join(format!("_digests/node={node}"));
+    for e in std::fs::read_dir(&dir).expect("digests") {
+        let path = e.expect("entry").path();
+        let d: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        if d["digest_seq"].as_u64().expect("digest_seq") < from {
+            continue;
+        }
+        for f in d["files"].as_array().expect("files") {
+            std::fs::remove_file(root.join(f["path"].as_str().expect("path"))).expect("rm file");
+        }
+        std::fs::remove_file(&path).expect("rm digest");
+    }
+    std::fs::remove_file(DirSink::path(&root.join("_checkpoints"), node)).expect("rm copy");
+}
+
+/// Node `node`'s newest checkpoint has sealed digest `seq` (or a later one).
+fn issued_after(latest: &custody_audit::checkpoint::Latest, seq: u64) -> bool {
+    latest
+        .get()
+        .is_some_and(|cp| cp.body.digest_seq.is_some_and(|s| s >= seq))
+}
+
+/// Whether `mem` holds a kept checkpoint of `node` vouching for digest `seq`.
+fn kept(mem: &custody_audit::MemorySink, node: u32, seq: u64) -> bool {
+    mem.events.lock().expect("events").iter().any(|e| match e {
+        Event::Node { kind, detail, .. }
+            if &**kind == custody_audit::checkpoint::NODE_EVENT_KIND =>
+        {
+            Checkpoint::parse(detail).is_ok_and(|cp| {
+                cp.body.node == node && cp.body.digest_seq.is_some_and(|s| s >= seq)
+            })
+        }
+        _ => false,
+    })
+}
+
+/// A running pair keeps each other's checkpoints over its control plane
+/// (`Decode.ExchangeCheckpoints`, real gRPC on loopback): the attacker with one node's disk who
+/// cuts its log from the newest checkpointed sealing on, and deletes the root's copy, is found
+/// from the other node's sealed log — in both directions.
+#[test]
+fn a_pair_keeps_each_others_checkpoints_and_a_cut_tail_shows() {
+    use custody_audit::checkpoint::Latest;
+    use custody_runtime::config::UnsafeReproduction;
+    use custody_runtime::disagg::checkpoints::PeerCheckpoints;
+    use std::time::{Duration, Instant};
+    const PREFILL: u32 = 1;
+    const DECODE: u32 = 2;
+    let key = digest::generate_key().expect("key");
+    let root = tmp_dir("cp-pair");
+    let open = |node| {
+        let latest = Arc::new(Latest::default());
+        let mut cfg = WriterConfig::new(&root, node, key.clone());
+        cfg.checkpoint_interval = Duration::from_millis(200);
+        cfg.checkpoint_sinks = vec![latest.clone()];
+        (Arc::new(AuditWriter::open(cfg).expect("writer")), latest)
+    };
+    let ((pw, platest), (dw, dlatest)) = (open(PREFILL), open(DECODE));
+    // What each node keeps of the other's also goes to memory, to see when it arrived.
+    let (pmem, dmem) = (
+        custody_audit::MemorySink::default(),
+        custody_audit::MemorySink::default(),
+    );
+    let side = |own: &Arc<Latest>, w: &Arc<AuditWriter>, mem: &custody_audit::MemorySink| {
+        PeerCheckpoints {
+            own: own.clone(),
+            log: Arc::new(crate::disagg::Tee(
+                mem.clone(),
+                Some(w.clone() as Arc<dyn AuditSink>),
+            )),
+            interval: Duration::from_millis(100),
+        }
+    };
+    let peers = (side(&platest, &pw, &pmem), side(&dlatest, &dw, &dmem));
+    let nodes = crate::disagg::start_pair_exchanging(
+        crate::small_cfg(),
+        crate::small_cfg(),
+        UnsafeReproduction::default(),
+        Duration::from_secs(30),
+        Some((pw.clone(), dw.clone())),
+        Some(peers),
+    );
+    let out = nodes
+        .pair
+        .generate(&crate::disagg::req("acme", vec![1, 2, 3, 4, 5, 6, 7, 8], 4))
+        .expect("served");
+    assert_eq!(out.tokens.len(), 4);
+    // Each node seals its traffic (digest 1, after the start's digest 0 or its first seal),
+    // then waits until the other has kept a checkpoint vouching for it.
+    pw.rotate().expect("seal prefill");
+    dw.rotate().expect("seal decode");
+    let newest = |node: u32| {
+        std::fs::read_dir(root.join(format!("_digests/node={node}")))
+            .expect("digests")
+            .count() as u64
+            - 1
+    };
+    let (p_seq, d_seq) = (newest(PREFILL), newest(DECODE));
+    let t0 = Instant::now();
+    while !(issued_after(&platest, p_seq)
+        && issued_after(&dlatest, d_seq)
+        && kept(&pmem, DECODE, d_seq)
+        && kept(&dmem, PREFILL, p_seq))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no exchange: prefill kept {}, decode kept {}",
+            kept(&pmem, DECODE, d_seq),
+            kept(&dmem, PREFILL, p_seq)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(nodes);
+    pw.close().expect("close prefill");
+    dw.close().expect("close decode");
+    let clean = verify(&root, &key, &Expect::default());
+    assert!(clean.ok(), "{:?}", clean.problems);
+
+    for (cut, from, keeper) in [(DECODE, d_seq, PREFILL), (PREFILL, p_seq, DECODE)] {
+        let copy = tmp_dir(&format!("cp-pair-cut-{cut}"));
+        let status = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(format!("{}/.", root.display()))
+            .arg(&copy)
+            .status()
+            .expect("cp");
+        assert!(status.success());
+        cut_from(&copy, cut, from);
+        let r = verify(&copy, &key, &Expect::default());
+        let place = r
+            .problems
+            .iter()
+            .find_map(|p| match p {
+                Problem::TailCut {
+                    node,
+                    checkpoint_digest_seq,
+                    last_present,
+                    place,
+                } if *node == cut
+                    && *checkpoint_digest_seq >= from
+                    && last_present.is_none_or(|l| l < from) =>
+                {
+                    Some(place.clone())
+                }
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("node {cut}'s cut tail not found: {:?}", r.problems));
+        assert!(
+            place.contains(&format!("node_events/node={keeper}")),
+            "node {cut}'s checkpoint should be found in node {keeper}'s log: {place}"
+        );
+        let _ = std::fs::remove_dir_all(&copy);
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// `custody probe --checkpoints-from DIR` (the binary as an operator runs it, attached to this
+/// test process): the witness's own log keeps the checkpoints the node publishes into `DIR`, and
+/// the node's cut tail shows against it.
+#[test]
+fn the_probe_binary_keeps_a_nodes_checkpoints_in_the_witness_log() {
+    if !custody_ebpf::require_bpf_or_skip("e2e::checkpoint::probe_binary") {
+        return;
+    }
+    let key = digest::generate_key().expect("key");
+    let root = tmp_dir("cp-probe");
+    let published = tmp_dir("cp-probe-published");
+    let keys = tmp_dir("cp-probe-key");
+    let key_file = keys.join("witness.key");
+    digest::write_key(&digest::generate_key().expect("key"), &key_file).expect("key file");
+    node_log(&root, &key, vec![Arc::new(DirSink::new(&published))]);
+    let out = std::process::Command::new(crate::symbols::default_features_binary())
+        .args([
+            "probe",
+            "--pid",
+            &std::process::id().to_string(),
+            "--duration-s",
+            "2",
+        ])
+        .args(["--node", &WITNESS.to_string(), "--audit"])
+        .arg(&root)
+        .arg("--audit-key")
+        .arg(&key_file)
+        .arg("--checkpoints-from")
+        .arg(&published)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run custody probe (scripts/test.sh builds it)");
+    assert!(
+        out.status.success(),
+        "custody probe: {:?}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    cut_tail_shows_in_the_witness_log(&root);
+    for d in [root, published, keys] {
         let _ = std::fs::remove_dir_all(d);
     }
 }

@@ -94,6 +94,28 @@ pub fn start_pair_with(
     lease: Duration,
     writers: Option<Writers>,
 ) -> Nodes {
+    start_pair_exchanging(prefill, decode, unsafe_, lease, writers, None)
+}
+
+/// Each node's side of the peer checkpoint exchange: (prefill's, decode's).
+pub type PeerSides = (
+    custody_runtime::disagg::checkpoints::PeerCheckpoints,
+    custody_runtime::disagg::checkpoints::PeerCheckpoints,
+);
+
+/// [`start_pair_with`], the nodes exchanging checkpoints when `peer` is given.
+pub fn start_pair_exchanging(
+    prefill: EngineConfig,
+    decode: EngineConfig,
+    unsafe_: UnsafeReproduction,
+    lease: Duration,
+    writers: Option<Writers>,
+    peer: Option<PeerSides>,
+) -> Nodes {
+    let (prefill_peer, decode_peer) = match peer {
+        Some((p, d)) => (Some(p), Some(d)),
+        None => (None, None),
+    };
     let (pa, da) = (MemorySink::default(), MemorySink::default());
     let (pw, dw) = match writers {
         Some((p, d)) => (Some(p), Some(d)),
@@ -112,6 +134,7 @@ pub fn start_pair_with(
             fingerprint: fingerprint(),
             reserve_wait: Duration::from_secs(30),
             transport_kind: transport_under_test(),
+            checkpoints: prefill_peer,
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -121,6 +144,7 @@ pub fn start_pair_with(
             reservation_lease: lease,
             unsafe_,
             fingerprint: fingerprint(),
+            checkpoints: decode_peer,
         },
     };
     let pair = Pair::start(pe, de, opts).expect("pair starts");
@@ -945,6 +969,7 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
             fingerprint: fingerprint(),
             reserve_wait: Duration::from_secs(1),
             transport_kind: verbs.clone(),
+            checkpoints: None,
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -954,6 +979,7 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
             reservation_lease: Duration::from_secs(1),
             unsafe_: UnsafeReproduction::default(),
             fingerprint: fingerprint(),
+            checkpoints: None,
         },
     };
     let (pe, de) = (
@@ -991,6 +1017,7 @@ fn handshake_refuses_a_mismatched_pair() {
             fingerprint: fingerprint(),
             reserve_wait: Duration::from_secs(1),
             transport_kind: Default::default(),
+            checkpoints: None,
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -1000,6 +1027,7 @@ fn handshake_refuses_a_mismatched_pair() {
             reservation_lease: Duration::from_secs(1),
             unsafe_: UnsafeReproduction::default(),
             fingerprint: fingerprint(),
+            checkpoints: None,
         },
     };
     let err = Pair::start(pe, de, opts).expect_err("mismatched pair must not start");

@@ -232,6 +232,7 @@ fn netns_child_node() {
                 reservation_lease: Duration::from_millis(LEASE_MS),
                 unsafe_: UnsafeReproduction::default(),
                 fingerprint: fingerprint(),
+                checkpoints: None,
             },
         )
         .expect("decode");
@@ -265,6 +266,7 @@ fn netns_child_node() {
         fingerprint: fingerprint(),
         reserve_wait: Duration::from_secs(10),
         transport_kind: Default::default(),
+        checkpoints: None,
     };
     let h = rt
         .block_on(PrefillHandle::start(

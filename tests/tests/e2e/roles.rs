@@ -87,7 +87,7 @@ fn decode_engine_frees_quarantined_pages_only_with_the_keys_own_proof() {
         Err(ImportError::WrongKey { .. })
     ));
 
-    assert!(e.quarantine(id, aborted()));
+    assert!(e.quarantine(id, aborted(), None));
     assert_eq!(e.n_quarantined_pages(), pages.len());
     assert_eq!(
         e.release_quarantined(id, None),

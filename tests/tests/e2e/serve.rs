@@ -661,20 +661,101 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         "no prefill_anomaly node event in the front's audit log"
     );
 
+    // How requests end, as decode records them: a length finish, and a stop sequence the
+    // server matched in the text — `finished`, its reason, the tokens in the client's `usage`
+    // (the front tells the pair, `Prefill.End`; not `aborted` as a dropped stream would be).
+    let post = |body: &str| {
+        client::request(
+            &url,
+            "POST",
+            "/v1/completions",
+            Some(KEY),
+            Some(body.as_bytes()),
+            Duration::from_secs(120),
+        )
+        .expect("completion")
+    };
+    let completion = |body: String| {
+        let r = post(&body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        serde_json::from_slice::<serde_json::Value>(&r.body).expect("json")
+    };
+    // Decode's `requests` rows: (request, kind, output tokens).
+    let decode_rows = || -> Vec<(u64, RequestKind, u32)> {
+        let events = nodes.decode_audit.events.lock().expect("events");
+        events
+            .iter()
+            .filter_map(|e| match e {
+                AEvent::Request {
+                    request,
+                    kind,
+                    output_tokens,
+                    ..
+                } => Some((*request, kind.clone(), *output_tokens)),
+                _ => None,
+            })
+            .collect()
+    };
+    let newest_decode_request = || decode_rows().iter().map(|r| r.0).max().unwrap_or(0);
+    // The newest request's end after `after`, once recorded.
+    let decode_end = |after: u64| {
+        let t0 = Instant::now();
+        loop {
+            let end = decode_rows()
+                .into_iter()
+                .filter(|r| r.0 > after && r.1 != RequestKind::Admitted)
+                .max_by_key(|r| r.0);
+            if let Some(e) = end {
+                return e;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "no end on decode");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let prompt = "Count to one hundred: 1, 2, 3,";
+    let before = newest_decode_request();
+    let v = completion(format!(
+        r#"{{"prompt": "{prompt}", "max_tokens": 12, "temperature": 0}}"#
+    ));
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let (_, kind, out) = decode_end(before);
+    assert_eq!(
+        (kind, out),
+        (
+            RequestKind::Finished {
+                reason: "length".into()
+            },
+            12
+        ),
+        "{v}"
+    );
+    let text = v["choices"][0]["text"].as_str().expect("text").to_owned();
+    let stop_text: String = text[text.len() / 2..].chars().take(2).collect();
+    let before = newest_decode_request();
+    let v = completion(format!(
+        r#"{{"prompt": "{prompt}", "max_tokens": 12, "temperature": 0, "stop": [{stop_text:?}]}}"#
+    ));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let usage = v["usage"]["completion_tokens"].as_u64().expect("usage") as u32;
+    assert!((1..12).contains(&usage), "{v}");
+    let (_, kind, out) = decode_end(before);
+    assert_eq!(
+        (kind, out),
+        (
+            RequestKind::Finished {
+                reason: "stop".into()
+            },
+            usage
+        ),
+        "decode records the end the client saw: {v}"
+    );
+
     // Over-length: 400 from the pair's admission, with its reason.
     let long = format!(
         "{{\"prompt\": \"{}\", \"max_tokens\": 8}}",
         "hello ".repeat(CONTEXT + 50)
     );
-    let r = client::request(
-        &url,
-        "POST",
-        "/v1/completions",
-        Some(KEY),
-        Some(long.as_bytes()),
-        Duration::from_secs(120),
-    )
-    .expect("over-length");
+    let r = post(&long);
     let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
     assert_eq!(r.status, 400, "{v}");
     let msg = v["error"]["message"].as_str().expect("message");

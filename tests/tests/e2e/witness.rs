@@ -81,6 +81,7 @@ impl Rig {
                 fingerprint: fingerprint(),
                 reserve_wait: Duration::from_secs(30),
                 transport_kind: TransportKind::Tcp,
+                checkpoints: None,
             },
             decode: DecodeOptions {
                 node_id: node + 1,
@@ -90,6 +91,7 @@ impl Rig {
                 reservation_lease: Duration::from_secs(30),
                 unsafe_: UnsafeReproduction::default(),
                 fingerprint: fingerprint(),
+                checkpoints: None,
             },
         };
         let pair = Pair::start(pe, de, opts).expect("pair starts");

@@ -307,8 +307,15 @@ impl DecodeEngine {
     }
 
     /// End an importing or decoding request whose pages a remote writer may still write: its
-    /// pages go to quarantine (recorded), not to the free list. Returns whether it existed.
-    pub fn quarantine(&mut self, id: RequestId, kind: RequestKind) -> bool {
+    /// pages go to quarantine (recorded), not to the free list. Recorded as `kind` with
+    /// `delivered_tokens` output tokens — what the client received, when the front ended the
+    /// request (`None`: every token produced). Returns whether it existed.
+    pub fn quarantine(
+        &mut self,
+        id: RequestId,
+        kind: RequestKind,
+        delivered_tokens: Option<usize>,
+    ) -> bool {
         let (seq, key) = if let Ok(i) = self.import_index(id) {
             let im = self.importing.swap_remove(i);
             (im.seq, im.key)
@@ -326,8 +333,9 @@ impl DecodeEngine {
         let tenant = seq.tenant.clone();
         self.core
             .emit_pages(seq.id, &tenant, &pages, PageKind::Quarantine);
+        let output_tokens = delivered_tokens.unwrap_or(seq.generated);
         self.core
-            .emit_request(seq.id, &tenant, kind, seq.prompt.len(), seq.generated);
+            .emit_request(seq.id, &tenant, kind, seq.prompt.len(), output_tokens);
         self.quarantined.push(Quarantined { seq, key });
         true
     }
