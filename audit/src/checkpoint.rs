@@ -282,6 +282,45 @@ impl Keeper {
     }
 }
 
+/// A node's side of a pair's checkpoint exchange ([`crate::CheckpointExchange`]): its own
+/// newest checkpoint (a [`Latest`] among its writer's sinks) to send, and a [`Keeper`] into its
+/// own log for the peer's. A checkpoint that claims this node is refused.
+#[derive(Debug)]
+pub struct PeerExchange {
+    own: Arc<Latest>,
+    keeper: std::sync::Mutex<Keeper>,
+    own_node: u32,
+}
+
+impl PeerExchange {
+    /// `peer` names the other node (in errors).
+    pub fn new(own: Arc<Latest>, log: Arc<dyn AuditSink>, own_node: u32, peer: &str) -> Self {
+        Self {
+            own,
+            keeper: std::sync::Mutex::new(Keeper::new(log, format!("{peer} checkpoints"))),
+            own_node,
+        }
+    }
+}
+
+impl crate::CheckpointExchange for PeerExchange {
+    fn own(&self) -> Option<String> {
+        self.own.get().map(|cp| cp.to_json())
+    }
+
+    fn keep(&self, json: &str) -> Result<bool, crate::ExchangeRefused> {
+        let cp = Checkpoint::parse(json)
+            .map_err(|e| crate::ExchangeRefused::Malformed(e.to_string()))?;
+        if cp.body.node == self.own_node {
+            return Err(crate::ExchangeRefused::OwnNode(cp.body.node));
+        }
+        let mut keeper = self.keeper.lock().unwrap_or_else(|p| p.into_inner());
+        keeper
+            .keep(&cp)
+            .map_err(|e| crate::ExchangeRefused::Log(e.to_string()))
+    }
+}
+
 /// Another log — a peer node's, the eBPF witness's: each checkpoint recorded there as a
 /// `node_events` row (kind [`NODE_EVENT_KIND`], detail the checkpoint's JSON), sealed and
 /// signed under *that* log's key. `verify` finds them in the root's verified files.

@@ -27,6 +27,28 @@ pub mod writer;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+/// A node's side of a peer checkpoint exchange, as the runtime sees it: checkpoints travel as
+/// opaque signed JSON (the `writer` feature's `checkpoint::PeerExchange` implements it over the
+/// node's own writer), so the runtime needs none of the writer's dependencies.
+pub trait CheckpointExchange: Send + Sync + std::fmt::Debug {
+    /// This node's newest checkpoint (JSON); none before its writer issued one.
+    fn own(&self) -> Option<String>;
+    /// Keep in this node's log a checkpoint another node sent; returns whether it was new.
+    /// Blocking: the log's bounded queue may make the recording wait.
+    fn keep(&self, json: &str) -> Result<bool, ExchangeRefused>;
+}
+
+/// Why a checkpoint another node sent was not kept.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeRefused {
+    #[error("not a checkpoint: {0}")]
+    Malformed(String),
+    #[error("a checkpoint of node {0} is this node's own: a peer cannot speak for it")]
+    OwnNode(u32),
+    #[error("this node's log refused it: {0}")]
+    Log(String),
+}
+
 /// Nanoseconds on the node's monotonic clock (the writer anchors it to wall-clock time).
 pub type MonoNs = u64;
 

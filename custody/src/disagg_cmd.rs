@@ -96,9 +96,14 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
         engine = engine.with_audit(sink.clone());
         record_start(&mut engine, role, &fingerprint, &unsafe_);
         // The pair keeps each other's checkpoints (where this node's disk cannot reach).
+        let peer = if role == "decode" {
+            "prefill"
+        } else {
+            "decode"
+        };
+        let book = custody_audit::checkpoint::PeerExchange::new(n.latest.clone(), sink, node, peer);
         checkpoints = Some(PeerCheckpoints {
-            own: n.latest.clone(),
-            log: sink,
+            book: Arc::new(book),
             interval: n.checkpoint_interval,
         });
     }

@@ -5,14 +5,13 @@
 //!
 //! Prefill drives it: every interval it sends its own newest checkpoint over the control plane
 //! (`Decode.ExchangeCheckpoints`); decode keeps it and answers with its own, which prefill keeps.
-//! What a node keeps is not trusted: `custody audit verify` checks every checkpoint against its
-//! node's key. A node refuses checkpoints that claim to be its own.
+//! Checkpoints travel as opaque JSON (`custody_audit::CheckpointExchange`); what a node keeps is
+//! not trusted: `custody audit verify` checks every checkpoint against its node's key.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use custody_audit::AuditSink;
-use custody_audit::checkpoint::{Checkpoint, Keeper, Latest};
+use custody_audit::CheckpointExchange;
 use tonic::Status;
 use tonic::transport::Channel;
 
@@ -23,79 +22,49 @@ pub const EXCHANGE_MAX_CHECKPOINTS: usize = 4;
 /// Most bytes of one checkpoint's JSON (one is about 500 B).
 pub const CHECKPOINT_MAX_BYTES: usize = 4096;
 
-/// What a node needs to take part: its own newest checkpoint and where the peer's go.
+/// What a node needs to take part: its side of the exchange, and how often prefill runs it.
 #[derive(Clone, Debug)]
 pub struct PeerCheckpoints {
-    /// This node's newest checkpoint (a sink of its own writer).
-    pub own: Arc<Latest>,
-    /// This node's log: the peer's checkpoints are recorded here.
-    pub log: Arc<dyn AuditSink>,
+    /// This node's newest checkpoint, and where the peer's are kept (its own log).
+    pub book: Arc<dyn CheckpointExchange>,
     /// How often prefill exchanges (its writer's checkpoint interval).
     pub interval: Duration,
 }
 
-/// One node's side of the exchange.
-#[derive(Debug)]
-pub(crate) struct Exchange {
-    own: Arc<Latest>,
-    keeper: Mutex<Keeper>,
-    own_node: u32,
+/// This node's newest checkpoint, to send.
+pub(crate) fn own_message(book: &dyn CheckpointExchange) -> proto::Checkpoints {
+    proto::Checkpoints {
+        checkpoints: book.own().into_iter().collect(),
+    }
 }
 
-impl Exchange {
-    /// `peer` names the other node's role (in errors).
-    pub(crate) fn new(p: &PeerCheckpoints, own_node: u32, peer: &str) -> Self {
-        Self {
-            own: p.own.clone(),
-            keeper: Mutex::new(Keeper::new(p.log.clone(), format!("{peer} checkpoints"))),
-            own_node,
-        }
+/// Keep what the peer sent (bounded); returns how many were new. Blocking (see
+/// [`CheckpointExchange::keep`]).
+pub(crate) fn keep(
+    book: &dyn CheckpointExchange,
+    sent: &proto::Checkpoints,
+) -> Result<usize, Status> {
+    if sent.checkpoints.len() > EXCHANGE_MAX_CHECKPOINTS {
+        return Err(Status::invalid_argument(format!(
+            "{} checkpoints in one exchange (at most {EXCHANGE_MAX_CHECKPOINTS})",
+            sent.checkpoints.len()
+        )));
     }
-
-    /// This node's newest checkpoint, to send (none before the writer issued one).
-    pub(crate) fn own_message(&self) -> proto::Checkpoints {
-        proto::Checkpoints {
-            checkpoints: self.own.get().map(|cp| cp.to_json()).into_iter().collect(),
-        }
-    }
-
-    /// Keep what the peer sent; returns how many were new. Blocking: the log's bounded queue
-    /// may make the recording wait.
-    pub(crate) fn keep(&self, sent: &proto::Checkpoints) -> Result<usize, Status> {
-        if sent.checkpoints.len() > EXCHANGE_MAX_CHECKPOINTS {
-            return Err(Status::invalid_argument(format!(
-                "{} checkpoints in one exchange (at most {EXCHANGE_MAX_CHECKPOINTS})",
-                sent.checkpoints.len()
-            )));
-        }
-        let mut kept = 0;
-        for text in &sent.checkpoints {
-            let cp = self.parse(text)?;
-            let mut keeper = self.keeper.lock().unwrap_or_else(|p| p.into_inner());
-            let new = keeper
-                .keep(&cp)
-                .map_err(|e| Status::unavailable(e.to_string()))?;
-            kept += usize::from(new);
-        }
-        Ok(kept)
-    }
-
-    fn parse(&self, text: &str) -> Result<Checkpoint, Status> {
+    let mut kept = 0;
+    for text in &sent.checkpoints {
         if text.len() > CHECKPOINT_MAX_BYTES {
             return Err(Status::invalid_argument(format!(
                 "a checkpoint of {} bytes (at most {CHECKPOINT_MAX_BYTES})",
                 text.len()
             )));
         }
-        let cp = Checkpoint::parse(text).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        if cp.body.node == self.own_node {
-            return Err(Status::invalid_argument(format!(
-                "a checkpoint of node {} is this node's own: a peer cannot speak for it",
-                cp.body.node
-            )));
-        }
-        Ok(cp)
+        let new = book.keep(text).map_err(|e| match e {
+            custody_audit::ExchangeRefused::Log(_) => Status::unavailable(e.to_string()),
+            _ => Status::invalid_argument(e.to_string()),
+        })?;
+        kept += usize::from(new);
     }
+    Ok(kept)
 }
 
 /// Prefill's side: exchange every `interval` until the node is gone (`alive` dropped). A failed
@@ -103,7 +72,7 @@ impl Exchange {
 /// verifier sees).
 pub(crate) async fn exchange_loop(
     mut decode: DecodeClient<Channel>,
-    ex: Arc<Exchange>,
+    book: Arc<dyn CheckpointExchange>,
     interval: Duration,
     alive: std::sync::Weak<()>,
 ) {
@@ -114,15 +83,15 @@ pub(crate) async fn exchange_loop(
         if alive.upgrade().is_none() {
             return;
         }
-        let reply = match decode.exchange_checkpoints(ex.own_message()).await {
+        let reply = match decode.exchange_checkpoints(own_message(&*book)).await {
             Ok(r) => r.into_inner(),
             Err(s) => {
                 tracing::warn!(error = %s.message(), "checkpoint exchange with decode failed");
                 continue;
             }
         };
-        let ex = ex.clone();
-        match tokio::task::spawn_blocking(move || ex.keep(&reply)).await {
+        let book = book.clone();
+        match tokio::task::spawn_blocking(move || keep(&*book, &reply)).await {
             Ok(Ok(n)) => tracing::debug!(kept = n, "decode's checkpoints kept"),
             Ok(Err(s)) => tracing::warn!(error = %s.message(), "decode's checkpoints not kept"),
             Err(e) => tracing::warn!(error = %e, "decode's checkpoints not kept"),

@@ -813,7 +813,7 @@ impl crate::actor::Actor for Node {
 pub struct DecodeHandle {
     tx: Mailbox<Cmd>,
     /// The peer checkpoint exchange (`None`: refused).
-    checkpoints: Option<Arc<crate::checkpoints::Exchange>>,
+    checkpoints: Option<Arc<dyn custody_audit::CheckpointExchange>>,
     /// The transport's endpoint: `tcp`, its listening address; `verbs`, the queue pair's.
     pub transport_addr: String,
     pub info: proto::NodeInfo,
@@ -852,13 +852,7 @@ impl DecodeHandle {
             opts.transport_listen,
         )?;
         let transport_addr = transport.endpoint();
-        let checkpoints = opts.checkpoints.as_ref().map(|p| {
-            Arc::new(crate::checkpoints::Exchange::new(
-                p,
-                opts.node_id,
-                "prefill",
-            ))
-        });
+        let checkpoints = opts.checkpoints.as_ref().map(|p| p.book.clone());
         let stride = engine.core().pool().region_page_stride();
         let info = super::node_info(
             engine.core().model(),
@@ -1012,15 +1006,15 @@ impl decode_server::Decode for DecodeService {
         &self,
         r: Request<proto::Checkpoints>,
     ) -> Result<Response<proto::Checkpoints>, Status> {
-        let Some(ex) = self.h.checkpoints.clone() else {
+        let Some(book) = self.h.checkpoints.clone() else {
             return Err(Status::unimplemented(
                 "this decode node keeps no peer checkpoints (no audit log)",
             ));
         };
         let sent = r.into_inner();
-        let own = ex.own_message();
+        let own = crate::checkpoints::own_message(&*book);
         // The log's queue is bounded and may make the recording wait: off the async workers.
-        tokio::task::spawn_blocking(move || ex.keep(&sent))
+        tokio::task::spawn_blocking(move || crate::checkpoints::keep(&*book, &sent))
             .await
             .map_err(|_| Status::internal("keeping the peer's checkpoints"))??;
         Ok(Response::new(own))

@@ -843,10 +843,9 @@ impl PrefillHandle {
         tracing::info!(decode = decode_info.node_id, transport = %peer, "prefill node paired with decode node");
         let alive = Arc::new(());
         if let Some(p) = &opts.checkpoints {
-            let ex = crate::checkpoints::Exchange::new(p, opts.node_id, "decode");
             tokio::spawn(crate::checkpoints::exchange_loop(
                 decode.clone(),
-                Arc::new(ex),
+                p.book.clone(),
                 p.interval,
                 Arc::downgrade(&alive),
             ));

@@ -391,7 +391,7 @@ fn kept(mem: &custody_audit::MemorySink, node: u32, seq: u64) -> bool {
 /// from the other node's sealed log — in both directions.
 #[test]
 fn a_pair_keeps_each_others_checkpoints_and_a_cut_tail_shows() {
-    use custody_audit::checkpoint::Latest;
+    use custody_audit::checkpoint::{Latest, PeerExchange};
     use custody_runtime::config::UnsafeReproduction;
     use custody_runtime::disagg::checkpoints::PeerCheckpoints;
     use std::time::{Duration, Instant};
@@ -412,17 +412,21 @@ fn a_pair_keeps_each_others_checkpoints_and_a_cut_tail_shows() {
         custody_audit::MemorySink::default(),
         custody_audit::MemorySink::default(),
     );
-    let side = |own: &Arc<Latest>, w: &Arc<AuditWriter>, mem: &custody_audit::MemorySink| {
-        PeerCheckpoints {
-            own: own.clone(),
-            log: Arc::new(crate::disagg::Tee(
+    let side =
+        |node: u32, own: &Arc<Latest>, w: &Arc<AuditWriter>, mem: &custody_audit::MemorySink| {
+            let log = Arc::new(crate::disagg::Tee(
                 mem.clone(),
                 Some(w.clone() as Arc<dyn AuditSink>),
-            )),
-            interval: Duration::from_millis(100),
-        }
-    };
-    let peers = (side(&platest, &pw, &pmem), side(&dlatest, &dw, &dmem));
+            ));
+            PeerCheckpoints {
+                book: Arc::new(PeerExchange::new(own.clone(), log, node, "peer")),
+                interval: Duration::from_millis(100),
+            }
+        };
+    let peers = (
+        side(PREFILL, &platest, &pw, &pmem),
+        side(DECODE, &dlatest, &dw, &dmem),
+    );
     let nodes = crate::disagg::start_pair_exchanging(
         crate::small_cfg(),
         crate::small_cfg(),
