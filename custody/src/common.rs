@@ -48,6 +48,21 @@ pub(crate) struct Common {
     pub(crate) threads: usize,
 }
 
+/// How this process talks to the fleet, from `[tls]`: mutual TLS, or (said loudly) plaintext on
+/// loopback.
+pub(crate) fn fleet_security(
+    tls: &custody_runtime::disagg::config::TlsSection,
+) -> Result<custody_runtime::disagg::tls::Security> {
+    let s = custody_runtime::disagg::tls::Security::from_section(tls).context("[tls]")?;
+    match s.own() {
+        Some(id) => tracing::info!(identity = %id, "mutual TLS"),
+        None => tracing::warn!(
+            "[tls] insecure_loopback = true: plaintext, loopback only (anyone on this host can talk to this process)"
+        ),
+    }
+    Ok(s)
+}
+
 /// The audit writer from flags, falling back to the config's `[audit]` section.
 pub(crate) fn open_audit(
     a: &AuditArgs,

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use custody_audit::config::AuditSection;
 use custody_runtime::config::{EngineConfig, ModelSection, UnsafeReproduction};
-use custody_runtime::disagg::config::DisaggSection;
+use custody_runtime::disagg::config::{DisaggSection, TlsSection};
 use custody_server::config::ServeSection;
 use serde::Deserialize;
 
@@ -40,6 +40,10 @@ pub(crate) struct Config {
     /// Disaggregated roles: addresses and transfer options.
     #[serde(default)]
     pub(crate) disagg: DisaggSection,
+    /// Mutual TLS between the fleet's processes: CA, certificate, key, the identities dealt
+    /// with (or the loopback-only insecure mode).
+    #[serde(default)]
+    pub(crate) tls: TlsSection,
     /// The OpenAI-compatible HTTP server (`custody serve`): listen address, tenants and their
     /// keys and limits, the canary. Plain data: the HTTP code lives in `custody-server`.
     #[serde(default)]

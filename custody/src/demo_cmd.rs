@@ -246,6 +246,9 @@ fn serve(
             fingerprint: fingerprint.to_owned(),
             checkpoints: None,
         },
+        fleet: Some(std::sync::Arc::new(
+            custody_runtime::disagg::tls::Fleet::new("custody demo fleet", 2)?,
+        )),
     };
     let pair = Pair::start(pe, de, opts).context("starting the prefill/decode pair")?;
     for (n, job) in jobs.iter().enumerate() {

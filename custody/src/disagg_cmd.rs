@@ -14,12 +14,13 @@ use custody_runtime::disagg::client::{serve_decode, serve_prefill};
 use custody_runtime::disagg::decode::{DecodeHandle, DecodeOptions};
 use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
 use custody_runtime::disagg::proto::prefill_client::PrefillClient;
+use custody_runtime::disagg::tls::{Role as FleetRole, Security};
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{Engine, Model, SamplingParams, Tokenizer};
 
 use crate::config::Config;
 
-use crate::common::{AuditArgs, Common, open_node_audit};
+use crate::common::{AuditArgs, Common, fleet_security, open_node_audit};
 use crate::generate_cmd::GenerateArgs;
 
 #[derive(Args, Debug)]
@@ -47,6 +48,7 @@ struct Role {
     node: u32,
     audit: Option<Arc<custody_audit::writer::AuditWriter>>,
     checkpoints: Option<PeerCheckpoints>,
+    security: Security,
 }
 
 fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
@@ -89,12 +91,14 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
     } else {
         cfg.audit.node
     };
+    let security = fleet_security(&cfg.tls)?;
     let opened = open_node_audit(&a.audit, a.common.config.as_deref())?;
     let mut checkpoints = None;
     if let Some(n) = &opened {
         let sink: Arc<dyn AuditSink> = n.writer.clone();
         engine = engine.with_audit(sink.clone());
         record_start(&mut engine, role, &fingerprint, &unsafe_);
+        record_security(&mut engine, &security);
         // The pair keeps each other's checkpoints (where this node's disk cannot reach).
         let peer = if role == "decode" {
             "prefill"
@@ -115,7 +119,26 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
         node,
         audit: opened.map(|n| n.writer),
         checkpoints,
+        security,
     })
+}
+
+/// How the node talks to the fleet, in its audit log at start: its certificate's identity, or
+/// the insecure mode (`node_events` kind `insecure_loopback`).
+fn record_security(engine: &mut Engine, security: &Security) {
+    let (kind, detail) = match security.own() {
+        Some(id) => ("tls", format!("mutual TLS as {id}")),
+        None => (
+            "insecure_loopback",
+            "plaintext gRPC and KV transport, loopback only ([tls] insecure_loopback = true)"
+                .to_owned(),
+        ),
+    };
+    engine.record(AuditEvent::Node {
+        ts_ns: custody_audit::mono_now_ns(),
+        kind: kind.into(),
+        detail,
+    });
 }
 
 /// The node's own facts at start, in its audit log: role, model, context and pool; and, when
@@ -200,7 +223,9 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
         );
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(shutdown_signal(tx));
-        serve_decode(h, listener, rx).await.context("control plane")
+        serve_decode(h, listener, r.security, rx)
+            .await
+            .context("control plane")
     })?;
     if let Some(w) = r.audit {
         w.close().context("sealing the audit log")?;
@@ -266,7 +291,7 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         let Some(e) = engine.take() else {
             bail!("engine lost")
         };
-        let h = PrefillHandle::start(e, opts.clone(), &decode_url)
+        let h = PrefillHandle::start(e, opts.clone(), &r.security, &decode_url)
             .await
             .context("pairing with the decode node")?;
         let listener = tokio::net::TcpListener::bind(listen)
@@ -278,7 +303,9 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         );
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(shutdown_signal(tx));
-        serve_prefill(h, listener, rx).await.context("front door")
+        serve_prefill(h, listener, r.security.clone(), rx)
+            .await
+            .context("front door")
     })?;
     if let Some(w) = r.audit {
         w.close().context("sealing the audit log")?;
@@ -334,9 +361,12 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
     rt.block_on(async {
         use custody_runtime::disagg::proto;
         use tokio_stream::StreamExt;
-        let mut client = PrefillClient::connect(url.clone())
+        // This client asserts the tenant: it must hold a front certificate the node accepts.
+        let channel = fleet_security(&cfg.tls)?
+            .channel(&url, FleetRole::Prefill)
             .await
             .with_context(|| format!("connecting to the prefill node at {url}"))?;
+        let mut client = PrefillClient::new(channel);
         let t0 = Instant::now();
         let mut stream = client
             .generate(proto::GenerateRequest {

@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 
 mod audit_cmd;
 mod bench;
+mod certs_cmd;
 mod common;
 mod config;
 #[cfg(feature = "forensics")]
@@ -105,6 +106,14 @@ enum Cmd {
     /// KV transfer on loopback vs memcpy (with and without checksum), time to first token and
     /// decode tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
     BenchDisagg(bench::disagg::BenchDisaggArgs),
+    /// A fleet's CA and node certificates for mutual TLS between its processes
+    ///
+    /// Creates (or reuses) `<out>/ca.pem` and `ca.key`, and for each `--node ROLE:ID` a
+    /// certificate `<role>-<id>.pem` and key naming `custody-node:<role>:<id>` — what the
+    /// nodes' `[tls]` sections point at. Roles: prefill, decode, front (an HTTP server or
+    /// client that may assert a tenant to a prefill node).
+    #[command(verbatim_doc_comment)]
+    Certs(certs_cmd::CertsArgs),
     /// The eBPF witness: record a process's KV transfers from outside it (needs root)
     ///
     /// Attaches uprobes to the KV transport's probe points (and libibverbs' control path where
@@ -185,6 +194,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),
         Cmd::BenchDisagg(a) => bench::disagg::bench_disagg(a),
+        Cmd::Certs(a) => certs_cmd::certs(a),
         Cmd::Probe(a) => probe_cmd::probe(a),
         #[cfg(feature = "forensics")]
         Cmd::Query(a) => query_cmd::query(a),

@@ -105,7 +105,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         serve_cfg.prefill = p.clone();
     }
     if !serve_cfg.prefill.is_empty() {
-        return serve_front(&a, serve_cfg);
+        return serve_front(&a, serve_cfg, &cfg.tls);
     }
     let Loaded {
         mut engine,
@@ -166,7 +166,13 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
 /// keep the audit logs of every page; this process authenticates, limits, streams and
 /// validates. With `--audit-dir` (and `--audit-key`, and its own `--node`) it keeps its own log
 /// of what only it sees: canary results and prefill anomalies (`node_events`).
-fn serve_front(a: &ServeArgs, serve_cfg: custody_server::config::ServeSection) -> Result<()> {
+fn serve_front(
+    a: &ServeArgs,
+    serve_cfg: custody_server::config::ServeSection,
+    tls: &custody_runtime::disagg::config::TlsSection,
+) -> Result<()> {
+    // The only role a prefill node takes a tenant from: this server's front certificate.
+    let security = crate::common::fleet_security(tls)?;
     // Only the explicit flag: the config's [audit] section belongs to the engine nodes.
     let audit = if a.audit.audit_dir.is_some() {
         if a.audit.node == 0 {
@@ -207,6 +213,7 @@ fn serve_front(a: &ServeArgs, serve_cfg: custody_server::config::ServeSection) -
             listener,
             prepared,
             &serve_cfg.prefill,
+            &security,
             opts,
             shutdown_signal(),
         )
@@ -223,6 +230,7 @@ fn serve_front(a: &ServeArgs, serve_cfg: custody_server::config::ServeSection) -
 /// The golden prompts through a pair's front door (gRPC), each compared with its reference.
 fn validate_pair(
     prefill: &str,
+    tls: &custody_runtime::disagg::config::TlsSection,
     golden: &[custody_server::Golden],
     stop_ids: &[u32],
 ) -> Result<custody_server::canary::Report> {
@@ -233,9 +241,11 @@ fn validate_pair(
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async {
-        let mut client = PrefillClient::connect(prefill.to_owned())
+        let channel = crate::common::fleet_security(tls)?
+            .channel(prefill, custody_runtime::disagg::tls::Role::Prefill)
             .await
             .with_context(|| format!("connecting to the prefill node {prefill}"))?;
+        let mut client = PrefillClient::new(channel);
         let mut report = custody_server::canary::Report {
             checked: 0,
             mismatches: Vec::new(),
@@ -298,7 +308,7 @@ pub(crate) fn validate(a: ValidateArgs) -> Result<()> {
     let golden = custody_server::canary::reference(&mut engine, &pool, &tokenizer, "_validate")
         .map_err(anyhow::Error::msg)?;
     let report = match &a.prefill {
-        Some(p) => validate_pair(p, &golden, &tokenizer.stop_ids)?,
+        Some(p) => validate_pair(p, &cfg.tls, &golden, &tokenizer.stop_ids)?,
         None => {
             let key = a.api_key.as_deref().unwrap_or_default();
             custody_server::client::validate(&url, key, &golden)

@@ -249,20 +249,26 @@ pub fn prepare_front(
 
 /// Serve on `listener` in front of a prefill node (`prefill_url`, its gRPC front door): every
 /// generation goes to the pair; tenants, limits, errors, metrics and the canary are this
-/// server's. Request ids name the prefill node's audit `request_id`.
+/// server's. Request ids name the prefill node's audit `request_id`. `security`: this server's
+/// front certificate (the prefill node admits only fronts it accepts, and takes the tenant from
+/// them alone), or plaintext on loopback.
 pub async fn serve_prefill(
     listener: tokio::net::TcpListener,
     prepared: PreparedFront,
     prefill_url: &str,
+    security: &custody_runtime::disagg::tls::Security,
     opts: ServeOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     use custody_runtime::disagg::proto::{InfoRequest, prefill_client::PrefillClient};
-    let mut client = PrefillClient::connect(prefill_url.to_owned())
+    use custody_runtime::disagg::tls::Role;
+    let channel = security
+        .channel(prefill_url, Role::Prefill)
         .await
         .map_err(|e| {
             ServeError::Startup(format!("connecting to the prefill node {prefill_url}: {e}"))
         })?;
+    let mut client = PrefillClient::new(channel);
     let info = client
         .info(InfoRequest {})
         .await

@@ -530,6 +530,9 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             fingerprint,
             checkpoints: None,
         },
+        fleet: Some(std::sync::Arc::new(
+            custody_runtime::disagg::tls::Fleet::new("custody bench fleet", 2)?,
+        )),
     };
     let pair = Pair::start(
         Engine::new(load()?, ecfg.clone())?,

@@ -13,39 +13,89 @@ use super::decode::{DecodeHandle, DecodeOptions};
 use super::prefill::{PrefillHandle, PrefillOptions, PrefillStartError};
 use super::proto::{self, prefill_client::PrefillClient};
 use crate::engine::{Engine, GenerateRequest};
+use crate::tls::{Fleet, NodeIdentity, Role, Security};
 
-/// Serve the decode node's control plane on `listener` until `shutdown` fires.
+/// Serve the decode node's control plane on `listener` until `shutdown` fires: over mutual TLS
+/// admitting only the prefill identities `security` accepts, or plaintext on loopback.
 pub async fn serve_decode(
     h: DecodeHandle,
     listener: tokio::net::TcpListener,
+    security: Security,
     shutdown: oneshot::Receiver<()>,
-) -> Result<(), tonic::transport::Error> {
-    Server::builder()
-        .add_service(h.service())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            async {
-                let _ = shutdown.await;
-            },
-        )
-        .await
+) -> Result<(), ServeError> {
+    let svc = proto::decode_server::DecodeServer::with_interceptor(
+        h.service(),
+        security.interceptor(&[Role::Prefill]),
+    );
+    serve_secured(
+        Server::builder().add_service(svc),
+        listener,
+        &security,
+        shutdown,
+    )
+    .await
 }
 
-/// Serve the prefill node's front door on `listener` until `shutdown` fires.
+/// Serve the prefill node's front door on `listener` until `shutdown` fires: over mutual TLS
+/// admitting only the front identities `security` accepts, or plaintext on loopback.
 pub async fn serve_prefill(
     h: PrefillHandle,
     listener: tokio::net::TcpListener,
+    security: Security,
     shutdown: oneshot::Receiver<()>,
-) -> Result<(), tonic::transport::Error> {
-    Server::builder()
-        .add_service(h.service())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            async {
-                let _ = shutdown.await;
-            },
-        )
-        .await
+) -> Result<(), ServeError> {
+    let svc = proto::prefill_server::PrefillServer::with_interceptor(
+        h.service(),
+        security.interceptor(&[Role::Front]),
+    );
+    serve_secured(
+        Server::builder().add_service(svc),
+        listener,
+        &security,
+        shutdown,
+    )
+    .await
+}
+
+/// Run `router` on `listener`: TLS streams from this process's own acceptor
+/// ([`crate::tls::NodeTls::incoming`]), or plain TCP on loopback.
+async fn serve_secured(
+    router: tonic::transport::server::Router,
+    listener: tokio::net::TcpListener,
+    security: &Security,
+    shutdown: oneshot::Receiver<()>,
+) -> Result<(), ServeError> {
+    security.check_addr(listener.local_addr()?)?;
+    let stop = async {
+        let _ = shutdown.await;
+    };
+    match security {
+        Security::Tls(t) => {
+            router
+                .serve_with_incoming_shutdown(t.incoming(listener), stop)
+                .await?
+        }
+        Security::InsecureLoopback => {
+            router
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    stop,
+                )
+                .await?
+        }
+    }
+    Ok(())
+}
+
+/// Why a node's gRPC service stopped or did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Grpc(#[from] tonic::transport::Error),
 }
 
 /// One finished generation as the client saw it.
@@ -115,6 +165,40 @@ pub async fn collect(
 pub struct PairOptions {
     pub prefill: PrefillOptions,
     pub decode: DecodeOptions,
+    /// The fleet whose certificates the pair and its client get (prefill, decode, and the
+    /// pair's own client as front 0); `None`: plaintext on loopback.
+    pub fleet: Option<std::sync::Arc<Fleet>>,
+}
+
+/// The identity of the in-process pair's own client (a front).
+pub const PAIR_FRONT: NodeIdentity = NodeIdentity {
+    role: Role::Front,
+    node: 0,
+};
+
+/// Each role's security in an in-process pair: certificates from `fleet` naming the options'
+/// node ids, each accepting the others.
+fn pair_security(
+    fleet: Option<&Fleet>,
+    prefill: u32,
+    decode: u32,
+) -> Result<(Security, Security, Security), crate::tls::TlsError> {
+    let Some(f) = fleet else {
+        return Ok((
+            Security::InsecureLoopback,
+            Security::InsecureLoopback,
+            Security::InsecureLoopback,
+        ));
+    };
+    let (p, d) = (
+        NodeIdentity::new(Role::Prefill, prefill),
+        NodeIdentity::new(Role::Decode, decode),
+    );
+    Ok((
+        Security::Tls(f.node_tls(p, vec![d, PAIR_FRONT])?),
+        Security::Tls(f.node_tls(d, vec![p])?),
+        Security::Tls(f.node_tls(PAIR_FRONT, vec![p])?),
+    ))
 }
 
 /// Both roles in one process, over real gRPC and the real tcp KV transport on loopback.
@@ -125,6 +209,9 @@ pub struct Pair {
     pub prefill: PrefillHandle,
     pub prefill_addr: SocketAddr,
     pub decode_addr: SocketAddr,
+    /// Each server's security (its certificate, what it admits, the handshakes it refused).
+    pub prefill_security: Security,
+    pub decode_security: Security,
     client: PrefillClient<Channel>,
     stops: Vec<oneshot::Sender<()>>,
 }
@@ -140,6 +227,10 @@ pub enum PairError {
     Prefill(#[from] PrefillStartError),
     #[error(transparent)]
     Grpc(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Channel(#[from] crate::tls::ChannelError),
 }
 
 impl Pair {
@@ -148,6 +239,11 @@ impl Pair {
             .worker_threads(2)
             .enable_all()
             .build()?;
+        let (psec, dsec, fsec) = pair_security(
+            opts.fleet.as_deref(),
+            opts.prefill.node_id,
+            opts.decode.node_id,
+        )?;
         let dh = DecodeHandle::start(decode, opts.decode)?;
         let (dl, pl) = rt.block_on(async {
             let d = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -156,21 +252,36 @@ impl Pair {
         })?;
         let (decode_addr, prefill_addr) = (dl.local_addr()?, pl.local_addr()?);
         let (dstop, drx) = oneshot::channel();
-        rt.spawn(serve_decode(dh.clone(), dl, drx));
+        let served = serve_decode(dh.clone(), dl, dsec.clone(), drx);
+        rt.spawn(async move {
+            if let Err(e) = served.await {
+                tracing::error!(error = %e, "the pair's decode control plane stopped");
+            }
+        });
         let ph = rt.block_on(PrefillHandle::start(
             prefill,
             opts.prefill,
+            &psec,
             &format!("http://{decode_addr}"),
         ))?;
         let (pstop, prx) = oneshot::channel();
-        rt.spawn(serve_prefill(ph.clone(), pl, prx));
-        let client = rt.block_on(PrefillClient::connect(format!("http://{prefill_addr}")))?;
+        let served = serve_prefill(ph.clone(), pl, psec.clone(), prx);
+        rt.spawn(async move {
+            if let Err(e) = served.await {
+                tracing::error!(error = %e, "the pair's front door stopped");
+            }
+        });
+        let channel =
+            rt.block_on(fsec.channel(&format!("http://{prefill_addr}"), Role::Prefill))?;
+        let client = PrefillClient::new(channel);
         Ok(Self {
             rt,
             decode: dh,
             prefill: ph,
             prefill_addr,
             decode_addr,
+            prefill_security: psec,
+            decode_security: dsec,
             client,
             stops: vec![dstop, pstop],
         })

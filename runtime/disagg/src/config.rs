@@ -39,3 +39,22 @@ impl Default for DisaggSection {
         }
     }
 }
+
+/// `[tls]`: how this process authenticates to the fleet and whom it deals with (`tls.rs`).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsSection {
+    /// The fleet's CA certificate (PEM): peers' certificates must be signed by it.
+    pub ca: Option<std::path::PathBuf>,
+    /// This process's certificate (PEM; its URI SAN `custody-node:<role>:<node>` is who it is).
+    pub cert: Option<std::path::PathBuf>,
+    /// This process's private key (PEM).
+    pub key: Option<std::path::PathBuf>,
+    /// The identities this process deals with: those it admits as callers (decode: its prefill
+    /// nodes; prefill: its fronts) and those it connects to (prefill: its decode node; a front:
+    /// its prefill node), e.g. `["custody-node:prefill:1"]`.
+    pub accept: Vec<String>,
+    /// Plaintext instead of mutual TLS: only loopback addresses are then allowed, and the node
+    /// records it in `node_events` at start. For a single-machine test only.
+    pub insecure_loopback: bool,
+}

@@ -935,8 +935,8 @@ impl DecodeHandle {
     }
 
     /// The gRPC service over this handle.
-    pub fn service(&self) -> decode_server::DecodeServer<DecodeService> {
-        decode_server::DecodeServer::new(DecodeService { h: self.clone() })
+    pub fn service(&self) -> DecodeService {
+        DecodeService { h: self.clone() }
     }
 }
 
@@ -964,7 +964,18 @@ impl decode_server::Decode for DecodeService {
         &self,
         r: Request<proto::NodeInfo>,
     ) -> Result<Response<proto::NodeInfo>, Status> {
+        let caller = r.extensions().get::<crate::tls::Caller>().copied();
         let peer = r.into_inner();
+        // The node id a prefill node states is the one its certificate names.
+        if let Some(crate::tls::Caller(id)) = caller
+            && id.node != peer.node_id
+        {
+            tracing::warn!(caller = %id, stated = peer.node_id, "handshake refused: node id differs from the certificate's");
+            return Err(Status::permission_denied(format!(
+                "handshake states node {} but the certificate is {id}",
+                peer.node_id
+            )));
+        }
         ask(&self.h, |tx| Cmd::Handshake(peer, tx))
             .await?
             .map(Response::new)

@@ -28,6 +28,7 @@ pub mod client;
 pub mod config;
 pub mod decode;
 pub mod prefill;
+pub mod tls;
 /// The request protocol's state machine (in the engine crate: the engine applies its page rule).
 pub use custody_engine::protocol;
 

@@ -21,6 +21,7 @@ use super::{admission_status, imm_of, transfer_id};
 use crate::actor::{self, ActorLimits, Mailbox, MailboxError};
 use crate::engine::{Engine, Event, GenerateRequest, PrefillEngine, RequestId};
 use crate::kv::TransferHeader;
+use crate::tls::{NodeIdentity, Role, Security};
 use crate::transport::abi::{self, SendWr, Wc};
 use crate::transport::{KvTransport, TransportError, TransportKind};
 use custody_engine::config::UnsafeReproduction;
@@ -102,11 +103,16 @@ enum ReconnectError {
     Pair(#[from] super::PairMismatch),
 }
 
+/// The `node_events` kind that names, for each admitted request, the authenticated front that
+/// asserted its tenant (`request=<id> tenant=<tenant> front=custody-node:front:<n>`).
+pub const FRONT_REQUEST_EVENT: &str = "front_request";
+
 enum Cmd {
     /// Admit a prompt (prefill-only). Replies with the prefill request id and whether the
     /// (legacy) path truncated it; `prefilled` fires when its KV is computed (first token).
     Submit(
         GenerateRequest,
+        Option<NodeIdentity>,
         oneshot::Sender<Result<(RequestId, bool), Status>>,
         oneshot::Sender<TransferResult>,
     ),
@@ -202,6 +208,7 @@ impl Node {
     fn submit(
         &mut self,
         mut req: GenerateRequest,
+        front: Option<NodeIdentity>,
         prefilled: oneshot::Sender<TransferResult>,
     ) -> Result<(RequestId, bool), Status> {
         let mut truncated = false;
@@ -223,6 +230,14 @@ impl Node {
         }
         let tenant: Arc<str> = req.tenant.as_str().into();
         let id = self.engine.submit(req).map_err(|e| admission_status(&e))?;
+        if let Some(front) = front {
+            // Who asserted the tenant: the authenticated front, beside the request's rows.
+            self.engine.record(audit::Event::Node {
+                ts_ns: audit::mono_now_ns(),
+                kind: FRONT_REQUEST_EVENT.into(),
+                detail: format!("request={id} tenant={tenant} front={front}"),
+            });
+        }
         self.reqs.insert(
             id,
             PReq {
@@ -654,8 +669,8 @@ impl Node {
                     reconnects: self.reconnects,
                 });
             }
-            Cmd::Submit(req, tx, prefilled) => {
-                let _ = tx.send(self.submit(req, prefilled));
+            Cmd::Submit(req, front, tx, prefilled) => {
+                let _ = tx.send(self.submit(req, front, prefilled));
             }
             Cmd::Attach(id, res, tx) => self.attach(id, res, tx),
             Cmd::Abort(id, reason) => self.abort(id, &reason),
@@ -731,8 +746,10 @@ pub enum PrefillStartError {
     #[error("cannot reach the decode node's control plane at {addr}: {source}")]
     Connect {
         addr: String,
-        source: tonic::transport::Error,
+        source: crate::tls::ChannelError,
     },
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     #[error("handshake refused: {0}")]
     Handshake(String),
     #[error(transparent)]
@@ -753,15 +770,18 @@ impl PrefillHandle {
     pub async fn start(
         engine: Engine,
         opts: PrefillOptions,
+        security: &Security,
         decode_control: &str,
     ) -> Result<Self, PrefillStartError> {
         let engine = PrefillEngine::new(engine);
-        let mut decode = DecodeClient::connect(decode_control.to_owned())
+        let channel = security
+            .channel(decode_control, Role::Decode)
             .await
             .map_err(|source| PrefillStartError::Connect {
                 addr: decode_control.to_owned(),
                 source,
             })?;
+        let mut decode = DecodeClient::new(channel);
         let mut transport = crate::transport::open_initiator(opts.node_id, &opts.transport_kind)
             .map_err(|source| PrefillStartError::Transport {
                 addr: String::new(),
@@ -787,6 +807,17 @@ impl PrefillHandle {
             .map_err(|s| PrefillStartError::Handshake(s.message().to_owned()))?
             .into_inner();
         super::check_pair(&info, &decode_info)?;
+        // The decode node's certificate named the identity this node expects (the TLS
+        // handshake checked its DNS name); the node id it states must be that identity's.
+        if let Security::Tls(t) = security {
+            let expected = t.peer(Role::Decode)?;
+            if decode_info.node_id != expected.node {
+                return Err(PrefillStartError::Handshake(format!(
+                    "the decode node states node {} but its certificate is {expected}",
+                    decode_info.node_id
+                )));
+            }
+        }
         transport
             .connect_peer(&decode_info.transport_addr)
             .map_err(|source| PrefillStartError::Transport {
@@ -889,9 +920,10 @@ impl PrefillHandle {
     pub async fn generate(
         &self,
         req: GenerateRequest,
+        front: Option<NodeIdentity>,
         out: mpsc::Sender<Result<proto::TokenEvent, Status>>,
     ) {
-        if let Err(s) = self.generate_inner(req, &out).await {
+        if let Err(s) = self.generate_inner(req, front, &out).await {
             let _ = out.send(Err(s)).await;
         }
     }
@@ -899,6 +931,7 @@ impl PrefillHandle {
     async fn generate_inner(
         &self,
         req: GenerateRequest,
+        front: Option<NodeIdentity>,
         out: &mpsc::Sender<Result<proto::TokenEvent, Status>>,
     ) -> Result<(), Status> {
         let t0 = Instant::now();
@@ -906,7 +939,7 @@ impl PrefillHandle {
         // 1. Admission on prefill (over-length: rejected here, nothing allocated anywhere).
         let (tx, rx) = oneshot::channel();
         let (ptx, prx) = oneshot::channel();
-        self.send(Cmd::Submit(req, tx, ptx))?;
+        self.send(Cmd::Submit(req, front, tx, ptx))?;
         let (id, _truncated) = rx
             .await
             .map_err(|_| Status::unavailable("prefill engine stopped"))??;
@@ -1060,8 +1093,8 @@ impl PrefillHandle {
     }
 
     /// The gRPC front-door service over this handle.
-    pub fn service(&self) -> prefill_server::PrefillServer<PrefillService> {
-        prefill_server::PrefillServer::new(PrefillService { h: self.clone() })
+    pub fn service(&self) -> PrefillService {
+        PrefillService { h: self.clone() }
     }
 }
 
@@ -1090,6 +1123,7 @@ impl prefill_server::Prefill for PrefillService {
         &self,
         r: Request<proto::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let front = r.extensions().get::<crate::tls::Caller>().map(|c| c.0);
         let g = r.into_inner();
         let req = GenerateRequest {
             prompt: g.prompt,
@@ -1102,7 +1136,7 @@ impl prefill_server::Prefill for PrefillService {
         // task), never the engine thread.
         let (tx, rx) = mpsc::channel(super::token_relay_capacity_events(req.max_tokens));
         let h = self.h.clone();
-        tokio::spawn(async move { h.generate(req, tx).await });
+        tokio::spawn(async move { h.generate(req, front, tx).await });
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))

@@ -172,3 +172,51 @@ fn checkpoints_a_log_collector_kept_catch_a_cut_tail() {
     assert!(stdout(&o).contains("TAIL CUT on node 1"), "{}", stdout(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `custody certs` makes a fleet's CA once and node certificates naming their identities; it
+/// never overwrites a key, and a malformed node is a clear error.
+#[test]
+fn certs_makes_a_ca_once_and_node_certificates_without_overwriting() {
+    let dir = tmp_dir("cli-certs");
+    let out = dir.join("fleet");
+    let o = ok(
+        custody(&[
+            "certs",
+            "--out",
+            s(&out),
+            "--node",
+            "prefill:1",
+            "--node",
+            "decode:2",
+        ]),
+        "certs",
+    );
+    assert!(
+        stdout(&o).contains("custody-node:decode:2"),
+        "{}",
+        stdout(&o)
+    );
+    for f in [
+        "ca.pem",
+        "ca.key",
+        "prefill-1.pem",
+        "prefill-1.key",
+        "decode-2.pem",
+        "decode-2.key",
+    ] {
+        assert!(out.join(f).exists(), "{f}");
+    }
+    // The same CA signs a later node; an existing node's files are not overwritten.
+    let o = ok(
+        custody(&["certs", "--out", s(&out), "--node", "front:0"]),
+        "certs again",
+    );
+    assert!(stdout(&o).contains("(existing)"), "{}", stdout(&o));
+    let again = custody(&["certs", "--out", s(&out), "--node", "decode:2"]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("must not exist yet"));
+    let bad = custody(&["certs", "--out", s(&out), "--node", "cook:1"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a node identity"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

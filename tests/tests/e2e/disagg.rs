@@ -35,6 +35,37 @@ pub fn cfg(context: usize, budget_mib: usize) -> EngineConfig {
     }
 }
 
+/// The test suite's fleet: one CA, real certificates for every in-process pair and front.
+pub fn fleet() -> Arc<custody_runtime::disagg::tls::Fleet> {
+    static FLEET: std::sync::OnceLock<Arc<custody_runtime::disagg::tls::Fleet>> =
+        std::sync::OnceLock::new();
+    FLEET
+        .get_or_init(|| {
+            Arc::new(custody_runtime::disagg::tls::Fleet::new("custody test fleet", 2).expect("CA"))
+        })
+        .clone()
+}
+
+/// A control-plane client of a pair's decode node, as its prefill node (1) would be.
+pub async fn decode_client(
+    addr: std::net::SocketAddr,
+) -> custody_runtime::disagg::proto::decode_client::DecodeClient<
+    custody_runtime::disagg::tonic::transport::Channel,
+> {
+    use custody_runtime::disagg::tls::{NodeIdentity, Role, Security};
+    let tls = fleet()
+        .node_tls(
+            NodeIdentity::new(Role::Prefill, 1),
+            vec![NodeIdentity::new(Role::Decode, 2)],
+        )
+        .expect("prefill certificate");
+    let channel = Security::Tls(tls)
+        .channel(&format!("http://{addr}"), Role::Decode)
+        .await
+        .expect("connect decode");
+    custody_runtime::disagg::proto::decode_client::DecodeClient::new(channel)
+}
+
 pub struct Nodes {
     pub pair: Pair,
     pub prefill_audit: MemorySink,
@@ -146,6 +177,7 @@ pub fn start_pair_exchanging(
             fingerprint: fingerprint(),
             checkpoints: decode_peer,
         },
+        fleet: Some(fleet()),
     };
     let pair = Pair::start(pe, de, opts).expect("pair starts");
     Nodes {
@@ -257,7 +289,7 @@ fn disaggregated_greedy_output_equals_colocated_token_for_token() {
 #[test]
 fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transferred_on_either_node()
 {
-    use custody_runtime::disagg::proto::{ReserveRequest, decode_client::DecodeClient};
+    use custody_runtime::disagg::proto::ReserveRequest;
     let nodes = start_pair(
         cfg(1024, 32),
         cfg(1024, 32),
@@ -293,11 +325,11 @@ fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transfer
     );
     assert!(nodes.decode_audit.events.lock().expect("lock").is_empty());
     // Decode's own admission refuses it too (defence in depth, if a buggy prefill asked).
-    let addr = format!("http://{}", nodes.pair.decode_addr);
+    let addr = nodes.pair.decode_addr;
     let st = nodes
         .pair
         .block_on(async move {
-            let mut c = DecodeClient::connect(addr).await.expect("connect");
+            let mut c = decode_client(addr).await;
             c.reserve(ReserveRequest {
                 origin_request: 99,
                 origin_node: 1,
@@ -981,6 +1013,7 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
             fingerprint: fingerprint(),
             checkpoints: None,
         },
+        fleet: Some(fleet()),
     };
     let (pe, de) = (
         Engine::new(model(), cfg(2048, 64)).expect("prefill"),
@@ -1029,6 +1062,7 @@ fn handshake_refuses_a_mismatched_pair() {
             fingerprint: fingerprint(),
             checkpoints: None,
         },
+        fleet: Some(fleet()),
     };
     let err = Pair::start(pe, de, opts).expect_err("mismatched pair must not start");
     let msg = err.to_string();

@@ -17,6 +17,7 @@ mod scheduler;
 mod serve;
 mod symbols;
 mod synth;
+mod tls;
 mod witness;
 
 use custody_runtime::gguf::Gguf;

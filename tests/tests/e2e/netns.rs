@@ -54,6 +54,8 @@ fn must(args: &[&str]) {
 struct Net {
     ns_p: String,
     ns_d: String,
+    /// The hosts' certificates (`fleet_certs`).
+    certs: std::path::PathBuf,
 }
 
 impl Net {
@@ -62,7 +64,11 @@ impl Net {
         let (ns_p, ns_d) = (format!("cpre{id}"), format!("cdec{id}"));
         must(&["ip", "netns", "add", &ns_p]);
         must(&["ip", "netns", "add", &ns_d]);
-        let net = Net { ns_p, ns_d };
+        let net = Net {
+            ns_p,
+            ns_d,
+            certs: fleet_certs(),
+        };
         must(&[
             "ip", "link", "add", "vpre", "netns", &net.ns_p, "type", "veth", "peer", "name",
             "vdec", "netns", &net.ns_d,
@@ -111,6 +117,7 @@ impl Net {
                 "--test-threads=1",
             ])
             .env("CUSTODY_NETNS_ROLE", role)
+            .env("CUSTODY_NETNS_CERTS", &self.certs)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -209,6 +216,47 @@ fn request(k: usize, p: &[Vec<u32>]) -> GenerateRequest {
     )
 }
 
+/// Real certificates for the two hosts (prefill 1 at its address, decode 2 at its), from a
+/// fresh CA, in a directory the children read (`child_security`).
+fn fleet_certs() -> std::path::PathBuf {
+    use custody_runtime::disagg::tls::{Fleet, NodeIdentity, Role, Validity};
+    let dir = crate::audit::tmp_dir("netns-certs");
+    let fleet = Fleet::new("netns test fleet", 2).expect("CA");
+    std::fs::write(dir.join("ca.pem"), fleet.ca_pem()).expect("ca");
+    for (role, node, ip) in [(Role::Prefill, 1, PREFILL_IP), (Role::Decode, 2, DECODE_IP)] {
+        let issued = fleet
+            .issue(
+                NodeIdentity::new(role, node),
+                &[ip.to_owned()],
+                Validity::Days(1),
+            )
+            .expect("issue");
+        std::fs::write(dir.join(format!("{}.pem", role.name())), issued.cert_pem).expect("cert");
+        std::fs::write(dir.join(format!("{}.key", role.name())), issued.key_pem).expect("key");
+    }
+    dir
+}
+
+/// A child's mutual TLS as `role` (`prefill` or `decode`), dealing with the other.
+fn child_security(role: &str) -> custody_runtime::disagg::tls::Security {
+    let dir = std::path::PathBuf::from(std::env::var("CUSTODY_NETNS_CERTS").expect("certs dir"));
+    let other = if role == "decode" {
+        "custody-node:prefill:1"
+    } else {
+        "custody-node:decode:2"
+    };
+    custody_runtime::disagg::tls::Security::from_section(
+        &custody_runtime::disagg::config::TlsSection {
+            ca: Some(dir.join("ca.pem")),
+            cert: Some(dir.join(format!("{role}.pem"))),
+            key: Some(dir.join(format!("{role}.key"))),
+            accept: vec![other.to_owned()],
+            insecure_loopback: false,
+        },
+    )
+    .expect("tls")
+}
+
 /// The child: a decode node, or a prefill node that runs batches of requests on command.
 #[test]
 #[ignore = "child process of prefill_and_decode_as_separate_hosts; run by that test"]
@@ -240,7 +288,12 @@ fn netns_child_node() {
             .block_on(tokio::net::TcpListener::bind(format!("{DECODE_IP}:7071")))
             .expect("bind");
         let (_stop, rx) = tokio::sync::oneshot::channel();
-        rt.spawn(serve_decode(h.clone(), listener, rx));
+        rt.spawn(serve_decode(
+            h.clone(),
+            listener,
+            child_security("decode"),
+            rx,
+        ));
         println!("READY");
         for line in stdin.lock().lines().map_while(Result::ok) {
             if line == "stats" {
@@ -272,6 +325,7 @@ fn netns_child_node() {
         .block_on(PrefillHandle::start(
             engine,
             opts,
+            &child_security("prefill"),
             &format!("http://{DECODE_IP}:7071"),
         ))
         .expect("pair with decode");
@@ -296,7 +350,7 @@ fn netns_child_node() {
                         custody_runtime::disagg::token_relay_capacity_events(r.max_tokens),
                     );
                     let hh = h.clone();
-                    tokio::spawn(async move { hh.generate(r, tx).await });
+                    tokio::spawn(async move { hh.generate(r, None, tx).await });
                     let mut toks = Vec::new();
                     while let Some(ev) = rx.recv().await {
                         match ev {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use custody_audit::{Event as AEv, MemorySink, RequestKind};
 use custody_runtime::config::UnsafeReproduction;
 use custody_runtime::disagg::prefill::PrefillFault;
-use custody_runtime::disagg::proto::{self, decode_client::DecodeClient};
+use custody_runtime::disagg::proto;
 use custody_runtime::disagg::protocol::ReqEvent;
 
 use crate::disagg::{Nodes, cfg, req, start_pair};
@@ -63,9 +63,9 @@ fn decode_fails_the_request_on_an_illegal_transition() {
         UnsafeReproduction::default(),
         Duration::from_secs(30),
     );
-    let addr = format!("http://{}", nodes.pair.decode_addr);
+    let addr = nodes.pair.decode_addr;
     let (reserved, commit) = nodes.pair.block_on(async {
-        let mut c = DecodeClient::connect(addr).await.expect("connect decode");
+        let mut c = crate::disagg::decode_client(addr).await;
         let reserved = c
             .reserve(proto::ReserveRequest {
                 origin_request: 77,

@@ -585,8 +585,20 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         audit: None,
         events: Some(front_log.clone() as Arc<dyn custody_audit::AuditSink>),
     };
+    // This server is the pair's front 0, with a certificate from the suite's fleet.
+    let front = custody_runtime::disagg::tls::Security::Tls(
+        crate::disagg::fleet()
+            .node_tls(
+                custody_runtime::disagg::client::PAIR_FRONT,
+                vec![custody_runtime::disagg::tls::NodeIdentity::new(
+                    custody_runtime::disagg::tls::Role::Prefill,
+                    1,
+                )],
+            )
+            .expect("front certificate"),
+    );
     let done = rt.spawn(async move {
-        custody_server::serve_prefill(listener, prepared, &prefill, opts, async move {
+        custody_server::serve_prefill(listener, prepared, &prefill, &front, opts, async move {
             let _ = stopped.await;
         })
         .await

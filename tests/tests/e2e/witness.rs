@@ -93,6 +93,7 @@ impl Rig {
                 fingerprint: fingerprint(),
                 checkpoints: None,
             },
+            fleet: Some(crate::disagg::fleet()),
         };
         let pair = Pair::start(pe, de, opts).expect("pair starts");
         Self {
