@@ -212,7 +212,9 @@ impl NodeTls {
                     r = listener.accept() => match r {
                         Ok(c) => c,
                         Err(e) => {
+                            // Out of descriptors, say: back off rather than spin.
                             tracing::warn!(error = %e, "accepting a connection failed");
+                            tokio::time::sleep(ACCEPT_RETRY_PAUSE).await;
                             continue;
                         }
                     },
@@ -223,6 +225,10 @@ impl NodeTls {
                     match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                         Ok(Ok(tls)) => {
                             let _ = tx.send(Ok(tls)).await;
+                        }
+                        // Closed before saying anything (a reachability probe): not a refusal.
+                        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                            tracing::debug!(%peer, "connection closed before a TLS handshake");
                         }
                         Ok(Err(e)) => {
                             refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -271,6 +277,8 @@ impl NodeTls {
 
 /// Accepted TLS streams that may wait for the gRPC server.
 pub const TLS_PENDING_ACCEPTED: usize = 64;
+/// How long the acceptor pauses after a failed `accept` (e.g. out of file descriptors).
+const ACCEPT_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
 /// How long a TLS handshake may take before the connection is dropped.
 pub const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
