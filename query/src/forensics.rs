@@ -42,20 +42,22 @@ use crate::QueryError;
 ///    the page's whole history up to its epoch.
 /// 3. `exposure_candidates`: the dirty spans' reads and the writes of the epochs they need.
 ///
-/// Spans, anchors and epochs are tables, not views, because each is read twice.
+/// Writes and reads are views (each statement scans them where it uses them); spans, epochs and
+/// candidates are tables, not views, because each is read twice.
 pub const EXPOSURE_PREPARE_SQL: &str = r#"
-CREATE OR REPLACE TABLE exposure_spans AS
-WITH w AS (
+-- Every page write, and every read in the window (views: inlined where used).
+CREATE OR REPLACE VIEW exposure_writes AS
   SELECT node_id, page, seq, request_id, tenant, slot_start, slot_end
   FROM all_page_events
-  WHERE event = 'write'
-),
-r AS (
+  WHERE event = 'write';
+
+CREATE OR REPLACE VIEW exposure_reads AS
   SELECT node_id, page, seq, request_id, tenant, slot_start, slot_end, wall_ns, verdict
   FROM all_page_reads
-  WHERE wall_ns >= {from_ns} AND wall_ns < {to_ns}
-),
-own AS (
+  WHERE wall_ns >= {from_ns} AND wall_ns < {to_ns};
+
+CREATE OR REPLACE TABLE exposure_spans AS
+WITH own AS (
   SELECT node_id, page, request_id, tenant,
          MIN(seq) AS start_seq,
          MAX(CASE WHEN is_read = 0 THEN seq END) AS last_write,
@@ -68,13 +70,13 @@ own AS (
     SELECT node_id, page, request_id, tenant, seq, 0 AS is_read,
            CASE WHEN slot_end <= 62 THEN (CAST(1 AS BIGINT) << CAST(slot_end AS BIGINT))
                                        - (CAST(1 AS BIGINT) << CAST(slot_start AS BIGINT)) END AS mask
-    FROM w
+    FROM exposure_writes
     UNION ALL
     SELECT node_id, page, request_id, tenant, seq, 1 AS is_read,
            CASE WHEN slot_end <= 62 THEN (CAST(1 AS BIGINT) << CAST(slot_end AS BIGINT))
                                        - (CAST(1 AS BIGINT) << CAST(slot_start AS BIGINT))
                 ELSE -1 END AS mask
-    FROM r
+    FROM exposure_reads
   ) AS x
   GROUP BY node_id, page, request_id, tenant
 ),
@@ -129,17 +131,7 @@ FROM epochs;
 DROP TABLE exposure_spans;
 
 CREATE OR REPLACE TABLE exposure_candidates AS
-WITH w AS (
-  SELECT node_id, page, seq, request_id, tenant, slot_start, slot_end
-  FROM all_page_events
-  WHERE event = 'write'
-),
-r AS (
-  SELECT node_id, page, seq, request_id, tenant, slot_start, slot_end, wall_ns, verdict
-  FROM all_page_reads
-  WHERE wall_ns >= {from_ns} AND wall_ns < {to_ns}
-),
-needed AS (SELECT DISTINCT node_id, page, epoch FROM exposure_epochs WHERE dirty),
+WITH needed AS (SELECT DISTINCT node_id, page, epoch FROM exposure_epochs WHERE dirty),
 far_pages AS (
   SELECT node_id, page, MAX(epoch) AS far_epoch FROM exposure_epochs WHERE far
   GROUP BY node_id, page
@@ -163,17 +155,21 @@ FROM kept k
 JOIN (
   SELECT node_id, page, request_id, tenant, seq, 0 AS is_read, slot_start, slot_end,
          CAST(NULL AS BIGINT) AS wall_ns, CAST(NULL AS VARCHAR) AS verdict
-  FROM w
+  FROM exposure_writes
   UNION ALL
   SELECT node_id, page, request_id, tenant, seq, 1 AS is_read, slot_start, slot_end,
          wall_ns, verdict
-  FROM r
+  FROM exposure_reads
 ) AS x
   ON x.node_id = k.node_id AND x.page = k.page AND x.request_id = k.request_id
  AND x.tenant = k.tenant
 WHERE x.is_read = 0 OR k.reads;
 
 DROP TABLE exposure_epochs;
+
+DROP VIEW exposure_writes;
+
+DROP VIEW exposure_reads;
 "#;
 
 /// Every attended slot whose latest earlier write was another tenant's: one row per affected
