@@ -234,12 +234,14 @@ fn serve(
             fingerprint: fingerprint.to_owned(),
             reserve_wait: Duration::from_secs(30),
             transport_kind: Default::default(),
+            kv_encryption: Default::default(),
             checkpoints: None,
         },
         decode: DecodeOptions {
             node_id: 2,
             transport_listen: "127.0.0.1:0".parse()?,
             transport_kind: Default::default(),
+            kv_encryption: Default::default(),
             checksum: true,
             reservation_lease: Duration::from_secs(30),
             unsafe_: unsafe_all,
@@ -249,6 +251,7 @@ fn serve(
         fleet: Some(std::sync::Arc::new(
             custody_runtime::disagg::tls::Fleet::new("custody demo fleet", 2)?,
         )),
+        transport_encryption: false,
     };
     let pair = Pair::start(pe, de, opts).context("starting the prefill/decode pair")?;
     for (n, job) in jobs.iter().enumerate() {

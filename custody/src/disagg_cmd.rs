@@ -205,6 +205,10 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
         node_id: r.node,
         transport_listen: addr(&r.cfg.disagg.decode_transport, "disagg.decode_transport")?,
         transport_kind: transport_kind(&r.cfg.disagg)?,
+        kv_encryption: r
+            .security
+            .kv_encryption(FleetRole::Decode, r.cfg.disagg.transport_encryption)
+            .context("[disagg] transport_encryption")?,
         checksum: r.cfg.disagg.checksum,
         reservation_lease: Duration::from_millis(a.lease_ms),
         unsafe_: r.unsafe_,
@@ -280,6 +284,10 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         fingerprint: r.fingerprint,
         reserve_wait: Duration::from_secs(30),
         transport_kind: transport_kind(&r.cfg.disagg)?,
+        kv_encryption: r
+            .security
+            .kv_encryption(FleetRole::Prefill, r.cfg.disagg.transport_encryption)
+            .context("[disagg] transport_encryption")?,
         checkpoints: r.checkpoints,
     };
     let rt = runtime()?;

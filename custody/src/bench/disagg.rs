@@ -148,7 +148,7 @@ fn witness_bench(
         "probes only (collector discarding)",
     ];
     for pages in [16usize, a.pages] {
-        let mut rig = TransferRig::new(geom, layers, pages);
+        let mut rig = TransferRig::new(geom, layers, pages, None);
         let mut warm: Vec<f64> = (0..8).map(|_| rig.transfer(false, false)).collect();
         warm.drain(..3);
         let per_block = ((BLOCK_S / median(warm)).ceil() as usize).clamp(3, 10_000);
@@ -296,7 +296,7 @@ fn witness_bench(
     let n_cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if n_cpus >= 2 {
         for pages in [16usize, a.pages] {
-            let mut rig = TransferRig::new(geom, layers, pages);
+            let mut rig = TransferRig::new(geom, layers, pages, None);
             pin_threads(Some((0, 1)))?;
             let mut warm: Vec<f64> = (0..8).map(|_| rig.transfer(false, false)).collect();
             warm.drain(..3);
@@ -470,7 +470,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
     }
 
     if !a.witness_only {
-        let t = transfer_bench(geom, layers, a.pages, a.reps);
+        let t = transfer_bench(geom, layers, a.pages, a.reps, Some(rig_tls()?));
         let [memcpy_s, transfer_s, checksum_s, inline_s, checksum_only_s] = [
             &t.memcpy_s,
             &t.transfer_s,
@@ -492,6 +492,20 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             memcpy_s / inline_s,
             t.gbps(checksum_only_s),
         );
+        if let Some(e) = &t.encrypted {
+            let [enc_s, enc_checksum_s] =
+                [&e.transfer_s, &e.transfer_checksum_s].map(|v| median(v.clone()));
+            println!(
+                "transport_encryption (TLS 1.3, rustls/ring), same pages, alternating with the plaintext runs: {:.2} GB/s = {:.2}x memcpy = {:.2}x plaintext | + checksum {:.2} GB/s = {:.2}x plaintext + checksum | connect incl. pairing proof: plaintext {:.2} ms, TLS {:.2} ms",
+                t.gbps(enc_s),
+                memcpy_s / enc_s,
+                transfer_s / enc_s,
+                t.gbps(enc_checksum_s),
+                checksum_s / enc_checksum_s,
+                t.connect_s * 1e3,
+                e.connect_s * 1e3,
+            );
+        }
     }
 
     // Colocated vs disaggregated, same prompt, alternating.
@@ -511,6 +525,10 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         tenant: "bench".into(),
     };
     let mut colo = Engine::new(load()?, ecfg.clone())?;
+    let fleet = std::sync::Arc::new(custody_runtime::disagg::tls::Fleet::new(
+        "custody bench fleet",
+        2,
+    )?);
     let opts = PairOptions {
         prefill: PrefillOptions {
             node_id: 1,
@@ -518,27 +536,41 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             fingerprint: fingerprint.clone(),
             reserve_wait: Duration::from_secs(30),
             transport_kind: Default::default(),
+            kv_encryption: Default::default(),
             checkpoints: None,
         },
         decode: DecodeOptions {
             node_id: 2,
             transport_listen: "127.0.0.1:0".parse()?,
             transport_kind: Default::default(),
+            kv_encryption: Default::default(),
             checksum: true,
             reservation_lease: Duration::from_secs(30),
             unsafe_: UnsafeReproduction::default(),
             fingerprint,
             checkpoints: None,
         },
-        fleet: Some(std::sync::Arc::new(
-            custody_runtime::disagg::tls::Fleet::new("custody bench fleet", 2)?,
-        )),
+        fleet: Some(fleet.clone()),
+        transport_encryption: false,
     };
-    let pair = Pair::start(
-        Engine::new(load()?, ecfg.clone())?,
-        Engine::new(load()?, ecfg.clone())?,
-        opts,
-    )?;
+    let start = |o: PairOptions| -> Result<Pair> {
+        Ok(Pair::start(
+            Engine::new(load()?, ecfg.clone())?,
+            Engine::new(load()?, ecfg.clone())?,
+            o,
+        )?)
+    };
+    // The pair as deployed (mutual TLS, authenticated KV transport), and beside it, alternating:
+    // plaintext control plane on loopback (the insecure mode) and KV encryption on.
+    let insecure = PairOptions {
+        fleet: None,
+        ..opts.clone()
+    };
+    let encrypted = PairOptions {
+        transport_encryption: true,
+        ..opts.clone()
+    };
+    let pair = start(opts)?;
     if a.witness || a.witness_only {
         witness_pair_bench(&pair, &req, a.reps)?;
         if a.witness_only {
@@ -563,17 +595,30 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         let ttft = ttft.unwrap_or(total);
         Ok((ttft, (n.saturating_sub(1)) as f64 / (total - ttft)))
     };
+    let (insecure, encrypted) = (start(insecure)?, start(encrypted)?);
+    let through = |p: &Pair| -> Result<(f64, f64)> {
+        let g = p
+            .generate(&req)
+            .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+        Ok((
+            g.ttft.as_secs_f64(),
+            (g.tokens.len() - 1) as f64 / (g.total - g.ttft).as_secs_f64(),
+        ))
+    };
     let (mut c_ttft, mut c_tps, mut d_ttft, mut d_tps) = (vec![], vec![], vec![], vec![]);
+    let (mut i_ttft, mut e_ttft) = (vec![], vec![]);
     for _ in 0..a.reps {
         let (t, r) = colocated(&mut colo)?;
         c_ttft.push(t);
         c_tps.push(r);
-        let g = pair
-            .generate(&req)
-            .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
-        d_ttft.push(g.ttft.as_secs_f64());
-        d_tps.push((g.tokens.len() - 1) as f64 / (g.total - g.ttft).as_secs_f64());
+        let (t, r) = through(&pair)?;
+        d_ttft.push(t);
+        d_tps.push(r);
+        i_ttft.push(through(&insecure)?.0);
+        e_ttft.push(through(&encrypted)?.0);
     }
+    drop((insecure, encrypted));
+    let (it, et) = (median(i_ttft), median(e_ttft));
     let (ct, cr, dt, dr) = (median(c_ttft), median(c_tps), median(d_ttft), median(d_tps));
     println!(
         "prompt {} tokens, {} generated: time to first token colocated {:.1} ms, disaggregated {:.1} ms ({:.2}x) | decode colocated {:.1} tok/s, disaggregated {:.1} tok/s ({:.2}x)",
@@ -585,6 +630,14 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         cr,
         dr,
         dr / cr
+    );
+    println!(
+        "time to first token by security, same prompt, alternating: plaintext control plane (insecure_loopback) {:.1} ms | mutual TLS + authenticated KV transport {:.1} ms ({:.3}x) | + transport_encryption {:.1} ms ({:.3}x)",
+        it * 1e3,
+        dt * 1e3,
+        dt / it,
+        et * 1e3,
+        et / it,
     );
     drop(pair);
 
@@ -619,4 +672,20 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         (canary / none - 1.0) * 100.0
     );
     Ok(())
+}
+
+/// The transfer bench's encrypted rig: a decode and a prefill certificate from a fresh fleet.
+fn rig_tls() -> Result<custody_runtime::disagg::bench::RigTls> {
+    use custody_runtime::disagg::tls::{Fleet, NodeIdentity, Role, Security};
+    let fleet = Fleet::new("custody bench fleet", 2)?;
+    let (p, d) = (
+        NodeIdentity::new(Role::Prefill, 1),
+        NodeIdentity::new(Role::Decode, 2),
+    );
+    let decode = Security::Tls(fleet.node_tls(d, vec![p])?);
+    let prefill = Security::Tls(fleet.node_tls(p, vec![d])?);
+    Ok(custody_runtime::disagg::bench::RigTls {
+        target: decode.kv_encryption(Role::Decode, true)?,
+        initiator: prefill.kv_encryption(Role::Prefill, true)?,
+    })
 }

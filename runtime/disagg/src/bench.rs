@@ -27,6 +27,19 @@ pub struct TransferBench {
     /// Worst case: the sender hashes each page inside the timed transfer, right before posting.
     pub transfer_checksum_inline_s: Vec<f64>,
     pub checksum_only_s: Vec<f64>,
+    /// The plaintext connection's connect (TCP and the pairing proof).
+    pub connect_s: f64,
+    /// The same transfers over a TLS connection, alternating with the plaintext ones.
+    pub encrypted: Option<EncryptedBench>,
+}
+
+/// The encrypted rig's figures (`[disagg] transport_encryption = true`).
+#[derive(Clone, Debug)]
+pub struct EncryptedBench {
+    /// Connect: TCP, the TLS handshake, the pairing proof inside it.
+    pub connect_s: f64,
+    pub transfer_s: Vec<f64>,
+    pub transfer_checksum_s: Vec<f64>,
 }
 
 impl TransferBench {
@@ -99,6 +112,13 @@ pub fn pin_threads(
 
 type RegReply = std::sync::mpsc::Sender<(u32, u64, Vec<u32>)>;
 
+/// Both ends' encryption for an encrypted [`TransferRig`].
+#[derive(Clone, Debug)]
+pub struct RigTls {
+    pub target: crate::transport::KvEncryption,
+    pub initiator: crate::transport::KvEncryption,
+}
+
 /// A prefill-to-decode transfer set up once and run many times: `n_pages` full pages of `geom` ×
 /// `n_layers` from a source pool to a receiving pool over the tcp transport on loopback (one
 /// connection, kept warm), the receiver on its own thread. Each [`TransferRig::transfer`] is one
@@ -110,6 +130,7 @@ pub struct TransferRig {
     pages: Vec<custody_kernels::attention::PageRef>,
     stride: usize,
     bytes: u64,
+    connect_s: f64,
     init: TcpTransport,
     tx_reg: Option<std::sync::mpsc::Sender<(bool, RegReply)>>,
     stop: Arc<AtomicBool>,
@@ -117,7 +138,9 @@ pub struct TransferRig {
 }
 
 impl TransferRig {
-    pub fn new(geom: PageGeometry, n_layers: usize, n_pages: usize) -> Self {
+    /// `tls`: encrypt the connection (the target's and the initiator's [`KvEncryption`]);
+    /// `None`: plaintext. Either way the connection proves a pairing first, as the nodes do.
+    pub fn new(geom: PageGeometry, n_layers: usize, n_pages: usize, tls: Option<RigTls>) -> Self {
         assert!(n_pages > 0);
         let mut src = PagePool::new(geom, n_layers, n_pages);
         let owner = 7;
@@ -141,11 +164,20 @@ impl TransferRig {
 
         // Transport: target thread lands into `dst`, verifying when asked.
         let mut target = TcpTransport::new(2);
+        let mut init = TcpTransport::new(1);
+        if let Some(t) = tls {
+            target.set_encryption(t.target).expect("target encryption");
+            init.set_encryption(t.initiator)
+                .expect("initiator encryption");
+        }
         let addr: SocketAddr = target
             .listen("127.0.0.1:0".parse().expect("addr"))
             .expect("listen");
-        let mut init = TcpTransport::new(1);
-        init.connect(addr).expect("connect");
+        let pairing = target.pair().expect("pair");
+        let t0 = Instant::now();
+        init.connect(addr, &pairing).expect("connect");
+        let connect_s = t0.elapsed().as_secs_f64();
+        let pairing = pairing.id();
         let (tx_reg, rx_reg) = std::sync::mpsc::channel::<(bool, RegReply)>();
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stop);
@@ -156,7 +188,9 @@ impl TransferRig {
                 HashMap::new();
             while let Ok((verify, reply)) = rx_reg.recv() {
                 let dpages = dst.alloc(9, n).expect("alloc");
-                let region = target.register((stride * n) as u64).expect("register");
+                let region = target
+                    .register((stride * n) as u64, pairing)
+                    .expect("register");
                 regions.insert(region.rkey, dpages.clone());
                 let gens: Vec<u32> = dpages.iter().map(|p| p.generation).collect();
                 let _ = reply.send((region.rkey, region.base, gens));
@@ -199,11 +233,17 @@ impl TransferRig {
             pages,
             stride,
             bytes,
+            connect_s,
             init,
             tx_reg: Some(tx_reg),
             stop,
             worker: Some(worker),
         }
+    }
+
+    /// Seconds the initiator's connect took (TCP, TLS when on, the pairing proof).
+    pub fn connect_s(&self) -> f64 {
+        self.connect_s
     }
 
     /// Bytes of KV moved per transfer.
@@ -320,9 +360,11 @@ pub fn transfer_bench(
     n_layers: usize,
     n_pages: usize,
     reps: usize,
+    tls: Option<RigTls>,
 ) -> TransferBench {
     assert!(n_pages > 0 && reps > 0);
-    let mut rig = TransferRig::new(geom, n_layers, n_pages);
+    let mut rig = TransferRig::new(geom, n_layers, n_pages, None);
+    let mut tls_rig = tls.map(|t| TransferRig::new(geom, n_layers, n_pages, Some(t)));
     let (bytes, stride) = (rig.bytes, rig.stride);
     // memcpy reference: the same chunks into a second pool's memory.
     let mut dst_mem = vec![0u8; stride * n_pages];
@@ -348,15 +390,27 @@ pub fn transfer_bench(
         std::hint::black_box(x);
         checksum_only.push(t0.elapsed().as_secs_f64());
     }
-    let mut run = |verify: bool, precompute: bool| rig.transfer(verify, precompute);
     let (mut plain, mut checked, mut inline) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut enc, mut enc_checked) = (Vec::new(), Vec::new());
     for _ in 0..reps {
-        plain.push(run(false, false));
-        checked.push(run(true, true));
-        inline.push(run(true, false));
+        plain.push(rig.transfer(false, false));
+        checked.push(rig.transfer(true, true));
+        inline.push(rig.transfer(true, false));
+        if let Some(t) = &mut tls_rig {
+            enc.push(t.transfer(false, false));
+            enc_checked.push(t.transfer(true, true));
+        }
     }
+    let connect_s = rig.connect_s();
+    let encrypted = tls_rig.map(|t| EncryptedBench {
+        connect_s: t.connect_s(),
+        transfer_s: enc,
+        transfer_checksum_s: enc_checked,
+    });
     drop(rig);
     TransferBench {
+        connect_s,
+        encrypted,
         bytes,
         memcpy_s: memcpy,
         transfer_s: plain,

@@ -168,6 +168,8 @@ pub struct PairOptions {
     /// The fleet whose certificates the pair and its client get (prefill, decode, and the
     /// pair's own client as front 0); `None`: plaintext on loopback.
     pub fleet: Option<std::sync::Arc<Fleet>>,
+    /// TLS on the KV transport (needs `fleet`); sets both nodes' `kv_encryption`.
+    pub transport_encryption: bool,
 }
 
 /// The identity of the in-process pair's own client (a front).
@@ -234,7 +236,11 @@ pub enum PairError {
 }
 
 impl Pair {
-    pub fn start(prefill: Engine, decode: Engine, opts: PairOptions) -> Result<Self, PairError> {
+    pub fn start(
+        prefill: Engine,
+        decode: Engine,
+        mut opts: PairOptions,
+    ) -> Result<Self, PairError> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -244,6 +250,10 @@ impl Pair {
             opts.prefill.node_id,
             opts.decode.node_id,
         )?;
+        if opts.transport_encryption {
+            opts.decode.kv_encryption = dsec.kv_encryption(Role::Decode, true)?;
+            opts.prefill.kv_encryption = psec.kv_encryption(Role::Prefill, true)?;
+        }
         let dh = DecodeHandle::start(decode, opts.decode)?;
         let (dl, pl) = rt.block_on(async {
             let d = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

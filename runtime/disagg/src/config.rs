@@ -24,6 +24,9 @@ pub struct DisaggSection {
     pub checksum: bool,
     /// What released pages are overwritten with: "none", "zero" or "canary".
     pub release_fill: ReleaseFill,
+    /// TLS on the tcp KV transport's connections (needs `[tls]` certificates; both nodes must
+    /// agree). Off, every connection still proves its pairing's secret before any frame.
+    pub transport_encryption: bool,
 }
 
 impl Default for DisaggSection {
@@ -36,6 +39,7 @@ impl Default for DisaggSection {
             prefill_listen: "127.0.0.1:7070".into(),
             checksum: true,
             release_fill: ReleaseFill::None,
+            transport_encryption: false,
         }
     }
 }

@@ -35,6 +35,8 @@ pub struct DecodeOptions {
     pub transport_listen: SocketAddr,
     /// `tcp` or `verbs`.
     pub transport_kind: TransportKind,
+    /// TLS on the KV transport's connections (`[disagg] transport_encryption`; the server side).
+    pub kv_encryption: crate::transport::KvEncryption,
     /// Verify each transferred page's checksum before marking it written.
     pub checksum: bool,
     /// A reservation that is not committed within this time is aborted (its key invalidated
@@ -158,6 +160,8 @@ struct Node {
     reqs: HashMap<RequestId, DReq>,
     by_slot: HashMap<u32, RequestId>,
     by_key: HashMap<u32, RequestId>,
+    /// Each paired prefill node's live KV pairing (bounded by the transport's pairings).
+    pairings: HashMap<u32, u64>,
     free_slots: Vec<u32>,
     next_slot: u32,
     stats: DecodeStats,
@@ -211,10 +215,19 @@ impl Node {
 
     fn handshake(&mut self, peer: proto::NodeInfo) -> Result<proto::NodeInfo, Status> {
         check_pair(&peer, &self.info).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        // A fresh pairing per handshake; the peer's earlier one is withdrawn (its connections
+        // close, its keys refuse every write from then on).
+        let pairing = self
+            .transport
+            .pair()
+            .map_err(|e| Status::resource_exhausted(format!("KV transport cannot pair: {e}")))?;
+        if let Some(old) = self.pairings.insert(peer.node_id, pairing.id()) {
+            self.transport.unpair(old);
+        }
         // `verbs`: connect our queue pair to the prefill node's (a repeated handshake is a
         // reconnect: the old connection's writes fail). `tcp`: the prefill node dials us.
         self.transport
-            .connect_peer(&peer.transport_addr)
+            .connect_peer(&peer.transport_addr, &pairing)
             .map_err(|e| {
                 Status::unavailable(format!("KV transport cannot connect to the peer: {e}"))
             })?;
@@ -225,6 +238,10 @@ impl Node {
         );
         let mut info = self.info.clone();
         info.transport_addr = self.transport.endpoint();
+        info.kv_pairing = Some(proto::KvPairing {
+            id: pairing.id(),
+            secret: pairing.secret().to_vec(),
+        });
         Ok(info)
     }
 
@@ -243,6 +260,14 @@ impl Node {
                 "prompt exceeds the transfer's page index",
             ));
         }
+        // Regions are registered for the pairing of the prefill node that asks (the service
+        // checked the node id against its certificate): only its connections can write them.
+        let Some(&pairing) = self.pairings.get(&req.origin_node) else {
+            return Err(Status::failed_precondition(format!(
+                "no KV pairing with prefill node {}: handshake first",
+                req.origin_node
+            )));
+        };
         let Some(slot) = self.alloc_slot() else {
             return Err(Status::resource_exhausted("too many live reservations"));
         };
@@ -254,7 +279,7 @@ impl Node {
             }
         };
         let len = (pages.len() * self.stride) as u64;
-        let region = match self.transport.register(len) {
+        let region = match self.transport.register(len, pairing) {
             Ok(r) => r,
             Err(e) => {
                 self.free_slots.push(slot);
@@ -850,6 +875,7 @@ impl DecodeHandle {
             opts.node_id,
             &opts.transport_kind,
             opts.transport_listen,
+            opts.kv_encryption.clone(),
         )?;
         let transport_addr = transport.endpoint();
         let checkpoints = opts.checkpoints.as_ref().map(|p| p.book.clone());
@@ -866,6 +892,10 @@ impl DecodeHandle {
             transport_addr.clone(),
             &opts.unsafe_.names(),
         );
+        let info = proto::NodeInfo {
+            transport_encryption: opts.kv_encryption.is_on(),
+            ..info
+        };
         let node = Node {
             engine,
             transport,
@@ -873,6 +903,7 @@ impl DecodeHandle {
             reqs: HashMap::new(),
             by_slot: HashMap::new(),
             by_key: HashMap::new(),
+            pairings: HashMap::new(),
             free_slots: Vec::new(),
             next_slot: 0,
             stats: DecodeStats::default(),
@@ -985,7 +1016,17 @@ impl decode_server::Decode for DecodeService {
         &self,
         r: Request<proto::ReserveRequest>,
     ) -> Result<Response<proto::ReserveReply>, Status> {
+        let caller = r.extensions().get::<crate::tls::Caller>().copied();
         let req = r.into_inner();
+        // A prefill node reserves only under its own node id (its pairing's regions).
+        if let Some(crate::tls::Caller(id)) = caller
+            && id.node != req.origin_node
+        {
+            return Err(Status::permission_denied(format!(
+                "reserve states prefill node {} but the certificate is {id}",
+                req.origin_node
+            )));
+        }
         ask(&self.h, |tx| Cmd::Reserve(req, tx))
             .await?
             .map(Response::new)

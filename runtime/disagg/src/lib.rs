@@ -196,7 +196,21 @@ pub fn node_info(
         transport: transport.into(),
         transport_addr,
         unsafe_switches: unsafe_switches.iter().map(|s| (*s).to_owned()).collect(),
+        transport_encryption: false,
+        kv_pairing: None,
     }
+}
+
+/// The KV pairing a decode node's handshake reply carries.
+pub fn pairing_of(
+    reply: &proto::NodeInfo,
+) -> Result<crate::transport::Pairing, crate::transport::TransportError> {
+    let p = reply.kv_pairing.as_ref().ok_or_else(|| {
+        crate::transport::TransportError::Auth(
+            "the decode node's handshake carries no KV pairing".into(),
+        )
+    })?;
+    crate::transport::Pairing::from_parts(p.id, &p.secret)
 }
 
 /// A prefill/decode pair that must not run together: every difference, so the operator fixes
@@ -236,6 +250,12 @@ pub fn check_pair(prefill: &proto::NodeInfo, decode: &proto::NodeInfo) -> Result
         bad.push(format!(
             "KV transport differs (prefill {}, decode {})",
             prefill.transport, decode.transport
+        ));
+    }
+    if prefill.transport_encryption != decode.transport_encryption {
+        bad.push(format!(
+            "KV transport encryption differs (prefill {}, decode {})",
+            prefill.transport_encryption, decode.transport_encryption
         ));
     }
     if prefill.context_length != decode.context_length {
@@ -461,6 +481,8 @@ mod tests {
             transport: "tcp".into(),
             transport_addr: String::new(),
             unsafe_switches: Vec::new(),
+            transport_encryption: false,
+            kv_pairing: None,
         }
     }
 
@@ -471,11 +493,13 @@ mod tests {
         d.page_size = 32;
         d.model_fingerprint = "cd".into();
         d.transport = "verbs".into();
+        d.transport_encryption = true;
         let e = check_pair(&info("prefill", 4096), &d)
             .expect_err("mismatch")
             .to_string();
         assert!(
             e.contains("fingerprint")
+                && e.contains("KV transport encryption differs")
                 && e.contains("KV transport differs")
                 && e.contains("page_size")
                 && e.contains("less than one context"),

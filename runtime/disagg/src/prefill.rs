@@ -41,6 +41,9 @@ pub struct PrefillOptions {
     pub reserve_wait: Duration,
     /// `tcp` or `verbs` (must match the decode node's).
     pub transport_kind: TransportKind,
+    /// TLS on the KV transport's connection (`[disagg] transport_encryption`; the client side,
+    /// naming the decode node). Must match the decode node's.
+    pub kv_encryption: crate::transport::KvEncryption,
     /// Exchange checkpoints with the decode node: keep its newest in this node's log, send it
     /// this node's (`None`: no exchange, e.g. without an audit writer).
     pub checkpoints: Option<crate::checkpoints::PeerCheckpoints>,
@@ -654,7 +657,8 @@ impl Node {
             .map_err(|s| ReconnectError::Refused(s.message().to_owned()))?
             .into_inner();
         super::check_pair(&self.control.info, &reply)?;
-        self.transport.connect_peer(&reply.transport_addr)?;
+        self.transport
+            .connect_peer(&reply.transport_addr, &super::pairing_of(&reply)?)?;
         Ok(reply.transport_addr)
     }
 
@@ -782,11 +786,15 @@ impl PrefillHandle {
                 source,
             })?;
         let mut decode = DecodeClient::new(channel);
-        let mut transport = crate::transport::open_initiator(opts.node_id, &opts.transport_kind)
-            .map_err(|source| PrefillStartError::Transport {
-                addr: String::new(),
-                source,
-            })?;
+        let mut transport = crate::transport::open_initiator(
+            opts.node_id,
+            &opts.transport_kind,
+            opts.kv_encryption.clone(),
+        )
+        .map_err(|source| PrefillStartError::Transport {
+            addr: String::new(),
+            source,
+        })?;
         let info = super::node_info(
             engine.core().model(),
             &opts.fingerprint,
@@ -799,6 +807,10 @@ impl PrefillHandle {
             String::new(),
             &opts.unsafe_.names(),
         );
+        let info = proto::NodeInfo {
+            transport_encryption: opts.kv_encryption.is_on(),
+            ..info
+        };
         let mut hello = info.clone();
         hello.transport_addr = transport.endpoint();
         let decode_info = decode
@@ -818,8 +830,13 @@ impl PrefillHandle {
                 )));
             }
         }
+        let pairing =
+            super::pairing_of(&decode_info).map_err(|source| PrefillStartError::Transport {
+                addr: decode_info.transport_addr.clone(),
+                source,
+            })?;
         transport
-            .connect_peer(&decode_info.transport_addr)
+            .connect_peer(&decode_info.transport_addr, &pairing)
             .map_err(|source| PrefillStartError::Transport {
                 addr: decode_info.transport_addr.clone(),
                 source,

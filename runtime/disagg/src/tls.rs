@@ -19,6 +19,7 @@ use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 use tonic::{Request, Status};
 
 use crate::config::TlsSection;
+use crate::transport::KvEncryption;
 
 /// What a process is in the fleet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -152,6 +153,9 @@ pub struct NodeTls {
     accept: Arc<Vec<NodeIdentity>>,
     /// This process's server side (its own acceptor: each refused handshake logged, counted).
     server: Arc<rustls::ServerConfig>,
+    /// The KV transport's TLS (`[disagg] transport_encryption`): server and client sides.
+    kv_server: Arc<rustls::ServerConfig>,
+    kv_client: Arc<rustls::ClientConfig>,
     refused: Arc<std::sync::atomic::AtomicU64>,
 }
 
@@ -183,7 +187,9 @@ impl NodeTls {
             identity: Identity::from_pem(cert_pem, key_pem),
             own,
             accept: Arc::new(accept),
-            server: Arc::new(server_config(ca_pem, cert_pem, key_pem)?),
+            server: Arc::new(server_config(ca_pem, cert_pem, key_pem, ALPN_GRPC)?),
+            kv_server: Arc::new(kv_server_config(ca_pem, cert_pem, key_pem)?),
+            kv_client: Arc::new(client_config(ca_pem, cert_pem, key_pem, ALPN_KV)?),
             refused: Arc::default(),
         })
     }
@@ -265,6 +271,23 @@ impl NodeTls {
             })
     }
 
+    /// The KV transport's TLS as its target (decode): client certificates required, from the
+    /// CA. (Which peer may write is the pairing's business; TLS adds secrecy and integrity.)
+    pub fn kv_server(&self) -> KvEncryption {
+        KvEncryption::Server(self.kv_server.clone())
+    }
+
+    /// The KV transport's TLS as an initiator (prefill) writing to `peer`: its certificate
+    /// must be the CA's and name `peer`'s DNS name; this process presents its own.
+    pub fn kv_client(&self, peer: NodeIdentity) -> Result<KvEncryption, TlsError> {
+        let server_name = rustls::pki_types::ServerName::try_from(peer.dns_name())
+            .map_err(|e| TlsError::Config(format!("{peer}: {e}")))?;
+        Ok(KvEncryption::Client {
+            config: self.kv_client.clone(),
+            server_name,
+        })
+    }
+
     /// Client side, talking to `peer`: its certificate must be the CA's and name `peer`'s DNS
     /// name; this process presents its own.
     pub fn client(&self, peer: NodeIdentity) -> ClientTlsConfig {
@@ -282,38 +305,95 @@ const ACCEPT_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis
 /// How long a TLS handshake may take before the connection is dropped.
 pub const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// The server side: this certificate, client certificates required and verified against the
-/// CA (webpki: chain, validity, client-auth usage), HTTP/2 only.
-fn server_config(
+const ALPN_GRPC: &[u8] = b"h2";
+/// The KV transport's application protocol (a gRPC client cannot be confused with it).
+const ALPN_KV: &[u8] = b"custody-kv/1";
+
+/// The KV transport's server side: as [`server_config`], its own ALPN, and no session tickets
+/// (a connection lives as long as its pairing; nothing to resume).
+fn kv_server_config(
     ca_pem: &str,
     cert_pem: &str,
     key_pem: &str,
 ) -> Result<rustls::ServerConfig, TlsError> {
+    let mut cfg = server_config(ca_pem, cert_pem, key_pem, ALPN_KV)?;
+    cfg.send_tls13_tickets = 0;
+    Ok(cfg)
+}
+
+fn roots(ca_pem: &str) -> Result<rustls::RootCertStore, TlsError> {
+    use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     for ca in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
         roots.add(ca.map_err(|e| bad(&e))?).map_err(|e| bad(&e))?;
     }
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-        Arc::new(roots),
-        provider.clone(),
-    )
-    .build()
-    .map_err(|e| bad(&e))?;
+    Ok(roots)
+}
+
+type ChainAndKey = (
+    Vec<rustls::pki_types::CertificateDer<'static>>,
+    rustls::pki_types::PrivateKeyDer<'static>,
+);
+
+/// This process's certificate chain and private key, from PEM.
+fn chain_and_key(cert_pem: &str, key_pem: &str) -> Result<ChainAndKey, TlsError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
     let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| bad(&e))?;
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| bad(&e))?;
+    Ok((chain, key))
+}
+
+/// The client side with rustls directly (the KV transport): the CA as the only root, this
+/// process's certificate presented.
+fn client_config(
+    ca_pem: &str,
+    cert_pem: &str,
+    key_pem: &str,
+    alpn: &[u8],
+) -> Result<rustls::ClientConfig, TlsError> {
+    let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let (chain, key) = chain_and_key(cert_pem, key_pem)?;
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(&e))?
+        .with_root_certificates(roots(ca_pem)?)
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| bad(&e))?;
+    cfg.alpn_protocols = vec![alpn.to_vec()];
+    Ok(cfg)
+}
+
+/// The server side: this certificate, client certificates required and verified against the
+/// CA (webpki: chain, validity, client-auth usage), application protocol `alpn` only.
+fn server_config(
+    ca_pem: &str,
+    cert_pem: &str,
+    key_pem: &str,
+    alpn: &[u8],
+) -> Result<rustls::ServerConfig, TlsError> {
+    let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots(ca_pem)?),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| bad(&e))?;
+    let (chain, key) = chain_and_key(cert_pem, key_pem)?;
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| bad(&e))?
         .with_client_cert_verifier(verifier)
         .with_single_cert(chain, key)
         .map_err(|e| bad(&e))?;
-    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    cfg.alpn_protocols = vec![alpn.to_vec()];
     Ok(cfg)
 }
 
@@ -358,6 +438,26 @@ impl Security {
             &read("key", &s.key)?,
             accept,
         )?))
+    }
+
+    /// The KV transport's encryption for a node of `role` (`Decode`: the target's side;
+    /// `Prefill`: the initiator's, writing to the decode node this process deals with), when
+    /// `on` (`[disagg] transport_encryption`). It needs the certificates: refused in the
+    /// insecure mode.
+    pub fn kv_encryption(&self, role: Role, on: bool) -> Result<KvEncryption, TlsError> {
+        if !on {
+            return Ok(KvEncryption::Off);
+        }
+        let Security::Tls(t) = self else {
+            return Err(TlsError::Config(
+                "transport_encryption needs the [tls] certificates (not insecure_loopback)".into(),
+            ));
+        };
+        match role {
+            Role::Decode => Ok(t.kv_server()),
+            Role::Prefill => t.kv_client(t.peer(Role::Decode)?),
+            Role::Front => Err(TlsError::Config("a front has no KV transport".into())),
+        }
     }
 
     /// This process's identity (none in the insecure mode).

@@ -18,9 +18,13 @@
 
 /// The probe ABI (its own dependency-free crate, which the eBPF witness compiles against too).
 pub use custody_probe_abi as abi;
+pub mod pairing;
 pub mod tcp;
 #[cfg(feature = "rdma")]
 pub mod verbs;
+
+pub use pairing::Pairing;
+pub use tcp::KvEncryption;
 
 use abi::{SendWr, Wc};
 
@@ -57,30 +61,58 @@ impl TransportKind {
 }
 
 /// Open the transport of a target (decode node): `tcp` listens on `listen`; `verbs` opens the
-/// device (its endpoint is exchanged in the handshake).
+/// device (its endpoint is exchanged in the handshake). `encryption`: TLS on every `tcp`
+/// connection ([`KvEncryption::Server`]), or [`KvEncryption::Off`].
 pub fn open_target(
     node: u32,
     kind: &TransportKind,
     listen: std::net::SocketAddr,
+    encryption: KvEncryption,
 ) -> Result<Box<dyn KvTransport>, TransportError> {
     match kind {
         TransportKind::Tcp => {
             let mut t = tcp::TcpTransport::new(node);
+            t.set_encryption(encryption)?;
             t.listen(listen)?;
             Ok(Box::new(t))
         }
-        TransportKind::Verbs { device } => open_verbs(node, device.as_deref()),
+        TransportKind::Verbs { device } => {
+            refuse_verbs_encryption(&encryption)?;
+            open_verbs(node, device.as_deref())
+        }
     }
 }
 
 /// Open the transport of an initiator (prefill node); it connects in the handshake.
+/// `encryption`: TLS to the target ([`KvEncryption::Client`]), or [`KvEncryption::Off`].
 pub fn open_initiator(
     node: u32,
     kind: &TransportKind,
+    encryption: KvEncryption,
 ) -> Result<Box<dyn KvTransport>, TransportError> {
     match kind {
-        TransportKind::Tcp => Ok(Box::new(tcp::TcpTransport::new(node))),
-        TransportKind::Verbs { device } => open_verbs(node, device.as_deref()),
+        TransportKind::Tcp => {
+            let mut t = tcp::TcpTransport::new(node);
+            t.set_encryption(encryption)?;
+            Ok(Box::new(t))
+        }
+        TransportKind::Verbs { device } => {
+            refuse_verbs_encryption(&encryption)?;
+            open_verbs(node, device.as_deref())
+        }
+    }
+}
+
+/// Verbs writes are placed by the NIC: there is no stream to wrap in TLS (encryption on an RDMA
+/// fabric is the NIC's or the link's — IPsec/MACsec offload — not this process's).
+fn refuse_verbs_encryption(e: &KvEncryption) -> Result<(), TransportError> {
+    match e {
+        KvEncryption::Off => Ok(()),
+        _ => Err(TransportError::Unsupported {
+            transport: "verbs",
+            what: "transport_encryption (RDMA writes bypass this process; use the fabric's \
+                   IPsec/MACsec offload)",
+        }),
     }
 }
 
@@ -121,6 +153,12 @@ pub enum TransportError {
     NoDevice(String),
     #[error("bad transport endpoint {0:?}")]
     BadEndpoint(String),
+    #[error("the KV transport's peer failed authentication: {0}")]
+    Auth(String),
+    #[error("the system's random source failed")]
+    Entropy,
+    #[error("KV transport TLS: {0}")]
+    Tls(String),
     #[error("not supported by the {transport} transport: {what}")]
     Unsupported {
         transport: &'static str,
@@ -184,8 +222,13 @@ pub trait TargetMemory {
 pub struct TargetStats {
     pub landed_writes: u64,
     pub landed_bytes: u64,
-    /// Writes refused because their key was invalidated or unknown, or out of range.
+    /// Writes refused because their key was invalidated or unknown, out of range, or
+    /// registered for another pairing than the connection's.
     pub rejected_writes: u64,
+    /// Connections closed before any frame was read: they did not prove a live pairing's
+    /// secret (or failed the TLS handshake when encryption is on), or too many were
+    /// authenticating at once.
+    pub refused_connections: u64,
 }
 
 /// Most destinations one [`TargetMemory::dests`] call hands out (one vectored read).
@@ -233,8 +276,20 @@ pub enum FaultInjection {
 
 /// One-sided-write KV transport. One node uses the initiator half, the other the target half.
 pub trait KvTransport: Send + std::fmt::Debug {
-    /// Target: register a region of `len` bytes.
-    fn register(&mut self, len: u64) -> Result<Region, TransportError>;
+    /// Target: admit one more initiator. The returned [`Pairing`] (a random id and secret) goes
+    /// to that initiator over the authenticated control plane; a `tcp` connection is accepted
+    /// only once it proved the secret of a live pairing, and only writes to regions registered
+    /// for its own pairing land. `verbs`: the queue pair is connected to exactly one peer
+    /// through the control plane, which is what admits it (see the module docs of `verbs`).
+    fn pair(&mut self) -> Result<Pairing, TransportError>;
+
+    /// Target: withdraw a pairing. Its connections are closed at the next poll, and keys
+    /// registered for it refuse every write from then on.
+    fn unpair(&mut self, pairing_id: u64);
+
+    /// Target: register a region of `len` bytes, writable only by connections of pairing
+    /// `pairing_id`. Its key (`rkey` and `base` together: 64 random bits) is never reused.
+    fn register(&mut self, len: u64, pairing_id: u64) -> Result<Region, TransportError>;
 
     /// Target: after this returns `Ok`, no write with `rkey` lands; the value returned is the
     /// proof of it.
@@ -270,11 +325,13 @@ pub trait KvTransport: Send + std::fmt::Debug {
     /// `tcp` target's listening address (an initiator: empty), a `verbs` queue pair's endpoint.
     fn endpoint(&self) -> String;
 
-    /// Connect to the peer whose [`KvTransport::endpoint`] is `peer`. A `tcp` initiator dials
-    /// (again, after a lost connection); a `tcp` target has nothing to do; `verbs` resets its
-    /// queue pair if it was connected and drives it to the peer. Outstanding writes of an earlier
-    /// connection complete in error, never silently.
-    fn connect_peer(&mut self, peer: &str) -> Result<(), TransportError>;
+    /// Connect to the peer whose [`KvTransport::endpoint`] is `peer`, under `pairing` (what the
+    /// target's [`KvTransport::pair`] issued). A `tcp` initiator dials (again, after a lost
+    /// connection) and proves the pairing's secret (challenge–response, both ways) before any
+    /// frame; a `tcp` target has nothing to do; `verbs` resets its queue pair if it was
+    /// connected and drives it to the peer. Outstanding writes of an earlier connection
+    /// complete in error, never silently.
+    fn connect_peer(&mut self, peer: &str, pairing: &Pairing) -> Result<(), TransportError>;
 
     /// Drop the connection to the peer (if any) so that [`KvTransport::endpoint`] can be
     /// exchanged afresh: `verbs` takes its queue pair back to `INIT` with a new PSN (both sides

@@ -17,15 +17,31 @@
 //! The initiator has one reader for acknowledgements; when the connection drops, every
 //! outstanding signaled work request completes with `WR_FLUSH_ERR` (as a verbs QP in error).
 //!
+//! Authentication: the target's acceptor hands a connection to `poll_recv` only after it proved
+//! the secret of a live [`Pairing`] ([`auth`]: challenge–response both ways, on its own thread,
+//! bounded in number and time); until then not one byte of it is read as a frame. A refused
+//! connection is closed, logged and counted ([`TargetStats::refused_connections`]). Each key is
+//! registered for one pairing and lands only writes from connections of that pairing; keys
+//! (`rkey` and the region's `base`: 64 random bits) are never reused. With encryption on
+//! ([`KvEncryption`]), every connection is TLS (rustls; client certificates required) and the
+//! pairing proof runs inside it.
+//!
 //! Fault injection (tests only, named as such): corrupting a payload in flight, holding a key's
 //! writes back to deliver them late, cutting the connection.
 
+mod auth;
+mod wire;
+
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::io::{IoSlice, IoSliceMut, Read};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub use wire::KvEncryption;
+use wire::{AckReader, Io, SendWire, Wire};
 
 pub use super::TargetStats;
 
@@ -34,7 +50,8 @@ use super::FaultInjection;
 use super::abi::{
     self, SEND_SIGNALED, SendWr, WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, Wc, wc_opcode, wc_status,
 };
-use super::{KeyInvalidated, KvTransport, Region, TargetMemory, TransportError};
+use super::pairing::random_u32;
+use super::{KeyInvalidated, KvTransport, Pairing, Region, TargetMemory, TransportError};
 
 const MAGIC_WR: u32 = 0x4b56_5752; // "KVWR"
 const MAGIC_ACK: u32 = 0x4b56_4143; // "KVAC"
@@ -53,16 +70,23 @@ const NEW_CONN_QUEUE: usize = 64;
 const POLL_BYTES_MAX: usize = 32 << 20;
 /// Size of the buffer a refused write's payload is drained through.
 const SINK_BYTES: usize = 64 << 10;
-/// Base address of region `k`: keys are spread over the address space so that an address
-/// names its key (`base = k << 32`), as distinct registrations have distinct addresses in verbs.
-const fn region_base(rkey: u32) -> u64 {
-    (rkey as u64) << 32
-}
+/// How long a new connection may take to prove its pairing (and, encrypted, its TLS handshake).
+pub const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections authenticating at once at most (each on its own short-lived thread); more are
+/// refused at accept, so a flood of silent connections cannot exhaust threads.
+pub const MAX_AUTHENTICATING: usize = 16;
+/// Live pairings a target holds at most (one per paired initiator; a re-pairing replaces).
+pub const MAX_PAIRINGS: usize = 256;
+/// Tries at drawing a key never issued before (a collision among 2^32 is already rare).
+const KEY_DRAWS_MAX: usize = 64;
+/// How long the acceptor pauses after a failed `accept` (e.g. out of file descriptors).
+const ACCEPT_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// A whole write held back or replayed by fault injection (staged in memory).
 #[derive(Debug)]
 struct Frame {
     conn: u64,
+    pairing: u64,
     opcode: u32,
     wr_id: u64,
     remote_addr: u64,
@@ -74,13 +98,13 @@ struct Frame {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum KeyEntry {
-    Valid { len: u64 },
+    Valid { len: u64, base: u64, pairing: u64 },
     Invalidated,
 }
 
 #[derive(Debug, Default)]
 struct Initiator {
-    stream: Option<TcpStream>,
+    stream: Option<SendWire>,
     completions: Option<Receiver<Wc>>,
     /// Completion queues of earlier (lost) connections, drained until their readers finish:
     /// their flush errors must reach the caller after a reconnect.
@@ -118,7 +142,9 @@ struct InFrame {
 #[derive(Debug)]
 struct Conn {
     id: u64,
-    stream: TcpStream,
+    /// The pairing this connection proved: only keys registered for it land.
+    pairing: u64,
+    stream: Wire,
     hdr: [u8; WR_HDR],
     hdr_got: usize,
     cur: Option<InFrame>,
@@ -130,9 +156,13 @@ struct Conn {
 /// Everything of the target but its connections (so both can be borrowed at once).
 #[derive(Debug)]
 struct TargetState {
-    new_conns: Receiver<(u64, TcpStream)>,
+    new_conns: Receiver<Accepted>,
+    /// Every key ever issued (invalidated ones stay: a key is never reused).
     keys: HashMap<u32, KeyEntry>,
-    next_key: u32,
+    pairings: Arc<Mutex<HashMap<u64, Pairing>>>,
+    refused: Arc<AtomicU64>,
+    /// Set when the transport is dropped: the acceptor stops.
+    gone: Arc<AtomicBool>,
     stats: TargetStats,
     local_addr: SocketAddr,
     /// Frames held back by fault injection, delivered by `ReleaseHeld`.
@@ -157,6 +187,33 @@ pub struct TcpTransport {
     ctx: u64,
     init: Initiator,
     target: Option<Target>,
+    encryption: KvEncryption,
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        if let Some(t) = &self.target {
+            t.st.gone.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// A connection that proved its pairing, for `poll_recv`.
+#[derive(Debug)]
+struct Accepted {
+    id: u64,
+    pairing: u64,
+    wire: Wire,
+}
+
+/// What the acceptor's authenticating threads share with the transport.
+#[derive(Clone)]
+struct Gate {
+    pairings: Arc<Mutex<HashMap<u64, Pairing>>>,
+    refused: Arc<AtomicU64>,
+    authenticating: Arc<AtomicUsize>,
+    gone: Arc<AtomicBool>,
+    tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
@@ -167,7 +224,20 @@ impl TcpTransport {
             ctx: abi::new_ctx(node),
             init: Initiator::default(),
             target: None,
+            encryption: KvEncryption::Off,
         }
+    }
+
+    /// TLS on this transport's connections: [`KvEncryption::Server`] for a target (before
+    /// [`TcpTransport::listen`]), [`KvEncryption::Client`] for an initiator.
+    pub fn set_encryption(&mut self, e: KvEncryption) -> Result<(), TransportError> {
+        if self.target.is_some() {
+            return Err(TransportError::Tls(
+                "encryption must be set before the target listens".into(),
+            ));
+        }
+        self.encryption = e;
+        Ok(())
     }
 
     /// The probe context of this instance.
@@ -179,16 +249,34 @@ impl TcpTransport {
     pub fn listen(&mut self, addr: SocketAddr) -> Result<SocketAddr, TransportError> {
         let listener = TcpListener::bind(addr)?;
         let local_addr = listener.local_addr()?;
-        let (tx, rx) = sync_channel::<(u64, TcpStream)>(NEW_CONN_QUEUE);
+        let (tx, rx) = sync_channel::<Accepted>(NEW_CONN_QUEUE);
+        let gate = Gate {
+            pairings: Arc::default(),
+            refused: Arc::default(),
+            authenticating: Arc::default(),
+            gone: Arc::default(),
+            tls: match &self.encryption {
+                KvEncryption::Off => None,
+                KvEncryption::Server(cfg) => Some(cfg.clone()),
+                KvEncryption::Client { .. } => {
+                    return Err(TransportError::Tls(
+                        "a target needs the server side of KV encryption".into(),
+                    ));
+                }
+            },
+        };
+        let g = gate.clone();
         std::thread::Builder::new()
             .name("kv-tcp-accept".into())
-            .spawn(move || accept_loop(listener, tx))?;
+            .spawn(move || accept_loop(listener, tx, g))?;
         self.target = Some(Target {
             conns: Vec::new(),
             st: TargetState {
                 new_conns: rx,
                 keys: HashMap::new(),
-                next_key: 1,
+                pairings: gate.pairings,
+                refused: gate.refused,
+                gone: gate.gone,
                 stats: TargetStats::default(),
                 local_addr,
                 held: VecDeque::new(),
@@ -207,12 +295,40 @@ impl TcpTransport {
         self.target.as_ref().map(|t| t.st.local_addr)
     }
 
-    /// Become an initiator connected to the target at `addr`.
-    pub fn connect(&mut self, addr: SocketAddr) -> Result<(), TransportError> {
-        let stream = TcpStream::connect(addr)?;
+    /// Become an initiator connected to the target at `addr`, proving `pairing` (inside TLS
+    /// when encryption is on). Nothing is sent as a frame before both sides proved the secret.
+    pub fn connect(&mut self, addr: SocketAddr, pairing: &Pairing) -> Result<(), TransportError> {
+        let mut stream = TcpStream::connect_timeout(&addr, AUTH_TIMEOUT)?;
         stream.set_nodelay(true)?;
         set_socket_buffers(&stream);
-        let reader = stream.try_clone()?;
+        stream.set_read_timeout(Some(AUTH_TIMEOUT))?;
+        stream.set_write_timeout(Some(AUTH_TIMEOUT))?;
+        let (send, reader) = match &self.encryption {
+            KvEncryption::Off => {
+                auth::initiator(&mut stream, pairing)?;
+                let reader = AckReader::Plain(stream.try_clone()?);
+                (SendWire::Plain(stream), reader)
+            }
+            KvEncryption::Client {
+                config,
+                server_name,
+            } => {
+                let conn = wire::client_session(config, server_name, &mut stream, pairing)?;
+                let conn = Arc::new(Mutex::new(conn));
+                let reader = AckReader::tls(Arc::clone(&conn), stream.try_clone()?);
+                (SendWire::Tls { conn, sock: stream }, reader)
+            }
+            KvEncryption::Server(_) => {
+                return Err(TransportError::Tls(
+                    "an initiator needs the client side of KV encryption".into(),
+                ));
+            }
+        };
+        let sock = match &send {
+            SendWire::Plain(s) | SendWire::Tls { sock: s, .. } => s,
+        };
+        sock.set_read_timeout(None)?;
+        sock.set_write_timeout(None)?;
         let (tx, rx) = sync_channel::<Wc>(ACK_QUEUE);
         let outstanding: Arc<Mutex<HashSet<u64>>> = Arc::default();
         let alive = Arc::new(AtomicBool::new(true));
@@ -223,10 +339,10 @@ impl TcpTransport {
         let mut retired = std::mem::take(&mut self.init.retired);
         retired.extend(self.init.completions.take());
         if let Some(old) = self.init.stream.take() {
-            let _ = old.shutdown(Shutdown::Both);
+            old.shutdown();
         }
         self.init = Initiator {
-            stream: Some(stream),
+            stream: Some(send),
             completions: Some(rx),
             retired,
             outstanding,
@@ -236,7 +352,13 @@ impl TcpTransport {
     }
 
     pub fn target_stats(&self) -> TargetStats {
-        self.target.as_ref().map(|t| t.st.stats).unwrap_or_default()
+        self.target
+            .as_ref()
+            .map(|t| TargetStats {
+                refused_connections: t.st.refused.load(Ordering::Relaxed),
+                ..t.st.stats
+            })
+            .unwrap_or_default()
     }
 
     /// Bound the bytes one `poll_recv` reads (default 32 MiB): smaller keeps the caller's other
@@ -282,7 +404,7 @@ impl TcpTransport {
     /// Fault injection: cut the initiator's connection abruptly.
     pub fn fault_inject_disconnect(&mut self) {
         if let Some(s) = &self.init.stream {
-            let _ = s.shutdown(Shutdown::Both);
+            s.shutdown();
         }
     }
 
@@ -375,9 +497,9 @@ impl TcpTransport {
             }
             let last = i + 1 == hdrs.len();
             if last || group_bytes >= WRITE_BYTES_GROUP || iov.len() >= IOV_GROUP_MAX {
-                if let Err(e) = write_all_vectored(stream, &mut iov) {
+                if let Err(e) = stream.write_all_vectored(&mut iov) {
                     self.init.alive.store(false, Ordering::Release);
-                    let _ = stream.shutdown(Shutdown::Both);
+                    stream.shutdown();
                     return Err(e.into());
                 }
                 iov.clear();
@@ -422,64 +544,105 @@ fn set_socket_buffers(s: &TcpStream) {
     }
 }
 
-fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
-    IoSlice::advance_slices(&mut bufs, 0);
-    while !bufs.is_empty() {
-        match s.write_vectored(bufs) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-fn accept_loop(listener: TcpListener, tx: SyncSender<(u64, TcpStream)>) {
+fn accept_loop(listener: TcpListener, tx: SyncSender<Accepted>, gate: Gate) {
     for stream in listener.incoming() {
-        let Ok(stream) = stream else { continue };
-        let _ = stream.set_nodelay(true);
-        set_socket_buffers(&stream);
-        if stream.set_nonblocking(true).is_err() {
+        if gate.gone.load(Ordering::Acquire) {
+            return;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "KV transport: accepting a connection failed");
+                std::thread::sleep(ACCEPT_RETRY_PAUSE);
+                continue;
+            }
+        };
+        let peer = stream.peer_addr().ok();
+        if gate.authenticating.fetch_add(1, Ordering::AcqRel) >= MAX_AUTHENTICATING {
+            gate.authenticating.fetch_sub(1, Ordering::AcqRel);
+            gate.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                ?peer,
+                "KV transport: refused, too many connections authenticating"
+            );
+            let _ = stream.shutdown(Shutdown::Both);
             continue;
         }
-        let conn = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
-        if tx.send((conn, stream)).is_err() {
-            return; // the transport is gone
+        let (tx, g) = (tx.clone(), gate.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kv-tcp-auth".into())
+            .spawn(move || {
+                let r = authenticate(stream, &g);
+                g.authenticating.fetch_sub(1, Ordering::AcqRel);
+                match r {
+                    Ok(a) => {
+                        tracing::debug!(
+                            ?peer,
+                            pairing = a.pairing,
+                            "KV transport connection accepted"
+                        );
+                        if tx.send(a).is_err() {
+                            g.gone.store(true, Ordering::Release);
+                        }
+                    }
+                    Err(auth::Refusal::Silent) => {
+                        tracing::debug!(?peer, "KV transport: closed before authenticating");
+                    }
+                    Err(e) => {
+                        g.refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(?peer, reason = %e, "KV transport connection refused");
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            gate.authenticating.fetch_sub(1, Ordering::AcqRel);
+            gate.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(?peer, error = %e, "KV transport: refused, no thread to authenticate");
         }
     }
 }
 
-/// Outcome of one non-blocking read.
-enum Io {
-    Read(usize),
-    Blocked,
-    Closed,
-}
-
-fn read_some(s: &mut TcpStream, buf: &mut [u8]) -> Io {
-    debug_assert!(!buf.is_empty());
-    loop {
-        return match s.read(buf) {
-            Ok(0) => Io::Closed,
-            Ok(n) => Io::Read(n),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Io::Blocked,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => Io::Closed,
-        };
-    }
-}
-
-fn read_some_vectored(s: &mut TcpStream, bufs: &mut [IoSliceMut<'_>]) -> Io {
-    loop {
-        return match s.read_vectored(bufs) {
-            Ok(0) => Io::Closed,
-            Ok(n) => Io::Read(n),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Io::Blocked,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => Io::Closed,
-        };
-    }
+/// Authenticate a new connection (blocking, bounded by [`AUTH_TIMEOUT`]): TLS first when
+/// encryption is on, then the pairing proof. Nothing it sends is read as a frame before that.
+fn authenticate(mut stream: TcpStream, gate: &Gate) -> Result<Accepted, auth::Refusal> {
+    stream.set_nodelay(true)?;
+    set_socket_buffers(&stream);
+    stream.set_read_timeout(Some(AUTH_TIMEOUT))?;
+    stream.set_write_timeout(Some(AUTH_TIMEOUT))?;
+    let (pairing, tls) = match &gate.tls {
+        None => (auth::target(&mut stream, &gate.pairings)?, None),
+        Some(cfg) => {
+            let mut conn = rustls::ServerConnection::new(cfg.clone())
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            let mut said_anything = false;
+            while conn.is_handshaking() {
+                match conn.complete_io(&mut stream) {
+                    Ok((rd, _)) => said_anything |= rd > 0,
+                    Err(e) if !said_anything && e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        return Err(auth::Refusal::Silent);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            let p = auth::target(
+                &mut rustls::Stream::new(&mut conn, &mut stream),
+                &gate.pairings,
+            )?;
+            (p, Some(conn))
+        }
+    };
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    stream.set_nonblocking(true)?;
+    let wire = match tls {
+        None => Wire::Plain(stream),
+        Some(conn) => Wire::tls(conn, stream),
+    };
+    Ok(Accepted {
+        id: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
+        pairing,
+        wire,
+    })
 }
 
 /// A write whose bytes all arrived: its outcome, to acknowledge and complete.
@@ -501,14 +664,30 @@ enum Step {
     Closed,
 }
 
-/// Key and range check of a write of `len` bytes at `remote_addr`: its region offset.
-fn check_range(st: &TargetState, rkey: u32, remote_addr: u64, len: u64) -> Option<u64> {
-    let Some(KeyEntry::Valid { len: region_len }) = st.keys.get(&rkey) else {
+/// Key, pairing and range check of a write of `len` bytes at `remote_addr` from a connection of
+/// pairing `pairing`: its region offset.
+fn check_range(
+    st: &TargetState,
+    rkey: u32,
+    remote_addr: u64,
+    len: u64,
+    pairing: u64,
+) -> Option<u64> {
+    let Some(&KeyEntry::Valid {
+        len: region_len,
+        base,
+        pairing: owner,
+    }) = st.keys.get(&rkey)
+    else {
         return None;
     };
-    let offset = remote_addr.checked_sub(region_base(rkey))?;
+    if owner != pairing {
+        tracing::warn!(rkey, "KV write refused: the key belongs to another pairing");
+        return None;
+    }
+    let offset = remote_addr.checked_sub(base)?;
     let end = offset.checked_add(len)?;
-    (end <= *region_len).then_some(offset)
+    (end <= region_len).then_some(offset)
 }
 
 /// Advance connection `c` by one read of at most `max_read` (> 0) bytes: a header, or a piece
@@ -521,7 +700,7 @@ fn read_step(
 ) -> Step {
     debug_assert!(max_read > 0);
     if c.cur.is_none() {
-        let n = match read_some(&mut c.stream, &mut c.hdr[c.hdr_got..]) {
+        let n = match c.stream.read(&mut c.hdr[c.hdr_got..]) {
             Io::Read(n) => n,
             Io::Blocked => return Step::Blocked,
             Io::Closed => return Step::Closed,
@@ -563,7 +742,7 @@ fn read_step(
                 hold: true,
             }
         } else {
-            match check_range(st, rkey, remote_addr, u64::from(len)) {
+            match check_range(st, rkey, remote_addr, u64::from(len), c.pairing) {
                 None => Mode::Refused,
                 Some(_) if st.corrupt_next || !mem.direct() => Mode::Staged {
                     buf: vec![0; len as usize],
@@ -609,7 +788,7 @@ fn read_step(
                     );
                     let mut iov: Vec<IoSliceMut<'_>> =
                         dests.into_iter().map(IoSliceMut::new).collect();
-                    read_some_vectored(&mut c.stream, &mut iov)
+                    c.stream.read_vectored(&mut iov)
                 }
                 Err(e) => {
                     tracing::warn!(rkey = f.rkey, error = %e, "KV write refused by target memory");
@@ -620,11 +799,11 @@ fn read_step(
         }
         Mode::Staged { buf, .. } => {
             let start = f.got as usize;
-            read_some(&mut c.stream, &mut buf[start..start + rem])
+            c.stream.read(&mut buf[start..start + rem])
         }
         Mode::Refused => {
             let k = rem.min(st.sink.len());
-            read_some(&mut c.stream, &mut st.sink[..k])
+            c.stream.read(&mut st.sink[..k])
         }
     };
     let n = match io {
@@ -669,6 +848,7 @@ fn finish(c: &mut Conn, st: &mut TargetState, mem: &mut dyn TargetMemory) -> Opt
         Mode::Staged { mut buf, hold } => {
             let frame_of = |payload| Frame {
                 conn: c.id,
+                pairing: c.pairing,
                 opcode: f.opcode,
                 wr_id: f.wr_id,
                 remote_addr: f.remote_addr,
@@ -723,6 +903,14 @@ fn complete(acks: &mut Vec<u8>, fin: &Finished, out: &mut Vec<Wc>) {
 
 /// Write pending acknowledgements without blocking; a dead peer closes the connection.
 fn flush_acks(c: &mut Conn) {
+    match c.stream.flush_pending() {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+        Err(_) => {
+            c.closed = true;
+            return;
+        }
+    }
     while !c.acks.is_empty() {
         match c.stream.write(&c.acks) {
             Ok(0) => {
@@ -746,7 +934,7 @@ fn flush_acks(c: &mut Conn) {
 const ACKS_PER_READ: usize = 64;
 
 fn ack_loop(
-    mut s: TcpStream,
+    mut s: AckReader,
     tx: SyncSender<Wc>,
     outstanding: Arc<Mutex<HashSet<u64>>>,
     alive: Arc<AtomicBool>,
@@ -815,27 +1003,61 @@ fn ack_loop(
 }
 
 impl KvTransport for TcpTransport {
-    fn register(&mut self, len: u64) -> Result<Region, TransportError> {
+    fn pair(&mut self) -> Result<Pairing, TransportError> {
+        let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
+        let p = Pairing::generate()?;
+        let mut table =
+            t.st.pairings
+                .lock()
+                .map_err(|_| TransportError::Auth("pairing table poisoned".into()))?;
+        if table.len() >= MAX_PAIRINGS {
+            return Err(TransportError::Auth(format!(
+                "{MAX_PAIRINGS} pairings are live: unpair one first"
+            )));
+        }
+        table.insert(p.id(), p.clone());
+        Ok(p)
+    }
+
+    fn unpair(&mut self, pairing_id: u64) {
+        if let Some(t) = &mut self.target
+            && let Ok(mut table) = t.st.pairings.lock()
+        {
+            table.remove(&pairing_id);
+        }
+    }
+
+    fn register(&mut self, len: u64, pairing_id: u64) -> Result<Region, TransportError> {
         let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
         if len > u64::from(u32::MAX) {
             return Err(TransportError::InvalidWr(format!(
                 "region of {len} B exceeds 4 GiB"
             )));
         }
-        // Keys are never reused within a transport's life, so a late write of an old key can
-        // never match a new registration.
-        let t = &mut t.st;
-        let rkey = t.next_key;
-        t.next_key = t
-            .next_key
-            .checked_add(1)
-            .ok_or_else(|| TransportError::InvalidWr("key space exhausted".into()))?;
-        t.keys.insert(rkey, KeyEntry::Valid { len });
-        let region = Region {
+        let live =
+            t.st.pairings
+                .lock()
+                .map(|table| table.contains_key(&pairing_id))
+                .unwrap_or(false);
+        if !live {
+            return Err(TransportError::Auth(format!(
+                "no live pairing {pairing_id:#018x} to register a region for"
+            )));
+        }
+        let st = &mut t.st;
+        let rkey = draw_key(&st.keys)?;
+        // 32 more random bits in the base (`hi << 32`, `len` < 4 GiB: `base + len` never
+        // overflows): a write must name both, so a key is 64 unguessable bits.
+        let base = u64::from(random_u32()?) << 32;
+        st.keys.insert(
             rkey,
-            base: region_base(rkey),
-            len,
-        };
+            KeyEntry::Valid {
+                len,
+                base,
+                pairing: pairing_id,
+            },
+        );
+        let region = Region { rkey, base, len };
         abi::custody_kv_register(self.ctx, rkey, region.base, len);
         Ok(region)
     }
@@ -898,16 +1120,30 @@ impl KvTransport for TcpTransport {
         let ctx = self.ctx;
         let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
         let announced = out.len();
-        while let Ok((id, stream)) = t.st.new_conns.try_recv() {
+        while let Ok(a) = t.st.new_conns.try_recv() {
             t.conns.push(Conn {
-                id,
-                stream,
+                id: a.id,
+                pairing: a.pairing,
+                stream: a.wire,
                 hdr: [0; WR_HDR],
                 hdr_got: 0,
                 cur: None,
                 acks: Vec::new(),
                 closed: false,
             });
+        }
+        // A withdrawn pairing's connections go before another byte of theirs is read.
+        if let Ok(table) = t.st.pairings.lock() {
+            for c in &mut t.conns {
+                if !table.contains_key(&c.pairing) {
+                    tracing::info!(
+                        conn = c.id,
+                        pairing = c.pairing,
+                        "KV transport: pairing withdrawn, closing"
+                    );
+                    c.closed = true;
+                }
+            }
         }
         let mut n = 0;
         // Writes released from being held (fault injection) land first, judged now.
@@ -951,7 +1187,7 @@ impl KvTransport for TcpTransport {
         }
         t.conns.retain(|c| {
             if c.closed {
-                let _ = c.stream.shutdown(Shutdown::Both);
+                c.stream.shutdown();
             }
             !c.closed
         });
@@ -973,7 +1209,7 @@ impl KvTransport for TcpTransport {
         self.local_addr().map(|a| a.to_string()).unwrap_or_default()
     }
 
-    fn connect_peer(&mut self, peer: &str) -> Result<(), TransportError> {
+    fn connect_peer(&mut self, peer: &str, pairing: &Pairing) -> Result<(), TransportError> {
         if peer.is_empty() {
             // The peer is an initiator: it dials this target.
             return Ok(());
@@ -981,7 +1217,7 @@ impl KvTransport for TcpTransport {
         let addr: SocketAddr = peer
             .parse()
             .map_err(|_| TransportError::BadEndpoint(peer.to_owned()))?;
-        self.connect(addr)
+        self.connect(addr, pairing)
     }
 
     fn target_stats(&self) -> TargetStats {
@@ -1000,9 +1236,23 @@ impl KvTransport for TcpTransport {
     }
 }
 
+/// A key never issued by this transport (nonzero: 0 is no key).
+fn draw_key(keys: &HashMap<u32, KeyEntry>) -> Result<u32, TransportError> {
+    for _ in 0..KEY_DRAWS_MAX {
+        let k = random_u32()?;
+        if k != 0 && !keys.contains_key(&k) {
+            return Ok(k);
+        }
+    }
+    Err(TransportError::InvalidWr(
+        "no fresh key after many draws".into(),
+    ))
+}
+
 /// Key and range checks, then the staged bytes land. Returns the `ibv_wc_status`.
 fn land(t: &mut TargetState, mem: &mut dyn TargetMemory, f: &Frame) -> u32 {
-    let Some(offset) = check_range(t, f.rkey, f.remote_addr, f.payload.len() as u64) else {
+    let Some(offset) = check_range(t, f.rkey, f.remote_addr, f.payload.len() as u64, f.pairing)
+    else {
         t.stats.rejected_writes += 1;
         return wc_status::REM_ACCESS_ERR;
     };
@@ -1072,14 +1322,16 @@ mod tests {
         }
     }
 
-    fn pair() -> (TcpTransport, TcpTransport) {
+    /// A target and an initiator connected under a fresh pairing (its id last).
+    fn pair() -> (TcpTransport, TcpTransport, u64) {
         let mut target = TcpTransport::new(2);
         let addr = target
             .listen("127.0.0.1:0".parse().expect("addr"))
             .expect("listen");
+        let pairing = target.pair().expect("pair");
         let mut init = TcpTransport::new(1);
-        init.connect(addr).expect("connect");
-        (init, target)
+        init.connect(addr, &pairing).expect("connect");
+        (init, target, pairing.id())
     }
 
     fn pump(
@@ -1102,8 +1354,8 @@ mod tests {
 
     #[test]
     fn write_with_imm_lands_and_completes_then_invalidate_refuses() {
-        let (mut init, mut target) = pair();
-        let region = target.register(1024).expect("register");
+        let (mut init, mut target, p) = pair();
+        let region = target.register(1024, p).expect("register");
         let data = [7u8; 100];
         let sge = [Sge {
             addr: data.as_ptr() as u64,
@@ -1144,8 +1396,8 @@ mod tests {
 
     #[test]
     fn direct_landing_reads_straight_into_memory_in_pieces() {
-        let (mut init, mut target) = pair();
-        let region = target.register(1 << 20).expect("register");
+        let (mut init, mut target, p) = pair();
+        let region = target.register(1 << 20, p).expect("register");
         let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let sge = [Sge {
             addr: data.as_ptr() as u64,
@@ -1181,10 +1433,10 @@ mod tests {
     /// are the posted ones.
     #[test]
     fn a_long_chain_streams_in_pieces_and_lands_every_page() {
-        let (mut init, mut target) = pair();
+        let (mut init, mut target, p) = pair();
         const PAGES: usize = 6;
         const PAGE: usize = 100_000;
-        let region = target.register((PAGES * PAGE) as u64).expect("register");
+        let region = target.register((PAGES * PAGE) as u64, p).expect("register");
         let data: Vec<u8> = (0..PAGES * PAGE).map(|i| (i * 13 % 251) as u8).collect();
         // Per page: two halves (unsignaled), then a signaled imm write of its last 8 bytes.
         let sges: Vec<Sge> = (0..PAGES)
@@ -1233,9 +1485,9 @@ mod tests {
 
     #[test]
     fn invalidation_mid_write_stops_the_rest_from_landing() {
-        let (mut init, mut target) = pair();
+        let (mut init, mut target, p) = pair();
         target.set_poll_bytes_max(1000);
-        let region = target.register(1 << 20).expect("register");
+        let region = target.register(1 << 20, p).expect("register");
         let data = vec![0xabu8; 200_000];
         let sge = [Sge {
             addr: data.as_ptr() as u64,
@@ -1288,8 +1540,8 @@ mod tests {
 
     #[test]
     fn out_of_range_write_is_refused() {
-        let (mut init, mut target) = pair();
-        let region = target.register(64).expect("register");
+        let (mut init, mut target, p) = pair();
+        let region = target.register(64, p).expect("register");
         let data = [1u8; 100];
         let sge = [Sge {
             addr: data.as_ptr() as u64,
@@ -1307,8 +1559,8 @@ mod tests {
 
     #[test]
     fn held_writes_delivered_after_invalidation_do_not_land() {
-        let (mut init, mut target) = pair();
-        let region = target.register(1024).expect("register");
+        let (mut init, mut target, p) = pair();
+        let region = target.register(1024, p).expect("register");
         target.fault_inject_hold_key(region.rkey);
         let data = [3u8; 16];
         let sge = [Sge {
@@ -1337,8 +1589,8 @@ mod tests {
 
     #[test]
     fn lost_connection_flushes_outstanding_writes_in_error() {
-        let (mut init, mut target) = pair();
-        let region = target.register(1024).expect("register");
+        let (mut init, mut target, p) = pair();
+        let region = target.register(1024, p).expect("register");
         target.fault_inject_hold_key(region.rkey); // never acknowledged
         let data = [3u8; 16];
         let sge = [Sge {
@@ -1355,5 +1607,141 @@ mod tests {
         assert_eq!(s.len(), 1);
         assert_eq!(s[0].status, wc_status::WR_FLUSH_ERR);
         assert!(!init.connected());
+    }
+
+    /// One raw frame as the wire format defines it: a write of `payload` at `addr` with `rkey`.
+    fn raw_frame(rkey: u32, addr: u64, payload: &[u8]) -> Vec<u8> {
+        let mut f = Vec::with_capacity(WR_HDR + payload.len());
+        f.extend_from_slice(&MAGIC_WR.to_le_bytes());
+        f.extend_from_slice(&WR_RDMA_WRITE_WITH_IMM.to_le_bytes());
+        f.extend_from_slice(&77u64.to_le_bytes());
+        f.extend_from_slice(&addr.to_le_bytes());
+        f.extend_from_slice(&rkey.to_le_bytes());
+        f.extend_from_slice(&0u32.to_le_bytes());
+        f.extend_from_slice(&SEND_SIGNALED.to_le_bytes());
+        f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// Poll until `refused` connections were counted (the acceptor's threads are asynchronous).
+    fn poll_until_refused(target: &mut TcpTransport, mem: &mut Mem, refused: u64) {
+        for _ in 0..5000 {
+            target.poll_recv(mem, &mut Vec::new(), 64).expect("recv");
+            if target.target_stats().refused_connections >= refused {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        panic!(
+            "{refused} refused connections never counted: {:?}",
+            target.target_stats()
+        );
+    }
+
+    #[test]
+    fn a_raw_client_with_a_stolen_key_lands_nothing_and_is_disconnected() {
+        let (_init, mut target, p) = pair();
+        let region = target.register(1024, p).expect("register");
+        let addr = target.local_addr().expect("listening");
+        // The key and base are stolen (known exactly); the connection proves no pairing.
+        let mut raw = TcpStream::connect(addr).expect("connect");
+        use std::io::Write as _;
+        raw.write_all(&raw_frame(region.rkey, region.base, &[0xAB; 512]))
+            .expect("send");
+        let mut mem = Mem::default();
+        poll_until_refused(&mut target, &mut mem, 1);
+        assert!(mem.bytes.is_empty(), "nothing landed");
+        let st = target.target_stats();
+        assert_eq!((st.landed_writes, st.landed_bytes), (0, 0), "{st:?}");
+        // Disconnected: the target closed the socket (EOF or reset, never an acknowledgement).
+        raw.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .expect("timeout");
+        let mut buf = [0u8; 64];
+        match raw.read(&mut buf) {
+            Ok(0) | Err(_) => {}
+            Ok(n) => panic!("the target answered {n} bytes to an unauthenticated frame"),
+        }
+        // A connection that says nothing and leaves is a probe, not a refusal.
+        drop(TcpStream::connect(addr).expect("connect"));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(target.target_stats().refused_connections, 1);
+    }
+
+    #[test]
+    fn a_key_of_another_pairing_refuses_the_write() {
+        let (mut init, mut target, p) = pair();
+        let mine = target.register(1024, p).expect("register");
+        // A second, authenticated initiator of another pairing writes with the first's key.
+        let other = target.pair().expect("pair");
+        let mut intruder = TcpTransport::new(3);
+        intruder
+            .connect(target.local_addr().expect("addr"), &other)
+            .expect("connect");
+        let data = [5u8; 64];
+        let sge = [Sge {
+            addr: data.as_ptr() as u64,
+            length: 64,
+            lkey: 0,
+        }];
+        let wr = SendWr::rdma_write(1, &sge, mine.base, mine.rkey).with_imm(1);
+        // SAFETY: `data` outlives the completion polled below.
+        unsafe { intruder.post_write(&wr) }.expect("post");
+        let mut mem = Mem::default();
+        let (s, r) = pump(&mut intruder, &mut target, &mut mem, 1);
+        assert_eq!(s[0].status, wc_status::REM_ACCESS_ERR);
+        assert!(r.is_empty() && mem.bytes.is_empty());
+        // The rightful initiator's write with the same key lands.
+        // SAFETY: as above.
+        unsafe { init.post_write(&wr) }.expect("post");
+        let (s, r) = pump(&mut init, &mut target, &mut mem, 1);
+        assert!(s[0].ok() && r.len() == 1);
+        assert_eq!(&mem.bytes[&mine.rkey][..64], &data[..]);
+    }
+
+    #[test]
+    fn a_wrong_secret_or_a_withdrawn_pairing_gets_no_connection() {
+        let (init, mut target, p) = pair();
+        let addr = target.local_addr().expect("addr");
+        let forged = Pairing::from_parts(p, &[0u8; 32]).expect("parts");
+        let mut intruder = TcpTransport::new(3);
+        let e = intruder.connect(addr, &forged).expect_err("forged secret");
+        assert!(matches!(e, TransportError::Auth(_)), "{e}");
+        let mut mem = Mem::default();
+        poll_until_refused(&mut target, &mut mem, 1);
+        // Withdrawing the pairing closes its live connection: its next write fails.
+        target.unpair(p);
+        target
+            .poll_recv(&mut mem, &mut Vec::new(), 64)
+            .expect("recv");
+        assert!(
+            target.register(64, p).is_err(),
+            "no region for a withdrawn pairing"
+        );
+        for _ in 0..2000 {
+            if !init.connected() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(!init.connected());
+    }
+
+    #[test]
+    fn keys_are_random_and_never_reused() {
+        let (_init, mut target, p) = pair();
+        let mut seen = HashSet::new();
+        let mut bases = HashSet::new();
+        for _ in 0..2000 {
+            let r = target.register(64, p).expect("register");
+            assert!(seen.insert(r.rkey), "key {:#x} reused", r.rkey);
+            bases.insert(r.base);
+            let _proof = target.invalidate(r.rkey).expect("invalidate");
+        }
+        // Random, not a counter: consecutive keys are not neighbours, bases vary.
+        assert!(bases.len() > 1900);
+        let mut keys: Vec<u32> = seen.into_iter().collect();
+        keys.sort_unstable();
+        assert!(keys.windows(2).filter(|w| w[1] == w[0] + 1).count() < 10);
     }
 }

@@ -49,6 +49,27 @@
 //! - **Backpressure.** `rnr_retry = 7` (retry forever): a target that stops reposting receive
 //!   requests (stops polling) stalls the initiator, as a full `tcp` queue does.
 //!
+//! # Who can write: what RC queue pairs and protection domains guarantee, and what they do not
+//! - **Guaranteed by the device.** An RC queue pair accepts requests only from the one remote
+//!   queue pair it was connected to (its QPN, within the expected PSN window); packets from any
+//!   other QP are dropped by the HCA. A memory region's `rkey` works only for QPs of the same
+//!   protection domain, and this transport's PD holds exactly one QP: a key is usable only over
+//!   the paired connection — the verbs form of "bound to the connection that registered for
+//!   it". The endpoints (QPN, PSN, GID) are exchanged only over the control plane, whose mutual
+//!   TLS authenticates the peer node, and a re-handshake resets the QP (a fresh PSN).
+//!   [`KvTransport::pair`] issues a [`Pairing`] for the same bookkeeping as `tcp` (one live pairing:
+//!   `register` refuses any other id, `unpair` resets the QP), but its secret is not proved on
+//!   the wire: verbs has no place for it.
+//! - **Not guaranteed.** InfiniBand and RoCE packets carry no cryptographic authentication or
+//!   encryption (the ICRC is a CRC). A host on the fabric that observes or guesses a live QPN,
+//!   PSN, `rkey` and address can inject a write the HCA accepts (RoCE v2 is plain UDP/4791;
+//!   device-chosen keys are often predictable — the ReDMArk study, USENIX Security 2021), and
+//!   anyone on the path reads the KV bytes. P_Keys and VLANs partition a fabric; they are not
+//!   secrets. Verbs therefore needs a fabric the operator controls (dedicated, or with the NIC's
+//!   IPsec/MACsec offload); `transport_encryption` is refused for verbs rather than pretended.
+//!   The page tags and the transfer checksum still reject pages that are stale, foreign or
+//!   corrupt, but not a well-formed forgery from someone who knows the header's values.
+//!
 //! Every work request and completion is announced through the probe points of [`abi`]
 //! (`custody_kv_post_write` before posting, `custody_kv_complete` per polled batch,
 //! `custody_kv_register`, `custody_kv_invalidate`), exactly as `tcp` does.
@@ -72,7 +93,7 @@ use rdma_sys::{
 };
 
 use super::abi::{self, SendWr, WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, Wc, wc_opcode, wc_status};
-use super::{KeyInvalidated, KvTransport, Region, TargetMemory, TransportError};
+use super::{KeyInvalidated, KvTransport, Pairing, Region, TargetMemory, TransportError};
 
 /// `IBV_LINK_LAYER_ETHERNET` (RoCE: addressing needs a GRH with the peer's GID).
 const LINK_LAYER_ETHERNET: u8 = 2;
@@ -309,6 +330,8 @@ pub struct VerbsTransport {
     gid: [u8; 16],
     psn: u32,
     remote: Option<VerbsEndpoint>,
+    /// The one live pairing (regions are registered for it); see the module docs.
+    pairing: Option<u64>,
     /// The QP went to the error state (an error completion was seen).
     broken: bool,
     /// Receive requests are tagged `(generation << 32) | seq`; `reset` starts a generation.
@@ -393,6 +416,7 @@ impl VerbsTransport {
             gid: [0; 16],
             psn: fresh_psn(ctx),
             remote: None,
+            pairing: None,
             broken: false,
             recv_gen: 0,
             recv_seq: 0,
@@ -1093,7 +1117,27 @@ fn poll_cq(
 impl KvTransport for VerbsTransport {
     /// An owned, page-aligned, zeroed staging region; see the module documentation for how its
     /// bytes reach [`TargetMemory`]. `len` must be non-zero for most devices.
-    fn register(&mut self, len: u64) -> Result<Region, TransportError> {
+    fn pair(&mut self) -> Result<Pairing, TransportError> {
+        let p = Pairing::generate()?;
+        self.pairing = Some(p.id());
+        Ok(p)
+    }
+
+    fn unpair(&mut self, pairing_id: u64) {
+        if self.pairing == Some(pairing_id) {
+            self.pairing = None;
+            if let Err(e) = VerbsTransport::reset(self) {
+                tracing::warn!(error = %e, "unpair: resetting the queue pair failed");
+            }
+        }
+    }
+
+    fn register(&mut self, len: u64, pairing_id: u64) -> Result<Region, TransportError> {
+        if self.pairing != Some(pairing_id) {
+            return Err(TransportError::Auth(format!(
+                "no live pairing {pairing_id:#018x} to register a region for"
+            )));
+        }
         let n = usize::try_from(len)
             .map_err(|_| TransportError::InvalidWr(format!("region of {len} B too large")))?;
         let buf = OwnedBuf::zeroed(n)?;
@@ -1262,7 +1306,7 @@ impl KvTransport for VerbsTransport {
     }
 
     /// Parse the peer's JSON endpoint; reset first if this QP was connected (or broken).
-    fn connect_peer(&mut self, peer: &str) -> Result<(), TransportError> {
+    fn connect_peer(&mut self, peer: &str, _pairing: &Pairing) -> Result<(), TransportError> {
         let remote: VerbsEndpoint = serde_json::from_str(peer)
             .map_err(|e| TransportError::BadEndpoint(format!("{peer}: {e}")))?;
         if self.remote.is_some() || self.broken {
@@ -1412,7 +1456,8 @@ mod tests {
         };
         let mut target = VerbsTransport::open(2, Some(init.device_name())).expect("open target");
         // Staged region (trait `register`) and a zero-copy one (`register_memory`).
-        let region = target.register(1024).expect("register");
+        let pairing = target.pair().expect("pair");
+        let region = target.register(1024, pairing.id()).expect("register");
         // SAFETY: `zc` outlives `target` (declared first, dropped last).
         let zc_region =
             unsafe { target.register_memory(zc.as_mut_ptr(), zc.len()) }.expect("register_memory");

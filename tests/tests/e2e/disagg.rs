@@ -143,6 +143,31 @@ pub fn start_pair_exchanging(
     writers: Option<Writers>,
     peer: Option<PeerSides>,
 ) -> Nodes {
+    start_pair_full(prefill, decode, unsafe_, lease, writers, peer, false)
+}
+
+/// A pair with TLS on its KV transport (`[disagg] transport_encryption = true`).
+pub fn start_pair_encrypted(prefill: EngineConfig, decode: EngineConfig) -> Nodes {
+    start_pair_full(
+        prefill,
+        decode,
+        UnsafeReproduction::default(),
+        Duration::from_secs(30),
+        None,
+        None,
+        true,
+    )
+}
+
+fn start_pair_full(
+    prefill: EngineConfig,
+    decode: EngineConfig,
+    unsafe_: UnsafeReproduction,
+    lease: Duration,
+    writers: Option<Writers>,
+    peer: Option<PeerSides>,
+    transport_encryption: bool,
+) -> Nodes {
     let (prefill_peer, decode_peer) = match peer {
         Some((p, d)) => (Some(p), Some(d)),
         None => (None, None),
@@ -165,12 +190,14 @@ pub fn start_pair_exchanging(
             fingerprint: fingerprint(),
             reserve_wait: Duration::from_secs(30),
             transport_kind: transport_under_test(),
+            kv_encryption: Default::default(),
             checkpoints: prefill_peer,
         },
         decode: DecodeOptions {
             node_id: 2,
             transport_listen: "127.0.0.1:0".parse().expect("addr"),
             transport_kind: transport_under_test(),
+            kv_encryption: Default::default(),
             checksum: true,
             reservation_lease: lease,
             unsafe_,
@@ -178,6 +205,7 @@ pub fn start_pair_exchanging(
             checkpoints: decode_peer,
         },
         fleet: Some(fleet()),
+        transport_encryption,
     };
     let pair = Pair::start(pe, de, opts).expect("pair starts");
     Nodes {
@@ -1001,12 +1029,14 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
             fingerprint: fingerprint(),
             reserve_wait: Duration::from_secs(1),
             transport_kind: verbs.clone(),
+            kv_encryption: Default::default(),
             checkpoints: None,
         },
         decode: DecodeOptions {
             node_id: 2,
             transport_listen: "127.0.0.1:0".parse().expect("addr"),
             transport_kind: verbs,
+            kv_encryption: Default::default(),
             checksum: true,
             reservation_lease: Duration::from_secs(1),
             unsafe_: UnsafeReproduction::default(),
@@ -1014,6 +1044,7 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
             checkpoints: None,
         },
         fleet: Some(fleet()),
+        transport_encryption: false,
     };
     let (pe, de) = (
         Engine::new(model(), cfg(2048, 64)).expect("prefill"),
@@ -1050,12 +1081,14 @@ fn handshake_refuses_a_mismatched_pair() {
             fingerprint: fingerprint(),
             reserve_wait: Duration::from_secs(1),
             transport_kind: Default::default(),
+            kv_encryption: Default::default(),
             checkpoints: None,
         },
         decode: DecodeOptions {
             node_id: 2,
             transport_listen: "127.0.0.1:0".parse().expect("addr"),
             transport_kind: Default::default(),
+            kv_encryption: Default::default(),
             checksum: true,
             reservation_lease: Duration::from_secs(1),
             unsafe_: UnsafeReproduction::default(),
@@ -1063,6 +1096,7 @@ fn handshake_refuses_a_mismatched_pair() {
             checkpoints: None,
         },
         fleet: Some(fleet()),
+        transport_encryption: false,
     };
     let err = Pair::start(pe, de, opts).expect_err("mismatched pair must not start");
     let msg = err.to_string();

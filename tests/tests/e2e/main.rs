@@ -6,6 +6,7 @@ mod cli;
 mod disagg;
 mod gguf_corruption;
 mod integrity;
+mod kv_auth;
 mod model_check;
 mod netns;
 mod protocol;

@@ -1,8 +1,9 @@
 //! Prefill and decode as separate hosts: two network namespaces joined by a veth pair, made by
 //! the test itself, with packet loss (nftables `numgen random` drop), a rate limit (`tc tbf`), a
 //! link cut mid-transfer (`ip link set … down`) and a killed prefill process. Each node is a
-//! child process (this test binary re-executed in a namespace), talking real gRPC and the real
-//! tcp KV transport over the veth.
+//! child process (this test binary re-executed in a namespace), talking real gRPC (mutual TLS)
+//! and the real tcp KV transport over the veth — authenticated by its pairing and encrypted
+//! (`transport_encryption`), so every fault below also hits the TLS sessions.
 //!
 //! Needs root and iproute2 + nftables (CI runs as root; `scripts/setup.sh` installs them). Without
 //! them the test says so loudly and fails, unless `CUSTODY_SKIP_NETNS=1` is set explicitly.
@@ -17,6 +18,7 @@ use custody_runtime::config::UnsafeReproduction;
 use custody_runtime::disagg::client::serve_decode;
 use custody_runtime::disagg::decode::{DecodeHandle, DecodeOptions};
 use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
+use custody_runtime::disagg::tls::Role;
 use custody_runtime::engine::GenerateRequest;
 
 use crate::disagg::{cfg, fingerprint, model, req};
@@ -276,6 +278,10 @@ fn netns_child_node() {
                 node_id: 2,
                 transport_listen: format!("{DECODE_IP}:7072").parse().expect("addr"),
                 transport_kind: Default::default(),
+                // The KV bytes cross the veth in TLS (what `transport_encryption = true` does).
+                kv_encryption: child_security("decode")
+                    .kv_encryption(Role::Decode, true)
+                    .expect("KV TLS"),
                 checksum: true,
                 reservation_lease: Duration::from_millis(LEASE_MS),
                 unsafe_: UnsafeReproduction::default(),
@@ -319,6 +325,9 @@ fn netns_child_node() {
         fingerprint: fingerprint(),
         reserve_wait: Duration::from_secs(10),
         transport_kind: Default::default(),
+        kv_encryption: child_security("prefill")
+            .kv_encryption(Role::Prefill, true)
+            .expect("KV TLS"),
         checkpoints: None,
     };
     let h = rt

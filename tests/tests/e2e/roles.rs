@@ -69,18 +69,25 @@ fn prefill_engine_holds_prefilled_pages_outside_every_queue() {
 fn decode_engine_frees_quarantined_pages_only_with_the_keys_own_proof() {
     let mut e = DecodeEngine::new(engine_with(small_cfg()));
     let all_free = e.core().pool().n_free();
-    let mut t =
-        transport::open_target(2, &TransportKind::Tcp, "127.0.0.1:0".parse().expect("addr"))
-            .expect("tcp target");
+    let mut t = transport::open_target(
+        2,
+        &TransportKind::Tcp,
+        "127.0.0.1:0".parse().expect("addr"),
+        Default::default(),
+    )
+    .expect("tcp target");
+    let pairing = t.pair().expect("pair").id();
     let (id, pages) = e
         .reserve_import(req("acme", PROMPT.to_vec(), 12))
         .expect("reserved");
     let stride = e.core().pool().region_page_stride() as u64;
-    let region = t.register(pages.len() as u64 * stride).expect("register");
+    let region = t
+        .register(pages.len() as u64 * stride, pairing)
+        .expect("register");
     e.bind_import_key(id, region.rkey).expect("bind");
 
     // A proof of another key opens neither the reservation nor, later, its quarantine.
-    let other = t.register(stride).expect("register another");
+    let other = t.register(stride, pairing).expect("register another");
     let other_proof = t.invalidate(other.rkey).expect("invalidate the other");
     assert!(matches!(
         e.activate_import(id, 7, false, &other_proof),

@@ -81,12 +81,14 @@ impl Rig {
                 fingerprint: fingerprint(),
                 reserve_wait: Duration::from_secs(30),
                 transport_kind: TransportKind::Tcp,
+                kv_encryption: Default::default(),
                 checkpoints: None,
             },
             decode: DecodeOptions {
                 node_id: node + 1,
                 transport_listen: "127.0.0.1:0".parse().expect("addr"),
                 transport_kind: TransportKind::Tcp,
+                kv_encryption: Default::default(),
                 checksum: true,
                 reservation_lease: Duration::from_secs(30),
                 unsafe_: UnsafeReproduction::default(),
@@ -94,6 +96,7 @@ impl Rig {
                 checkpoints: None,
             },
             fleet: Some(crate::disagg::fleet()),
+            transport_encryption: false,
         };
         let pair = Pair::start(pe, de, opts).expect("pair starts");
         Self {
