@@ -187,7 +187,13 @@ impl NodeTls {
             identity: Identity::from_pem(cert_pem, key_pem),
             own,
             accept: Arc::new(accept),
-            server: Arc::new(server_config(ca_pem, cert_pem, key_pem, ALPN_GRPC)?),
+            server: Arc::new(server_config(
+                ca_pem,
+                cert_pem,
+                key_pem,
+                ALPN_GRPC,
+                Arc::new(rustls::crypto::ring::default_provider()),
+            )?),
             kv_server: Arc::new(kv_server_config(ca_pem, cert_pem, key_pem)?),
             kv_client: Arc::new(client_config(ca_pem, cert_pem, key_pem, ALPN_KV)?),
             refused: Arc::default(),
@@ -316,7 +322,7 @@ fn kv_server_config(
     cert_pem: &str,
     key_pem: &str,
 ) -> Result<rustls::ServerConfig, TlsError> {
-    let mut cfg = server_config(ca_pem, cert_pem, key_pem, ALPN_KV)?;
+    let mut cfg = server_config(ca_pem, cert_pem, key_pem, ALPN_KV, kv_provider())?;
     cfg.send_tls13_tickets = 0;
     Ok(cfg)
 }
@@ -330,6 +336,16 @@ fn roots(ca_pem: &str) -> Result<rustls::RootCertStore, TlsError> {
         roots.add(ca.map_err(|e| bad(&e))?).map_err(|e| bad(&e))?;
     }
     Ok(roots)
+}
+
+/// The KV transport's crypto: ring's suites, AES-128-GCM first (the bulk cipher of every KV
+/// byte; as strong as needed for a session key, and faster than AES-256 here).
+fn kv_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    use rustls::crypto::ring::{self, cipher_suite};
+    let mut p = ring::default_provider();
+    p.cipher_suites
+        .sort_by_key(|s| s.suite() != cipher_suite::TLS13_AES_128_GCM_SHA256.suite());
+    Arc::new(p)
 }
 
 type ChainAndKey = (
@@ -358,9 +374,8 @@ fn client_config(
     alpn: &[u8],
 ) -> Result<rustls::ClientConfig, TlsError> {
     let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
     let (chain, key) = chain_and_key(cert_pem, key_pem)?;
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+    let mut cfg = rustls::ClientConfig::builder_with_provider(kv_provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| bad(&e))?
         .with_root_certificates(roots(ca_pem)?)
@@ -377,9 +392,9 @@ fn server_config(
     cert_pem: &str,
     key_pem: &str,
     alpn: &[u8],
+    provider: Arc<rustls::crypto::CryptoProvider>,
 ) -> Result<rustls::ServerConfig, TlsError> {
     let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
         Arc::new(roots(ca_pem)?),
         provider.clone(),

@@ -70,13 +70,27 @@ pub(super) enum Wire {
 pub(super) struct TlsServerWire {
     conn: rustls::ServerConnection,
     sock: TcpStream,
+    /// Socket bytes read but not yet fed to the session (`raw[raw_at..raw_len]`): the socket
+    /// is read in large pieces, not in the session's own 4 KiB reads (a syscall each).
+    raw: Box<[u8]>,
+    raw_at: usize,
+    raw_len: usize,
 }
+
+/// Socket bytes an encrypted target reads per `read` (a few records).
+const TLS_RAW_READ_BYTES: usize = 256 << 10;
 
 impl Wire {
     /// An authenticated TLS session over `sock` (handshake done), made non-blocking.
     pub(super) fn tls(mut conn: rustls::ServerConnection, sock: TcpStream) -> Self {
         conn.set_buffer_limit(Some(TLS_BUFFER_BYTES));
-        Self::Tls(Box::new(TlsServerWire { conn, sock }))
+        Self::Tls(Box::new(TlsServerWire {
+            conn,
+            sock,
+            raw: vec![0; TLS_RAW_READ_BYTES].into_boxed_slice(),
+            raw_at: 0,
+            raw_len: 0,
+        }))
     }
 
     pub(super) fn read(&mut self, buf: &mut [u8]) -> Io {
@@ -143,18 +157,24 @@ impl TlsServerWire {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(_) => return Io::Closed,
             }
-            match self.conn.read_tls(&mut self.sock) {
-                Ok(0) => return Io::Closed,
-                Ok(_) => {
-                    if let Err(e) = self.conn.process_new_packets() {
-                        tracing::warn!(error = %e, "KV transport TLS: bad record, closing");
-                        let _ = self.conn.write_tls(&mut self.sock); // the alert, best effort
-                        return Io::Closed;
-                    }
+            if self.raw_at == self.raw_len {
+                match self.sock.read(&mut self.raw) {
+                    Ok(0) => return Io::Closed,
+                    Ok(n) => (self.raw_at, self.raw_len) = (0, n),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Io::Blocked,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => return Io::Closed,
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Io::Blocked,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => return Io::Closed,
+            }
+            let mut fed: &[u8] = &self.raw[self.raw_at..self.raw_len];
+            match self.conn.read_tls(&mut fed) {
+                Ok(n) if n > 0 => self.raw_at += n,
+                _ => return Io::Closed, // the session refused input: not a well-formed stream
+            }
+            if let Err(e) = self.conn.process_new_packets() {
+                tracing::warn!(error = %e, "KV transport TLS: bad record, closing");
+                let _ = self.conn.write_tls(&mut self.sock); // the alert, best effort
+                return Io::Closed;
             }
         }
     }
