@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+pub mod cuda_shim;
+
 /// The embedded default model. The README's test command fetches it first; a missing model is a
 /// test failure with instructions, never a silent skip.
 pub fn model_path() -> PathBuf {

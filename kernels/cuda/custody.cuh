@@ -1,0 +1,83 @@
+// Shared definitions of Custody's CUDA kernels. The same sources compile two ways:
+// - for the GPU with NVRTC (`__CUDACC_RTC__`): the real CUDA built-ins;
+// - for the host through the project's CUDA-on-CPU shim (`CUSTODY_CUDA_SHIM`, `shim/cuda_shim.h`):
+//   each CUDA thread a fiber, switching at barriers, so the kernels' *logic* runs in CI.
+// Kernels must not rely on implicit warp lockstep (the shim does not provide it, and Volta+
+// GPUs do not guarantee it either): every exchange between threads goes through a barrier.
+#pragma once
+
+#ifdef CUSTODY_CUDA_SHIM
+#include "shim/cuda_shim.h"
+#endif
+
+typedef unsigned int custody_u32;
+typedef unsigned long long custody_u64;
+
+// High 64 bits of a 64 × 64-bit product.
+__device__ __forceinline__ custody_u64 custody_mul_hi64(custody_u64 a, custody_u64 b) {
+#ifdef CUSTODY_CUDA_SHIM
+    return (custody_u64)(((unsigned __int128)a * b) >> 64);
+#else
+    return __umul64hi(a, b);
+#endif
+}
+
+// IEEE binary16 bits → float, exactly (no cuda_fp16.h needed; same value as __half2float).
+__device__ __forceinline__ float custody_half_to_float(unsigned short h) {
+    const custody_u32 sign = (custody_u32)(h & 0x8000u) << 16;
+    const custody_u32 exp = (h >> 10) & 0x1fu;
+    custody_u32 man = h & 0x3ffu;
+    custody_u32 bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13); // inf / nan
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign; // ±0
+    } else {
+        // Subnormal: normalise.
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while ((man & 0x400u) == 0);
+        bits = sign | ((custody_u32)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    return __uint_as_float(bits);
+}
+
+// One block-table entry (layout = `custody_kernels::attention::PageRef`: page, generation).
+struct CustodyPageRef {
+    custody_u32 page;
+    custody_u32 generation;
+};
+
+// The tag check's verdict for one request (codes = `custody_kernels::attention::IntegrityError`
+// variants in declaration order; 0 = the request may read).
+enum CustodyVerdictCode {
+    CUSTODY_OK = 0,
+    CUSTODY_PAGE_OUT_OF_RANGE = 1,
+    CUSTODY_BLOCK_TABLE_TOO_SHORT = 2,
+    CUSTODY_STALE_GENERATION = 3,
+    CUSTODY_FOREIGN_OWNER = 4,
+    CUSTODY_UNWRITTEN_SLOT = 5,
+    CUSTODY_IN_BAND_MISMATCH = 7,
+};
+
+// code, the failing page, and the values the CPU's error reports (a: expected/have/..., b: found).
+struct CustodyVerdict {
+    custody_u32 code;
+    custody_u32 page;
+    custody_u64 a;
+    custody_u64 b;
+};
+
+// The pool's page tags (one layer's `filled`), device pointers.
+struct CustodyTags {
+    const custody_u32* generation;
+    const custody_u64* owner;
+    const custody_u32* filled;
+    const custody_u64* stamp_owner;
+    const custody_u32* stamp_generation;
+    custody_u32 n_pages;
+};

@@ -1,0 +1,324 @@
+//! Custody's CUDA kernels (`kernels/cuda/*.cu`) executed on the CPU through the project's
+//! CUDA-on-CPU shim (`kernels/cuda/shim`): each launch runs the kernel source with the grid and
+//! block its GPU launcher uses, under a schedule seed (0: thread order; others: a permutation per
+//! barrier phase). Built by this crate's `build.rs`; tests only.
+
+use std::ffi::c_char;
+
+/// `CustodyPageRef` (= `custody_kernels::attention::PageRef`'s layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageRef {
+    pub page: u32,
+    pub generation: u32,
+}
+
+/// `CustodyTags`: the pool's tags, one layer's `filled`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Tags {
+    pub generation: *const u32,
+    pub owner: *const u64,
+    pub filled: *const u32,
+    pub stamp_owner: *const u64,
+    pub stamp_generation: *const u32,
+    pub n_pages: u32,
+}
+
+/// `CustodyVerdict`: `code` 0 = may read, else `IntegrityError`'s variant index + 1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Verdict {
+    pub code: u32,
+    pub page: u32,
+    pub a: u64,
+    pub b: u64,
+}
+
+unsafe extern "C" {
+    fn custody_shim_page_checksum(
+        ptrs: *const *const u8,
+        lens: *const u64,
+        page_chunks: *const u32,
+        n_pages: u32,
+        out: *mut u64,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_tag_check(
+        tables: *const PageRef,
+        table_off: *const u32,
+        table_len: *const u32,
+        n_ctx: *const u32,
+        owners: *const u64,
+        n_req: u32,
+        page_size: u32,
+        tags: Tags,
+        out: *mut Verdict,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_paged_attention_decode(
+        q: *const f32,
+        k_cache: *const u16,
+        v_cache: *const u16,
+        tables: *const PageRef,
+        table_off: *const u32,
+        table_len: *const u32,
+        n_ctx: *const u32,
+        owners: *const u64,
+        n_req: u32,
+        n_heads: u32,
+        n_kv_heads: u32,
+        head_dim: u32,
+        page_size: u32,
+        tags: Tags,
+        out: *mut f32,
+        verdicts: *mut Verdict,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_control_race(out: *mut f32, seed: u64, err: *mut c_char, err_len: usize)
+    -> i32;
+    fn custody_shim_control_divergent(err: *mut c_char, err_len: usize) -> i32;
+}
+
+/// Why a shim launch failed (a divergent barrier, …).
+#[derive(Debug)]
+pub struct ShimError(pub String);
+
+impl std::fmt::Display for ShimError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CUDA shim: {}", self.0)
+    }
+}
+
+impl std::error::Error for ShimError {}
+
+fn check(rc: i32, err: &[u8]) -> Result<(), ShimError> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+    Err(ShimError(String::from_utf8_lossy(&err[..end]).into_owned()))
+}
+
+/// The pages of one checksum launch: page `p`'s chunks, in transfer order.
+pub fn page_checksums(pages: &[Vec<&[u8]>], seed: u64) -> Result<Vec<u64>, ShimError> {
+    let mut ptrs = Vec::new();
+    let mut lens = Vec::new();
+    let mut page_chunks = vec![0u32];
+    for p in pages {
+        for c in p {
+            ptrs.push(c.as_ptr());
+            lens.push(c.len() as u64);
+        }
+        page_chunks.push(ptrs.len() as u32);
+    }
+    let mut out = vec![u64::MAX; pages.len()];
+    let mut err = [0u8; 256];
+    // SAFETY: every pointer names `lens[i]` live bytes for the call; `out` has one slot per page;
+    // `page_chunks` has `pages.len() + 1` entries.
+    let rc = unsafe {
+        custody_shim_page_checksum(
+            ptrs.as_ptr(),
+            lens.as_ptr(),
+            page_chunks.as_ptr(),
+            pages.len() as u32,
+            out.as_mut_ptr(),
+            seed,
+            err.as_mut_ptr().cast(),
+            err.len(),
+        )
+    };
+    check(rc, &err).map(|()| out)
+}
+
+/// One request of a tag check or attention launch.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub table: Vec<PageRef>,
+    pub n_ctx: u32,
+    pub owner: u64,
+}
+
+/// The pool's tags as owned vectors (a [`Tags`] borrows them).
+#[derive(Clone, Debug, Default)]
+pub struct OwnedTags {
+    pub generation: Vec<u32>,
+    pub owner: Vec<u64>,
+    pub filled: Vec<u32>,
+    pub stamp_owner: Vec<u64>,
+    pub stamp_generation: Vec<u32>,
+}
+
+impl OwnedTags {
+    fn view(&self) -> Tags {
+        let n = self.generation.len();
+        assert!(
+            self.owner.len() == n
+                && self.filled.len() == n
+                && self.stamp_owner.len() == n
+                && self.stamp_generation.len() == n
+        );
+        Tags {
+            generation: self.generation.as_ptr(),
+            owner: self.owner.as_ptr(),
+            filled: self.filled.as_ptr(),
+            stamp_owner: self.stamp_owner.as_ptr(),
+            stamp_generation: self.stamp_generation.as_ptr(),
+            n_pages: n as u32,
+        }
+    }
+}
+
+struct Flat {
+    tables: Vec<PageRef>,
+    off: Vec<u32>,
+    len: Vec<u32>,
+    n_ctx: Vec<u32>,
+    owners: Vec<u64>,
+}
+
+fn flatten(reqs: &[Request]) -> Flat {
+    let mut f = Flat {
+        tables: Vec::new(),
+        off: Vec::new(),
+        len: Vec::new(),
+        n_ctx: Vec::new(),
+        owners: Vec::new(),
+    };
+    for r in reqs {
+        f.off.push(f.tables.len() as u32);
+        f.len.push(r.table.len() as u32);
+        f.tables.extend_from_slice(&r.table);
+        f.n_ctx.push(r.n_ctx);
+        f.owners.push(r.owner);
+    }
+    // A valid pointer even for an empty table.
+    f.tables.push(PageRef {
+        page: 0,
+        generation: 0,
+    });
+    f
+}
+
+/// Each request's tag-check verdict.
+pub fn tag_check(
+    reqs: &[Request],
+    page_size: u32,
+    tags: &OwnedTags,
+    seed: u64,
+) -> Result<Vec<Verdict>, ShimError> {
+    let f = flatten(reqs);
+    let mut out = vec![
+        Verdict {
+            code: u32::MAX,
+            ..Verdict::default()
+        };
+        reqs.len()
+    ];
+    let mut err = [0u8; 256];
+    // SAFETY: the arrays have one entry per request (tables: every request's entries); the tag
+    // arrays cover `n_pages` pages; `out` one verdict per request.
+    let rc = unsafe {
+        custody_shim_tag_check(
+            f.tables.as_ptr(),
+            f.off.as_ptr(),
+            f.len.as_ptr(),
+            f.n_ctx.as_ptr(),
+            f.owners.as_ptr(),
+            reqs.len() as u32,
+            page_size,
+            tags.view(),
+            out.as_mut_ptr(),
+            seed,
+            err.as_mut_ptr().cast(),
+            err.len(),
+        )
+    };
+    check(rc, &err).map(|()| out)
+}
+
+/// The shape of one decode-attention launch.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub page_size: u32,
+}
+
+/// Decode attention: writes `out` (`n_req × n_heads × head_dim`) for the requests that pass
+/// their tag check and returns every request's verdict.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_decode(
+    q: &[f32],
+    k_cache: &[u16],
+    v_cache: &[u16],
+    reqs: &[Request],
+    shape: AttentionShape,
+    tags: &OwnedTags,
+    out: &mut [f32],
+    seed: u64,
+) -> Result<Vec<Verdict>, ShimError> {
+    let row = (shape.n_heads * shape.head_dim) as usize;
+    assert_eq!(q.len(), reqs.len() * row);
+    assert_eq!(out.len(), q.len());
+    let f = flatten(reqs);
+    let mut verdicts = vec![
+        Verdict {
+            code: u32::MAX,
+            ..Verdict::default()
+        };
+        reqs.len()
+    ];
+    let mut err = [0u8; 256];
+    // SAFETY: as for `tag_check`; `q`/`out` hold every request's rows (asserted), the caches
+    // every page the tables name that passes the check (the kernel reads only those).
+    let rc = unsafe {
+        custody_shim_paged_attention_decode(
+            q.as_ptr(),
+            k_cache.as_ptr(),
+            v_cache.as_ptr(),
+            f.tables.as_ptr(),
+            f.off.as_ptr(),
+            f.len.as_ptr(),
+            f.n_ctx.as_ptr(),
+            f.owners.as_ptr(),
+            reqs.len() as u32,
+            shape.n_heads,
+            shape.n_kv_heads,
+            shape.head_dim,
+            shape.page_size,
+            tags.view(),
+            out.as_mut_ptr(),
+            verdicts.as_mut_ptr(),
+            seed,
+            err.as_mut_ptr().cast(),
+            err.len(),
+        )
+    };
+    check(rc, &err).map(|()| verdicts)
+}
+
+/// The shim's racy control kernel's result under `seed`.
+pub fn control_race(seed: u64) -> Result<f32, ShimError> {
+    let mut out = f32::NAN;
+    let mut err = [0u8; 256];
+    // SAFETY: one float to write.
+    let rc =
+        unsafe { custody_shim_control_race(&mut out, seed, err.as_mut_ptr().cast(), err.len()) };
+    check(rc, &err).map(|()| out)
+}
+
+/// The shim's divergent-barrier control kernel (must fail).
+pub fn control_divergent() -> Result<(), ShimError> {
+    let mut err = [0u8; 256];
+    // SAFETY: no arguments but the message buffer.
+    let rc = unsafe { custody_shim_control_divergent(err.as_mut_ptr().cast(), err.len()) };
+    check(rc, &err)
+}
