@@ -10,6 +10,8 @@
 # - Python packages for the independent-reader tests (pyarrow, duckdb), moto[server] (a local
 #   S3-compatible server, with boto3, for the object-store audit-root test), and openai (the
 #   official client, driven against `custody serve` by the serve test), from PyPI.
+# - NVRTC 13.0 and the CUDA headers (PyPI wheels, cached outside the repo) for the CUDA
+#   kernels' compile tier (`scripts/nvrtc-check.py`, run by the e2e test `cuda_compile`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need_apt=()
@@ -32,3 +34,11 @@ command -v cargo >/dev/null || { echo "setup: cargo not found (this machine kind
 python3 -c 'import pyarrow, duckdb' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check pyarrow duckdb
 python3 -c 'import moto.server, boto3' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check 'moto[server]'
 python3 -c 'import openai' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai
+# NVRTC and the CUDA headers for the CUDA kernels' compile tier (no GPU needed), from PyPI into a
+# cache outside the repo. Pinned to 13.0.x: the lent GPUs run driver 580 (CUDA 13.0), which
+# rejects PTX newer than ISA 9.0, so NVRTC 13.1+ output would not load there.
+cuda_dir="${CUSTODY_CACHE_DIR:-$HOME/.cache/custody}/cuda-13.0"
+if [ ! -e "$cuda_dir/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+  python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$cuda_dir" \
+    nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
+fi

@@ -148,7 +148,7 @@ extern "C" __global__ void custody_paged_attention_decode(
     const float* qh = q + ((custody_u64)r * n_heads + head) * head_dim;
     const float scale = 1.0f / sqrtf((float)head_dim);
     // Scores, and this thread's running max.
-    float m = -INFINITY;
+    float m = __uint_as_float(0xff800000u); // -inf (no math.h under NVRTC)
     for (custody_u32 s = t; s < n; s += CUSTODY_ATT_THREADS) {
         const CustodyPageRef pr = table[s / page_size];
         const custody_u64 off =
