@@ -4,6 +4,7 @@
 #define CUSTODY_CUDA_SHIM 1
 #include "../../kernels/cuda/attention.cu"
 #include "../../kernels/cuda/checksum.cu"
+#include "../../kernels/cuda/ops.cu"
 
 namespace {
 struct ChecksumArgs {
@@ -116,4 +117,108 @@ extern "C" int custody_shim_control_race(float* out, uint64_t seed, char* err, s
 
 extern "C" int custody_shim_control_divergent(char* err, size_t err_len) {
     return custody_shim::launch(dim3(1), dim3(256), 0, divergent_body, nullptr, err, err_len);
+}
+
+// The forward pass's kernels and the transfer path's gather/scatter, each with its GPU grid.
+namespace {
+struct RowArgs {
+    const float* x;
+    const float* w;
+    float eps;
+    custody_u32 dim;
+    float* out;
+    const custody_u32* positions;
+    custody_u32 n_heads, head_dim, n_rot;
+    float freq_base;
+};
+void rms_norm_body(void* c) {
+    auto* a = static_cast<RowArgs*>(c);
+    custody_rms_norm(a->x, a->w, a->eps, a->dim, a->out);
+}
+void rope_body(void* c) {
+    auto* a = static_cast<RowArgs*>(c);
+    custody_rope(a->out, a->positions, a->n_heads, a->head_dim, a->n_rot, a->freq_base);
+}
+void softmax_body(void* c) {
+    auto* a = static_cast<RowArgs*>(c);
+    custody_softmax(a->out, a->dim);
+}
+struct SwigluArgs {
+    float* gate;
+    const float* up;
+    custody_u64 n;
+};
+void swiglu_body(void* c) {
+    auto* a = static_cast<SwigluArgs*>(c);
+    custody_swiglu(a->gate, a->up, a->n);
+}
+struct MatvecArgs {
+    const unsigned char* w;
+    custody_u32 dtype, out_rows, cols;
+    const float* x;
+    float* out;
+};
+void matvec_body(void* c) {
+    auto* a = static_cast<MatvecArgs*>(c);
+    custody_matvec(a->w, a->dtype, a->out_rows, a->cols, a->x, a->out);
+}
+struct CopyArgs {
+    const unsigned char* src;
+    const custody_u64* src_off;
+    unsigned char* dst;
+    const custody_u64* dst_off;
+    const custody_u64* len;
+};
+void copy_body(void* c) {
+    auto* a = static_cast<CopyArgs*>(c);
+    custody_copy_chunks(a->src, a->src_off, a->dst, a->dst_off, a->len);
+}
+}  // namespace
+
+extern "C" int custody_shim_rms_norm(const float* x, const float* w, float eps, custody_u32 rows,
+                                     custody_u32 dim, float* out, uint64_t seed, char* err,
+                                     size_t err_len) {
+    RowArgs a{x, w, eps, dim, out, nullptr, 0, 0, 0, 0.0f};
+    return custody_shim::launch(dim3(rows), dim3(CUSTODY_OPS_THREADS), seed, rms_norm_body, &a,
+                                err, err_len);
+}
+
+extern "C" int custody_shim_rope(float* x, const custody_u32* positions, custody_u32 rows,
+                                 custody_u32 n_heads, custody_u32 head_dim, custody_u32 n_rot,
+                                 float freq_base, uint64_t seed, char* err, size_t err_len) {
+    RowArgs a{nullptr, nullptr, 0.0f, 0, x, positions, n_heads, head_dim, n_rot, freq_base};
+    return custody_shim::launch(dim3(rows), dim3(CUSTODY_OPS_THREADS), seed, rope_body, &a, err,
+                                err_len);
+}
+
+extern "C" int custody_shim_softmax(float* x, custody_u32 rows, custody_u32 n, uint64_t seed,
+                                    char* err, size_t err_len) {
+    RowArgs a{nullptr, nullptr, 0.0f, n, x, nullptr, 0, 0, 0, 0.0f};
+    return custody_shim::launch(dim3(rows), dim3(CUSTODY_OPS_THREADS), seed, softmax_body, &a,
+                                err, err_len);
+}
+
+extern "C" int custody_shim_swiglu(float* gate, const float* up, custody_u64 n, uint64_t seed,
+                                   char* err, size_t err_len) {
+    SwigluArgs a{gate, up, n};
+    const unsigned blocks = (unsigned)((n + CUSTODY_OPS_THREADS - 1) / CUSTODY_OPS_THREADS);
+    return custody_shim::launch(dim3(blocks), dim3(CUSTODY_OPS_THREADS), seed, swiglu_body, &a,
+                                err, err_len);
+}
+
+extern "C" int custody_shim_matvec(const unsigned char* w, custody_u32 dtype, custody_u32 out_rows,
+                                   custody_u32 cols, const float* x, custody_u32 n, float* out,
+                                   uint64_t seed, char* err, size_t err_len) {
+    MatvecArgs a{w, dtype, out_rows, cols, x, out};
+    return custody_shim::launch(dim3(out_rows, n), dim3(CUSTODY_OPS_THREADS), seed, matvec_body,
+                                &a, err, err_len);
+}
+
+extern "C" int custody_shim_copy_chunks(const unsigned char* src, const custody_u64* src_off,
+                                        unsigned char* dst, const custody_u64* dst_off,
+                                        const custody_u64* len, custody_u32 n_chunks,
+                                        uint64_t seed, char* err, size_t err_len) {
+    CopyArgs a{src, src_off, dst, dst_off, len};
+    return custody_shim::launch(dim3(n_chunks), dim3(CUSTODY_OPS_THREADS), seed, copy_body, &a,
+                                err, err_len);
 }

@@ -322,3 +322,224 @@ pub fn control_divergent() -> Result<(), ShimError> {
     let rc = unsafe { custody_shim_control_divergent(err.as_mut_ptr().cast(), err.len()) };
     check(rc, &err)
 }
+
+unsafe extern "C" {
+    fn custody_shim_rms_norm(
+        x: *const f32,
+        w: *const f32,
+        eps: f32,
+        rows: u32,
+        dim: u32,
+        out: *mut f32,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_rope(
+        x: *mut f32,
+        positions: *const u32,
+        rows: u32,
+        n_heads: u32,
+        head_dim: u32,
+        n_rot: u32,
+        freq_base: f32,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_softmax(
+        x: *mut f32,
+        rows: u32,
+        n: u32,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_swiglu(
+        gate: *mut f32,
+        up: *const f32,
+        n: u64,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_matvec(
+        w: *const u8,
+        dtype: u32,
+        out_rows: u32,
+        cols: u32,
+        x: *const f32,
+        n: u32,
+        out: *mut f32,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_copy_chunks(
+        src: *const u8,
+        src_off: *const u64,
+        dst: *mut u8,
+        dst_off: *const u64,
+        len: *const u64,
+        n_chunks: u32,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+}
+
+/// Run a launcher that reports into an error buffer.
+fn run(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), ShimError> {
+    let mut err = [0u8; 256];
+    let rc = f(err.as_mut_ptr().cast(), err.len());
+    check(rc, &err)
+}
+
+/// RMSNorm of each `dim`-long row of `x` into `out`.
+pub fn rms_norm(
+    x: &[f32],
+    w: &[f32],
+    eps: f32,
+    out: &mut [f32],
+    seed: u64,
+) -> Result<(), ShimError> {
+    let dim = w.len();
+    assert!(dim > 0 && x.len() % dim == 0 && out.len() == x.len());
+    // SAFETY: `x`/`out` hold `rows × dim` floats, `w` `dim`.
+    run(|e, n| unsafe {
+        custody_shim_rms_norm(
+            x.as_ptr(),
+            w.as_ptr(),
+            eps,
+            (x.len() / dim) as u32,
+            dim as u32,
+            out.as_mut_ptr(),
+            seed,
+            e,
+            n,
+        )
+    })
+}
+
+/// The shape of a RoPE launch.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeShape {
+    pub n_heads: u32,
+    pub head_dim: u32,
+    pub n_rot: u32,
+    pub freq_base: f32,
+}
+
+/// RoPE in place on rows of `n_heads × head_dim`, row `i` at `positions[i]`.
+pub fn rope(x: &mut [f32], positions: &[u32], s: RopeShape, seed: u64) -> Result<(), ShimError> {
+    assert_eq!(x.len(), positions.len() * (s.n_heads * s.head_dim) as usize);
+    // SAFETY: `x` holds every row (asserted), `positions` one per row.
+    run(|e, n| unsafe {
+        custody_shim_rope(
+            x.as_mut_ptr(),
+            positions.as_ptr(),
+            positions.len() as u32,
+            s.n_heads,
+            s.head_dim,
+            s.n_rot,
+            s.freq_base,
+            seed,
+            e,
+            n,
+        )
+    })
+}
+
+/// Softmax in place of each `n`-long row.
+pub fn softmax(x: &mut [f32], n: usize, seed: u64) -> Result<(), ShimError> {
+    assert!(n > 0 && x.len() % n == 0);
+    // SAFETY: `x` holds `rows × n` floats.
+    run(|e, l| unsafe {
+        custody_shim_softmax(x.as_mut_ptr(), (x.len() / n) as u32, n as u32, seed, e, l)
+    })
+}
+
+/// `gate = silu(gate) · up`.
+pub fn swiglu(gate: &mut [f32], up: &[f32], seed: u64) -> Result<(), ShimError> {
+    assert_eq!(gate.len(), up.len());
+    // SAFETY: both hold `gate.len()` floats.
+    run(|e, l| unsafe {
+        custody_shim_swiglu(
+            gate.as_mut_ptr(),
+            up.as_ptr(),
+            gate.len() as u64,
+            seed,
+            e,
+            l,
+        )
+    })
+}
+
+/// `out[r][o] = Σ_k W[o][k] · x[r][k]`, W `out_rows × cols` of GGUF type `dtype` (its
+/// `custody_kernels::quant::DType` index) as file bytes.
+#[allow(clippy::too_many_arguments)]
+pub fn matvec(
+    w: &[u8],
+    dtype: u32,
+    out_rows: usize,
+    cols: usize,
+    x: &[f32],
+    out: &mut [f32],
+    seed: u64,
+) -> Result<(), ShimError> {
+    assert!(cols > 0 && x.len() % cols == 0);
+    let n = x.len() / cols;
+    assert_eq!(out.len(), n * out_rows);
+    // SAFETY: `w` holds the matrix (the caller's layout), `x` `n × cols`, `out` `n × out_rows`.
+    run(|e, l| unsafe {
+        custody_shim_matvec(
+            w.as_ptr(),
+            dtype,
+            out_rows as u32,
+            cols as u32,
+            x.as_ptr(),
+            n as u32,
+            out.as_mut_ptr(),
+            seed,
+            e,
+            l,
+        )
+    })
+}
+
+/// One chunk of a gather/scatter: `len` bytes from `src + src_off` to `dst + dst_off`.
+#[derive(Clone, Copy, Debug)]
+pub struct Chunk {
+    pub src_off: u64,
+    pub dst_off: u64,
+    pub len: u64,
+}
+
+/// Copy `chunks` from `src` to `dst` (a page's K/V chunks to a staging buffer, or back).
+pub fn copy_chunks(
+    src: &[u8],
+    dst: &mut [u8],
+    chunks: &[Chunk],
+    seed: u64,
+) -> Result<(), ShimError> {
+    for c in chunks {
+        assert!(c.src_off + c.len <= src.len() as u64 && c.dst_off + c.len <= dst.len() as u64);
+    }
+    let so: Vec<u64> = chunks.iter().map(|c| c.src_off).collect();
+    let d: Vec<u64> = chunks.iter().map(|c| c.dst_off).collect();
+    let len: Vec<u64> = chunks.iter().map(|c| c.len).collect();
+    // SAFETY: every chunk lies within `src` and `dst` (asserted above).
+    run(|e, l| unsafe {
+        custody_shim_copy_chunks(
+            src.as_ptr(),
+            so.as_ptr(),
+            dst.as_mut_ptr(),
+            d.as_ptr(),
+            len.as_ptr(),
+            chunks.len() as u32,
+            seed,
+            e,
+            l,
+        )
+    })
+}

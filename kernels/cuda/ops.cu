@@ -1,0 +1,153 @@
+// The forward pass's elementwise and row kernels, the quantized matrix–vector products, and the
+// KV page gather/scatter of the transfer path. References: `custody_kernels::ops`,
+// `custody_kernels::quant::dequantize_row` (GGUF block layouts) and the transfer's chunk lists.
+#include "custody.cuh"
+
+#define CUSTODY_OPS_THREADS 128u
+
+// Sum of `v` over the block (every thread gets it). `red`: CUSTODY_OPS_THREADS floats of shared
+// memory. Every thread must call it.
+__device__ float custody_block_sum(float v, float* red) {
+    const custody_u32 t = threadIdx.x;
+    red[t] = v;
+    __syncthreads();
+    for (custody_u32 half = CUSTODY_OPS_THREADS / 2; half > 0; half /= 2) {
+        if (t < half) red[t] += red[t + half];
+        __syncthreads();
+    }
+    const float s = red[0];
+    __syncthreads();
+    return s;
+}
+
+__device__ float custody_block_max(float v, float* red) {
+    const custody_u32 t = threadIdx.x;
+    red[t] = v;
+    __syncthreads();
+    for (custody_u32 half = CUSTODY_OPS_THREADS / 2; half > 0; half /= 2) {
+        if (t < half) red[t] = fmaxf(red[t], red[t + half]);
+        __syncthreads();
+    }
+    const float s = red[0];
+    __syncthreads();
+    return s;
+}
+
+// RMSNorm of each row: out = x / sqrt(mean(x²) + eps) · w. Grid (rows), block (128).
+extern "C" __global__ void custody_rms_norm(const float* x, const float* w, float eps,
+                                           custody_u32 dim, float* out) {
+    __shared__ float red[CUSTODY_OPS_THREADS];
+    const float* xr = x + (custody_u64)blockIdx.x * dim;
+    float* o = out + (custody_u64)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) ss += xr[i] * xr[i];
+    const float scale = 1.0f / sqrtf(custody_block_sum(ss, red) / (float)dim + eps);
+    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) o[i] = xr[i] * scale * w[i];
+}
+
+// llama.cpp "normal" RoPE in place: adjacent pairs (2i, 2i+1) of every head rotated by
+// pos · base^(-2i / n_rot), for i < n_rot / 2. Grid (rows), block (128); `positions[row]`.
+extern "C" __global__ void custody_rope(float* x, const custody_u32* positions, custody_u32 n_heads,
+                                       custody_u32 head_dim, custody_u32 n_rot, float freq_base) {
+    float* xr = x + (custody_u64)blockIdx.x * n_heads * head_dim;
+    const float pos = (float)positions[blockIdx.x];
+    const custody_u32 pairs = n_rot / 2;
+    for (custody_u32 k = threadIdx.x; k < n_heads * pairs; k += CUSTODY_OPS_THREADS) {
+        const custody_u32 h = k / pairs, i = k % pairs;
+        // θ_i = pos · scale^i by repeated products, as the CPU's table builds it (one powf).
+        const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
+        float theta = pos;
+        for (custody_u32 j = 0; j < i; j++) theta *= theta_scale;
+        const float c = cosf(theta), s = sinf(theta);
+        float* p = xr + h * head_dim + 2 * i;
+        const float x0 = p[0], x1 = p[1];
+        p[0] = fmaf(x0, c, -(x1 * s));
+        p[1] = fmaf(x0, s, x1 * c);
+    }
+}
+
+// gate = silu(gate) · up, elementwise over `n`. Grid (ceil(n / 128)), block (128).
+extern "C" __global__ void custody_swiglu(float* gate, const float* up, custody_u64 n) {
+    const custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x;
+    if (i < n) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+// Numerically stable softmax of each row in place. Grid (rows), block (128).
+extern "C" __global__ void custody_softmax(float* x, custody_u32 n) {
+    __shared__ float red[CUSTODY_OPS_THREADS];
+    float* r = x + (custody_u64)blockIdx.x * n;
+    float m = __uint_as_float(0xff800000u);
+    for (custody_u32 i = threadIdx.x; i < n; i += CUSTODY_OPS_THREADS) m = fmaxf(m, r[i]);
+    m = custody_block_max(m, red);
+    float s = 0.0f;
+    for (custody_u32 i = threadIdx.x; i < n; i += CUSTODY_OPS_THREADS) {
+        r[i] = expf(r[i] - m);
+        s += r[i];
+    }
+    const float inv = 1.0f / custody_block_sum(s, red);
+    for (custody_u32 i = threadIdx.x; i < n; i += CUSTODY_OPS_THREADS) r[i] *= inv;
+}
+
+// Weight types (= `custody_kernels::quant::DType` order).
+enum CustodyDType { CUSTODY_F32 = 0, CUSTODY_F16 = 1, CUSTODY_Q4_0 = 2, CUSTODY_Q4_1 = 3, CUSTODY_Q8_0 = 4 };
+
+__device__ __forceinline__ float custody_le_half(const unsigned char* p) {
+    return custody_half_to_float((unsigned short)(p[0] | (p[1] << 8)));
+}
+
+// Element `k` of weight row `row` (GGUF layout, little-endian).
+__device__ __forceinline__ float custody_weight(const unsigned char* w, custody_u32 dtype,
+                                                custody_u32 cols, custody_u32 row, custody_u32 k) {
+    switch (dtype) {
+        case CUSTODY_F32: {
+            const unsigned char* p = w + ((custody_u64)row * cols + k) * 4;
+            return __uint_as_float((custody_u32)p[0] | ((custody_u32)p[1] << 8) |
+                                   ((custody_u32)p[2] << 16) | ((custody_u32)p[3] << 24));
+        }
+        case CUSTODY_F16:
+            return custody_le_half(w + ((custody_u64)row * cols + k) * 2);
+        case CUSTODY_Q4_0: {
+            const unsigned char* b = w + ((custody_u64)row * (cols / 32) + k / 32) * 18;
+            const custody_u32 j = k % 32;
+            const custody_u32 q = j < 16 ? (b[2 + j] & 0xf) : (b[2 + j - 16] >> 4);
+            return ((float)q - 8.0f) * custody_le_half(b);
+        }
+        case CUSTODY_Q4_1: {
+            const unsigned char* b = w + ((custody_u64)row * (cols / 32) + k / 32) * 20;
+            const custody_u32 j = k % 32;
+            const custody_u32 q = j < 16 ? (b[4 + j] & 0xf) : (b[4 + j - 16] >> 4);
+            return (float)q * custody_le_half(b) + custody_le_half(b + 2);
+        }
+        default: {  // Q8_0
+            const unsigned char* b = w + ((custody_u64)row * (cols / 32) + k / 32) * 34;
+            return (float)(signed char)b[2 + k % 32] * custody_le_half(b);
+        }
+    }
+}
+
+// out[r][o] = Σ_k W[o][k] · x[r][k]: W `out_rows × cols` in `dtype` (GGUF bytes), x `n × cols`
+// f32. Grid (out_rows, n), block (128): one output per block.
+extern "C" __global__ void custody_matvec(const unsigned char* w, custody_u32 dtype,
+                                         custody_u32 out_rows, custody_u32 cols, const float* x,
+                                         float* out) {
+    __shared__ float red[CUSTODY_OPS_THREADS];
+    const custody_u32 o = blockIdx.x, r = blockIdx.y;
+    const float* xr = x + (custody_u64)r * cols;
+    float acc = 0.0f;
+    for (custody_u32 k = threadIdx.x; k < cols; k += CUSTODY_OPS_THREADS)
+        acc += custody_weight(w, dtype, cols, o, k) * xr[k];
+    const float s = custody_block_sum(acc, red);
+    if (threadIdx.x == 0) out[(custody_u64)r * out_rows + o] = s;
+}
+
+// KV page gather/scatter of the transfer path: copy chunk i (`len[i]` bytes) from
+// `src + src_off[i]` to `dst + dst_off[i]` — a page's K/V chunks into a contiguous staging
+// buffer (gather) or back (scatter). Grid (n_chunks), block (128).
+extern "C" __global__ void custody_copy_chunks(const unsigned char* src, const custody_u64* src_off,
+                                              unsigned char* dst, const custody_u64* dst_off,
+                                              const custody_u64* len) {
+    const custody_u32 i = blockIdx.x;
+    const unsigned char* s = src + src_off[i];
+    unsigned char* d = dst + dst_off[i];
+    for (custody_u64 b = threadIdx.x; b < len[i]; b += CUSTODY_OPS_THREADS) d[b] = s[b];
+}
