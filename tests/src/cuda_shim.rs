@@ -404,7 +404,7 @@ pub fn rms_norm(
     seed: u64,
 ) -> Result<(), ShimError> {
     let dim = w.len();
-    assert!(dim > 0 && x.len() % dim == 0 && out.len() == x.len());
+    assert!(dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len());
     // SAFETY: `x`/`out` hold `rows × dim` floats, `w` `dim`.
     run(|e, n| unsafe {
         custody_shim_rms_norm(
@@ -452,7 +452,7 @@ pub fn rope(x: &mut [f32], positions: &[u32], s: RopeShape, seed: u64) -> Result
 
 /// Softmax in place of each `n`-long row.
 pub fn softmax(x: &mut [f32], n: usize, seed: u64) -> Result<(), ShimError> {
-    assert!(n > 0 && x.len() % n == 0);
+    assert!(n > 0 && x.len().is_multiple_of(n));
     // SAFETY: `x` holds `rows × n` floats.
     run(|e, l| unsafe {
         custody_shim_softmax(x.as_mut_ptr(), (x.len() / n) as u32, n as u32, seed, e, l)
@@ -487,7 +487,7 @@ pub fn matvec(
     out: &mut [f32],
     seed: u64,
 ) -> Result<(), ShimError> {
-    assert!(cols > 0 && x.len() % cols == 0);
+    assert!(cols > 0 && x.len().is_multiple_of(cols));
     let n = x.len() / cols;
     assert_eq!(out.len(), n * out_rows);
     // SAFETY: `w` holds the matrix (the caller's layout), `x` `n × cols`, `out` `n × out_rows`.
