@@ -19,3 +19,7 @@ cargo test --workspace
 export LIBCLANG_PATH="${LIBCLANG_PATH:-/usr/lib/llvm-14/lib}"
 cargo clippy -p custody-transport -p custody-runtime --features rdma --all-targets --quiet -- -D warnings
 cargo test -p custody-transport --features rdma --lib verbs
+# The `cuda` feature (cudarc, loaded at run time) must compile, lint clean, and on machines
+# without a GPU (these) answer `engine.backend = "cuda"` with a typed error naming libcuda.
+cargo clippy -p custody-cuda --features cuda --all-targets --quiet -- -D warnings
+cargo test -p custody-cuda --features cuda --lib

@@ -84,6 +84,18 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Compute threads; 0 = all cores.
     pub threads: usize,
+    /// Where the forward pass runs: `"cpu"` (the default) or `"cuda"` (refused at startup with
+    /// what is missing: the CUDA forward pass is not built yet, only its kernels are).
+    pub backend: Backend,
+}
+
+/// The forward pass's backend (chosen once, at startup).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    Cpu,
+    Cuda,
 }
 
 impl Default for EngineConfig {
@@ -97,6 +109,7 @@ impl Default for EngineConfig {
             max_running: 16,
             max_waiting: 256,
             threads: 0,
+            backend: Backend::Cpu,
         }
     }
 }

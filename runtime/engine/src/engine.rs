@@ -98,6 +98,8 @@ pub enum StartupError {
     ContextBeyondModel { configured: usize, model: usize },
     #[error("invalid engine config: {0}")]
     Config(#[from] crate::config::ConfigError),
+    #[error("engine.backend = \"cuda\" cannot start: {0}")]
+    Backend(String),
 }
 
 /// A generation request over token ids.
@@ -245,6 +247,18 @@ pub struct Engine {
     tag_check: TagCheck,
 }
 
+/// Why `backend = "cuda"` cannot start: what is missing on this machine or build, or — with a
+/// device — that only the kernels exist so far.
+fn cuda_refusal() -> String {
+    match custody_cuda::open(0) {
+        Err(e) => e.to_string(),
+        Ok(d) => format!(
+            "CUDA device {} ({}) is present, but the CUDA forward pass is not built yet (only its kernels, kernels/cuda, are)",
+            d.ordinal, d.name
+        ),
+    }
+}
+
 impl Engine {
     /// Size the pool from the memory budget and check it against the context length.
     pub fn new(model: Model, cfg: EngineConfig) -> Result<Self, StartupError> {
@@ -259,6 +273,9 @@ impl Engine {
         unsafe_: &UnsafeReproduction,
     ) -> Result<Self, StartupError> {
         cfg.validate()?;
+        if cfg.backend == crate::config::Backend::Cuda {
+            return Err(StartupError::Backend(cuda_refusal()));
+        }
         let model_ctx = model.config.context_length;
         let mut context_length = cfg.context_length.unwrap_or(model_ctx);
         if context_length > model_ctx {

@@ -100,6 +100,25 @@ fn pool_smaller_than_context_refuses_to_start() {
 }
 
 #[test]
+fn asking_for_the_cuda_backend_without_one_is_a_clear_startup_error() {
+    let cuda = EngineConfig {
+        backend: custody_runtime::config::Backend::Cuda,
+        ..EngineConfig::default()
+    };
+    let e = match Engine::new(crate::disagg::model(), cuda) {
+        Err(e @ StartupError::Backend(_)) => e.to_string(),
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("a CUDA engine started on a machine without CUDA"),
+    };
+    // This build has no `cuda` feature (the test suite's): it says how to get one.
+    assert!(e.contains("--features cuda"), "{e}");
+    // The names operators write (`backend = "cuda"`), through the config's serde.
+    let parsed: EngineConfig = serde_json::from_str(r#"{"backend": "cuda"}"#).expect("parse");
+    assert_eq!(parsed.backend, custody_runtime::config::Backend::Cuda);
+    assert!(serde_json::from_str::<EngineConfig>(r#"{"backend": "rocm"}"#).is_err());
+}
+
+#[test]
 fn batched_generation_equals_each_prompt_alone() {
     let tok = tokenizer();
     let prompts = [
