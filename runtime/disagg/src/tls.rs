@@ -193,6 +193,7 @@ impl NodeTls {
                 key_pem,
                 ALPN_GRPC,
                 Arc::new(rustls::crypto::ring::default_provider()),
+                rustls::DEFAULT_VERSIONS,
             )?),
             kv_server: Arc::new(kv_server_config(ca_pem, cert_pem, key_pem)?),
             kv_client: Arc::new(client_config(ca_pem, cert_pem, key_pem, ALPN_KV)?),
@@ -315,14 +316,21 @@ const ALPN_GRPC: &[u8] = b"h2";
 /// The KV transport's application protocol (a gRPC client cannot be confused with it).
 const ALPN_KV: &[u8] = b"custody-kv/1";
 
-/// The KV transport's server side: as [`server_config`], its own ALPN, and no session tickets
-/// (a connection lives as long as its pairing; nothing to resume).
+/// The KV transport's server side: as [`server_config`], TLS 1.3 only, its own ALPN, and no
+/// session tickets (a connection lives as long as its pairing; nothing to resume).
 fn kv_server_config(
     ca_pem: &str,
     cert_pem: &str,
     key_pem: &str,
 ) -> Result<rustls::ServerConfig, TlsError> {
-    let mut cfg = server_config(ca_pem, cert_pem, key_pem, ALPN_KV, kv_provider())?;
+    let mut cfg = server_config(
+        ca_pem,
+        cert_pem,
+        key_pem,
+        ALPN_KV,
+        kv_provider(),
+        &[&rustls::version::TLS13],
+    )?;
     cfg.send_tls13_tickets = 0;
     Ok(cfg)
 }
@@ -365,8 +373,8 @@ fn chain_and_key(cert_pem: &str, key_pem: &str) -> Result<ChainAndKey, TlsError>
     Ok((chain, key))
 }
 
-/// The client side with rustls directly (the KV transport): the CA as the only root, this
-/// process's certificate presented.
+/// The client side with rustls directly (the KV transport): TLS 1.3 only, the CA as the only
+/// root, this process's certificate presented.
 fn client_config(
     ca_pem: &str,
     cert_pem: &str,
@@ -376,7 +384,7 @@ fn client_config(
     let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
     let (chain, key) = chain_and_key(cert_pem, key_pem)?;
     let mut cfg = rustls::ClientConfig::builder_with_provider(kv_provider())
-        .with_safe_default_protocol_versions()
+        .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| bad(&e))?
         .with_root_certificates(roots(ca_pem)?)
         .with_client_auth_cert(chain, key)
@@ -393,6 +401,7 @@ fn server_config(
     key_pem: &str,
     alpn: &[u8],
     provider: Arc<rustls::crypto::CryptoProvider>,
+    versions: &[&'static rustls::SupportedProtocolVersion],
 ) -> Result<rustls::ServerConfig, TlsError> {
     let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
@@ -403,7 +412,7 @@ fn server_config(
     .map_err(|e| bad(&e))?;
     let (chain, key) = chain_and_key(cert_pem, key_pem)?;
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
+        .with_protocol_versions(versions)
         .map_err(|e| bad(&e))?
         .with_client_cert_verifier(verifier)
         .with_single_cert(chain, key)
