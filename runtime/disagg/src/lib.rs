@@ -201,6 +201,18 @@ pub fn node_info(
     }
 }
 
+impl std::fmt::Debug for proto::KvPairing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPairing")
+            .field("id", &format_args!("{:#018x}", self.id))
+            .field(
+                "secret",
+                &format_args!("<{} bytes, redacted>", self.secret.len()),
+            )
+            .finish()
+    }
+}
+
 /// The KV pairing a decode node's handshake reply carries.
 pub fn pairing_of(
     reply: &proto::NodeInfo,
@@ -484,6 +496,22 @@ mod tests {
             transport_encryption: false,
             kv_pairing: None,
         }
+    }
+
+    #[test]
+    fn a_handshake_reply_never_shows_its_pairing_secret() {
+        let mut reply = info("decode", 4096);
+        reply.kv_pairing = Some(proto::KvPairing {
+            id: 7,
+            secret: vec![0xAB; 32],
+        });
+        let shown = format!("{reply:?}");
+        assert!(
+            shown.contains("redacted") && !shown.contains("171"),
+            "{shown}"
+        );
+        let p = pairing_of(&reply).expect("pairing");
+        assert_eq!(p.secret(), &[0xAB; 32]);
     }
 
     #[test]

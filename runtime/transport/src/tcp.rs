@@ -70,11 +70,21 @@ const NEW_CONN_QUEUE: usize = 64;
 const POLL_BYTES_MAX: usize = 32 << 20;
 /// Size of the buffer a refused write's payload is drained through.
 const SINK_BYTES: usize = 64 << 10;
-/// How long a new connection may take to prove its pairing (and, encrypted, its TLS handshake).
+/// How long a new connection may take, in all, to prove its pairing (and, encrypted, its TLS
+/// handshake): one deadline for the whole exchange, not per read, so a peer trickling bytes
+/// holds its slot no longer than this.
 pub const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections authenticating at once at most (each on its own short-lived thread); more are
 /// refused at accept, so a flood of silent connections cannot exhaust threads.
 pub const MAX_AUTHENTICATING: usize = 16;
+/// Connections authenticating at once from one peer address: one host cannot fill the gate
+/// and lock the paired node out.
+pub const MAX_AUTHENTICATING_PER_PEER: usize = 4;
+/// Live connections per pairing (a reconnect opens a new one; more are refused when accepted).
+pub const MAX_CONNS_PER_PAIRING: usize = 4;
+/// Acknowledgement bytes a connection may have waiting to be written: past it, its frames are
+/// not read until the peer reads its acknowledgements (a peer that never reads cannot grow it).
+const ACKS_PENDING_MAX: usize = 1 << 20;
 /// Live pairings a target holds at most (one per paired initiator; a re-pairing replaces).
 pub const MAX_PAIRINGS: usize = 256;
 /// Tries at drawing a key never issued before (a collision among 2^32 is already rare).
@@ -212,6 +222,8 @@ struct Gate {
     pairings: Arc<Mutex<HashMap<u64, Pairing>>>,
     refused: Arc<AtomicU64>,
     authenticating: Arc<AtomicUsize>,
+    /// Connections authenticating now, by peer address.
+    per_peer: Arc<Mutex<HashMap<std::net::IpAddr, usize>>>,
     gone: Arc<AtomicBool>,
     tls: Option<Arc<rustls::ServerConfig>>,
 }
@@ -254,6 +266,7 @@ impl TcpTransport {
             pairings: Arc::default(),
             refused: Arc::default(),
             authenticating: Arc::default(),
+            per_peer: Arc::default(),
             gone: Arc::default(),
             tls: match &self.encryption {
                 KvEncryption::Off => None,
@@ -558,8 +571,7 @@ fn accept_loop(listener: TcpListener, tx: SyncSender<Accepted>, gate: Gate) {
             }
         };
         let peer = stream.peer_addr().ok();
-        if gate.authenticating.fetch_add(1, Ordering::AcqRel) >= MAX_AUTHENTICATING {
-            gate.authenticating.fetch_sub(1, Ordering::AcqRel);
+        let Some(slot) = AuthSlot::take(&gate, peer) else {
             gate.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 ?peer,
@@ -567,13 +579,14 @@ fn accept_loop(listener: TcpListener, tx: SyncSender<Accepted>, gate: Gate) {
             );
             let _ = stream.shutdown(Shutdown::Both);
             continue;
-        }
+        };
         let (tx, g) = (tx.clone(), gate.clone());
         let spawned = std::thread::Builder::new()
             .name("kv-tcp-auth".into())
             .spawn(move || {
+                // The slot is held until the connection is handed over (or refused).
+                let _slot = slot;
                 let r = authenticate(stream, &g);
-                g.authenticating.fetch_sub(1, Ordering::AcqRel);
                 match r {
                     Ok(a) => {
                         tracing::debug!(
@@ -595,28 +608,105 @@ fn accept_loop(listener: TcpListener, tx: SyncSender<Accepted>, gate: Gate) {
                 }
             });
         if let Err(e) = spawned {
-            gate.authenticating.fetch_sub(1, Ordering::AcqRel);
+            // The closure (and its slot) was dropped with the failed spawn.
             gate.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(?peer, error = %e, "KV transport: refused, no thread to authenticate");
         }
     }
 }
 
-/// Authenticate a new connection (blocking, bounded by [`AUTH_TIMEOUT`]): TLS first when
+/// One authenticating connection's place in the gate (overall and per peer address), given
+/// back when dropped.
+struct AuthSlot {
+    gate: Gate,
+    peer: Option<std::net::IpAddr>,
+}
+
+impl AuthSlot {
+    fn take(gate: &Gate, peer: Option<SocketAddr>) -> Option<Self> {
+        let ip = peer.map(|p| p.ip());
+        let mut per = gate.per_peer.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = ip.map_or(0, |ip| per.get(&ip).copied().unwrap_or(0));
+        if mine >= MAX_AUTHENTICATING_PER_PEER
+            || gate.authenticating.load(Ordering::Acquire) >= MAX_AUTHENTICATING
+        {
+            return None;
+        }
+        gate.authenticating.fetch_add(1, Ordering::AcqRel);
+        if let Some(ip) = ip {
+            *per.entry(ip).or_insert(0) += 1;
+        }
+        Some(Self {
+            gate: gate.clone(),
+            peer: ip,
+        })
+    }
+}
+
+impl Drop for AuthSlot {
+    fn drop(&mut self) {
+        self.gate.authenticating.fetch_sub(1, Ordering::AcqRel);
+        if let Some(ip) = self.peer {
+            let mut per = self.gate.per_peer.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = per.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    per.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
+/// A socket whose reads and writes all share one deadline (the whole exchange's).
+struct Deadline<'a> {
+    s: &'a TcpStream,
+    until: std::time::Instant,
+}
+
+impl Deadline<'_> {
+    fn left(&self) -> std::io::Result<Duration> {
+        self.until
+            .checked_duration_since(std::time::Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| std::io::ErrorKind::TimedOut.into())
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.s.set_read_timeout(Some(self.left()?))?;
+        (&*self.s).read(buf)
+    }
+}
+
+impl std::io::Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.s.set_write_timeout(Some(self.left()?))?;
+        (&*self.s).write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Authenticate a new connection (blocking, at most [`AUTH_TIMEOUT`] in all): TLS first when
 /// encryption is on, then the pairing proof. Nothing it sends is read as a frame before that.
-fn authenticate(mut stream: TcpStream, gate: &Gate) -> Result<Accepted, auth::Refusal> {
+fn authenticate(stream: TcpStream, gate: &Gate) -> Result<Accepted, auth::Refusal> {
     stream.set_nodelay(true)?;
     set_socket_buffers(&stream);
-    stream.set_read_timeout(Some(AUTH_TIMEOUT))?;
-    stream.set_write_timeout(Some(AUTH_TIMEOUT))?;
+    let mut io = Deadline {
+        s: &stream,
+        until: std::time::Instant::now() + AUTH_TIMEOUT,
+    };
     let (pairing, tls) = match &gate.tls {
-        None => (auth::target(&mut stream, &gate.pairings)?, None),
+        None => (auth::target(&mut io, &gate.pairings)?, None),
         Some(cfg) => {
             let mut conn = rustls::ServerConnection::new(cfg.clone())
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             let mut said_anything = false;
             while conn.is_handshaking() {
-                match conn.complete_io(&mut stream) {
+                match conn.complete_io(&mut io) {
                     Ok((rd, _)) => said_anything |= rd > 0,
                     Err(e) if !said_anything && e.kind() == std::io::ErrorKind::UnexpectedEof => {
                         return Err(auth::Refusal::Silent);
@@ -624,10 +714,7 @@ fn authenticate(mut stream: TcpStream, gate: &Gate) -> Result<Accepted, auth::Re
                     Err(e) => return Err(e.into()),
                 }
             }
-            let p = auth::target(
-                &mut rustls::Stream::new(&mut conn, &mut stream),
-                &gate.pairings,
-            )?;
+            let p = auth::target(&mut rustls::Stream::new(&mut conn, &mut io), &gate.pairings)?;
             (p, Some(conn))
         }
     };
@@ -1020,10 +1107,17 @@ impl KvTransport for TcpTransport {
     }
 
     fn unpair(&mut self, pairing_id: u64) {
-        if let Some(t) = &mut self.target
-            && let Ok(mut table) = t.st.pairings.lock()
-        {
-            table.remove(&pairing_id);
+        let Some(t) = &mut self.target else { return };
+        t.st.pairings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&pairing_id);
+        // Its keys refuse every write from now on, whatever path a frame takes (a held or
+        // replayed one included). No proof is issued: the engine still asks `invalidate`.
+        for e in t.st.keys.values_mut() {
+            if matches!(*e, KeyEntry::Valid { pairing, .. } if pairing == pairing_id) {
+                *e = KeyEntry::Invalidated;
+            }
         }
     }
 
@@ -1121,6 +1215,15 @@ impl KvTransport for TcpTransport {
         let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
         let announced = out.len();
         while let Ok(a) = t.st.new_conns.try_recv() {
+            if t.conns.iter().filter(|c| c.pairing == a.pairing).count() >= MAX_CONNS_PER_PAIRING {
+                t.st.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    pairing = a.pairing,
+                    "KV transport: refused, the pairing has {MAX_CONNS_PER_PAIRING} live connections"
+                );
+                a.wire.shutdown();
+                continue;
+            }
             t.conns.push(Conn {
                 id: a.id,
                 pairing: a.pairing,
@@ -1133,7 +1236,8 @@ impl KvTransport for TcpTransport {
             });
         }
         // A withdrawn pairing's connections go before another byte of theirs is read.
-        if let Ok(table) = t.st.pairings.lock() {
+        {
+            let table = t.st.pairings.lock().unwrap_or_else(|p| p.into_inner());
             for c in &mut t.conns {
                 if !table.contains_key(&c.pairing) {
                     tracing::info!(
@@ -1169,7 +1273,8 @@ impl KvTransport for TcpTransport {
         }
         let mut budget = t.st.poll_bytes_max;
         for c in &mut t.conns {
-            while n < max && budget > 0 && !c.closed {
+            // A peer that does not read its acknowledgements is not read either.
+            while n < max && budget > 0 && !c.closed && c.acks.len() < ACKS_PENDING_MAX {
                 match read_step(c, &mut t.st, mem, budget) {
                     Step::Progress(k) => budget = budget.saturating_sub(k),
                     Step::Done(k, fin) => {
@@ -1743,5 +1848,130 @@ mod tests {
         let mut keys: Vec<u32> = seen.into_iter().collect();
         keys.sort_unstable();
         assert!(keys.windows(2).filter(|w| w[1] == w[0] + 1).count() < 10);
+    }
+
+    #[test]
+    fn a_valid_hello_with_a_wrong_proof_lands_nothing() {
+        let (_init, mut target, p) = pair();
+        let region = target.register(1024, p).expect("register");
+        let mut raw = TcpStream::connect(target.local_addr().expect("addr")).expect("connect");
+        use std::io::Write as _;
+        let mut hello = Vec::new();
+        hello.extend_from_slice(&0x4b56_4849u32.to_le_bytes()); // "KVHI"
+        hello.extend_from_slice(&1u32.to_le_bytes());
+        hello.extend_from_slice(&p.to_le_bytes()); // the live pairing's id (ids are not secret)
+        hello.extend_from_slice(&[9u8; 32]);
+        raw.write_all(&hello).expect("hello");
+        let mut ch = [0u8; 72];
+        raw.read_exact(&mut ch).expect("challenge");
+        let mut proof = Vec::new();
+        proof.extend_from_slice(&0x4b56_5052u32.to_le_bytes()); // "KVPR"
+        proof.extend_from_slice(&1u32.to_le_bytes());
+        proof.extend_from_slice(&[0u8; 32]);
+        raw.write_all(&proof).expect("proof");
+        let _ = raw.write_all(&raw_frame(region.rkey, region.base, &[0xAB; 256]));
+        let mut mem = Mem::default();
+        poll_until_refused(&mut target, &mut mem, 1);
+        for _ in 0..50 {
+            target
+                .poll_recv(&mut mem, &mut Vec::new(), 64)
+                .expect("recv");
+        }
+        assert!(mem.bytes.is_empty(), "nothing landed");
+        assert_eq!(target.target_stats().landed_writes, 0);
+    }
+
+    #[test]
+    fn a_withdrawn_pairings_held_writes_do_not_land() {
+        let (mut init, mut target, p) = pair();
+        let region = target.register(1024, p).expect("register");
+        target.fault_inject_hold_key(region.rkey);
+        let data = [4u8; 32];
+        let sge = [Sge {
+            addr: data.as_ptr() as u64,
+            length: 32,
+            lkey: 0,
+        }];
+        let wr = SendWr::rdma_write(5, &sge, region.base, region.rkey).with_imm(1);
+        // SAFETY: `data` outlives the completion.
+        unsafe { init.post_write(&wr) }.expect("post");
+        let mut mem = Mem::default();
+        for _ in 0..2000 {
+            target
+                .poll_recv(&mut mem, &mut Vec::new(), 64)
+                .expect("recv");
+            if !target.target.as_ref().expect("target").st.held.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        target.unpair(p);
+        assert_eq!(target.fault_inject_release_held(), 1);
+        let mut r = Vec::new();
+        target.poll_recv(&mut mem, &mut r, 64).expect("recv");
+        assert!(
+            r.is_empty() && mem.bytes.is_empty(),
+            "a withdrawn pairing's write landed"
+        );
+        assert_eq!(target.target_stats().rejected_writes, 1);
+    }
+
+    #[test]
+    fn the_right_rkey_with_a_wrong_base_is_refused() {
+        let (mut init, mut target, p) = pair();
+        let region = target.register(1024, p).expect("register");
+        let data = [6u8; 16];
+        let sge = [Sge {
+            addr: data.as_ptr() as u64,
+            length: 16,
+            lkey: 0,
+        }];
+        let wr = SendWr::rdma_write(8, &sge, region.base ^ (1 << 40), region.rkey).with_imm(2);
+        // SAFETY: `data` outlives the completion.
+        unsafe { init.post_write(&wr) }.expect("post");
+        let mut mem = Mem::default();
+        let (s, r) = pump(&mut init, &mut target, &mut mem, 1);
+        assert_eq!(s[0].status, wc_status::REM_ACCESS_ERR);
+        assert!(r.is_empty() && mem.bytes.is_empty());
+    }
+
+    #[test]
+    fn a_trickling_or_crowding_peer_cannot_hold_the_gate() {
+        let (_init, mut target, _p) = pair();
+        let addr = target.local_addr().expect("addr");
+        let mut mem = Mem::default();
+        // Crowding: the per-peer cap refuses the next connection at once.
+        let silent: Vec<TcpStream> = (0..MAX_AUTHENTICATING_PER_PEER)
+            .map(|_| TcpStream::connect(addr).expect("connect"))
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let before = target.target_stats().refused_connections;
+        let _extra = TcpStream::connect(addr).expect("connect");
+        poll_until_refused(&mut target, &mut mem, before + 1);
+        drop(silent);
+        // Trickling: one byte a second is cut at the overall deadline, not extended per read.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let before = target.target_stats().refused_connections;
+        let mut slow = TcpStream::connect(addr).expect("connect");
+        let t0 = std::time::Instant::now();
+        use std::io::Write as _;
+        let mut cut = false;
+        for b in 0x4b56_4849u32.to_le_bytes().iter().cycle().take(12) {
+            if slow.write_all(&[*b]).is_err() {
+                cut = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(900));
+            if target.target_stats().refused_connections > before {
+                cut = true;
+                break;
+            }
+        }
+        assert!(cut, "a trickling peer was never cut");
+        assert!(
+            t0.elapsed() < AUTH_TIMEOUT + std::time::Duration::from_secs(2),
+            "cut only after {:?}",
+            t0.elapsed()
+        );
     }
 }

@@ -229,6 +229,34 @@ mod tests {
     }
 
     #[test]
+    fn the_target_refuses_a_wrong_proof_after_a_valid_hello() {
+        let p = Pairing::generate().unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let tp = p.clone();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            target(&mut s, &table(&tp))
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        let mut hello = [0u8; HELLO_BYTES];
+        hello[0..4].copy_from_slice(&MAGIC_HELLO.to_le_bytes());
+        hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
+        hello[8..16].copy_from_slice(&p.id().to_le_bytes());
+        c.write_all(&hello).unwrap();
+        let mut ch = [0u8; CHALLENGE_BYTES];
+        c.read_exact(&mut ch).unwrap();
+        // A proof with the right framing and the wrong MAC (e.g. replayed from another
+        // connection, whose nonces differ).
+        let mut proof = [0u8; PROOF_BYTES];
+        proof[0..4].copy_from_slice(&MAGIC_PROOF.to_le_bytes());
+        proof[4..8].copy_from_slice(&VERSION.to_le_bytes());
+        proof[8..].copy_from_slice(&ch[8 + NONCE_BYTES..]); // the target's own MAC, reflected
+        c.write_all(&proof).unwrap();
+        assert!(matches!(t.join().unwrap(), Err(Refusal::BadProof)));
+    }
+
+    #[test]
     fn a_target_mac_is_not_an_initiator_proof() {
         let p = Pairing::generate().unwrap();
         let (a, b) = ([1u8; 32], [2u8; 32]);
