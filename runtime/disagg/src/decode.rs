@@ -800,6 +800,8 @@ impl Node {
 const LANDING_POLL: Duration = Duration::from_micros(500);
 /// How often reservation leases and closed token relays are looked at.
 const REAP_INTERVAL: Duration = Duration::from_millis(20);
+/// How often an idle decode node still reads its transport (see `work`).
+const IDLE_TRANSPORT_POLL: Duration = Duration::from_millis(20);
 
 impl crate::actor::Actor for Node {
     type Cmd = Cmd;
@@ -828,7 +830,10 @@ impl crate::actor::Actor for Node {
             // Decoding requests whose clients may go away.
             Work::PollAfter(REAP_INTERVAL)
         } else {
-            Work::Idle
+            // Never fully idle: a write for a reservation this node no longer holds (its lease
+            // expired, it was aborted, its pairing withdrawn) must still be read — refused and
+            // acknowledged — or its sender waits for that completion forever.
+            Work::PollAfter(IDLE_TRANSPORT_POLL)
         }
     }
 }

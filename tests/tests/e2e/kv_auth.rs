@@ -166,3 +166,57 @@ fn an_encrypted_transport_serves_the_same_tokens_and_refuses_raw_writers() {
     );
     raw_writers_land_nothing(&nodes);
 }
+
+/// A write for a reservation the decode node no longer holds (its lease expired while it sat
+/// idle) is still read, refused and acknowledged: its sender gets a completion, not silence —
+/// an idle decode node keeps reading its transport.
+#[test]
+fn a_write_after_the_lease_expired_is_refused_even_when_decode_is_idle() {
+    use custody_runtime::transport::KvTransport;
+    use custody_runtime::transport::abi::{SendWr, Sge, wc_status};
+    use custody_runtime::transport::tcp::TcpTransport;
+    let nodes = start_pair(
+        crate::small_cfg(),
+        crate::small_cfg(),
+        Default::default(),
+        Duration::from_millis(300),
+    );
+    // Pair as prefill node 1 would (a fresh handshake: its own pairing), then reserve.
+    let addr = nodes.pair.decode_addr;
+    let hello = nodes.pair.prefill.info.clone();
+    let reply = nodes
+        .pair
+        .block_on(async move {
+            let mut c = crate::disagg::decode_client(addr).await;
+            c.handshake(hello).await
+        })
+        .expect("handshake")
+        .into_inner();
+    let pairing = custody_runtime::disagg::pairing_of(&reply).expect("pairing");
+    let mut init = TcpTransport::new(9);
+    init.connect(reply.transport_addr.parse().expect("addr"), &pairing)
+        .expect("authenticated connection");
+    let r = reserve(&nodes);
+    // The lease expires and the node has nothing left to do.
+    std::thread::sleep(Duration::from_millis(1500));
+    let data = vec![1u8; 64];
+    let sge = [Sge {
+        addr: data.as_ptr() as u64,
+        length: 64,
+        lkey: 0,
+    }];
+    let wr = SendWr::rdma_write(7, &sge, r.base, r.rkey).with_imm(0);
+    // SAFETY: `data` outlives the completion polled below.
+    unsafe { init.post_write(&wr) }.expect("post");
+    let t0 = Instant::now();
+    let mut wcs = Vec::new();
+    while wcs.is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "no completion: an idle decode node did not read its transport"
+        );
+        init.poll_send(&mut wcs, 8).expect("poll");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(wcs[0].status, wc_status::REM_ACCESS_ERR, "{:?}", wcs[0]);
+}
