@@ -199,7 +199,7 @@ fn a_write_after_the_lease_expired_is_refused_even_when_decode_is_idle() {
     let r = reserve(&nodes);
     // The lease expires and the node has nothing left to do.
     std::thread::sleep(Duration::from_millis(1500));
-    let data = vec![1u8; 64];
+    let data = [1u8; 64];
     let sge = [Sge {
         addr: data.as_ptr() as u64,
         length: 64,
