@@ -1427,6 +1427,15 @@ mod tests {
         }
     }
 
+    /// The gather list of one write of all of `b`.
+    fn one_sge(b: &[u8]) -> [Sge; 1] {
+        [Sge {
+            addr: b.as_ptr() as u64,
+            length: b.len() as u32,
+            lkey: 0,
+        }]
+    }
+
     /// A target and an initiator connected under a fresh pairing (its id last).
     fn pair() -> (TcpTransport, TcpTransport, u64) {
         let mut target = TcpTransport::new(2);
@@ -1462,11 +1471,7 @@ mod tests {
         let (mut init, mut target, p) = pair();
         let region = target.register(1024, p).expect("register");
         let data = [7u8; 100];
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: 100,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(42, &sge, region.base + 10, region.rkey).with_imm(5);
         // SAFETY: `data` outlives the completion polled below.
         unsafe { init.post_write(&wr) }.expect("post");
@@ -1480,11 +1485,7 @@ mod tests {
 
         let _proof = target.invalidate(region.rkey).expect("invalidate");
         let data2 = [9u8; 100];
-        let sge = [Sge {
-            addr: data2.as_ptr() as u64,
-            length: 100,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data2);
         let wr = SendWr::rdma_write(43, &sge, region.base + 10, region.rkey).with_imm(6);
         // SAFETY: as above.
         unsafe { init.post_write(&wr) }.expect("post");
@@ -1504,11 +1505,7 @@ mod tests {
         let (mut init, mut target, p) = pair();
         let region = target.register(1 << 20, p).expect("register");
         let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: data.len() as u32,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(1, &sge, region.base + 100, region.rkey).with_imm(3);
         // SAFETY: `data` outlives the completion.
         unsafe { init.post_write(&wr) }.expect("post");
@@ -1594,11 +1591,7 @@ mod tests {
         target.set_poll_bytes_max(1000);
         let region = target.register(1 << 20, p).expect("register");
         let data = vec![0xabu8; 200_000];
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: data.len() as u32,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(5, &sge, region.base, region.rkey).with_imm(0);
         // SAFETY: `data` outlives the completion.
         unsafe { init.post_write(&wr) }.expect("post");
@@ -1648,11 +1641,7 @@ mod tests {
         let (mut init, mut target, p) = pair();
         let region = target.register(64, p).expect("register");
         let data = [1u8; 100];
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: 100,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(1, &sge, region.base, region.rkey).with_imm(0);
         // SAFETY: `data` outlives the completion.
         unsafe { init.post_write(&wr) }.expect("post");
@@ -1668,11 +1657,7 @@ mod tests {
         let region = target.register(1024, p).expect("register");
         target.fault_inject_hold_key(region.rkey);
         let data = [3u8; 16];
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: 16,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(1, &sge, region.base, region.rkey).with_imm(0);
         // SAFETY: `data` outlives the completion.
         unsafe { init.post_write(&wr) }.expect("post");
@@ -1698,11 +1683,7 @@ mod tests {
         let region = target.register(1024, p).expect("register");
         target.fault_inject_hold_key(region.rkey); // never acknowledged
         let data = [3u8; 16];
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: 16,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(9, &sge, region.base, region.rkey).with_imm(0);
         // SAFETY: `data` outlives the completion.
         unsafe { init.post_write(&wr) }.expect("post");
@@ -1784,11 +1765,7 @@ mod tests {
             .connect(target.local_addr().expect("addr"), &other)
             .expect("connect");
         let data = [5u8; 64];
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: 64,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(1, &sge, mine.base, mine.rkey).with_imm(1);
         // SAFETY: `data` outlives the completion polled below.
         unsafe { intruder.post_write(&wr) }.expect("post");
@@ -1887,11 +1864,7 @@ mod tests {
         let region = target.register(1024, p).expect("register");
         target.fault_inject_hold_key(region.rkey);
         let data = [4u8; 32];
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: 32,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(5, &sge, region.base, region.rkey).with_imm(1);
         // SAFETY: `data` outlives the completion.
         unsafe { init.post_write(&wr) }.expect("post");
@@ -1921,11 +1894,7 @@ mod tests {
         let (mut init, mut target, p) = pair();
         let region = target.register(1024, p).expect("register");
         let data = [6u8; 16];
-        let sge = [Sge {
-            addr: data.as_ptr() as u64,
-            length: 16,
-            lkey: 0,
-        }];
+        let sge = one_sge(&data);
         let wr = SendWr::rdma_write(8, &sge, region.base ^ (1 << 40), region.rkey).with_imm(2);
         // SAFETY: `data` outlives the completion.
         unsafe { init.post_write(&wr) }.expect("post");
