@@ -17,11 +17,46 @@ use custody_runtime::engine::{Event, GenerateRequest};
 
 use crate::{engine_with, small_cfg, tokenizer};
 
-pub(crate) fn tmp_dir(name: &str) -> PathBuf {
+/// A fresh directory under the temp dir, removed when the guard drops — unless the test is
+/// failing (panicking), when it is kept for the post-mortem and its path printed.
+pub(crate) fn tmp_dir(name: &str) -> TmpDir {
     let d = std::env::temp_dir().join(format!("custody-audit-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("mkdir");
-    d
+    TmpDir(d)
+}
+
+/// See [`tmp_dir`]: derefs to its path.
+#[derive(Debug)]
+pub(crate) struct TmpDir(PathBuf);
+
+impl std::ops::Deref for TmpDir {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TmpDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TmpDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("kept for inspection: {}", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 fn key() -> ed25519_dalek_key::Key {

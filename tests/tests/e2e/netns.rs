@@ -57,7 +57,7 @@ struct Net {
     ns_p: String,
     ns_d: String,
     /// The hosts' certificates (`fleet_certs`).
-    certs: std::path::PathBuf,
+    certs: crate::audit::TmpDir,
 }
 
 impl Net {
@@ -220,7 +220,7 @@ fn request(k: usize, p: &[Vec<u32>]) -> GenerateRequest {
 
 /// Real certificates for the two hosts (prefill 1 at its address, decode 2 at its), from a
 /// fresh CA, in a directory the children read (`child_security`).
-fn fleet_certs() -> std::path::PathBuf {
+fn fleet_certs() -> crate::audit::TmpDir {
     use custody_runtime::disagg::tls::{Fleet, NodeIdentity, Role, Validity};
     let dir = crate::audit::tmp_dir("netns-certs");
     let fleet = Fleet::new("netns test fleet", 2).expect("CA");

@@ -68,7 +68,7 @@ fn serve_cfg() -> ServeSection {
 /// A server in this process on a loopback port, auditing into a temporary root.
 struct TestServer {
     url: String,
-    root: PathBuf,
+    root: crate::audit::TmpDir,
     writer: Arc<AuditWriter>,
     rt: tokio::runtime::Runtime,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
