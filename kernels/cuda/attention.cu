@@ -190,3 +190,28 @@ extern "C" __global__ void custody_paged_attention_decode(
         o[e] = acc * inv;
     }
 }
+
+// The K/V rows of a batch into their slots, as f16 (`custody_float_to_half`, = the CPU's
+// conversion): row r goes to slot `slots[r]` of page `pages[r]`; a row whose page is
+// CUSTODY_NO_PAGE (its request failed) is skipped. The write's tag check (generation, owner,
+// append order) is the host's, made on the pool's authoritative tags before this launch — the
+// same `PagePool` check the CPU backend's write makes; the read side's check is in the attention
+// kernel above. `k`, `v`: `n × n_kv_heads × head_dim` f32; caches `[page][kv_head][slot][dim]`.
+// Grid (n), block (CUSTODY_ATT_THREADS).
+extern "C" __global__ void custody_kv_write(const float* k, const float* v,
+                                           const custody_u32* pages, const custody_u32* slots,
+                                           custody_u32 n_kv_heads, custody_u32 head_dim,
+                                           custody_u32 page_size, unsigned short* k_cache,
+                                           unsigned short* v_cache) {
+    const custody_u32 r = blockIdx.x;
+    const custody_u32 page = pages[r];
+    if (page == CUSTODY_NO_PAGE) return;
+    const custody_u32 kvd = n_kv_heads * head_dim;
+    for (custody_u32 i = threadIdx.x; i < kvd; i += CUSTODY_ATT_THREADS) {
+        const custody_u32 h = i / head_dim, e = i % head_dim;
+        const custody_u64 off =
+            (((custody_u64)page * n_kv_heads + h) * page_size + slots[r]) * head_dim + e;
+        k_cache[off] = custody_float_to_half(k[(custody_u64)r * kvd + i]);
+        v_cache[off] = custody_float_to_half(v[(custody_u64)r * kvd + i]);
+    }
+}

@@ -46,6 +46,32 @@ __device__ __forceinline__ float custody_half_to_float(unsigned short h) {
     return __uint_as_float(bits);
 }
 
+// float → IEEE binary16 bits, round to nearest even — bit-identical to `half::f16::from_f32`
+// (the CPU's KV cache conversion), NaN payloads included.
+__device__ __forceinline__ unsigned short custody_float_to_half(float f) {
+    const custody_u32 x = __float_as_uint(f);
+    const custody_u32 sign = (x >> 16) & 0x8000u;
+    const custody_u32 ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) { // inf / nan (quiet bit set, top payload bits kept)
+        const custody_u32 man = ax & 0x7fffffu;
+        return (unsigned short)(sign | 0x7c00u | (man != 0 ? 0x200u : 0u) | (man >> 13));
+    }
+    if (ax >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u); // ≥ 65520 rounds to inf
+    if (ax >= 0x38800000u) {                                         // a normal half
+        custody_u32 m = ax - 0x38000000u;                           // rebias 127 → 15
+        m += 0x0fffu + ((m >> 13) & 1u);
+        return (unsigned short)(sign | (m >> 13));
+    }
+    if (ax < 0x33000000u) return (unsigned short)sign; // ≤ 2^-25 rounds to ±0
+    // A subnormal half: the 24-bit significand shifted right by 126 - exponent (14..24).
+    const custody_u32 shift = 126u - (ax >> 23);
+    const custody_u32 mant = (ax & 0x7fffffu) | 0x800000u;
+    custody_u32 r = mant >> shift;
+    const custody_u32 rem = mant & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+    if (rem > halfway || (rem == halfway && (r & 1u))) r++;
+    return (unsigned short)(sign | r);
+}
+
 // One block-table entry (layout = `custody_kernels::attention::PageRef`: page, generation).
 struct CustodyPageRef {
     custody_u32 page;

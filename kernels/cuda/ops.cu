@@ -140,6 +140,22 @@ extern "C" __global__ void custody_matvec(const unsigned char* w, custody_u32 dt
     if (threadIdx.x == 0) out[(custody_u64)r * out_rows + o] = s;
 }
 
+// The embedding rows of `tokens`: out[r] = row tokens[r] of `w` (`rows × cols` in `dtype`),
+// dequantized to f32. Grid (n), block (128).
+extern "C" __global__ void custody_embed(const unsigned char* w, custody_u32 dtype, custody_u32 cols,
+                                        const custody_u32* tokens, float* out) {
+    const custody_u32 r = blockIdx.x;
+    float* o = out + (custody_u64)r * cols;
+    for (custody_u32 k = threadIdx.x; k < cols; k += CUSTODY_OPS_THREADS)
+        o[k] = custody_weight(w, dtype, cols, tokens[r], k);
+}
+
+// x += y elementwise over `n` (the residual connections). Grid (ceil(n / 128)), block (128).
+extern "C" __global__ void custody_add(float* x, const float* y, custody_u64 n) {
+    const custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
 // KV page gather/scatter of the transfer path: copy chunk i (`len[i]` bytes) from
 // `src + src_off[i]` to `dst + dst_off[i]` — a page's K/V chunks into a contiguous staging
 // buffer (gather) or back (scatter). Grid (n_chunks), block (128).

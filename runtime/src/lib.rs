@@ -12,5 +12,7 @@ pub use custody_engine::{
     AdmissionError, ChatMessage, Engine, EngineConfig, Event, FinishReason, GenerateRequest, Model,
     RequestId, SamplingParams, StartupError, Tokenizer,
 };
-pub use custody_engine::{actor, config, engine, gguf, kv, model, protocol, sampling, tokenizer};
+pub use custody_engine::{
+    actor, config, cuda_forward, engine, gguf, kv, model, protocol, sampling, tokenizer,
+};
 pub use custody_transport as transport;

@@ -2,6 +2,7 @@
 // the kernel sources compiled for the host through the shim, each launched with the grid and
 // block its GPU launcher uses, under a schedule seed.
 #define CUSTODY_CUDA_SHIM 1
+#include <stdio.h>
 #include "../../kernels/cuda/attention.cu"
 #include "../../kernels/cuda/checksum.cu"
 #include "../../kernels/cuda/ops.cu"
@@ -221,4 +222,89 @@ extern "C" int custody_shim_copy_chunks(const unsigned char* src, const custody_
     CopyArgs a{src, src_off, dst, dst_off, len};
     return custody_shim::launch(dim3(n_chunks), dim3(CUSTODY_OPS_THREADS), seed, copy_body, &a,
                                 err, err_len);
+}
+
+// One launcher for every kernel, by name, as the CUDA forward pass launches them through
+// `custody_cuda::Device` (the test crate's `ShimDevice`): argument i in `args[6i .. 6i + 6]`,
+// as the cudarc device stores it (a pointer, integer or float's bits in the first word; a
+// `CustodyTags` in all six).
+namespace {
+struct Generic {
+    const char* name;
+    const uint64_t* a;
+    bool known;
+};
+float f32_at(const uint64_t* a, size_t i) {
+    const custody_u32 bits = (custody_u32)a[6 * i];
+    return __uint_as_float(bits);
+}
+#define PTR(i, T) ((T)(uintptr_t)g->a[6 * (i)])
+#define U32(i) ((custody_u32)g->a[6 * (i)])
+#define U64(i) ((custody_u64)g->a[6 * (i)])
+#define F32(i) (f32_at(g->a, (i)))
+#define TAGS(i) (*(const CustodyTags*)(const void*)&g->a[6 * (i)])
+void generic_body(void* c) {
+    auto* g = static_cast<Generic*>(c);
+    const char* n = g->name;
+    g->known = true;
+    if (!strcmp(n, "custody_embed")) {
+        custody_embed(PTR(0, const unsigned char*), U32(1), U32(2), PTR(3, const custody_u32*),
+                      PTR(4, float*));
+    } else if (!strcmp(n, "custody_rms_norm")) {
+        custody_rms_norm(PTR(0, const float*), PTR(1, const float*), F32(2), U32(3), PTR(4, float*));
+    } else if (!strcmp(n, "custody_matvec")) {
+        custody_matvec(PTR(0, const unsigned char*), U32(1), U32(2), U32(3), PTR(4, const float*),
+                       PTR(5, float*));
+    } else if (!strcmp(n, "custody_rope")) {
+        custody_rope(PTR(0, float*), PTR(1, const custody_u32*), U32(2), U32(3), U32(4), F32(5));
+    } else if (!strcmp(n, "custody_kv_write")) {
+        custody_kv_write(PTR(0, const float*), PTR(1, const float*), PTR(2, const custody_u32*),
+                         PTR(3, const custody_u32*), U32(4), U32(5), U32(6),
+                         PTR(7, unsigned short*), PTR(8, unsigned short*));
+    } else if (!strcmp(n, "custody_paged_attention_decode")) {
+        custody_paged_attention_decode(
+            PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),
+            PTR(3, const CustodyPageRef*), PTR(4, const custody_u32*), PTR(5, const custody_u32*),
+            PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
+            U32(11), TAGS(12), PTR(13, float*), PTR(14, CustodyVerdict*));
+    } else if (!strcmp(n, "custody_tag_check")) {
+        custody_tag_check(PTR(0, const CustodyPageRef*), PTR(1, const custody_u32*),
+                          PTR(2, const custody_u32*), PTR(3, const custody_u32*),
+                          PTR(4, const custody_u64*), U32(5), TAGS(6), PTR(7, CustodyVerdict*));
+    } else if (!strcmp(n, "custody_add")) {
+        custody_add(PTR(0, float*), PTR(1, const float*), U64(2));
+    } else if (!strcmp(n, "custody_swiglu")) {
+        custody_swiglu(PTR(0, float*), PTR(1, const float*), U64(2));
+    } else if (!strcmp(n, "custody_softmax")) {
+        custody_softmax(PTR(0, float*), U32(1));
+    } else if (!strcmp(n, "custody_page_checksum")) {
+        custody_page_checksum(PTR(0, const unsigned char* const*), PTR(1, const custody_u64*),
+                              PTR(2, const custody_u32*), U32(3), PTR(4, custody_u64*));
+    } else if (!strcmp(n, "custody_copy_chunks")) {
+        custody_copy_chunks(PTR(0, const unsigned char*), PTR(1, const custody_u64*),
+                            PTR(2, unsigned char*), PTR(3, const custody_u64*),
+                            PTR(4, const custody_u64*));
+    } else {
+        g->known = false;
+    }
+}
+#undef PTR
+#undef U32
+#undef U64
+#undef F32
+#undef TAGS
+}  // namespace
+
+extern "C" int custody_shim_launch(const char* name, const unsigned* grid, const unsigned* block,
+                                   const uint64_t* args, uint64_t seed, char* err,
+                                   size_t err_len) {
+    Generic g{name, args, true};
+    const int rc = custody_shim::launch(dim3(grid[0], grid[1], grid[2]),
+                                        dim3(block[0], block[1], block[2]), seed, generic_body,
+                                        &g, err, err_len);
+    if (rc == 0 && !g.known) {
+        snprintf(err, err_len, "no such kernel: %s", name);
+        return -1;
+    }
+    return rc;
 }

@@ -543,3 +543,134 @@ pub fn copy_chunks(
         )
     })
 }
+
+unsafe extern "C" {
+    fn custody_shim_launch(
+        name: *const c_char,
+        grid: *const u32,
+        block: *const u32,
+        args: *const u64,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+}
+
+/// The shim as a [`custody_cuda::Device`]: "device" memory is host memory this value owns
+/// (addresses are real pointers), every copy is bounds-checked against the allocation it
+/// names, and each launch runs the kernel's source on the CPU under this device's schedule
+/// seed. What the CUDA forward pass runs on in CI.
+#[derive(Debug)]
+pub struct ShimDevice {
+    seed: u64,
+    /// Each allocation's words (8-byte aligned, as device allocations are at least).
+    allocations: Vec<Box<[u64]>>,
+    launches: u64,
+}
+
+impl ShimDevice {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            allocations: Vec::new(),
+            launches: 0,
+        }
+    }
+
+    /// Kernel launches so far.
+    pub fn launches(&self) -> u64 {
+        self.launches
+    }
+
+    /// The allocation holding `[p, p + len)`, as a byte range of it.
+    fn span(&mut self, p: DevicePtr, len: usize) -> Result<&mut [u8], DeviceError> {
+        for a in &mut self.allocations {
+            let base = a.as_ptr() as u64;
+            let bytes = (a.len() * 8) as u64;
+            if p.0 >= base && p.0 + len as u64 <= base + bytes {
+                let start = (p.0 - base) as usize;
+                let all = custody_cuda::device::bytes_of_mut(&mut a[..]);
+                return Ok(&mut all[start..start + len]);
+            }
+        }
+        Err(DeviceError::Driver(format!(
+            "shim: {len} bytes at {:#x} are not inside one allocation",
+            p.0
+        )))
+    }
+}
+
+use custody_cuda::{Arg, Device, DeviceError, DevicePtr, Kernel, LaunchDims};
+
+impl Device for ShimDevice {
+    fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let a = vec![0u64; bytes.div_ceil(8).max(1)].into_boxed_slice();
+        let p = DevicePtr(a.as_ptr() as u64);
+        self.allocations.push(a);
+        Ok(p)
+    }
+
+    fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.span(dst, src.len())?.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        dst.copy_from_slice(self.span(src, dst.len())?);
+        Ok(())
+    }
+
+    fn launch(
+        &mut self,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &[Arg],
+    ) -> Result<(), DeviceError> {
+        if args.len() != kernel.arity() {
+            return Err(DeviceError::Arity {
+                kernel,
+                expected: kernel.arity(),
+                got: args.len(),
+            });
+        }
+        let mut words = vec![0u64; 6 * args.len()];
+        for (slot, a) in words.chunks_mut(6).zip(args) {
+            match *a {
+                Arg::Ptr(p) => slot[0] = p.0,
+                Arg::U32(v) => slot[0] = v.into(),
+                Arg::U64(v) => slot[0] = v,
+                Arg::F32(v) => slot[0] = v.to_bits().into(),
+                Arg::Tags(t) => slot.copy_from_slice(&[
+                    t.generation,
+                    t.owner,
+                    t.filled,
+                    t.stamp_owner,
+                    t.stamp_generation,
+                    t.n_pages.into(),
+                ]),
+            }
+        }
+        let name = std::ffi::CString::new(kernel.name()).expect("no NUL in a kernel name");
+        let mut err = [0u8; 256];
+        self.launches += 1;
+        // SAFETY: `words` holds one 6-word slot per argument of the kernel's C signature (the
+        // arity is checked above); every pointer argument is an address of one of this device's
+        // allocations, as the forward pass only passes those; grid and block are 3 words each.
+        let rc = unsafe {
+            custody_shim_launch(
+                name.as_ptr(),
+                dims.grid.as_ptr(),
+                dims.block.as_ptr(),
+                words.as_ptr(),
+                self.seed,
+                err.as_mut_ptr().cast(),
+                err.len(),
+            )
+        };
+        check(rc, &err).map_err(|e| DeviceError::Launch { kernel, why: e.0 })
+    }
+
+    fn describe(&self) -> String {
+        format!("CUDA-on-CPU shim (schedule seed {})", self.seed)
+    }
+}

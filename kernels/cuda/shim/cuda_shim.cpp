@@ -2,8 +2,10 @@
 #include "cuda_shim.h"
 
 #include <stdio.h>
+#include <setjmp.h>
 #include <ucontext.h>
 
+#include <memory>
 #include <vector>
 
 namespace custody_shim {
@@ -15,15 +17,30 @@ constexpr size_t STACK_BYTES = 64 << 10;
 
 enum class State { Runnable, AtBarrier, Done };
 
+// Switching: a fiber is entered the first time through its ucontext (makecontext sets up its
+// stack), and from then on with _setjmp/_longjmp, which — unlike swapcontext — make no signal
+// mask system call (two per switch would dominate a launch's time).
 struct Fiber {
     ucontext_t ctx;
+    jmp_buf jb;
+    bool started = false;
     Ids ids;
     State state = State::Runnable;
-    std::vector<char> stack;
+    char* stack = nullptr;
 };
+
+// Fiber stacks, kept for the OS thread's later blocks and launches: allocated once, never
+// zeroed again (a block of 128 threads would otherwise clear 8 MiB before running).
+thread_local std::vector<std::unique_ptr<char[]>> stacks;
+
+char* stack_for(size_t i) {
+    while (stacks.size() <= i) stacks.emplace_back(new char[STACK_BYTES]);
+    return stacks[i].get();
+}
 
 struct Block {
     ucontext_t scheduler;
+    jmp_buf scheduler_jb;
     std::vector<Fiber> fibers;
     size_t running = 0;
     Body body = nullptr;
@@ -36,7 +53,19 @@ void trampoline() {
     block->body(block->body_ctx);
     Fiber& f = block->fibers[block->running];
     f.state = State::Done;
-    swapcontext(&f.ctx, &block->scheduler);
+    _longjmp(block->scheduler_jb, 1);
+}
+
+// Run fiber `f` until it reaches a barrier or returns.
+void resume(Block& b, Fiber& f) {
+    if (_setjmp(b.scheduler_jb) == 0) {
+        if (!f.started) {
+            f.started = true;
+            swapcontext(&b.scheduler, &f.ctx);
+        } else {
+            _longjmp(f.jb, 1);
+        }
+    }
 }
 
 uint64_t next(uint64_t* s) {
@@ -67,7 +96,7 @@ int run_block(Block& b, uint64_t* seed, char* err, size_t err_len) {
             if (f.state != State::Runnable) continue;
             b.running = order[k];
             current = &f.ids;
-            swapcontext(&b.scheduler, &f.ctx);
+            resume(b, f);
         }
         size_t done = 0, waiting = 0;
         for (auto& f : b.fibers) {
@@ -86,12 +115,12 @@ int run_block(Block& b, uint64_t* seed, char* err, size_t err_len) {
 }
 // A fiber that starts in the kernel body. Its own function: `getcontext` returns twice (as
 // `setjmp` does), so the launch loop's variables stay out of its frame.
-__attribute__((noinline)) void make_fiber(Fiber& f, Ids ids) {
+__attribute__((noinline)) void make_fiber(Fiber& f, Ids ids, char* stack) {
     f.ids = ids;
-    f.stack.resize(STACK_BYTES);
+    f.stack = stack;
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_stack.ss_sp = f.stack;
+    f.ctx.uc_stack.ss_size = STACK_BYTES;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, trampoline, 0);
 }
@@ -100,7 +129,7 @@ __attribute__((noinline)) void make_fiber(Fiber& f, Ids ids) {
 void syncthreads() {
     Fiber& f = block->fibers[block->running];
     f.state = State::AtBarrier;
-    swapcontext(&f.ctx, &block->scheduler);
+    if (_setjmp(f.jb) == 0) _longjmp(block->scheduler_jb, 1);
 }
 
 int launch(dim3 grid, dim3 blk, uint64_t seed, Body body, void* ctx, char* err, size_t err_len) {
@@ -117,7 +146,8 @@ int launch(dim3 grid, dim3 blk, uint64_t seed, Body body, void* ctx, char* err, 
                 for (unsigned tz = 0; tz < blk.z; tz++)
                     for (unsigned ty = 0; ty < blk.y; ty++)
                         for (unsigned tx = 0; tx < blk.x; tx++, i++)
-                            make_fiber(b.fibers[i], Ids{dim3(tx, ty, tz), dim3(bx, by, bz), blk, grid});
+                            make_fiber(b.fibers[i], Ids{dim3(tx, ty, tz), dim3(bx, by, bz), blk, grid},
+                                       stack_for(i));
                 Block* outer = block;
                 block = &b;
                 int rc = run_block(b, &s, err, err_len);

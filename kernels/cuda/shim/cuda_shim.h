@@ -4,7 +4,7 @@
 // barrier (`__syncthreads`), then all continue — in an order permuted by the launch's seed, so a
 // kernel whose result depends on thread order (a race) gives different results under different
 // seeds. A barrier that some threads of a block reach while others have exited is reported, as
-// is a stack overflow guard hit. `__shared__` is a static: one block at a time uses it (kernels
+// is a stack overflow guard hit. `__shared__` is a thread-local static: one block at a time uses it (kernels
 // must initialise it, as on a GPU).
 //
 // What it cannot show (the NVRTC compile tier and the GPU verification cover those): the GPU's
@@ -39,8 +39,16 @@ int launch(dim3 grid, dim3 block, uint64_t seed, Body body, void* ctx, char* err
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static
+// Per OS thread: blocks of launches made from different threads (parallel tests) must not
+// share it; within a thread, one block at a time runs.
+#define __shared__ static thread_local
 #define __syncthreads() custody_shim::syncthreads()
+
+static inline unsigned int __float_as_uint(float f) {
+    unsigned int u;
+    memcpy(&u, &f, 4);
+    return u;
+}
 
 static inline float __uint_as_float(unsigned int u) {
     float f;

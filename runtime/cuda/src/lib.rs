@@ -1,4 +1,6 @@
-//! CUDA device access for Custody's CUDA backend (in progress: the engine does not run on it yet).
+//! CUDA device access for Custody's CUDA backend: the kernels' sources, the [`Device`] boundary
+//! the CUDA forward pass (custody-engine's `cuda_forward`) runs against, and — feature `cuda` —
+//! [`CudaDevice`], a real GPU through cudarc. Knows no engine.
 //!
 //! # Spec
 //! - [`open`] answers whether this process can use a CUDA device, as a value: a build without the
@@ -7,6 +9,30 @@
 //!   never a panic (`cudarc` panics when its libraries are absent, so they are checked first).
 //! - [`KERNEL_SOURCES`] are the kernels of `kernels/cuda`, embedded: the same text the compile
 //!   tier (`scripts/nvrtc-check.py`) and the CPU execution tier (the shim) test.
+
+pub mod device;
+#[cfg(feature = "cuda")]
+mod driver;
+
+pub use device::{Arg, Device, DeviceError, DevicePtr, DeviceTags, Kernel, LaunchDims, Verdict};
+#[cfg(feature = "cuda")]
+pub use driver::CudaDevice;
+
+/// The kernels as one NVRTC translation unit: `custody.cuh`, then each `.cu` without its
+/// `#include "custody.cuh"` (NVRTC is given no include path at run time).
+pub fn module_source() -> String {
+    let mut out = String::new();
+    for (name, src) in KERNEL_SOURCES {
+        out.push_str(&format!("// ---- {name}\n"));
+        for line in src.lines() {
+            if line.trim() != "#include \"custody.cuh\"" && line.trim() != "#pragma once" {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
 
 /// The CUDA sources, by file name (`custody.cuh` is included by the `.cu` files).
 pub const KERNEL_SOURCES: [(&str, &str); 4] = [
@@ -110,6 +136,16 @@ mod tests {
         } else {
             assert!(matches!(e, CudaUnavailable::NotBuilt), "{e}");
             assert!(e.to_string().contains("--features cuda"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_module_source_is_one_unit() {
+        let m = module_source();
+        assert!(!m.contains("#include \"custody.cuh\""));
+        assert_eq!(m.matches("struct CustodyVerdict {").count(), 1);
+        for k in Kernel::ALL {
+            assert!(m.contains(k.name()), "{k:?}");
         }
     }
 

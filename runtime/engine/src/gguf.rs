@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use custody_kernels::DType;
 use memmap2::Mmap;
 
+pub mod write;
+
 const MAGIC: &[u8; 4] = b"GGUF";
 /// No GGUF tensor has more than 4 dimensions (ggml's `GGML_MAX_DIMS`).
 const MAX_DIMS: u32 = 4;

@@ -490,6 +490,33 @@ impl PagePool {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), IntegrityError> {
+        self.claim_slot_checked(layer, pr, slot, owner, check)?;
+        let p = pr.page as usize;
+        attention::write_kv_slot(
+            &mut self.k[layer],
+            &mut self.v[layer],
+            self.geom,
+            p,
+            slot,
+            k,
+            v,
+        );
+        Ok(())
+    }
+
+    /// The write's tag check and its effect on the tags, without the data: `slot` of page `pr`
+    /// at `layer` becomes written for `owner` (in-band stamp set, `filled` advanced) if the
+    /// write may land — the same rules as [`PagePool::write_slot_checked`], which calls it. A
+    /// device backend calls it for each row before its KV-write kernel stores the bytes in the
+    /// device pool (the bytes of this pool are then unused).
+    pub fn claim_slot_checked(
+        &mut self,
+        layer: usize,
+        pr: PageRef,
+        slot: usize,
+        owner: u64,
+        check: TagCheck,
+    ) -> Result<(), IntegrityError> {
         let p = pr.page as usize;
         if p >= self.n_pages {
             return Err(IntegrityError::PageOutOfRange {
@@ -524,15 +551,6 @@ impl PagePool {
         }
         self.stamp_owner[p] = owner;
         self.stamp_generation[p] = pr.generation;
-        attention::write_kv_slot(
-            &mut self.k[layer],
-            &mut self.v[layer],
-            self.geom,
-            p,
-            slot,
-            k,
-            v,
-        );
         self.filled[layer][p] = slot as u32 + 1;
         Ok(())
     }

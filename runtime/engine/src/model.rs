@@ -121,35 +121,35 @@ impl ModelConfig {
 
 /// A weight matrix located in the GGUF map.
 #[derive(Clone, Debug)]
-struct Mat {
-    name: String,
-    dtype: DType,
-    rows: usize,
-    cols: usize,
+pub(crate) struct Mat {
+    pub(crate) name: String,
+    pub(crate) dtype: DType,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
 }
 
 #[derive(Debug)]
-struct Layer {
-    attn_norm: Vec<f32>,
-    wq: Mat,
-    wk: Mat,
-    wv: Mat,
-    wo: Mat,
-    ffn_norm: Vec<f32>,
-    w_gate: Mat,
-    w_up: Mat,
-    w_down: Mat,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) wq: Mat,
+    pub(crate) wk: Mat,
+    pub(crate) wv: Mat,
+    pub(crate) wo: Mat,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) w_gate: Mat,
+    pub(crate) w_up: Mat,
+    pub(crate) w_down: Mat,
 }
 
 /// A loaded model. Weights stay in the memory map.
 #[derive(Debug)]
 pub struct Model {
-    gguf: Gguf,
+    pub(crate) gguf: Gguf,
     pub config: ModelConfig,
-    tok_embd: Mat,
-    output: Mat,
-    output_norm: Vec<f32>,
-    layers: Vec<Layer>,
+    pub(crate) tok_embd: Mat,
+    pub(crate) output: Mat,
+    pub(crate) output_norm: Vec<f32>,
+    pub(crate) layers: Vec<Layer>,
 }
 
 /// Which logits a segment wants back.
@@ -278,6 +278,13 @@ impl Model {
     /// The GGUF file the model was loaded from (its metadata carries the tokenizer).
     pub fn gguf(&self) -> &Gguf {
         &self.gguf
+    }
+
+    pub(crate) fn tensor_bytes(&self, m: &Mat) -> &[u8] {
+        self.gguf
+            .tensor(&m.name)
+            .unwrap_or_else(|e| unreachable!("validated at load: {e}"))
+            .1
     }
 
     fn qm(&self, m: &Mat) -> QMatrix<'_> {

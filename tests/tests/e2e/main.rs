@@ -4,6 +4,7 @@ mod audit;
 mod checkpoint;
 mod cli;
 mod cuda_compile;
+mod cuda_forward;
 mod cuda_kernels;
 mod disagg;
 mod gguf_corruption;

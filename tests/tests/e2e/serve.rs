@@ -161,8 +161,9 @@ impl TestServer {
             .unwrap_or_else(|| panic!("metric {name} not in:\n{text}"))
     }
 
-    /// SIGTERM's path: drain, stop the engine, seal the log. Returns the audit root.
-    fn stop(mut self) -> PathBuf {
+    /// SIGTERM's path: drain, stop the engine, seal the log. Returns the audit root (kept on
+    /// disk while the returned value lives).
+    fn stop(mut self) -> Sealed {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -178,7 +179,23 @@ impl TestServer {
         let r = digest::verify(&audit, None, None, None);
         assert!(r.ok(), "audit verify: {:?}", r.problems);
         assert!(r.live_segments.is_empty(), "everything sealed at shutdown");
-        audit
+        Sealed {
+            audit,
+            _root: self.root,
+        }
+    }
+}
+
+/// A stopped server's sealed audit root; its temporary directory lives as long as this does.
+struct Sealed {
+    audit: PathBuf,
+    _root: crate::audit::TmpDir,
+}
+
+impl std::ops::Deref for Sealed {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.audit
     }
 }
 

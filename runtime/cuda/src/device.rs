@@ -1,0 +1,252 @@
+//! The device boundary the CUDA forward pass runs against: memory, copies and kernel launches,
+//! with device addresses as plain numbers. Two implementations: [`crate::CudaDevice`] (a real
+//! GPU through cudarc, feature `cuda`) and the test crate's CUDA-on-CPU shim, which runs the
+//! same kernel sources on the host — so the forward pass's host code is the same on both.
+//!
+//! # Spec
+//! - A [`DevicePtr`] is an address in the device's memory; the host never dereferences one.
+//!   Allocations are plain device memory ([`Device::alloc_zeroed`]; never managed memory).
+//! - [`Device::launch`] takes the kernel's arguments in its C signature's order, each as the
+//!   [`Arg`] variant of its C type; the implementation checks the count against [`Kernel::arity`].
+//! - Launches are ordered: a download sees every launch before it (one stream).
+
+use custody_kernels::attention::{IntegrityError, PageRef};
+
+/// An address in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// `self + bytes`.
+    pub fn offset(self, bytes: u64) -> DevicePtr {
+        DevicePtr(self.0 + bytes)
+    }
+}
+
+/// `CustodyTags` (kernels/cuda/custody.cuh): the pool's page tags on the device, one layer's
+/// `filled`. Layout-identical to the C struct (passed by value to the attention kernels).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceTags {
+    pub generation: u64,
+    pub owner: u64,
+    pub filled: u64,
+    pub stamp_owner: u64,
+    pub stamp_generation: u64,
+    pub n_pages: u32,
+}
+
+/// `CustodyVerdict`: `code` 0 = may read, else `IntegrityError`'s variant index + 1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Verdict {
+    pub code: u32,
+    pub page: u32,
+    pub a: u64,
+    pub b: u64,
+}
+
+impl Verdict {
+    /// The CPU check's error this verdict encodes (`None`: the request may read), for a request
+    /// with `block_table` attending `n_ctx` slots — the inverse of the kernels' encoding.
+    pub fn to_error(&self, block_table: &[PageRef], n_ctx: usize) -> Option<IntegrityError> {
+        let generation = || {
+            block_table
+                .iter()
+                .find(|pr| pr.page == self.page)
+                .map_or(0, |pr| pr.generation)
+        };
+        Some(match self.code {
+            0 => return None,
+            1 => IntegrityError::PageOutOfRange {
+                page: self.page,
+                n_pages: self.a as usize,
+            },
+            2 => IntegrityError::BlockTableTooShort {
+                have: self.a as usize,
+                need: self.b as usize,
+                n_ctx,
+            },
+            3 => IntegrityError::StaleGeneration {
+                page: self.page,
+                expected: self.a as u32,
+                found: self.b as u32,
+            },
+            4 => IntegrityError::ForeignOwner {
+                page: self.page,
+                generation: generation(),
+                expected: self.a,
+                found: self.b,
+            },
+            5 => IntegrityError::UnwrittenSlot {
+                page: self.page,
+                generation: self.b as u32,
+                slot: self.a as u32,
+                filled: self.a as u32,
+            },
+            // 6 is the write side's `OutOfOrderWrite`: checked by the host, never by a kernel.
+            _ => IntegrityError::InBandMismatch {
+                page: self.page,
+                generation: generation(),
+                stamp_owner: self.a,
+                stamp_generation: self.b as u32,
+            },
+        })
+    }
+}
+
+/// One kernel argument, as its C type.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(DevicePtr),
+    U32(u32),
+    U64(u64),
+    F32(f32),
+    Tags(DeviceTags),
+}
+
+/// Grid and block dimensions of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchDims {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+}
+
+impl LaunchDims {
+    /// A 1-D block of `threads` over a 2-D grid.
+    pub fn grid2(x: u32, y: u32, threads: u32) -> Self {
+        Self {
+            grid: [x, y, 1],
+            block: [threads, 1, 1],
+        }
+    }
+}
+
+macro_rules! kernels {
+    ($($variant:ident = $name:literal, $arity:literal;)*) => {
+        /// The kernels of `kernels/cuda` the host launches, by their `extern "C"` names.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Kernel { $($variant),* }
+
+        impl Kernel {
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant),*];
+
+            /// The kernel's symbol in the module.
+            pub fn name(self) -> &'static str {
+                match self { $(Kernel::$variant => $name),* }
+            }
+
+            /// How many arguments its C signature takes.
+            pub fn arity(self) -> usize {
+                match self { $(Kernel::$variant => $arity),* }
+            }
+        }
+    };
+}
+
+kernels! {
+    Embed = "custody_embed", 5;
+    RmsNorm = "custody_rms_norm", 5;
+    Matvec = "custody_matvec", 6;
+    Rope = "custody_rope", 6;
+    KvWrite = "custody_kv_write", 9;
+    PagedAttentionDecode = "custody_paged_attention_decode", 15;
+    TagCheck = "custody_tag_check", 8;
+    Add = "custody_add", 3;
+    Swiglu = "custody_swiglu", 3;
+    Softmax = "custody_softmax", 2;
+    PageChecksum = "custody_page_checksum", 5;
+    CopyChunks = "custody_copy_chunks", 5;
+}
+
+/// What a device operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("device out of memory: {bytes} bytes requested")]
+    OutOfMemory { bytes: usize },
+    #[error("{kernel:?} takes {expected} arguments, {got} given")]
+    Arity {
+        kernel: Kernel,
+        expected: usize,
+        got: usize,
+    },
+    #[error("kernel {kernel:?} failed: {why}")]
+    Launch { kernel: Kernel, why: String },
+    #[error("device: {0}")]
+    Driver(String),
+}
+
+/// A CUDA device as the forward pass sees it.
+pub trait Device: std::fmt::Debug + Send {
+    /// `bytes` of plain device memory, zeroed.
+    fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError>;
+    /// Copy `src` to `dst` (which names at least `src.len()` bytes of one allocation).
+    fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError>;
+    /// Copy `dst.len()` bytes from `src`, after every launch before it has finished.
+    fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError>;
+    /// Run `kernel` over `dims` with `args` (in its C signature's order).
+    fn launch(&mut self, kernel: Kernel, dims: LaunchDims, args: &[Arg])
+    -> Result<(), DeviceError>;
+    /// What the device is, for the startup log line.
+    fn describe(&self) -> String;
+}
+
+/// Plain-old-data values uploaded as bytes (little-endian hosts and devices: x86-64, CUDA).
+pub fn bytes_of<T: Pod>(v: &[T]) -> &[u8] {
+    // SAFETY: `T: Pod` has no padding and no invalid bit patterns; the slice is live for the
+    // returned lifetime and `size_of_val` is its exact length in bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// [`bytes_of`] for writing: downloads into typed buffers.
+pub fn bytes_of_mut<T: Pod>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as `bytes_of`; every bit pattern is a valid `T`, so any bytes written are too.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// Types whose every bit pattern is valid and that have no padding.
+///
+/// # Safety
+/// Implement only for such types.
+pub unsafe trait Pod: Copy {}
+// SAFETY: primitive integers and floats: no padding, every bit pattern valid.
+unsafe impl Pod for u8 {}
+// SAFETY: as above.
+unsafe impl Pod for u16 {}
+// SAFETY: as above.
+unsafe impl Pod for u32 {}
+// SAFETY: as above.
+unsafe impl Pod for u64 {}
+// SAFETY: as above.
+unsafe impl Pod for f32 {}
+// SAFETY: `repr(C)` u32, u32, u64, u64: no padding (offsets 0, 4, 8, 16), every pattern valid.
+unsafe impl Pod for Verdict {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_table_names_each_kernel_once_and_in_the_sources() {
+        let all: String = crate::KERNEL_SOURCES.iter().map(|(_, s)| *s).collect();
+        let mut names = std::collections::BTreeSet::new();
+        for k in Kernel::ALL {
+            assert!(names.insert(k.name()), "{k:?} twice");
+            let decl = format!("__global__ void {}(", k.name());
+            let at = all
+                .find(&decl)
+                .unwrap_or_else(|| panic!("{decl} not in the sources"));
+            // Arity: the parameter list's commas up to its closing parenthesis.
+            let params = &all[at + decl.len()..];
+            let params = &params[..params.find(')').expect("closing parenthesis")];
+            assert_eq!(params.matches(',').count() + 1, k.arity(), "{k:?}");
+        }
+    }
+
+    #[test]
+    fn the_tags_and_verdict_layouts_are_the_c_ones() {
+        assert_eq!(std::mem::size_of::<Verdict>(), 24);
+        assert_eq!(std::mem::size_of::<DeviceTags>(), 48);
+        assert_eq!(std::mem::offset_of!(DeviceTags, n_pages), 40);
+    }
+}

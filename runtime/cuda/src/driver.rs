@@ -1,0 +1,197 @@
+//! [`CudaDevice`]: a real GPU through cudarc (feature `cuda`). The kernels are compiled once at
+//! open with NVRTC for the device's own architecture, from [`crate::KERNEL_SOURCES`], and every
+//! launch goes to one stream.
+//!
+//! Not run on a GPU yet (no device was lent to this project's sessions): it compiles and lints
+//! in CI, and `open` without a driver is a typed error there. `scripts/gpu-check.sh` is the
+//! prepared first run on a GPU.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result, sys};
+
+use crate::device::{Arg, Device, DeviceError, DevicePtr, Kernel, LaunchDims};
+use crate::{CudaUnavailable, module_source};
+
+/// An opened CUDA device with Custody's kernels loaded.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<Kernel, CudaFunction>,
+    name: String,
+    arch: &'static str,
+    allocations: Vec<sys::CUdeviceptr>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the context, stream and functions are driver handles usable from any thread once the
+// context is bound to it; every method binds it first (`bind`).
+unsafe impl Send for CudaDevice {}
+
+fn driver(e: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Driver(e.to_string())
+}
+
+impl CudaDevice {
+    /// Open device `ordinal` (after [`crate::open`]'s library checks) and compile the kernels.
+    pub fn open(ordinal: usize) -> Result<Self, CudaUnavailable> {
+        crate::open(ordinal)?;
+        let no_device = |why: String| CudaUnavailable::NoDevice { ordinal, why };
+        let ctx = CudaContext::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| no_device(e.to_string()))?;
+        // NVRTC wants a `'static` architecture name: one per process and device, leaked once.
+        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some(arch),
+            // No contraction: a*b+c stays two roundings, as on the CPU backend.
+            fmad: Some(false),
+            options: vec!["-std=c++17".into(), "-default-device".into()],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(module_source(), opts)
+            .map_err(|e| no_device(format!("NVRTC: {e}")))?;
+        let module = ctx.load_module(ptx).map_err(|e| no_device(e.to_string()))?;
+        let mut functions = HashMap::new();
+        for &k in Kernel::ALL {
+            let f = module
+                .load_function(k.name())
+                .map_err(|e| no_device(format!("{}: {e}", k.name())))?;
+            functions.insert(k, f);
+        }
+        let name = ctx.name().map_err(|e| no_device(e.to_string()))?;
+        Ok(Self {
+            stream: ctx.default_stream(),
+            ctx,
+            functions,
+            name,
+            arch,
+            allocations: Vec::new(),
+        })
+    }
+
+    fn bind(&self) -> Result<(), DeviceError> {
+        self.ctx.bind_to_thread().map_err(driver)
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.bind().is_err() {
+            return;
+        }
+        for &p in &self.allocations {
+            // SAFETY: `p` came from `malloc_sync` on this context and is freed once, here.
+            let _ = unsafe { result::free_sync(p) };
+        }
+    }
+}
+
+/// Storage for one kernel argument while its launch is queued: the largest is `DeviceTags`.
+type ArgSlot = [u64; 6];
+
+fn store(a: &Arg) -> ArgSlot {
+    let mut s = [0u64; 6];
+    match *a {
+        Arg::Ptr(p) => s[0] = p.0,
+        Arg::U32(v) => s[0] = v.into(),
+        Arg::U64(v) => s[0] = v,
+        Arg::F32(v) => s[0] = v.to_bits().into(),
+        Arg::Tags(t) => {
+            s = [
+                t.generation,
+                t.owner,
+                t.filled,
+                t.stamp_owner,
+                t.stamp_generation,
+                t.n_pages.into(),
+            ]
+        }
+    }
+    s
+}
+
+impl Device for CudaDevice {
+    fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        self.bind()?;
+        // SAFETY: a plain device allocation of `bytes` (never managed memory), zeroed before
+        // use; freed in `Drop`.
+        let p = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(|_| DeviceError::OutOfMemory { bytes })?;
+        self.allocations.push(p);
+        // SAFETY: `p` names `bytes` bytes of this context's memory.
+        unsafe { result::memset_d8_sync(p, 0, bytes) }.map_err(driver)?;
+        Ok(DevicePtr(p))
+    }
+
+    fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.bind()?;
+        self.stream.synchronize().map_err(driver)?;
+        // SAFETY: the caller's contract: `dst` names at least `src.len()` bytes of an allocation.
+        unsafe { result::memcpy_htod_sync(dst.0, src) }.map_err(driver)
+    }
+
+    fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.bind()?;
+        self.stream.synchronize().map_err(driver)?;
+        // SAFETY: as `upload`, the other way.
+        unsafe { result::memcpy_dtoh_sync(dst, src.0) }.map_err(driver)
+    }
+
+    fn launch(
+        &mut self,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &[Arg],
+    ) -> Result<(), DeviceError> {
+        if args.len() != kernel.arity() {
+            return Err(DeviceError::Arity {
+                kernel,
+                expected: kernel.arity(),
+                got: args.len(),
+            });
+        }
+        self.bind()?;
+        let f = &self.functions[&kernel];
+        let mut slots: Vec<ArgSlot> = args.iter().map(store).collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr().cast::<c_void>())
+            .collect();
+        let [gx, gy, gz] = dims.grid;
+        let [bx, by, bz] = dims.block;
+        // SAFETY: `f` is a function of the loaded module; `params` holds one pointer per C
+        // parameter (the arity is checked above), each to storage of at least that parameter's
+        // size that lives until the launch has read it (cuLaunchKernel copies parameters before
+        // it returns); the device pointers are the caller's allocations.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                (gx, gy, gz),
+                (bx, by, bz),
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| DeviceError::Launch {
+            kernel,
+            why: e.to_string(),
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("CUDA device {} ({})", self.name, self.arch)
+    }
+}

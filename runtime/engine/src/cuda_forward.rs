@@ -1,0 +1,692 @@
+//! The forward pass on a CUDA device ([`custody_cuda::Device`]): the same batch of segments,
+//! the same results and the same tag rules as [`Model::forward`], with the weights, the
+//! activations and the K/V bytes in device memory and every step a kernel of `kernels/cuda`.
+//!
+//! # Spec
+//! - The host [`PagePool`] stays the one authority on tags (allocation, generations, owners,
+//!   written slots, in-band stamps): a row's KV write is claimed on it first
+//!   ([`PagePool::claim_slot_checked`], the CPU write's own check), and only claimed rows are
+//!   stored by the KV-write kernel; the pool's tags are then uploaded and the attention kernel
+//!   checks every page of each row's block table against them *before it reads a slot* — a
+//!   failing segment gets its [`IntegrityError`] instead of logits, as on the CPU. The pool's
+//!   host K/V bytes are not used.
+//! - The K/V bytes live in one plain device allocation ([`DeviceKv`]), sized once from the
+//!   pool's page count (the engine's memory budget): `[layer][K|V][page][kv_head][slot][dim]`
+//!   f16 — the CPU pool's page layout.
+//! - The incident reproduction's disabled tag check exists only on the CPU backend: a segment
+//!   asking for it here is refused (`TagCheckRequired`).
+//! - Numerics: f32 activations throughout (the CPU quantizes activations to Q8 for quantized
+//!   weights), no contraction; logits agree with the CPU's within a stated tolerance, not bit
+//!   for bit (`e2e::cuda_forward`).
+
+use custody_cuda::device::{bytes_of, bytes_of_mut};
+use custody_cuda::{Arg, Device, DeviceError, DevicePtr, DeviceTags, Kernel, LaunchDims, Verdict};
+use custody_kernels::DType;
+use custody_kernels::attention::{IntegrityError, TagCheck};
+
+use crate::kv::PagePool;
+use crate::model::{Logits, Mat, Model, ModelConfig, Segment};
+
+/// Threads per block of the row kernels (`CUSTODY_OPS_THREADS`, `CUSTODY_ATT_THREADS`).
+const THREADS: u32 = 128;
+/// `CUSTODY_NO_PAGE`: a row the KV-write kernel skips.
+const NO_PAGE: u32 = u32::MAX;
+/// `CUSTODY_ATT_MAX_CTX`: the longest context the attention kernel holds scores for.
+pub const MAX_CONTEXT: usize = 8192;
+
+/// Why the CUDA forward pass could not run (distinct from a segment's integrity failure).
+#[derive(Debug, thiserror::Error)]
+pub enum CudaForwardError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error("context {n_ctx} exceeds the CUDA attention kernel's {MAX_CONTEXT} slots")]
+    ContextTooLong { n_ctx: usize },
+    #[error("batch of {rows} rows exceeds the {max_rows} this backend was sized for")]
+    BatchTooLarge { rows: usize, max_rows: usize },
+    #[error(
+        "the tag check cannot be disabled on the CUDA backend (the incident reproduction is CPU-only)"
+    )]
+    TagCheckRequired,
+}
+
+/// A weight matrix on the device: its GGUF bytes as they are in the file.
+#[derive(Debug, Clone, Copy)]
+struct DevMat {
+    ptr: DevicePtr,
+    dtype: u32,
+    rows: u32,
+    cols: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct DevLayer {
+    attn_norm: DevicePtr,
+    wq: DevMat,
+    wk: DevMat,
+    wv: DevMat,
+    wo: DevMat,
+    ffn_norm: DevicePtr,
+    w_gate: DevMat,
+    w_up: DevMat,
+    w_down: DevMat,
+}
+
+/// The device page pool: K and V of every layer in one allocation, plus the tag arrays the
+/// attention kernel checks (uploaded from the host pool before each layer's attention).
+#[derive(Debug)]
+struct DeviceKv {
+    k: Vec<DevicePtr>,
+    v: Vec<DevicePtr>,
+    generation: DevicePtr,
+    owner: DevicePtr,
+    filled: DevicePtr,
+    stamp_owner: DevicePtr,
+    stamp_generation: DevicePtr,
+    n_pages: u32,
+}
+
+/// Activation and per-row buffers, sized for `max_rows` rows (addresses: `Copy`, so that a
+/// launch can borrow the device while the addresses are in hand).
+#[derive(Debug, Clone, Copy)]
+struct Buffers {
+    x: DevicePtr,
+    xn: DevicePtr,
+    q: DevicePtr,
+    k: DevicePtr,
+    v: DevicePtr,
+    att: DevicePtr,
+    tmp: DevicePtr,
+    gate: DevicePtr,
+    up: DevicePtr,
+    logits: DevicePtr,
+    tokens: DevicePtr,
+    positions: DevicePtr,
+    write_pages: DevicePtr,
+    write_slots: DevicePtr,
+    tables: DevicePtr,
+    table_off: DevicePtr,
+    table_len: DevicePtr,
+    n_ctx: DevicePtr,
+    owners: DevicePtr,
+    verdicts: DevicePtr,
+    /// Block-table entries the `tables` buffer holds.
+    table_capacity: usize,
+}
+
+/// The model on a device, ready to run batches.
+#[derive(Debug)]
+pub struct CudaForward<D: Device> {
+    dev: D,
+    config: ModelConfig,
+    page_size: usize,
+    max_rows: usize,
+    tok_embd: DevMat,
+    output: DevMat,
+    output_norm: DevicePtr,
+    layers: Vec<DevLayer>,
+    kv: DeviceKv,
+    bufs: Buffers,
+}
+
+/// `CustodyDType` in kernels/cuda/ops.cu. Exhaustive: a weight type the engine gains without
+/// a CUDA kernel does not compile here.
+fn dtype_code(m: &Mat) -> u32 {
+    match m.dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Q4_0 => 2,
+        DType::Q4_1 => 3,
+        DType::Q8_0 => 4,
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    bytes_of(v)
+}
+
+impl<D: Device> CudaForward<D> {
+    /// Upload `model`'s weights and size the device pool for `pool` (its page count and
+    /// geometry) and batches of up to `max_rows` rows.
+    pub fn new(
+        mut dev: D,
+        model: &Model,
+        pool: &PagePool,
+        max_rows: usize,
+    ) -> Result<Self, CudaForwardError> {
+        assert!(max_rows > 0);
+        let c = model.config.clone();
+        let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
+            let dtype = dtype_code(m);
+            let bytes = model.tensor_bytes(m);
+            let ptr = dev.alloc_zeroed(bytes.len())?;
+            dev.upload(ptr, bytes)?;
+            Ok(DevMat {
+                ptr,
+                dtype,
+                rows: m.rows as u32,
+                cols: m.cols as u32,
+            })
+        };
+        let upload_vec = |dev: &mut D, v: &[f32]| -> Result<DevicePtr, CudaForwardError> {
+            let ptr = dev.alloc_zeroed(v.len() * 4)?;
+            dev.upload(ptr, f32_bytes(v))?;
+            Ok(ptr)
+        };
+        let tok_embd = upload_mat(&mut dev, &model.tok_embd)?;
+        let output = if model.output.name == model.tok_embd.name {
+            tok_embd
+        } else {
+            upload_mat(&mut dev, &model.output)?
+        };
+        let output_norm = upload_vec(&mut dev, &model.output_norm)?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for l in &model.layers {
+            layers.push(DevLayer {
+                attn_norm: upload_vec(&mut dev, &l.attn_norm)?,
+                wq: upload_mat(&mut dev, &l.wq)?,
+                wk: upload_mat(&mut dev, &l.wk)?,
+                wv: upload_mat(&mut dev, &l.wv)?,
+                wo: upload_mat(&mut dev, &l.wo)?,
+                ffn_norm: upload_vec(&mut dev, &l.ffn_norm)?,
+                w_gate: upload_mat(&mut dev, &l.w_gate)?,
+                w_up: upload_mat(&mut dev, &l.w_up)?,
+                w_down: upload_mat(&mut dev, &l.w_down)?,
+            });
+        }
+        let kv = Self::alloc_kv(&mut dev, pool, c.n_layers)?;
+        let bufs = Self::alloc_buffers(&mut dev, &c, max_rows, 1024)?;
+        Ok(Self {
+            dev,
+            page_size: pool.page_size(),
+            config: c,
+            max_rows,
+            tok_embd,
+            output,
+            output_norm,
+            layers,
+            kv,
+            bufs,
+        })
+    }
+
+    /// The device pool: one allocation for every layer's K and V.
+    fn alloc_kv(dev: &mut D, pool: &PagePool, n_layers: usize) -> Result<DeviceKv, DeviceError> {
+        let n_pages = pool.n_pages();
+        let part_bytes = (n_pages * pool.geometry().page_elems() * 2) as u64;
+        let all = dev.alloc_zeroed((part_bytes as usize) * 2 * n_layers)?;
+        let part = |i: usize| all.offset(part_bytes * i as u64);
+        Ok(DeviceKv {
+            k: (0..n_layers).map(|l| part(2 * l)).collect(),
+            v: (0..n_layers).map(|l| part(2 * l + 1)).collect(),
+            generation: dev.alloc_zeroed(n_pages * 4)?,
+            owner: dev.alloc_zeroed(n_pages * 8)?,
+            filled: dev.alloc_zeroed(n_pages * 4)?,
+            stamp_owner: dev.alloc_zeroed(n_pages * 8)?,
+            stamp_generation: dev.alloc_zeroed(n_pages * 4)?,
+            n_pages: n_pages as u32,
+        })
+    }
+
+    fn alloc_buffers(
+        dev: &mut D,
+        c: &ModelConfig,
+        rows: usize,
+        table_capacity: usize,
+    ) -> Result<Buffers, DeviceError> {
+        let qd = c.n_heads * c.head_dim;
+        let mut f = |elems: usize| dev.alloc_zeroed(elems * 4);
+        Ok(Buffers {
+            x: f(rows * c.dim)?,
+            xn: f(rows * c.dim)?,
+            q: f(rows * qd)?,
+            k: f(rows * c.kv_dim())?,
+            v: f(rows * c.kv_dim())?,
+            att: f(rows * qd)?,
+            tmp: f(rows * c.dim)?,
+            gate: f(rows * c.ffn_dim)?,
+            up: f(rows * c.ffn_dim)?,
+            logits: f(rows * c.vocab_size)?,
+            tokens: f(rows)?,
+            positions: f(rows)?,
+            write_pages: f(rows)?,
+            write_slots: f(rows)?,
+            tables: f(table_capacity * 2)?,
+            table_off: f(rows)?,
+            table_len: f(rows)?,
+            n_ctx: f(rows)?,
+            owners: f(rows * 2)?,
+            verdicts: f(rows * 6)?,
+            table_capacity,
+        })
+    }
+
+    /// What the backend runs on, for the startup log line.
+    pub fn describe(&self) -> String {
+        self.dev.describe()
+    }
+
+    fn launch(&mut self, k: Kernel, dims: LaunchDims, args: &[Arg]) -> Result<(), DeviceError> {
+        self.dev.launch(k, dims, args)
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: DevicePtr,
+        w: DevicePtr,
+        out: DevicePtr,
+        rows: usize,
+    ) -> Result<(), DeviceError> {
+        let c = &self.config;
+        let args = [
+            Arg::Ptr(x),
+            Arg::Ptr(w),
+            Arg::F32(c.rms_eps),
+            Arg::U32(c.dim as u32),
+            Arg::Ptr(out),
+        ];
+        self.launch(
+            Kernel::RmsNorm,
+            LaunchDims::grid2(rows as u32, 1, THREADS),
+            &args,
+        )
+    }
+
+    fn matvec(
+        &mut self,
+        m: DevMat,
+        x: DevicePtr,
+        out: DevicePtr,
+        rows: usize,
+    ) -> Result<(), DeviceError> {
+        let args = [
+            Arg::Ptr(m.ptr),
+            Arg::U32(m.dtype),
+            Arg::U32(m.rows),
+            Arg::U32(m.cols),
+            Arg::Ptr(x),
+            Arg::Ptr(out),
+        ];
+        self.launch(
+            Kernel::Matvec,
+            LaunchDims::grid2(m.rows, rows as u32, THREADS),
+            &args,
+        )
+    }
+
+    fn rope(&mut self, x: DevicePtr, heads: usize, rows: usize) -> Result<(), DeviceError> {
+        let c = &self.config;
+        let args = [
+            Arg::Ptr(x),
+            Arg::Ptr(self.bufs.positions),
+            Arg::U32(heads as u32),
+            Arg::U32(c.head_dim as u32),
+            Arg::U32(c.rope_dims as u32),
+            Arg::F32(c.rope_base),
+        ];
+        self.launch(
+            Kernel::Rope,
+            LaunchDims::grid2(rows as u32, 1, THREADS),
+            &args,
+        )
+    }
+
+    fn elementwise(
+        &mut self,
+        k: Kernel,
+        a: DevicePtr,
+        b: DevicePtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        let blocks = n.div_ceil(THREADS as usize) as u32;
+        self.launch(
+            k,
+            LaunchDims::grid2(blocks, 1, THREADS),
+            &[Arg::Ptr(a), Arg::Ptr(b), Arg::U64(n as u64)],
+        )
+    }
+
+    fn upload_u32(&mut self, dst: DevicePtr, v: &[u32]) -> Result<(), DeviceError> {
+        self.dev.upload(dst, bytes_of(v))
+    }
+
+    /// The pool's tags for `layer`'s attention: generations, owners and stamps, and the
+    /// layer's written slots.
+    fn upload_tags(&mut self, pool: &PagePool, layer: usize) -> Result<DeviceTags, DeviceError> {
+        let t = pool.tags(layer);
+        let kv = &self.kv;
+        let (g, o, f, so, sg) = (
+            kv.generation,
+            kv.owner,
+            kv.filled,
+            kv.stamp_owner,
+            kv.stamp_generation,
+        );
+        self.dev.upload(g, bytes_of(t.generation))?;
+        self.dev.upload(o, bytes_of(t.owner))?;
+        self.dev.upload(f, bytes_of(t.filled))?;
+        self.dev.upload(so, bytes_of(t.stamp_owner))?;
+        self.dev.upload(sg, bytes_of(t.stamp_generation))?;
+        Ok(DeviceTags {
+            generation: g.0,
+            owner: o.0,
+            filled: f.0,
+            stamp_owner: so.0,
+            stamp_generation: sg.0,
+            n_pages: kv.n_pages,
+        })
+    }
+
+    /// Run a batch: per segment, its logits (`rows × vocab`, rows per [`Logits`]) or the
+    /// integrity error that failed it — [`Model::forward`]'s contract. `Err` only for a device
+    /// failure or a batch this backend cannot run (then no tag changed... except the claims of
+    /// rows already made: the engine aborts the batch's requests on such an error).
+    pub fn forward(
+        &mut self,
+        pool: &mut PagePool,
+        segments: &[Segment<'_>],
+    ) -> Result<Vec<Result<Vec<f32>, IntegrityError>>, CudaForwardError> {
+        let rows = Rows::of(segments);
+        let n = rows.positions.len();
+        assert!(n > 0, "forward: empty batch");
+        self.check_batch(segments, &rows)?;
+        let c = self.config.clone();
+        let dim = c.dim;
+        let tokens: Vec<u32> = segments
+            .iter()
+            .flat_map(|sg| sg.tokens.iter().copied())
+            .collect();
+        debug_assert!(
+            tokens.iter().all(|&t| (t as usize) < c.vocab_size),
+            "validated at admission"
+        );
+        let b = self.bufs.tokens;
+        self.upload_u32(b, &tokens)?;
+        let positions: Vec<u32> = rows.positions.iter().map(|&p| p as u32).collect();
+        let b = self.bufs.positions;
+        self.upload_u32(b, &positions)?;
+        self.upload_tables(segments, &rows)?;
+        let e = self.tok_embd;
+        let args = [
+            Arg::Ptr(e.ptr),
+            Arg::U32(e.dtype),
+            Arg::U32(e.cols),
+            Arg::Ptr(self.bufs.tokens),
+            Arg::Ptr(self.bufs.x),
+        ];
+        self.launch(
+            Kernel::Embed,
+            LaunchDims::grid2(n as u32, 1, THREADS),
+            &args,
+        )?;
+
+        let mut failed: Vec<Option<IntegrityError>> = vec![None; segments.len()];
+        let bf = self.bufs;
+        for li in 0..c.n_layers {
+            let l = self.layers[li];
+            self.rms_norm(bf.x, l.attn_norm, bf.xn, n)?;
+            self.matvec(l.wq, bf.xn, bf.q, n)?;
+            self.matvec(l.wk, bf.xn, bf.k, n)?;
+            self.matvec(l.wv, bf.xn, bf.v, n)?;
+            self.rope(bf.q, c.n_heads, n)?;
+            self.rope(bf.k, c.n_kv_heads, n)?;
+            self.write_kv(pool, li, segments, &rows, &mut failed)?;
+            self.attend(pool, li, segments, &rows, &mut failed)?;
+            self.matvec(l.wo, bf.att, bf.tmp, n)?;
+            self.elementwise(Kernel::Add, bf.x, bf.tmp, n * dim)?;
+            self.rms_norm(bf.x, l.ffn_norm, bf.xn, n)?;
+            self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
+            self.matvec(l.w_up, bf.xn, bf.up, n)?;
+            self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * c.ffn_dim)?;
+            self.matvec(l.w_down, bf.gate, bf.tmp, n)?;
+            self.elementwise(Kernel::Add, bf.x, bf.tmp, n * dim)?;
+        }
+        self.head(segments, &rows, failed)
+    }
+
+    fn check_batch(&self, segments: &[Segment<'_>], rows: &Rows) -> Result<(), CudaForwardError> {
+        let n = rows.positions.len();
+        if n > self.max_rows {
+            return Err(CudaForwardError::BatchTooLarge {
+                rows: n,
+                max_rows: self.max_rows,
+            });
+        }
+        for sg in segments {
+            if sg.check != TagCheck::Enforced {
+                return Err(CudaForwardError::TagCheckRequired);
+            }
+            let n_ctx = sg.start_pos + sg.tokens.len();
+            if n_ctx > MAX_CONTEXT {
+                return Err(CudaForwardError::ContextTooLong { n_ctx });
+            }
+        }
+        Ok(())
+    }
+
+    /// Each row's block table (its segment's), flattened, and the per-row table windows,
+    /// contexts and owners of the attention launch.
+    fn upload_tables(
+        &mut self,
+        segments: &[Segment<'_>],
+        rows: &Rows,
+    ) -> Result<(), CudaForwardError> {
+        let mut flat = Vec::new();
+        let mut seg_off = Vec::with_capacity(segments.len());
+        for sg in segments {
+            seg_off.push(flat.len() as u32 / 2);
+            for pr in sg.block_table {
+                flat.extend([pr.page, pr.generation]);
+            }
+        }
+        let entries = flat.len() / 2;
+        if entries > self.bufs.table_capacity {
+            let cap = entries.next_power_of_two();
+            self.bufs.tables = self.dev.alloc_zeroed(cap * 8)?;
+            self.bufs.table_capacity = cap;
+        }
+        let (mut off, mut len, mut n_ctx, mut owners) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (r, &si) in rows.segment.iter().enumerate() {
+            let sg = &segments[si];
+            off.push(seg_off[si]);
+            len.push(sg.block_table.len() as u32);
+            n_ctx.push(rows.positions[r] as u32 + 1);
+            owners.push(sg.owner);
+        }
+        let b = self.bufs;
+        self.upload_u32(b.tables, &flat)?;
+        self.upload_u32(b.table_off, &off)?;
+        self.upload_u32(b.table_len, &len)?;
+        self.upload_u32(b.n_ctx, &n_ctx)?;
+        self.dev.upload(b.owners, bytes_of(&owners))?;
+        Ok(())
+    }
+
+    /// Claim each live row's slot at `layer` on the host pool (the CPU write's check; a
+    /// segment whose claim fails is failed), then store the claimed rows' K/V on the device.
+    fn write_kv(
+        &mut self,
+        pool: &mut PagePool,
+        layer: usize,
+        segments: &[Segment<'_>],
+        rows: &Rows,
+        failed: &mut [Option<IntegrityError>],
+    ) -> Result<(), DeviceError> {
+        let ps = self.page_size;
+        let n = rows.positions.len();
+        let mut pages = vec![NO_PAGE; n];
+        let mut slots = vec![0u32; n];
+        for (si, sg) in segments.iter().enumerate() {
+            if failed[si].is_some() {
+                continue;
+            }
+            for r in rows.range(si) {
+                let pos = rows.positions[r];
+                let Some(&pr) = sg.block_table.get(pos / ps) else {
+                    failed[si] = Some(IntegrityError::BlockTableTooShort {
+                        have: sg.block_table.len(),
+                        need: pos / ps + 1,
+                        n_ctx: pos + 1,
+                    });
+                    break;
+                };
+                if let Err(e) = pool.claim_slot_checked(layer, pr, pos % ps, sg.owner, sg.check) {
+                    failed[si] = Some(e);
+                    break;
+                }
+                pages[r] = pr.page;
+                slots[r] = (pos % ps) as u32;
+            }
+        }
+        let b = self.bufs;
+        self.upload_u32(b.write_pages, &pages)?;
+        self.upload_u32(b.write_slots, &slots)?;
+        let c = &self.config;
+        let args = [
+            Arg::Ptr(b.k),
+            Arg::Ptr(b.v),
+            Arg::Ptr(b.write_pages),
+            Arg::Ptr(b.write_slots),
+            Arg::U32(c.n_kv_heads as u32),
+            Arg::U32(c.head_dim as u32),
+            Arg::U32(ps as u32),
+            Arg::Ptr(self.kv.k[layer]),
+            Arg::Ptr(self.kv.v[layer]),
+        ];
+        self.launch(
+            Kernel::KvWrite,
+            LaunchDims::grid2(n as u32, 1, THREADS),
+            &args,
+        )
+    }
+
+    /// Attention of every row over its segment's pages, the tag check inside the kernel; a
+    /// live segment whose rows get a failing verdict is failed with the CPU check's error.
+    fn attend(
+        &mut self,
+        pool: &PagePool,
+        layer: usize,
+        segments: &[Segment<'_>],
+        rows: &Rows,
+        failed: &mut [Option<IntegrityError>],
+    ) -> Result<(), DeviceError> {
+        let tags = self.upload_tags(pool, layer)?;
+        let n = rows.positions.len();
+        let b = self.bufs;
+        let c = &self.config;
+        let args = [
+            Arg::Ptr(b.q),
+            Arg::Ptr(self.kv.k[layer]),
+            Arg::Ptr(self.kv.v[layer]),
+            Arg::Ptr(b.tables),
+            Arg::Ptr(b.table_off),
+            Arg::Ptr(b.table_len),
+            Arg::Ptr(b.n_ctx),
+            Arg::Ptr(b.owners),
+            Arg::U32(c.n_heads as u32),
+            Arg::U32(c.n_kv_heads as u32),
+            Arg::U32(c.head_dim as u32),
+            Arg::U32(self.page_size as u32),
+            Arg::Tags(tags),
+            Arg::Ptr(b.att),
+            Arg::Ptr(b.verdicts),
+        ];
+        let heads = c.n_heads as u32;
+        let dims = LaunchDims::grid2(heads, n as u32, THREADS);
+        let mut verdicts = vec![Verdict::default(); n];
+        // Poisoned: a row the kernel did not report on reads as a failure, never as a pass.
+        verdicts.iter_mut().for_each(|v| v.code = u32::MAX);
+        self.dev.upload(b.verdicts, bytes_of(&verdicts))?;
+        self.launch(Kernel::PagedAttentionDecode, dims, &args)?;
+        self.dev.download(b.verdicts, bytes_of_mut(&mut verdicts))?;
+        for (si, sg) in segments.iter().enumerate() {
+            if failed[si].is_some() {
+                continue;
+            }
+            // The last row attends the segment's whole context: its verdict is the CPU
+            // check's over the segment; any earlier row's failure fails the segment too.
+            let range = rows.range(si);
+            let n_ctx = sg.start_pos + sg.tokens.len();
+            let last = &verdicts[range.end - 1];
+            let bad = std::iter::once(last)
+                .chain(&verdicts[range])
+                .find(|v| v.code != 0);
+            if let Some(v) = bad {
+                failed[si] = Some(v.to_error(sg.block_table, n_ctx).unwrap_or(
+                    IntegrityError::BlockTableTooShort {
+                        have: 0,
+                        need: 0,
+                        n_ctx,
+                    },
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The output head for the rows whose logits are wanted, downloaded per segment.
+    fn head(
+        &mut self,
+        segments: &[Segment<'_>],
+        rows: &Rows,
+        failed: Vec<Option<IntegrityError>>,
+    ) -> Result<Vec<Result<Vec<f32>, IntegrityError>>, CudaForwardError> {
+        let n = rows.positions.len();
+        let vocab = self.config.vocab_size;
+        let b = self.bufs;
+        let (norm, out) = (self.output_norm, self.output);
+        self.rms_norm(b.x, norm, b.xn, n)?;
+        self.matvec(out, b.xn, b.logits, n)?;
+        let mut results = Vec::with_capacity(segments.len());
+        for (si, (sg, f)) in segments.iter().zip(failed).enumerate() {
+            if let Some(e) = f {
+                results.push(Err(e));
+                continue;
+            }
+            let range = rows.range(si);
+            let wanted = match sg.logits {
+                Logits::None => range.end..range.end,
+                Logits::Last => range.end - 1..range.end,
+                Logits::All => range,
+            };
+            let mut l = vec![0.0f32; wanted.len() * vocab];
+            let at = b.logits.offset((wanted.start * vocab * 4) as u64);
+            if !l.is_empty() {
+                self.dev.download(at, bytes_of_mut(&mut l))?;
+            }
+            results.push(Ok(l));
+        }
+        Ok(results)
+    }
+}
+
+/// The batch's rows: each row's position and segment, in batch order.
+#[derive(Debug)]
+struct Rows {
+    positions: Vec<usize>,
+    segment: Vec<usize>,
+    /// First row of each segment, and one past the last row.
+    starts: Vec<usize>,
+}
+
+impl Rows {
+    fn of(segments: &[Segment<'_>]) -> Self {
+        let mut r = Rows {
+            positions: Vec::new(),
+            segment: Vec::new(),
+            starts: Vec::new(),
+        };
+        for (si, sg) in segments.iter().enumerate() {
+            r.starts.push(r.positions.len());
+            r.positions
+                .extend(sg.start_pos..sg.start_pos + sg.tokens.len());
+            r.segment.extend(std::iter::repeat_n(si, sg.tokens.len()));
+        }
+        r.starts.push(r.positions.len());
+        r
+    }
+
+    fn range(&self, si: usize) -> std::ops::Range<usize> {
+        self.starts[si]..self.starts[si + 1]
+    }
+}

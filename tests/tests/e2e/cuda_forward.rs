@@ -1,0 +1,307 @@
+//! The CUDA backend's forward pass end to end on the CUDA-on-CPU shim: synthetic Llama models
+//! (two layers, random weights in each GGUF type the engine reads) run through
+//! `custody_engine::cuda_forward::CudaForward` — every step a kernel of `kernels/cuda`, the
+//! K/V in the device pool, the tag check inside the attention kernel — give the CPU backend's
+//! logits within a stated tolerance and its greedy tokens wherever the top-2 margin is clear,
+//! under three schedule seeds (bit-identical across seeds: no races); a batch's integrity
+//! failures (stale, foreign, unwritten) are the CPU's, exactly, while the batch's other
+//! segments still get their logits.
+
+use custody_kernels::DType;
+use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, TagCheck};
+use custody_runtime::cuda_forward::CudaForward;
+use custody_runtime::gguf::Gguf;
+use custody_runtime::gguf::write::Synthetic;
+use custody_runtime::kv::PagePool;
+use custody_runtime::model::{Logits, Model, Scratch, Segment};
+use custody_tests::cuda_shim::ShimDevice;
+
+const SEEDS: [u64; 3] = [0, 0x9E37_79B9_7F4A_7C15, 0xD1B5_4A32_D192_ED03];
+const PAGE_SIZE: usize = 8;
+const N_PAGES: usize = 64;
+
+fn model(dtype: DType, seed: u64) -> Model {
+    let dir = crate::audit::tmp_dir(&format!("cuda-forward-{dtype:?}-{seed}"));
+    let path = dir.join("model.gguf");
+    Synthetic::tiny(dtype, seed)
+        .build()
+        .write(&path)
+        .expect("write");
+    Model::from_gguf(Gguf::open(&path).expect("gguf")).expect("model")
+}
+
+fn pool(m: &Model) -> PagePool {
+    PagePool::new(m.page_geometry(PAGE_SIZE), m.config.n_layers, N_PAGES)
+}
+
+/// One sequence's state, the same on both backends' pools (same allocation order).
+struct Seq {
+    owner: u64,
+    tokens: Vec<u32>,
+    pages: Vec<PageRef>,
+}
+
+fn segment<'a>(s: &'a Seq, start: usize, logits: Logits) -> Segment<'a> {
+    Segment {
+        tokens: &s.tokens[start..],
+        start_pos: start,
+        block_table: &s.pages,
+        owner: s.owner,
+        logits,
+        order: if s.tokens.len() - start >= 2 {
+            ReduceOrder::Gemm
+        } else {
+            ReduceOrder::Vec
+        },
+        check: TagCheck::Enforced,
+    }
+}
+
+fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+}
+
+fn argmax_and_margin(l: &[f32]) -> (usize, f32) {
+    let mut idx: Vec<usize> = (0..l.len()).collect();
+    idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
+    (idx[0], l[idx[0]] - l[idx[1]])
+}
+
+/// Largest |Δ| relative to the CPU logits' largest magnitude.
+fn rel_err(cpu: &[f32], gpu: &[f32]) -> f32 {
+    assert_eq!(cpu.len(), gpu.len());
+    let d = cpu
+        .iter()
+        .zip(gpu)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    d / max_abs(cpu).max(1e-6)
+}
+
+/// The float types' activations are f32 on both backends (only summation order differs); the
+/// quantized types' are Q8 on the CPU and f32 on the device.
+fn tolerance(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 | DType::F16 => 1e-3,
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 3e-2,
+    }
+}
+
+/// A prompt of two sequences batched together, then greedy decode steps, on both backends.
+/// Returns (worst relative error, greedy steps compared, steps that agreed, clear-margin
+/// steps that disagreed) and the device run's logits, for the cross-seed comparison.
+fn run(dtype: DType, shim_seed: u64) -> (f32, usize, usize, usize, Vec<f32>) {
+    let m = model(dtype, 7);
+    let mut cpu_pool = pool(&m);
+    let mut dev_pool = pool(&m);
+    let mut dev = CudaForward::new(ShimDevice::new(shim_seed), &m, &dev_pool, 64).expect("upload");
+    let mut scratch = Scratch::default();
+    let mut seqs = Vec::new();
+    for (owner, len) in [(11u64, 13usize), (12, 21)] {
+        let tokens: Vec<u32> = (0..len)
+            .map(|i| ((i * 37 + owner as usize * 5) % 256) as u32)
+            .collect();
+        let pages = cpu_pool.alloc(owner, 6).expect("cpu pages");
+        assert_eq!(dev_pool.alloc(owner, 6).expect("device pages"), pages);
+        seqs.push(Seq {
+            owner,
+            tokens,
+            pages,
+        });
+    }
+    let mut worst = 0.0f32;
+    let mut device_logits = Vec::new();
+    let (mut compared, mut agreed, mut clear_disagreements) = (0, 0, 0);
+    let mut start = vec![0usize; seqs.len()];
+    for step in 0..4 {
+        let logits = if step == 0 { Logits::All } else { Logits::Last };
+        let segs: Vec<Segment<'_>> = seqs
+            .iter()
+            .zip(&start)
+            .map(|(s, &st)| segment(s, st, logits))
+            .collect();
+        let cpu = m.forward(&mut cpu_pool, &segs, &mut scratch);
+        let gpu = dev.forward(&mut dev_pool, &segs).expect("device forward");
+        drop(segs);
+        let mut next = Vec::new();
+        for (c, g) in cpu.into_iter().zip(gpu) {
+            let (c, g) = (c.expect("cpu ok"), g.expect("device ok"));
+            worst = worst.max(rel_err(&c, &g));
+            let vocab = m.config.vocab_size;
+            let (ct, margin) = argmax_and_margin(&c[c.len() - vocab..]);
+            let (gt, _) = argmax_and_margin(&g[g.len() - vocab..]);
+            compared += 1;
+            if ct == gt {
+                agreed += 1;
+            } else if margin > 4.0 * tolerance(dtype) * max_abs(&c) {
+                clear_disagreements += 1;
+            }
+            device_logits.extend_from_slice(&g);
+            next.push(ct as u32);
+        }
+        for ((s, st), t) in seqs.iter_mut().zip(start.iter_mut()).zip(next) {
+            *st = s.tokens.len();
+            s.tokens.push(t);
+        }
+    }
+    (worst, compared, agreed, clear_disagreements, device_logits)
+}
+
+#[test]
+fn the_device_forward_pass_gives_the_cpu_logits_for_every_weight_type() {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ] {
+        let mut first: Option<Vec<f32>> = None;
+        for seed in SEEDS {
+            let (worst, compared, agreed, clear_bad, logits) = run(dtype, seed);
+            eprintln!(
+                "{dtype:?} seed {seed:#x}: max |Δlogit| / max |logit| = {worst:.2e}; greedy {agreed}/{compared} agree"
+            );
+            assert!(
+                worst <= tolerance(dtype),
+                "{dtype:?}: relative error {worst}"
+            );
+            assert_eq!(
+                clear_bad, 0,
+                "{dtype:?}: a clear-margin greedy token differs"
+            );
+            match &first {
+                None => first = Some(logits),
+                Some(f) => assert!(
+                    f.iter()
+                        .zip(&logits)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?}: logits differ between schedule seeds (a race)"
+                ),
+            }
+        }
+    }
+}
+
+/// A batch with a good segment and three bad ones: the bad ones fail with the CPU's errors,
+/// exactly; the good one's logits are unaffected.
+#[test]
+fn integrity_failures_on_the_device_are_the_cpus() {
+    let m = model(DType::Q8_0, 5);
+    let mut cpu_pool = pool(&m);
+    let mut dev_pool = pool(&m);
+    let mut dev = CudaForward::new(ShimDevice::new(SEEDS[1]), &m, &dev_pool, 64).expect("upload");
+    let mut scratch = Scratch::default();
+    let both =
+        |f: &mut dyn FnMut(&mut PagePool) -> Vec<PageRef>, a: &mut PagePool, b: &mut PagePool| {
+            let x = f(a);
+            assert_eq!(f(b), x);
+            x
+        };
+    let good = Seq {
+        owner: 1,
+        tokens: (0..10).collect(),
+        pages: both(
+            &mut |p| p.alloc(1, 2).expect("alloc"),
+            &mut cpu_pool,
+            &mut dev_pool,
+        ),
+    };
+    // Stale: pages released and handed to someone else; the old table is kept.
+    let stale_pages = both(
+        &mut |p| p.alloc(2, 2).expect("alloc"),
+        &mut cpu_pool,
+        &mut dev_pool,
+    );
+    for p in [&mut cpu_pool, &mut dev_pool] {
+        p.release(2, &stale_pages).expect("release");
+        p.alloc(3, 2).expect("realloc");
+    }
+    let stale = Seq {
+        owner: 2,
+        tokens: (0..4).collect(),
+        pages: stale_pages,
+    };
+    // Foreign: a table naming the good sequence's pages.
+    let foreign = Seq {
+        owner: 4,
+        tokens: (0..3).collect(),
+        pages: good.pages.clone(),
+    };
+    // Unwritten: decoding at position 8 (the second page's first slot, a valid write) over a
+    // first page nobody wrote — the attention kernel's check refuses it.
+    let unwritten = Seq {
+        owner: 5,
+        tokens: (0..9).collect(),
+        pages: both(
+            &mut |p| p.alloc(5, 2).expect("alloc"),
+            &mut cpu_pool,
+            &mut dev_pool,
+        ),
+    };
+    // Out of order: a write at slot 5 of a fresh page (the write side's check, on the pool).
+    let out_of_order = Seq {
+        owner: 6,
+        tokens: (0..6).collect(),
+        pages: both(
+            &mut |p| p.alloc(6, 1).expect("alloc"),
+            &mut cpu_pool,
+            &mut dev_pool,
+        ),
+    };
+    let segs = [
+        segment(&good, 0, Logits::All),
+        segment(&stale, 0, Logits::Last),
+        segment(&foreign, 0, Logits::Last),
+        segment(&unwritten, 8, Logits::Last),
+        segment(&out_of_order, 5, Logits::Last),
+    ];
+    let cpu = m.forward(&mut cpu_pool, &segs, &mut scratch);
+    let gpu = dev.forward(&mut dev_pool, &segs).expect("device forward");
+    let c0 = cpu[0].as_ref().expect("good on cpu");
+    let g0 = gpu[0].as_ref().expect("good on device");
+    assert!(rel_err(c0, g0) <= tolerance(DType::Q8_0));
+    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate().skip(1) {
+        let (c, g) = (
+            c.as_ref().expect_err("bad on cpu"),
+            g.as_ref().expect_err("bad on device"),
+        );
+        assert_eq!(c, g, "segment {i}");
+    }
+    assert!(
+        matches!(cpu[1], Err(IntegrityError::StaleGeneration { .. })),
+        "{:?}",
+        cpu[1]
+    );
+    assert!(
+        matches!(cpu[2], Err(IntegrityError::ForeignOwner { .. })),
+        "{:?}",
+        cpu[2]
+    );
+    assert!(
+        matches!(cpu[3], Err(IntegrityError::UnwrittenSlot { .. })),
+        "{:?}",
+        cpu[3]
+    );
+    assert!(
+        matches!(cpu[4], Err(IntegrityError::OutOfOrderWrite { .. })),
+        "{:?}",
+        cpu[4]
+    );
+}
+
+/// The incident reproduction's disabled tag check does not exist on the device.
+#[test]
+fn the_device_refuses_a_disabled_tag_check() {
+    let m = model(DType::F16, 1);
+    let mut p = pool(&m);
+    let mut dev = CudaForward::new(ShimDevice::new(0), &m, &p, 8).expect("upload");
+    let s = Seq {
+        owner: 1,
+        tokens: vec![1, 2],
+        pages: p.alloc(1, 1).expect("alloc"),
+    };
+    let mut seg = segment(&s, 0, Logits::Last);
+    seg.check = TagCheck::DisabledForIncidentReproduction;
+    let e = dev.forward(&mut p, &[seg]).expect_err("refused");
+    assert!(e.to_string().contains("cannot be disabled"), "{e}");
+}
