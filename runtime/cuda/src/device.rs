@@ -191,6 +191,24 @@ pub trait Device: std::fmt::Debug + Send {
     fn describe(&self) -> String;
 }
 
+impl<D: Device + ?Sized> Device for Box<D> {
+    fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        (**self).alloc_zeroed(bytes)
+    }
+    fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        (**self).upload(dst, src)
+    }
+    fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        (**self).download(src, dst)
+    }
+    fn launch(&mut self, k: Kernel, dims: LaunchDims, args: &[Arg]) -> Result<(), DeviceError> {
+        (**self).launch(k, dims, args)
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
 /// Plain-old-data values uploaded as bytes (little-endian hosts and devices: x86-64, CUDA).
 pub fn bytes_of<T: Pod>(v: &[T]) -> &[u8] {
     // SAFETY: `T: Pod` has no padding and no invalid bit patterns; the slice is live for the

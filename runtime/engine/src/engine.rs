@@ -21,9 +21,11 @@ use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 use custody_kernels::attention::{PageRef, ReduceOrder, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
+use crate::cuda_forward::{CudaForward, CudaForwardError};
 use crate::kv::{PagePool, PoolError};
 use crate::model::{Logits, Model, Scratch, Segment};
 use crate::sampling::{Sampler, SamplingParams};
+use custody_cuda::Device;
 
 mod decode;
 mod prefill;
@@ -239,7 +241,7 @@ pub struct Engine {
     next_id: RequestId,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
-    scratch: Scratch,
+    compute: Compute,
     sink: Option<Arc<dyn AuditSink>>,
     /// Set when the sink refused an event: the engine then admits and runs nothing (fail-closed).
     audit_error: Option<String>,
@@ -247,15 +249,57 @@ pub struct Engine {
     tag_check: TagCheck,
 }
 
-/// Why `backend = "cuda"` cannot start: what is missing on this machine or build, or — with a
-/// device — that only the kernels exist so far.
-fn cuda_refusal() -> String {
-    match custody_cuda::open(0) {
-        Err(e) => e.to_string(),
-        Ok(d) => format!(
-            "CUDA device {} ({}) is present, but the CUDA forward pass is not built yet (only its kernels, kernels/cuda, are)",
-            d.ordinal, d.name
-        ),
+/// What the forward pass runs on: the backend boundary, chosen once at startup
+/// (`engine.backend`). Everything else — admission, scheduling, the pool's tags, audit events —
+/// is the same code for both.
+enum Compute {
+    /// [`Model::forward`] on this machine's cores, K/V in the pool's host memory.
+    Cpu(Scratch),
+    /// [`CudaForward`] on a device: K/V in one device allocation, the pool keeps the tags (its
+    /// host K/V bytes are never touched: zero pages the OS never backs).
+    Device(Box<CudaForward<Box<dyn Device>>>),
+}
+
+impl std::fmt::Debug for Compute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Compute::Cpu(_) => f.write_str("Cpu"),
+            Compute::Device(d) => write!(f, "Device({})", d.describe()),
+        }
+    }
+}
+
+/// The batch's results per segment, or — a device failure, which is not one segment's — why
+/// the whole batch did not run.
+fn run_forward(
+    compute: &mut Compute,
+    model: &Model,
+    pool: &mut PagePool,
+    segments: &[Segment<'_>],
+) -> Result<Vec<Result<Vec<f32>, IntegrityError>>, CudaForwardError> {
+    match compute {
+        Compute::Cpu(scratch) => Ok(model.forward(pool, segments, scratch)),
+        Compute::Device(d) => d.forward(pool, segments),
+    }
+}
+
+/// `backend = "cuda"`: device 0, or why it cannot be used (what is missing on this machine or
+/// in this build).
+fn open_cuda() -> Result<Box<dyn Device>, StartupError> {
+    #[cfg(feature = "cuda")]
+    {
+        custody_cuda::CudaDevice::open(0)
+            .map(|d| Box::new(d) as Box<dyn Device>)
+            .map_err(|e| StartupError::Backend(e.to_string()))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(StartupError::Backend(
+            custody_cuda::open(0).err().map_or_else(
+                || "this build has no CUDA support".to_owned(),
+                |e| e.to_string(),
+            ),
+        ))
     }
 }
 
@@ -265,6 +309,21 @@ impl Engine {
         Self::new_with_unsafe(model, cfg, &UnsafeReproduction::default())
     }
 
+    /// [`Engine::new`] on `device` (whatever `cfg.backend` says): the CUDA backend on a device
+    /// the caller opened — a GPU ([`custody_cuda::CudaDevice`]) or the test crate's
+    /// CUDA-on-CPU shim. The pool is sized and checked exactly as on the CPU.
+    pub fn new_on_device(
+        model: Model,
+        cfg: EngineConfig,
+        device: Box<dyn Device>,
+    ) -> Result<Self, StartupError> {
+        let cfg = EngineConfig {
+            backend: crate::config::Backend::Cuda,
+            ..cfg
+        };
+        Self::build(model, cfg, &UnsafeReproduction::default(), Some(device))
+    }
+
     /// [`Engine::new`] with the incident reproduction's switches (already armed by the caller's
     /// `--unsafe-reproduction`; see [`UnsafeReproduction`]).
     pub fn new_with_unsafe(
@@ -272,10 +331,28 @@ impl Engine {
         cfg: EngineConfig,
         unsafe_: &UnsafeReproduction,
     ) -> Result<Self, StartupError> {
+        Self::build(model, cfg, unsafe_, None)
+    }
+
+    fn build(
+        model: Model,
+        cfg: EngineConfig,
+        unsafe_: &UnsafeReproduction,
+        device: Option<Box<dyn Device>>,
+    ) -> Result<Self, StartupError> {
         cfg.validate()?;
-        if cfg.backend == crate::config::Backend::Cuda {
-            return Err(StartupError::Backend(cuda_refusal()));
+        let cuda = cfg.backend == crate::config::Backend::Cuda;
+        if cuda && (unsafe_.disable_tag_check || unsafe_.skip_pool_check) {
+            return Err(StartupError::Backend(
+                "the incident reproduction runs on the CPU backend only".into(),
+            ));
         }
+        // The device is opened before anything is sized: a missing one is the first error.
+        let device = match (cuda, device) {
+            (true, Some(d)) => Some(d),
+            (true, None) => Some(open_cuda()?),
+            (false, _) => None,
+        };
         let model_ctx = model.config.context_length;
         let mut context_length = cfg.context_length.unwrap_or(model_ctx);
         if context_length > model_ctx {
@@ -319,6 +396,15 @@ impl Engine {
             context_length = pool_tokens;
         }
         let pool = PagePool::new(geom, model.config.n_layers, n_pages);
+        let compute = match device {
+            None => Compute::Cpu(Scratch::default()),
+            Some(d) => {
+                let f = CudaForward::new(d, &model, &pool, cfg.max_batch_tokens)
+                    .map_err(|e| StartupError::Backend(e.to_string()))?;
+                tracing::info!(device = %f.describe(), pool_pages = n_pages, "CUDA backend ready");
+                Compute::Device(Box::new(f))
+            }
+        };
         Ok(Self {
             model,
             pool,
@@ -327,7 +413,7 @@ impl Engine {
             next_id: 1,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            scratch: Scratch::default(),
+            compute,
             sink: None,
             audit_error: None,
             step_no: 0,
@@ -338,6 +424,13 @@ impl Engine {
                 TagCheck::Enforced
             },
         })
+    }
+
+    /// Whether the K/V bytes live on a device (the CUDA backend) rather than in the pool's host
+    /// memory — which the disaggregated transfer path reads and lands into, so the roles
+    /// refuse such an engine.
+    pub fn kv_on_device(&self) -> bool {
+        matches!(self.compute, Compute::Device(_))
     }
 
     /// What released pages are overwritten with (see [`crate::kv::ReleaseFill`]).
@@ -762,10 +855,18 @@ impl Engine {
                 check: self.tag_check,
             })
             .collect();
-        let results = self
-            .model
-            .forward(&mut self.pool, &segments, &mut self.scratch);
+        let results = run_forward(&mut self.compute, &self.model, &mut self.pool, &segments);
         drop(segments);
+        let results = match results {
+            Ok(r) => r,
+            Err(e) => {
+                // Not one request's fault: the engine stops (fail-closed, as when the audit
+                // sink fails), aborting everything it holds.
+                tracing::error!(error = %e, "the CUDA device failed: the engine stops");
+                self.audit_error = Some(format!("CUDA device failed: {e}"));
+                return idle(self.abort_all());
+            }
+        };
 
         let mut events = Vec::new();
         let mut done = Vec::new();
@@ -928,17 +1029,19 @@ impl Engine {
                 order: ReduceOrder::Gemm,
                 check: TagCheck::Enforced,
             };
-            match self
-                .model
-                .forward(&mut self.pool, &[seg], &mut self.scratch)
-                .pop()
+            match run_forward(&mut self.compute, &self.model, &mut self.pool, &[seg])
+                .map(|mut r| r.pop())
             {
-                Some(Ok(l)) => out.extend_from_slice(&l),
-                Some(Err(e)) => {
+                Ok(Some(Ok(l))) => out.extend_from_slice(&l),
+                Ok(Some(Err(e))) => {
                     result = Err(ScoreError::Integrity(e));
                     break;
                 }
-                None => unreachable!("one segment in, one result out"),
+                Ok(None) => unreachable!("one segment in, one result out"),
+                Err(e) => {
+                    result = Err(ScoreError::Device(e.to_string()));
+                    break;
+                }
             }
         }
         let s = Seq {
@@ -1015,6 +1118,8 @@ pub enum ScoreError {
     Pool(PoolError),
     #[error(transparent)]
     Integrity(IntegrityError),
+    #[error("the CUDA device failed: {0}")]
+    Device(String),
 }
 
 /// See `Engine::fault_injection` (feature `fault-injection`).

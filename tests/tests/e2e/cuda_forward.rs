@@ -305,3 +305,65 @@ fn the_device_refuses_a_disabled_tag_check() {
     let e = dev.forward(&mut p, &[seg]).expect_err("refused");
     assert!(e.to_string().contains("cannot be disabled"), "{e}");
 }
+
+/// The backend boundary: the engine — admission, continuous batching, the pool's tags, events —
+/// is the same code on the CUDA backend. The same requests, batched together, give the same
+/// greedy tokens and the same event stream on the shim as on the CPU; the startup pool sizing
+/// is the same; and the disaggregated roles refuse a device-resident KV pool.
+#[test]
+fn the_engine_on_the_cuda_backend_serves_the_cpus_tokens() {
+    use custody_runtime::config::EngineConfig;
+    use custody_runtime::engine::{Engine, Event, GenerateRequest};
+    let cfg = EngineConfig {
+        context_length: Some(128),
+        page_size: 8,
+        kv_budget_mib: 1,
+        max_batch_tokens: 48,
+        ..EngineConfig::default()
+    };
+    let mut cpu = Engine::new(model(DType::F32, 7), cfg.clone()).expect("cpu engine");
+    let mut dev = Engine::new_on_device(
+        model(DType::F32, 7),
+        cfg,
+        Box::new(ShimDevice::new(SEEDS[2])),
+    )
+    .expect("device engine");
+    assert!(dev.kv_on_device() && !cpu.kv_on_device());
+    let run = |e: &mut Engine| {
+        for (i, len) in [9usize, 17, 30].into_iter().enumerate() {
+            e.submit(GenerateRequest {
+                prompt: (0..len as u32)
+                    .map(|t| (t * 13 + i as u32 * 7) % 256)
+                    .collect(),
+                max_tokens: 5,
+                sampling: Default::default(),
+                stop_ids: vec![],
+                tenant: format!("t{i}"),
+            })
+            .expect("admitted");
+        }
+        let mut events = Vec::new();
+        for _ in 0..64 {
+            let step = e.step();
+            events.extend(step);
+            if events
+                .iter()
+                .filter(|ev| matches!(ev, Event::Finished { .. }))
+                .count()
+                == 3
+            {
+                break;
+            }
+        }
+        events
+    };
+    let (c, d) = (run(&mut cpu), run(&mut dev));
+    assert_eq!(
+        c.iter()
+            .filter(|e| matches!(e, Event::Token { .. }))
+            .count(),
+        15,
+        "{c:?}"
+    );
+    assert_eq!(c, d, "the same event stream on both backends");
+}
