@@ -17,6 +17,7 @@ mod config;
 mod demo_cmd;
 mod disagg_cmd;
 mod generate_cmd;
+mod gpu_check_cmd;
 mod probe_cmd;
 mod progress;
 #[cfg(feature = "forensics")]
@@ -86,6 +87,14 @@ enum Cmd {
     Validate(serve_cmd::ValidateArgs),
     /// Measure prefill and decode throughput (tokens/s) and the cost of the tag check.
     Bench(bench::engine::BenchArgs),
+    /// Check the CUDA backend on this machine's GPU against the CPU backend
+    ///
+    /// Stages: `device` (open it, compile the kernels with NVRTC), `forward` (synthetic models
+    /// in every weight type: logits within the stated tolerance, greedy tokens agree where the
+    /// margin is clear, two runs identical), `speed` (a ~110 M-weight synthetic model, CPU vs
+    /// device). Needs a build with `--features cuda`; `scripts/gpu-check.sh` runs all three.
+    #[command(verbatim_doc_comment)]
+    GpuCheck(gpu_check_cmd::GpuCheckArgs),
     /// The audit log: keys, verification, writer benchmark, synthetic log at scale.
     #[command(subcommand)]
     Audit(audit_cmd::AuditCmd),
@@ -190,6 +199,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Serve(a) => serve_cmd::serve(a),
         Cmd::Validate(a) => serve_cmd::validate(a),
         Cmd::Bench(a) => bench::engine::bench(a),
+        Cmd::GpuCheck(a) => gpu_check_cmd::gpu_check(a),
         Cmd::Audit(a) => audit_cmd::audit_cmd(a),
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),

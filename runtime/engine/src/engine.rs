@@ -254,7 +254,7 @@ pub struct Engine {
 /// is the same code for both.
 enum Compute {
     /// [`Model::forward`] on this machine's cores, K/V in the pool's host memory.
-    Cpu(Scratch),
+    Cpu(Box<Scratch>),
     /// [`CudaForward`] on a device: K/V in one device allocation, the pool keeps the tags (its
     /// host K/V bytes are never touched: zero pages the OS never backs).
     Device(Box<CudaForward<Box<dyn Device>>>),
@@ -397,7 +397,7 @@ impl Engine {
         }
         let pool = PagePool::new(geom, model.config.n_layers, n_pages);
         let compute = match device {
-            None => Compute::Cpu(Scratch::default()),
+            None => Compute::Cpu(Box::default()),
             Some(d) => {
                 let f = CudaForward::new(d, &model, &pool, cfg.max_batch_tokens)
                     .map_err(|e| StartupError::Backend(e.to_string()))?;

@@ -10,6 +10,7 @@
 
 pub mod actor;
 pub mod config;
+pub mod cuda_check;
 pub mod cuda_forward;
 pub mod engine;
 pub mod gguf;

@@ -220,3 +220,42 @@ fn certs_makes_a_ca_once_and_node_certificates_without_overwriting() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a node identity"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The GPU check on a machine without a GPU (these): `custody gpu-check` without the `cuda`
+/// feature says why it cannot run; `scripts/gpu-check.sh` stops at the missing driver with a
+/// clear line and its summary table, exit 1 — cleanly, before any stage runs the binary.
+#[test]
+fn the_gpu_check_fails_cleanly_without_a_gpu() {
+    if Path::new("/dev/nvidia0").exists() {
+        eprintln!("SKIPPED: this machine has a GPU (scripts/gpu-check.sh runs there)");
+        return;
+    }
+    let o = custody(&["gpu-check", "device"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("cannot use a GPU") && err.contains("--features cuda"),
+        "{err}"
+    );
+
+    let out = tmp_dir("gpu-check");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/gpu-check.sh");
+    let o = Command::new("bash")
+        .arg(&script)
+        .arg(default_features_binary())
+        .env("OUT", &*out)
+        .output()
+        .expect("run gpu-check.sh");
+    let text = stdout(&o);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("no NVIDIA driver") && text.contains("libcuda.so.1"),
+        "{text}"
+    );
+    let summary = std::fs::read_to_string(out.join("summary.txt")).expect("summary");
+    assert!(summary.contains("environment  FAIL"), "{summary}");
+    assert!(
+        text.trim_end().ends_with(summary.trim_end()),
+        "the summary is printed last"
+    );
+}

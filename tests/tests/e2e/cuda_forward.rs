@@ -9,6 +9,7 @@
 
 use custody_kernels::DType;
 use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, TagCheck};
+use custody_runtime::cuda_check::{compare_with_cpu, tolerance};
 use custody_runtime::cuda_forward::CudaForward;
 use custody_runtime::gguf::Gguf;
 use custody_runtime::gguf::write::Synthetic;
@@ -57,93 +58,13 @@ fn segment<'a>(s: &'a Seq, start: usize, logits: Logits) -> Segment<'a> {
     }
 }
 
-fn max_abs(v: &[f32]) -> f32 {
-    v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
-}
-
-fn argmax_and_margin(l: &[f32]) -> (usize, f32) {
-    let mut idx: Vec<usize> = (0..l.len()).collect();
-    idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
-    (idx[0], l[idx[0]] - l[idx[1]])
-}
-
-/// Largest |Δ| relative to the CPU logits' largest magnitude.
 fn rel_err(cpu: &[f32], gpu: &[f32]) -> f32 {
     assert_eq!(cpu.len(), gpu.len());
     let d = cpu
         .iter()
         .zip(gpu)
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    d / max_abs(cpu).max(1e-6)
-}
-
-/// The float types' activations are f32 on both backends (only summation order differs); the
-/// quantized types' are Q8 on the CPU and f32 on the device.
-fn tolerance(dtype: DType) -> f32 {
-    match dtype {
-        DType::F32 | DType::F16 => 1e-3,
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 3e-2,
-    }
-}
-
-/// A prompt of two sequences batched together, then greedy decode steps, on both backends.
-/// Returns (worst relative error, greedy steps compared, steps that agreed, clear-margin
-/// steps that disagreed) and the device run's logits, for the cross-seed comparison.
-fn run(dtype: DType, shim_seed: u64) -> (f32, usize, usize, usize, Vec<f32>) {
-    let m = model(dtype, 7);
-    let mut cpu_pool = pool(&m);
-    let mut dev_pool = pool(&m);
-    let mut dev = CudaForward::new(ShimDevice::new(shim_seed), &m, &dev_pool, 64).expect("upload");
-    let mut scratch = Scratch::default();
-    let mut seqs = Vec::new();
-    for (owner, len) in [(11u64, 13usize), (12, 21)] {
-        let tokens: Vec<u32> = (0..len)
-            .map(|i| ((i * 37 + owner as usize * 5) % 256) as u32)
-            .collect();
-        let pages = cpu_pool.alloc(owner, 6).expect("cpu pages");
-        assert_eq!(dev_pool.alloc(owner, 6).expect("device pages"), pages);
-        seqs.push(Seq {
-            owner,
-            tokens,
-            pages,
-        });
-    }
-    let mut worst = 0.0f32;
-    let mut device_logits = Vec::new();
-    let (mut compared, mut agreed, mut clear_disagreements) = (0, 0, 0);
-    let mut start = vec![0usize; seqs.len()];
-    for step in 0..4 {
-        let logits = if step == 0 { Logits::All } else { Logits::Last };
-        let segs: Vec<Segment<'_>> = seqs
-            .iter()
-            .zip(&start)
-            .map(|(s, &st)| segment(s, st, logits))
-            .collect();
-        let cpu = m.forward(&mut cpu_pool, &segs, &mut scratch);
-        let gpu = dev.forward(&mut dev_pool, &segs).expect("device forward");
-        drop(segs);
-        let mut next = Vec::new();
-        for (c, g) in cpu.into_iter().zip(gpu) {
-            let (c, g) = (c.expect("cpu ok"), g.expect("device ok"));
-            worst = worst.max(rel_err(&c, &g));
-            let vocab = m.config.vocab_size;
-            let (ct, margin) = argmax_and_margin(&c[c.len() - vocab..]);
-            let (gt, _) = argmax_and_margin(&g[g.len() - vocab..]);
-            compared += 1;
-            if ct == gt {
-                agreed += 1;
-            } else if margin > 4.0 * tolerance(dtype) * max_abs(&c) {
-                clear_disagreements += 1;
-            }
-            device_logits.extend_from_slice(&g);
-            next.push(ct as u32);
-        }
-        for ((s, st), t) in seqs.iter_mut().zip(start.iter_mut()).zip(next) {
-            *st = s.tokens.len();
-            s.tokens.push(t);
-        }
-    }
-    (worst, compared, agreed, clear_disagreements, device_logits)
+    d / cpu.iter().fold(1e-6f32, |m, x| m.max(x.abs()))
 }
 
 #[test]
@@ -155,26 +76,25 @@ fn the_device_forward_pass_gives_the_cpu_logits_for_every_weight_type() {
         DType::Q4_0,
         DType::Q4_1,
     ] {
+        let m = model(dtype, 7);
         let mut first: Option<Vec<f32>> = None;
         for seed in SEEDS {
-            let (worst, compared, agreed, clear_bad, logits) = run(dtype, seed);
+            let a = compare_with_cpu(ShimDevice::new(seed), &m, dtype, 4).expect("compare");
             eprintln!(
-                "{dtype:?} seed {seed:#x}: max |Δlogit| / max |logit| = {worst:.2e}; greedy {agreed}/{compared} agree"
+                "{dtype:?} seed {seed:#x}: max |Δlogit| / max |logit| = {:.2e} (tolerance {:.0e}); greedy {}/{} agree",
+                a.max_rel_err,
+                tolerance(dtype),
+                a.greedy_agreed,
+                a.greedy_compared
             );
-            assert!(
-                worst <= tolerance(dtype),
-                "{dtype:?}: relative error {worst}"
-            );
-            assert_eq!(
-                clear_bad, 0,
-                "{dtype:?}: a clear-margin greedy token differs"
-            );
+            assert!(a.pass(), "{dtype:?}: {a:?}");
+            assert_eq!(a.greedy_compared, 8);
             match &first {
-                None => first = Some(logits),
+                None => first = Some(a.device_logits),
                 Some(f) => assert!(
                     f.iter()
-                        .zip(&logits)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        .zip(&a.device_logits)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
                     "{dtype:?}: logits differ between schedule seeds (a race)"
                 ),
             }
@@ -187,6 +107,7 @@ fn the_device_forward_pass_gives_the_cpu_logits_for_every_weight_type() {
 #[test]
 fn integrity_failures_on_the_device_are_the_cpus() {
     let m = model(DType::Q8_0, 5);
+
     let mut cpu_pool = pool(&m);
     let mut dev_pool = pool(&m);
     let mut dev = CudaForward::new(ShimDevice::new(SEEDS[1]), &m, &dev_pool, 64).expect("upload");

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The CUDA backend's first run on a GPU: the one script the GPU verification runs on a lent
+# machine (one H200, CUDA 13 / driver 580, no Rust toolchain, no network, 64 MiB carried,
+# 10 minutes per command). Everything it needs is carried: a stripped release `custody` built
+# here with `--features cuda` and without DataFusion (`--build`); the models are synthetic and
+# built by the binary itself. NVRTC is found on the machine: /usr/local/cuda, else the NVIDIA
+# wheels PyTorch installs (nvidia/cu13/lib or nvidia/cuda_nvrtc/lib).
+#
+# Usage:
+#   scripts/gpu-check.sh --build     # here: build target/gpu-check/custody (release, stripped)
+#   scripts/gpu-check.sh [BINARY]    # there: run every stage; default target/gpu-check/custody
+#
+# Each stage runs under `timeout`, its output tee'd to $OUT/<stage>.log ($OUT: the device tool's
+# folder, else a fresh temporary one); the summary table is printed last; exit 1 if any stage
+# failed. Without an NVIDIA driver (libcuda.so.1) it says so and fails at once, cleanly.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--build" ]; then
+  set -e
+  cargo build --release -p custody --no-default-features --features cuda
+  mkdir -p target/gpu-check
+  strip -o target/gpu-check/custody target/release/custody
+  ls -l target/gpu-check/custody
+  exit 0
+fi
+
+bin="${1:-target/gpu-check/custody}"
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+STAGE_TIMEOUT_S="${STAGE_TIMEOUT_S:-240}"
+names=()
+codes=()
+secs=()
+
+record() { # name rc seconds
+  names+=("$1")
+  codes+=("$2")
+  secs+=("$3")
+}
+
+summary() {
+  {
+    echo
+    echo "gpu-check summary ($(date -u +%FT%TZ), logs in $OUT)"
+    printf '%-12s %-6s %8s\n' stage result seconds
+    for i in "${!names[@]}"; do
+      if [ "${codes[$i]}" = 0 ]; then r=PASS; elif [ "${codes[$i]}" = 124 ]; then r=TIMEOUT; else r=FAIL; fi
+      printf '%-12s %-6s %8s\n' "${names[$i]}" "$r" "${secs[$i]}"
+    done
+  } | tee -a "$OUT/summary.txt"
+}
+
+stage() { # name command...
+  local name=$1
+  shift
+  local t0=$SECONDS
+  echo "== $name: $*" | tee "$OUT/$name.log"
+  timeout "$STAGE_TIMEOUT_S" "$@" 2>&1 | tee -a "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  record "$name" "$rc" "$((SECONDS - t0))"
+  return "$rc"
+}
+
+# --- environment: the driver first (nothing else can run without it).
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1' && [ ! -e /usr/lib/x86_64-linux-gnu/libcuda.so.1 ]; then
+  echo "gpu-check: no NVIDIA driver on this machine (libcuda.so.1 not found): nothing to check here" | tee "$OUT/environment.log"
+  record environment 1 0
+  summary
+  exit 1
+fi
+stage environment sh -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true; uname -r'
+
+# --- NVRTC: cudarc loads libnvrtc.so.13 by name, so its folder goes on the loader path.
+nvrtc_dir=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -e "$d/libnvrtc.so.13" ] && nvrtc_dir=$d && break
+done
+if [ -z "$nvrtc_dir" ]; then
+  nvrtc_dir=$(python3 - <<'EOF' 2>/dev/null
+import glob, os, site
+for root in site.getsitepackages() + [site.getusersitepackages()]:
+    for pat in ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.13"):
+        hits = glob.glob(os.path.join(root, pat))
+        if hits:
+            print(os.path.dirname(hits[0]))
+            raise SystemExit
+EOF
+)
+fi
+if [ -z "$nvrtc_dir" ]; then
+  echo "gpu-check: NVRTC 13 (libnvrtc.so.13) not found in /usr/local/cuda nor in PyTorch's NVIDIA wheels" | tee "$OUT/nvrtc.log"
+  record nvrtc 1 0
+  summary
+  exit 1
+fi
+echo "NVRTC: $nvrtc_dir" | tee "$OUT/nvrtc.log"
+record nvrtc 0 0
+export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+if [ ! -x "$bin" ]; then
+  echo "gpu-check: no binary at $bin (build it with scripts/gpu-check.sh --build and carry it)" | tee "$OUT/binary.log"
+  record binary 1 0
+  summary
+  exit 1
+fi
+
+failed=0
+stage device "$bin" gpu-check device || failed=1
+if [ "$failed" = 0 ]; then
+  stage forward "$bin" gpu-check forward || failed=1
+  stage speed "$bin" gpu-check speed || failed=1
+fi
+summary
+exit "$failed"
