@@ -5,7 +5,11 @@ kernels/cuda/budgets.json: no error, no register spills, registers and static sh
 each kernel's budget, every budgeted kernel present. No GPU needed: NVRTC and the headers come
 from PyPI wheels (scripts/setup.sh installs them into the cache).
 
-Usage: scripts/nvrtc-check.py [--cuda-dir DIR] [--json]   (exit 1 on any violation)
+Usage: scripts/nvrtc-check.py [--cuda-dir DIR] [--json] [--unit FILE]   (exit 1 on any violation)
+
+--unit FILE: instead of each .cu, compile FILE — the kernels as one translation unit, exactly as
+`custody_cuda::CudaDevice` hands them to NVRTC at run time (`custody_cuda::module_source()`, no
+include path, `--fmad=false`) — against the same budgets.
 """
 import argparse
 import ctypes
@@ -35,14 +39,14 @@ def load_nvrtc(cuda_dir):
     return ctypes.CDLL(str(nvrtc))
 
 
-def compile_one(nv, path):
+def compile_one(nv, path, unit=False):
     prog = ctypes.c_void_p()
     src = path.read_bytes()
     rc = nv.nvrtcCreateProgram(ctypes.byref(prog), src, path.name.encode(), 0, None, None)
     if rc != 0:
         return None, f"nvrtcCreateProgram failed ({rc})", 0
-    opts = [b"-arch=sm_90", b"--ptxas-options=-v", b"-std=c++17", b"-default-device",
-            b"-I" + str(KERNELS).encode()]
+    opts = [b"-arch=sm_90", b"--ptxas-options=-v", b"-std=c++17", b"-default-device"]
+    opts += [b"--fmad=false"] if unit else [b"-I" + str(KERNELS).encode()]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = nv.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()
@@ -87,14 +91,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuda-dir", type=Path, default=default_cuda_dir())
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--unit", type=Path)
     a = ap.parse_args()
     nv = load_nvrtc(a.cuda_dir)
     major, minor = ctypes.c_int(), ctypes.c_int()
     nv.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     budgets = {k: v for k, v in json.loads((KERNELS / "budgets.json").read_text()).items() if not k.startswith("_")}
     report = {"nvrtc": f"{major.value}.{minor.value}", "arch": "sm_90", "kernels": {}, "errors": []}
-    for cu in sorted(KERNELS.glob("*.cu")):
-        rc, log, cubin = compile_one(nv, cu)
+    for cu in [a.unit] if a.unit else sorted(KERNELS.glob("*.cu")):
+        rc, log, cubin = compile_one(nv, cu, unit=a.unit is not None)
         if rc != 0:
             report["errors"].append(f"{cu.name}: NVRTC error {rc}:\n{log}")
             continue

@@ -6,10 +6,34 @@
 
 #[test]
 fn every_kernel_compiles_for_sm90_within_its_budget() {
+    check(&[]);
+}
+
+/// The kernels as the CUDA device compiles them at run time: one unit
+/// (`custody_cuda::module_source()`), every kernel the forward pass launches present.
+#[test]
+fn the_runtime_module_compiles_as_one_unit_within_the_budgets() {
+    let dir = crate::audit::tmp_dir("nvrtc-unit");
+    let unit = dir.join("custody_module.cu");
+    std::fs::write(&unit, custody_cuda::module_source()).expect("write the unit");
+    let report = check(&["--unit".as_ref(), unit.as_os_str()]);
+    for k in custody_cuda::Kernel::ALL {
+        assert!(
+            report["kernels"][k.name()]["cubin_bytes"]
+                .as_u64()
+                .unwrap_or(0)
+                > 0,
+            "{k:?} missing from the unit: {report}"
+        );
+    }
+}
+
+fn check(extra: &[&std::ffi::OsStr]) -> serde_json::Value {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let out = std::process::Command::new("python3")
         .arg(root.join("scripts/nvrtc-check.py"))
         .arg("--json")
+        .args(extra)
         .output()
         .expect("python3 runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -33,6 +57,9 @@ fn every_kernel_compiles_for_sm90_within_its_budget() {
         "custody_softmax",
         "custody_matvec",
         "custody_copy_chunks",
+        "custody_embed",
+        "custody_add",
+        "custody_kv_write",
     ] {
         let r = &report["kernels"][k];
         assert!(
@@ -42,4 +69,5 @@ fn every_kernel_compiles_for_sm90_within_its_budget() {
         assert_eq!(r["spill_stores"], 0, "{k}: {r}");
         assert_eq!(r["spill_loads"], 0, "{k}: {r}");
     }
+    report
 }

@@ -528,3 +528,70 @@ fn gpu_gather_then_scatter_moves_a_pages_chunks_exactly() {
         assert_eq!(d, if inside { p } else { 0xEE }, "byte {i}");
     }
 }
+
+/// The KV-write kernel stores each value as the CPU pool does: `custody_float_to_half` is
+/// bit-identical to `half::f16::from_f32` on random floats of every magnitude, on every
+/// rounding halfway case near the f16 boundaries, on subnormals, overflow, infinities and NaNs;
+/// a row whose page is `CUSTODY_NO_PAGE` is not written.
+#[test]
+fn the_kv_write_kernel_rounds_to_f16_as_the_cpu_does() {
+    use custody_cuda::device::{bytes_of, bytes_of_mut};
+    use custody_cuda::{Arg, Device, Kernel, LaunchDims};
+    let mut rng = Rng(0x5eed);
+    let mut vals: Vec<f32> = vec![
+        0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, 1e9, -1e9, f32::INFINITY, f32::NEG_INFINITY,
+        f32::NAN, -f32::NAN, f32::from_bits(0x7fc0_1234), f32::from_bits(0x7f80_0001),
+        6.1035156e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.9802322e-8, 1.0e-8, f32::MIN_POSITIVE,
+    ];
+    // Halfway cases: the f16 grid's midpoints at every exponent, either side.
+    for e in -24i32..16 {
+        let ulp = 2f32.powi(e - 10);
+        let base = 2f32.powi(e);
+        for k in [1.0f32, 3.0, 5.0, 1023.0] {
+            vals.push(base + ulp * k / 2.0);
+            vals.push(-(base + ulp * k / 2.0));
+        }
+    }
+    while vals.len() % 16 != 0 || vals.len() < 4096 {
+        let bits = rng.next() as u32;
+        vals.push(f32::from_bits(bits));
+    }
+    let (kvd, rows) = (16usize, vals.len() / 16);
+    let mut dev = custody_tests::cuda_shim::ShimDevice::new(SEEDS[1]);
+    let mut put = |d: &mut custody_tests::cuda_shim::ShimDevice, b: &[u8]| {
+        let p = d.alloc_zeroed(b.len()).expect("alloc");
+        d.upload(p, b).expect("upload");
+        p
+    };
+    let k = put(&mut dev, bytes_of(&vals));
+    let v = put(&mut dev, bytes_of(&vals));
+    // Row r → page r, slot 0 (one slot per page, one KV head of 16); the last row skipped.
+    let mut pages: Vec<u32> = (0..rows as u32).collect();
+    pages[rows - 1] = u32::MAX;
+    let pages_d = put(&mut dev, bytes_of(&pages));
+    let slots_d = put(&mut dev, bytes_of(&vec![0u32; rows]));
+    let poison = vec![0xABCDu16; rows * kvd];
+    let kc = put(&mut dev, bytes_of(&poison));
+    let vc = put(&mut dev, bytes_of(&poison));
+    let args = [
+        Arg::Ptr(k),
+        Arg::Ptr(v),
+        Arg::Ptr(pages_d),
+        Arg::Ptr(slots_d),
+        Arg::U32(1),
+        Arg::U32(kvd as u32),
+        Arg::U32(1),
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+    ];
+    dev.launch(Kernel::KvWrite, LaunchDims::grid2(rows as u32, 1, 128), &args)
+        .expect("launch");
+    for cache in [kc, vc] {
+        let mut got = vec![0u16; rows * kvd];
+        dev.download(cache, bytes_of_mut(&mut got)).expect("download");
+        for (i, (&x, &g)) in vals.iter().zip(&got).enumerate() {
+            let want = if i / kvd == rows - 1 { 0xABCD } else { f16::from_f32(x).to_bits() };
+            assert_eq!(g, want, "value {x:e} ({:#010x}) at {i}", x.to_bits());
+        }
+    }
+}
