@@ -552,13 +552,13 @@ fn the_kv_write_kernel_rounds_to_f16_as_the_cpu_does() {
             vals.push(-(base + ulp * k / 2.0));
         }
     }
-    while vals.len() % 16 != 0 || vals.len() < 4096 {
+    while !vals.len().is_multiple_of(16) || vals.len() < 4096 {
         let bits = rng.next() as u32;
         vals.push(f32::from_bits(bits));
     }
     let (kvd, rows) = (16usize, vals.len() / 16);
     let mut dev = custody_tests::cuda_shim::ShimDevice::new(SEEDS[1]);
-    let mut put = |d: &mut custody_tests::cuda_shim::ShimDevice, b: &[u8]| {
+    let put = |d: &mut custody_tests::cuda_shim::ShimDevice, b: &[u8]| {
         let p = d.alloc_zeroed(b.len()).expect("alloc");
         d.upload(p, b).expect("upload");
         p
