@@ -875,13 +875,6 @@ impl DecodeHandle {
         engine: Engine,
         opts: DecodeOptions,
     ) -> Result<Self, crate::transport::TransportError> {
-        if engine.kv_on_device() {
-            // The transports land bytes in the pool's host memory.
-            return Err(crate::transport::TransportError::Unsupported {
-                transport: "KV",
-                what: "a decode engine on the CUDA backend (its K/V are in device memory; device transfers are not built yet)",
-            });
-        }
         let engine = DecodeEngine::new(engine);
         let transport = crate::transport::open_target(
             opts.node_id,

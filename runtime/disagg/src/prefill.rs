@@ -765,10 +765,6 @@ pub enum PrefillStartError {
     },
     #[error("cannot start the prefill engine thread: {0}")]
     Thread(#[from] std::io::Error),
-    #[error(
-        "the prefill role needs the CPU backend: its KV transfer reads the pool's host memory, and the CUDA backend's K/V are on the device (not built yet)"
-    )]
-    DeviceKv,
 }
 
 impl PrefillHandle {
@@ -781,9 +777,6 @@ impl PrefillHandle {
         security: &Security,
         decode_control: &str,
     ) -> Result<Self, PrefillStartError> {
-        if engine.kv_on_device() {
-            return Err(PrefillStartError::DeviceKv);
-        }
         let engine = PrefillEngine::new(engine);
         let channel = security
             .channel(decode_control, Role::Decode)

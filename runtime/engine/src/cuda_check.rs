@@ -39,8 +39,11 @@ pub enum CheckError {
 
 /// `synthetic` as a loaded model (written to a temporary file, mapped, and unlinked).
 pub fn load(synthetic: &Synthetic) -> Result<Model, CheckError> {
+    // One name per call: concurrent loads (parallel tests) never share a file.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let path = std::env::temp_dir().join(format!(
-        "custody-synthetic-{}-{:?}-{}.gguf",
+        "custody-synthetic-{}-{n}-{:?}-{}.gguf",
         std::process::id(),
         synthetic.dtype,
         synthetic.seed

@@ -22,7 +22,7 @@
 use custody_cuda::device::{bytes_of, bytes_of_mut};
 use custody_cuda::{Arg, Device, DeviceError, DevicePtr, DeviceTags, Kernel, LaunchDims, Verdict};
 use custody_kernels::DType;
-use custody_kernels::attention::{IntegrityError, TagCheck};
+use custody_kernels::attention::{IntegrityError, PageRef, TagCheck};
 
 use crate::kv::PagePool;
 use crate::model::{Logits, Mat, Model, ModelConfig, Segment};
@@ -258,6 +258,47 @@ impl<D: Device> CudaForward<D> {
             verdicts: f(rows * 6)?,
             table_capacity,
         })
+    }
+
+    /// Copy `pages`' K/V (every layer) from the device into `pool`'s host memory: before the
+    /// disaggregated transfer path reads them (it sends host memory; device-to-NIC transfers
+    /// are not built). The device and host pools have the same page layout.
+    pub fn stage_to_host(
+        &mut self,
+        pool: &mut PagePool,
+        pages: &[PageRef],
+    ) -> Result<(), DeviceError> {
+        let page_bytes = (pool.geometry().page_elems() * 2) as u64;
+        for layer in 0..self.config.n_layers {
+            for pr in pages {
+                let at = page_bytes * u64::from(pr.page);
+                let (k, v) = pool.host_page_kv_mut(layer, pr.page);
+                self.dev
+                    .download(self.kv.k[layer].offset(at), bytes_of_mut(k))?;
+                self.dev
+                    .download(self.kv.v[layer].offset(at), bytes_of_mut(v))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy `pages`' K/V from `pool`'s host memory to the device: after a transfer landed in
+    /// them and was verified, before decode reads them.
+    pub fn stage_to_device(
+        &mut self,
+        pool: &mut PagePool,
+        pages: &[PageRef],
+    ) -> Result<(), DeviceError> {
+        let page_bytes = (pool.geometry().page_elems() * 2) as u64;
+        for layer in 0..self.config.n_layers {
+            for pr in pages {
+                let at = page_bytes * u64::from(pr.page);
+                let (k, v) = pool.host_page_kv_mut(layer, pr.page);
+                self.dev.upload(self.kv.k[layer].offset(at), bytes_of(k))?;
+                self.dev.upload(self.kv.v[layer].offset(at), bytes_of(v))?;
+            }
+        }
+        Ok(())
     }
 
     /// What the backend runs on, for the startup log line.

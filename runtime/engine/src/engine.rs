@@ -25,7 +25,7 @@ use crate::cuda_forward::{CudaForward, CudaForwardError};
 use crate::kv::{PagePool, PoolError};
 use crate::model::{Logits, Model, Scratch, Segment};
 use crate::sampling::{Sampler, SamplingParams};
-use custody_cuda::Device;
+use custody_cuda::{Device, DeviceError};
 
 mod decode;
 mod prefill;
@@ -427,10 +427,34 @@ impl Engine {
     }
 
     /// Whether the K/V bytes live on a device (the CUDA backend) rather than in the pool's host
-    /// memory — which the disaggregated transfer path reads and lands into, so the roles
-    /// refuse such an engine.
+    /// memory. The disaggregated transfer path reads and lands host memory, so on a device the
+    /// roles stage pages through it ([`Engine::stage_to_host`], [`Engine::stage_to_device`]).
     pub fn kv_on_device(&self) -> bool {
         matches!(self.compute, Compute::Device(_))
+    }
+
+    /// The CUDA backend: `pages`' device K/V into the pool's host memory (a prefilled
+    /// sequence's, before its transfer reads them). Nothing to do on the CPU.
+    pub(crate) fn stage_to_host(&mut self, pages: &[PageRef]) -> Result<(), DeviceError> {
+        match &mut self.compute {
+            Compute::Cpu(_) => Ok(()),
+            Compute::Device(d) => d.stage_to_host(&mut self.pool, pages),
+        }
+    }
+
+    /// The CUDA backend: `pages`' landed, verified K/V from the pool's host memory to the
+    /// device (before decode reads them). Nothing to do on the CPU.
+    pub(crate) fn stage_to_device(&mut self, pages: &[PageRef]) -> Result<(), DeviceError> {
+        match &mut self.compute {
+            Compute::Cpu(_) => Ok(()),
+            Compute::Device(d) => d.stage_to_device(&mut self.pool, pages),
+        }
+    }
+
+    /// A device failure outside a forward pass: the engine stops, fail-closed (as on one inside).
+    pub(crate) fn device_failed(&mut self, e: &DeviceError) {
+        tracing::error!(error = %e, "the CUDA device failed: the engine stops");
+        self.audit_error = Some(format!("CUDA device failed: {e}"));
     }
 
     /// What released pages are overwritten with (see [`crate::kv::ReleaseFill`]).

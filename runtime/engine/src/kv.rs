@@ -555,6 +555,21 @@ impl PagePool {
         Ok(())
     }
 
+    /// Page `page`'s K and V of `layer` in host memory (f16 bits, the page's
+    /// `[kv_head][slot][dim]` block), for a device backend's staging: the CUDA backend copies a
+    /// page's device K/V here before the transfer path reads it, and from here after a transfer
+    /// landed in it. Never a read path of the engine (the engine reads only through `attend` or
+    /// the device's checked attention).
+    pub(crate) fn host_page_kv_mut(&mut self, layer: usize, page: u32) -> (&mut [u16], &mut [u16]) {
+        use half::slice::HalfFloatSliceExt;
+        let e = self.geom.page_elems();
+        let r = page as usize * e..(page as usize + 1) * e;
+        (
+            self.k[layer][r.clone()].reinterpret_cast_mut(),
+            self.v[layer][r].reinterpret_cast_mut(),
+        )
+    }
+
     /// Tag arrays of `layer` for the attention kernel.
     pub fn tags(&self, layer: usize) -> TagView<'_> {
         TagView {

@@ -11,7 +11,6 @@ use custody_kernels::DType;
 use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, TagCheck};
 use custody_runtime::cuda_check::{compare_with_cpu, tolerance};
 use custody_runtime::cuda_forward::CudaForward;
-use custody_runtime::gguf::Gguf;
 use custody_runtime::gguf::write::Synthetic;
 use custody_runtime::kv::PagePool;
 use custody_runtime::model::{Logits, Model, Scratch, Segment};
@@ -22,13 +21,7 @@ const PAGE_SIZE: usize = 8;
 const N_PAGES: usize = 64;
 
 fn model(dtype: DType, seed: u64) -> Model {
-    let dir = crate::audit::tmp_dir(&format!("cuda-forward-{dtype:?}-{seed}"));
-    let path = dir.join("model.gguf");
-    Synthetic::tiny(dtype, seed)
-        .build()
-        .write(&path)
-        .expect("write");
-    Model::from_gguf(Gguf::open(&path).expect("gguf")).expect("model")
+    custody_runtime::cuda_check::load(&Synthetic::tiny(dtype, seed)).expect("synthetic model")
 }
 
 fn pool(m: &Model) -> PagePool {
@@ -287,4 +280,61 @@ fn the_engine_on_the_cuda_backend_serves_the_cpus_tokens() {
         "{c:?}"
     );
     assert_eq!(c, d, "the same event stream on both backends");
+}
+
+/// Disaggregation on the CUDA backend is the same code: a prefill and a decode engine on the
+/// shim, paired over the real tcp transport (mutual TLS, the authenticated KV connection, the
+/// checksum verified on landing), serve the colocated CPU engine's greedy tokens. Prefill
+/// stages its prompt pages from the device into host memory for the transfer; decode stages
+/// the landed, verified pages onto its device before it reads them.
+#[test]
+fn a_disaggregated_pair_on_the_cuda_backend_serves_the_colocated_cpu_tokens() {
+    use custody_runtime::config::{EngineConfig, UnsafeReproduction};
+    use custody_runtime::engine::Engine;
+    let cfg = EngineConfig {
+        context_length: Some(128),
+        page_size: 8,
+        kv_budget_mib: 1,
+        max_batch_tokens: 48,
+        ..EngineConfig::default()
+    };
+    let prompts: Vec<Vec<u32>> = [11usize, 19, 26]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            (0..n as u32)
+                .map(|t| (t * 29 + i as u32 * 3) % 256)
+                .collect()
+        })
+        .collect();
+    let mut colo = Engine::new(model(DType::F32, 7), cfg.clone()).expect("cpu engine");
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| crate::reference::greedy(&mut colo, p.clone(), 5))
+        .collect();
+    let m = model(DType::F32, 7);
+    let fp = m.gguf().sha256_hex();
+    let on_shim = |seed| {
+        Engine::new_on_device(
+            model(DType::F32, 7),
+            cfg.clone(),
+            Box::new(ShimDevice::new(seed)),
+        )
+        .expect("device engine")
+    };
+    let pair = crate::disagg::start_engines(
+        on_shim(SEEDS[0]),
+        on_shim(SEEDS[1]),
+        fp,
+        UnsafeReproduction::default(),
+        std::time::Duration::from_secs(30),
+        (None, None),
+        false,
+    );
+    for (p, w) in prompts.iter().zip(&want) {
+        let got = pair
+            .generate(&crate::disagg::req("tenant-a", p.clone(), 5))
+            .expect("generated");
+        assert_eq!(&got.tokens, w, "prompt of {} tokens", p.len());
+    }
 }

@@ -539,9 +539,27 @@ fn the_kv_write_kernel_rounds_to_f16_as_the_cpu_does() {
     use custody_cuda::{Arg, Device, Kernel, LaunchDims};
     let mut rng = Rng(0x5eed);
     let mut vals: Vec<f32> = vec![
-        0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, 1e9, -1e9, f32::INFINITY, f32::NEG_INFINITY,
-        f32::NAN, -f32::NAN, f32::from_bits(0x7fc0_1234), f32::from_bits(0x7f80_0001),
-        6.1035156e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.9802322e-8, 1.0e-8, f32::MIN_POSITIVE,
+        0.0,
+        -0.0,
+        1.0,
+        65504.0,
+        65519.99,
+        65520.0,
+        1e9,
+        -1e9,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7fc0_1234),
+        f32::from_bits(0x7f80_0001),
+        6.1035156e-5,
+        6.0e-5,
+        5.96e-8,
+        2.98e-8,
+        2.9802322e-8,
+        1.0e-8,
+        f32::MIN_POSITIVE,
     ];
     // Halfway cases: the f16 grid's midpoints at every exponent, either side.
     for e in -24i32..16 {
@@ -584,13 +602,22 @@ fn the_kv_write_kernel_rounds_to_f16_as_the_cpu_does() {
         Arg::Ptr(kc),
         Arg::Ptr(vc),
     ];
-    dev.launch(Kernel::KvWrite, LaunchDims::grid2(rows as u32, 1, 128), &args)
-        .expect("launch");
+    dev.launch(
+        Kernel::KvWrite,
+        LaunchDims::grid2(rows as u32, 1, 128),
+        &args,
+    )
+    .expect("launch");
     for cache in [kc, vc] {
         let mut got = vec![0u16; rows * kvd];
-        dev.download(cache, bytes_of_mut(&mut got)).expect("download");
+        dev.download(cache, bytes_of_mut(&mut got))
+            .expect("download");
         for (i, (&x, &g)) in vals.iter().zip(&got).enumerate() {
-            let want = if i / kvd == rows - 1 { 0xABCD } else { f16::from_f32(x).to_bits() };
+            let want = if i / kvd == rows - 1 {
+                0xABCD
+            } else {
+                f16::from_f32(x).to_bits()
+            };
             assert_eq!(g, want, "value {x:e} ({:#010x}) at {i}", x.to_bits());
         }
     }

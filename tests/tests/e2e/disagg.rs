@@ -183,11 +183,40 @@ fn start_pair_full(
     let de = Engine::new_with_unsafe(model(), decode, &unsafe_)
         .expect("decode engine")
         .with_audit(Arc::new(Tee(da.clone(), dw)));
+    let pair = start_engines(
+        pe,
+        de,
+        fingerprint(),
+        unsafe_,
+        lease,
+        (prefill_peer, decode_peer),
+        transport_encryption,
+    );
+    Nodes {
+        pair,
+        prefill_audit: pa,
+        decode_audit: da,
+    }
+}
+
+/// A pair of the given engines (of the model whose fingerprint is `fp`).
+pub fn start_engines(
+    pe: Engine,
+    de: Engine,
+    fp: String,
+    unsafe_: UnsafeReproduction,
+    lease: Duration,
+    (prefill_peer, decode_peer): (
+        Option<custody_runtime::disagg::checkpoints::PeerCheckpoints>,
+        Option<custody_runtime::disagg::checkpoints::PeerCheckpoints>,
+    ),
+    transport_encryption: bool,
+) -> Pair {
     let opts = PairOptions {
         prefill: PrefillOptions {
             node_id: 1,
             unsafe_: unsafe_.clone(),
-            fingerprint: fingerprint(),
+            fingerprint: fp.clone(),
             reserve_wait: Duration::from_secs(30),
             transport_kind: transport_under_test(),
             kv_encryption: Default::default(),
@@ -201,18 +230,13 @@ fn start_pair_full(
             checksum: true,
             reservation_lease: lease,
             unsafe_,
-            fingerprint: fingerprint(),
+            fingerprint: fp,
             checkpoints: decode_peer,
         },
         fleet: Some(fleet()),
         transport_encryption,
     };
-    let pair = Pair::start(pe, de, opts).expect("pair starts");
-    Nodes {
-        pair,
-        prefill_audit: pa,
-        decode_audit: da,
-    }
+    Pair::start(pe, de, opts).expect("pair starts")
 }
 
 pub fn req(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {

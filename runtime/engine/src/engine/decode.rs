@@ -41,6 +41,8 @@ pub enum ImportError {
         proved: u32,
         bound: Option<u32>,
     },
+    #[error("request {id}: its pages could not be staged to the CUDA device: {why}")]
+    Device { id: RequestId, why: String },
 }
 
 /// Why quarantined pages were not released (they stay quarantined: the safe direction).
@@ -292,6 +294,14 @@ impl DecodeEngine {
                     return Err(ImportError::Incomplete { id, idx, need });
                 }
             }
+        }
+        // A device backend reads its own memory: the landed, verified pages go there first.
+        let pages = self.importing[i].seq.pages.clone();
+        if let Err(e) = self.core.stage_to_device(&pages) {
+            return Err(ImportError::Device {
+                id,
+                why: e.to_string(),
+            });
         }
         let im = self.importing.swap_remove(i);
         debug_assert_eq!(im.key.state(), Some(KeyState::Invalidated));

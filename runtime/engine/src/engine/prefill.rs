@@ -82,6 +82,13 @@ impl PrefillEngine {
             out.prefilled.iter().all(|s| s.goal == Goal::PrefillOnly),
             "only prefill-only sequences are handed over"
         );
+        for s in &out.prefilled {
+            // The transfer reads host memory: a device backend's pages are staged there first.
+            if let Err(e) = self.core.stage_to_host(&s.pages) {
+                self.core.device_failed(&e);
+                break;
+            }
+        }
         self.held.extend(out.prefilled);
         let mut events = out.events;
         if self.core.audit_error.is_some() && !self.held.is_empty() {
