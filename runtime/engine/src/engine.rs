@@ -395,6 +395,14 @@ impl Engine {
             );
             context_length = pool_tokens;
         }
+        if device.is_some() && context_length > crate::cuda_forward::MAX_CONTEXT {
+            // Refused here, not per request: a forward pass the device cannot run stops the
+            // engine (fail-closed), so no admitted request may need one.
+            return Err(StartupError::Backend(format!(
+                "context length {context_length} exceeds the CUDA attention kernel's {} slots: set engine.context_length",
+                crate::cuda_forward::MAX_CONTEXT
+            )));
+        }
         let pool = PagePool::new(geom, model.config.n_layers, n_pages);
         let compute = match device {
             None => Compute::Cpu(Box::default()),
