@@ -25,15 +25,8 @@ pub struct Tags {
     pub n_pages: u32,
 }
 
-/// `CustodyVerdict`: `code` 0 = may read, else `IntegrityError`'s variant index + 1.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Verdict {
-    pub code: u32,
-    pub page: u32,
-    pub a: u64,
-    pub b: u64,
-}
+/// `CustodyVerdict` (the device boundary's own definition).
+pub use custody_cuda::Verdict;
 
 unsafe extern "C" {
     fn custody_shim_page_checksum(
@@ -633,23 +626,7 @@ impl Device for ShimDevice {
                 got: args.len(),
             });
         }
-        let mut words = vec![0u64; 6 * args.len()];
-        for (slot, a) in words.chunks_mut(6).zip(args) {
-            match *a {
-                Arg::Ptr(p) => slot[0] = p.0,
-                Arg::U32(v) => slot[0] = v.into(),
-                Arg::U64(v) => slot[0] = v,
-                Arg::F32(v) => slot[0] = v.to_bits().into(),
-                Arg::Tags(t) => slot.copy_from_slice(&[
-                    t.generation,
-                    t.owner,
-                    t.filled,
-                    t.stamp_owner,
-                    t.stamp_generation,
-                    t.n_pages.into(),
-                ]),
-            }
-        }
+        let words: Vec<u64> = args.iter().flat_map(Arg::words).collect();
         let name = std::ffi::CString::new(kernel.name()).expect("no NUL in a kernel name");
         let mut err = [0u8; 256];
         self.launches += 1;

@@ -105,6 +105,33 @@ pub enum Arg {
     Tags(DeviceTags),
 }
 
+impl Arg {
+    /// The argument as launchers store it: six 64-bit words, a pointer, integer or float's
+    /// bits in the first (little-endian: a `u32` parameter reads its low half), a
+    /// `DeviceTags` in all six — `CustodyTags`' C layout. Each kernel parameter is read from
+    /// the start of its own slot (`cuLaunchKernel`'s parameter pointers; the shim's launcher).
+    pub fn words(&self) -> [u64; 6] {
+        let mut s = [0u64; 6];
+        match *self {
+            Arg::Ptr(p) => s[0] = p.0,
+            Arg::U32(v) => s[0] = v.into(),
+            Arg::U64(v) => s[0] = v,
+            Arg::F32(v) => s[0] = v.to_bits().into(),
+            Arg::Tags(t) => {
+                s = [
+                    t.generation,
+                    t.owner,
+                    t.filled,
+                    t.stamp_owner,
+                    t.stamp_generation,
+                    t.n_pages.into(),
+                ]
+            }
+        }
+        s
+    }
+}
+
 /// Grid and block dimensions of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchDims {

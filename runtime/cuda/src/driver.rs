@@ -98,30 +98,6 @@ impl Drop for CudaDevice {
     }
 }
 
-/// Storage for one kernel argument while its launch is queued: the largest is `DeviceTags`.
-type ArgSlot = [u64; 6];
-
-fn store(a: &Arg) -> ArgSlot {
-    let mut s = [0u64; 6];
-    match *a {
-        Arg::Ptr(p) => s[0] = p.0,
-        Arg::U32(v) => s[0] = v.into(),
-        Arg::U64(v) => s[0] = v,
-        Arg::F32(v) => s[0] = v.to_bits().into(),
-        Arg::Tags(t) => {
-            s = [
-                t.generation,
-                t.owner,
-                t.filled,
-                t.stamp_owner,
-                t.stamp_generation,
-                t.n_pages.into(),
-            ]
-        }
-    }
-    s
-}
-
 impl Device for CudaDevice {
     fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError> {
         self.bind()?;
@@ -164,7 +140,8 @@ impl Device for CudaDevice {
         }
         self.bind()?;
         let f = &self.functions[&kernel];
-        let mut slots: Vec<ArgSlot> = args.iter().map(store).collect();
+        // One slot per argument, alive until cuLaunchKernel has copied the parameters.
+        let mut slots: Vec<[u64; 6]> = args.iter().map(Arg::words).collect();
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
             .map(|s| s.as_mut_ptr().cast::<c_void>())
