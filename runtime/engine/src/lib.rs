@@ -3,9 +3,11 @@
 //! sampling, the request protocol's state machine, and the engine-thread actor.
 //!
 //! Architecture invariants: this crate knows no network and no async runtime (no tokio, no
-//! tonic); nothing of Parquet, DataFusion or BPF. All compute goes through `custody-kernels`;
-//! the only read of K/V is `kv::PagePool::attend`, the kernel's tag-checking attention over the
-//! pool's own tags. It depends on `custody-transport` only for the `KeyInvalidated` proof that
+//! tonic); nothing of Parquet, DataFusion or BPF. On the CPU backend all compute goes through
+//! `custody-kernels` and the only read of K/V is `kv::PagePool::attend`, the kernel's
+//! tag-checking attention over the pool's own tags; on the CUDA backend (`cuda_forward`, over
+//! `custody-cuda`'s `Device`) the only read is the device attention kernel, which checks the
+//! same tags first. It depends on `custody-transport` only for the `KeyInvalidated` proof that
 //! lets quarantined pages go (the transports' code is never called from here).
 
 pub mod actor;
