@@ -219,7 +219,7 @@ pub(crate) fn parse_utc(s: &str) -> Result<i64> {
 pub(crate) struct Loaded {
     pub(crate) engine: Engine,
     pub(crate) tokenizer: Tokenizer,
-    pub(crate) pool: rayon::ThreadPool,
+    pub(crate) pool: custody_runtime::par::ThreadPool,
 }
 
 pub(crate) fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded> {
@@ -243,9 +243,7 @@ pub(crate) fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded
     } else {
         cfg.engine.threads
     };
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
+    let pool = custody_runtime::par::ThreadPool::new(threads)
         .context("building the compute thread pool")?;
     let t0 = Instant::now();
     let model = Model::load(&path).with_context(|| format!("loading model {}", path.display()))?;

@@ -74,11 +74,11 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
     } else {
         cfg.engine.threads
     };
-    if threads > 0 {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global()
-            .context("building the compute thread pool")?;
+    // The node's engine thread computes on the process's default pool (0: one per core).
+    let pool = custody_runtime::par::ThreadPool::new(threads)
+        .context("building the compute thread pool")?;
+    if custody_runtime::par::set_global(pool).is_err() {
+        bail!("the compute thread pool was already set");
     }
     let model = Model::load(&model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;

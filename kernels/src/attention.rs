@@ -30,7 +30,6 @@
 //! f32, and the probabilities are rounded to f16 before the weighted sum of V.
 
 use half::f16;
-use rayon::prelude::*;
 
 use crate::ops;
 
@@ -342,14 +341,28 @@ pub fn paged_attention(
         }
     };
     let per_head = n_ctx * d;
-    let big = n_ctx * n_q * args.n_heads >= 1 << 12 && rayon::current_num_threads() > 1;
+    let big = n_ctx * n_q * args.n_heads >= 1 << 12 && crate::par::current_num_threads() > 1;
     if big {
-        scratch
-            .k
-            .par_chunks_mut(per_head)
-            .chain(scratch.v.par_chunks_mut(per_head))
-            .enumerate()
-            .for_each(gather);
+        // Tasks (K or V, kv head) dealt round-robin to the parts.
+        let (kp, vp) = (
+            SharedMut(scratch.k.as_mut_ptr()),
+            SharedMut(scratch.v.as_mut_ptr()),
+        );
+        crate::par::run(&|part, parts| {
+            for i in (part..2 * g.n_kv_heads).step_by(parts) {
+                let (base, h) = if i < g.n_kv_heads {
+                    (kp.get(), i)
+                } else {
+                    (vp.get(), i - g.n_kv_heads)
+                };
+                // SAFETY: task `i` writes only its own head's `per_head` values of K or V (sized
+                // `n_kv_heads × per_head` above); tasks are disjoint and the buffers outlive
+                // the section.
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(base.add(h * per_head), per_head) };
+                gather((i, out));
+            }
+        });
     } else {
         scratch
             .k
@@ -374,37 +387,44 @@ pub fn paged_attention(
         let vh = &vf[h * per_head..(h + 1) * per_head];
         attend_compat(order, q, kh, vh, d, n_att, scale, o, ws);
     };
-    if n_q == 1 {
-        if big {
-            out.par_chunks_mut(d)
-                .enumerate()
-                .for_each_init(Workspace::default, |ws, (head, o)| {
-                    attend_one(0, head, o, ws)
-                });
-        } else {
-            let ws = &mut scratch.ws;
-            for (head, o) in out.chunks_mut(d).enumerate() {
-                attend_one(0, head, o, ws);
+    if big {
+        // (query row, head) items dealt round-robin to the parts: causal rows grow in cost, so
+        // dealing (not contiguous ranges) keeps the parts even; each item writes its own `d`
+        // outputs.
+        let n_items = n_q * args.n_heads;
+        let optr = SharedMut(out.as_mut_ptr());
+        crate::par::run(&|part, parts| {
+            let mut ws = Workspace::default();
+            for item in (part..n_items).step_by(parts) {
+                // SAFETY: item `item` writes only `out[item·d .. (item+1)·d]` (`out` holds
+                // `n_q × n_heads × d` values); items are disjoint and `out` outlives the section.
+                let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(item * d), d) };
+                attend_one(item / args.n_heads, item % args.n_heads, o, &mut ws);
             }
-        }
+        });
     } else {
-        let row = args.n_heads * d;
-        let do_row = |ws: &mut Workspace, (i, orow): (usize, &mut [f32])| {
-            for (head, o) in orow.chunks_mut(d).enumerate() {
-                attend_one(i, head, o, ws);
-            }
-        };
-        if big {
-            out.par_chunks_mut(row)
-                .enumerate()
-                .for_each_init(Workspace::default, do_row);
-        } else {
-            let ws = &mut scratch.ws;
-            out.chunks_mut(row).enumerate().for_each(|x| do_row(ws, x));
+        let ws = &mut scratch.ws;
+        for (item, o) in out.chunks_mut(d).enumerate() {
+            attend_one(item / args.n_heads, item % args.n_heads, o, ws);
         }
     }
     Ok(())
 }
+
+/// A raw pointer shared by the parts of a section, which write disjoint elements. Read through
+/// [`SharedMut::get`] so that closures capture the wrapper, not the (non-`Sync`) pointer field.
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32);
+impl SharedMut {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+// SAFETY: parts write disjoint index sets, and the buffers outlive the section (`par::run`
+// returns after every part).
+unsafe impl Send for SharedMut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMut {}
 
 /// Which reduction order the attention arithmetic follows. Both are exact emulations of
 /// llama.cpp's CPU backend (AVX-512 build, flash attention off), so that our logits match its
@@ -542,6 +562,12 @@ fn attend_compat(
     ws: &mut Workspace,
 ) {
     #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() {
+        // SAFETY: `has_avx512` is true only when avx512f/avx512vl were detected on top of the
+        // Avx2 level (avx2, fma, f16c); the body is the same portable code.
+        return unsafe { attend_compat_avx512(order, q, kh, vh, d, n_att, scale, o, ws) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if crate::simd::level() == crate::simd::Level::Avx2 {
         // SAFETY: the Avx2 level is only selected when avx2 and fma were detected; the body is
         // the same portable code, compiled with hardware FMA for `mul_add`.
@@ -554,6 +580,25 @@ fn attend_compat(
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_compat_fma(
+    order: ReduceOrder,
+    q: &[f32],
+    kh: &[f32],
+    vh: &[f32],
+    d: usize,
+    n_att: usize,
+    scale: f32,
+    o: &mut [f32],
+    ws: &mut Workspace,
+) {
+    attend_compat_body(order, q, kh, vh, d, n_att, scale, o, ws)
+}
+
+/// [`attend_compat_fma`] with 512-bit vectors: one register per 16-lane chain. Every lane's
+/// operations and their order are the portable body's, so the bits are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_compat_avx512(
     order: ReduceOrder,
     q: &[f32],
     kh: &[f32],
@@ -848,6 +893,46 @@ mod tests {
             let got1 = run(&f, q1, n - 1, 42).expect("tags valid");
             for (a, b) in got1.iter().zip(&got[(n - 1) * 4 * G.head_dim..]) {
                 assert!((a - b).abs() < 1e-4, "n={n}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_compiled_variant_of_the_attention_arithmetic_gives_the_same_bits() {
+        let mut seed = 17;
+        for (d, n_att) in [(64, 1), (64, 37), (64, 600), (48, 129)] {
+            let q = rnd(d, &mut seed);
+            let kh = rnd(n_att * d, &mut seed);
+            let vh = rnd(n_att * d, &mut seed);
+            for order in [ReduceOrder::Gemm, ReduceOrder::Vec] {
+                let scale = 1.0 / (d as f32).sqrt();
+                let mut want = vec![0.0; d];
+                let mut ws = Workspace::default();
+                attend_compat_body(order, &q, &kh, &vh, d, n_att, scale, &mut want, &mut ws);
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    if crate::simd::level() == crate::simd::Level::Avx2 {
+                        let mut got = vec![0.0; d];
+                        // SAFETY: the Avx2 level implies avx2 and fma.
+                        unsafe {
+                            attend_compat_fma(
+                                order, &q, &kh, &vh, d, n_att, scale, &mut got, &mut ws,
+                            )
+                        };
+                        assert_eq!(bits(&got), bits(&want), "fma {order:?} d={d} n={n_att}");
+                    }
+                    if crate::simd::has_avx512() {
+                        let mut got = vec![0.0; d];
+                        // SAFETY: has_avx512 implies avx512f/vl on top of avx2/fma/f16c.
+                        unsafe {
+                            attend_compat_avx512(
+                                order, &q, &kh, &vh, d, n_att, scale, &mut got, &mut ws,
+                            )
+                        };
+                        assert_eq!(bits(&got), bits(&want), "avx512 {order:?} d={d} n={n_att}");
+                    }
+                }
             }
         }
     }

@@ -14,6 +14,7 @@ pub mod attention;
 pub mod checksum;
 pub mod matmul;
 pub mod ops;
+pub mod par;
 pub mod quant;
 pub mod simd;
 

@@ -3,11 +3,10 @@
 //!
 //! Every output element is computed by the same per-row dot kernel whether one token or many are
 //! in the batch, so batched results are bit-identical to unbatched ones (the engine's "batched ==
-//! alone" guarantee depends on this). Work is split over rows across the current rayon pool; each
-//! task walks a tile of rows for every token so the tile's weights stay in L1/L2 (weight reuse is
-//! what makes prefill faster per token than decode).
-
-use rayon::prelude::*;
+//! alone" guarantee depends on this). Work is split statically over rows across the installed
+//! compute pool ([`crate::par`]): part `i` gets the same rows every call, so a worker keeps
+//! reading the same weights. Each part walks a tile of rows for every token so the tile's weights
+//! stay in L1/L2 (weight reuse is what makes prefill faster per token than decode).
 
 use crate::quant::{self, BlockQ8, DType, QK};
 use crate::simd::{self, Level};
@@ -79,10 +78,24 @@ impl QInput {
                 Level::Avx2 => unsafe { crate::x86::quantize_row_q8(xr, qr) },
                 _ => quant::quantize_row_q8(xr, qr),
             };
-            if n_tok >= 16 {
-                x.par_chunks(cols)
-                    .zip(q8.par_chunks_mut(per_row))
-                    .for_each(quantize);
+            if n_tok >= 16 && crate::par::current_num_threads() > 1 {
+                let out = OutPtr(q8.as_mut_ptr());
+                crate::par::run(&|part, parts| {
+                    let rows = crate::par::split(n_tok, part, parts, 1);
+                    // SAFETY: parts' row ranges are disjoint and within `n_tok` rows of
+                    // `per_row` blocks (the buffer was resized to that above), and the buffer
+                    // outlives the section (`run` returns after every part).
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            out.get().add(rows.start * per_row),
+                            rows.len() * per_row,
+                        )
+                    };
+                    x[rows.start * cols..rows.end * cols]
+                        .chunks(cols)
+                        .zip(dst.chunks_mut(per_row))
+                        .for_each(quantize);
+                });
             } else {
                 x.chunks(cols)
                     .zip(q8.chunks_mut(per_row))
@@ -126,6 +139,20 @@ fn q8_dot4_fn(dtype: DType) -> Option<Q8Dot4> {
     None
 }
 
+type Q8Dot4x4 = fn([&[u8]; 4], [&[BlockQ8]; 4]) -> [[f32; 4]; 4];
+
+/// A four-row × four-token kernel where one exists (same per-output arithmetic as the one-row
+/// kernel).
+fn q8_dot4x4_fn(dtype: DType) -> Option<Q8Dot4x4> {
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() == Level::Avx2 && simd::has_vnni() && dtype == DType::Q4_1 {
+        // SAFETY: avx2/fma/f16c and avx512vnni/avx512vl were detected at run time.
+        return Some(|w, a| unsafe { crate::x86::dot4x4v_q4_1_q8(w, a) });
+    }
+    let _ = dtype;
+    None
+}
+
 fn q8_dot_fn(dtype: DType) -> Q8Dot {
     #[cfg(target_arch = "x86_64")]
     if simd::level() == Level::Avx2 {
@@ -151,14 +178,25 @@ fn scalar_q8_dot_fn(dtype: DType) -> Q8Dot {
     }
 }
 
-/// Raw output pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint index sets (distinct row tiles), and the borrow of the output
-// slice outlives the parallel section.
-unsafe impl Send for OutPtr {}
+/// Raw output pointer shared by the parts of a section, which write disjoint elements. Read
+/// through [`OutPtr::get`] so that closures capture the wrapper, not the pointer field.
+struct OutPtr<T>(*mut T);
+impl<T> OutPtr<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+impl<T> Clone for OutPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for OutPtr<T> {}
+// SAFETY: parts write disjoint index sets (distinct row ranges), and the borrow of the output
+// slice outlives the parallel section (`par::run` returns after every part).
+unsafe impl<T> Send for OutPtr<T> {}
 // SAFETY: as above.
-unsafe impl Sync for OutPtr {}
+unsafe impl<T> Sync for OutPtr<T> {}
 
 /// Rows per task tile: small enough to stay in L1/L2, large enough to amortise task overhead.
 const TILE_ROWS: usize = 16;
@@ -168,17 +206,16 @@ pub fn matmul(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
     matmul_many(&mut [(*w, out)], x)
 }
 
-/// Several matrices over the same input (Q/K/V, gate/up) in one parallel region: one fork-join
+/// Several matrices over the same input (Q/K/V, gate/up) in one parallel section: one hand-off
 /// instead of one per matrix, which is what a decode step's small matrices need.
+///
+/// The jobs' rows are laid end to end and split statically into one contiguous range per part,
+/// aligned to the four-row kernel; a part that spans two jobs computes the end of one and the
+/// start of the next.
 pub fn matmul_many(jobs: &mut [(QMatrix<'_>, &mut [f32])], x: &QInput) {
-    let threads = rayon::current_num_threads();
-    // (job, first row, end row) tasks over every job's row tiles.
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    let total_tiles: usize = jobs.iter().map(|(w, _)| w.rows.div_ceil(TILE_ROWS)).sum();
-    // Enough tasks to balance (4 per thread), no fewer rows than a tile.
-    let tiles_per_task = total_tiles.div_ceil(threads * 4).max(1);
     let mut outs = Vec::with_capacity(jobs.len());
-    for (j, (w, out)) in jobs.iter_mut().enumerate() {
+    let mut total_rows = 0;
+    for (w, out) in jobs.iter_mut() {
         assert_eq!(
             x.cols, w.cols,
             "matmul: input width {} != weight cols {}",
@@ -186,31 +223,70 @@ pub fn matmul_many(jobs: &mut [(QMatrix<'_>, &mut [f32])], x: &QInput) {
         );
         assert_eq!(out.len(), x.n_tok * w.rows, "matmul: output shape mismatch");
         outs.push(OutPtr(out.as_mut_ptr()));
-        let step = tiles_per_task * TILE_ROWS;
-        for r0 in (0..w.rows).step_by(step) {
-            tasks.push((j, r0, (r0 + step).min(w.rows)));
-        }
+        total_rows += w.rows;
     }
     let jobs: &[(QMatrix<'_>, &mut [f32])] = jobs;
-    let run_task = |&(j, r0, r1): &(usize, usize, usize)| run_rows(&jobs[j].0, x, outs[j], r0, r1);
-    if tasks.len() == 1 || threads == 1 {
-        tasks.iter().for_each(run_task);
+    let part_rows = |part: usize, parts: usize| {
+        let range = crate::par::split(total_rows, part, parts, 4);
+        let mut first = 0;
+        for (j, (w, _)) in jobs.iter().enumerate() {
+            let (r0, r1) = (range.start.max(first), range.end.min(first + w.rows));
+            if r0 < r1 {
+                run_rows(w, x, outs[j], r0 - first, r1 - first);
+            }
+            first += w.rows;
+        }
+    };
+    if crate::par::current_num_threads() == 1 || x.n_tok * total_rows < 64 {
+        part_rows(0, 1);
     } else {
-        tasks.par_iter().for_each(run_task);
+        crate::par::run(&part_rows);
     }
 }
 
 /// Rows `r0..r1` of `w` for every token, into the output behind `p` (`n_tok × w.rows`).
-fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr, r0: usize, r1: usize) {
+fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
     let (rows, n_tok) = (w.rows, x.n_tok);
     if w.dtype.uses_q8_activations() {
         let dot = q8_dot_fn(w.dtype);
         let dot4 = q8_dot4_fn(w.dtype);
+        let dot4x4 = q8_dot4x4_fn(w.dtype);
         let per_row = w.cols / QK;
+        let act = |t: usize| &x.q8[t * per_row..(t + 1) * per_row];
         for tr0 in (r0..r1).step_by(TILE_ROWS) {
             let tr1 = (tr0 + TILE_ROWS).min(r1);
-            for t in 0..n_tok {
-                let a = &x.q8[t * per_row..(t + 1) * per_row];
+            // Four rows × four tokens at a time where a kernel exists (the rest below).
+            let mut t_done = 0;
+            if let Some(dot4x4) = dot4x4 {
+                let r_end = tr0 + (tr1 - tr0) / 4 * 4;
+                while t_done + 4 <= n_tok {
+                    let t = t_done;
+                    for r in (tr0..r_end).step_by(4) {
+                        let v = dot4x4(
+                            [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)],
+                            [act(t), act(t + 1), act(t + 2), act(t + 3)],
+                        );
+                        for (k, row) in v.iter().enumerate() {
+                            for (j, vj) in row.iter().enumerate() {
+                                // SAFETY: t + j < n_tok, r + k < rows: in bounds of the output
+                                // (n_tok × rows, asserted by the caller); parts' rows are
+                                // disjoint.
+                                unsafe { *p.get().add((t + j) * rows + r + k) = *vj };
+                            }
+                        }
+                    }
+                    // Rows of the tile past the last multiple of four: one row at a time.
+                    for r in r_end..tr1 {
+                        for j in t..t + 4 {
+                            // SAFETY: as above.
+                            unsafe { *p.get().add(j * rows + r) = dot(w.row(r), act(j)) };
+                        }
+                    }
+                    t_done += 4;
+                }
+            }
+            for t in t_done..n_tok {
+                let a = act(t);
                 let mut r = tr0;
                 if let Some(dot4) = dot4 {
                     while r + 4 <= tr1 {
@@ -218,7 +294,7 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr, r0: usize, r1: usize) {
                         for (k, vk) in v.into_iter().enumerate() {
                             // SAFETY: t < n_tok, r + k < rows: in bounds of the output (len
                             // n_tok × rows, asserted by the caller); tasks' row ranges are disjoint.
-                            unsafe { *p.0.add(t * rows + r + k) = vk };
+                            unsafe { *p.get().add(t * rows + r + k) = vk };
                         }
                         r += 4;
                     }
@@ -226,7 +302,7 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr, r0: usize, r1: usize) {
                 for r in r..tr1 {
                     let v = dot(w.row(r), a);
                     // SAFETY: as above — in bounds, disjoint rows per task.
-                    unsafe { *p.0.add(t * rows + r) = v };
+                    unsafe { *p.get().add(t * rows + r) = v };
                 }
             }
         }
@@ -237,7 +313,7 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr, r0: usize, r1: usize) {
             for t in 0..n_tok {
                 let v = crate::ops::dot_f32(&tmp, &x.f[t * w.cols..(t + 1) * w.cols]);
                 // SAFETY: as above — in bounds, disjoint rows per task.
-                unsafe { *p.0.add(t * rows + r) = v };
+                unsafe { *p.get().add(t * rows + r) = v };
             }
         }
     }
@@ -407,6 +483,69 @@ mod tests {
                         "{dtype:?} row {r}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn four_by_four_kernels_are_bit_identical_to_the_one_row_kernels() {
+        let mut seed = 23;
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            let (rows, cols, n_tok) = (8, 576, 4);
+            let wb = rand_weights(dtype, rows, cols, &mut seed);
+            let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");
+            let x = rand_f32(n_tok * cols, &mut seed);
+            let mut qi = QInput::default();
+            qi.prepare(&x, n_tok, cols, dtype);
+            let per_row = cols / QK;
+            let act = |t: usize| &qi.q8[t * per_row..(t + 1) * per_row];
+            if let Some(k) = q8_dot4x4_fn(dtype) {
+                let v = k(
+                    [w.row(4), w.row(5), w.row(6), w.row(7)],
+                    [act(0), act(1), act(2), act(3)],
+                );
+                for (r, row) in v.iter().enumerate() {
+                    for (t, got) in row.iter().enumerate() {
+                        let want = q8_dot_fn(dtype)(w.row(4 + r), act(t));
+                        assert_eq!(got.to_bits(), want.to_bits(), "{dtype:?} row {r} token {t}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_at_one_two_and_three_threads_gives_the_same_bits() {
+        let mut seed = 29;
+        for dtype in [DType::Q4_1, DType::Q8_0, DType::F16] {
+            for (rows, cols, n_tok) in [(70, 128, 1), (70, 128, 21), (261, 64, 6)] {
+                let wb = rand_weights(dtype, rows, cols, &mut seed);
+                let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");
+                let wb2 = rand_weights(dtype, 13, cols, &mut seed);
+                let w2 = QMatrix::new(dtype, 13, cols, &wb2).expect("shape");
+                let x = rand_f32(n_tok * cols, &mut seed);
+                let runs: Vec<(Vec<u32>, Vec<u32>)> = [1, 2, 3]
+                    .into_iter()
+                    .map(|threads| {
+                        let pool = crate::par::ThreadPool::new(threads).expect("pool");
+                        pool.install(|| {
+                            let mut qi = QInput::default();
+                            qi.prepare(&x, n_tok, cols, dtype);
+                            let (mut a, mut b) = (vec![0.0; n_tok * rows], vec![0.0; n_tok * 13]);
+                            matmul_many(&mut [(w, &mut a[..]), (w2, &mut b[..])], &qi);
+                            let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect();
+                            (bits(a), bits(b))
+                        })
+                    })
+                    .collect();
+                assert_eq!(
+                    runs[0], runs[1],
+                    "{dtype:?} {rows}x{cols} n={n_tok}: 2 threads"
+                );
+                assert_eq!(
+                    runs[0], runs[2],
+                    "{dtype:?} {rows}x{cols} n={n_tok}: 3 threads"
+                );
             }
         }
     }

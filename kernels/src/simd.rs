@@ -33,6 +33,26 @@ pub fn has_vnni() -> bool {
     })
 }
 
+static AVX512: OnceLock<bool> = OnceLock::new();
+
+/// Whether AVX-512 F (with VL) is available on top of [`Level::Avx2`]: kernels whose arithmetic
+/// is fixed lane by lane in portable code (attention) are compiled once more with 512-bit
+/// vectors, same operations in the same order, so the same bits. `CUSTODY_SIMD=avx2` turns it
+/// off (to measure what it buys).
+pub fn has_avx512() -> bool {
+    *AVX512.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if level() == Level::Avx2 && std::env::var("CUSTODY_SIMD").map_or(true, |v| v != "avx2")
+            {
+                return std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512vl");
+            }
+        }
+        false
+    })
+}
+
 /// The level in use for this process.
 pub fn level() -> Level {
     *LEVEL.get_or_init(detect)

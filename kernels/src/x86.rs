@@ -387,3 +387,64 @@ pub(crate) fn dot4v_q8_0_q8(w: [&[u8]; 4], a: &[BlockQ8]) -> [f32; 4] {
     }
     [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
 }
+
+/// Four Q4_1 weight rows × four Q8_1 activation rows (tokens), AVX-512 VNNI: each row's weights
+/// are unpacked once per block for all four tokens (prefill's weight reuse, in registers). Every
+/// (row, token) output is accumulated exactly as [`dot4v_q4_1_q8`] / [`dot_q4_1_q8`] do it —
+/// the same per-block products, scale, FMA chain and final sum — so the bits are the same.
+/// Returns `out[row][token]`.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+pub(crate) fn dot4x4v_q4_1_q8(w: [&[u8]; 4], a: [&[BlockQ8]; 4]) -> [[f32; 4]; 4] {
+    let nb = a[0].len();
+    for r in &w {
+        assert_eq!(r.len(), nb * 20);
+    }
+    for t in &a {
+        assert_eq!(t.len(), nb);
+    }
+    let m4 = _mm_set1_epi8(0x0f);
+    let mut acc = [[_mm256_setzero_ps(); 4]; 4];
+    let mut summ = [[0.0f32; 4]; 4];
+    let p = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
+    for b in 0..nb {
+        let mut wq = [_mm256_setzero_si256(); 4];
+        let mut dw = [0.0f32; 4];
+        let mut mw = [0.0f32; 4];
+        for r in 0..4 {
+            // SAFETY: each row is nb × 20 bytes (asserted); block b spans [20b, 20b + 20).
+            let (dm, qs) = unsafe {
+                let blk = p[r].add(b * 20);
+                (
+                    _mm_cvtph_ps(_mm_cvtsi32_si128(blk.cast::<i32>().read_unaligned())),
+                    _mm_loadu_si128(blk.add(4).cast()),
+                )
+            };
+            dw[r] = _mm_cvtss_f32(dm);
+            mw[r] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+            let lo = _mm_and_si128(qs, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), m4);
+            wq[r] = _mm256_set_m128i(hi, lo);
+        }
+        for t in 0..4 {
+            let x = &a[t][b];
+            // SAFETY: `x.qs` is 32 bytes.
+            let aq = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+            for r in 0..4 {
+                let p32 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[r], aq);
+                acc[r][t] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(dw[r] * x.d),
+                    _mm256_cvtepi32_ps(p32),
+                    acc[r][t],
+                );
+                summ[r][t] += mw[r] * x.s;
+            }
+        }
+    }
+    let mut out = [[0.0f32; 4]; 4];
+    for r in 0..4 {
+        for t in 0..4 {
+            out[r][t] = hsum(acc[r][t]) + summ[r][t];
+        }
+    }
+    out
+}

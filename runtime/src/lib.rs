@@ -13,6 +13,7 @@ pub use custody_engine::{
     RequestId, SamplingParams, StartupError, Tokenizer,
 };
 pub use custody_engine::{
-    actor, config, cuda_check, cuda_forward, engine, gguf, kv, model, protocol, sampling, tokenizer,
+    actor, config, cuda_check, cuda_forward, engine, gguf, kv, model, par, protocol, sampling,
+    tokenizer,
 };
 pub use custody_transport as transport;

@@ -1,53 +1,105 @@
 #!/usr/bin/env python3
 """Side-by-side throughput: llama.cpp (llama-cpp-python) and `custody bench`, same model, same
-prompt ids, same threads, same prompt/generation lengths, in the same run; writes the ratios
+prompt ids, same threads, same prompt/generation lengths, in the same run; writes the table
 into BENCHMARKS.md between the BEGIN/END markers. Run on demand (not in CI):
 
     /opt/llamaref/venv/bin/python scripts/llamacpp/bench_side_by_side.py [--threads 1 2] [--reps 3]
+
+Scenarios (each at every thread count):
+  short    512 prompt ids, then 128 greedy decode steps, one sequence;
+  long     2,048 prompt ids, then 128 steps (attention dominates decode there);
+  batched  8 sequences, each the 512 prompt ids then 128 steps, decoding together
+           (llama.cpp: one `llama_batch` of 8 sequences per step, per-sequence KV streams).
+llama.cpp runs with flash attention off (the arithmetic custody reproduces) and on; each
+figure's ratio is against the faster of the two. custody runs with the tag check (always on)
+and the audit writer recording every event (`--audit-cost`: its audited figures).
 """
-import argparse, json, os, platform, statistics, subprocess, time
+import argparse, ctypes, json, os, platform, statistics, subprocess, time
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
-from llama_cpp import Llama
+from llama_cpp import Llama, _internals as internals
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = os.environ.get("CUSTODY_MODEL", str(Path.home() / ".cache/custody/SmolLM2-135M-Instruct.Q4_1.gguf"))
 PROMPT = ROOT / "tests/fixtures/llamacpp-smollm2/bench_prompt.json"
+N_BATCH = 512
+SCENARIOS = {"short": (512, 1), "long": (2048, 1), "batched": (512, 8)}
 
 
-def run_llama_cpp(threads, ids, n_gen, reps, fa):
-    llm = Llama(MODEL, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, flash_attn=fa, verbose=False)
+def argmax_ith(ctx, i, vocab):
+    ptr = llama_cpp.llama_get_logits_ith(ctx, i)
+    return int(np.ctypeslib.as_array(ptr, shape=(vocab,)).argmax())
+
+
+def fill(batch, tokens, pos0, seq, want_last):
+    """One sequence's tokens into `batch` (cleared first)."""
+    batch.n_tokens = len(tokens)
+    for i, t in enumerate(tokens):
+        batch.token[i] = t
+        batch.pos[i] = pos0 + i
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = 1 if (want_last and i == len(tokens) - 1) else 0
+
+
+def run_llama_cpp(threads, ids, n_gen, reps, fa, n_seq):
+    """Prefill every sequence (512-token chunks), then n_gen steps of one token per sequence."""
+    per_seq = len(ids) + n_gen + 16
+    n_ctx = -(-per_seq // 256) * 256 * n_seq  # a whole stream per sequence
+    llm = Llama(MODEL, n_ctx=n_ctx, n_batch=N_BATCH, n_threads=threads, n_threads_batch=threads,
+                flash_attn=fa, verbose=False)
     vocab = llm.n_vocab()
-
-    def last_argmax():
-        # The last evaluated position's logits, read through the C API (no Python-side copies).
-        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-        return int(np.ctypeslib.as_array(ptr, shape=(vocab,)).argmax())
-
+    params = llm.context_params
+    params.n_seq_max = n_seq
+    params.kv_unified = False
+    ctx_obj = internals.LlamaContext(model=llm._model, params=params, verbose=False)
+    ctx = ctx_obj.ctx
+    batch = llama_cpp.llama_batch_init(N_BATCH, 0, n_seq)
+    mem = llama_cpp.llama_get_memory(ctx)
     pre, dec = [], []
-    for _ in range(reps):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        t1 = time.perf_counter()
-        tok = last_argmax()
-        t2 = time.perf_counter()
-        for _ in range(n_gen):
-            llm.eval([tok])
-            tok = last_argmax()
-        t3 = time.perf_counter()
-        pre.append(len(ids) / (t1 - t0))
-        dec.append(n_gen / (t3 - t2))
+    try:
+        for _ in range(reps):
+            llama_cpp.llama_memory_clear(mem, True)
+            t0 = time.perf_counter()
+            toks = []
+            for s in range(n_seq):
+                for c0 in range(0, len(ids), N_BATCH):
+                    chunk = ids[c0:c0 + N_BATCH]
+                    last = c0 + N_BATCH >= len(ids)
+                    fill(batch, chunk, c0, s, last)
+                    if llama_cpp.llama_decode(ctx, batch) != 0:
+                        raise RuntimeError("llama_decode failed (prefill)")
+                toks.append(argmax_ith(ctx, len(chunk) - 1, vocab))
+            t1 = time.perf_counter()
+            for step in range(n_gen):
+                batch.n_tokens = n_seq
+                for s in range(n_seq):
+                    batch.token[s] = toks[s]
+                    batch.pos[s] = len(ids) + step
+                    batch.n_seq_id[s] = 1
+                    batch.seq_id[s][0] = s
+                    batch.logits[s] = 1
+                if llama_cpp.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed (decode)")
+                toks = [argmax_ith(ctx, s, vocab) for s in range(n_seq)]
+            t2 = time.perf_counter()
+            pre.append(n_seq * len(ids) / (t1 - t0))
+            dec.append(n_seq * n_gen / (t2 - t1))
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        ctx_obj.close()
+        llm.close()
     return statistics.median(pre), statistics.median(dec)
 
 
-def custody(threads, n_prompt, n_gen, reps):
+def custody(threads, n_prompt, n_gen, reps, n_seq):
     exe = ROOT / "target/release/custody"
     out = subprocess.run(
         [str(exe), "bench", "--model", MODEL, "--threads", str(threads), "--prompt-tokens", str(n_prompt),
-         "--gen-tokens", str(n_gen), "--reps", str(reps), "--prompt-ids", str(PROMPT), "--json"],
+         "--gen-tokens", str(n_gen), "--reps", str(reps), "--prompt-ids", str(PROMPT), "--batch", str(n_seq),
+         "--audit-cost", "--json"],
         check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -55,31 +107,52 @@ def custody(threads, n_prompt, n_gen, reps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--no-build", action="store_true", help="use target/release/custody as it is")
+    ap.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     a = ap.parse_args()
-    subprocess.run(["cargo", "build", "--release", "--quiet", "-p", "custody"], cwd=ROOT, check=True)
-    ids = json.loads(PROMPT.read_text())["all_ids"][: a.prompt_tokens]
+    if not a.no_build:
+        subprocess.run(["cargo", "build", "--release", "--quiet", "-p", "custody"], cwd=ROOT, check=True)
+    all_ids = json.loads(PROMPT.read_text())["all_ids"]
     rows = []
-    for t in a.threads:
-        c = custody(t, a.prompt_tokens, a.gen_tokens, a.reps)
-        for fa in (False, True):
-            lp, ld = run_llama_cpp(t, ids, a.gen_tokens, a.reps, fa)
-            rows.append((t, fa, lp, ld, c))
-            print(f"threads {t} fa={int(fa)}: llama.cpp prefill {lp:.1f} decode {ld:.1f} | custody prefill {c['prefill_tok_s']:.1f} "
-                  f"decode {c['decode_tok_s']:.1f} | ratio {c['prefill_tok_s']/lp:.2f} / {c['decode_tok_s']/ld:.2f} "
-                  f"| tag check {100*c['tag_check_fraction_of_decode_step']:.3f} % of a decode step")
+    for name in a.scenarios:
+        n_prompt, n_seq = SCENARIOS[name]
+        ids = all_ids[:n_prompt]
+        assert len(ids) == n_prompt, f"{PROMPT} has only {len(all_ids)} ids"
+        for t in a.threads:
+            c = custody(t, n_prompt, a.gen_tokens, a.reps, n_seq)
+            cp, cd = c["audited_prefill_tok_s"], c["audited_decode_tok_s"]
+            ref = {fa: run_llama_cpp(t, ids, a.gen_tokens, a.reps, fa, n_seq) for fa in (False, True)}
+            fa_p = max(ref, key=lambda fa: ref[fa][0])
+            fa_d = max(ref, key=lambda fa: ref[fa][1])
+            row = dict(name=name, threads=t, n_prompt=n_prompt, n_seq=n_seq, ref=ref, fa_p=fa_p, fa_d=fa_d,
+                       cp=cp, cd=cd, check=c["tag_check_fraction_of_decode_step"])
+            rows.append(row)
+            print(f"{name} threads {t}: llama.cpp prefill {ref[False][0]:.1f}/{ref[True][0]:.1f} (fa off/on) "
+                  f"decode {ref[False][1]:.1f}/{ref[True][1]:.1f} | custody prefill {cp:.1f} decode {cd:.1f} | "
+                  f"ratio vs best {cp / ref[fa_p][0]:.2f} / {cd / ref[fa_d][1]:.2f}", flush=True)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
-    table = [f"Measured {time.strftime('%Y-%m-%d')} on {cpu}, {os.cpu_count()} cores; prompt {a.prompt_tokens} tokens "
-             f"(`tests/fixtures/llamacpp-smollm2/bench_prompt.json`), then {a.gen_tokens} greedy decode steps, median of "
-             f"{a.reps}; llama.cpp = llama-cpp-python {llama_cpp.__version__} with flash attention off (the arithmetic custody "
-             f"reproduces) and on (its fastest CPU path).", "",
-             "| threads | llama.cpp flash attn | llama.cpp prefill tok/s | custody prefill tok/s | ratio | llama.cpp decode tok/s | custody decode tok/s | ratio | tag check (% of decode step) |",
+    table = [f"Measured {time.strftime('%Y-%m-%d')} on {cpu}, {os.cpu_count()} cores; prompt ids from "
+             f"`tests/fixtures/llamacpp-smollm2/bench_prompt.json`, then {a.gen_tokens} greedy decode steps, median of "
+             f"{a.reps}; llama.cpp = llama-cpp-python {llama_cpp.__version__}, flash attention off and on, each ratio "
+             f"against the faster (its setting in brackets); custody with the tag check and the audit log on. Batched: "
+             f"aggregate tok/s over the sequences.", "",
+             "| scenario | threads | llama.cpp prefill tok/s (fa off / on) | custody prefill tok/s | ratio vs best | "
+             "llama.cpp decode tok/s (fa off / on) | custody decode tok/s | ratio vs best | tag check (% of decode step) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for t, fa, lp, ld, c in rows:
-        table.append(f"| {t} | {'on' if fa else 'off'} | {lp:.1f} | {c['prefill_tok_s']:.1f} | **{c['prefill_tok_s']/lp:.2f}×** | {ld:.1f} | "
-                     f"{c['decode_tok_s']:.1f} | **{c['decode_tok_s']/ld:.2f}×** | {100*c['tag_check_fraction_of_decode_step']:.3f} % |")
+    for r in rows:
+        ref = r["ref"]
+        label = f"{r['name']} ({r['n_prompt']} prompt{', ' + str(r['n_seq']) + ' sequences' if r['n_seq'] > 1 else ''})"
+        table.append(
+            f"| {label} | {r['threads']} | {ref[False][0]:.1f} / {ref[True][0]:.1f} | {r['cp']:.1f} | "
+            f"**{r['cp'] / ref[r['fa_p']][0]:.2f}×** ({'on' if r['fa_p'] else 'off'}) | {ref[False][1]:.1f} / {ref[True][1]:.1f} | "
+            f"{r['cd']:.1f} | **{r['cd'] / ref[r['fa_d']][1]:.2f}×** ({'on' if r['fa_d'] else 'off'}) | "
+            f"{100 * r['check']:.3f} % |")
+    print("\n".join(table))
+    if a.no_write:
+        return
     bm = ROOT / "BENCHMARKS.md"
     text = bm.read_text()
     begin, end = "<!-- BEGIN side-by-side -->", "<!-- END side-by-side -->"

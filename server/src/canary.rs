@@ -80,7 +80,7 @@ pub enum GoldenError {
 /// have no other work). Recorded in the audit log like any request, as tenant `tenant`.
 pub fn reference(
     engine: &mut Engine,
-    pool: &rayon::ThreadPool,
+    pool: &custody_runtime::par::ThreadPool,
     tokenizer: &Tokenizer,
     tenant: &str,
 ) -> Result<Vec<Golden>, GoldenError> {

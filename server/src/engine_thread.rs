@@ -224,7 +224,7 @@ const CMDS_PER_STEP: usize = 64;
 /// The engine thread's state: the engine, the kernels' thread pool, and each request's route.
 pub(crate) struct EngineActor {
     pub(crate) engine: Engine,
-    pool: rayon::ThreadPool,
+    pool: custody_runtime::par::ThreadPool,
     routes: HashMap<RequestId, Route>,
     gauges: Arc<EngineGauges>,
     check: PrefillCheck,
@@ -269,7 +269,7 @@ impl Actor for EngineActor {
 /// `engine`) when every handle is dropped or shutdown was asked, and no work is left.
 pub(crate) fn spawn(
     engine: Engine,
-    pool: rayon::ThreadPool,
+    pool: custody_runtime::par::ThreadPool,
     capacity: usize,
     check: PrefillCheck,
     gauges: Arc<EngineGauges>,
@@ -470,7 +470,7 @@ const RUN_ALONE_MAX_STEPS: usize = 100_000;
 /// its tokens and time to first token, or why it did not finish.
 pub fn run_alone(
     engine: &mut Engine,
-    pool: &rayon::ThreadPool,
+    pool: &custody_runtime::par::ThreadPool,
     req: GenerateRequest,
 ) -> Result<(Vec<u32>, Duration), RunAloneError> {
     let id = engine.submit(req)?;

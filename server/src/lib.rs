@@ -55,7 +55,7 @@ pub enum ServeError {
 #[derive(Debug)]
 pub struct Prepared {
     engine: Engine,
-    pool: rayon::ThreadPool,
+    pool: custody_runtime::par::ThreadPool,
     tokenizer: Arc<Tokenizer>,
     golden: Vec<Golden>,
     check: PrefillCheck,
@@ -76,7 +76,7 @@ pub const CALIBRATION_TENANT: &str = "_calibration";
 /// check) and compute the golden prompts' reference outputs, each on the idle engine.
 pub fn prepare(
     mut engine: Engine,
-    pool: rayon::ThreadPool,
+    pool: custody_runtime::par::ThreadPool,
     tokenizer: Tokenizer,
     cfg: &ServeSection,
 ) -> Result<Prepared, ServeError> {
@@ -115,7 +115,7 @@ pub fn prepare(
 /// leaves room for a quieter machine later.
 fn calibrate(
     engine: &mut Engine,
-    pool: &rayon::ThreadPool,
+    pool: &custody_runtime::par::ThreadPool,
     tokenizer: &Tokenizer,
     cfg: &ServeSection,
 ) -> Result<(PrefillCheck, f64), ServeError> {
@@ -214,7 +214,7 @@ pub struct PreparedFront {
 
 pub fn prepare_front(
     mut reference: Engine,
-    pool: rayon::ThreadPool,
+    pool: custody_runtime::par::ThreadPool,
     tokenizer: Tokenizer,
     cfg: &ServeSection,
 ) -> Result<PreparedFront, ServeError> {

@@ -39,35 +39,75 @@ pub(crate) struct BenchArgs {
     /// With --audit-cost: fsync the live segment at most this often (0 = after every batch).
     #[arg(long, default_value_t = 0)]
     pub(crate) audit_fsync_interval_ms: u64,
+    /// Concurrent sequences: each gets the prompt, all decode together (continuous batching);
+    /// decode tok/s is then the aggregate over the sequences.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) batch: usize,
 }
 
-/// One prefill of `ids` then `gen_tokens` decode steps: (prefill seconds, decode seconds, steps).
-fn bench_once(engine: &mut Engine, ids: &[u32], gen_tokens: usize) -> Result<(f64, f64, usize)> {
-    let req = GenerateRequest {
-        prompt: ids.to_vec(),
-        max_tokens: gen_tokens + 1,
-        sampling: SamplingParams::default(),
-        stop_ids: Vec::new(),
-        tenant: "bench".into(),
-    };
-    engine.submit(req)?;
+/// One repetition's timings.
+#[derive(Clone, Copy, Debug)]
+struct RunTimes {
+    /// From submitting until every sequence has its first token (prompt processing).
+    prefill_s: f64,
+    /// From then until every sequence has generated its tokens.
+    decode_s: f64,
+    /// Tokens generated after the first one, over all sequences.
+    decode_tokens: usize,
+}
+
+/// `batch` sequences with the prompt `ids`, each then generating `gen_tokens` more tokens: the
+/// engine's own scheduling (prefill in `max_batch_tokens` chunks, then one decode row per
+/// sequence per step).
+fn bench_once(
+    engine: &mut Engine,
+    ids: &[u32],
+    gen_tokens: usize,
+    batch: usize,
+) -> Result<RunTimes> {
     let t0 = Instant::now();
-    let ev = engine.step();
-    let t_prefill = t0.elapsed().as_secs_f64();
-    if !matches!(ev.first(), Some(Event::Token { .. })) {
-        bail!("prefill did not complete in one step: {ev:?}");
+    for _ in 0..batch {
+        engine.submit(GenerateRequest {
+            prompt: ids.to_vec(),
+            max_tokens: gen_tokens + 1,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            tenant: "bench".into(),
+        })?;
     }
-    let t1 = Instant::now();
-    let mut steps = 0;
-    while engine.has_work() {
-        engine.step();
-        steps += 1;
+    let mut tokens = std::collections::HashMap::new();
+    // Bounded: each step either makes progress or the engine has no work left.
+    let max_steps = batch * (ids.len() + gen_tokens + 2);
+    let mut prefill_s = None;
+    for _ in 0..max_steps {
+        if !engine.has_work() {
+            break;
+        }
+        for ev in engine.step() {
+            match ev {
+                Event::Token { id, .. } => *tokens.entry(id).or_insert(0usize) += 1,
+                Event::Finished { .. } => {}
+                other => bail!("benchmark request ended early: {other:?}"),
+            }
+        }
+        if prefill_s.is_none() && tokens.len() == batch {
+            prefill_s = Some(t0.elapsed().as_secs_f64());
+        }
     }
-    let t_decode = t1.elapsed().as_secs_f64();
-    if steps != gen_tokens {
-        bail!("expected {gen_tokens} decode steps, ran {steps}");
+    let total = t0.elapsed().as_secs_f64();
+    let prefill_s = prefill_s.context("the prompts were never processed")?;
+    let generated: usize = tokens.values().sum();
+    if engine.has_work() || generated != batch * (gen_tokens + 1) {
+        bail!(
+            "expected {} tokens from {batch} sequences, got {generated}",
+            batch * (gen_tokens + 1)
+        );
     }
-    Ok((t_prefill, t_decode, steps))
+    Ok(RunTimes {
+        prefill_s,
+        decode_s: total - prefill_s,
+        decode_tokens: generated - batch,
+    })
 }
 
 fn read_prompt_ids(path: &Path) -> Result<Vec<u32>> {
@@ -80,8 +120,8 @@ fn read_prompt_ids(path: &Path) -> Result<Vec<u32>> {
 }
 
 pub(crate) fn bench(a: BenchArgs) -> Result<()> {
-    if a.reps == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
-        bail!("--reps, --prompt-tokens and --gen-tokens must be positive");
+    if a.reps == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 || a.batch == 0 {
+        bail!("--reps, --prompt-tokens, --gen-tokens and --batch must be positive");
     }
     let Loaded {
         mut engine,
@@ -145,7 +185,9 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
                     engine.set_audit(None);
                     None
                 };
-                let (tp, td, steps) = bench_once(&mut engine, &ids, a.gen_tokens)?;
+                let t = bench_once(&mut engine, &ids, a.gen_tokens, a.batch)?;
+                let (tp, td) = (t.prefill_s, t.decode_s);
+                let (prompt_tokens, decode_tokens) = (a.prompt_tokens * a.batch, t.decode_tokens);
                 if let Some(w) = writer {
                     engine.set_audit(None);
                     let events = w.sync()?;
@@ -157,16 +199,21 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
                         w.writer_cpu_ns().saturating_sub(running_cpu_ns) as f64 / 1e9,
                         tp + td,
                     ));
-                    prefill_audit.push(a.prompt_tokens as f64 / tp);
-                    decode_audit.push(a.gen_tokens as f64 / td);
+                    prefill_audit.push(prompt_tokens as f64 / tp);
+                    decode_audit.push(decode_tokens as f64 / td);
                 } else {
-                    prefill.push(a.prompt_tokens as f64 / tp);
-                    decode.push(a.gen_tokens as f64 / td);
-                    check_frac.push(tag_check_cost(
-                        &engine,
-                        a.prompt_tokens + a.gen_tokens / 2,
-                        td / steps as f64,
-                    ));
+                    prefill.push(prompt_tokens as f64 / tp);
+                    decode.push(decode_tokens as f64 / td);
+                    // A decode step checks every running sequence's block table.
+                    let steps = decode_tokens / a.batch;
+                    check_frac.push(
+                        a.batch as f64
+                            * tag_check_cost(
+                                &engine,
+                                a.prompt_tokens + a.gen_tokens / 2,
+                                td / steps as f64,
+                            ),
+                    );
                 }
             }
             if a.audit_cost {
@@ -190,7 +237,7 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
         println!(
             "{}",
             serde_json::json!({
-                "threads": threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
+                "threads": threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "batch": a.batch,
                 "prefill_tok_s": p, "decode_tok_s": d, "tag_check_fraction_of_decode_step": c,
                 "simd": format!("{:?}", custody_kernels::simd::level()),
                 "audited_prefill_tok_s": audit.map(|x| x.0), "audited_decode_tok_s": audit.map(|x| x.1),
@@ -204,8 +251,8 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
         );
     } else {
         println!(
-            "threads {threads}  prompt {} tokens  gen {} tokens  (median of {})",
-            a.prompt_tokens, a.gen_tokens, a.reps
+            "threads {threads}  prompt {} tokens  gen {} tokens  sequences {}  (median of {})",
+            a.prompt_tokens, a.gen_tokens, a.batch, a.reps
         );
         println!("prefill  {p:8.1} tok/s");
         println!("decode   {d:8.1} tok/s");

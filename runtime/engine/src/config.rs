@@ -84,8 +84,9 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Compute threads; 0 = all cores.
     pub threads: usize,
-    /// Where the forward pass runs: `"cpu"` (the default) or `"cuda"` (refused at startup with
-    /// what is missing: the CUDA forward pass is not built yet, only its kernels are).
+    /// Where the forward pass runs: `"cpu"` (the default) or `"cuda"` (CUDA device 0; refused
+    /// at startup with what is missing — a build without the `cuda` feature, the driver, NVRTC,
+    /// a device).
     pub backend: Backend,
 }
 

@@ -22,6 +22,10 @@ pub mod protocol;
 pub mod sampling;
 pub mod tokenizer;
 
+/// The compute thread pool the kernels run on (`custody-kernels`'s): a caller installs one
+/// around engine steps, or sets the process's default.
+pub use custody_kernels::par;
+
 pub use config::EngineConfig;
 pub use engine::{
     AdmissionError, DecodeEngine, Engine, Event, FinishReason, GenerateRequest, PrefillEngine,

@@ -21,6 +21,7 @@ mod scheduler;
 mod serve;
 mod symbols;
 mod synth;
+mod threads;
 mod tls;
 mod witness;
 

@@ -98,10 +98,7 @@ impl TestServer {
             ..EngineConfig::default()
         })
         .with_audit(writer.clone());
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .expect("pool");
+        let pool = custody_runtime::par::ThreadPool::new(2).expect("pool");
         let prepared = custody_server::prepare(engine, pool, tokenizer(), &cfg).expect("prepare");
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -329,10 +326,7 @@ fn openai_python_client_against_the_server() {
 /// The golden prompts' reference on a separate, idle engine (what `custody validate` does).
 fn golden_reference() -> Vec<custody_server::Golden> {
     let mut e = engine_with(crate::small_cfg());
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .expect("pool");
+    let pool = custody_runtime::par::ThreadPool::new(2).expect("pool");
     custody_server::canary::reference(&mut e, &pool, &tokenizer(), "_validate").expect("reference")
 }
 
@@ -569,10 +563,7 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         UnsafeReproduction::default(),
         Duration::from_secs(30),
     );
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .expect("pool");
+    let pool = custody_runtime::par::ThreadPool::new(2).expect("pool");
     // An absurd prefill yardstick: every prompt of 8+ tokens is "too fast", which checks that
     // the flag is wired in front of a pair too.
     let cfg = ServeSection {
