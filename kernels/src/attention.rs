@@ -321,6 +321,16 @@ pub fn paged_attention(
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    if n_q == 1
+        && args.order == ReduceOrder::Vec
+        && crate::simd::has_avx512()
+        && (d == 64 || d == 128)
+    {
+        decode_in_place(args, n_ctx, out);
+        return Ok(());
+    }
+
     // Gather K and V of the attended slots into contiguous f32 per kv head: [kv_head][t][d].
     scratch.k.resize(g.n_kv_heads * n_ctx * d, 0.0);
     scratch.v.resize(g.n_kv_heads * n_ctx * d, 0.0);
@@ -425,6 +435,67 @@ impl SharedMut {
 unsafe impl Send for SharedMut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedMut {}
+
+/// A decode row's heads over the cache read in place ([`attend_decode_avx512`]), dealt
+/// round-robin to the pool's parts when the context is long enough to be worth a section.
+#[cfg(target_arch = "x86_64")]
+fn decode_in_place(args: &AttentionArgs<'_>, n_ctx: usize, out: &mut [f32]) {
+    thread_local! {
+        static WS: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::default());
+    }
+    let d = args.geom.head_dim;
+    let group = args.n_heads / args.geom.n_kv_heads;
+    let one = |head: usize, o: &mut [f32]| {
+        let q = &args.q[head * d..(head + 1) * d];
+        WS.with_borrow_mut(|ws| {
+            // SAFETY: the caller checked `has_avx512` (avx512f/vl on top of avx2/fma/f16c);
+            // `d` is 64 or 128, the `NC` each instantiation asserts.
+            unsafe {
+                if d == 64 {
+                    attend_decode_avx512::<4>(
+                        q,
+                        args.k_cache,
+                        args.v_cache,
+                        args.geom,
+                        head / group,
+                        args.block_table,
+                        n_ctx,
+                        o,
+                        ws,
+                    )
+                } else {
+                    attend_decode_avx512::<8>(
+                        q,
+                        args.k_cache,
+                        args.v_cache,
+                        args.geom,
+                        head / group,
+                        args.block_table,
+                        n_ctx,
+                        o,
+                        ws,
+                    )
+                }
+            }
+        });
+    };
+    if n_ctx * args.n_heads >= 1 << 12 && crate::par::current_num_threads() > 1 {
+        let optr = SharedMut(out.as_mut_ptr());
+        crate::par::run(&|part, parts| {
+            for head in (part..args.n_heads).step_by(parts) {
+                // SAFETY: head `head` writes only `out[head·d .. (head+1)·d]` (`out` holds
+                // `n_heads × d`); heads are disjoint and `out` outlives the section.
+                one(head, unsafe {
+                    std::slice::from_raw_parts_mut(optr.get().add(head * d), d)
+                });
+            }
+        });
+    } else {
+        for (head, o) in out.chunks_mut(d).enumerate() {
+            one(head, o);
+        }
+    }
+}
 
 /// Which reduction order the attention arithmetic follows. Both are exact emulations of
 /// llama.cpp's CPU backend (AVX-512 build, flash attention off), so that our logits match its
@@ -650,19 +721,7 @@ fn attend_compat_body(
             max = sc[t];
         }
     }
-    let mut sum = 0.0f64;
-    for chunk in sc.chunks_exact_mut(LANES) {
-        let mut vals = [0.0f32; LANES];
-        for l in 0..LANES {
-            chunk[l] = ggml_expf(chunk[l] - max);
-            vals[l] = chunk[l];
-        }
-        sum += f64::from(reduce16(&vals));
-    }
-    let inv = (1.0 / sum) as f32;
-    for t in 0..n_att {
-        sc[t] = f16::from_f32(sc[t] * inv).to_f32();
-    }
+    softmax_compat(sc, n_att, max);
     // out[j] = Σ_t V[t][j] · p[t], lanes over t; vectorised over j (each (lane, j) chain is the
     // same sequential FMA chain llama.cpp runs).
     match order {
@@ -709,6 +768,147 @@ fn attend_compat_body(
             }
         }
     }
+}
+
+/// Scores (padded with -inf to whole 16-lane chunks) → probabilities rounded to f16, in
+/// llama.cpp's arithmetic: `ggml_expf(s - max)`, 16-lane sums added in f64, scaled by
+/// `(f32)(1/sum)`.
+#[inline(always)]
+fn softmax_compat(sc: &mut [f32], n_att: usize, max: f32) {
+    debug_assert!(sc.len().is_multiple_of(LANES) && sc.len() >= n_att);
+    let mut sum = 0.0f64;
+    for chunk in sc.chunks_exact_mut(LANES) {
+        let mut vals = [0.0f32; LANES];
+        for l in 0..LANES {
+            chunk[l] = ggml_expf(chunk[l] - max);
+            vals[l] = chunk[l];
+        }
+        sum += f64::from(reduce16(&vals));
+    }
+    let inv = (1.0 / sum) as f32;
+    for t in 0..n_att {
+        sc[t] = f16::from_f32(sc[t] * inv).to_f32();
+    }
+}
+
+/// One decode query head (one row, [`ReduceOrder::Vec`]) over the f16 cache read in place — no
+/// gather into f32 first, each K and V row converted in registers — with `NC` 16-lane chunks per
+/// head (`head_dim = 16·NC`, a multiple of 64). Bit-identical to [`attend_compat_body`] over the
+/// gathered rows (tested): the same lane assignment (chunk `c` into accumulator `c % 4`), folds,
+/// softmax and V accumulation order (slot `t % 64`, ascending `t`); only the loop nest differs.
+/// The caller has run the tag check.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_decode_avx512<const NC: usize>(
+    q: &[f32],
+    k_cache: &[f16],
+    v_cache: &[f16],
+    geom: PageGeometry,
+    kv_head: usize,
+    block_table: &[PageRef],
+    n_att: usize,
+    o: &mut [f32],
+    ws: &mut Workspace,
+) {
+    use std::arch::x86_64::*;
+    let d = geom.head_dim;
+    assert!(d == NC * LANES && NC.is_multiple_of(4) && q.len() == d && o.len() == d);
+    let ps = geom.page_size;
+    assert!(block_table.len() >= n_att.div_ceil(ps));
+    // The row of slot `t` (K or V), bounds-checked.
+    let row = |cache: &[f16], t: usize| -> *const f16 {
+        let off = geom.offset(block_table[t / ps].page as usize, kv_head, t % ps);
+        cache[off..off + d].as_ptr()
+    };
+    // SAFETY (every load below): `row` returns the start of `d = 16·NC` in-bounds f16 values, and
+    // chunk `c < NC` reads 16 of them; `qh`, `ws.scores` and `ws.acc` are sized before use.
+    let cvt = |p: *const f16, c: usize| unsafe {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(c * LANES).cast()))
+    };
+    let mut qh = [_mm512_setzero_ps(); NC];
+    for (c, qc) in qh.iter_mut().enumerate() {
+        let mut tmp = [0.0f32; LANES];
+        for l in 0..LANES {
+            tmp[l] = f16::from_f32(q[c * LANES + l]).to_f32();
+        }
+        // SAFETY: 16 floats.
+        *qc = unsafe { _mm512_loadu_ps(tmp.as_ptr()) };
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let n_pad = n_att.div_ceil(LANES) * LANES;
+    let sc = &mut ws.scores;
+    sc.clear();
+    sc.resize(n_pad, f32::NEG_INFINITY);
+    let mut max = f32::NEG_INFINITY;
+    for t in 0..n_att {
+        let kr = row(k_cache, t);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for c in 0..NC {
+            acc[c % 4] = _mm512_fmadd_ps(cvt(kr, c), qh[c], acc[c % 4]);
+        }
+        let a0 = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+        let v = reduce16_zmm(a0) * scale;
+        sc[t] = v;
+        if v > max {
+            max = v;
+        }
+    }
+    softmax_compat(sc, n_att, max);
+    // V: slot `t % 64` accumulates its rows in ascending `t`, held in registers per slot.
+    let slots = 4 * LANES;
+    ws.acc.clear();
+    ws.acc.resize(slots * d, 0.0);
+    for s in 0..slots.min(n_att) {
+        let mut acc = [_mm512_setzero_ps(); NC];
+        for t in (s..n_att).step_by(slots) {
+            let vr = row(v_cache, t);
+            let p = _mm512_set1_ps(sc[t]);
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(cvt(vr, c), p, *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            // SAFETY: slot `s < 64`, chunk `c < NC`: within `ws.acc` (64 × d).
+            unsafe { _mm512_storeu_ps(ws.acc.as_mut_ptr().add(s * d + c * LANES), *a) };
+        }
+    }
+    // out[j] = fold4 over the slots (a·16 + l), vectorised over j.
+    for c in 0..NC {
+        // SAFETY: slot `a·16 + l < 64`, chunk `c < NC`: within `ws.acc`.
+        let x = |slot: usize| unsafe { _mm512_loadu_ps(ws.acc.as_ptr().add(slot * d + c * LANES)) };
+        let mut a0 = [_mm512_setzero_ps(); LANES];
+        for (l, a) in a0.iter_mut().enumerate() {
+            let s0 = _mm512_add_ps(x(l), x(2 * LANES + l));
+            let s1 = _mm512_add_ps(x(LANES + l), x(3 * LANES + l));
+            *a = _mm512_add_ps(s0, s1);
+        }
+        let mut t8 = [_mm512_setzero_ps(); 8];
+        for i in 0..8 {
+            t8[i] = _mm512_add_ps(a0[i], a0[i + 8]);
+        }
+        let mut u4 = [_mm512_setzero_ps(); 4];
+        for i in 0..4 {
+            u4[i] = _mm512_add_ps(t8[i], t8[i + 4]);
+        }
+        let r = _mm512_add_ps(_mm512_add_ps(u4[0], u4[2]), _mm512_add_ps(u4[1], u4[3]));
+        // SAFETY: `o` holds d = 16·NC floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * LANES), r) };
+    }
+}
+
+/// [`reduce16`] on a register: halves, quarters, then (0+2) + (1+3).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+#[inline]
+fn reduce16_zmm(a: std::arch::x86_64::__m512) -> f32 {
+    use std::arch::x86_64::*;
+    let lo = _mm512_castps512_ps256(a);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+    let t = _mm256_add_ps(lo, hi);
+    let u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+    let v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)))
 }
 
 /// Scalar reference attention over plain per-position K/V rows (`[t][kv_head][d]`, f32), used by
@@ -932,6 +1132,81 @@ mod tests {
                         };
                         assert_eq!(bits(&got), bits(&want), "avx512 {order:?} d={d} n={n_att}");
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_over_the_cache_in_place_gives_the_gathered_paths_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx512() {
+            let mut seed = 31;
+            for d in [64, 128] {
+                let geom = PageGeometry {
+                    page_size: 16,
+                    n_kv_heads: 2,
+                    head_dim: d,
+                };
+                let n_pages = 20;
+                let k: Vec<f16> = rnd(n_pages * geom.page_elems(), &mut seed)
+                    .into_iter()
+                    .map(f16::from_f32)
+                    .collect();
+                let v: Vec<f16> = rnd(n_pages * geom.page_elems(), &mut seed)
+                    .into_iter()
+                    .map(f16::from_f32)
+                    .collect();
+                // Pages in a scattered order.
+                let table: Vec<PageRef> = (0..n_pages as u32)
+                    .map(|i| PageRef {
+                        page: (i * 7) % n_pages as u32,
+                        generation: 0,
+                    })
+                    .collect();
+                for n_att in [1, 15, 16, 64, 65, 200, 319] {
+                    let q = rnd(d, &mut seed);
+                    let gather = |cache: &[f16]| -> Vec<f32> {
+                        (0..n_att)
+                            .flat_map(|t| {
+                                let off = geom.offset(table[t / 16].page as usize, 1, t % 16);
+                                cache[off..off + d]
+                                    .iter()
+                                    .map(|x| x.to_f32())
+                                    .collect::<Vec<_>>()
+                            })
+                            .collect()
+                    };
+                    let (kh, vh) = (gather(&k), gather(&v));
+                    let mut ws = Workspace::default();
+                    let mut want = vec![0.0; d];
+                    let scale = 1.0 / (d as f32).sqrt();
+                    attend_compat_body(
+                        ReduceOrder::Vec,
+                        &q,
+                        &kh,
+                        &vh,
+                        d,
+                        n_att,
+                        scale,
+                        &mut want,
+                        &mut ws,
+                    );
+                    let mut got = vec![0.0; d];
+                    // SAFETY: has_avx512 was checked; d = 16 · NC.
+                    unsafe {
+                        if d == 64 {
+                            attend_decode_avx512::<4>(
+                                &q, &k, &v, geom, 1, &table, n_att, &mut got, &mut ws,
+                            )
+                        } else {
+                            attend_decode_avx512::<8>(
+                                &q, &k, &v, geom, 1, &table, n_att, &mut got, &mut ws,
+                            )
+                        }
+                    }
+                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "d={d} n_att={n_att}");
                 }
             }
         }
