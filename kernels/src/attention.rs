@@ -436,8 +436,10 @@ unsafe impl Send for SharedMut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedMut {}
 
-/// A decode row's heads over the cache read in place ([`attend_decode_avx512`]), dealt
-/// round-robin to the pool's parts when the context is long enough to be worth a section.
+/// A decode row's heads over the cache read in place ([`attend_decode_avx512`]). The heads are
+/// split into one contiguous range per part of the pool (when the context is long enough to be
+/// worth a section); inside a range, consecutive heads of the same kv head (up to four) share
+/// each K and V row's load.
 #[cfg(target_arch = "x86_64")]
 fn decode_in_place(args: &AttentionArgs<'_>, n_ctx: usize, out: &mut [f32]) {
     thread_local! {
@@ -445,55 +447,49 @@ fn decode_in_place(args: &AttentionArgs<'_>, n_ctx: usize, out: &mut [f32]) {
     }
     let d = args.geom.head_dim;
     let group = args.n_heads / args.geom.n_kv_heads;
-    let one = |head: usize, o: &mut [f32]| {
-        let q = &args.q[head * d..(head + 1) * d];
+    // Heads `h0..h1` (one kv head, at most four) into `o` (`(h1 - h0) × d`).
+    let run = |h0: usize, h1: usize, o: &mut [f32]| {
+        let qs = &args.q[h0 * d..h1 * d];
+        let (kc, vc, geom, bt) = (args.k_cache, args.v_cache, args.geom, args.block_table);
+        let kv = h0 / group;
         WS.with_borrow_mut(|ws| {
             // SAFETY: the caller checked `has_avx512` (avx512f/vl on top of avx2/fma/f16c);
-            // `d` is 64 or 128, the `NC` each instantiation asserts.
+            // `d` is 64 or 128 and `h1 - h0` in 1..=4, the `NC`/`G` each instantiation asserts.
             unsafe {
-                if d == 64 {
-                    attend_decode_avx512::<4>(
-                        q,
-                        args.k_cache,
-                        args.v_cache,
-                        args.geom,
-                        head / group,
-                        args.block_table,
-                        n_ctx,
-                        o,
-                        ws,
-                    )
-                } else {
-                    attend_decode_avx512::<8>(
-                        q,
-                        args.k_cache,
-                        args.v_cache,
-                        args.geom,
-                        head / group,
-                        args.block_table,
-                        n_ctx,
-                        o,
-                        ws,
-                    )
+                match (d, h1 - h0) {
+                    (64, 1) => attend_decode_avx512::<4, 1>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
+                    (64, 2) => attend_decode_avx512::<4, 2>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
+                    (64, 3) => attend_decode_avx512::<4, 3>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
+                    (64, _) => attend_decode_avx512::<4, 4>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
+                    (_, 1) => attend_decode_avx512::<8, 1>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
+                    (_, 2) => attend_decode_avx512::<8, 2>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
+                    (_, 3) => attend_decode_avx512::<8, 3>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
+                    (_, _) => attend_decode_avx512::<8, 4>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
                 }
             }
         });
     };
+    // Heads `range` in runs of one kv head, at most four long, into `out` (behind `base`).
+    let heads = |range: std::ops::Range<usize>, base: SharedMut| {
+        let mut h0 = range.start;
+        while h0 < range.end {
+            let kv_end = (h0 / group + 1) * group;
+            let h1 = range.end.min(kv_end).min(h0 + 4);
+            // SAFETY: heads `h0..h1` write only `out[h0·d .. h1·d]` (`out` holds `n_heads × d`);
+            // parts' head ranges are disjoint and `out` outlives the section.
+            let o =
+                unsafe { std::slice::from_raw_parts_mut(base.get().add(h0 * d), (h1 - h0) * d) };
+            run(h0, h1, o);
+            h0 = h1;
+        }
+    };
+    let base = SharedMut(out.as_mut_ptr());
     if n_ctx * args.n_heads >= 1 << 12 && crate::par::current_num_threads() > 1 {
-        let optr = SharedMut(out.as_mut_ptr());
         crate::par::run(&|part, parts| {
-            for head in (part..args.n_heads).step_by(parts) {
-                // SAFETY: head `head` writes only `out[head·d .. (head+1)·d]` (`out` holds
-                // `n_heads × d`); heads are disjoint and `out` outlives the section.
-                one(head, unsafe {
-                    std::slice::from_raw_parts_mut(optr.get().add(head * d), d)
-                });
-            }
+            heads(crate::par::split(args.n_heads, part, parts, 1), base)
         });
     } else {
-        for (head, o) in out.chunks_mut(d).enumerate() {
-            one(head, o);
-        }
+        heads(0..args.n_heads, base);
     }
 }
 
@@ -791,29 +787,30 @@ fn softmax_compat(sc: &mut [f32], n_att: usize, max: f32) {
     }
 }
 
-/// One decode query head (one row, [`ReduceOrder::Vec`]) over the f16 cache read in place — no
-/// gather into f32 first, each K and V row converted in registers — with `NC` 16-lane chunks per
-/// head (`head_dim = 16·NC`, a multiple of 64). Bit-identical to [`attend_compat_body`] over the
-/// gathered rows (tested): the same lane assignment (chunk `c` into accumulator `c % 4`), folds,
-/// softmax and V accumulation order (slot `t % 64`, ascending `t`); only the loop nest differs.
-/// The caller has run the tag check.
+/// `G` decode query heads of one kv head (one row each, [`ReduceOrder::Vec`]) over the f16
+/// cache read in place — no gather into f32 first; each K and V row is loaded and converted in
+/// registers once for the `G` heads — with `NC` 16-lane chunks per head (`head_dim = 16·NC`, a
+/// multiple of 64). `qs` is the `G` heads' queries, `os` their outputs, `d` each. Bit-identical,
+/// head by head, to [`attend_compat_body`] over the gathered rows (tested): the same lane
+/// assignment (chunk `c` into accumulator `c % 4`), folds, softmax and V accumulation order
+/// (slot `t % 64`, ascending `t`); only the loop nest differs. The caller has run the tag check.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_decode_avx512<const NC: usize>(
-    q: &[f32],
+unsafe fn attend_decode_avx512<const NC: usize, const G: usize>(
+    qs: &[f32],
     k_cache: &[f16],
     v_cache: &[f16],
     geom: PageGeometry,
     kv_head: usize,
     block_table: &[PageRef],
     n_att: usize,
-    o: &mut [f32],
+    os: &mut [f32],
     ws: &mut Workspace,
 ) {
     use std::arch::x86_64::*;
     let d = geom.head_dim;
-    assert!(d == NC * LANES && NC.is_multiple_of(4) && q.len() == d && o.len() == d);
+    assert!(d == NC * LANES && NC.is_multiple_of(4) && qs.len() == G * d && os.len() == G * d);
     let ps = geom.page_size;
     assert!(block_table.len() >= n_att.div_ceil(ps));
     // The row of slot `t` (K or V), bounds-checked.
@@ -822,78 +819,106 @@ unsafe fn attend_decode_avx512<const NC: usize>(
         cache[off..off + d].as_ptr()
     };
     // SAFETY (every load below): `row` returns the start of `d = 16·NC` in-bounds f16 values, and
-    // chunk `c < NC` reads 16 of them; `qh`, `ws.scores` and `ws.acc` are sized before use.
+    // chunk `c < NC` reads 16 of them; `ws.scores` and `ws.acc` are sized before use.
     let cvt = |p: *const f16, c: usize| unsafe {
         _mm512_cvtph_ps(_mm256_loadu_si256(p.add(c * LANES).cast()))
     };
-    let mut qh = [_mm512_setzero_ps(); NC];
-    for (c, qc) in qh.iter_mut().enumerate() {
-        let mut tmp = [0.0f32; LANES];
-        for l in 0..LANES {
-            tmp[l] = f16::from_f32(q[c * LANES + l]).to_f32();
+    let mut qh = [[_mm512_setzero_ps(); NC]; G];
+    for (g, qg) in qh.iter_mut().enumerate() {
+        for (c, qc) in qg.iter_mut().enumerate() {
+            let mut tmp = [0.0f32; LANES];
+            for l in 0..LANES {
+                tmp[l] = f16::from_f32(qs[g * d + c * LANES + l]).to_f32();
+            }
+            // SAFETY: 16 floats.
+            *qc = unsafe { _mm512_loadu_ps(tmp.as_ptr()) };
         }
-        // SAFETY: 16 floats.
-        *qc = unsafe { _mm512_loadu_ps(tmp.as_ptr()) };
     }
     let scale = 1.0 / (d as f32).sqrt();
     let n_pad = n_att.div_ceil(LANES) * LANES;
     let sc = &mut ws.scores;
     sc.clear();
-    sc.resize(n_pad, f32::NEG_INFINITY);
-    let mut max = f32::NEG_INFINITY;
+    sc.resize(G * n_pad, f32::NEG_INFINITY);
+    let mut max = [f32::NEG_INFINITY; G];
     for t in 0..n_att {
         let kr = row(k_cache, t);
-        let mut acc = [_mm512_setzero_ps(); 4];
-        for c in 0..NC {
-            acc[c % 4] = _mm512_fmadd_ps(cvt(kr, c), qh[c], acc[c % 4]);
+        let mut kc = [_mm512_setzero_ps(); NC];
+        for (c, k) in kc.iter_mut().enumerate() {
+            *k = cvt(kr, c);
         }
-        let a0 = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
-        let v = reduce16_zmm(a0) * scale;
-        sc[t] = v;
-        if v > max {
-            max = v;
+        for g in 0..G {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for c in 0..NC {
+                acc[c % 4] = _mm512_fmadd_ps(kc[c], qh[g][c], acc[c % 4]);
+            }
+            let a0 = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+            let v = reduce16_zmm(a0) * scale;
+            sc[g * n_pad + t] = v;
+            if v > max[g] {
+                max[g] = v;
+            }
         }
     }
-    softmax_compat(sc, n_att, max);
+    for g in 0..G {
+        softmax_compat(&mut sc[g * n_pad..(g + 1) * n_pad], n_att, max[g]);
+    }
     // V: slot `t % 64` accumulates its rows in ascending `t`, held in registers per slot.
     let slots = 4 * LANES;
     ws.acc.clear();
-    ws.acc.resize(slots * d, 0.0);
+    ws.acc.resize(G * slots * d, 0.0);
     for s in 0..slots.min(n_att) {
-        let mut acc = [_mm512_setzero_ps(); NC];
+        let mut acc = [[_mm512_setzero_ps(); NC]; G];
         for t in (s..n_att).step_by(slots) {
             let vr = row(v_cache, t);
-            let p = _mm512_set1_ps(sc[t]);
-            for (c, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(cvt(vr, c), p, *a);
+            let mut vc = [_mm512_setzero_ps(); NC];
+            for (c, v) in vc.iter_mut().enumerate() {
+                *v = cvt(vr, c);
+            }
+            for g in 0..G {
+                let p = _mm512_set1_ps(sc[g * n_pad + t]);
+                for c in 0..NC {
+                    acc[g][c] = _mm512_fmadd_ps(vc[c], p, acc[g][c]);
+                }
             }
         }
-        for (c, a) in acc.iter().enumerate() {
-            // SAFETY: slot `s < 64`, chunk `c < NC`: within `ws.acc` (64 × d).
-            unsafe { _mm512_storeu_ps(ws.acc.as_mut_ptr().add(s * d + c * LANES), *a) };
+        for g in 0..G {
+            for c in 0..NC {
+                // SAFETY: head `g < G`, slot `s < 64`, chunk `c < NC`: within `ws.acc`
+                // (G × 64 × d).
+                unsafe {
+                    _mm512_storeu_ps(
+                        ws.acc.as_mut_ptr().add((g * slots + s) * d + c * LANES),
+                        acc[g][c],
+                    )
+                };
+            }
         }
     }
     // out[j] = fold4 over the slots (a·16 + l), vectorised over j.
-    for c in 0..NC {
-        // SAFETY: slot `a·16 + l < 64`, chunk `c < NC`: within `ws.acc`.
-        let x = |slot: usize| unsafe { _mm512_loadu_ps(ws.acc.as_ptr().add(slot * d + c * LANES)) };
-        let mut a0 = [_mm512_setzero_ps(); LANES];
-        for (l, a) in a0.iter_mut().enumerate() {
-            let s0 = _mm512_add_ps(x(l), x(2 * LANES + l));
-            let s1 = _mm512_add_ps(x(LANES + l), x(3 * LANES + l));
-            *a = _mm512_add_ps(s0, s1);
+    for g in 0..G {
+        for c in 0..NC {
+            // SAFETY: head `g < G`, slot `< 64`, chunk `c < NC`: within `ws.acc`.
+            let x = |slot: usize| unsafe {
+                _mm512_loadu_ps(ws.acc.as_ptr().add((g * slots + slot) * d + c * LANES))
+            };
+            let mut a0 = [_mm512_setzero_ps(); LANES];
+            for (l, a) in a0.iter_mut().enumerate() {
+                let s0 = _mm512_add_ps(x(l), x(2 * LANES + l));
+                let s1 = _mm512_add_ps(x(LANES + l), x(3 * LANES + l));
+                *a = _mm512_add_ps(s0, s1);
+            }
+            let mut t8 = [_mm512_setzero_ps(); 8];
+            for i in 0..8 {
+                t8[i] = _mm512_add_ps(a0[i], a0[i + 8]);
+            }
+            let mut u4 = [_mm512_setzero_ps(); 4];
+            for i in 0..4 {
+                u4[i] = _mm512_add_ps(t8[i], t8[i + 4]);
+            }
+            let r = _mm512_add_ps(_mm512_add_ps(u4[0], u4[2]), _mm512_add_ps(u4[1], u4[3]));
+            // SAFETY: `os` holds G × d floats.
+            unsafe { _mm512_storeu_ps(os.as_mut_ptr().add(g * d + c * LANES), r) };
         }
-        let mut t8 = [_mm512_setzero_ps(); 8];
-        for i in 0..8 {
-            t8[i] = _mm512_add_ps(a0[i], a0[i + 8]);
-        }
-        let mut u4 = [_mm512_setzero_ps(); 4];
-        for i in 0..4 {
-            u4[i] = _mm512_add_ps(t8[i], t8[i + 4]);
-        }
-        let r = _mm512_add_ps(_mm512_add_ps(u4[0], u4[2]), _mm512_add_ps(u4[1], u4[3]));
-        // SAFETY: `o` holds d = 16·NC floats.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * LANES), r) };
     }
 }
 
@@ -1192,21 +1217,35 @@ mod tests {
                         &mut want,
                         &mut ws,
                     );
-                    let mut got = vec![0.0; d];
+                    // Alone, and as the third of a group of three heads (the others random).
+                    let mut q3 = rnd(3 * d, &mut seed);
+                    q3[2 * d..].copy_from_slice(&q);
+                    let (mut got, mut got3) = (vec![0.0; d], vec![0.0; 3 * d]);
                     // SAFETY: has_avx512 was checked; d = 16 · NC.
                     unsafe {
                         if d == 64 {
-                            attend_decode_avx512::<4>(
+                            attend_decode_avx512::<4, 1>(
                                 &q, &k, &v, geom, 1, &table, n_att, &mut got, &mut ws,
-                            )
+                            );
+                            attend_decode_avx512::<4, 3>(
+                                &q3, &k, &v, geom, 1, &table, n_att, &mut got3, &mut ws,
+                            );
                         } else {
-                            attend_decode_avx512::<8>(
+                            attend_decode_avx512::<8, 1>(
                                 &q, &k, &v, geom, 1, &table, n_att, &mut got, &mut ws,
-                            )
+                            );
+                            attend_decode_avx512::<8, 3>(
+                                &q3, &k, &v, geom, 1, &table, n_att, &mut got3, &mut ws,
+                            );
                         }
                     }
                     let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got), bits(&want), "d={d} n_att={n_att}");
+                    assert_eq!(
+                        bits(&got3[2 * d..]),
+                        bits(&want),
+                        "grouped: d={d} n_att={n_att}"
+                    );
                 }
             }
         }

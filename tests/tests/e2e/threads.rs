@@ -1,7 +1,7 @@
 //! The compute pool returns the same bits whatever its size: every output element is computed by
 //! the same kernel code whichever part of a section it falls in (`custody_kernels::par`).
 
-use custody_kernels::attention::{ReduceOrder, TagCheck};
+use custody_kernels::attention::{PageRef, ReduceOrder, TagCheck};
 use custody_runtime::Model;
 use custody_runtime::kv::PagePool;
 use custody_runtime::model::{Logits, Scratch, Segment};
@@ -26,22 +26,29 @@ fn logits_of(model: &Model, ids: &[u32], steps: usize) -> Vec<f32> {
     let c = &model.config;
     let n_pages = (ids.len() + steps).div_ceil(PAGE);
     let mut pool = PagePool::new(model.page_geometry(PAGE), c.n_layers, n_pages);
-    let owner = 7;
-    let table = pool.alloc(owner, n_pages).expect("pages");
+    let table = pool.alloc(7, n_pages).expect("pages");
     let mut s = Scratch::default();
-    let seg = |tokens, start_pos, logits, order| Segment {
-        tokens,
-        start_pos,
-        block_table: &table,
-        owner,
-        logits,
-        order,
-        check: TagCheck::Enforced,
-    };
+    fn seg<'a>(
+        tokens: &'a [u32],
+        start_pos: usize,
+        block_table: &'a [PageRef],
+        logits: Logits,
+        order: ReduceOrder,
+    ) -> Segment<'a> {
+        Segment {
+            tokens,
+            start_pos,
+            block_table,
+            owner: 7,
+            logits,
+            order,
+            check: TagCheck::Enforced,
+        }
+    }
     let mut all = model
         .forward(
             &mut pool,
-            &[seg(ids, 0, Logits::All, ReduceOrder::Gemm)],
+            &[seg(ids, 0, &table, Logits::All, ReduceOrder::Gemm)],
             &mut s,
         )
         .remove(0)
@@ -53,7 +60,13 @@ fn logits_of(model: &Model, ids: &[u32], steps: usize) -> Vec<f32> {
         let row = model
             .forward(
                 &mut pool,
-                &[seg(&next, ids.len() + step, Logits::Last, ReduceOrder::Vec)],
+                &[seg(
+                    &next,
+                    ids.len() + step,
+                    &table,
+                    Logits::Last,
+                    ReduceOrder::Vec,
+                )],
                 &mut s,
             )
             .remove(0)
