@@ -436,61 +436,160 @@ unsafe impl Send for SharedMut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedMut {}
 
-/// A decode row's heads over the cache read in place ([`attend_decode_avx512`]). The heads are
-/// split into one contiguous range per part of the pool (when the context is long enough to be
-/// worth a section); inside a range, consecutive heads of the same kv head (up to four) share
-/// each K and V row's load.
+/// `$f::<NC, G>(args…)` for head dim `$d` (64 or 128) and `$g` heads (1..=4).
+macro_rules! dispatch_nc_g {
+    ($d:expr, $g:expr, $f:ident($($a:expr),*)) => {
+        match ($d, $g) {
+            (64, 1) => $f::<4, 1>($($a),*),
+            (64, 2) => $f::<4, 2>($($a),*),
+            (64, 3) => $f::<4, 3>($($a),*),
+            (64, _) => $f::<4, 4>($($a),*),
+            (_, 1) => $f::<8, 1>($($a),*),
+            (_, 2) => $f::<8, 2>($($a),*),
+            (_, 3) => $f::<8, 3>($($a),*),
+            (_, _) => $f::<8, 4>($($a),*),
+        }
+    };
+}
+
+/// One decode row's attention over the cache read in place, for the AVX-512 kernels
+/// ([`scores_avx512`], [`softmax_compat_avx512`], [`pv_avx512`], [`fold_avx512`]) — no gather
+/// into f32 first: each K and V row is loaded and converted in registers, once for the query
+/// heads of its kv head. Four phases, each split evenly over the pool's parts (when the context
+/// is long enough to be worth a section): the scores by (kv head, slot) rows, the softmax by
+/// head, the V sums by (kv head, accumulator slot), the final fold on the caller. Each score,
+/// each head's softmax and each accumulator slot is computed whole by one part, in the gathered
+/// path's order, so the bits are the same whatever the split (tested at 1, 2 and 3 threads).
 #[cfg(target_arch = "x86_64")]
 fn decode_in_place(args: &AttentionArgs<'_>, n_ctx: usize, out: &mut [f32]) {
     thread_local! {
-        static WS: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::default());
+        static BUFS: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::default());
     }
-    let d = args.geom.head_dim;
-    let group = args.n_heads / args.geom.n_kv_heads;
-    // Heads `h0..h1` (one kv head, at most four) into `o` (`(h1 - h0) × d`).
-    let run = |h0: usize, h1: usize, o: &mut [f32]| {
-        let qs = &args.q[h0 * d..h1 * d];
-        let (kc, vc, geom, bt) = (args.k_cache, args.v_cache, args.geom, args.block_table);
-        let kv = h0 / group;
-        WS.with_borrow_mut(|ws| {
-            // SAFETY: the caller checked `has_avx512` (avx512f/vl on top of avx2/fma/f16c);
-            // `d` is 64 or 128 and `h1 - h0` in 1..=4, the `NC`/`G` each instantiation asserts.
-            unsafe {
-                match (d, h1 - h0) {
-                    (64, 1) => attend_decode_avx512::<4, 1>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
-                    (64, 2) => attend_decode_avx512::<4, 2>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
-                    (64, 3) => attend_decode_avx512::<4, 3>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
-                    (64, _) => attend_decode_avx512::<4, 4>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
-                    (_, 1) => attend_decode_avx512::<8, 1>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
-                    (_, 2) => attend_decode_avx512::<8, 2>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
-                    (_, 3) => attend_decode_avx512::<8, 3>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
-                    (_, _) => attend_decode_avx512::<8, 4>(qs, kc, vc, geom, kv, bt, n_ctx, o, ws),
+    let g = args.geom;
+    let (d, n_heads, n_kv) = (g.head_dim, args.n_heads, g.n_kv_heads);
+    let group = n_heads / n_kv;
+    let n_pad = n_ctx.div_ceil(LANES) * LANES;
+    let slots = 4 * LANES;
+    BUFS.with_borrow_mut(|b| {
+        b.scores.clear();
+        b.scores.resize(n_heads * n_pad, f32::NEG_INFINITY);
+        b.acc.clear();
+        b.acc.resize(n_heads * slots * d, 0.0);
+        let (sp, ap) = (
+            SharedMut(b.scores.as_mut_ptr()),
+            SharedMut(b.acc.as_mut_ptr()),
+        );
+        let parallel = n_ctx * n_heads >= 1 << 12 && crate::par::current_num_threads() > 1;
+        let section = |f: &(dyn Fn(usize, usize) + Sync)| {
+            if parallel {
+                crate::par::run(f)
+            } else {
+                f(0, 1)
+            }
+        };
+        // Runs of `units` (kv head × `per_kv`) inside one kv head, then runs of at most four of
+        // its heads: f(kv, unit range within the kv head, first head, heads).
+        let runs = |units: std::ops::Range<usize>,
+                    per_kv: usize,
+                    f: &dyn Fn(usize, std::ops::Range<usize>, usize, usize)| {
+            let mut u = units.start;
+            while u < units.end {
+                let kv = u / per_kv;
+                let end = units.end.min((kv + 1) * per_kv);
+                for h0 in (kv * group..(kv + 1) * group).step_by(4) {
+                    let nh = (kv * group + group - h0).min(4);
+                    f(kv, u - kv * per_kv..end - kv * per_kv, h0, nh);
                 }
+                u = end;
+            }
+        };
+        // SAFETY (the four phases): the caller checked `has_avx512`; `d` is 64 or 128 and each
+        // run is 1..=4 heads (the `NC`/`G` the kernels assert). Phase 1 writes the scores of
+        // its (kv head, slot) rows only, phase 2 its heads' scores only, phase 3 its (kv head,
+        // accumulator slot) sums only: parts write disjoint elements of buffers that outlive
+        // the sections, and each phase reads only what finished sections wrote.
+        section(&|part, parts| {
+            runs(
+                crate::par::split(n_kv * n_ctx, part, parts, LANES),
+                n_ctx,
+                &|kv, ts, h0, nh| {
+                    // SAFETY: the phases' argument above.
+                    unsafe {
+                        let qs = &args.q[h0 * d..(h0 + nh) * d];
+                        let sc = sp.get().add(h0 * n_pad);
+                        dispatch_nc_g!(
+                            d,
+                            nh,
+                            scores_avx512(
+                                qs,
+                                args.k_cache,
+                                g,
+                                kv,
+                                args.block_table,
+                                ts.clone(),
+                                sc,
+                                n_pad
+                            )
+                        );
+                    }
+                },
+            )
+        });
+        section(&|part, parts| {
+            for head in crate::par::split(n_heads, part, parts, 1) {
+                // SAFETY: head `head`'s `n_pad` scores, written by phase 1; this part's alone.
+                let sc =
+                    unsafe { std::slice::from_raw_parts_mut(sp.get().add(head * n_pad), n_pad) };
+                let mut max = f32::NEG_INFINITY;
+                for &v in &sc[..n_ctx] {
+                    if v > max {
+                        max = v;
+                    }
+                }
+                // SAFETY: as above (`has_avx512`).
+                unsafe { softmax_compat_avx512(sc, n_ctx, max) };
             }
         });
-    };
-    // Heads `range` in runs of one kv head, at most four long, into `out` (behind `base`).
-    let heads = |range: std::ops::Range<usize>, base: SharedMut| {
-        let mut h0 = range.start;
-        while h0 < range.end {
-            let kv_end = (h0 / group + 1) * group;
-            let h1 = range.end.min(kv_end).min(h0 + 4);
-            // SAFETY: heads `h0..h1` write only `out[h0·d .. h1·d]` (`out` holds `n_heads × d`);
-            // parts' head ranges are disjoint and `out` outlives the section.
-            let o =
-                unsafe { std::slice::from_raw_parts_mut(base.get().add(h0 * d), (h1 - h0) * d) };
-            run(h0, h1, o);
-            h0 = h1;
-        }
-    };
-    let base = SharedMut(out.as_mut_ptr());
-    if n_ctx * args.n_heads >= 1 << 12 && crate::par::current_num_threads() > 1 {
-        crate::par::run(&|part, parts| {
-            heads(crate::par::split(args.n_heads, part, parts, 1), base)
+        section(&|part, parts| {
+            runs(
+                crate::par::split(n_kv * slots, part, parts, 1),
+                slots,
+                &|kv, ss, h0, nh| {
+                    // SAFETY: the phases' argument above.
+                    unsafe {
+                        let sc = sp.get().add(h0 * n_pad).cast_const();
+                        let acc = ap.get().add(h0 * slots * d);
+                        dispatch_nc_g!(
+                            d,
+                            nh,
+                            pv_avx512(
+                                args.v_cache,
+                                g,
+                                kv,
+                                args.block_table,
+                                n_ctx,
+                                ss.clone(),
+                                sc,
+                                n_pad,
+                                acc
+                            )
+                        );
+                    }
+                },
+            )
         });
-    } else {
-        heads(0..args.n_heads, base);
-    }
+        for (head, o) in out.chunks_mut(d).enumerate() {
+            // SAFETY: `has_avx512`; head `head`'s 64 × d sums, written by phase 3.
+            unsafe {
+                let acc = ap.get().add(head * slots * d).cast_const();
+                if d == 64 {
+                    fold_avx512::<4>(acc, o)
+                } else {
+                    fold_avx512::<8>(acc, o)
+                }
+            }
+        }
+    });
 }
 
 /// Which reduction order the attention arithmetic follows. Both are exact emulations of
@@ -787,42 +886,43 @@ fn softmax_compat(sc: &mut [f32], n_att: usize, max: f32) {
     }
 }
 
-/// `G` decode query heads of one kv head (one row each, [`ReduceOrder::Vec`]) over the f16
-/// cache read in place — no gather into f32 first; each K and V row is loaded and converted in
-/// registers once for the `G` heads — with `NC` 16-lane chunks per head (`head_dim = 16·NC`, a
-/// multiple of 64). `qs` is the `G` heads' queries, `os` their outputs, `d` each. Bit-identical,
-/// head by head, to [`attend_compat_body`] over the gathered rows (tested): the same lane
-/// assignment (chunk `c` into accumulator `c % 4`), folds, softmax and V accumulation order
-/// (slot `t % 64`, ascending `t`); only the loop nest differs. The caller has run the tag check.
+/// The row (K or V) of slot `t` of `kv_head`: `d` in-bounds f16 values (bounds-checked).
+#[inline(always)]
+fn cache_row(
+    cache: &[f16],
+    geom: PageGeometry,
+    kv_head: usize,
+    bt: &[PageRef],
+    t: usize,
+) -> *const f16 {
+    let off = geom.offset(
+        bt[t / geom.page_size].page as usize,
+        kv_head,
+        t % geom.page_size,
+    );
+    cache[off..off + geom.head_dim].as_ptr()
+}
+
+/// Scores of `G` query heads of `kv_head` (`qs`: `G × d`, `d = 16·NC`) over slots `ts`, into
+/// `sc[g·n_pad + t]`: q rounded to f16, `dot_vec`'s lane assignment (chunk `c` into accumulator
+/// `c % 4`), its folds, then the scale — [`attend_compat_body`]'s arithmetic for each score.
+/// Safety: AVX-512 F/VL present; `sc` valid for `G × n_pad` floats, `ts.end <= n_pad`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_decode_avx512<const NC: usize, const G: usize>(
+unsafe fn scores_avx512<const NC: usize, const G: usize>(
     qs: &[f32],
     k_cache: &[f16],
-    v_cache: &[f16],
     geom: PageGeometry,
     kv_head: usize,
-    block_table: &[PageRef],
-    n_att: usize,
-    os: &mut [f32],
-    ws: &mut Workspace,
+    bt: &[PageRef],
+    ts: std::ops::Range<usize>,
+    sc: *mut f32,
+    n_pad: usize,
 ) {
     use std::arch::x86_64::*;
     let d = geom.head_dim;
-    assert!(d == NC * LANES && NC.is_multiple_of(4) && qs.len() == G * d && os.len() == G * d);
-    let ps = geom.page_size;
-    assert!(block_table.len() >= n_att.div_ceil(ps));
-    // The row of slot `t` (K or V), bounds-checked.
-    let row = |cache: &[f16], t: usize| -> *const f16 {
-        let off = geom.offset(block_table[t / ps].page as usize, kv_head, t % ps);
-        cache[off..off + d].as_ptr()
-    };
-    // SAFETY (every load below): `row` returns the start of `d = 16·NC` in-bounds f16 values, and
-    // chunk `c < NC` reads 16 of them; `ws.scores` and `ws.acc` are sized before use.
-    let cvt = |p: *const f16, c: usize| unsafe {
-        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(c * LANES).cast()))
-    };
+    assert!(d == NC * LANES && NC.is_multiple_of(4) && qs.len() == G * d && ts.end <= n_pad);
     let mut qh = [[_mm512_setzero_ps(); NC]; G];
     for (g, qg) in qh.iter_mut().enumerate() {
         for (c, qc) in qg.iter_mut().enumerate() {
@@ -835,16 +935,12 @@ unsafe fn attend_decode_avx512<const NC: usize, const G: usize>(
         }
     }
     let scale = 1.0 / (d as f32).sqrt();
-    let n_pad = n_att.div_ceil(LANES) * LANES;
-    let sc = &mut ws.scores;
-    sc.clear();
-    sc.resize(G * n_pad, f32::NEG_INFINITY);
-    let mut max = [f32::NEG_INFINITY; G];
-    for t in 0..n_att {
-        let kr = row(k_cache, t);
+    for t in ts {
+        let kr = cache_row(k_cache, geom, kv_head, bt, t);
         let mut kc = [_mm512_setzero_ps(); NC];
         for (c, k) in kc.iter_mut().enumerate() {
-            *k = cvt(kr, c);
+            // SAFETY: `kr` starts `d = 16·NC` in-bounds values; chunk `c` reads 16 of them.
+            *k = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kr.add(c * LANES).cast())) };
         }
         for g in 0..G {
             let mut acc = [_mm512_setzero_ps(); 4];
@@ -852,30 +948,46 @@ unsafe fn attend_decode_avx512<const NC: usize, const G: usize>(
                 acc[c % 4] = _mm512_fmadd_ps(kc[c], qh[g][c], acc[c % 4]);
             }
             let a0 = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
-            let v = reduce16_zmm(a0) * scale;
-            sc[g * n_pad + t] = v;
-            if v > max[g] {
-                max[g] = v;
-            }
+            // SAFETY: g < G, t < n_pad: within the caller's `G × n_pad` scores.
+            unsafe { *sc.add(g * n_pad + t) = reduce16_zmm(a0) * scale };
         }
     }
-    for g in 0..G {
-        softmax_compat(&mut sc[g * n_pad..(g + 1) * n_pad], n_att, max[g]);
-    }
-    // V: slot `t % 64` accumulates its rows in ascending `t`, held in registers per slot.
+}
+
+/// The V sums of `G` heads of `kv_head` for accumulator slots `ss` (each < 64): slot `s` adds
+/// `V[t] · p[t]` for `t = s, s + 64, …` in ascending order (the gathered path's `Vec` order),
+/// held in registers, stored to `acc[(g·64 + s)·d ..]`. Probabilities at `sc[g·n_pad + t]`.
+/// Safety: AVX-512 F/VL present; `sc` valid for `G × n_pad`, `acc` for `G × 64 × d` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_avx512<const NC: usize, const G: usize>(
+    v_cache: &[f16],
+    geom: PageGeometry,
+    kv_head: usize,
+    bt: &[PageRef],
+    n_att: usize,
+    ss: std::ops::Range<usize>,
+    sc: *const f32,
+    n_pad: usize,
+    acc_out: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    let d = geom.head_dim;
     let slots = 4 * LANES;
-    ws.acc.clear();
-    ws.acc.resize(G * slots * d, 0.0);
-    for s in 0..slots.min(n_att) {
+    assert!(d == NC * LANES && ss.end <= slots && n_att <= n_pad);
+    for s in ss {
         let mut acc = [[_mm512_setzero_ps(); NC]; G];
         for t in (s..n_att).step_by(slots) {
-            let vr = row(v_cache, t);
+            let vr = cache_row(v_cache, geom, kv_head, bt, t);
             let mut vc = [_mm512_setzero_ps(); NC];
             for (c, v) in vc.iter_mut().enumerate() {
-                *v = cvt(vr, c);
+                // SAFETY: `vr` starts `d = 16·NC` in-bounds values; chunk `c` reads 16.
+                *v = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(vr.add(c * LANES).cast())) };
             }
             for g in 0..G {
-                let p = _mm512_set1_ps(sc[g * n_pad + t]);
+                // SAFETY: g < G, t < n_att <= n_pad.
+                let p = _mm512_set1_ps(unsafe { *sc.add(g * n_pad + t) });
                 for c in 0..NC {
                     acc[g][c] = _mm512_fmadd_ps(vc[c], p, acc[g][c]);
                 }
@@ -883,41 +995,103 @@ unsafe fn attend_decode_avx512<const NC: usize, const G: usize>(
         }
         for g in 0..G {
             for c in 0..NC {
-                // SAFETY: head `g < G`, slot `s < 64`, chunk `c < NC`: within `ws.acc`
-                // (G × 64 × d).
+                // SAFETY: g < G, s < 64, c < NC: within the caller's `G × 64 × d` sums.
                 unsafe {
-                    _mm512_storeu_ps(
-                        ws.acc.as_mut_ptr().add((g * slots + s) * d + c * LANES),
-                        acc[g][c],
-                    )
+                    _mm512_storeu_ps(acc_out.add((g * slots + s) * d + c * LANES), acc[g][c])
                 };
             }
         }
     }
-    // out[j] = fold4 over the slots (a·16 + l), vectorised over j.
-    for g in 0..G {
-        for c in 0..NC {
-            // SAFETY: head `g < G`, slot `< 64`, chunk `c < NC`: within `ws.acc`.
-            let x = |slot: usize| unsafe {
-                _mm512_loadu_ps(ws.acc.as_ptr().add((g * slots + slot) * d + c * LANES))
-            };
-            let mut a0 = [_mm512_setzero_ps(); LANES];
-            for (l, a) in a0.iter_mut().enumerate() {
-                let s0 = _mm512_add_ps(x(l), x(2 * LANES + l));
-                let s1 = _mm512_add_ps(x(LANES + l), x(3 * LANES + l));
-                *a = _mm512_add_ps(s0, s1);
-            }
-            let mut t8 = [_mm512_setzero_ps(); 8];
-            for i in 0..8 {
-                t8[i] = _mm512_add_ps(a0[i], a0[i + 8]);
-            }
-            let mut u4 = [_mm512_setzero_ps(); 4];
-            for i in 0..4 {
-                u4[i] = _mm512_add_ps(t8[i], t8[i + 4]);
-            }
-            let r = _mm512_add_ps(_mm512_add_ps(u4[0], u4[2]), _mm512_add_ps(u4[1], u4[3]));
-            // SAFETY: `os` holds G × d floats.
-            unsafe { _mm512_storeu_ps(os.as_mut_ptr().add(g * d + c * LANES), r) };
+}
+
+/// `out[j] = fold4` over one head's 64 accumulator slots (`a·16 + l`, `acc[slot·d + j]`),
+/// vectorised over `j`: the gathered path's final fold.
+/// Safety: AVX-512 F/VL present; `acc` valid for `64 × d` floats, `d = 16·NC = o.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn fold_avx512<const NC: usize>(acc: *const f32, o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let d = NC * LANES;
+    assert_eq!(o.len(), d);
+    for c in 0..NC {
+        // SAFETY: slot < 64, c < NC: within `64 × d`.
+        let x = |slot: usize| unsafe { _mm512_loadu_ps(acc.add(slot * d + c * LANES)) };
+        let mut a0 = [_mm512_setzero_ps(); LANES];
+        for (l, a) in a0.iter_mut().enumerate() {
+            let s0 = _mm512_add_ps(x(l), x(2 * LANES + l));
+            let s1 = _mm512_add_ps(x(LANES + l), x(3 * LANES + l));
+            *a = _mm512_add_ps(s0, s1);
+        }
+        let mut t8 = [_mm512_setzero_ps(); 8];
+        for i in 0..8 {
+            t8[i] = _mm512_add_ps(a0[i], a0[i + 8]);
+        }
+        let mut u4 = [_mm512_setzero_ps(); 4];
+        for i in 0..4 {
+            u4[i] = _mm512_add_ps(t8[i], t8[i + 4]);
+        }
+        let r = _mm512_add_ps(_mm512_add_ps(u4[0], u4[2]), _mm512_add_ps(u4[1], u4[3]));
+        // SAFETY: `o` holds d = 16·NC floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * LANES), r) };
+    }
+}
+
+/// [`ggml_expf`] on 16 lanes: ggml's own AVX-512 `ggml_v_expf` (`vscalefps` where the scalar
+/// version emulates it in f64), so each lane's bits are the scalar function's (tested, including
+/// the lanes it blends: |n| > 192, ±inf, NaN).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+#[inline]
+fn expf_zmm(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
+    let r = c(0x4b40_0000); // 0x1.8p23
+    let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
+    let n = _mm512_sub_ps(z, r);
+    let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), _mm512_fnmadd_ps(n, c(0x3f31_7200), x));
+    let u = _mm512_mul_ps(b, b);
+    let j = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(
+            _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+            u,
+            _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+        ),
+        u,
+        _mm512_fmadd_ps(c(0x3f7f_fff6), b, _mm512_set1_ps(1.0)),
+    );
+    let res = _mm512_scalef_ps(j, n);
+    // Lanes with |n| > 192 or n NaN (the scalar version's early return): +inf if n > 0, else 0.
+    let blended = _mm512_cmp_ps_mask::<_CMP_NLE_UQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+    let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(n, _mm512_setzero_ps());
+    let alt = _mm512_mask_blend_ps(positive, _mm512_setzero_ps(), _mm512_set1_ps(f32::INFINITY));
+    _mm512_mask_blend_ps(blended, res, alt)
+}
+
+/// [`softmax_compat`] 16 lanes at a time: the same exp, the same chunk sums added in f64 in
+/// chunk order, the same f16 rounding of the probabilities (`vcvtps2ph`, round to nearest even).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+fn softmax_compat_avx512(sc: &mut [f32], n_att: usize, max: f32) {
+    use std::arch::x86_64::*;
+    assert!(sc.len().is_multiple_of(LANES) && sc.len() >= n_att);
+    let m = _mm512_set1_ps(max);
+    let mut sum = 0.0f64;
+    for chunk in sc.chunks_exact_mut(LANES) {
+        // SAFETY: `chunk` is 16 floats.
+        unsafe {
+            let e = expf_zmm(_mm512_sub_ps(_mm512_loadu_ps(chunk.as_ptr()), m));
+            _mm512_storeu_ps(chunk.as_mut_ptr(), e);
+            sum += f64::from(reduce16_zmm(e));
+        }
+    }
+    let inv = _mm512_set1_ps((1.0 / sum) as f32);
+    // Lanes past `n_att` are exp(-inf) = 0 and stay 0 (the scalar version leaves them as they are).
+    for chunk in sc.chunks_exact_mut(LANES) {
+        // SAFETY: `chunk` is 16 floats.
+        unsafe {
+            let p = _mm512_mul_ps(_mm512_loadu_ps(chunk.as_ptr()), inv);
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(p);
+            _mm512_storeu_ps(chunk.as_mut_ptr(), _mm512_cvtph_ps(h));
         }
     }
 }
@@ -1163,90 +1337,146 @@ mod tests {
     }
 
     #[test]
-    fn decode_over_the_cache_in_place_gives_the_gathered_paths_bits() {
+    fn decode_over_the_cache_in_place_gives_the_gathered_paths_bits_at_any_thread_count() {
         #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx512() {
             let mut seed = 31;
-            for d in [64, 128] {
+            for (d, n_kv, n_heads) in [(64, 3, 9), (128, 2, 10), (64, 1, 4)] {
                 let geom = PageGeometry {
                     page_size: 16,
-                    n_kv_heads: 2,
+                    n_kv_heads: n_kv,
                     head_dim: d,
                 };
-                let n_pages = 20;
-                let k: Vec<f16> = rnd(n_pages * geom.page_elems(), &mut seed)
-                    .into_iter()
-                    .map(f16::from_f32)
-                    .collect();
-                let v: Vec<f16> = rnd(n_pages * geom.page_elems(), &mut seed)
-                    .into_iter()
-                    .map(f16::from_f32)
-                    .collect();
-                // Pages in a scattered order.
+                let n_pages = 40;
+                let half = |v: Vec<f32>| v.into_iter().map(f16::from_f32).collect::<Vec<_>>();
+                let k = half(rnd(n_pages * geom.page_elems(), &mut seed));
+                let v = half(rnd(n_pages * geom.page_elems(), &mut seed));
+                // Pages in a scattered order, all tags valid for owner 5.
                 let table: Vec<PageRef> = (0..n_pages as u32)
                     .map(|i| PageRef {
                         page: (i * 7) % n_pages as u32,
-                        generation: 0,
+                        generation: 1,
                     })
                     .collect();
-                for n_att in [1, 15, 16, 64, 65, 200, 319] {
-                    let q = rnd(d, &mut seed);
-                    let gather = |cache: &[f16]| -> Vec<f32> {
-                        (0..n_att)
-                            .flat_map(|t| {
-                                let off = geom.offset(table[t / 16].page as usize, 1, t % 16);
-                                cache[off..off + d]
-                                    .iter()
-                                    .map(|x| x.to_f32())
-                                    .collect::<Vec<_>>()
-                            })
-                            .collect()
+                let (gens, owners) = (vec![1u32; n_pages], vec![5u64; n_pages]);
+                let filled = vec![16u32; n_pages];
+                for n_ctx in [1, 15, 64, 65, 200, 463, 640] {
+                    let q = rnd(n_heads * d, &mut seed);
+                    let args = AttentionArgs {
+                        q: &q,
+                        n_heads,
+                        start_pos: n_ctx - 1,
+                        k_cache: &k,
+                        v_cache: &v,
+                        geom,
+                        block_table: &table,
+                        tags: TagView {
+                            generation: &gens,
+                            owner: &owners,
+                            filled: &filled,
+                            stamp_owner: &owners,
+                            stamp_generation: &gens,
+                        },
+                        owner: 5,
+                        order: ReduceOrder::Vec,
+                        check: TagCheck::Enforced,
                     };
-                    let (kh, vh) = (gather(&k), gather(&v));
+                    // The gathered path's arithmetic, head by head.
+                    let mut want = vec![0.0; n_heads * d];
                     let mut ws = Workspace::default();
-                    let mut want = vec![0.0; d];
                     let scale = 1.0 / (d as f32).sqrt();
-                    attend_compat_body(
-                        ReduceOrder::Vec,
-                        &q,
-                        &kh,
-                        &vh,
-                        d,
-                        n_att,
-                        scale,
-                        &mut want,
-                        &mut ws,
-                    );
-                    // Alone, and as the third of a group of three heads (the others random).
-                    let mut q3 = rnd(3 * d, &mut seed);
-                    q3[2 * d..].copy_from_slice(&q);
-                    let (mut got, mut got3) = (vec![0.0; d], vec![0.0; 3 * d]);
-                    // SAFETY: has_avx512 was checked; d = 16 · NC.
-                    unsafe {
-                        if d == 64 {
-                            attend_decode_avx512::<4, 1>(
-                                &q, &k, &v, geom, 1, &table, n_att, &mut got, &mut ws,
-                            );
-                            attend_decode_avx512::<4, 3>(
-                                &q3, &k, &v, geom, 1, &table, n_att, &mut got3, &mut ws,
-                            );
-                        } else {
-                            attend_decode_avx512::<8, 1>(
-                                &q, &k, &v, geom, 1, &table, n_att, &mut got, &mut ws,
-                            );
-                            attend_decode_avx512::<8, 3>(
-                                &q3, &k, &v, geom, 1, &table, n_att, &mut got3, &mut ws,
-                            );
-                        }
+                    for (head, o) in want.chunks_mut(d).enumerate() {
+                        let h = head / (n_heads / n_kv);
+                        let gather = |cache: &[f16]| -> Vec<f32> {
+                            (0..n_ctx)
+                                .flat_map(|t| {
+                                    let off = geom.offset(table[t / 16].page as usize, h, t % 16);
+                                    cache[off..off + d]
+                                        .iter()
+                                        .map(|x| x.to_f32())
+                                        .collect::<Vec<_>>()
+                                })
+                                .collect()
+                        };
+                        let qh = &q[head * d..(head + 1) * d];
+                        let (kh, vh) = (gather(&k), gather(&v));
+                        attend_compat_body(
+                            ReduceOrder::Vec,
+                            qh,
+                            &kh,
+                            &vh,
+                            d,
+                            n_ctx,
+                            scale,
+                            o,
+                            &mut ws,
+                        );
                     }
                     let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&got), bits(&want), "d={d} n_att={n_att}");
-                    assert_eq!(
-                        bits(&got3[2 * d..]),
-                        bits(&want),
-                        "grouped: d={d} n_att={n_att}"
+                    for threads in [1, 2, 3] {
+                        let pool = crate::par::ThreadPool::new(threads).expect("pool");
+                        let mut got = vec![f32::NAN; n_heads * d];
+                        pool.install(|| {
+                            paged_attention(&args, &mut got, &mut AttnScratch::default())
+                        })
+                        .expect("tags valid");
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "d={d} heads={n_heads} n_ctx={n_ctx} threads={threads}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_vector_exp_and_softmax_give_the_scalar_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx512() {
+            use std::arch::x86_64::*;
+            let mut xs: Vec<f32> = (-2000..=400).map(|i| i as f32 * 0.1).collect();
+            xs.extend([
+                f32::NEG_INFINITY,
+                f32::INFINITY,
+                f32::NAN,
+                -1e30,
+                1e30,
+                0.0,
+                -0.0,
+                -87.3,
+                -103.9,
+                88.7,
+            ]);
+            let mut seed = 41;
+            xs.extend(rnd(4096, &mut seed).into_iter().map(|v| v * 120.0));
+            xs.resize(xs.len().div_ceil(LANES) * LANES, -3.0);
+            for chunk in xs.chunks_exact(LANES) {
+                let mut got = [0.0f32; LANES];
+                // SAFETY: has_avx512 was checked; 16 floats in and out.
+                unsafe {
+                    _mm512_storeu_ps(got.as_mut_ptr(), expf_zmm(_mm512_loadu_ps(chunk.as_ptr())))
+                };
+                for (x, g) in chunk.iter().zip(got) {
+                    let want = ggml_expf(*x);
+                    assert!(
+                        g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                        "exp({x}): {g} vs {want}"
                     );
                 }
+            }
+            for n_att in [1usize, 16, 17, 300] {
+                let n_pad = n_att.div_ceil(LANES) * LANES;
+                let mut a = rnd(n_pad, &mut seed);
+                a[n_att..].fill(f32::NEG_INFINITY);
+                let max = a[..n_att].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut b = a.clone();
+                softmax_compat(&mut a, n_att, max);
+                // SAFETY: has_avx512 was checked.
+                unsafe { softmax_compat_avx512(&mut b, n_att, max) };
+                let bits = |v: &[f32]| v[..n_att].iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "softmax n_att={n_att}");
             }
         }
     }

@@ -214,7 +214,7 @@ pub fn run(f: &(dyn Fn(usize, usize) + Sync)) {
 
 fn run_on(s: &Shared, f: &(dyn Fn(usize, usize) + Sync)) {
     let _section = lock(&s.section);
-    // SAFETY (lifetime erasure): the workers dereference this pointer only while running the
+    // SAFETY: lifetime erasure — the workers dereference this pointer only while running the
     // section published below, and this function does not return (nor unwind) before every
     // worker has reported that section done — so the borrow outlives every use.
     let job: Job = unsafe {
