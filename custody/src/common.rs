@@ -216,6 +216,18 @@ pub(crate) fn parse_utc(s: &str) -> Result<i64> {
     Ok((days * 86_400 + hh * 3600 + mm * 60 + ss) * 1_000_000_000)
 }
 
+/// Make a pool of `threads` compute threads (0: one per core) the process's default, for engines
+/// that step on threads of their own (a node's actor, the demo's pair). The first call wins: one
+/// process has one default pool.
+pub(crate) fn set_default_pool(threads: usize) -> Result<()> {
+    let pool = custody_runtime::par::ThreadPool::new(threads)
+        .context("building the compute thread pool")?;
+    if custody_runtime::par::set_global(pool).is_err() {
+        tracing::debug!("the process's compute pool was already set");
+    }
+    Ok(())
+}
+
 pub(crate) struct Loaded {
     pub(crate) engine: Engine,
     pub(crate) tokenizer: Tokenizer,

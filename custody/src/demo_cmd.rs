@@ -119,6 +119,8 @@ const RUNS: [Run; 2] = [
 ];
 
 pub(crate) fn demo(a: DemoArgs) -> Result<()> {
+    // Both nodes' engine threads compute on one pool of every core.
+    crate::common::set_default_pool(0)?;
     let t_start = Instant::now();
     let model_path = a
         .model

@@ -75,11 +75,7 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
         cfg.engine.threads
     };
     // The node's engine thread computes on the process's default pool (0: one per core).
-    let pool = custody_runtime::par::ThreadPool::new(threads)
-        .context("building the compute thread pool")?;
-    if custody_runtime::par::set_global(pool).is_err() {
-        bail!("the compute thread pool was already set");
-    }
+    crate::common::set_default_pool(threads)?;
     let model = Model::load(&model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;
     let fingerprint = model.gguf().sha256_hex();

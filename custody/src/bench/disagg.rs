@@ -451,6 +451,8 @@ fn witness_pair_bench(
 }
 
 pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
+    // The engines here step on threads of their own: one pool of every core for all of them.
+    crate::common::set_default_pool(0)?;
     use custody_runtime::disagg::bench::transfer_bench;
     use custody_runtime::disagg::client::{Pair, PairOptions};
     use custody_runtime::engine::Event;
