@@ -14,13 +14,17 @@ pub mod attention;
 pub mod checksum;
 pub mod matmul;
 pub mod ops;
+pub mod pack;
 pub mod par;
 pub mod quant;
 pub mod simd;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_pack;
 
 pub use attention::{IntegrityError, PageGeometry, PageRef, TagView};
 pub use matmul::{QInput, QMatrix};
+pub use pack::PackedRows;
 pub use quant::{BlockQ8, DType};

@@ -8,6 +8,7 @@
 //! reading the same weights. Each part walks a tile of rows for every token so the tile's weights
 //! stay in L1/L2 (weight reuse is what makes prefill faster per token than decode).
 
+use crate::pack::{GROUP_ROWS, PackedRows};
 use crate::quant::{self, BlockQ8, DType, QK};
 use crate::simd::{self, Level};
 
@@ -18,6 +19,9 @@ pub struct QMatrix<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    /// The same matrix repacked for the 512-bit kernels, where the loader made one: the
+    /// mat-vecs then read it instead of `data` (same bits; `crate::pack`).
+    pub packed: Option<&'a PackedRows>,
 }
 
 impl<'a> QMatrix<'a> {
@@ -29,7 +33,19 @@ impl<'a> QMatrix<'a> {
             rows,
             cols,
             data,
+            packed: None,
         })
+    }
+
+    /// The matrix with its repacked copy (which must be of this matrix: same type and shape).
+    pub fn with_packed(self, packed: Option<&'a PackedRows>) -> Self {
+        if let Some(p) = packed {
+            assert!(
+                (p.dtype(), p.rows(), p.cols()) == (self.dtype, self.rows, self.cols),
+                "QMatrix::with_packed: a packed copy of another matrix"
+            );
+        }
+        Self { packed, ..self }
     }
 
     fn row_bytes(&self) -> usize {
@@ -227,7 +243,8 @@ pub fn matmul_many(jobs: &mut [(QMatrix<'_>, &mut [f32])], x: &QInput) {
     }
     let jobs: &[(QMatrix<'_>, &mut [f32])] = jobs;
     let part_rows = |part: usize, parts: usize| {
-        let range = crate::par::split(total_rows, part, parts, 4);
+        // Aligned to the packed kernels' 8-row groups (and so to the four-row kernels').
+        let range = crate::par::split(total_rows, part, parts, GROUP_ROWS);
         let mut first = 0;
         for (j, (w, _)) in jobs.iter().enumerate() {
             let (r0, r1) = (range.start.max(first), range.end.min(first + w.rows));
@@ -246,6 +263,12 @@ pub fn matmul_many(jobs: &mut [(QMatrix<'_>, &mut [f32])], x: &QInput) {
 
 /// Rows `r0..r1` of `w` for every token, into the output behind `p` (`n_tok × w.rows`).
 fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
+    if let Some(pk) = w.packed {
+        // Packed matrices have rows in whole groups, and parts' ranges are group-aligned.
+        debug_assert!(r0.is_multiple_of(GROUP_ROWS) && r1.is_multiple_of(GROUP_ROWS));
+        run_groups(pk, x, p, r0 / GROUP_ROWS, r1 / GROUP_ROWS);
+        return;
+    }
     let (rows, n_tok) = (w.rows, x.n_tok);
     if w.dtype.uses_q8_activations() {
         let dot = q8_dot_fn(w.dtype);
@@ -317,6 +340,43 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
             }
         }
     }
+}
+
+/// Groups `g0..g1` of a packed matrix for every token, four tokens at a time: a group's weights
+/// (2.9 KB of Q4_1 at 576 columns) stay in L1 while every token passes over them.
+fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize) {
+    let (rows, n_tok, per_row) = (pk.rows(), x.n_tok, pk.cols() / QK);
+    let act = |t: usize| &x.q8[t * per_row..(t + 1) * per_row];
+    let store = |g: usize, t0: usize, out: &[[f32; GROUP_ROWS]]| {
+        for (j, vals) in out.iter().enumerate() {
+            for (i, v) in vals.iter().enumerate() {
+                // SAFETY: t0 + j < n_tok and 8g + i < rows: in bounds of the output (n_tok ×
+                // rows, asserted by `matmul_many`); parts' group ranges are disjoint.
+                unsafe { *p.get().add((t0 + j) * rows + g * GROUP_ROWS + i) = *v };
+            }
+        }
+    };
+    for g in g0..g1 {
+        for t in (0..n_tok).step_by(4) {
+            match n_tok - t {
+                1 => store(g, t, &pk.dot_group::<1>(g, [act(t)])),
+                2 => store(g, t, &pk.dot_group::<2>(g, [act(t), act(t + 1)])),
+                3 => store(g, t, &pk.dot_group::<3>(g, [act(t), act(t + 1), act(t + 2)])),
+                _ => store(
+                    g,
+                    t,
+                    &pk.dot_group::<4>(g, [act(t), act(t + 1), act(t + 2), act(t + 3)]),
+                ),
+            }
+        }
+    }
+}
+
+/// The one-row kernel of `dtype` that a decode step runs where nothing is packed: what every
+/// multi-row and packed kernel must equal bit for bit.
+#[cfg(test)]
+pub(crate) fn one_row_kernel(dtype: DType) -> fn(&[u8], &[BlockQ8]) -> f32 {
+    q8_dot_fn(dtype)
 }
 
 /// Scalar reference of [`matmul`] (single-threaded, no SIMD). Used by tests.

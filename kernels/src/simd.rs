@@ -33,6 +33,23 @@ pub fn has_vnni() -> bool {
     })
 }
 
+static VNNI512: OnceLock<bool> = OnceLock::new();
+
+/// Whether 512-bit AVX-512 VNNI kernels run here: F, BW, VL and VNNI on top of
+/// [`Level::Avx2`] (the repacked mat-vec kernels, `crate::pack`). `CUSTODY_SIMD=avx2` turns
+/// them off.
+pub fn has_vnni512() -> bool {
+    *VNNI512.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if has_vnni() && has_avx512() {
+                return std::is_x86_feature_detected!("avx512bw");
+            }
+        }
+        false
+    })
+}
+
 static AVX512: OnceLock<bool> = OnceLock::new();
 
 /// Whether AVX-512 F (with VL) is available on top of [`Level::Avx2`]: kernels whose arithmetic

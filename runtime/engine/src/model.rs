@@ -9,12 +9,13 @@
 //! independent rows) but it writes no further KV and returns no logits.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use custody_kernels::attention::{
     AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, TagCheck,
 };
 use custody_kernels::matmul::matmul_many;
-use custody_kernels::{DType, QInput, QMatrix, ops};
+use custody_kernels::{DType, PackedRows, QInput, QMatrix, ops};
 
 use crate::gguf::{Gguf, GgufError};
 use crate::kv::{AttendRead, PagePool};
@@ -126,6 +127,10 @@ pub(crate) struct Mat {
     pub(crate) dtype: DType,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
+    /// The matrix repacked for the 512-bit mat-vec kernels, where this CPU runs them
+    /// (`custody_kernels::pack`): the forward pass reads it instead of the mapped bytes. Shared,
+    /// so a tied output head is packed once.
+    pub(crate) packed: Option<Arc<PackedRows>>,
 }
 
 #[derive(Debug)]
@@ -211,12 +216,14 @@ impl Model {
                     found: info.shape.clone(),
                 });
             }
-            Ok(Mat {
+            let m = Mat {
                 name: name.into(),
                 dtype: info.dtype,
                 rows,
                 cols,
-            })
+                packed: None,
+            };
+            Ok(m)
         };
         let vec_f32 = |name: &str, n: usize| -> Result<Vec<f32>, ModelError> {
             let (info, data) = gguf.tensor(name)?;
@@ -265,14 +272,16 @@ impl Model {
             }
         }
         let output_norm = vec_f32("output_norm.weight", c.dim)?;
-        Ok(Self {
+        let mut model = Self {
             gguf,
             config,
             tok_embd,
             output,
             output_norm,
             layers,
-        })
+        };
+        model.pack_weights();
+        Ok(model)
     }
 
     /// The GGUF file the model was loaded from (its metadata carries the tokenizer).
@@ -287,13 +296,30 @@ impl Model {
             .1
     }
 
-    fn qm(&self, m: &Mat) -> QMatrix<'_> {
+    fn qm<'a>(&'a self, m: &'a Mat) -> QMatrix<'a> {
         let (_, data) = self
             .gguf
             .tensor(&m.name)
             .unwrap_or_else(|e| unreachable!("validated at load: {e}"));
         QMatrix::new(m.dtype, m.rows, m.cols, data)
             .unwrap_or_else(|| unreachable!("validated at load"))
+            .with_packed(m.packed.as_deref())
+    }
+
+    /// Repack every matrix the forward pass multiplies by, where this CPU has the packed
+    /// kernels (a copy of the weights; the embedding lookups keep reading the mapped bytes).
+    fn pack_weights(&mut self) {
+        let pack = |model: &Self, m: &Mat| PackedRows::new(&model.qm(m)).map(Arc::new);
+        self.output.packed = pack(self, &self.output);
+        for i in 0..self.layers.len() {
+            let l = &self.layers[i];
+            let packed = [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .map(|m| pack(self, m));
+            let [wq, wk, wv, wo, w_gate, w_up, w_down] = packed;
+            let l = &mut self.layers[i];
+            (l.wq.packed, l.wk.packed, l.wv.packed, l.wo.packed) = (wq, wk, wv, wo);
+            (l.w_gate.packed, l.w_up.packed, l.w_down.packed) = (w_gate, w_up, w_down);
+        }
     }
 
     /// KV page geometry for a given page size.
