@@ -575,6 +575,48 @@ mod tests {
     }
 
     #[test]
+    fn packed_matrices_give_the_unpacked_bits_at_any_thread_and_token_count() {
+        if !crate::pack::available() {
+            eprintln!("skipped: no AVX-512 VNNI on this machine");
+            return;
+        }
+        let mut seed = 31;
+        for dtype in [DType::Q4_1, DType::Q8_0] {
+            for n_tok in [1, 2, 3, 4, 5, 7, 9, 17] {
+                let cols = 576;
+                // A packed job (64 rows), an unpacked one (13 rows) and another packed (24 rows)
+                // in one section, as a projection group is.
+                let wa = rand_weights(dtype, 64, cols, &mut seed);
+                let wb = rand_weights(dtype, 13, cols, &mut seed);
+                let wc = rand_weights(dtype, 24, cols, &mut seed);
+                let a = QMatrix::new(dtype, 64, cols, &wa).expect("shape");
+                let b = QMatrix::new(dtype, 13, cols, &wb).expect("shape");
+                let c = QMatrix::new(dtype, 24, cols, &wc).expect("shape");
+                let (pa, pc) = (PackedRows::new(&a), PackedRows::new(&c));
+                assert!(pa.is_some() && pc.is_some() && PackedRows::new(&b).is_none());
+                let x = rand_f32(n_tok * cols, &mut seed);
+                let mut qi = QInput::default();
+                qi.prepare(&x, n_tok, cols, dtype);
+                let run = |a: QMatrix<'_>, c: QMatrix<'_>, threads: usize| {
+                    let pool = crate::par::ThreadPool::new(threads).expect("pool");
+                    pool.install(|| {
+                        let mut oa = vec![0.0f32; n_tok * 64];
+                        let mut ob = vec![0.0f32; n_tok * 13];
+                        let mut oc = vec![0.0f32; n_tok * 24];
+                        matmul_many(&mut [(a, &mut oa[..]), (b, &mut ob[..]), (c, &mut oc[..])], &qi);
+                        [oa, ob, oc].concat().iter().map(|f| f.to_bits()).collect::<Vec<u32>>()
+                    })
+                };
+                let want = run(a, c, 1);
+                for threads in [1, 2, 3] {
+                    let got = run(a.with_packed(pa.as_ref()), c.with_packed(pc.as_ref()), threads);
+                    assert_eq!(got, want, "{dtype:?} n_tok {n_tok} threads {threads}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn matmul_at_one_two_and_three_threads_gives_the_same_bits() {
         let mut seed = 29;
         for dtype in [DType::Q4_1, DType::Q8_0, DType::F16] {

@@ -126,13 +126,9 @@ fn raw_prompt_logits_are_close_to_llama_cpp() {
     let (mean, max, top1) = compare_logits(&ours, &theirs, shape[1]);
     eprintln!("raw prompt vs llama.cpp: mean |dlogit| {mean:.4}, max {max:.4}, top-1 {top1}");
     assert_eq!(top1, 1.0);
-    // Rows 0-2 match llama.cpp bit for bit (0.0000); rows 3-4 differ by last-bit effects not yet
-    // traced (see ARCHITECTURE.md, "Numerics"). Guard against regressions: dropping one of the
-    // f16 roundings llama.cpp applies, for example, takes this to 0.28.
-    assert!(
-        mean <= 0.10,
-        "mean |dlogit| {mean} above 0.10 (measured 0.079)"
-    );
+    // Every row equals llama.cpp's (flash attention off) bit for bit: the kernels reproduce its
+    // arithmetic, packed or not. Any change of rounding or reduction order shows here.
+    assert_eq!(max, 0.0, "max |dlogit| {max} (mean {mean}): no longer llama.cpp's bits");
 }
 
 #[test]
@@ -234,11 +230,8 @@ fn teacher_forced_reference_set_matches_llama_cpp() {
         "reference set: top-1 agreement {agree}/{total} = {top1:.4}; mean |dlogit| {mean:.4}; max {max_d:.4}"
     );
     assert!(top1 >= 0.98, "top-1 agreement {top1} below 0.98");
-    // Issue target is 0.05; measured 0.16 (see ARCHITECTURE.md, "Numerics"). Regression guard:
-    assert!(
-        mean <= 0.20,
-        "mean |dlogit| {mean} above 0.20 (measured 0.16)"
-    );
+    // Bit for bit llama.cpp's logits (flash attention off) on the whole set.
+    assert_eq!(max_d, 0.0, "max |dlogit| {max_d} (mean {mean}): no longer llama.cpp's bits");
 }
 
 #[test]
