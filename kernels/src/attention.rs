@@ -271,6 +271,9 @@ pub struct AttentionArgs<'a> {
 pub struct AttnScratch {
     k: Vec<f32>,
     v: Vec<f32>,
+    /// K transposed for prompt rows on AVX-512 ([`attend_gemm_avx512`]): `[kv_head][dim][slot]`,
+    /// slots zero-padded to a multiple of 16.
+    kt: Vec<f32>,
     ws: Workspace,
 }
 
@@ -382,7 +385,13 @@ pub fn paged_attention(
             .for_each(gather);
     }
 
-    let (kf, vf) = (&scratch.k[..], &scratch.v[..]);
+    // Prompt rows on AVX-512: K transposed too, so scores are computed 16 slots at a time.
+    let transposed = gemm_transposed_applies(args.order, d);
+    let n_pad = n_ctx.div_ceil(LANES) * LANES;
+    if transposed {
+        transpose_k(&scratch.k, &mut scratch.kt, g.n_kv_heads, n_ctx, n_pad, d);
+    }
+    let (kf, vf, ktf) = (&scratch.k[..], &scratch.v[..], &scratch.kt[..]);
     let group = args.n_heads / g.n_kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let order = args.order;
@@ -395,6 +404,15 @@ pub fn paged_attention(
         let q = &args.q[qoff..qoff + d];
         let kh = &kf[h * per_head..(h + 1) * per_head];
         let vh = &vf[h * per_head..(h + 1) * per_head];
+        #[cfg(target_arch = "x86_64")]
+        if transposed {
+            let kt = &ktf[h * d * n_pad..(h + 1) * d * n_pad];
+            // SAFETY: `transposed` holds only where `has_avx512` (avx512f/vl on top of
+            // avx2/fma/f16c) and `d` is a multiple of 16; `kt` is `d × n_pad` with
+            // `n_pad >= n_att` rounded up to 16, `vh` holds `n_ctx >= n_att` rows of `d`.
+            return unsafe { attend_gemm_avx512(q, kt, n_pad, vh, d, n_att, scale, o, ws) };
+        }
+        let _ = (ktf, n_pad, transposed);
         attend_compat(order, q, kh, vh, d, n_att, scale, o, ws);
     };
     if big {
@@ -865,6 +883,142 @@ fn attend_compat_body(
     }
 }
 
+/// Whether prompt rows take [`attend_gemm_avx512`]: `Gemm` order, AVX-512, whole 16-lane chunks.
+fn gemm_transposed_applies(order: ReduceOrder, d: usize) -> bool {
+    cfg!(target_arch = "x86_64")
+        && order == ReduceOrder::Gemm
+        && crate::simd::has_avx512()
+        && d.is_multiple_of(LANES)
+        && d <= 256
+}
+
+/// K transposed by blocks of 16 slots: `kt[h][t / 16][j][t % 16] = k[h][t][j]` for
+/// `t < n_ctx`, zero for `n_ctx <= t < n_pad`. A block's `d × 16` values are contiguous, so the
+/// scores of 16 slots read one 4 KB run (d = 64) — a plain `[dim][slot]` layout put the 64
+/// dims' rows 8 KB apart, all in one L1 set.
+fn transpose_k(k: &[f32], kt: &mut Vec<f32>, n_kv: usize, n_ctx: usize, n_pad: usize, d: usize) {
+    kt.clear();
+    kt.resize(n_kv * d * n_pad, 0.0);
+    for h in 0..n_kv {
+        let src = &k[h * n_ctx * d..(h + 1) * n_ctx * d];
+        let dst = &mut kt[h * d * n_pad..(h + 1) * d * n_pad];
+        for (t, row) in src.chunks_exact(d).enumerate() {
+            let blk = &mut dst[(t / LANES) * d * LANES..];
+            for (j, &x) in row.iter().enumerate() {
+                blk[j * LANES + t % LANES] = x;
+            }
+        }
+    }
+}
+
+/// [`attend_compat_body`]'s `Gemm` arithmetic with 16 slots (scores) or 16 dims (the V sums)
+/// per register instead of one output's 16 lanes per register, so no horizontal reduction:
+/// - score of slot `t` = `reduce16` over lanes `l` of the chain `fma(K[t][16c+l], q[16c+l], ·)`
+///   for `c = 0, 1, …` — here lane `t % 16` of register `P_l` runs exactly that chain (K
+///   transposed by blocks, [`transpose_k`]), and `reduce16`'s tree is applied to the registers
+///   `P_0..P_15`;
+/// - `out[j]` = `reduce16` over lanes `l` of the chain `fma(V[t][j], p[t], ·)` over
+///   `t ≡ l (mod 16)` ascending — here register `A_l` holds that chain for 16 dims `j`.
+///
+/// Every value sees the same IEEE operations in the same order, so the bits are the portable
+/// body's (tested against it).
+/// Safety: AVX-512 F/VL present; `d` a multiple of 16 (≤ 256); `kt` holds `d × n_pad` floats
+/// with `n_pad >= n_att` a multiple of 16 (padding zero); `vh` holds `n_att × d` floats at least.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_gemm_avx512(
+    q: &[f32],
+    kt: &[f32],
+    n_pad: usize,
+    vh: &[f32],
+    d: usize,
+    n_att: usize,
+    scale: f32,
+    o: &mut [f32],
+    ws: &mut Workspace,
+) {
+    use core::arch::x86_64::*;
+    debug_assert!(d.is_multiple_of(LANES) && d <= 256 && n_pad >= n_att);
+    assert!(kt.len() >= d * n_pad && vh.len() >= n_att * d && o.len() == d);
+    let nc = d / LANES;
+    let mut qh = [0.0f32; 256];
+    for j in 0..d {
+        qh[j] = f16::from_f32(q[j]).to_f32();
+    }
+    let n_att_pad = n_att.div_ceil(LANES) * LANES;
+    let sc = &mut ws.scores;
+    sc.clear();
+    sc.resize(n_att_pad, f32::NEG_INFINITY);
+    let vscale = _mm512_set1_ps(scale);
+    for t0 in (0..n_att_pad).step_by(LANES) {
+        let mut p = [_mm512_setzero_ps(); LANES];
+        let blk = kt.as_ptr().wrapping_add(t0 * d);
+        for c in 0..nc {
+            for l in 0..LANES {
+                // SAFETY: block t0/16 spans kt[t0·d .. (t0 + 16)·d] (t0 + 16 <= n_pad); dim
+                // 16c + l < d is the 16 floats at (16c + l)·16 inside it.
+                let k = unsafe { _mm512_loadu_ps(blk.add((c * LANES + l) * LANES)) };
+                p[l] = _mm512_fmadd_ps(k, _mm512_set1_ps(qh[c * LANES + l]), p[l]);
+            }
+        }
+        let s = _mm512_mul_ps(reduce16_x16(&p), vscale);
+        let mut lanes = [0.0f32; LANES];
+        // SAFETY: `lanes` is 16 floats.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), s) };
+        let n = (n_att - t0).min(LANES);
+        sc[t0..t0 + n].copy_from_slice(&lanes[..n]);
+    }
+    let mut max = f32::NEG_INFINITY;
+    for &x in &sc[..n_att] {
+        if x > max {
+            max = x;
+        }
+    }
+    softmax_compat(sc, n_att, max);
+    let full = n_att / LANES * LANES;
+    for c in 0..nc {
+        let mut a = [_mm512_setzero_ps(); LANES];
+        let col = vh.as_ptr().wrapping_add(c * LANES);
+        for t0 in (0..full).step_by(LANES) {
+            for l in 0..LANES {
+                let t = t0 + l;
+                // SAFETY: t < n_att: row t of `vh`, dims 16c..16c+16 < d.
+                let v = unsafe { _mm512_loadu_ps(col.add(t * d)) };
+                a[l] = _mm512_fmadd_ps(v, _mm512_set1_ps(sc[t]), a[l]);
+            }
+        }
+        for l in 0..LANES {
+            let t = full + l;
+            if t < n_att {
+                // SAFETY: as above.
+                let v = unsafe { _mm512_loadu_ps(col.add(t * d)) };
+                a[l] = _mm512_fmadd_ps(v, _mm512_set1_ps(sc[t]), a[l]);
+            }
+        }
+        // SAFETY: o[16c .. 16c + 16] is inside `o` (d long).
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * LANES), reduce16_x16(&a)) };
+    }
+}
+
+/// [`reduce16`] of 16 values at once: lane `i` of the result is `reduce16` of lane `i` of
+/// `p[0..16]` (the same tree: halves, quarters, then (0+2) + (1+3)).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn reduce16_x16(p: &[core::arch::x86_64::__m512; LANES]) -> core::arch::x86_64::__m512 {
+    use core::arch::x86_64::*;
+    let mut t = [_mm512_setzero_ps(); 8];
+    for i in 0..8 {
+        t[i] = _mm512_add_ps(p[i], p[i + 8]);
+    }
+    let mut u = [_mm512_setzero_ps(); 4];
+    for i in 0..4 {
+        u[i] = _mm512_add_ps(t[i], t[i + 4]);
+    }
+    _mm512_add_ps(_mm512_add_ps(u[0], u[2]), _mm512_add_ps(u[1], u[3]))
+}
+
 /// Scores (padded with -inf to whole 16-lane chunks) → probabilities rounded to f16, in
 /// llama.cpp's arithmetic: `ggml_expf(s - max)`, 16-lane sums added in f64, scaled by
 /// `(f32)(1/sum)`.
@@ -1330,6 +1484,59 @@ mod tests {
                             )
                         };
                         assert_eq!(bits(&got), bits(&want), "avx512 {order:?} d={d} n={n_att}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prompt_rows_over_transposed_k_give_the_portable_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx512() {
+            let mut seed = 19;
+            for (d, n_ctx) in [
+                (64, 1),
+                (64, 16),
+                (64, 37),
+                (64, 600),
+                (128, 129),
+                (32, 200),
+            ] {
+                let n_kv = 2;
+                let k = rnd(n_kv * n_ctx * d, &mut seed);
+                let v = rnd(n_kv * n_ctx * d, &mut seed);
+                let n_pad = n_ctx.div_ceil(LANES) * LANES;
+                let mut kt = Vec::new();
+                transpose_k(&k, &mut kt, n_kv, n_ctx, n_pad, d);
+                let scale = 1.0 / (d as f32).sqrt();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for h in 0..n_kv {
+                    let kh = &k[h * n_ctx * d..(h + 1) * n_ctx * d];
+                    let vh = &v[h * n_ctx * d..(h + 1) * n_ctx * d];
+                    let kth = &kt[h * d * n_pad..(h + 1) * d * n_pad];
+                    for n_att in [1, n_ctx / 2 + 1, n_ctx] {
+                        let q = rnd(d, &mut seed);
+                        let (mut want, mut got) = (vec![0.0; d], vec![0.0; d]);
+                        let mut ws = Workspace::default();
+                        attend_compat_body(
+                            ReduceOrder::Gemm,
+                            &q,
+                            kh,
+                            vh,
+                            d,
+                            n_att,
+                            scale,
+                            &mut want,
+                            &mut ws,
+                        );
+                        // SAFETY: has_avx512; d is a multiple of 16; kt is d × n_pad.
+                        unsafe {
+                            attend_gemm_avx512(
+                                &q, kth, n_pad, vh, d, n_att, scale, &mut got, &mut ws,
+                            )
+                        };
+                        assert_eq!(bits(&got), bits(&want), "d={d} n_ctx={n_ctx} n_att={n_att}");
                     }
                 }
             }

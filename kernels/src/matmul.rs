@@ -361,7 +361,11 @@ fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize)
             match n_tok - t {
                 1 => store(g, t, &pk.dot_group::<1>(g, [act(t)])),
                 2 => store(g, t, &pk.dot_group::<2>(g, [act(t), act(t + 1)])),
-                3 => store(g, t, &pk.dot_group::<3>(g, [act(t), act(t + 1), act(t + 2)])),
+                3 => store(
+                    g,
+                    t,
+                    &pk.dot_group::<3>(g, [act(t), act(t + 1), act(t + 2)]),
+                ),
                 _ => store(
                     g,
                     t,
@@ -603,13 +607,24 @@ mod tests {
                         let mut oa = vec![0.0f32; n_tok * 64];
                         let mut ob = vec![0.0f32; n_tok * 13];
                         let mut oc = vec![0.0f32; n_tok * 24];
-                        matmul_many(&mut [(a, &mut oa[..]), (b, &mut ob[..]), (c, &mut oc[..])], &qi);
-                        [oa, ob, oc].concat().iter().map(|f| f.to_bits()).collect::<Vec<u32>>()
+                        matmul_many(
+                            &mut [(a, &mut oa[..]), (b, &mut ob[..]), (c, &mut oc[..])],
+                            &qi,
+                        );
+                        [oa, ob, oc]
+                            .concat()
+                            .iter()
+                            .map(|f| f.to_bits())
+                            .collect::<Vec<u32>>()
                     })
                 };
                 let want = run(a, c, 1);
                 for threads in [1, 2, 3] {
-                    let got = run(a.with_packed(pa.as_ref()), c.with_packed(pc.as_ref()), threads);
+                    let got = run(
+                        a.with_packed(pa.as_ref()),
+                        c.with_packed(pc.as_ref()),
+                        threads,
+                    );
                     assert_eq!(got, want, "{dtype:?} n_tok {n_tok} threads {threads}");
                 }
             }

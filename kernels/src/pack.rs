@@ -67,7 +67,9 @@ impl PackedRows {
                         let blocks = rows.map(blk);
                         blocks.iter().for_each(|k| data.extend_from_slice(&k[0..2]));
                         blocks.iter().for_each(|k| data.extend_from_slice(&k[2..4]));
-                        blocks.iter().for_each(|k| data.extend_from_slice(&k[4..20]));
+                        blocks
+                            .iter()
+                            .for_each(|k| data.extend_from_slice(&k[4..20]));
                     }
                     DType::Q8_0 => {
                         let blk = |r: &[u8]| -> [u8; 34] {
@@ -117,7 +119,10 @@ impl PackedRows {
         g: usize,
         a: [&[BlockQ8]; T],
     ) -> [[f32; GROUP_ROWS]; T] {
-        assert!(available(), "packed kernels need AVX-512 VNNI (checked at pack)");
+        assert!(
+            available(),
+            "packed kernels need AVX-512 VNNI (checked at pack)"
+        );
         #[cfg(target_arch = "x86_64")]
         {
             let gd = self.group(g);

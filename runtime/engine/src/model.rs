@@ -313,8 +313,8 @@ impl Model {
         self.output.packed = pack(self, &self.output);
         for i in 0..self.layers.len() {
             let l = &self.layers[i];
-            let packed = [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                .map(|m| pack(self, m));
+            let packed =
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].map(|m| pack(self, m));
             let [wq, wk, wv, wo, w_gate, w_up, w_down] = packed;
             let l = &mut self.layers[i];
             (l.wq.packed, l.wk.packed, l.wv.packed, l.wo.packed) = (wq, wk, wv, wo);

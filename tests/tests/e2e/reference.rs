@@ -128,7 +128,10 @@ fn raw_prompt_logits_are_close_to_llama_cpp() {
     assert_eq!(top1, 1.0);
     // Every row equals llama.cpp's (flash attention off) bit for bit: the kernels reproduce its
     // arithmetic, packed or not. Any change of rounding or reduction order shows here.
-    assert_eq!(max, 0.0, "max |dlogit| {max} (mean {mean}): no longer llama.cpp's bits");
+    assert_eq!(
+        max, 0.0,
+        "max |dlogit| {max} (mean {mean}): no longer llama.cpp's bits"
+    );
 }
 
 #[test]
@@ -231,7 +234,10 @@ fn teacher_forced_reference_set_matches_llama_cpp() {
     );
     assert!(top1 >= 0.98, "top-1 agreement {top1} below 0.98");
     // Bit for bit llama.cpp's logits (flash attention off) on the whole set.
-    assert_eq!(max_d, 0.0, "max |dlogit| {max_d} (mean {mean}): no longer llama.cpp's bits");
+    assert_eq!(
+        max_d, 0.0,
+        "max |dlogit| {max_d} (mean {mean}): no longer llama.cpp's bits"
+    );
 }
 
 #[test]
