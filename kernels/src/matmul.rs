@@ -179,7 +179,14 @@ fn q8_dot_fn(dtype: DType) -> Q8Dot {
             DType::Q4_1 => |w, a| unsafe { crate::x86::dot_q4_1_q8(w, a) },
             // SAFETY: as above.
             DType::Q8_0 => |w, a| unsafe { crate::x86::dot_q8_0_q8(w, a) },
-            DType::F32 | DType::F16 => unreachable!("float weights use f32 activations"),
+            DType::F32
+            | DType::F16
+            | DType::BF16
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K => unreachable!("{dtype:?} weights use f32 activations"),
         };
     }
     scalar_q8_dot_fn(dtype)
@@ -190,7 +197,14 @@ fn scalar_q8_dot_fn(dtype: DType) -> Q8Dot {
         DType::Q4_0 => quant::dot_q4_0_q8_scalar,
         DType::Q4_1 => quant::dot_q4_1_q8_scalar,
         DType::Q8_0 => quant::dot_q8_0_q8_scalar,
-        DType::F32 | DType::F16 => unreachable!("float weights use f32 activations"),
+        DType::F32
+        | DType::F16
+        | DType::BF16
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K => unreachable!("{dtype:?} weights use f32 activations"),
     }
 }
 
@@ -441,6 +455,9 @@ mod tests {
                     out.extend_from_slice(&f16::from_f32(r[0] * 0.01).to_le_bytes());
                     out.extend((0..32).map(|i| byte(i + 2 - (i / 30) * 2)));
                 }
+                // Random bytes with the block's size (scales may be any f16, even inf/NaN:
+                // these tests compare paths, not values), not used by the quantized kernels.
+                _ => out.extend((0..dtype.block_bytes()).map(|i| byte(i % 40))),
             }
         }
         out

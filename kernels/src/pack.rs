@@ -81,7 +81,7 @@ impl PackedRows {
                             data.extend(k[2..34].iter().map(|q| q ^ 0x80));
                         }
                     }
-                    DType::F32 | DType::F16 | DType::Q4_0 => return None,
+                    _ => return None,
                 }
             }
         }
@@ -132,9 +132,7 @@ impl PackedRows {
                 match self.dtype {
                     DType::Q4_1 => crate::x86_pack::dot8_q4_1_packed::<T>(gd, a),
                     DType::Q8_0 => crate::x86_pack::dot8_q8_0_packed::<T>(gd, a),
-                    DType::F32 | DType::F16 | DType::Q4_0 => {
-                        unreachable!("only Q4_1 and Q8_0 are packed")
-                    }
+                    _ => unreachable!("only Q4_1 and Q8_0 are packed"),
                 }
             }
         }

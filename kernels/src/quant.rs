@@ -17,7 +17,12 @@ use half::f16;
 /// Elements per quantization block.
 pub const QK: usize = 32;
 
-/// Storage type of a weight tensor.
+/// Elements per K-quant super-block (ggml's `QK_K`).
+pub const QK_K: usize = 256;
+
+/// Storage type of a weight tensor. Variants carry ggml's names (`Q4_K`, not `Q4K`): they are
+/// what users see in file names and llama.cpp's output.
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -25,14 +30,29 @@ pub enum DType {
     Q4_0,
     Q4_1,
     Q8_0,
+    /// f16 `d`, 32 high bits, 16 bytes of nibbles; value = (q5 − 16) · d.
+    Q5_0,
+    /// f16 `d`, f16 `m`, 32 high bits, 16 bytes of nibbles; value = q5 · d + m.
+    Q5_1,
+    /// 256-element super-block: f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins for eight
+    /// 32-element sub-blocks, 128 bytes of nibbles; value = d·sc · q − dmin·m.
+    Q4_K,
+    /// As `Q4_K` plus 32 bytes of fifth bits.
+    Q5_K,
+    /// 256-element super-block: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, sixteen
+    /// i8 scales, f16 `d`; value = d · sc · (q6 − 32).
+    Q6_K,
+    /// bfloat16: the upper half of an f32.
+    BF16,
 }
 
 impl DType {
     /// Elements per block (1 for the float types).
     pub const fn block_elems(self) -> usize {
         match self {
-            DType::F32 | DType::F16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => QK,
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 => QK,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
         }
     }
 
@@ -44,7 +64,48 @@ impl DType {
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
             DType::Q8_0 => 34,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::Q4_K => 144,
+            DType::Q5_K => 176,
+            DType::Q6_K => 210,
+            DType::BF16 => 2,
         }
+    }
+
+    /// ggml's `ggml_type` number for this type (what a GGUF tensor header carries).
+    pub const fn ggml_type(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::Q4_0 => 2,
+            DType::Q4_1 => 3,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
+            DType::Q8_0 => 8,
+            DType::Q4_K => 12,
+            DType::Q5_K => 13,
+            DType::Q6_K => 14,
+            DType::BF16 => 30,
+        }
+    }
+
+    /// The type with ggml number `ty`, if the engine reads it.
+    pub const fn from_ggml_type(ty: u32) -> Option<Self> {
+        Some(match ty {
+            0 => DType::F32,
+            1 => DType::F16,
+            2 => DType::Q4_0,
+            3 => DType::Q4_1,
+            6 => DType::Q5_0,
+            7 => DType::Q5_1,
+            8 => DType::Q8_0,
+            12 => DType::Q4_K,
+            13 => DType::Q5_K,
+            14 => DType::Q6_K,
+            30 => DType::BF16,
+            _ => return None,
+        })
     }
 
     /// Bytes for `elems` elements, or `None` when `elems` is not a whole number of blocks or
@@ -147,6 +208,9 @@ pub fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
                     o[j] = f32::from(b[2 + j] as i8) * d;
                 }
             }
+        }
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::BF16 => {
+            crate::kquant::dequantize_row(dtype, src, out)
         }
     }
 }

@@ -47,6 +47,11 @@ pub enum CudaForwardError {
         "the tag check cannot be disabled on the CUDA backend (the incident reproduction is CPU-only)"
     )]
     TagCheckRequired,
+    #[error(
+        "tensor {name:?}: weight type {dtype:?} has no CUDA kernel yet (the CUDA backend runs F32, \
+         F16, Q4_0, Q4_1 and Q8_0; the CPU backend runs it)"
+    )]
+    UnsupportedWeightType { name: String, dtype: DType },
 }
 
 /// A weight matrix on the device: its GGUF bytes as they are in the file.
@@ -128,16 +133,22 @@ pub struct CudaForward<D: Device> {
     bufs: Buffers,
 }
 
-/// `CustodyDType` in kernels/cuda/ops.cu. Exhaustive: a weight type the engine gains without
-/// a CUDA kernel does not compile here.
-fn dtype_code(m: &Mat) -> u32 {
-    match m.dtype {
+/// `CustodyDType` in kernels/cuda/ops.cu, or the refusal of a weight type with no CUDA kernel
+/// yet. Exhaustive: a weight type the engine gains must be placed here.
+fn dtype_code(m: &Mat) -> Result<u32, CudaForwardError> {
+    Ok(match m.dtype {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::Q4_0 => 2,
         DType::Q4_1 => 3,
         DType::Q8_0 => 4,
-    }
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::BF16 => {
+            return Err(CudaForwardError::UnsupportedWeightType {
+                name: m.name.clone(),
+                dtype: m.dtype,
+            });
+        }
+    })
 }
 
 fn f32_bytes(v: &[f32]) -> &[u8] {
@@ -156,7 +167,7 @@ impl<D: Device> CudaForward<D> {
         assert!(max_rows > 0);
         let c = model.config.clone();
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
-            let dtype = dtype_code(m);
+            let dtype = dtype_code(m)?;
             let bytes = model.tensor_bytes(m);
             let ptr = dev.alloc_zeroed(bytes.len())?;
             dev.upload(ptr, bytes)?;

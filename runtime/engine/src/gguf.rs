@@ -47,7 +47,9 @@ pub enum GgufError {
     #[error("tensor {name:?}: {n_dims} dimensions (at most {MAX_DIMS})")]
     TooManyDims { name: String, n_dims: u32 },
     #[error(
-        "tensor {name:?}: unsupported tensor type {ty} (supported: F32, F16, Q4_0, Q4_1, Q8_0)"
+        "tensor {name:?}: unsupported tensor type {} (ggml type {ty}; supported: F32, F16, BF16, \
+         Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
+        ggml_type_name(*ty)
     )]
     UnsupportedTensorType { name: String, ty: u32 },
     #[error(
@@ -272,15 +274,55 @@ fn read_value(c: &mut Cursor<'_>, ty: u32, key: &str, depth: usize) -> Result<Va
     })
 }
 
+/// ggml's name for tensor type `ty` (`ggml_type` in ggml.h), for error messages.
+pub fn ggml_type_name(ty: u32) -> &'static str {
+    const NAMES: [&str; 40] = [
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2 (removed)",
+        "Q4_3 (removed)",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "Q4_0_4_4 (removed)",
+        "Q4_0_4_8 (removed)",
+        "Q4_0_8_8 (removed)",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ4_NL_4_4 (removed)",
+        "IQ4_NL_4_8 (removed)",
+        "IQ4_NL_8_8 (removed)",
+        "MXFP4",
+    ];
+    NAMES.get(ty as usize).copied().unwrap_or("unknown")
+}
+
 fn dtype_of(ty: u32) -> Option<DType> {
-    Some(match ty {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::Q4_0,
-        3 => DType::Q4_1,
-        8 => DType::Q8_0,
-        _ => return None,
-    })
+    DType::from_ggml_type(ty)
 }
 
 impl Gguf {
@@ -547,6 +589,31 @@ mod tests {
         let r = Gguf::open(&path);
         let _ = std::fs::remove_file(&path);
         r
+    }
+
+    #[test]
+    fn a_tensor_type_the_engine_does_not_read_is_refused_by_name() {
+        // embd.weight's type field (after its name, dim count and two dims) → IQ2_XS (17).
+        let mut b = tiny_gguf();
+        let name = b"embd.weight";
+        let at = b.windows(name.len()).position(|w| w == name).expect("name") + name.len();
+        let ty = at + 4 + 16;
+        assert_eq!(b[ty..ty + 4], 8u32.to_le_bytes(), "the Q8_0 type field");
+        b[ty..ty + 4].copy_from_slice(&17u32.to_le_bytes());
+        let err = parse_bytes(&b).expect_err("IQ2_XS is not read").to_string();
+        assert!(
+            err.contains("\"embd.weight\"")
+                && err.contains("IQ2_XS")
+                && err.contains("ggml type 17"),
+            "{err}"
+        );
+        // A K-quant is read: the same field as Q4_K (12) parses, and the size check applies
+        // (32 elements are not a whole 256-element block).
+        b[ty..ty + 4].copy_from_slice(&12u32.to_le_bytes());
+        let err = parse_bytes(&b)
+            .expect_err("32 elements of Q4_K")
+            .to_string();
+        assert!(err.contains("Q4_K"), "{err}");
     }
 
     #[test]

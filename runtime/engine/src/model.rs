@@ -8,6 +8,8 @@
 //! first layer that notices; its rows are still carried through the linear layers (they are
 //! independent rows) but it writes no further KV and returns no logits.
 
+mod understood;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -32,14 +34,11 @@ pub enum ModelError {
         expected: Vec<u64>,
         found: Vec<u64>,
     },
-    #[error("tensor {name:?}: type {dtype:?} not usable here ({why})")]
-    Type {
-        name: String,
-        dtype: DType,
-        why: &'static str,
-    },
     #[error("invalid hyper-parameter: {0}")]
     Config(String),
+    /// Something in the file the engine would otherwise ignore (`model/understood.rs`).
+    #[error("{what}: {why}; refused rather than ignored (ignoring it gives plausible, wrong text)")]
+    NotUnderstood { what: String, why: &'static str },
 }
 
 /// Hyper-parameters read from GGUF metadata.
@@ -198,6 +197,29 @@ pub struct Scratch {
     rope: Vec<Vec<(f32, f32)>>,
 }
 
+/// A projection group (Q/K/V, gate/up) over the same input `x` (`n × cols`): one prepared input
+/// and one parallel section when the matrices share an activation format (int8 blocks or f32),
+/// one per format otherwise — GGUF mixes such as Q5_0 beside Q8_0 in one layer.
+fn project(
+    qin: &mut QInput,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    jobs: &mut [(QMatrix<'_>, &mut [f32])],
+) {
+    let q8 = |w: &QMatrix<'_>| w.dtype.uses_q8_activations();
+    let first = q8(&jobs[0].0);
+    if jobs.iter().all(|(w, _)| q8(w) == first) {
+        qin.prepare(x, n, cols, jobs[0].0.dtype);
+        matmul_many(jobs, qin);
+        return;
+    }
+    for (w, out) in jobs.iter_mut() {
+        qin.prepare(x, n, cols, w.dtype);
+        custody_kernels::matmul::matmul(w, qin, out);
+    }
+}
+
 impl Model {
     pub fn load(path: &Path) -> Result<Self, ModelError> {
         Self::from_gguf(Gguf::open(path)?)
@@ -205,6 +227,7 @@ impl Model {
 
     pub fn from_gguf(gguf: Gguf) -> Result<Self, ModelError> {
         let config = ModelConfig::from_gguf(&gguf)?;
+        understood::check(&gguf, &config)?;
         let c = &config;
         let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat, ModelError> {
             let (info, _) = gguf.tensor(name)?;
@@ -258,18 +281,6 @@ impl Model {
                 w_up: mat(&n("ffn_up"), c.ffn_dim, c.dim)?,
                 w_down: mat(&n("ffn_down"), c.dim, c.ffn_dim)?,
             });
-        }
-        // Matrices read with the same prepared input must agree on activation format.
-        for l in &layers {
-            for (a, b) in [(&l.wq, &l.wk), (&l.wq, &l.wv), (&l.w_gate, &l.w_up)] {
-                if a.dtype.uses_q8_activations() != b.dtype.uses_q8_activations() {
-                    return Err(ModelError::Type {
-                        name: b.name.clone(),
-                        dtype: b.dtype,
-                        why: "mixed float/quantized in one projection group",
-                    });
-                }
-            }
         }
         let output_norm = vec_f32("output_norm.weight", c.dim)?;
         let mut model = Self {
@@ -396,14 +407,16 @@ impl Model {
                     &mut s.xn[r * dim..(r + 1) * dim],
                 );
             }
-            s.qin.prepare(&s.xn, n, dim, l.wq.dtype);
-            matmul_many(
+            project(
+                &mut s.qin,
+                &s.xn,
+                n,
+                dim,
                 &mut [
                     (self.qm(&l.wq), &mut s.q[..]),
                     (self.qm(&l.wk), &mut s.k[..]),
                     (self.qm(&l.wv), &mut s.v[..]),
                 ],
-                &s.qin,
             );
             for r in 0..n {
                 ops::rope_apply(&mut s.q[r * qd..(r + 1) * qd], c.head_dim, &s.rope[r]);
@@ -469,13 +482,15 @@ impl Model {
                     &mut s.xn[r * dim..(r + 1) * dim],
                 );
             }
-            s.qin.prepare(&s.xn, n, dim, l.w_gate.dtype);
-            matmul_many(
+            project(
+                &mut s.qin,
+                &s.xn,
+                n,
+                dim,
                 &mut [
                     (self.qm(&l.w_gate), &mut s.gate[..]),
                     (self.qm(&l.w_up), &mut s.up[..]),
                 ],
-                &s.qin,
             );
             ops::swiglu(&mut s.gate, &s.up);
             s.qin.prepare(&s.gate, n, c.ffn_dim, l.w_down.dtype);

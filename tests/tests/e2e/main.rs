@@ -13,6 +13,7 @@ mod kv_auth;
 mod model_check;
 mod netns;
 mod protocol;
+mod quant_types;
 mod reference;
 mod report;
 mod roles;

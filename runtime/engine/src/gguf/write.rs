@@ -54,13 +54,7 @@ fn type_code(v: &Value) -> u32 {
 }
 
 fn dtype_code(d: DType) -> u32 {
-    match d {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Q4_0 => 2,
-        DType::Q4_1 => 3,
-        DType::Q8_0 => 8,
-    }
+    d.ggml_type()
 }
 
 fn put_string(out: &mut Vec<u8>, s: &str) {
@@ -160,6 +154,10 @@ impl GgufWriter {
 }
 
 /// Append one row of `x` in `dtype`'s GGUF encoding (ggml's reference quantizers).
+///
+/// # Panics
+/// For Q5_0, Q5_1 and the K-quants, which this writer has no quantizer for (tests take such
+/// blocks from llama.cpp's own quantizer).
 pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
     const QK: usize = 32;
     let half = |v: f32| f16::from_f32(v).to_le_bytes();
@@ -206,6 +204,19 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
                 out.extend(half(d));
                 out.extend(b.iter().map(|&v| (v * id).round() as i8 as u8));
             }
+        }
+        // ggml's `GGML_FP32_TO_BF16`: round to nearest even (NaN kept quiet).
+        DType::BF16 => x.iter().for_each(|&v| {
+            let b = v.to_bits();
+            let h = if v.is_nan() {
+                (b >> 16) | 64
+            } else {
+                (b + (0x7fff + ((b >> 16) & 1))) >> 16
+            };
+            out.extend((h as u16).to_le_bytes());
+        }),
+        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            panic!("the GGUF writer has no quantizer for {dtype:?}")
         }
     }
 }

@@ -1,0 +1,241 @@
+//! The GGUF block formats beyond the original five — Q5_0, Q5_1, the K-quants Q4_K, Q5_K,
+//! Q6_K (the `_K_M` / `_K_S` mixes people download), and BF16 — as ggml lays them out, with
+//! their scalar dequantization.
+//!
+//! # Spec (ggml's `block_*` structs, little-endian; `QK_K` = 256)
+//! - Q5_0 (22 bytes / 32): f16 `d`, u32 `qh`, 16 bytes `qs`. Element `j < 16` is
+//!   `(qs[j] & 15) | ((qh >> j) & 1) << 4`, element `j + 16` is `(qs[j] >> 4) | ((qh >> (j+12))
+//!   & 16)`; value = `(q − 16) · d`.
+//! - Q5_1 (24 bytes / 32): f16 `d`, f16 `m`, then as Q5_0; value = `q · d + m`.
+//! - Q4_K (144 bytes / 256): f16 `d`, f16 `dmin`, 12 bytes packing eight 6-bit (scale, min)
+//!   pairs ([`scale_min_k4`]), 128 bytes of nibbles: sub-blocks `2i` and `2i+1` are the low and
+//!   high nibbles of bytes `32i .. 32i+32`; value = `(d·sc) · q − dmin·m`.
+//! - Q5_K (176 bytes / 256): as Q4_K with 32 bytes `qh` after the scales: bit `2i` of `qh[l]` is
+//!   the fifth bit of sub-block `2i`'s element `l`, bit `2i+1` of sub-block `2i+1`'s.
+//! - Q6_K (210 bytes / 256): 128 bytes `ql`, 64 bytes `qh`, 16 × i8 scales, f16 `d`; each half
+//!   (128 elements) takes 64 bytes of `ql` and 32 of `qh` — element `l + 32k` (k = 0..4) is the
+//!   low or high nibble of `ql[l]` / `ql[l + 32]` with bits `2k..2k+2` of `qh[l]` on top, minus
+//!   32, scaled by `d · scales[l / 16 + 2k]`.
+//! - BF16 (2 bytes): the upper 16 bits of an f32.
+//!
+//! Float operations are the ones written above, each rounded once, in that order (no fused
+//! multiply-add) — what the PyPI `gguf` package's reference dequantizers compute, which the
+//! tests compare against bit for bit (`tests/fixtures/kquant/`).
+//!
+//! These types have no quantized-activation dot product yet: the mat-mul dequantizes a row and
+//! takes its f32 dot with each token (the path F16/F32 weights take).
+
+use half::f16;
+
+use crate::quant::{DType, QK, QK_K};
+
+#[inline]
+fn f16_at(b: &[u8], off: usize) -> f32 {
+    f16::from_le_bytes([b[off], b[off + 1]]).to_f32()
+}
+
+/// The `j`-th (scale, min) pair of a Q4_K/Q5_K block's 12 scale bytes (ggml's
+/// `get_scale_min_k4`): pairs 0–3 are the low 6 bits of bytes `j` and `j + 4`; pairs 4–7 take
+/// their low 4 bits from byte `j + 4` and their high 2 bits from the top of bytes `j − 4` and `j`.
+#[inline]
+pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Dequantize `src` (whole blocks of `dtype`, one of this module's types) into `out`.
+pub(crate) fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::Q5_0 => q5(src, out, false),
+        DType::Q5_1 => q5(src, out, true),
+        DType::Q4_K => q4_k(src, out),
+        DType::Q5_K => q5_k(src, out),
+        DType::Q6_K => q6_k(src, out),
+        DType::BF16 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+            }
+        }
+        DType::F32 | DType::F16 | DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+            unreachable!("{dtype:?} is dequantized in quant.rs")
+        }
+    }
+}
+
+fn q5(src: &[u8], out: &mut [f32], with_min: bool) {
+    let bb = if with_min { 24 } else { 22 };
+    for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(bb)) {
+        let d = f16_at(b, 0);
+        let m = if with_min { f16_at(b, 2) } else { 0.0 };
+        let h = if with_min { 4 } else { 2 };
+        let qh = u32::from_le_bytes([b[h], b[h + 1], b[h + 2], b[h + 3]]);
+        let qs = &b[h + 4..h + 20];
+        for j in 0..16 {
+            let hi0 = (((qh >> j) << 4) & 0x10) as u8;
+            let hi1 = ((qh >> (j + 12)) & 0x10) as u8;
+            let (x0, x1) = ((qs[j] & 0x0f) | hi0, (qs[j] >> 4) | hi1);
+            if with_min {
+                o[j] = f32::from(x0) * d + m;
+                o[j + 16] = f32::from(x1) * d + m;
+            } else {
+                o[j] = f32::from(i16::from(x0) - 16) * d;
+                o[j + 16] = f32::from(i16::from(x1) - 16) * d;
+            }
+        }
+    }
+}
+
+fn q4_k(src: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(QK_K).zip(src.chunks_exact(144)) {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let (scales, qs) = (&b[4..16], &b[16..144]);
+        for i in 0..4 {
+            let (sc0, m0) = scale_min_k4(2 * i, scales);
+            let (sc1, m1) = scale_min_k4(2 * i + 1, scales);
+            let (d0, dm0) = (d * f32::from(sc0), dmin * f32::from(m0));
+            let (d1, dm1) = (d * f32::from(sc1), dmin * f32::from(m1));
+            let q = &qs[32 * i..32 * i + 32];
+            for l in 0..32 {
+                o[64 * i + l] = d0 * f32::from(q[l] & 0x0f) - dm0;
+                o[64 * i + 32 + l] = d1 * f32::from(q[l] >> 4) - dm1;
+            }
+        }
+    }
+}
+
+fn q5_k(src: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(QK_K).zip(src.chunks_exact(176)) {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+        for i in 0..4 {
+            let (sc0, m0) = scale_min_k4(2 * i, scales);
+            let (sc1, m1) = scale_min_k4(2 * i + 1, scales);
+            let (d0, dm0) = (d * f32::from(sc0), dmin * f32::from(m0));
+            let (d1, dm1) = (d * f32::from(sc1), dmin * f32::from(m1));
+            let q = &qs[32 * i..32 * i + 32];
+            let (u0, u1) = (1u8 << (2 * i), 2u8 << (2 * i));
+            for l in 0..32 {
+                let h0 = if qh[l] & u0 != 0 { 16 } else { 0 };
+                let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+                o[64 * i + l] = d0 * f32::from((q[l] & 0x0f) + h0) - dm0;
+                o[64 * i + 32 + l] = d1 * f32::from((q[l] >> 4) + h1) - dm1;
+            }
+        }
+    }
+}
+
+fn q6_k(src: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(QK_K).zip(src.chunks_exact(210)) {
+        let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+        let d = f16_at(b, 208);
+        for half in 0..2 {
+            let (ql, qh) = (
+                &ql[64 * half..64 * half + 64],
+                &qh[32 * half..32 * half + 32],
+            );
+            let sc = &sc[8 * half..8 * half + 8];
+            let o = &mut o[128 * half..128 * half + 128];
+            for l in 0..32 {
+                let is = l / 16;
+                let q = [
+                    (ql[l] & 0x0f) | ((qh[l] & 3) << 4),
+                    (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
+                    (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                    (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+                ];
+                for (k, &qk) in q.iter().enumerate() {
+                    let s = f32::from(sc[is + 2 * k] as i8);
+                    o[l + 32 * k] = d * s * f32::from(i16::from(qk) - 32);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn fixture(name: &str) -> Vec<u8> {
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/kquant")
+            .join(name);
+        std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    }
+
+    /// Every element of random blocks of every new type dequantizes to the bits the PyPI `gguf`
+    /// package's reference dequantizers give (`scripts/gen-kquant-fixture.py`).
+    #[test]
+    fn dequantization_gives_the_gguf_packages_bits() {
+        for (dtype, name) in [
+            (DType::Q5_0, "Q5_0"),
+            (DType::Q5_1, "Q5_1"),
+            (DType::Q4_K, "Q4_K"),
+            (DType::Q5_K, "Q5_K"),
+            (DType::Q6_K, "Q6_K"),
+            (DType::BF16, "BF16"),
+        ] {
+            let blocks = fixture(&format!("{name}.blocks"));
+            let want: Vec<f32> = fixture(&format!("{name}.f32"))
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            assert_eq!(
+                blocks.len() / dtype.block_bytes() * dtype.block_elems(),
+                want.len(),
+                "{name}: fixture sizes"
+            );
+            let mut got = vec![f32::NAN; want.len()];
+            crate::quant::dequantize_row(dtype, &blocks, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{name} element {i}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn scale_min_pairs_follow_ggml_packing() {
+        // Pair 5: low 4 bits from byte 9, high 2 bits from the top of bytes 1 (scale) and 5 (min).
+        let mut s = [0u8; 12];
+        s[9] = 0xA7;
+        s[1] = 0b1100_0000;
+        s[5] = 0b0100_0000;
+        assert_eq!(scale_min_k4(5, &s), (0x07 | (3 << 4), 0x0A | (1 << 4)));
+        s[2] = 0xFF;
+        s[6] = 0x41;
+        assert_eq!(scale_min_k4(2, &s), (63, 1));
+    }
+
+    #[test]
+    fn type_numbers_round_trip_and_unknown_ones_are_refused() {
+        for d in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q8_0,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+        ] {
+            assert_eq!(DType::from_ggml_type(d.ggml_type()), Some(d));
+        }
+        for unsupported in [9, 10, 11, 15, 16, 17, 23, 29, 39, 1000] {
+            assert_eq!(
+                DType::from_ggml_type(unsupported),
+                None,
+                "type {unsupported}"
+            );
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! The GGUF types people download, on the real model: llama.cpp's own requantizations of the
+//! embedded SmolLM2 (`scripts/llamacpp/gen_requant_reference.py`: Q4_K_M, Q5_K_M, Q6_K, Q8_0,
+//! Q5_0, Q5_1, BF16 — each a mix, as real files are), against llama.cpp's logits on each.
+//! The files (100–270 MB) are not committed: their SHA-256 and llama.cpp's outputs are, and each
+//! file is tested where it is present (`CUSTODY_REQUANT_DIR`, default ~/.cache/custody/requant).
+
+use std::path::PathBuf;
+
+use custody_runtime::{Engine, Model};
+use custody_tests::{fixture, read_npy_f32};
+use serde_json::Value;
+
+use crate::reference::compare_logits;
+use crate::small_cfg;
+
+fn requant_dir() -> PathBuf {
+    std::env::var_os("CUSTODY_REQUANT_DIR").map_or_else(
+        || {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            home.join(".cache/custody/requant")
+        },
+        PathBuf::from,
+    )
+}
+
+/// (type, top-1 agreement required on the continuation, bound on max |Δlogit| over the saved
+/// rows). The K-quants, Q5_0/Q5_1 and BF16 have no quantized-activation dot product yet: their
+/// rows are dequantized and multiplied by f32 activations, where llama.cpp quantizes the
+/// activations to 8 bits first — a small, stated difference. Q8_0 runs llama.cpp's arithmetic.
+const CASES: [(&str, f64, f64); 7] = [
+    ("Q8_0", 1.0, 0.0),
+    ("Q4_K_M", 1.0, 1.0),
+    ("Q5_K_M", 1.0, 1.0),
+    ("Q6_K", 1.0, 1.0),
+    ("Q5_0", 1.0, 1.0),
+    ("Q5_1", 1.0, 1.0),
+    ("BF16", 1.0, 1.0),
+];
+
+#[test]
+fn llama_cpp_requantizations_agree_with_llama_cpp_where_present() {
+    let dir = requant_dir();
+    let mut tested = Vec::new();
+    for (name, need_top1, max_bound) in CASES {
+        let meta: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(&format!("llamacpp-requant/{name}.json")))
+                .expect("fixture"),
+        )
+        .expect("json");
+        let path = dir.join(meta["file"].as_str().expect("file"));
+        if !path.exists() {
+            eprintln!("{name}: {} not present, skipped", path.display());
+            continue;
+        }
+        let model = Model::load(&path).expect("load");
+        assert_eq!(
+            model.gguf().sha256_hex(),
+            meta["sha256"].as_str().expect("sha"),
+            "{name}: not the file the fixture was made from"
+        );
+        let ids: Vec<u32> = meta["ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect();
+        let n_prompt = meta["n_prompt"].as_u64().expect("n") as usize;
+        let theirs_argmax: Vec<usize> = meta["llamacpp_argmax"]
+            .as_array()
+            .expect("argmax")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as usize)
+            .collect();
+        let mut e = Engine::new(model, small_cfg()).expect("engine");
+        let ours = e.score(&ids).expect("score");
+        let vocab = ours.len() / ids.len();
+        let positions = n_prompt - 1..ids.len() - 1;
+        let agree = positions
+            .clone()
+            .filter(|&p| {
+                custody_kernels::ops::argmax(&ours[p * vocab..(p + 1) * vocab]) == theirs_argmax[p]
+            })
+            .count();
+        let top1 = agree as f64 / positions.len() as f64;
+        let (shape, saved) = read_npy_f32(&fixture(&format!("llamacpp-requant/{name}.npy")));
+        assert_eq!(shape[1], vocab);
+        let rows: Vec<usize> = meta["saved_rows"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .map(|v| v.as_u64().expect("row") as usize)
+            .collect();
+        let ours_rows: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| ours[r * vocab..(r + 1) * vocab].iter().copied())
+            .collect();
+        let (mean, max, _) = compare_logits(&ours_rows, &saved, vocab);
+        eprintln!(
+            "{name}: top-1 {agree}/{} on llama.cpp's continuation, saved rows mean |dlogit| {mean:.4}, max {max:.4}",
+            positions.len()
+        );
+        assert!(
+            top1 >= need_top1,
+            "{name}: top-1 agreement {top1} < {need_top1}"
+        );
+        assert!(max <= max_bound, "{name}: max |dlogit| {max} > {max_bound}");
+        tested.push(name);
+    }
+    eprintln!("requantized types tested: {tested:?}");
+}
