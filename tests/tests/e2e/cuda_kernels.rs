@@ -434,6 +434,9 @@ fn weights(
                     (0..n).for_each(|_| w.push(rng.next() as u8));
                 }
             }
+            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::BF16 => {
+                unreachable!("no CUDA kernel for {dtype:?} (refused by CudaForward::new)")
+            }
         }
     }
     w
