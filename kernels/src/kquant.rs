@@ -22,12 +22,14 @@
 //! multiply-add) — what the PyPI `gguf` package's reference dequantizers compute, which the
 //! tests compare against bit for bit (`tests/fixtures/kquant/`).
 //!
-//! These types have no quantized-activation dot product yet: the mat-mul dequantizes a row and
+//! Q5_0 and Q5_1 multiply int8 activations (Q8_0 / Q8_1 blocks, as llama.cpp does): scalar
+//! references here, AVX2 kernels in `x86.rs` with llama.cpp's accumulation order. The K-quants
+//! and BF16 have no quantized-activation dot product yet: the mat-mul dequantizes a row and
 //! takes its f32 dot with each token (the path F16/F32 weights take).
 
 use half::f16;
 
-use crate::quant::{DType, QK, QK_K};
+use crate::quant::{BlockQ8, DType, QK, QK_K};
 
 #[inline]
 fn f16_at(b: &[u8], off: usize) -> f32 {
@@ -89,6 +91,48 @@ fn q5(src: &[u8], out: &mut [f32], with_min: bool) {
             }
         }
     }
+}
+
+/// The 32 five-bit values of a Q5_0/Q5_1 block (`b`: the block; `h`: offset of `qh`), 0..=31.
+#[inline]
+fn q5_values(b: &[u8], h: usize) -> [u8; QK] {
+    let qh = u32::from_le_bytes([b[h], b[h + 1], b[h + 2], b[h + 3]]);
+    let qs = &b[h + 4..h + 20];
+    std::array::from_fn(|e| {
+        let nib = if e < 16 {
+            qs[e] & 0x0f
+        } else {
+            qs[e - 16] >> 4
+        };
+        nib | ((((qh >> e) & 1) as u8) << 4)
+    })
+}
+
+/// Scalar reference: Q5_0 weights · Q8_0 activations (exact integer block sums, then
+/// `d_w · d_x · Σ` added block by block).
+pub fn dot_q5_0_q8_scalar(w: &[u8], a: &[BlockQ8]) -> f32 {
+    debug_assert_eq!(w.len(), a.len() * 22);
+    let mut sum = 0.0f32;
+    for (b, x) in w.chunks_exact(22).zip(a) {
+        let q = q5_values(b, 2);
+        let isum: i32 = (0..QK)
+            .map(|e| (i32::from(q[e]) - 16) * i32::from(x.qs[e]))
+            .sum();
+        sum += f16_at(b, 0) * x.d * isum as f32;
+    }
+    sum
+}
+
+/// Scalar reference: Q5_1 weights · Q8_1 activations (`m · s` for the block's offset).
+pub fn dot_q5_1_q8_scalar(w: &[u8], a: &[BlockQ8]) -> f32 {
+    debug_assert_eq!(w.len(), a.len() * 24);
+    let mut sum = 0.0f32;
+    for (b, x) in w.chunks_exact(24).zip(a) {
+        let q = q5_values(b, 4);
+        let isum: i32 = (0..QK).map(|e| i32::from(q[e]) * i32::from(x.qs[e])).sum();
+        sum += f16_at(b, 0) * x.d * isum as f32 + f16_at(b, 2) * x.s;
+    }
+    sum
 }
 
 fn q4_k(src: &[u8], out: &mut [f32]) {
@@ -197,6 +241,48 @@ mod tests {
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.to_bits(), w.to_bits(), "{name} element {i}: {g} vs {w}");
             }
+        }
+    }
+
+    /// The Q5 dot products: the SIMD kernel (what `matmul` runs) against the scalar reference,
+    /// and both against the f32 dot of the dequantized row with the dequantized activations.
+    #[test]
+    fn q5_dots_agree_with_their_reference_and_with_dequantized_values() {
+        for (dtype, name) in [(DType::Q5_0, "Q5_0"), (DType::Q5_1, "Q5_1")] {
+            let w = fixture(&format!("{name}.blocks"));
+            let n = w.len() / dtype.block_bytes() * QK;
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 23.0)
+                .collect();
+            let mut a = vec![BlockQ8::default(); n / QK];
+            crate::quant::quantize_row_q8(&x, &mut a);
+            let scalar = match dtype {
+                DType::Q5_0 => dot_q5_0_q8_scalar(&w, &a),
+                _ => dot_q5_1_q8_scalar(&w, &a),
+            };
+            let simd = crate::matmul::one_row_kernel(dtype)(&w, &a);
+            let mut wf = vec![0.0f32; n];
+            dequantize_row(dtype, &w, &mut wf);
+            let xq: Vec<f32> = a
+                .iter()
+                .flat_map(|b| b.qs.iter().map(move |&q| f32::from(q) * b.d))
+                .collect();
+            let mut exact = 0.0f64;
+            let mut scale = 0.0f64;
+            for (p, q) in wf.iter().zip(&xq) {
+                exact += f64::from(*p) * f64::from(*q);
+                scale += f64::from((p * q).abs());
+            }
+            // The Q8_1 `s` is rounded through f16 (as ggml's is): Q5_1's offset term carries that.
+            let tol = scale * 2e-3 + 1e-6;
+            assert!(
+                (f64::from(scalar) - exact).abs() <= tol,
+                "{name}: {scalar} vs {exact}"
+            );
+            assert!(
+                (f64::from(simd) - f64::from(scalar)).abs() <= scale * 1e-5 + 1e-6,
+                "{name}: simd {simd} vs scalar {scalar}"
+            );
         }
     }
 

@@ -179,14 +179,13 @@ fn q8_dot_fn(dtype: DType) -> Q8Dot {
             DType::Q4_1 => |w, a| unsafe { crate::x86::dot_q4_1_q8(w, a) },
             // SAFETY: as above.
             DType::Q8_0 => |w, a| unsafe { crate::x86::dot_q8_0_q8(w, a) },
-            DType::F32
-            | DType::F16
-            | DType::BF16
-            | DType::Q5_0
-            | DType::Q5_1
-            | DType::Q4_K
-            | DType::Q5_K
-            | DType::Q6_K => unreachable!("{dtype:?} weights use f32 activations"),
+            // SAFETY: as above.
+            DType::Q5_0 => |w, a| unsafe { crate::x86::dot_q5_0_q8(w, a) },
+            // SAFETY: as above.
+            DType::Q5_1 => |w, a| unsafe { crate::x86::dot_q5_1_q8(w, a) },
+            DType::F32 | DType::F16 | DType::BF16 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                unreachable!("{dtype:?} weights use f32 activations")
+            }
         };
     }
     scalar_q8_dot_fn(dtype)
@@ -197,14 +196,11 @@ fn scalar_q8_dot_fn(dtype: DType) -> Q8Dot {
         DType::Q4_0 => quant::dot_q4_0_q8_scalar,
         DType::Q4_1 => quant::dot_q4_1_q8_scalar,
         DType::Q8_0 => quant::dot_q8_0_q8_scalar,
-        DType::F32
-        | DType::F16
-        | DType::BF16
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K => unreachable!("{dtype:?} weights use f32 activations"),
+        DType::Q5_0 => crate::kquant::dot_q5_0_q8_scalar,
+        DType::Q5_1 => crate::kquant::dot_q5_1_q8_scalar,
+        DType::F32 | DType::F16 | DType::BF16 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            unreachable!("{dtype:?} weights use f32 activations")
+        }
     }
 }
 

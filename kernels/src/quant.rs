@@ -120,7 +120,10 @@ impl DType {
 
     /// Whether a dot product with this weight type runs on int8-quantized activations.
     pub const fn uses_q8_activations(self) -> bool {
-        matches!(self, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+        matches!(
+            self,
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1
+        )
     }
 }
 
