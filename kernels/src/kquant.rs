@@ -140,10 +140,10 @@ fn q4_k(src: &[u8], out: &mut [f32]) {
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
         let (scales, qs) = (&b[4..16], &b[16..144]);
         for i in 0..4 {
-            let (sc0, m0) = scale_min_k4(2 * i, scales);
-            let (sc1, m1) = scale_min_k4(2 * i + 1, scales);
-            let (d0, dm0) = (d * f32::from(sc0), dmin * f32::from(m0));
-            let (d1, dm1) = (d * f32::from(sc1), dmin * f32::from(m1));
+            let [(d0, dm0), (d1, dm1)] = [2 * i, 2 * i + 1].map(|j| {
+                let (sc, m) = scale_min_k4(j, scales);
+                (d * f32::from(sc), dmin * f32::from(m))
+            });
             let q = &qs[32 * i..32 * i + 32];
             for l in 0..32 {
                 o[64 * i + l] = d0 * f32::from(q[l] & 0x0f) - dm0;
@@ -158,10 +158,10 @@ fn q5_k(src: &[u8], out: &mut [f32]) {
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
         let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
         for i in 0..4 {
-            let (sc0, m0) = scale_min_k4(2 * i, scales);
-            let (sc1, m1) = scale_min_k4(2 * i + 1, scales);
-            let (d0, dm0) = (d * f32::from(sc0), dmin * f32::from(m0));
-            let (d1, dm1) = (d * f32::from(sc1), dmin * f32::from(m1));
+            let [(d0, dm0), (d1, dm1)] = [2 * i, 2 * i + 1].map(|j| {
+                let (sc, m) = scale_min_k4(j, scales);
+                (d * f32::from(sc), dmin * f32::from(m))
+            });
             let q = &qs[32 * i..32 * i + 32];
             let (u0, u1) = (1u8 << (2 * i), 2u8 << (2 * i));
             for l in 0..32 {

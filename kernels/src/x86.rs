@@ -85,6 +85,20 @@ pub(crate) fn dot_q4_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
     hsum(acc)
 }
 
+/// The 16 bytes at `p` as 32 nibbles, low nibbles (elements 0–15) then high (16–31).
+/// Safety: `p` is valid for a 16-byte read.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    // SAFETY: the caller's contract.
+    let qs = unsafe { _mm_loadu_si128(p.cast()) };
+    let m4 = _mm_set1_epi8(0x0f);
+    _mm256_set_m128i(
+        _mm_and_si128(_mm_srli_epi16::<4>(qs), m4),
+        _mm_and_si128(qs, m4),
+    )
+}
+
 /// 32 bytes, byte `i` = 0xFF where bit `i` of `bits` is set, else 0: each byte takes the qh byte
 /// holding its bit, every other bit is forced to 1, and only bytes whose own bit was set compare
 /// equal to all ones.
@@ -109,7 +123,6 @@ fn bit_bytes(bits: u32) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn dot_q5_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
     assert_eq!(w.len(), a.len() * 22);
-    let m4 = _mm_set1_epi8(0x0f);
     let high = _mm256_set1_epi8(0xF0u8 as i8);
     let ones = _mm256_set1_epi16(1);
     let mut acc = _mm256_setzero_ps();
@@ -117,19 +130,14 @@ pub(crate) fn dot_q5_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
         let dw = f16_bits_to_f32(f16_le(b, 0));
         let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
         // SAFETY: `b` is 22 bytes, so bytes 6..22 are a valid 16-byte load; `x.qs` is 32 bytes.
-        let (qs, aq) = unsafe {
+        let (nib, aq) = unsafe {
             (
-                _mm_loadu_si128(b.as_ptr().add(6).cast()),
+                nibbles(b.as_ptr().add(6)),
                 _mm256_loadu_si256(x.qs.as_ptr().cast()),
             )
         };
-        let lo = _mm_and_si128(qs, m4);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), m4);
         // Without the fifth bit, OR 0xF0: the nibble read as a signed byte is nibble − 16.
-        let wq = _mm256_or_si256(
-            _mm256_set_m128i(hi, lo),
-            _mm256_andnot_si256(bit_bytes(qh), high),
-        );
+        let wq = _mm256_or_si256(nib, _mm256_andnot_si256(bit_bytes(qh), high));
         let ax = _mm256_sign_epi8(wq, wq);
         let sy = _mm256_sign_epi8(aq, wq);
         let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
@@ -143,7 +151,6 @@ pub(crate) fn dot_q5_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn dot_q5_1_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
     assert_eq!(w.len(), a.len() * 24);
-    let m4 = _mm_set1_epi8(0x0f);
     let fifth = _mm256_set1_epi8(0x10);
     let ones = _mm256_set1_epi16(1);
     let mut acc = _mm256_setzero_ps();
@@ -153,18 +160,13 @@ pub(crate) fn dot_q5_1_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
         let mw = f16_bits_to_f32(f16_le(b, 2));
         let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
         // SAFETY: `b` is 24 bytes, so bytes 8..24 are a valid 16-byte load; `x.qs` is 32 bytes.
-        let (qs, aq) = unsafe {
+        let (nib, aq) = unsafe {
             (
-                _mm_loadu_si128(b.as_ptr().add(8).cast()),
+                nibbles(b.as_ptr().add(8)),
                 _mm256_loadu_si256(x.qs.as_ptr().cast()),
             )
         };
-        let lo = _mm_and_si128(qs, m4);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), m4);
-        let wq = _mm256_or_si256(
-            _mm256_set_m128i(hi, lo),
-            _mm256_and_si256(bit_bytes(qh), fifth),
-        );
+        let wq = _mm256_or_si256(nib, _mm256_and_si256(bit_bytes(qh), fifth));
         let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, aq), ones);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dw * x.d), acc);
         summ += mw * x.s;

@@ -35,6 +35,18 @@ fn finish(lo: __m128, hi: __m128) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// The four 128-bit quarters of `v`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn quarters(v: __m512) -> [__m128; 4] {
+    [
+        _mm512_extractf32x4_ps::<0>(v),
+        _mm512_extractf32x4_ps::<1>(v),
+        _mm512_extractf32x4_ps::<2>(v),
+        _mm512_extractf32x4_ps::<3>(v),
+    ]
+}
+
 /// Lane indices that spread row scales `dd[2p]`, `dd[2p + 1]` over a pair register whose 128-bit
 /// quarters hold (row 2p, row 2p+1, row 2p, row 2p+1) — the Q4_1 pair layout.
 #[inline]
@@ -113,15 +125,7 @@ pub(crate) fn dot8_q4_1_packed<const T: usize>(g: &[u8], a: [&[BlockQ8]; T]) -> 
         // SAFETY: `sm` is 8 f32 = 32 bytes.
         unsafe { _mm256_storeu_ps(sm.as_mut_ptr(), summ[t]) };
         for p in 0..4 {
-            let v = acc[t][p];
-            let (q0, q1) = (
-                _mm512_extractf32x4_ps::<0>(v),
-                _mm512_extractf32x4_ps::<1>(v),
-            );
-            let (q2, q3) = (
-                _mm512_extractf32x4_ps::<2>(v),
-                _mm512_extractf32x4_ps::<3>(v),
-            );
+            let [q0, q1, q2, q3] = quarters(acc[t][p]);
             out[t][2 * p] = finish(q0, q2) + sm[2 * p];
             out[t][2 * p + 1] = finish(q1, q3) + sm[2 * p + 1];
         }
@@ -181,15 +185,7 @@ pub(crate) fn dot8_q8_0_packed<const T: usize>(g: &[u8], a: [&[BlockQ8]; T]) -> 
     let mut out = [[0.0f32; 8]; T];
     for t in 0..T {
         for p in 0..4 {
-            let v = acc[t][p];
-            let (q0, q1) = (
-                _mm512_extractf32x4_ps::<0>(v),
-                _mm512_extractf32x4_ps::<1>(v),
-            );
-            let (q2, q3) = (
-                _mm512_extractf32x4_ps::<2>(v),
-                _mm512_extractf32x4_ps::<3>(v),
-            );
+            let [q0, q1, q2, q3] = quarters(acc[t][p]);
             out[t][2 * p] = finish(q0, q1);
             out[t][2 * p + 1] = finish(q2, q3);
         }

@@ -10,8 +10,12 @@ use custody_runtime::{Engine, Model};
 use custody_tests::{fixture, read_npy_f32};
 use serde_json::Value;
 
-use crate::reference::compare_logits;
+use crate::reference::{compare_logits, ids};
 use crate::small_cfg;
+
+fn indices(v: &Value) -> Vec<usize> {
+    ids(v).into_iter().map(|i| i as usize).collect()
+}
 
 fn requant_dir() -> PathBuf {
     std::env::var_os("CUSTODY_REQUANT_DIR").map_or_else(
@@ -65,19 +69,9 @@ fn llama_cpp_requantizations_agree_with_llama_cpp_where_present() {
             meta["sha256"].as_str().expect("sha"),
             "{name}: not the file the fixture was made from"
         );
-        let ids: Vec<u32> = meta["ids"]
-            .as_array()
-            .expect("ids")
-            .iter()
-            .map(|v| v.as_u64().expect("id") as u32)
-            .collect();
+        let ids = ids(&meta["ids"]);
         let n_prompt = meta["n_prompt"].as_u64().expect("n") as usize;
-        let theirs_argmax: Vec<usize> = meta["llamacpp_argmax"]
-            .as_array()
-            .expect("argmax")
-            .iter()
-            .map(|v| v.as_u64().expect("id") as usize)
-            .collect();
+        let theirs_argmax = indices(&meta["llamacpp_argmax"]);
         let mut e = Engine::new(model, small_cfg()).expect("engine");
         let ours = e.score(&ids).expect("score");
         let vocab = ours.len() / ids.len();
@@ -92,13 +86,7 @@ fn llama_cpp_requantizations_agree_with_llama_cpp_where_present() {
         let top1 = agree as f64 / positions.len() as f64;
         let (shape, saved) = read_npy_f32(&fixture(&format!("llamacpp-requant/{name}.npy")));
         assert_eq!(shape[1], vocab);
-        let rows: Vec<usize> = meta["saved_rows"]
-            .as_array()
-            .expect("rows")
-            .iter()
-            .map(|v| v.as_u64().expect("row") as usize)
-            .collect();
-        let ours_rows: Vec<f32> = rows
+        let ours_rows: Vec<f32> = indices(&meta["saved_rows"])
             .iter()
             .flat_map(|&r| ours[r * vocab..(r + 1) * vocab].iter().copied())
             .collect();

@@ -12,7 +12,7 @@ fn json(rel: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(fixture(rel)).expect("fixture")).expect("json")
 }
 
-fn ids(v: &Value) -> Vec<u32> {
+pub(crate) fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .expect("array")
         .iter()
