@@ -451,6 +451,13 @@ mod tests {
                     out.extend_from_slice(&f16::from_f32(r[0] * 0.01).to_le_bytes());
                     out.extend((0..32).map(|i| byte(i + 2 - (i / 30) * 2)));
                 }
+                DType::Q5_0 | DType::Q5_1 => {
+                    out.extend_from_slice(&f16::from_f32(r[0] * 0.1).to_le_bytes());
+                    if dtype == DType::Q5_1 {
+                        out.extend_from_slice(&f16::from_f32(r[1] * 0.5).to_le_bytes());
+                    }
+                    out.extend((0..20).map(|i| byte(i + 2)));
+                }
                 // Random bytes with the block's size (scales may be any f16, even inf/NaN:
                 // these tests compare paths, not values), not used by the quantized kernels.
                 _ => out.extend((0..dtype.block_bytes()).map(|i| byte(i % 40))),
@@ -598,7 +605,7 @@ mod tests {
             return;
         }
         let mut seed = 31;
-        for dtype in [DType::Q4_1, DType::Q8_0] {
+        for dtype in [DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1] {
             for n_tok in [1, 2, 3, 4, 5, 7, 9, 17] {
                 let cols = 576;
                 // A packed job (64 rows), an unpacked one (13 rows) and another packed (24 rows)

@@ -12,13 +12,15 @@
 //!   160 bytes, the same as eight GGUF blocks.
 //! - Q8_0: `d[8]` f16, then each row's 32 quants as `q ^ 0x80` (`q + 128`, an unsigned byte):
 //!   272 bytes, the same as eight GGUF blocks.
+//! - Q5_0 / Q5_1: `d[8]` (and `m[8]`) f16, each row's 32 fifth bits (`qh`, u32), then each row's
+//!   16 nibble bytes: 176 / 192 bytes.
 //!
 //! # Invariants
 //! - Packing is a permutation of the GGUF bytes (and, for Q8_0, a fixed relabelling of each
 //!   quant): nothing is rounded, so the packed kernels compute every output with the one-row
 //!   kernel's arithmetic, bit for bit (tested for every token count).
 //! - A [`PackedRows`] exists only where its kernel can run: x86-64 with AVX-512 F/BW/VL/VNNI, a
-//!   Q4_1 or Q8_0 matrix whose rows are a multiple of eight. Elsewhere [`PackedRows::new`] says
+//!   Q4_1, Q5_0, Q5_1 or Q8_0 matrix whose rows are a multiple of eight. Elsewhere [`PackedRows::new`] says
 //!   `None` and the GGUF-layout kernels run, as before.
 
 use crate::matmul::QMatrix;
@@ -70,6 +72,24 @@ impl PackedRows {
                         blocks
                             .iter()
                             .for_each(|k| data.extend_from_slice(&k[4..20]));
+                    }
+                    DType::Q5_0 | DType::Q5_1 => {
+                        // d (and m), then every row's qh, then every row's nibbles.
+                        let bb = w.dtype.block_bytes();
+                        let blocks = rows.map(|r| &r[b * bb..b * bb + bb]);
+                        let scales = if w.dtype == DType::Q5_1 { 2 } else { 1 };
+                        for s in 0..scales {
+                            blocks
+                                .iter()
+                                .for_each(|k| data.extend_from_slice(&k[2 * s..2 * s + 2]));
+                        }
+                        let h = 2 * scales;
+                        blocks
+                            .iter()
+                            .for_each(|k| data.extend_from_slice(&k[h..h + 4]));
+                        blocks
+                            .iter()
+                            .for_each(|k| data.extend_from_slice(&k[h + 4..bb]));
                     }
                     DType::Q8_0 => {
                         let blk = |r: &[u8]| -> [u8; 34] {
@@ -132,7 +152,9 @@ impl PackedRows {
                 match self.dtype {
                     DType::Q4_1 => crate::x86_pack::dot8_q4_1_packed::<T>(gd, a),
                     DType::Q8_0 => crate::x86_pack::dot8_q8_0_packed::<T>(gd, a),
-                    _ => unreachable!("only Q4_1 and Q8_0 are packed"),
+                    DType::Q5_0 => crate::x86_pack::dot8_q5_packed::<T, false>(gd, a),
+                    DType::Q5_1 => crate::x86_pack::dot8_q5_packed::<T, true>(gd, a),
+                    _ => unreachable!("only Q4_1, Q5_0, Q5_1 and Q8_0 are packed"),
                 }
             }
         }
@@ -165,6 +187,8 @@ mod tests {
         let (bb, scales) = match dtype {
             DType::Q4_1 => (20, 2),
             DType::Q8_0 => (34, 1),
+            DType::Q5_0 => (22, 1),
+            DType::Q5_1 => (24, 2),
             _ => unreachable!(),
         };
         let mut data = rand_bytes(rows * cols / QK * bb, seed);
@@ -218,7 +242,7 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this machine");
             return;
         }
-        for dtype in [DType::Q4_1, DType::Q8_0] {
+        for dtype in [DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1] {
             for seed in [1, 2, 3] {
                 check_bits::<1>(dtype, seed);
                 check_bits::<2>(dtype, seed);

@@ -24,6 +24,12 @@ pub(crate) const Q4_1_GROUP_BLOCK: usize = 160;
 /// stored offset by 128 (`q ^ 0x80`, an unsigned byte), what `vpdpbusd` multiplies.
 pub(crate) const Q8_0_GROUP_BLOCK: usize = 272;
 
+/// Bytes of one block of eight interleaved Q5_0 rows: `d[8]` (f16), `qh[8]` (u32), then each
+/// row's 16 nibble bytes.
+pub(crate) const Q5_0_GROUP_BLOCK: usize = 176;
+/// Bytes of one block of eight interleaved Q5_1 rows: `d[8]`, `m[8]` (f16), `qh[8]`, nibbles.
+pub(crate) const Q5_1_GROUP_BLOCK: usize = 192;
+
 /// `hsum` of one row's 8 lanes given as its two 4-lane halves (lanes 0–3, lanes 4–7): ggml's
 /// `hsum_float_8` order — halves added, then pairs, then the last two.
 #[inline]
@@ -188,6 +194,119 @@ pub(crate) fn dot8_q8_0_packed<const T: usize>(g: &[u8], a: [&[BlockQ8]; T]) -> 
             let [q0, q1, q2, q3] = quarters(acc[t][p]);
             out[t][2 * p] = finish(q0, q1);
             out[t][2 * p + 1] = finish(q2, q3);
+        }
+    }
+    out
+}
+
+/// Eight interleaved Q5_0 (`MIN = false`) or Q5_1 (`MIN = true`) rows · `T` Q8 activation rows.
+/// Returns `out[token][row]`, each bit-identical to `dot_q5_0_q8` / `dot_q5_1_q8` of the row.
+///
+/// The register layout is the Q4_1 kernel's ([`dot8_q4_1_packed`]); each row's fifth bits are
+/// OR-ed in as 0x10 through a byte mask laid out like the pair register. Q5_0's `q − 16` is
+/// `vpdpbusd` of the unsigned 5-bit values started from `−16 · Σ a` over each lane's four bytes:
+/// the same exact integer lane sums as the one-row kernel's signed products.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
+    g: &[u8],
+    a: [&[BlockQ8]; T],
+) -> [[f32; 8]; T] {
+    let gb = if MIN {
+        Q5_1_GROUP_BLOCK
+    } else {
+        Q5_0_GROUP_BLOCK
+    };
+    let hoff = if MIN { 32 } else { 16 };
+    let nb = g.len() / gb;
+    assert_eq!(g.len(), nb * gb);
+    for t in &a {
+        assert_eq!(t.len(), nb);
+    }
+    let m4 = _mm512_set1_epi8(0x0f);
+    let (fifth, sixteen) = (_mm512_set1_epi8(0x10), _mm512_set1_epi8(16));
+    let idx = [
+        q4_pair_index(0),
+        q4_pair_index(1),
+        q4_pair_index(2),
+        q4_pair_index(3),
+    ];
+    let mut acc = [[_mm512_setzero_ps(); 4]; T];
+    let mut summ = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        // SAFETY: block b spans [gb·b, gb·b + gb) of `g` (length asserted): d at +0, m at +16
+        // (Q5_1), qh at +hoff (32 bytes), rows 0–3 at +hoff+32 and rows 4–7 at +hoff+96.
+        let (d8, m8, qh, z0, z1) = unsafe {
+            let blk = g.as_ptr().add(b * gb);
+            let qh: [u32; 8] =
+                std::array::from_fn(|i| blk.add(hoff + 4 * i).cast::<u32>().read_unaligned());
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.cast())),
+                if MIN {
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()))
+                } else {
+                    _mm256_setzero_ps()
+                },
+                qh.map(u32::from_le),
+                _mm512_loadu_si512(blk.add(hoff + 32).cast()),
+                _mm512_loadu_si512(blk.add(hoff + 96).cast()),
+            )
+        };
+        let (l0, h0) = (
+            _mm512_and_si512(z0, m4),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(z0), m4),
+        );
+        let (l1, h1) = (
+            _mm512_and_si512(z1, m4),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(z1), m4),
+        );
+        let nib = [
+            _mm512_shuffle_i64x2::<0x44>(l0, h0),
+            _mm512_shuffle_i64x2::<0xEE>(l0, h0),
+            _mm512_shuffle_i64x2::<0x44>(l1, h1),
+            _mm512_shuffle_i64x2::<0xEE>(l1, h1),
+        ];
+        let w: [__m512i; 4] = std::array::from_fn(|p| {
+            // Byte k of the pair register: quarter 0 = row 2p elements 0–15, 1 = row 2p+1's,
+            // 2 = row 2p elements 16–31, 3 = row 2p+1's — their fifth bits in that order.
+            let (r0, r1) = (u64::from(qh[2 * p]), u64::from(qh[2 * p + 1]));
+            let mask = (r0 & 0xffff) | (r1 & 0xffff) << 16 | (r0 >> 16) << 32 | (r1 >> 16) << 48;
+            _mm512_or_si512(nib[p], _mm512_maskz_mov_epi8(mask, fifth))
+        });
+        for t in 0..T {
+            let x = &a[t][b];
+            // SAFETY: `x.qs` is 32 bytes.
+            let aq = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+            let az = _mm512_castsi256_si512(aq);
+            let av = _mm512_shuffle_i64x2::<0x50>(az, az);
+            let corr = if MIN {
+                _mm512_setzero_si512()
+            } else {
+                _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), sixteen, av),
+                )
+            };
+            let dd = _mm512_castps256_ps512(_mm256_mul_ps(d8, _mm256_set1_ps(x.d)));
+            for p in 0..4 {
+                let p32 = _mm512_dpbusd_epi32(corr, w[p], av);
+                let s = _mm512_permutexvar_ps(idx[p], dd);
+                acc[t][p] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(p32), acc[t][p]);
+            }
+            if MIN {
+                summ[t] = _mm256_add_ps(summ[t], _mm256_mul_ps(m8, _mm256_set1_ps(x.s)));
+            }
+        }
+    }
+    let mut out = [[0.0f32; 8]; T];
+    for t in 0..T {
+        let mut sm = [0.0f32; 8];
+        // SAFETY: `sm` is 8 f32 = 32 bytes.
+        unsafe { _mm256_storeu_ps(sm.as_mut_ptr(), summ[t]) };
+        for p in 0..4 {
+            let [q0, q1, q2, q3] = quarters(acc[t][p]);
+            let (e, o) = (finish(q0, q2), finish(q1, q3));
+            out[t][2 * p] = if MIN { e + sm[2 * p] } else { e };
+            out[t][2 * p + 1] = if MIN { o + sm[2 * p + 1] } else { o };
         }
     }
     out
