@@ -12,6 +12,8 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::tokenizer::SplitDelimiterBehavior;
 use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
 
 use crate::gguf::{Gguf, GgufError, Value};
@@ -61,6 +63,29 @@ pub struct Tokenizer {
     pub stop_ids: Vec<u32>,
 }
 
+/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3` split (Llama 3's tiktoken pattern): contractions,
+/// letters with at most one leading non-letter, digits in runs of at most three, punctuation
+/// runs, newlines, whitespace not followed by a non-space.
+const LLAMA3_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2` split: Llama 3's, but every digit on its own.
+const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A regex split (each match its own piece) followed by the byte-level mapping without its own
+/// GPT-2 regex — how Llama 3 and Qwen 2 vocabularies pre-tokenize.
+fn split_then_bytes(pattern: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
+    let split = Split::new(
+        SplitPattern::Regex(pattern.to_owned()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(|e| TokenizerError::Build(e.to_string()))?;
+    Ok(Sequence::new(vec![
+        PreTokenizerWrapper::Split(split),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
+    ])
+    .into())
+}
+
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
@@ -108,6 +133,8 @@ impl Tokenizer {
             ])
             .into(),
             "gpt2" | "default" => byte_level.into(),
+            "llama-bpe" | "llama3" => split_then_bytes(LLAMA3_SPLIT)?,
+            "qwen2" | "deepseek-r1-qwen" => split_then_bytes(QWEN2_SPLIT)?,
             other => return Err(TokenizerError::UnsupportedPre(other.to_owned())),
         };
         inner.with_pre_tokenizer(Some(pre_tok));

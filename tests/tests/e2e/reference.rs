@@ -1,8 +1,9 @@
 //! Correctness against llama.cpp's outputs for the embedded model (fixtures in
 //! `tests/fixtures/llamacpp-smollm2/`, produced by llama-cpp-python; see its README).
 
-use custody_runtime::SamplingParams;
 use custody_runtime::engine::{Event, GenerateRequest};
+use custody_runtime::gguf::Gguf;
+use custody_runtime::{SamplingParams, Tokenizer};
 use custody_tests::{fixture, read_npy_f32};
 use serde_json::Value;
 
@@ -258,4 +259,34 @@ fn streaming_detokenization_equals_whole_decode() {
     }
     assert_eq!(streamed, tok.decode(&all).expect("decode"));
     assert_eq!(streamed, r["greedy_text"].as_str().expect("text"));
+}
+
+/// The byte-level BPE pre-tokenizers custody reads split text as llama.cpp's do: the embedded
+/// vocabulary under each `tokenizer.ggml.pre` value, against llama.cpp's ids on a corpus with
+/// contractions, digit runs, whitespace runs, CRLF, code and non-ASCII text
+/// (`scripts/llamacpp/gen_pretokenizer_reference.py`). With this vocabulary `llama-bpe` and
+/// `qwen2` give the same ids (no multi-digit tokens to tell their digit rules apart); both differ
+/// from `smollm` on whitespace, which is what a wrong split would break.
+#[test]
+fn pre_tokenizers_split_text_as_llama_cpp_does() {
+    for pre in ["llama-bpe", "qwen2", "smollm"] {
+        let r = json(&format!("pretokenizer/{pre}.json"));
+        let mut g = Gguf::open(&custody_tests::model_path()).expect("gguf");
+        g.metadata.insert(
+            "tokenizer.ggml.pre".into(),
+            custody_runtime::gguf::Value::String(pre.into()),
+        );
+        let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+        let texts = r["texts"].as_array().expect("texts");
+        let want = r["ids"].as_array().expect("ids");
+        assert_eq!(texts.len(), want.len());
+        for (text, want) in texts.iter().zip(want) {
+            let text = text.as_str().expect("text");
+            assert_eq!(
+                tok.encode(text, true).expect("encode"),
+                ids(want),
+                "{pre}: {text:?}"
+            );
+        }
+    }
 }
