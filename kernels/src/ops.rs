@@ -19,14 +19,30 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Cos/sin table for one position: `n_rot / 2` pairs, llama.cpp "normal" RoPE.
-pub fn rope_table(pos: usize, n_rot: usize, freq_base: f32, cos_sin: &mut Vec<(f32, f32)>) {
+/// Cos/sin table for one position: `n_rot / 2` pairs, llama.cpp "normal" RoPE. With
+/// `freq_factors` (Llama 3's `rope_freqs` tensor, one per pair) pair `i`'s angle is divided by
+/// factor `i` before its cosine and sine, as llama.cpp's rope cache does.
+pub fn rope_table(
+    pos: usize,
+    n_rot: usize,
+    freq_base: f32,
+    freq_factors: Option<&[f32]>,
+    cos_sin: &mut Vec<(f32, f32)>,
+) {
     assert!(n_rot.is_multiple_of(2), "rope: rotary dims must be even");
+    if let Some(f) = freq_factors {
+        assert_eq!(
+            f.len(),
+            n_rot / 2,
+            "rope: one frequency factor per rotated pair"
+        );
+    }
     cos_sin.clear();
     let theta_scale = freq_base.powf(-2.0 / n_rot as f32);
     let mut theta = pos as f32;
-    for _ in 0..n_rot / 2 {
-        cos_sin.push((theta.cos(), theta.sin()));
+    for i in 0..n_rot / 2 {
+        let t = freq_factors.map_or(theta, |f| theta / f[i]);
+        cos_sin.push((t.cos(), t.sin()));
         theta *= theta_scale;
     }
 }
@@ -173,6 +189,25 @@ pub fn argmax(x: &[f32]) -> Option<usize> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn rope_frequency_factors_divide_each_pairs_angle() {
+        let (mut plain, mut ones, mut scaled) = (Vec::new(), Vec::new(), Vec::new());
+        let f: Vec<f32> = (0..32).map(|i| 1.0 + i as f32 * 0.25).collect();
+        for pos in [0, 1, 7, 513, 4095] {
+            rope_table(pos, 64, 10_000.0, None, &mut plain);
+            rope_table(pos, 64, 10_000.0, Some(&[1.0; 32]), &mut ones);
+            rope_table(pos, 64, 10_000.0, Some(&f), &mut scaled);
+            assert_eq!(plain, ones, "factors of 1 change nothing, bit for bit");
+            let theta_scale = 10_000f32.powf(-2.0 / 64.0);
+            let mut theta = pos as f32;
+            for i in 0..32 {
+                let t = theta / f[i];
+                assert_eq!(scaled[i], (t.cos(), t.sin()), "pos {pos} pair {i}");
+                theta *= theta_scale;
+            }
+        }
+    }
+
     fn data(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..n)
@@ -229,10 +264,10 @@ mod tests {
         let mut x = data(128, 5);
         let orig = x.clone();
         let mut t = Vec::new();
-        rope_table(0, 64, 10_000.0, &mut t);
+        rope_table(0, 64, 10_000.0, None, &mut t);
         rope_apply(&mut x, 64, &t);
         assert_eq!(x, orig);
-        rope_table(17, 64, 10_000.0, &mut t);
+        rope_table(17, 64, 10_000.0, None, &mut t);
         rope_apply(&mut x, 64, &t);
         let n0: f32 = orig.iter().map(|v| v * v).sum();
         let n1: f32 = x.iter().map(|v| v * v).sum();

@@ -11,6 +11,8 @@ Run on demand, never in CI (it needs llama-cpp-python, ~10 min to compile here):
    576-wide rows are not a whole number of 256-element K-quant blocks, so llama.cpp's "K" mixes
    fall back to Q5_0/Q5_1/Q8_0 for those matrices and use Q4_K/Q5_K/Q6_K where the row allows
    (ffn_down): each file is a mix, as real downloads are.
+   Plus the embedded model with a Llama 3 style `rope_freqs.weight` added (ROPE_FREQS): RoPE
+   frequency factors, checked the same way.
 2. For each file: its SHA-256, and llama.cpp's teacher-forced evaluation (flash attention off)
    of one prompt plus llama.cpp's own greedy continuation: argmax at every position and the full
    logits of a few rows. Written to tests/fixtures/llamacpp-requant/<TYPE>.{json,npy}.
@@ -46,11 +48,42 @@ def requantize(name, ftype):
     return dst
 
 
+def with_rope_freqs():
+    """The embedded model plus a Llama 3 style `rope_freqs.weight` (one factor per rotated pair:
+    1 for the 8 fastest pairs, rising to 8 for the slowest), everything else byte for byte."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    dst = DIR / "SmolLM2-135M-Instruct.rope_freqs.gguf"
+    if dst.exists():
+        return dst
+    r = GGUFReader(SRC)
+    w = GGUFWriter(str(dst), arch="llama")
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if f.types[0] == GGUFValueType.ARRAY:
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, f.contents(), f.types[0])
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    n_pairs = 32  # rope dims 64 / 2
+    w.add_tensor("rope_freqs.weight", np.concatenate([np.ones(8), np.linspace(1.0, 8.0, n_pairs - 8)]).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 def main():
     DIR.mkdir(parents=True, exist_ok=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, ftype in FTYPES.items():
-        path = requantize(name, ftype)
+    files = {name: (lambda n=name, f=ftype: requantize(n, f)) for name, ftype in FTYPES.items()}
+    files["ROPE_FREQS"] = with_rope_freqs
+    for name, make in files.items():
+        ftype = FTYPES.get(name, 0)
+        path = make()
         llm = Llama(str(path), n_ctx=256, n_batch=256, n_threads=2, logits_all=True,
                     flash_attn=False, verbose=False)
         ids = llm.tokenize(TEXT.encode(), add_bos=False, special=True)

@@ -52,6 +52,11 @@ pub enum CudaForwardError {
          F16, Q4_0, Q4_1 and Q8_0; the CPU backend runs it)"
     )]
     UnsupportedWeightType { name: String, dtype: DType },
+    #[error(
+        "RoPE frequency factors (rope_freqs.weight, Llama 3 rope scaling) have no CUDA kernel yet \
+         (the CPU backend applies them)"
+    )]
+    UnsupportedRopeFactors,
 }
 
 /// A weight matrix on the device: its GGUF bytes as they are in the file.
@@ -165,6 +170,9 @@ impl<D: Device> CudaForward<D> {
         max_rows: usize,
     ) -> Result<Self, CudaForwardError> {
         assert!(max_rows > 0);
+        if model.rope_freqs.is_some() {
+            return Err(CudaForwardError::UnsupportedRopeFactors);
+        }
         let c = model.config.clone();
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
             let dtype = dtype_code(m)?;

@@ -153,6 +153,9 @@ pub struct Model {
     pub(crate) tok_embd: Mat,
     pub(crate) output: Mat,
     pub(crate) output_norm: Vec<f32>,
+    /// Llama 3's RoPE frequency factors (`rope_freqs.weight`, one per rotated pair), if the file
+    /// has them: each pair's angle is divided by its factor.
+    pub(crate) rope_freqs: Option<Vec<f32>>,
     pub(crate) layers: Vec<Layer>,
 }
 
@@ -196,6 +199,9 @@ pub struct Scratch {
     attn: AttnScratch,
     rope: Vec<Vec<(f32, f32)>>,
 }
+
+/// Llama 3's RoPE frequency factors tensor.
+pub(crate) const ROPE_FREQS: &str = "rope_freqs.weight";
 
 /// A projection group (Q/K/V, gate/up) over the same input `x` (`n × cols`): one prepared input
 /// and one parallel section when the matrices share an activation format (int8 blocks or f32),
@@ -283,12 +289,17 @@ impl Model {
             });
         }
         let output_norm = vec_f32("output_norm.weight", c.dim)?;
+        let rope_freqs = match gguf.tensors.contains_key(ROPE_FREQS) {
+            true => Some(vec_f32(ROPE_FREQS, c.rope_dims / 2)?),
+            false => None,
+        };
         let mut model = Self {
             gguf,
             config,
             tok_embd,
             output,
             output_norm,
+            rope_freqs,
             layers,
         };
         model.pack_weights();
@@ -394,7 +405,7 @@ impl Model {
         // RoPE tables, one per row (positions are shared by all layers).
         s.rope.resize_with(n, Vec::new);
         for (tbl, &p) in s.rope.iter_mut().zip(&positions) {
-            ops::rope_table(p, c.rope_dims, c.rope_base, tbl);
+            ops::rope_table(p, c.rope_dims, c.rope_base, self.rope_freqs.as_deref(), tbl);
         }
 
         for (li, l) in self.layers.iter().enumerate() {

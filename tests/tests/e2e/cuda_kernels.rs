@@ -392,7 +392,7 @@ fn gpu_row_kernels_match_the_cpu_ops() {
     let mut want = q.clone();
     let mut tbl = Vec::new();
     for (r, &p) in positions.iter().enumerate() {
-        ops::rope_table(p as usize, 64, 100_000.0, &mut tbl);
+        ops::rope_table(p as usize, 64, 100_000.0, None, &mut tbl);
         ops::rope_apply(&mut want[r * row..(r + 1) * row], 64, &tbl);
     }
     close(&got, &want, 1e-5, "rope");

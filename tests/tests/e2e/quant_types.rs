@@ -29,7 +29,7 @@ fn requant_dir() -> PathBuf {
     )
 }
 
-/// (type, top-1 agreement required on llama.cpp's greedy continuation, bound on the mean and on
+/// (file, top-1 agreement required on llama.cpp's greedy continuation, bound on the mean and on
 /// the max |Δlogit| over the saved rows). Q8_0, Q5_0 and Q5_1 run llama.cpp's arithmetic (int8
 /// activations, its AVX2 accumulation order): bit for bit. The K-quants and BF16 have no
 /// quantized-activation dot product yet: their rows are dequantized and multiplied by f32
@@ -38,8 +38,10 @@ fn requant_dir() -> PathBuf {
 /// Measured 2026-12-02 (top-1 on 24 positions, mean / max): Q4_K_M 22/24, 0.47 / 1.25; Q5_K_M
 /// 21/24, 0.32 / 1.14; Q6_K 24/24, 0.18 / 0.84; BF16 24/24, 0.015 / 0.13. The bounds leave room
 /// over those; a dequantization bug (which moves every logit) fails them.
-const CASES: [(&str, f64, f64, f64); 7] = [
+const CASES: [(&str, f64, f64, f64); 8] = [
     ("Q8_0", 1.0, 0.0, 0.0),
+    // The embedded model plus Llama 3 style RoPE frequency factors (`rope_freqs.weight`).
+    ("ROPE_FREQS", 1.0, 0.0, 0.0),
     ("Q5_0", 1.0, 0.0, 0.0),
     ("Q5_1", 1.0, 0.0, 0.0),
     ("Q4_K_M", 0.85, 0.65, 1.7),

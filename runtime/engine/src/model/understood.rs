@@ -2,7 +2,7 @@
 //! be irrelevant to its output; anything else is refused at load, by name.
 //!
 //! Why: a GGUF is a bag of named tensors and keys. An engine that ignores a tensor it does not
-//! know (a Qwen 2 QKV bias, Llama 3's `rope_freqs`, Qwen 3's per-head Q/K norms) or a key that
+//! know (a Qwen 2 QKV bias, Qwen 3's per-head Q/K norms) or a key that
 //! changes the arithmetic (`rope.scaling.type = yarn`) still loads the file and generates
 //! fluent, plausible, wrong text, with no warning. Refusing is the only safe answer until the
 //! engine implements what the file asks for.
@@ -64,8 +64,6 @@ const TOKENIZER_KEYS: &[&str] = &[
 fn tensor_hint(name: &str) -> &'static str {
     if name.ends_with(".bias") {
         "a bias (Qwen 2 style QKV bias) the forward pass would not add"
-    } else if name == "rope_freqs.weight" {
-        "Llama 3's RoPE frequency factors (rope scaling) the forward pass would not apply"
     } else if name.contains("attn_q_norm") || name.contains("attn_k_norm") {
         "a per-head Q/K RMSNorm (Qwen 3) the forward pass would not apply"
     } else {
@@ -75,10 +73,15 @@ fn tensor_hint(name: &str) -> &'static str {
 
 /// The tensors the forward pass reads for `c`.
 fn tensors_read(c: &ModelConfig) -> BTreeSet<String> {
-    let mut read: BTreeSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight"]
-        .into_iter()
-        .map(str::to_owned)
-        .collect();
+    let mut read: BTreeSet<String> = [
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+        super::ROPE_FREQS,
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect();
     for i in 0..c.n_layers {
         for t in [
             "attn_norm",
@@ -198,7 +201,7 @@ mod tests {
     fn an_unread_tensor_is_refused_by_name() {
         for (name, hint) in [
             ("blk.0.attn_q.bias", "bias"),
-            ("rope_freqs.weight", "Llama 3"),
+            ("blk.0.ffn_gate_inp.weight", "does not read"),
             ("blk.1.attn_k_norm.weight", "Qwen 3"),
             ("blk.0.mystery.weight", "does not read"),
         ] {
@@ -207,6 +210,38 @@ mod tests {
             let err = load(&w).expect_err(name).to_string();
             assert!(err.contains(name) && err.contains(hint), "{name}: {err}");
         }
+    }
+
+    /// `rope_freqs.weight` is read, not refused: factors of 1 leave the logits as they are (bit
+    /// for bit), other factors move them, and a tensor of the wrong length is refused.
+    #[test]
+    fn rope_frequency_factors_are_applied() {
+        let score = |factors: Option<&[f32]>| {
+            let mut w = synthetic();
+            if let Some(f) = factors {
+                w.tensor(super::super::ROPE_FREQS, 1, f.len(), DType::F32, f);
+            }
+            let model = load(&w).expect("loads");
+            let cfg = crate::EngineConfig {
+                kv_budget_mib: 4,
+                ..crate::EngineConfig::default()
+            };
+            let mut e = crate::Engine::new(model, cfg).expect("engine");
+            e.score(&[1, 5, 9, 33, 70, 2, 200, 17]).expect("score")
+        };
+        let half_dims = 8; // head dim 16 (64 / 4 heads), all rotated
+        let plain = score(None);
+        assert_eq!(score(Some(&vec![1.0; half_dims])), plain);
+        let f: Vec<f32> = (0..half_dims).map(|i| 1.0 + i as f32).collect();
+        assert_ne!(
+            score(Some(&f)),
+            plain,
+            "factors other than 1 must change the logits"
+        );
+        let mut w = synthetic();
+        w.tensor(super::super::ROPE_FREQS, 1, 3, DType::F32, &[1.0; 3]);
+        let err = load(&w).expect_err("3 factors for 8 pairs").to_string();
+        assert!(err.contains("rope_freqs"), "{err}");
     }
 
     #[test]
