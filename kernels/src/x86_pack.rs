@@ -53,6 +53,28 @@ fn quarters(v: __m512) -> [__m128; 4] {
     ]
 }
 
+/// The pair registers of eight rows' nibble bytes (`z0`: rows 0–3, `z1`: rows 4–7, 16 bytes a
+/// row): register `p` is (low nibbles of row 2p, of row 2p+1, high nibbles of row 2p, of
+/// row 2p+1) — elements 0–15 and 16–31 of the two rows.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn pair_nibbles(z0: __m512i, z1: __m512i) -> [__m512i; 4] {
+    let m4 = _mm512_set1_epi8(0x0f);
+    let split = |z| {
+        (
+            _mm512_and_si512(z, m4),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(z), m4),
+        )
+    };
+    let ((l0, h0), (l1, h1)) = (split(z0), split(z1));
+    [
+        _mm512_shuffle_i64x2::<0x44>(l0, h0),
+        _mm512_shuffle_i64x2::<0xEE>(l0, h0),
+        _mm512_shuffle_i64x2::<0x44>(l1, h1),
+        _mm512_shuffle_i64x2::<0xEE>(l1, h1),
+    ]
+}
+
 /// Lane indices that spread row scales `dd[2p]`, `dd[2p + 1]` over a pair register whose 128-bit
 /// quarters hold (row 2p, row 2p+1, row 2p, row 2p+1) — the Q4_1 pair layout.
 #[inline]
@@ -75,7 +97,6 @@ pub(crate) fn dot8_q4_1_packed<const T: usize>(g: &[u8], a: [&[BlockQ8]; T]) -> 
     for t in &a {
         assert_eq!(t.len(), nb);
     }
-    let m4 = _mm512_set1_epi8(0x0f);
     let idx = [
         q4_pair_index(0),
         q4_pair_index(1),
@@ -96,20 +117,7 @@ pub(crate) fn dot8_q4_1_packed<const T: usize>(g: &[u8], a: [&[BlockQ8]; T]) -> 
                 _mm512_loadu_si512(blk.add(96).cast()),
             )
         };
-        let (l0, h0) = (
-            _mm512_and_si512(z0, m4),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(z0), m4),
-        );
-        let (l1, h1) = (
-            _mm512_and_si512(z1, m4),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(z1), m4),
-        );
-        let w = [
-            _mm512_shuffle_i64x2::<0x44>(l0, h0),
-            _mm512_shuffle_i64x2::<0xEE>(l0, h0),
-            _mm512_shuffle_i64x2::<0x44>(l1, h1),
-            _mm512_shuffle_i64x2::<0xEE>(l1, h1),
-        ];
+        let w = pair_nibbles(z0, z1);
         for t in 0..T {
             let x = &a[t][b];
             // SAFETY: `x.qs` is 32 bytes.
@@ -222,7 +230,6 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
     for t in &a {
         assert_eq!(t.len(), nb);
     }
-    let m4 = _mm512_set1_epi8(0x0f);
     let (fifth, sixteen) = (_mm512_set1_epi8(0x10), _mm512_set1_epi8(16));
     let idx = [
         q4_pair_index(0),
@@ -251,20 +258,7 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
                 _mm512_loadu_si512(blk.add(hoff + 96).cast()),
             )
         };
-        let (l0, h0) = (
-            _mm512_and_si512(z0, m4),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(z0), m4),
-        );
-        let (l1, h1) = (
-            _mm512_and_si512(z1, m4),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(z1), m4),
-        );
-        let nib = [
-            _mm512_shuffle_i64x2::<0x44>(l0, h0),
-            _mm512_shuffle_i64x2::<0xEE>(l0, h0),
-            _mm512_shuffle_i64x2::<0x44>(l1, h1),
-            _mm512_shuffle_i64x2::<0xEE>(l1, h1),
-        ];
+        let nib = pair_nibbles(z0, z1);
         let w: [__m512i; 4] = std::array::from_fn(|p| {
             // Byte k of the pair register: quarter 0 = row 2p elements 0–15, 1 = row 2p+1's,
             // 2 = row 2p elements 16–31, 3 = row 2p+1's — their fifth bits in that order.
