@@ -64,6 +64,43 @@ pub fn rope_apply(x: &mut [f32], head_dim: usize, cos_sin: &[(f32, f32)]) {
     }
 }
 
+/// Which dims RoPE rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2i], x[2i+1])` (llama.cpp's `LLAMA_ROPE_TYPE_NORM`: Llama).
+    Normal,
+    /// The two halves of the rotated dims, `(x[i], x[i + n_rot/2])` (`LLAMA_ROPE_TYPE_NEOX`:
+    /// GPT-NeoX, Qwen 2/3).
+    Neox,
+}
+
+impl RopeStyle {
+    /// Rotate every head of `x` (`n_heads × head_dim`) by the angles of `cos_sin`, this style's
+    /// pairs; dims past `2 · cos_sin.len()` are left as they are.
+    pub fn apply(self, x: &mut [f32], head_dim: usize, cos_sin: &[(f32, f32)]) {
+        match self {
+            Self::Normal => rope_apply(x, head_dim, cos_sin),
+            Self::Neox => rope_apply_neox(x, head_dim, cos_sin),
+        }
+    }
+}
+
+/// [`RopeStyle::Neox`]: pair `i` is `(x[i], x[i + n_rot/2])` with `n_rot = 2 · cos_sin.len()`;
+/// the same table and the same one-FMA-per-output arithmetic as [`rope_apply`].
+pub fn rope_apply_neox(x: &mut [f32], head_dim: usize, cos_sin: &[(f32, f32)]) {
+    assert!(head_dim > 0 && x.len().is_multiple_of(head_dim));
+    let half = cos_sin.len();
+    assert!(half * 2 <= head_dim);
+    for head in x.chunks_exact_mut(head_dim) {
+        let (lo, hi) = head[..2 * half].split_at_mut(half);
+        for ((a, b), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(cos_sin) {
+            let (x0, x1) = (*a, *b);
+            *a = x0.mul_add(c, -(x1 * s));
+            *b = x0.mul_add(s, x1 * c);
+        }
+    }
+}
+
 /// In-place numerically stable softmax.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -205,6 +242,33 @@ mod tests {
                 assert_eq!(scaled[i], (t.cos(), t.sin()), "pos {pos} pair {i}");
                 theta *= theta_scale;
             }
+        }
+    }
+
+    /// NeoX RoPE is the normal rotation applied to the halves interleaved: permuting a head so
+    /// that `(x[i], x[i + n/2])` become adjacent, rotating normally and permuting back gives
+    /// the same bits; dims past the rotated ones are untouched.
+    #[test]
+    fn neox_rope_rotates_the_halves_as_normal_rope_rotates_pairs() {
+        let (head_dim, n_rot) = (64, 48);
+        let mut tbl = Vec::new();
+        rope_table(37, n_rot, 1_000_000.0, None, &mut tbl);
+        let x = data(2 * head_dim, 11);
+        let mut neox = x.clone();
+        RopeStyle::Neox.apply(&mut neox, head_dim, &tbl);
+        let half = n_rot / 2;
+        for (h, (xh, nh)) in x.chunks(head_dim).zip(neox.chunks(head_dim)).enumerate() {
+            let mut inter: Vec<f32> = (0..half).flat_map(|i| [xh[i], xh[i + half]]).collect();
+            inter.extend_from_slice(&xh[n_rot..]);
+            RopeStyle::Normal.apply(&mut inter, head_dim, &tbl);
+            for i in 0..half {
+                assert_eq!(
+                    (nh[i], nh[i + half]),
+                    (inter[2 * i], inter[2 * i + 1]),
+                    "head {h}"
+                );
+            }
+            assert_eq!(&nh[n_rot..], &xh[n_rot..], "unrotated dims are untouched");
         }
     }
 

@@ -23,9 +23,10 @@ use custody_cuda::device::{bytes_of, bytes_of_mut};
 use custody_cuda::{Arg, Device, DeviceError, DevicePtr, DeviceTags, Kernel, LaunchDims, Verdict};
 use custody_kernels::DType;
 use custody_kernels::attention::{IntegrityError, PageRef, TagCheck};
+use custody_kernels::ops::RopeStyle;
 
 use crate::kv::PagePool;
-use crate::model::{Logits, Mat, Model, ModelConfig, Segment};
+use crate::model::{ArchSpec, Logits, Mat, Model, ModelConfig, Segment};
 
 /// Threads per block of the row kernels (`CUSTODY_OPS_THREADS`, `CUSTODY_ATT_THREADS`).
 const THREADS: u32 = 128;
@@ -57,6 +58,11 @@ pub enum CudaForwardError {
          (the CPU backend applies them)"
     )]
     UnsupportedRopeFactors,
+    #[error(
+        "architecture {0:?} has no CUDA kernels yet (its {1}); the CUDA backend runs Llama-style \
+         layers, the CPU backend runs it"
+    )]
+    UnsupportedArchitecture(String, &'static str),
 }
 
 /// A weight matrix on the device: its GGUF bytes as they are in the file.
@@ -156,6 +162,19 @@ fn dtype_code(m: &Mat) -> Result<u32, CudaForwardError> {
     })
 }
 
+/// The first switch of `spec` the CUDA kernels do not implement, if any.
+fn unsupported_layer_feature(spec: &ArchSpec) -> Option<&'static str> {
+    if spec.qkv_bias {
+        Some("Q/K/V biases")
+    } else if spec.qk_norm {
+        Some("per-head Q/K RMSNorm")
+    } else if spec.rope != RopeStyle::Normal {
+        Some("NeoX RoPE")
+    } else {
+        None
+    }
+}
+
 fn f32_bytes(v: &[f32]) -> &[u8] {
     bytes_of(v)
 }
@@ -172,6 +191,12 @@ impl<D: Device> CudaForward<D> {
         assert!(max_rows > 0);
         if model.rope_freqs.is_some() {
             return Err(CudaForwardError::UnsupportedRopeFactors);
+        }
+        if let Some(what) = unsupported_layer_feature(model.config.spec) {
+            return Err(CudaForwardError::UnsupportedArchitecture(
+                model.config.arch.clone(),
+                what,
+            ));
         }
         let c = model.config.clone();
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {

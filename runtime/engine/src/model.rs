@@ -8,6 +8,7 @@
 //! first layer that notices; its rows are still carried through the linear layers (they are
 //! independent rows) but it writes no further KV and returns no logits.
 
+pub mod arch;
 mod understood;
 
 use std::path::Path;
@@ -19,6 +20,7 @@ use custody_kernels::attention::{
 use custody_kernels::matmul::matmul_many;
 use custody_kernels::{DType, PackedRows, QInput, QMatrix, ops};
 
+pub use self::arch::ArchSpec;
 use crate::gguf::{Gguf, GgufError};
 use crate::kv::{AttendRead, PagePool};
 
@@ -26,7 +28,7 @@ use crate::kv::{AttendRead, PagePool};
 pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("unsupported architecture {0:?} (supported: llama-family GGUF: llama, mistral)")]
+    #[error("unsupported architecture {0:?} (supported: {names})", names = arch::supported_names())]
     UnsupportedArch(String),
     #[error("tensor {name:?}: shape {found:?}, expected {expected:?}")]
     Shape {
@@ -44,7 +46,10 @@ pub enum ModelError {
 /// Hyper-parameters read from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
+    /// `general.architecture` as the file states it: the prefix of its hyper-parameter keys.
     pub arch: String,
+    /// What the forward pass does differently for this architecture.
+    pub spec: &'static ArchSpec,
     pub name: String,
     pub n_layers: usize,
     pub dim: usize,
@@ -62,19 +67,13 @@ pub struct ModelConfig {
 impl ModelConfig {
     pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
         let arch = g.get_str("general.architecture")?.to_owned();
-        if !matches!(arch.as_str(), "llama" | "mistral") {
-            return Err(ModelError::UnsupportedArch(arch));
-        }
+        let spec =
+            ArchSpec::find(&arch).ok_or_else(|| ModelError::UnsupportedArch(arch.clone()))?;
         let k = |s: &str| format!("{arch}.{s}");
         let u = |s: &str| g.get_u64(&k(s)).map(|v| v as usize);
         let n_heads = u("attention.head_count")?;
         let dim = u("embedding_length")?;
-        if n_heads == 0 || dim % n_heads != 0 {
-            return Err(ModelError::Config(format!(
-                "embedding length {dim} not divisible by {n_heads} heads"
-            )));
-        }
-        let head_dim = dim / n_heads;
+        let head_dim = Self::head_dim(g, &arch, dim, n_heads)?;
         let n_kv_heads = u("attention.head_count_kv").unwrap_or(n_heads);
         if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
             return Err(ModelError::Config(format!(
@@ -82,7 +81,7 @@ impl ModelConfig {
             )));
         }
         let rope_dims = u("rope.dimension_count").unwrap_or(head_dim);
-        if rope_dims > head_dim || rope_dims % 2 != 0 || head_dim > 256 {
+        if rope_dims > head_dim || rope_dims % 2 != 0 || head_dim > MAX_HEAD_DIM {
             return Err(ModelError::Config(format!(
                 "rope dims {rope_dims} / head dim {head_dim}"
             )));
@@ -97,6 +96,7 @@ impl ModelConfig {
             n_kv_heads,
             head_dim,
             rope_dims,
+            spec,
             rope_base: g.get_f64(&k("rope.freq_base")).unwrap_or(10_000.0) as f32,
             rms_eps: g
                 .get_f64(&k("attention.layer_norm_rms_epsilon"))
@@ -114,8 +114,35 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// The head size: stated by `attention.key_length` (Qwen 3, where Q is wider than the
+    /// embedding), else the embedding split across the heads. Keys and values of different
+    /// sizes are refused: the KV pages hold one size for both.
+    fn head_dim(g: &Gguf, arch: &str, dim: usize, n_heads: usize) -> Result<usize, ModelError> {
+        if n_heads == 0 {
+            return Err(ModelError::Config("0 attention heads".into()));
+        }
+        let key = |s: &str| g.get_u64(&format!("{arch}.attention.{s}")).ok();
+        match (key("key_length"), key("value_length")) {
+            (None, None) if dim % n_heads == 0 => Ok(dim / n_heads),
+            (None, None) => Err(ModelError::Config(format!(
+                "embedding length {dim} not divisible by {n_heads} heads"
+            ))),
+            (Some(k), Some(v)) if k == v && k > 0 => Ok(k as usize),
+            (k, v) => Err(ModelError::Config(format!(
+                "{arch}.attention.key_length {k:?} and {arch}.attention.value_length {v:?}: \
+                 the engine runs heads whose keys and values have one stated size"
+            ))),
+        }
+    }
+
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// Width of the Q projection and of attention's output (`n_heads × head_dim`): the
+    /// embedding length for Llama, wider for Qwen 3.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
     }
 }
 
@@ -143,6 +170,26 @@ pub(crate) struct Layer {
     pub(crate) w_gate: Mat,
     pub(crate) w_up: Mat,
     pub(crate) w_down: Mat,
+    /// Q/K/V biases, where the architecture has them ([`ArchSpec::qkv_bias`]).
+    pub(crate) qkv_bias: Option<QkvBias>,
+    /// Per-head Q/K RMSNorm weights (`head_dim` each), where the architecture has them
+    /// ([`ArchSpec::qk_norm`]).
+    pub(crate) qk_norm: Option<QkNorm>,
+}
+
+/// A layer's Q, K and V biases (`q_dim`, `kv_dim`, `kv_dim` long).
+#[derive(Debug)]
+pub(crate) struct QkvBias {
+    pub(crate) q: Vec<f32>,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+}
+
+/// A layer's per-head Q and K RMSNorm weights (`head_dim` each, shared by every head).
+#[derive(Debug)]
+pub(crate) struct QkNorm {
+    pub(crate) q: Vec<f32>,
+    pub(crate) k: Vec<f32>,
 }
 
 /// A loaded model. Weights stay in the memory map.
@@ -226,6 +273,30 @@ fn project(
     }
 }
 
+/// Add `bias` to every row of `x` (rows of `bias.len()`): ggml's `add` after the projection.
+fn add_rows(x: &mut [f32], bias: &[f32]) {
+    debug_assert!(x.len().is_multiple_of(bias.len()));
+    for row in x.chunks_exact_mut(bias.len()) {
+        for (v, &b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}
+
+/// RMS-normalise every head of `x` (heads of `w.len()`) in place with the weights `w`: Qwen 3's
+/// per-head Q/K norm, ggml's `rms_norm` then `mul` on each head.
+fn norm_heads(x: &mut [f32], w: &[f32], eps: f32) {
+    let mut head = [0.0f32; MAX_HEAD_DIM];
+    let head = &mut head[..w.len()];
+    for h in x.chunks_exact_mut(w.len()) {
+        head.copy_from_slice(h);
+        ops::rms_norm(head, w, eps, h);
+    }
+}
+
+/// The largest head size the engine runs (checked at load; the attention kernels' bound).
+const MAX_HEAD_DIM: usize = 256;
+
 impl Model {
     pub fn load(path: &Path) -> Result<Self, ModelError> {
         Self::from_gguf(Gguf::open(path)?)
@@ -276,19 +347,38 @@ impl Model {
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
+            let b = |s: &str| format!("blk.{i}.{s}.bias");
+            let qkv_bias = match c.spec.qkv_bias {
+                true => Some(QkvBias {
+                    q: vec_f32(&b("attn_q"), c.q_dim())?,
+                    k: vec_f32(&b("attn_k"), c.kv_dim())?,
+                    v: vec_f32(&b("attn_v"), c.kv_dim())?,
+                }),
+                false => None,
+            };
+            let qk_norm = match c.spec.qk_norm {
+                true => Some(QkNorm {
+                    q: vec_f32(&n("attn_q_norm"), c.head_dim)?,
+                    k: vec_f32(&n("attn_k_norm"), c.head_dim)?,
+                }),
+                false => None,
+            };
             layers.push(Layer {
                 attn_norm: vec_f32(&n("attn_norm"), c.dim)?,
-                wq: mat(&n("attn_q"), c.n_heads * c.head_dim, c.dim)?,
+                wq: mat(&n("attn_q"), c.q_dim(), c.dim)?,
                 wk: mat(&n("attn_k"), c.kv_dim(), c.dim)?,
                 wv: mat(&n("attn_v"), c.kv_dim(), c.dim)?,
-                wo: mat(&n("attn_output"), c.dim, c.n_heads * c.head_dim)?,
+                wo: mat(&n("attn_output"), c.dim, c.q_dim())?,
                 ffn_norm: vec_f32(&n("ffn_norm"), c.dim)?,
                 w_gate: mat(&n("ffn_gate"), c.ffn_dim, c.dim)?,
                 w_up: mat(&n("ffn_up"), c.ffn_dim, c.dim)?,
                 w_down: mat(&n("ffn_down"), c.dim, c.ffn_dim)?,
+                qkv_bias,
+                qk_norm,
             });
         }
         let output_norm = vec_f32("output_norm.weight", c.dim)?;
+        // `understood::check` has refused the tensor where the spec does not allow it.
         let rope_freqs = match gguf.tensors.contains_key(ROPE_FREQS) {
             true => Some(vec_f32(ROPE_FREQS, c.rope_dims / 2)?),
             false => None,
@@ -372,7 +462,7 @@ impl Model {
         let ps = pool.page_size();
         let n: usize = segments.iter().map(|sg| sg.tokens.len()).sum();
         assert!(n > 0, "forward: empty batch");
-        let (dim, qd, kvd) = (c.dim, c.n_heads * c.head_dim, c.kv_dim());
+        let (dim, qd, kvd) = (c.dim, c.q_dim(), c.kv_dim());
         s.x.resize(n * dim, 0.0);
         s.xn.resize(n * dim, 0.0);
         s.q.resize(n * qd, 0.0);
@@ -429,9 +519,19 @@ impl Model {
                     (self.qm(&l.wv), &mut s.v[..]),
                 ],
             );
+            if let Some(b) = &l.qkv_bias {
+                add_rows(&mut s.q[..n * qd], &b.q);
+                add_rows(&mut s.k[..n * kvd], &b.k);
+                add_rows(&mut s.v[..n * kvd], &b.v);
+            }
+            if let Some(qk) = &l.qk_norm {
+                norm_heads(&mut s.q[..n * qd], &qk.q, c.rms_eps);
+                norm_heads(&mut s.k[..n * kvd], &qk.k, c.rms_eps);
+            }
             for r in 0..n {
-                ops::rope_apply(&mut s.q[r * qd..(r + 1) * qd], c.head_dim, &s.rope[r]);
-                ops::rope_apply(&mut s.k[r * kvd..(r + 1) * kvd], c.head_dim, &s.rope[r]);
+                let rope = c.spec.rope;
+                rope.apply(&mut s.q[r * qd..(r + 1) * qd], c.head_dim, &s.rope[r]);
+                rope.apply(&mut s.k[r * kvd..(r + 1) * kvd], c.head_dim, &s.rope[r]);
             }
             for (si, sg) in segments.iter().enumerate() {
                 let r0 = row0[si];

@@ -24,6 +24,9 @@ const ARCH_KEYS_READ: &[&str] = &[
     "attention.layer_norm_rms_epsilon",
     "rope.freq_base",
     "rope.dimension_count",
+    // The head size where stated (`ModelConfig::head_dim`).
+    "attention.key_length",
+    "attention.value_length",
     // The tokenizer's token count is the vocabulary; this one only restates it.
     "vocab_size",
 ];
@@ -71,17 +74,15 @@ fn tensor_hint(name: &str) -> &'static str {
     }
 }
 
-/// The tensors the forward pass reads for `c`.
+/// The tensors the forward pass reads for `c`: Llama's, plus what its architecture's spec adds.
 fn tensors_read(c: &ModelConfig) -> BTreeSet<String> {
-    let mut read: BTreeSet<String> = [
-        "token_embd.weight",
-        "output_norm.weight",
-        "output.weight",
-        super::ROPE_FREQS,
-    ]
-    .into_iter()
-    .map(str::to_owned)
-    .collect();
+    let mut read: BTreeSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight"]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    if c.spec.rope_freqs {
+        read.insert(super::ROPE_FREQS.to_owned());
+    }
     for i in 0..c.n_layers {
         for t in [
             "attn_norm",
@@ -95,6 +96,9 @@ fn tensors_read(c: &ModelConfig) -> BTreeSet<String> {
             "ffn_down",
         ] {
             read.insert(format!("blk.{i}.{t}.weight"));
+        }
+        for t in c.spec.extra_layer_tensors() {
+            read.insert(format!("blk.{i}.{t}"));
         }
     }
     read
@@ -149,12 +153,6 @@ fn check_key(key: &str, value: &Value, c: &ModelConfig) -> Result<(), ModelError
         return Ok(());
     }
     match rest {
-        // Stated head sizes: harmless exactly when they are what the engine derives.
-        "attention.key_length" | "attention.value_length"
-            if value.as_u64() == Some(c.head_dim as u64) =>
-        {
-            Ok(())
-        }
         "rope.scaling.type" if matches!(value, Value::String(s) if s == "none") => Ok(()),
         _ if rest.starts_with("rope.scaling.") => {
             refuse("RoPE scaling (linear, YaRN, Llama 3) that the forward pass would not apply")
@@ -250,7 +248,7 @@ mod tests {
             ("llama.rope.scaling.type", Value::String("yarn".into())),
             ("llama.rope.scaling.factor", Value::F32(8.0)),
             ("llama.expert_count", Value::U32(8)),
-            ("llama.attention.key_length", Value::U32(7)),
+            ("llama.attention.value_length", Value::U32(7)),
             ("llama.sliding_window", Value::U32(4096)),
             ("tokenizer.ggml.remove_extra_whitespaces", Value::Bool(true)),
             ("qwen2.block_count", Value::U32(2)),
