@@ -1,10 +1,16 @@
 //! Tokenizer and chat template, both built from GGUF metadata.
 //!
-//! The BPE itself is the `tokenizers` crate (Hugging Face's), configured from
-//! `tokenizer.ggml.{model,tokens,token_type,merges,pre}`: a byte-level BPE with the
-//! pre-tokenizer named by `tokenizer.ggml.pre`. Control tokens (`token_type == 3`, e.g.
-//! `<|im_start|>`) are registered as special tokens so that they are matched whole in text.
+//! Two vocabulary kinds, as `tokenizer.ggml.model` names them:
+//! - `gpt2`: byte-level BPE, through the `tokenizers` crate (Hugging Face's), configured from
+//!   `tokenizer.ggml.{tokens,token_type,merges,pre}` with the pre-tokenizer named by
+//!   `tokenizer.ggml.pre`. Control tokens (`token_type == 3`, e.g. `<|im_start|>`) are
+//!   registered as special tokens so that they are matched whole in text.
+//! - `llama`: SentencePiece with byte fallback, merged by piece score as llama.cpp does
+//!   (`spm.rs`, which says why not through the crate).
+//!
 //! The chat template is the GGUF's own `tokenizer.chat_template`, rendered by `minijinja`.
+
+mod spm;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -22,9 +28,14 @@ use crate::gguf::{Gguf, GgufError, Value};
 pub enum TokenizerError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("unsupported tokenizer model {0:?} (supported: gpt2 byte-level BPE)")]
+    #[error(
+        "unsupported tokenizer model {0:?} (supported: gpt2 byte-level BPE, llama SentencePiece)"
+    )]
     UnsupportedModel(String),
-    #[error("unsupported pre-tokenizer {0:?} (supported: smollm, gpt2, default)")]
+    #[error(
+        "unsupported pre-tokenizer {0:?} (supported: smollm, starcoder, gpt2, default, \
+         llama-bpe, llama3, qwen2, deepseek-r1-qwen)"
+    )]
     UnsupportedPre(String),
     #[error("malformed merge {index}: {merge:?} (expected two space-separated symbols)")]
     BadMerge { index: usize, merge: String },
@@ -52,7 +63,7 @@ pub struct ChatMessage {
 /// Tokenizer plus the special ids and chat template of one model.
 #[derive(Debug)]
 pub struct Tokenizer {
-    inner: HfTokenizer,
+    inner: Vocab,
     vocab_size: usize,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
@@ -86,26 +97,115 @@ fn split_then_bytes(pattern: &str) -> Result<PreTokenizerWrapper, TokenizerError
     .into())
 }
 
+// llama.cpp's `llama_token_type`, as `tokenizer.ggml.token_type` stores it.
+const TOKEN_TYPE_NORMAL: i64 = 1;
+const TOKEN_TYPE_UNKNOWN: i64 = 2;
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+const TOKEN_TYPE_BYTE: i64 = 6;
+
+/// The vocabulary and its algorithm.
+#[derive(Debug)]
+enum Vocab {
+    Bpe(Box<HfTokenizer>),
+    Spm(spm::Spm),
+}
+
+impl Vocab {
+    fn id_to_token(&self, id: u32) -> Option<String> {
+        match self {
+            Self::Bpe(t) => t.id_to_token(id),
+            Self::Spm(s) => s.piece(id).map(str::to_owned),
+        }
+    }
+}
+
+/// Token types (`tokenizer.ggml.token_type`), normal where the file has none.
+fn token_types(g: &Gguf, n: usize) -> Vec<i64> {
+    match g.get("tokenizer.ggml.token_type") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_u64().map_or(TOKEN_TYPE_NORMAL, |x| x as i64))
+            .collect(),
+        _ => vec![TOKEN_TYPE_NORMAL; n],
+    }
+}
+
+/// A SentencePiece vocabulary from the file's tokens, scores and types.
+fn spm_from_gguf(g: &Gguf, tokens: &[&str]) -> Result<spm::Spm, TokenizerError> {
+    let scores: Vec<f32> = match g.get("tokenizer.ggml.scores") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| match v {
+                Value::F32(x) => Ok(*x),
+                other => Err(TokenizerError::Build(format!(
+                    "tokenizer.ggml.scores holds {other:?}, not f32"
+                ))),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => vec![0.0; tokens.len()],
+    };
+    // llama.cpp's default for SentencePiece vocabularies is to add the prefix.
+    let add_space_prefix = !matches!(
+        g.get("tokenizer.ggml.add_space_prefix"),
+        Some(Value::Bool(false))
+    );
+    spm::Spm::new(
+        tokens,
+        scores,
+        token_types(g, tokens.len()),
+        add_space_prefix,
+    )
+}
 
 impl Tokenizer {
     pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
         let model = g.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel(model.to_owned()));
-        }
         let tokens = g.get_strings("tokenizer.ggml.tokens")?;
-        let merges_raw = g.get_strings("tokenizer.ggml.merges")?;
-        let types: Vec<i64> = match g.get("tokenizer.ggml.token_type") {
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| v.as_u64().map_or(1, |x| x as i64))
-                .collect(),
-            _ => vec![1; tokens.len()],
+        let inner = match model {
+            "gpt2" => Vocab::Bpe(Box::new(bpe_from_gguf(g, &tokens)?)),
+            "llama" => Vocab::Spm(spm_from_gguf(g, &tokens)?),
+            other => return Err(TokenizerError::UnsupportedModel(other.to_owned())),
         };
-        let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        Self::with_vocab(g, &tokens, inner)
+    }
 
+    fn with_vocab(g: &Gguf, tokens: &[&str], inner: Vocab) -> Result<Self, TokenizerError> {
+        let id = |k: &str| g.get(k).and_then(Value::as_u64).map(|v| v as u32);
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let eos_id = id("tokenizer.ggml.eos_token_id");
+        // Absent, llama.cpp adds BOS for SentencePiece vocabularies and not for BPE ones.
+        let add_bos = match g.get("tokenizer.ggml.add_bos_token") {
+            Some(Value::Bool(b)) => *b,
+            _ => matches!(inner, Vocab::Spm(_)),
+        };
+        let chat_template = g.get_str("tokenizer.chat_template").ok().map(str::to_owned);
+        let mut stop_ids: Vec<u32> = eos_id.into_iter().collect();
+        for name in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>"] {
+            if let Some(i) = tokens.iter().position(|t| *t == name)
+                && !stop_ids.contains(&(i as u32))
+            {
+                stop_ids.push(i as u32);
+            }
+        }
+        Ok(Self {
+            inner,
+            vocab_size: tokens.len(),
+            bos_id,
+            eos_id,
+            add_bos,
+            chat_template,
+            stop_ids,
+        })
+    }
+}
+
+/// A byte-level BPE from the file's tokens, merges, token types and pre-tokenizer name.
+fn bpe_from_gguf(g: &Gguf, tokens: &[&str]) -> Result<HfTokenizer, TokenizerError> {
+    let merges_raw = g.get_strings("tokenizer.ggml.merges")?;
+    let types = token_types(g, tokens.len());
+    let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
+    {
         let vocab: tokenizers::models::bpe::Vocab = tokens
             .iter()
             .enumerate()
@@ -146,34 +246,11 @@ impl Tokenizer {
             .map(|(t, _)| AddedToken::from((*t).to_owned(), true))
             .collect();
         inner.add_special_tokens(&specials);
-
-        let id = |k: &str| g.get(k).and_then(Value::as_u64).map(|v| v as u32);
-        let bos_id = id("tokenizer.ggml.bos_token_id");
-        let eos_id = id("tokenizer.ggml.eos_token_id");
-        let add_bos = matches!(
-            g.get("tokenizer.ggml.add_bos_token"),
-            Some(Value::Bool(true))
-        );
-        let chat_template = g.get_str("tokenizer.chat_template").ok().map(str::to_owned);
-        let mut stop_ids: Vec<u32> = eos_id.into_iter().collect();
-        for name in ["<|im_end|>", "<|endoftext|>", "<|eot_id|>"] {
-            if let Some(i) = tokens.iter().position(|t| *t == name)
-                && !stop_ids.contains(&(i as u32))
-            {
-                stop_ids.push(i as u32);
-            }
-        }
-        Ok(Self {
-            inner,
-            vocab_size: tokens.len(),
-            bos_id,
-            eos_id,
-            add_bos,
-            chat_template,
-            stop_ids,
-        })
+        Ok(inner)
     }
+}
 
+impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
@@ -181,15 +258,19 @@ impl Tokenizer {
     /// Encode text. Special-token text (e.g. `<|im_start|>`) maps to its single id. BOS is
     /// prepended only when `add_bos` is set in the model and `raw` is false.
     pub fn encode(&self, text: &str, raw: bool) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.add_bos && !raw {
             ids.extend(self.bos_id);
         }
-        ids.extend_from_slice(enc.get_ids());
+        match &self.inner {
+            Vocab::Bpe(t) => {
+                let enc = t
+                    .encode(text, false)
+                    .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Vocab::Spm(s) => ids.extend(s.encode(text)?),
+        }
         Ok(ids)
     }
 
@@ -201,9 +282,14 @@ impl Tokenizer {
                 vocab: self.vocab_size,
             });
         }
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| TokenizerError::Decode(e.to_string()))
+        match &self.inner {
+            Vocab::Bpe(t) => t
+                .decode(ids, false)
+                .map_err(|e| TokenizerError::Decode(e.to_string())),
+            // Byte tokens may split a character: an incomplete one ends in U+FFFD, as the
+            // byte-level decoder's does (`StreamDecoder` waits on it).
+            Vocab::Spm(s) => Ok(String::from_utf8_lossy(&s.decode_bytes(ids)).into_owned()),
+        }
     }
 
     /// Render the model's chat template over `messages`, with the assistant prompt appended.
