@@ -45,10 +45,13 @@ extern "C" __global__ void custody_rms_norm(const float* x, const float* w, floa
     for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) o[i] = xr[i] * scale * w[i];
 }
 
-// llama.cpp "normal" RoPE in place: adjacent pairs (2i, 2i+1) of every head rotated by
-// pos · base^(-2i / n_rot), for i < n_rot / 2. Grid (rows), block (128); `positions[row]`.
+// llama.cpp's RoPE in place: pair i of every head rotated by pos · base^(-2i / n_rot) / f[i],
+// for i < n_rot / 2, where f is the frequency factors (Llama 3's rope_freqs; all 1 without
+// them — x / 1 is x, bit for bit). The pair is (2i, 2i+1) ("normal": neox = 0) or
+// (i, i + n_rot/2) (NeoX: Qwen). Grid (rows), block (128); `positions[row]`.
 extern "C" __global__ void custody_rope(float* x, const custody_u32* positions, custody_u32 n_heads,
-                                       custody_u32 head_dim, custody_u32 n_rot, float freq_base) {
+                                       custody_u32 head_dim, custody_u32 n_rot, float freq_base,
+                                       const float* freq_factors, custody_u32 neox) {
     float* xr = x + (custody_u64)blockIdx.x * n_heads * head_dim;
     const float pos = (float)positions[blockIdx.x];
     const custody_u32 pairs = n_rot / 2;
@@ -58,12 +61,22 @@ extern "C" __global__ void custody_rope(float* x, const custody_u32* positions, 
         const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
         float theta = pos;
         for (custody_u32 j = 0; j < i; j++) theta *= theta_scale;
+        theta = theta / freq_factors[i];
         const float c = cosf(theta), s = sinf(theta);
-        float* p = xr + h * head_dim + 2 * i;
-        const float x0 = p[0], x1 = p[1];
-        p[0] = fmaf(x0, c, -(x1 * s));
-        p[1] = fmaf(x0, s, x1 * c);
+        float* p0 = xr + h * head_dim + (neox ? i : 2 * i);
+        float* p1 = p0 + (neox ? pairs : 1);
+        const float x0 = *p0, x1 = *p1;
+        *p0 = fmaf(x0, c, -(x1 * s));
+        *p1 = fmaf(x0, s, x1 * c);
     }
+}
+
+// x[i] += b[i % width] over `n` elements: a bias added to every row (Qwen 2's Q/K/V biases).
+// Grid (ceil(n / 128)), block (128).
+extern "C" __global__ void custody_add_rows(float* x, const float* b, custody_u32 width,
+                                           custody_u64 n) {
+    const custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x;
+    if (i < n) x[i] += b[i % width];
 }
 
 // gate = silu(gate) · up, elementwise over `n`. Grid (ceil(n / 128)), block (128).
@@ -88,11 +101,66 @@ extern "C" __global__ void custody_softmax(float* x, custody_u32 n) {
     for (custody_u32 i = threadIdx.x; i < n; i += CUSTODY_OPS_THREADS) r[i] *= inv;
 }
 
-// Weight types (= `custody_kernels::quant::DType` order).
-enum CustodyDType { CUSTODY_F32 = 0, CUSTODY_F16 = 1, CUSTODY_Q4_0 = 2, CUSTODY_Q4_1 = 3, CUSTODY_Q8_0 = 4 };
+// Weight types (`dtype_code` in runtime/engine/src/cuda_forward.rs).
+enum CustodyDType {
+    CUSTODY_F32 = 0, CUSTODY_F16 = 1, CUSTODY_Q4_0 = 2, CUSTODY_Q4_1 = 3, CUSTODY_Q8_0 = 4,
+    CUSTODY_Q5_0 = 5, CUSTODY_Q5_1 = 6, CUSTODY_Q4_K = 7, CUSTODY_Q5_K = 8, CUSTODY_Q6_K = 9,
+    CUSTODY_BF16 = 10
+};
 
 __device__ __forceinline__ float custody_le_half(const unsigned char* p) {
     return custody_half_to_float((unsigned short)(p[0] | (p[1] << 8)));
+}
+
+__device__ __forceinline__ custody_u32 custody_le_u32(const unsigned char* p) {
+    return (custody_u32)p[0] | ((custody_u32)p[1] << 8) | ((custody_u32)p[2] << 16) |
+           ((custody_u32)p[3] << 24);
+}
+
+// Q5_0 / Q5_1 element j of a block whose 4 `qh` bytes start at `qh` and nibbles at `qs`: the
+// low nibble of byte j (j < 16) or the high nibble of byte j − 16, with bit j of qh as bit 4.
+__device__ __forceinline__ custody_u32 custody_q5(const unsigned char* qh, const unsigned char* qs,
+                                                  custody_u32 j) {
+    const custody_u32 lo = j < 16 ? (qs[j] & 0xf) : (qs[j - 16] >> 4);
+    return lo | (((custody_le_u32(qh) >> j) & 1) << 4);
+}
+
+// The j-th 6-bit (scale, min) pair of a Q4_K/Q5_K block (ggml's get_scale_min_k4).
+__device__ __forceinline__ void custody_scale_min_k4(custody_u32 j, const unsigned char* q,
+                                                     custody_u32* sc, custody_u32* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Element k (< 256) of a Q4_K (hbits = 0) or Q5_K (hbits = the 32 qh bytes) super-block:
+// (d·sc)·q − dmin·m, sub-block 2c or 2c+1 the low or high nibbles of bytes 32c..32c+32.
+__device__ __forceinline__ float custody_qk45(const unsigned char* b, const unsigned char* hbits,
+                                              const unsigned char* qs, custody_u32 k) {
+    const custody_u32 c = k / 64, w = k % 64, l = w % 32, sub = 2 * c + (w >= 32);
+    custody_u32 sc, m;
+    custody_scale_min_k4(sub, b + 4, &sc, &m);
+    custody_u32 q = w < 32 ? (qs[32 * c + l] & 0xf) : (qs[32 * c + l] >> 4);
+    if (hbits) q += (hbits[l] >> sub) & 1 ? 16 : 0;
+    const float d1 = custody_le_half(b) * (float)sc, m1 = custody_le_half(b + 2) * (float)m;
+    return d1 * (float)q - m1;
+}
+
+// Element k (< 256) of a Q6_K super-block: ql[128], qh[64], 16 i8 scales, f16 d.
+__device__ __forceinline__ float custody_q6k(const unsigned char* b, custody_u32 k) {
+    const custody_u32 half = k / 128, w = k % 128, quarter = w / 32, l = w % 32;
+    const unsigned char* ql = b + 64 * half;
+    const unsigned char* qh = b + 128 + 32 * half;
+    const signed char* sc = (const signed char*)(b + 192) + 8 * half;
+    const custody_u32 byte = ql[l + 32 * (quarter & 1)];
+    const custody_u32 lo = quarter < 2 ? (byte & 0xf) : (byte >> 4);
+    const custody_u32 hi = (qh[l] >> (2 * quarter)) & 3;
+    const int q = (int)(lo | (hi << 4)) - 32;
+    return custody_le_half(b + 208) * (float)sc[l / 16 + 2 * quarter] * (float)q;
 }
 
 // Element `k` of weight row `row` (GGUF layout, little-endian).
@@ -117,6 +185,29 @@ __device__ __forceinline__ float custody_weight(const unsigned char* w, custody_
             const custody_u32 j = k % 32;
             const custody_u32 q = j < 16 ? (b[4 + j] & 0xf) : (b[4 + j - 16] >> 4);
             return (float)q * custody_le_half(b) + custody_le_half(b + 2);
+        }
+        case CUSTODY_Q5_0: {
+            const unsigned char* b = w + ((custody_u64)row * (cols / 32) + k / 32) * 22;
+            return ((float)custody_q5(b + 2, b + 6, k % 32) - 16.0f) * custody_le_half(b);
+        }
+        case CUSTODY_Q5_1: {
+            const unsigned char* b = w + ((custody_u64)row * (cols / 32) + k / 32) * 24;
+            return (float)custody_q5(b + 4, b + 8, k % 32) * custody_le_half(b) +
+                   custody_le_half(b + 2);
+        }
+        case CUSTODY_Q4_K: {
+            const unsigned char* b = w + ((custody_u64)row * (cols / 256) + k / 256) * 144;
+            return custody_qk45(b, 0, b + 16, k % 256);
+        }
+        case CUSTODY_Q5_K: {
+            const unsigned char* b = w + ((custody_u64)row * (cols / 256) + k / 256) * 176;
+            return custody_qk45(b, b + 16, b + 48, k % 256);
+        }
+        case CUSTODY_Q6_K:
+            return custody_q6k(w + ((custody_u64)row * (cols / 256) + k / 256) * 210, k % 256);
+        case CUSTODY_BF16: {
+            const unsigned char* p = w + ((custody_u64)row * cols + k) * 2;
+            return __uint_as_float(((custody_u32)p[0] | ((custody_u32)p[1] << 8)) << 16);
         }
         default: {  // Q8_0
             const unsigned char* b = w + ((custody_u64)row * (cols / 32) + k / 32) * 34;

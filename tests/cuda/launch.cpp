@@ -131,6 +131,8 @@ struct RowArgs {
     const custody_u32* positions;
     custody_u32 n_heads, head_dim, n_rot;
     float freq_base;
+    const float* freq_factors;
+    custody_u32 neox;
 };
 void rms_norm_body(void* c) {
     auto* a = static_cast<RowArgs*>(c);
@@ -138,7 +140,8 @@ void rms_norm_body(void* c) {
 }
 void rope_body(void* c) {
     auto* a = static_cast<RowArgs*>(c);
-    custody_rope(a->out, a->positions, a->n_heads, a->head_dim, a->n_rot, a->freq_base);
+    custody_rope(a->out, a->positions, a->n_heads, a->head_dim, a->n_rot, a->freq_base,
+                 a->freq_factors, a->neox);
 }
 void softmax_body(void* c) {
     auto* a = static_cast<RowArgs*>(c);
@@ -179,22 +182,24 @@ void copy_body(void* c) {
 extern "C" int custody_shim_rms_norm(const float* x, const float* w, float eps, custody_u32 rows,
                                      custody_u32 dim, float* out, uint64_t seed, char* err,
                                      size_t err_len) {
-    RowArgs a{x, w, eps, dim, out, nullptr, 0, 0, 0, 0.0f};
+    RowArgs a{x, w, eps, dim, out, nullptr, 0, 0, 0, 0.0f, nullptr, 0};
     return custody_shim::launch(dim3(rows), dim3(CUSTODY_OPS_THREADS), seed, rms_norm_body, &a,
                                 err, err_len);
 }
 
 extern "C" int custody_shim_rope(float* x, const custody_u32* positions, custody_u32 rows,
                                  custody_u32 n_heads, custody_u32 head_dim, custody_u32 n_rot,
-                                 float freq_base, uint64_t seed, char* err, size_t err_len) {
-    RowArgs a{nullptr, nullptr, 0.0f, 0, x, positions, n_heads, head_dim, n_rot, freq_base};
+                                 float freq_base, const float* freq_factors, custody_u32 neox,
+                                 uint64_t seed, char* err, size_t err_len) {
+    RowArgs a{nullptr, nullptr, 0.0f, 0, x, positions, n_heads, head_dim, n_rot, freq_base,
+              freq_factors, neox};
     return custody_shim::launch(dim3(rows), dim3(CUSTODY_OPS_THREADS), seed, rope_body, &a, err,
                                 err_len);
 }
 
 extern "C" int custody_shim_softmax(float* x, custody_u32 rows, custody_u32 n, uint64_t seed,
                                     char* err, size_t err_len) {
-    RowArgs a{nullptr, nullptr, 0.0f, n, x, nullptr, 0, 0, 0, 0.0f};
+    RowArgs a{nullptr, nullptr, 0.0f, n, x, nullptr, 0, 0, 0, 0.0f, nullptr, 0};
     return custody_shim::launch(dim3(rows), dim3(CUSTODY_OPS_THREADS), seed, softmax_body, &a,
                                 err, err_len);
 }
@@ -256,7 +261,10 @@ void generic_body(void* c) {
         custody_matvec(PTR(0, const unsigned char*), U32(1), U32(2), U32(3), PTR(4, const float*),
                        PTR(5, float*));
     } else if (!strcmp(n, "custody_rope")) {
-        custody_rope(PTR(0, float*), PTR(1, const custody_u32*), U32(2), U32(3), U32(4), F32(5));
+        custody_rope(PTR(0, float*), PTR(1, const custody_u32*), U32(2), U32(3), U32(4), F32(5),
+                     PTR(6, const float*), U32(7));
+    } else if (!strcmp(n, "custody_add_rows")) {
+        custody_add_rows(PTR(0, float*), PTR(1, const float*), U32(2), U64(3));
     } else if (!strcmp(n, "custody_kv_write")) {
         custody_kv_write(PTR(0, const float*), PTR(1, const float*), PTR(2, const custody_u32*),
                          PTR(3, const custody_u32*), U32(4), U32(5), U32(6),

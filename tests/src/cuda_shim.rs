@@ -336,6 +336,8 @@ unsafe extern "C" {
         head_dim: u32,
         n_rot: u32,
         freq_base: f32,
+        freq_factors: *const f32,
+        neox: u32,
         seed: u64,
         err: *mut c_char,
         err_len: usize,
@@ -416,17 +418,22 @@ pub fn rms_norm(
 
 /// The shape of a RoPE launch.
 #[derive(Clone, Copy, Debug)]
-pub struct RopeShape {
+pub struct RopeShape<'a> {
     pub n_heads: u32,
     pub head_dim: u32,
     pub n_rot: u32,
     pub freq_base: f32,
+    /// One per rotated pair (all 1 for plain RoPE).
+    pub freq_factors: &'a [f32],
+    /// NeoX pairs `(i, i + n_rot/2)` instead of adjacent ones.
+    pub neox: bool,
 }
 
 /// RoPE in place on rows of `n_heads × head_dim`, row `i` at `positions[i]`.
 pub fn rope(x: &mut [f32], positions: &[u32], s: RopeShape, seed: u64) -> Result<(), ShimError> {
     assert_eq!(x.len(), positions.len() * (s.n_heads * s.head_dim) as usize);
-    // SAFETY: `x` holds every row (asserted), `positions` one per row.
+    assert_eq!(s.freq_factors.len(), s.n_rot as usize / 2);
+    // SAFETY: `x` holds every row (asserted), `positions` one per row, a factor per pair.
     run(|e, n| unsafe {
         custody_shim_rope(
             x.as_mut_ptr(),
@@ -436,6 +443,8 @@ pub fn rope(x: &mut [f32], positions: &[u32], s: RopeShape, seed: u64) -> Result
             s.head_dim,
             s.n_rot,
             s.freq_base,
+            s.freq_factors.as_ptr(),
+            u32::from(s.neox),
             seed,
             e,
             n,

@@ -175,11 +175,12 @@ kernels! {
     Embed = "custody_embed", 5;
     RmsNorm = "custody_rms_norm", 5;
     Matvec = "custody_matvec", 6;
-    Rope = "custody_rope", 6;
+    Rope = "custody_rope", 8;
     KvWrite = "custody_kv_write", 9;
     PagedAttentionDecode = "custody_paged_attention_decode", 15;
     TagCheck = "custody_tag_check", 8;
     Add = "custody_add", 3;
+    AddRows = "custody_add_rows", 4;
     Swiglu = "custody_swiglu", 3;
     Softmax = "custody_softmax", 2;
     PageChecksum = "custody_page_checksum", 5;

@@ -48,21 +48,6 @@ pub enum CudaForwardError {
         "the tag check cannot be disabled on the CUDA backend (the incident reproduction is CPU-only)"
     )]
     TagCheckRequired,
-    #[error(
-        "tensor {name:?}: weight type {dtype:?} has no CUDA kernel yet (the CUDA backend runs F32, \
-         F16, Q4_0, Q4_1 and Q8_0; the CPU backend runs it)"
-    )]
-    UnsupportedWeightType { name: String, dtype: DType },
-    #[error(
-        "RoPE frequency factors (rope_freqs.weight, Llama 3 rope scaling) have no CUDA kernel yet \
-         (the CPU backend applies them)"
-    )]
-    UnsupportedRopeFactors,
-    #[error(
-        "architecture {0:?} has no CUDA kernels yet (its {1}); the CUDA backend runs Llama-style \
-         layers, the CPU backend runs it"
-    )]
-    UnsupportedArchitecture(String, &'static str),
 }
 
 /// A weight matrix on the device: its GGUF bytes as they are in the file.
@@ -85,6 +70,10 @@ struct DevLayer {
     w_gate: DevMat,
     w_up: DevMat,
     w_down: DevMat,
+    /// Q, K, V biases ([`ArchSpec::qkv_bias`]).
+    qkv_bias: Option<[DevicePtr; 3]>,
+    /// Per-head Q and K norm weights ([`ArchSpec::qk_norm`]).
+    qk_norm: Option<[DevicePtr; 2]>,
 }
 
 /// The device page pool: K and V of every layer in one allocation, plus the tag arrays the
@@ -139,40 +128,45 @@ pub struct CudaForward<D: Device> {
     tok_embd: DevMat,
     output: DevMat,
     output_norm: DevicePtr,
+    /// RoPE frequency factors, one per rotated pair: the file's (Llama 3) or all 1 (dividing
+    /// by 1 changes no bit, so one kernel serves both).
+    rope_factors: DevicePtr,
     layers: Vec<DevLayer>,
     kv: DeviceKv,
     bufs: Buffers,
 }
 
-/// `CustodyDType` in kernels/cuda/ops.cu, or the refusal of a weight type with no CUDA kernel
-/// yet. Exhaustive: a weight type the engine gains must be placed here.
-fn dtype_code(m: &Mat) -> Result<u32, CudaForwardError> {
-    Ok(match m.dtype {
+/// `CustodyDType` in kernels/cuda/ops.cu. Exhaustive: a weight type the engine gains does not
+/// compile until it is placed here (with its dequantization in `custody_weight`).
+fn dtype_code(m: &Mat) -> u32 {
+    match m.dtype {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::Q4_0 => 2,
         DType::Q4_1 => 3,
         DType::Q8_0 => 4,
-        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::BF16 => {
-            return Err(CudaForwardError::UnsupportedWeightType {
-                name: m.name.clone(),
-                dtype: m.dtype,
-            });
-        }
-    })
+        DType::Q5_0 => 5,
+        DType::Q5_1 => 6,
+        DType::Q4_K => 7,
+        DType::Q5_K => 8,
+        DType::Q6_K => 9,
+        DType::BF16 => 10,
+    }
 }
 
-/// The first switch of `spec` the CUDA kernels do not implement, if any.
-fn unsupported_layer_feature(spec: &ArchSpec) -> Option<&'static str> {
-    if spec.qkv_bias {
-        Some("Q/K/V biases")
-    } else if spec.qk_norm {
-        Some("per-head Q/K RMSNorm")
-    } else if spec.rope != RopeStyle::Normal {
-        Some("NeoX RoPE")
-    } else {
-        None
-    }
+/// Every switch of an [`ArchSpec`] has its CUDA kernel: RoPE style and frequency factors
+/// (`custody_rope`), Q/K/V biases (`custody_add_rows`), per-head Q/K norm (`custody_rms_norm`
+/// over heads). The destructuring is exhaustive, so a switch added to the spec does not compile
+/// until it is placed here (and given a kernel, or refused).
+fn neox_flag(spec: &ArchSpec) -> u32 {
+    let ArchSpec {
+        names: _,
+        rope,
+        qkv_bias: _,
+        qk_norm: _,
+        rope_freqs: _,
+    } = *spec;
+    u32::from(rope == RopeStyle::Neox)
 }
 
 fn f32_bytes(v: &[f32]) -> &[u8] {
@@ -189,18 +183,9 @@ impl<D: Device> CudaForward<D> {
         max_rows: usize,
     ) -> Result<Self, CudaForwardError> {
         assert!(max_rows > 0);
-        if model.rope_freqs.is_some() {
-            return Err(CudaForwardError::UnsupportedRopeFactors);
-        }
-        if let Some(what) = unsupported_layer_feature(model.config.spec) {
-            return Err(CudaForwardError::UnsupportedArchitecture(
-                model.config.arch.clone(),
-                what,
-            ));
-        }
         let c = model.config.clone();
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
-            let dtype = dtype_code(m)?;
+            let dtype = dtype_code(m);
             let bytes = model.tensor_bytes(m);
             let ptr = dev.alloc_zeroed(bytes.len())?;
             dev.upload(ptr, bytes)?;
@@ -223,9 +208,25 @@ impl<D: Device> CudaForward<D> {
             upload_mat(&mut dev, &model.output)?
         };
         let output_norm = upload_vec(&mut dev, &model.output_norm)?;
+        let ones = vec![1.0f32; c.rope_dims / 2];
+        let rope_factors = upload_vec(&mut dev, model.rope_freqs.as_deref().unwrap_or(&ones))?;
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in &model.layers {
+            let qkv_bias = match &l.qkv_bias {
+                Some(b) => Some([
+                    upload_vec(&mut dev, &b.q)?,
+                    upload_vec(&mut dev, &b.k)?,
+                    upload_vec(&mut dev, &b.v)?,
+                ]),
+                None => None,
+            };
+            let qk_norm = match &l.qk_norm {
+                Some(n) => Some([upload_vec(&mut dev, &n.q)?, upload_vec(&mut dev, &n.k)?]),
+                None => None,
+            };
             layers.push(DevLayer {
+                qkv_bias,
+                qk_norm,
                 attn_norm: upload_vec(&mut dev, &l.attn_norm)?,
                 wq: upload_mat(&mut dev, &l.wq)?,
                 wk: upload_mat(&mut dev, &l.wk)?,
@@ -247,6 +248,7 @@ impl<D: Device> CudaForward<D> {
             tok_embd,
             output,
             output_norm,
+            rope_factors,
             layers,
             kv,
             bufs,
@@ -354,19 +356,22 @@ impl<D: Device> CudaForward<D> {
         self.dev.launch(k, dims, args)
     }
 
+    /// RMSNorm of `rows` rows of `width` (the embedding, or one head for the Q/K norm; `out`
+    /// may be `x`: each element is read before it is written, by the same thread).
     fn rms_norm(
         &mut self,
         x: DevicePtr,
         w: DevicePtr,
         out: DevicePtr,
         rows: usize,
+        width: usize,
     ) -> Result<(), DeviceError> {
         let c = &self.config;
         let args = [
             Arg::Ptr(x),
             Arg::Ptr(w),
             Arg::F32(c.rms_eps),
-            Arg::U32(c.dim as u32),
+            Arg::U32(width as u32),
             Arg::Ptr(out),
         ];
         self.launch(
@@ -407,6 +412,8 @@ impl<D: Device> CudaForward<D> {
             Arg::U32(c.head_dim as u32),
             Arg::U32(c.rope_dims as u32),
             Arg::F32(c.rope_base),
+            Arg::Ptr(self.rope_factors),
+            Arg::U32(neox_flag(c.spec)),
         ];
         self.launch(
             Kernel::Rope,
@@ -428,6 +435,44 @@ impl<D: Device> CudaForward<D> {
             LaunchDims::grid2(blocks, 1, THREADS),
             &[Arg::Ptr(a), Arg::Ptr(b), Arg::U64(n as u64)],
         )
+    }
+
+    /// `x` (`n` elements) += `bias` on every row of `bias`'s `width`.
+    fn add_rows(
+        &mut self,
+        x: DevicePtr,
+        bias: DevicePtr,
+        width: usize,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        let blocks = n.div_ceil(THREADS as usize) as u32;
+        self.launch(
+            Kernel::AddRows,
+            LaunchDims::grid2(blocks, 1, THREADS),
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(bias),
+                Arg::U32(width as u32),
+                Arg::U64(n as u64),
+            ],
+        )
+    }
+
+    /// The architecture's steps between the Q/K/V projections and RoPE: biases, then the
+    /// per-head norm (the CPU forward pass's order).
+    fn qkv_extras(&mut self, l: &DevLayer, n: usize) -> Result<(), DeviceError> {
+        let c = self.config.clone();
+        let (bf, qd, kvd) = (self.bufs, c.q_dim(), c.kv_dim());
+        if let Some([bq, bk, bv]) = l.qkv_bias {
+            self.add_rows(bf.q, bq, qd, n * qd)?;
+            self.add_rows(bf.k, bk, kvd, n * kvd)?;
+            self.add_rows(bf.v, bv, kvd, n * kvd)?;
+        }
+        if let Some([nq, nk]) = l.qk_norm {
+            self.rms_norm(bf.q, nq, bf.q, n * c.n_heads, c.head_dim)?;
+            self.rms_norm(bf.k, nk, bf.k, n * c.n_kv_heads, c.head_dim)?;
+        }
+        Ok(())
     }
 
     fn upload_u32(&mut self, dst: DevicePtr, v: &[u32]) -> Result<(), DeviceError> {
@@ -508,17 +553,18 @@ impl<D: Device> CudaForward<D> {
         let bf = self.bufs;
         for li in 0..c.n_layers {
             let l = self.layers[li];
-            self.rms_norm(bf.x, l.attn_norm, bf.xn, n)?;
+            self.rms_norm(bf.x, l.attn_norm, bf.xn, n, dim)?;
             self.matvec(l.wq, bf.xn, bf.q, n)?;
             self.matvec(l.wk, bf.xn, bf.k, n)?;
             self.matvec(l.wv, bf.xn, bf.v, n)?;
+            self.qkv_extras(&l, n)?;
             self.rope(bf.q, c.n_heads, n)?;
             self.rope(bf.k, c.n_kv_heads, n)?;
             self.write_kv(pool, li, segments, &rows, &mut failed)?;
             self.attend(pool, li, segments, &rows, &mut failed)?;
             self.matvec(l.wo, bf.att, bf.tmp, n)?;
             self.elementwise(Kernel::Add, bf.x, bf.tmp, n * dim)?;
-            self.rms_norm(bf.x, l.ffn_norm, bf.xn, n)?;
+            self.rms_norm(bf.x, l.ffn_norm, bf.xn, n, dim)?;
             self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
             self.matvec(l.w_up, bf.xn, bf.up, n)?;
             self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * c.ffn_dim)?;
@@ -720,7 +766,8 @@ impl<D: Device> CudaForward<D> {
         let vocab = self.config.vocab_size;
         let b = self.bufs;
         let (norm, out) = (self.output_norm, self.output);
-        self.rms_norm(b.x, norm, b.xn, n)?;
+        let dim = self.config.dim;
+        self.rms_norm(b.x, norm, b.xn, n, dim)?;
         self.matvec(out, b.xn, b.logits, n)?;
         let mut results = Vec::with_capacity(segments.len());
         for (si, (sg, f)) in segments.iter().zip(failed).enumerate() {

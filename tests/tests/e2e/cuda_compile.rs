@@ -59,6 +59,7 @@ fn check(extra: &[&std::ffi::OsStr]) -> serde_json::Value {
         "custody_copy_chunks",
         "custody_embed",
         "custody_add",
+        "custody_add_rows",
         "custody_kv_write",
     ] {
         let r = &report["kernels"][k];

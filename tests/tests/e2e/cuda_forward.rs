@@ -68,6 +68,7 @@ fn the_device_forward_pass_gives_the_cpu_logits_for_every_weight_type() {
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
+        DType::BF16,
     ] {
         let m = model(dtype, 7);
         let mut first: Option<Vec<f32>> = None;

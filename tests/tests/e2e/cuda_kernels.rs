@@ -376,26 +376,45 @@ fn gpu_row_kernels_match_the_cpu_ops() {
         );
     }
     close(&got, &want, 1e-5, "rms_norm");
-    // RoPE at positions up to a long context.
-    let shape = cuda_shim::RopeShape {
-        n_heads: 9,
-        head_dim: 64,
-        n_rot: 64,
-        freq_base: 100_000.0,
-    };
+    // RoPE at positions up to a long context: both pair styles, with and without Llama 3's
+    // frequency factors.
     let positions = [0u32, 1, 17, 511, 2047];
-    let row = (shape.n_heads * shape.head_dim) as usize;
-    let q: Vec<f32> = (0..positions.len() * row).map(|_| rng.unit()).collect();
-    let got = every_seed(&q, |o, s| {
-        cuda_shim::rope(o, &positions, shape, s).expect("launch")
-    });
-    let mut want = q.clone();
-    let mut tbl = Vec::new();
-    for (r, &p) in positions.iter().enumerate() {
-        ops::rope_table(p as usize, 64, 100_000.0, None, &mut tbl);
-        ops::rope_apply(&mut want[r * row..(r + 1) * row], 64, &tbl);
+    let factors: Vec<f32> = (0..32).map(|i| 1.0 + i as f32 * 0.25).collect();
+    for (style, with_factors) in [
+        (ops::RopeStyle::Normal, false),
+        (ops::RopeStyle::Normal, true),
+        (ops::RopeStyle::Neox, false),
+        (ops::RopeStyle::Neox, true),
+    ] {
+        let ones = vec![1.0f32; 32];
+        let f = if with_factors { &factors } else { &ones };
+        let shape = cuda_shim::RopeShape {
+            n_heads: 9,
+            head_dim: 64,
+            n_rot: 64,
+            freq_base: 100_000.0,
+            freq_factors: f,
+            neox: style == ops::RopeStyle::Neox,
+        };
+        let row = (shape.n_heads * shape.head_dim) as usize;
+        let q: Vec<f32> = (0..positions.len() * row).map(|_| rng.unit()).collect();
+        let got = every_seed(&q, |o, s| {
+            cuda_shim::rope(o, &positions, shape, s).expect("launch")
+        });
+        let mut want = q.clone();
+        let mut tbl = Vec::new();
+        for (r, &p) in positions.iter().enumerate() {
+            let ff = with_factors.then_some(&factors[..]);
+            ops::rope_table(p as usize, 64, 100_000.0, ff, &mut tbl);
+            style.apply(&mut want[r * row..(r + 1) * row], 64, &tbl);
+        }
+        close(
+            &got,
+            &want,
+            1e-5,
+            &format!("rope {style:?} factors {with_factors}"),
+        );
     }
-    close(&got, &want, 1e-5, "rope");
     // Softmax, and SwiGLU (the CPU uses ggml's exp polynomial, the GPU expf).
     let got = every_seed(&x, |o, s| cuda_shim::softmax(o, dim, s).expect("launch"));
     let mut want = x.clone();
@@ -434,9 +453,30 @@ fn weights(
                     (0..n).for_each(|_| w.push(rng.next() as u8));
                 }
             }
-            DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::BF16 => {
-                unreachable!("no CUDA kernel for {dtype:?} (refused by CudaForward::new)")
+            DType::Q5_0 | DType::Q5_1 => {
+                for _ in 0..cols / 32 {
+                    w.extend(half(rng, 0.1));
+                    if dtype == DType::Q5_1 {
+                        w.extend(half(rng, 0.5));
+                    }
+                    (0..20).for_each(|_| w.push(rng.next() as u8));
+                }
             }
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                for _ in 0..cols / 256 {
+                    let block = dtype.block_bytes();
+                    if dtype == DType::Q6_K {
+                        (0..block - 2).for_each(|_| w.push(rng.next() as u8));
+                        w.extend(half(rng, 0.01));
+                    } else {
+                        w.extend(half(rng, 0.01));
+                        w.extend(half(rng, 0.02));
+                        (0..block - 4).for_each(|_| w.push(rng.next() as u8));
+                    }
+                }
+            }
+            DType::BF16 => (0..cols)
+                .for_each(|_| w.extend(((rng.unit().to_bits() >> 16) as u16).to_le_bytes())),
         }
     }
     w
@@ -448,16 +488,20 @@ fn gpu_matvec_matches_the_dequantized_reference_for_every_weight_type() {
     let mut rng = Rng(41);
     let (rows, cols, n) = (24usize, 256usize, 3usize);
     let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+    // `dtype_code` in runtime/engine/src/cuda_forward.rs, `CustodyDType` in ops.cu.
     for (code, dtype) in [
-        DType::F32,
-        DType::F16,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q8_0,
-    ]
-    .into_iter()
-    .enumerate()
-    {
+        (0, DType::F32),
+        (1, DType::F16),
+        (2, DType::Q4_0),
+        (3, DType::Q4_1),
+        (4, DType::Q8_0),
+        (5, DType::Q5_0),
+        (6, DType::Q5_1),
+        (7, DType::Q4_K),
+        (8, DType::Q5_K),
+        (9, DType::Q6_K),
+        (10, DType::BF16),
+    ] {
         let w = weights(&mut rng, dtype, rows, cols);
         assert_eq!(
             w.len() as u64,
