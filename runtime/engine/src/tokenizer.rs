@@ -299,6 +299,13 @@ impl Tokenizer {
             .as_deref()
             .ok_or(TokenizerError::NoChatTemplate)?;
         let mut env = minijinja::Environment::new();
+        // As Hugging Face's `apply_chat_template` and llama-cpp-python's formatter build their
+        // Jinja environments: block tags take their line's newline and leading indentation.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        // The Python string and dict methods templates call (`.startswith`, `.strip`, `.items`).
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
         env.add_template("chat", src)?;
         let bos = self
             .bos_id
@@ -316,6 +323,15 @@ impl Tokenizer {
         })?;
         Ok(out)
     }
+}
+
+/// `raise_exception(msg)`, which templates call to refuse a conversation they cannot render
+/// (roles out of order): the render fails with the template's own message.
+fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
+    Err(minijinja::Error::new(
+        minijinja::ErrorKind::InvalidOperation,
+        msg,
+    ))
 }
 
 /// Incremental detokenizer for streaming: yields only complete UTF-8 text.

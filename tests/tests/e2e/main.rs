@@ -1,5 +1,6 @@
 //! End-to-end tests across Custody's crates, on the real embedded model.
 
+mod arch_models;
 mod audit;
 mod checkpoint;
 mod cli;
