@@ -17,11 +17,14 @@ pub mod matmul;
 pub mod ops;
 pub mod pack;
 pub mod par;
+pub mod q8k;
 pub mod quant;
 pub mod simd;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_kquant;
 #[cfg(target_arch = "x86_64")]
 mod x86_pack;
 

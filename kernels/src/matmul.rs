@@ -9,7 +9,8 @@
 //! stay in L1/L2 (weight reuse is what makes prefill faster per token than decode).
 
 use crate::pack::{GROUP_ROWS, PackedRows};
-use crate::quant::{self, BlockQ8, DType, QK};
+use crate::q8k::{self, BlockQ8K};
+use crate::quant::{self, Activations, BlockQ8, DType, QK, QK_K};
 use crate::simd::{self, Level};
 
 /// A borrowed weight matrix in its storage format.
@@ -71,6 +72,7 @@ pub struct QInput {
     n_tok: usize,
     cols: usize,
     q8: Vec<BlockQ8>,
+    q8k: Vec<BlockQ8K>,
     f: Vec<f32>,
 }
 
@@ -80,7 +82,18 @@ impl QInput {
         assert_eq!(x.len(), n_tok * cols, "QInput::prepare: shape mismatch");
         self.n_tok = n_tok;
         self.cols = cols;
-        if dtype.uses_q8_activations() {
+        if dtype.activations() == Activations::Q8K {
+            assert!(
+                cols.is_multiple_of(QK_K),
+                "Q8_K input width must be a multiple of {QK_K}"
+            );
+            self.q8k.resize(n_tok * cols / QK_K, BlockQ8K::default());
+            x.chunks(cols)
+                .zip(self.q8k.chunks_mut(cols / QK_K))
+                .for_each(|(xr, qr)| q8k::quantize_row_q8_k(xr, qr));
+            self.q8.clear();
+            self.f.clear();
+        } else if dtype.uses_q8_activations() {
             assert!(
                 cols.is_multiple_of(QK),
                 "quantized input width must be a multiple of {QK}"
@@ -117,9 +130,11 @@ impl QInput {
                     .zip(q8.chunks_mut(per_row))
                     .for_each(quantize);
             }
+            self.q8k.clear();
             self.f.clear();
         } else {
             self.q8.clear();
+            self.q8k.clear();
             self.f.clear();
             self.f.extend_from_slice(x);
         }
@@ -189,6 +204,25 @@ fn q8_dot_fn(dtype: DType) -> Q8Dot {
         };
     }
     scalar_q8_dot_fn(dtype)
+}
+
+type Q8KDot = fn(&[u8], &[BlockQ8K]) -> f32;
+
+/// The K-quant · Q8_K kernel of `dtype` (bit-identical to its scalar reference, `crate::q8k`).
+fn q8k_dot_fn(dtype: DType) -> Q8KDot {
+    #[cfg(target_arch = "x86_64")]
+    if simd::level() == Level::Avx2 {
+        return match dtype {
+            // SAFETY: the Avx2 level is only selected when avx2, fma and f16c were detected.
+            DType::Q4_K => |w, a| unsafe { crate::x86_kquant::dot_q4_k_q8k(w, a) },
+            // SAFETY: as above.
+            DType::Q5_K => |w, a| unsafe { crate::x86_kquant::dot_q5_k_q8k(w, a) },
+            // SAFETY: as above.
+            DType::Q6_K => |w, a| unsafe { crate::x86_kquant::dot_q6_k_q8k(w, a) },
+            _ => unreachable!("{dtype:?} does not use Q8_K activations"),
+        };
+    }
+    q8k::scalar_dot(dtype)
 }
 
 fn scalar_q8_dot_fn(dtype: DType) -> Q8Dot {
@@ -280,7 +314,20 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
         return;
     }
     let (rows, n_tok) = (w.rows, x.n_tok);
-    if w.dtype.uses_q8_activations() {
+    if w.dtype.activations() == Activations::Q8K {
+        let dot = q8k_dot_fn(w.dtype);
+        let per_row = w.cols / QK_K;
+        // Row by row, every token over one row while its weights are in L1.
+        for r in r0..r1 {
+            let wr = w.row(r);
+            for t in 0..n_tok {
+                let v = dot(wr, &x.q8k[t * per_row..(t + 1) * per_row]);
+                // SAFETY: t < n_tok, r < rows: in bounds of the output (n_tok × rows, asserted
+                // by the caller); parts' row ranges are disjoint.
+                unsafe { *p.get().add(t * rows + r) = v };
+            }
+        }
+    } else if w.dtype.uses_q8_activations() {
         let dot = q8_dot_fn(w.dtype);
         let dot4 = q8_dot4_fn(w.dtype);
         let dot4x4 = q8_dot4x4_fn(w.dtype);
@@ -401,7 +448,10 @@ fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
     let mut tmp = vec![0.0f32; w.cols];
     for t in 0..x.n_tok {
         for r in 0..w.rows {
-            out[t * w.rows + r] = if w.dtype.uses_q8_activations() {
+            out[t * w.rows + r] = if w.dtype.activations() == Activations::Q8K {
+                let per_row = w.cols / QK_K;
+                q8k::scalar_dot(w.dtype)(w.row(r), &x.q8k[t * per_row..(t + 1) * per_row])
+            } else if w.dtype.uses_q8_activations() {
                 let per_row = w.cols / QK;
                 scalar_q8_dot_fn(w.dtype)(w.row(r), &x.q8[t * per_row..(t + 1) * per_row])
             } else {
@@ -683,6 +733,51 @@ mod tests {
                     runs[0], runs[2],
                     "{dtype:?} {rows}x{cols} n={n_tok}: 3 threads"
                 );
+            }
+        }
+    }
+
+    /// The K-quants' int8 kernels (`crate::q8k`): what `matmul` runs equals the scalar
+    /// reference bit for bit, at 1, 2 and 3 threads, batched or one token at a time — with
+    /// activations at full scale (±127 after quantization) in some blocks.
+    #[test]
+    fn kquant_kernels_give_the_scalar_references_bits_at_any_thread_and_token_count() {
+        let mut seed = 31;
+        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+            for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 3), (70, 768, 9)] {
+                let wb = crate::q8k::tests::weights(dtype, rows * cols / QK_K, &mut seed);
+                let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");
+                let mut x = rand_f32(n_tok * cols, &mut seed);
+                x[..cols / 2].iter_mut().for_each(|v| *v = v.signum() * 3.0);
+                let mut qi = QInput::default();
+                qi.prepare(&x, n_tok, cols, dtype);
+                let mut want = vec![0.0; n_tok * rows];
+                matmul_scalar(&w, &qi, &mut want);
+                for threads in [1, 2, 3] {
+                    let pool = crate::par::ThreadPool::new(threads).expect("pool");
+                    let got = pool.install(|| {
+                        let mut got = vec![0.0; n_tok * rows];
+                        matmul(&w, &qi, &mut got);
+                        got
+                    });
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{dtype:?} {rows}x{cols} {threads}t"
+                    );
+                }
+                for t in 0..n_tok {
+                    let mut one = QInput::default();
+                    one.prepare(&x[t * cols..(t + 1) * cols], 1, cols, dtype);
+                    let mut o = vec![0.0; rows];
+                    matmul(&w, &one, &mut o);
+                    assert_eq!(
+                        &want[t * rows..(t + 1) * rows],
+                        &o[..],
+                        "{dtype:?} token {t}"
+                    );
+                }
             }
         }
     }

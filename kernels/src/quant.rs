@@ -118,13 +118,31 @@ impl DType {
         (elems / be).checked_mul(self.block_bytes() as u64)
     }
 
-    /// Whether a dot product with this weight type runs on int8-quantized activations.
-    pub const fn uses_q8_activations(self) -> bool {
-        matches!(
-            self,
-            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1
-        )
+    /// What a dot product with this weight type multiplies: the activations' format (ggml's
+    /// `vec_dot_type`, except F16/BF16 weights, which take f32 activations here).
+    pub const fn activations(self) -> Activations {
+        match self {
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 => Activations::Q8,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => Activations::Q8K,
+            DType::F32 | DType::F16 | DType::BF16 => Activations::F32,
+        }
     }
+
+    /// Whether a dot product with this weight type runs on int8 activations in 32-blocks.
+    pub const fn uses_q8_activations(self) -> bool {
+        matches!(self.activations(), Activations::Q8)
+    }
+}
+
+/// The format a weight type's dot products read their activations in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activations {
+    /// f32, as they are.
+    F32,
+    /// int8 in blocks of 32 with an f16-rounded scale (and sum): [`BlockQ8`].
+    Q8,
+    /// int8 in blocks of 256 with an f32 scale and 16-element sums: `crate::q8k::BlockQ8K`.
+    Q8K,
 }
 
 /// One block of 32 activations quantized to int8 (ggml's `block_q8_0`/`block_q8_1`).

@@ -27,14 +27,34 @@ back to bytes):
 The BPE vocabularies of llama3 and qwen2/qwen3 come from the same merges (trained on chunks with
 digit runs of 1-3, so '12' and '00' exist): the pre-tokenizers differ visibly on digits.
 
+Each model also has a mini sibling, committed in F32 (`<model>.F32.gguf`, no quantization step):
+the same architecture, vocabulary, tokenizer metadata, chat template, seed, kinds of tensors
+(rope_freqs, Q/K/V biases, Q/K norms + key_length) and tied/untied output, but embedding 64,
+head_dim 16 (same head and kv-head counts), 2 layers, and each file under ~450 KB:
+  llama-spm  4 heads / 2 kv, feed-forward 96 (untied)
+  llama3     4 heads / 1 kv, feed-forward 128, rope_freqs over 8 pairs
+  qwen2      4 heads / 2 kv, feed-forward 128, Q/K/V biases
+  qwen3      8 heads / 2 kv (Q 128 wide, embedding 64; key_length = value_length = 16), feed-forward
+             32 (untied: a narrow FFN keeps it under ~450 KB)
+With F32 weights llama.cpp's CPU backend multiplies F32 weights by F32 activations: no activation
+quantization (the quantized files' activations are rounded to Q8_0/Q8_K first) and no weight
+rounding, only F32 arithmetic and the default F16 KV cache. So an engine that implements the
+architecture exactly, with the same summation order, gives llama.cpp's logits bit for bit: the
+minis separate architecture bugs from quantization differences. (The F32 bases of the big models
+are ~4 MB each, too big to commit.)
+
 Weights: matrices ~N(0, g/sqrt(cols)) with g = 1, except g = 2 for attn_q/attn_k (sharp,
 position-dependent attention) and ffn_down, g = 4 for an untied output.weight (logit std ~4, so
 greedy margins are clear); norms 1 + N(0, 0.1) (q/k norms 1 + N(0, 0.3)); biases N(0, 0.3).
-Embeddings N(0, 1) when untied; when tied N(0, 0.05) with output_norm ~5 (a tied model with big
-embeddings keeps predicting its input token, or one fixed token, over and over).
+Embeddings N(0, 1) when untied; when tied N(0, 0.05 * sqrt(256 / n_embd)) (0.05 for the big
+models, 0.1 for the minis: the logit std, ~output_norm * std * sqrt(n_embd), stays ~4) with
+output_norm ~5 (a tied model with big embeddings keeps predicting its input token, or one fixed
+token, over and over). rope_freqs (llama3): 1 for the fastest quarter of the rotary pairs, then
+rising linearly to 8.
 
 The F32 base models go to ~/.cache/custody/arch/ (not committed); llama.cpp's own quantizer
-(`llama_model_quantize`) writes tests/fixtures/arch/<model>.<TYPE>.gguf, and beside each:
+(`llama_model_quantize`) writes tests/fixtures/arch/<model>.<TYPE>.gguf, the mini F32 model is
+written directly as tests/fixtures/arch/<model>.F32.gguf (TYPE F32, ftype 0), and beside each:
   <model>.<TYPE>.json  sha256, prompt ids (llama.cpp's tokenization, default BOS handling) +
                        llama.cpp's greedy continuation, argmax and top1-top2 margin per position
   <model>.<TYPE>.npy   llama.cpp's teacher-forced logits at every position, float32 [n, vocab]
@@ -47,7 +67,8 @@ and per model:
 The logits are one batch evaluation (`llm.eval(ids)`); the continuation comes from llama.cpp's
 token-by-token decoding, whose logits on K-quant files differed from the batch ones by up to ~0.4
 here (Q8_0/Q5_0: identical), so a continuation token need not be the batch argmax where margins are
-small.
+small. The tokenize/chat fixtures come from the first quantized file (the minis share its
+vocabulary and template).
 """
 import ctypes, hashlib, json, re
 from collections import Counter
@@ -616,6 +637,13 @@ docstring). CI never regenerates them; to regenerate (llama-cpp-python needed):
 
 - `<model>.<TYPE>.gguf`: a 2-layer model quantized by llama.cpp's `llama_model_quantize`
   (models: llama-spm, llama3, qwen2, qwen3).
+- `<model>.F32.gguf` (TYPE F32, ftype 0): a mini sibling of each model, all tensors F32, written
+  directly (no quantization): same architecture, vocabulary, tokenizer metadata, chat template,
+  kinds of tensors (rope_freqs, Q/K/V biases, Q/K norms) and tied/untied output, but embedding
+  64, head_dim 16, 2 layers, ~380-450 KB. llama.cpp multiplies F32 weights by F32 activations
+  (no activation quantization, no weight rounding), so an engine that implements the
+  architecture exactly gives its logits bit for bit: these separate architecture bugs from
+  quantization differences.
 - `<model>.<TYPE>.json`: sha256 of the .gguf, prompt + greedy continuation ids (`ids`,
   `n_prompt`), llama.cpp's argmax and top1-top2 margin at every position (flash attention off).
 - `<model>.<TYPE>.npy`: llama.cpp's logits at every position of `ids`, float32 [len(ids), vocab].

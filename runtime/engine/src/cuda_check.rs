@@ -55,14 +55,19 @@ pub fn load(synthetic: &Synthetic) -> Result<Model, CheckError> {
 }
 
 /// The stated tolerance on max |Δlogit| / max |logit|: the float types' activations are f32 on
-/// both backends (only summation order differs); the quantized types' are Q8 on the CPU and
-/// f32 on the device.
+/// both backends (only summation order differs); the quantized types' are int8 on the CPU (Q8,
+/// Q8_K) and f32 on the device.
 pub fn tolerance(dtype: DType) -> f32 {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => 1e-3,
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 => 3e-2,
-        // Dequantized to f32 on the CPU too (no quantized-activation kernel yet).
-        DType::Q4_K | DType::Q5_K | DType::Q6_K => 1e-3,
+        DType::Q4_0
+        | DType::Q4_1
+        | DType::Q8_0
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K => 3e-2,
     }
 }
 

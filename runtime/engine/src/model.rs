@@ -260,9 +260,8 @@ fn project(
     cols: usize,
     jobs: &mut [(QMatrix<'_>, &mut [f32])],
 ) {
-    let q8 = |w: &QMatrix<'_>| w.dtype.uses_q8_activations();
-    let first = q8(&jobs[0].0);
-    if jobs.iter().all(|(w, _)| q8(w) == first) {
+    let first = jobs[0].0.dtype.activations();
+    if jobs.iter().all(|(w, _)| w.dtype.activations() == first) {
         qin.prepare(x, n, cols, jobs[0].0.dtype);
         matmul_many(jobs, qin);
         return;
