@@ -88,9 +88,29 @@ impl QInput {
                 "Q8_K input width must be a multiple of {QK_K}"
             );
             self.q8k.resize(n_tok * cols / QK_K, BlockQ8K::default());
-            x.chunks(cols)
-                .zip(self.q8k.chunks_mut(cols / QK_K))
-                .for_each(|(xr, qr)| q8k::quantize_row_q8_k(xr, qr));
+            let per_row = cols / QK_K;
+            if n_tok >= 16 && crate::par::current_num_threads() > 1 {
+                let out = OutPtr(self.q8k.as_mut_ptr());
+                crate::par::run(&|part, parts| {
+                    let rows = crate::par::split(n_tok, part, parts, 1);
+                    // SAFETY: parts' row ranges are disjoint and within `n_tok` rows of
+                    // `per_row` blocks (resized above); the buffer outlives the section.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            out.get().add(rows.start * per_row),
+                            rows.len() * per_row,
+                        )
+                    };
+                    x[rows.start * cols..rows.end * cols]
+                        .chunks(cols)
+                        .zip(dst.chunks_mut(per_row))
+                        .for_each(|(xr, qr)| q8k::quantize_row_q8_k(xr, qr));
+                });
+            } else {
+                x.chunks(cols)
+                    .zip(self.q8k.chunks_mut(per_row))
+                    .for_each(|(xr, qr)| q8k::quantize_row_q8_k(xr, qr));
+            }
             self.q8.clear();
             self.f.clear();
         } else if dtype.uses_q8_activations() {
@@ -315,18 +335,7 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
     }
     let (rows, n_tok) = (w.rows, x.n_tok);
     if w.dtype.activations() == Activations::Q8K {
-        let dot = q8k_dot_fn(w.dtype);
-        let per_row = w.cols / QK_K;
-        // Row by row, every token over one row while its weights are in L1.
-        for r in r0..r1 {
-            let wr = w.row(r);
-            for t in 0..n_tok {
-                let v = dot(wr, &x.q8k[t * per_row..(t + 1) * per_row]);
-                // SAFETY: t < n_tok, r < rows: in bounds of the output (n_tok × rows, asserted
-                // by the caller); parts' row ranges are disjoint.
-                unsafe { *p.get().add(t * rows + r) = v };
-            }
-        }
+        run_rows_q8k(w, x, p, r0, r1);
     } else if w.dtype.uses_q8_activations() {
         let dot = q8_dot_fn(w.dtype);
         let dot4 = q8_dot4_fn(w.dtype);
@@ -395,6 +404,58 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
                 // SAFETY: as above — in bounds, disjoint rows per task.
                 unsafe { *p.get().add(t * rows + r) = v };
             }
+        }
+    }
+}
+
+/// Rows `r0..r1` of a K-quant matrix for every token: row by row, every token over one row
+/// while its weights are in L1 — four tokens per weight decode where the 512-bit kernels run.
+fn run_rows_q8k(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
+    let (rows, n_tok, per_row) = (w.rows, x.n_tok, w.cols / QK_K);
+    let act = |t: usize| &x.q8k[t * per_row..(t + 1) * per_row];
+    let store = |t0: usize, r: usize, vals: &[f32]| {
+        for (j, v) in vals.iter().enumerate() {
+            // SAFETY: t0 + j < n_tok, r < rows: in bounds of the output (n_tok × rows,
+            // asserted by `matmul_many`); parts' row ranges are disjoint.
+            unsafe { *p.get().add((t0 + j) * rows + r) = *v };
+        }
+    };
+    #[cfg(target_arch = "x86_64")]
+    if simd::has_vnni512() {
+        use crate::x86_kquant::dot_kquant_512 as k;
+        let d = w.dtype;
+        for r in r0..r1 {
+            let wr = w.row(r);
+            for t in (0..n_tok).step_by(4) {
+                // SAFETY (each call): has_vnni512 checked avx2/fma/f16c and AVX-512
+                // F/BW/VL/VNNI at run time.
+                let mut vals = [0.0f32; 4];
+                let n = (n_tok - t).min(4);
+                match n {
+                    // SAFETY: as above.
+                    1 => vals[..1].copy_from_slice(&unsafe { k::<1>(d, wr, [act(t)]) }),
+                    // SAFETY: as above.
+                    2 => vals[..2].copy_from_slice(&unsafe { k::<2>(d, wr, [act(t), act(t + 1)]) }),
+                    3 => vals[..3].copy_from_slice(
+                        // SAFETY: as above.
+                        &unsafe { k::<3>(d, wr, [act(t), act(t + 1), act(t + 2)]) },
+                    ),
+                    _ => {
+                        // SAFETY: as above.
+                        vals =
+                            unsafe { k::<4>(d, wr, [act(t), act(t + 1), act(t + 2), act(t + 3)]) }
+                    }
+                }
+                store(t, r, &vals[..n]);
+            }
+        }
+        return;
+    }
+    let dot = q8k_dot_fn(w.dtype);
+    for r in r0..r1 {
+        let wr = w.row(r);
+        for t in 0..n_tok {
+            store(t, r, &[dot(wr, act(t))]);
         }
     }
 }
@@ -744,7 +805,7 @@ mod tests {
     fn kquant_kernels_give_the_scalar_references_bits_at_any_thread_and_token_count() {
         let mut seed = 31;
         for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
-            for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 3), (70, 768, 9)] {
+            for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 3), (70, 768, 9), (9, 256, 6)] {
                 let wb = crate::q8k::tests::weights(dtype, rows * cols / QK_K, &mut seed);
                 let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");
                 let mut x = rand_f32(n_tok * cols, &mut seed);
@@ -753,6 +814,15 @@ mod tests {
                 qi.prepare(&x, n_tok, cols, dtype);
                 let mut want = vec![0.0; n_tok * rows];
                 matmul_scalar(&w, &qi, &mut want);
+                // The one-row kernel (AVX2 where the 512-bit ones do not run) as well.
+                let per_row = cols / QK_K;
+                for t in 0..n_tok {
+                    for r in 0..rows {
+                        let a = &qi.q8k[t * per_row..(t + 1) * per_row];
+                        let one = q8k_dot_fn(dtype)(w.row(r), a);
+                        assert_eq!(one.to_bits(), want[t * rows + r].to_bits(), "{dtype:?}");
+                    }
+                }
                 for threads in [1, 2, 3] {
                     let pool = crate::par::ThreadPool::new(threads).expect("pool");
                     let got = pool.install(|| {

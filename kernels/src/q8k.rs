@@ -67,13 +67,23 @@ pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
         }
         let iscale = -127.0 / max;
         for (q, &v) in blk.qs.iter_mut().zip(chunk) {
-            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+            *q = nearest_int(iscale * v).min(127) as i8;
         }
         for (s, q) in blk.bsums.iter_mut().zip(blk.qs.chunks_exact(16)) {
             *s = q.iter().map(|&v| i16::from(v)).sum();
         }
         blk.d = 1.0 / iscale;
     }
+}
+
+/// ggml's `nearest_int`: round to nearest, ties to even, for |v| ≤ 2^22 (here |v| ≤ 127.5),
+/// by the float adder itself (adding 1.5 · 2^23 leaves the rounded integer in the low
+/// mantissa bits) — no libm call, and the compiler vectorises the loop.
+#[inline(always)]
+fn nearest_int(v: f32) -> i32 {
+    debug_assert!(v.abs() <= 4_194_303.0);
+    let bits = (v + 12_582_912.0).to_bits() as i32;
+    (bits & 0x007f_ffff) - 0x0040_0000
 }
 
 /// A super-block's exact integer sums: `s` (quants × activations, scaled) and `m` (the mins'
@@ -261,6 +271,17 @@ pub(crate) mod tests {
             }
         }
         w
+    }
+
+    #[test]
+    fn nearest_int_rounds_ties_to_even_as_round_ties_even() {
+        for i in -2600..=2600 {
+            let v = i as f32 * 0.05;
+            assert_eq!(nearest_int(v), v.round_ties_even() as i32, "{v}");
+        }
+        for v in [0.5f32, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -127.5, 127.49999] {
+            assert_eq!(nearest_int(v), v.round_ties_even() as i32, "{v}");
+        }
     }
 
     #[test]

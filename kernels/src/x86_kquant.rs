@@ -7,7 +7,7 @@ use core::arch::x86_64::*;
 
 use crate::kquant::scale_min_k4;
 use crate::q8k::{BlockQ8K, BlockSums, accumulate, mins_term, q6_offset_term};
-use crate::quant::f16_at;
+use crate::quant::{DType, f16_at};
 
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -134,4 +134,199 @@ pub(crate) fn dot_q6_k_q8k(w: &[u8], a: &[BlockQ8K]) -> f32 {
         };
         (f16_at(b, 208), 0.0, sums, x.d)
     }))
+}
+
+// ---- AVX-512 (F, BW, VNNI): 64 elements per instruction, one to four tokens per weight decode.
+
+/// A K-quant super-block decoded for `maddubs`: four chunks of 64 unsigned quants, chunk `c`
+/// against activations `64c .. 64c + 64`, and per chunk the 32 i16 scales of its `maddubs`
+/// pairs (pair `p` covers elements `2p, 2p+1`).
+struct Decoded {
+    q: [__m512i; 4],
+    sc: [__m512i; 4],
+    /// Per activation `bsums[g]` (16-element group `g`), its i16 weight in the block's second
+    /// integer: Q4_K/Q5_K: the group's sub-block min (`M = Σ m · bsums`); Q6_K: −32 · its
+    /// scale, folded into `S` (the offset of the unsigned 6-bit values).
+    bsum_weights: __m256i,
+    /// Q6_K: `bsum_weights` belong to `S` (no `M`).
+    fold_into_s: bool,
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn join(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn load64_i8(p: &[i8]) -> __m512i {
+    assert!(p.len() >= 64);
+    // SAFETY: at least 64 bytes are readable at `p` (asserted); the load is unaligned.
+    unsafe { _mm512_loadu_si512(p.as_ptr().cast()) }
+}
+
+/// A Q4_K (`qh` = None) or Q5_K block: chunk `c` is the low nibbles of bytes `32c..32c+32`
+/// (sub-block 2c) then their high nibbles (2c+1), the fifth bits OR-ed in for Q5_K.
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+fn decode_qk45(scales: &[u8], qh: Option<&[u8]>, qs: &[u8]) -> Decoded {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let one = _mm256_set1_epi8(1);
+    let hbits = qh.map(|h| load32(h));
+    let pairs: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, scales));
+    let mins: [i16; 16] = std::array::from_fn(|g| i16::from(pairs[g / 2].1));
+    let mut d = Decoded {
+        q: [_mm512_setzero_si512(); 4],
+        sc: [_mm512_setzero_si512(); 4],
+        // SAFETY: 16 i16 are 32 bytes.
+        bsum_weights: unsafe { _mm256_loadu_si256(mins.as_ptr().cast()) },
+        fold_into_s: false,
+    };
+    for c in 0..4 {
+        let b = load32(&qs[32 * c..]);
+        let mut lo = _mm256_and_si256(b, m4);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(b), m4);
+        if let Some(h) = hbits {
+            let shifted = _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c as i32));
+            let b0 = _mm256_and_si256(shifted, one);
+            let b1 = _mm256_and_si256(_mm256_srli_epi16::<1>(shifted), one);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(b0));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(b1));
+        }
+        let (sc0, sc1) = (pairs[2 * c].0, pairs[2 * c + 1].0);
+        d.q[c] = join(lo, hi);
+        d.sc[c] = join(
+            _mm256_set1_epi16(i16::from(sc0)),
+            _mm256_set1_epi16(i16::from(sc1)),
+        );
+    }
+    d
+}
+
+/// For chunk `c` of a Q6_K block, the group (of 16 elements) of each `maddubs` pair: pairs
+/// `8k .. 8k+8` are elements `16k .. 16k+16` of the chunk, group `4c + k`.
+static Q6_GROUP_OF_PAIR: [[i16; 32]; 4] = {
+    let mut t = [[0i16; 32]; 4];
+    let mut c = 0;
+    while c < 4 {
+        let mut p = 0;
+        while p < 32 {
+            t[c][p] = (4 * c + p / 8) as i16;
+            p += 1;
+        }
+        c += 1;
+    }
+    t
+};
+
+/// A Q6_K block: chunk `2h + p` is quarters `2p, 2p+1` of half `h` (the activations' order).
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+fn decode_q6k(b: &[u8]) -> Decoded {
+    let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(3);
+    // SAFETY: `sc` is 16 bytes.
+    let scales = unsafe { _mm_loadu_si128(sc.as_ptr().cast()) };
+    let sc16 = _mm256_cvtepi8_epi16(scales);
+    let mut d = Decoded {
+        q: [_mm512_setzero_si512(); 4],
+        sc: [_mm512_setzero_si512(); 4],
+        // |scale| ≤ 128, so −32 · scale fits an i16.
+        bsum_weights: _mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)),
+        fold_into_s: true,
+    };
+    let sc16 = _mm512_castsi256_si512(sc16);
+    for half in 0..2 {
+        let ql0 = load32(&ql[64 * half..]);
+        let ql1 = load32(&ql[64 * half + 32..]);
+        let h = load32(&qh[32 * half..]);
+        let lo = [
+            _mm256_and_si256(ql0, m4),
+            _mm256_and_si256(ql1, m4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+        ];
+        let mut q = [_mm256_setzero_si256(); 4];
+        for k in 0..4 {
+            let hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * k as i32)), m2);
+            q[k] = _mm256_or_si256(lo[k], _mm256_slli_epi16::<4>(hi));
+        }
+        for p in 0..2 {
+            let c = 2 * half + p;
+            d.q[c] = join(q[2 * p], q[2 * p + 1]);
+            // SAFETY: each table row is 32 i16 = 64 bytes.
+            let idx = unsafe { _mm512_loadu_si512(Q6_GROUP_OF_PAIR[c].as_ptr().cast()) };
+            d.sc[c] = _mm512_permutexvar_epi16(idx, sc16);
+        }
+    }
+    d
+}
+
+/// Each token's [`BlockSums`]: `S = Σ_c Σ_pairs maddubs(q_c, a_c) · sc_c` (for Q6_K with
+/// `−32 · Σ sc_g · bsums[g]` folded in) and `M = Σ_g min_g · bsums[g]` (Q4_K/Q5_K).
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vnni")]
+fn block_sums<const T: usize>(d: &Decoded, a: [&BlockQ8K; T]) -> [BlockSums; T] {
+    let mut out = [BlockSums { s: 0, m: 0 }; T];
+    for t in 0..T {
+        // SAFETY: `bsums` is 16 i16 = 32 bytes.
+        let bsums = unsafe { _mm256_loadu_si256(a[t].bsums.as_ptr().cast()) };
+        let mut acc = _mm512_setzero_si512();
+        for c in 0..4 {
+            let p = _mm512_maddubs_epi16(d.q[c], load64_i8(&a[t].qs[64 * c..]));
+            acc = _mm512_dpwssd_epi32(acc, p, d.sc[c]);
+        }
+        let weighted = _mm256_madd_epi16(bsums, d.bsum_weights);
+        out[t] = if d.fold_into_s {
+            let acc = _mm512_add_epi32(acc, _mm512_castsi256_si512(weighted));
+            BlockSums {
+                s: _mm512_reduce_add_epi32(acc),
+                m: 0,
+            }
+        } else {
+            BlockSums {
+                s: _mm512_reduce_add_epi32(acc),
+                m: hsum_i32(weighted),
+            }
+        };
+    }
+    out
+}
+
+/// One K-quant row · `T` tokens' Q8_K activations (1 ≤ T ≤ 4), each token's result the
+/// scalar reference's bits (`crate::q8k`: same integers, same float steps in the same order).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+pub(crate) fn dot_kquant_512<const T: usize>(
+    dtype: DType,
+    w: &[u8],
+    a: [&[BlockQ8K]; T],
+) -> [f32; T] {
+    let bb = dtype.block_bytes();
+    let n = w.len() / bb;
+    assert!(w.len() == n * bb && a.iter().all(|x| x.len() == n));
+    let (mut acc, mut accm) = ([0.0f32; T], [0.0f32; T]);
+    for (i, b) in w.chunks_exact(bb).enumerate() {
+        let x: [&BlockQ8K; T] = std::array::from_fn(|t| &a[t][i]);
+        let (d, dmin, sums) = match dtype {
+            DType::Q4_K => {
+                let dec = decode_qk45(&b[4..16], None, &b[16..144]);
+                (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x))
+            }
+            DType::Q5_K => {
+                let dec = decode_qk45(&b[4..16], Some(&b[16..48]), &b[48..176]);
+                (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x))
+            }
+            DType::Q6_K => (f16_at(b, 208), 0.0, block_sums(&decode_q6k(b), x)),
+            _ => unreachable!("{dtype:?} is not a K-quant"),
+        };
+        for t in 0..T {
+            let s = sums[t];
+            // `crate::q8k::accumulate`'s two steps, token by token.
+            acc[t] = (d * x[t].d).mul_add(s.s as f32, acc[t]);
+            accm[t] = (dmin * x[t].d).mul_add(s.m as f32, accm[t]);
+        }
+    }
+    std::array::from_fn(|t| acc[t] - accm[t])
 }
