@@ -95,8 +95,21 @@ impl GgufWriter {
         Self::default()
     }
 
+    /// Set `key` (replacing an earlier value of it: a GGUF names each key once).
     pub fn meta(&mut self, key: &str, v: Value) -> &mut Self {
+        self.metadata.retain(|(k, _)| k != key);
         self.metadata.push((key.to_owned(), v));
+        self
+    }
+
+    /// Move every key under `from` (e.g. `llama.`) to `to` (`qwen2.`): the same model as
+    /// another architecture declares it.
+    pub fn rename_meta_prefix(&mut self, from: &str, to: &str) -> &mut Self {
+        for (k, _) in &mut self.metadata {
+            if let Some(rest) = k.strip_prefix(from) {
+                *k = format!("{to}{rest}");
+            }
+        }
         self
     }
 

@@ -2,10 +2,11 @@
 //! be irrelevant to its output; anything else is refused at load, by name.
 //!
 //! Why: a GGUF is a bag of named tensors and keys. An engine that ignores a tensor it does not
-//! know (a Qwen 2 QKV bias, Qwen 3's per-head Q/K norms) or a key that
-//! changes the arithmetic (`rope.scaling.type = yarn`) still loads the file and generates
-//! fluent, plausible, wrong text, with no warning. Refusing is the only safe answer until the
-//! engine implements what the file asks for.
+//! read for the declared architecture (a QKV bias in a `llama` file, per-head Q/K norms where
+//! the spec has none) or a key that changes the arithmetic (`rope.scaling.type = yarn`) still
+//! loads the file and generates fluent, plausible, wrong text, with no warning. Refusing is
+//! the only safe answer until the engine implements what the file asks for. What a file may
+//! carry is its architecture's [`super::arch::ArchSpec`]: Llama's tensors plus the spec's own.
 
 use std::collections::BTreeSet;
 
@@ -66,9 +67,9 @@ const TOKENIZER_KEYS: &[&str] = &[
 /// Why a tensor the forward pass does not read matters, for the tensors people meet.
 fn tensor_hint(name: &str) -> &'static str {
     if name.ends_with(".bias") {
-        "a bias (Qwen 2 style QKV bias) the forward pass would not add"
+        "a bias this architecture's layers do not have (Q/K/V biases are read for qwen2)"
     } else if name.contains("attn_q_norm") || name.contains("attn_k_norm") {
-        "a per-head Q/K RMSNorm (Qwen 3) the forward pass would not apply"
+        "a per-head Q/K RMSNorm this architecture does not have (read for qwen3)"
     } else {
         "a tensor this architecture's forward pass does not read"
     }
@@ -198,9 +199,9 @@ mod tests {
     #[test]
     fn an_unread_tensor_is_refused_by_name() {
         for (name, hint) in [
-            ("blk.0.attn_q.bias", "bias"),
+            ("blk.0.attn_q.bias", "read for qwen2"),
             ("blk.0.ffn_gate_inp.weight", "does not read"),
-            ("blk.1.attn_k_norm.weight", "Qwen 3"),
+            ("blk.1.attn_k_norm.weight", "read for qwen3"),
             ("blk.0.mystery.weight", "does not read"),
         ] {
             let mut w = synthetic();
@@ -240,6 +241,37 @@ mod tests {
         w.tensor(super::super::ROPE_FREQS, 1, 3, DType::F32, &[1.0; 3]);
         let err = load(&w).expect_err("3 factors for 8 pairs").to_string();
         assert!(err.contains("rope_freqs"), "{err}");
+    }
+
+    /// An architecture with no spec is refused naming it and the supported ones — before any
+    /// tensor is read, whatever its tensors look like.
+    #[test]
+    fn an_unknown_architecture_is_refused_by_name() {
+        for arch in ["gemma3", "phi3", "qwen2moe", "mamba"] {
+            let mut w = synthetic();
+            w.meta("general.architecture", Value::String(arch.into()));
+            let err = load(&w).expect_err(arch).to_string();
+            assert!(
+                err.contains(arch) && err.contains("llama, mistral, qwen2, qwen3"),
+                "{arch}: {err}"
+            );
+        }
+    }
+
+    /// A spec's extra tensors are required: a qwen2 file without its biases, or a qwen3 file
+    /// without its Q/K norms, is refused naming the missing tensor (not run without them).
+    #[test]
+    fn an_architectures_own_tensors_are_required() {
+        for (arch, missing) in [
+            ("qwen2", "blk.0.attn_q.bias"),
+            ("qwen3", "blk.0.attn_q_norm"),
+        ] {
+            let mut w = synthetic();
+            w.meta("general.architecture", Value::String(arch.into()))
+                .rename_meta_prefix("llama.", &format!("{arch}."));
+            let err = load(&w).expect_err(arch).to_string();
+            assert!(err.contains(missing), "{arch}: {err}");
+        }
     }
 
     #[test]
