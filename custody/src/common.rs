@@ -37,7 +37,7 @@ pub(crate) struct AuditArgs {
 
 #[derive(Args, Debug)]
 pub(crate) struct Common {
-    /// GGUF model (any Llama-family model); default: config's model.path, else the embedded one.
+    /// GGUF model (architectures llama, qwen2, qwen3: README "Models"); default: config's model.path, else the embedded one.
     #[arg(long)]
     pub(crate) model: Option<PathBuf>,
     /// Node configuration (TOML).

@@ -1,4 +1,5 @@
-//! The Llama-family model: configuration and weights from GGUF, and the batched forward pass
+//! The model — Llama and the variants `model/arch.rs` describes: configuration and weights from
+//! GGUF, and the batched forward pass
 //! over the tagged KV page pool.
 //!
 //! One forward call runs a batch of *segments* — each a run of consecutive tokens of one sequence
