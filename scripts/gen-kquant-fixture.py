@@ -25,6 +25,10 @@ TYPES = {
     T.Q5_K: (176, 256, [0, 2]),
     T.Q6_K: (210, 256, [208]),
     T.BF16: (2, 1, []),
+    # Appended after BF16: the types draw from one random stream in this order, so new types go
+    # last and the files of the earlier ones stay byte-identical.
+    T.Q2_K: (84, 256, [80, 82]),  # scales[16] qs[64] d dmin
+    T.Q3_K: (110, 256, [108]),  # hmask[32] qs[64] scales[12] d
 }
 N_BLOCKS = {T.BF16: 512}
 

@@ -105,7 +105,7 @@ extern "C" __global__ void custody_softmax(float* x, custody_u32 n) {
 enum CustodyDType {
     CUSTODY_F32 = 0, CUSTODY_F16 = 1, CUSTODY_Q4_0 = 2, CUSTODY_Q4_1 = 3, CUSTODY_Q8_0 = 4,
     CUSTODY_Q5_0 = 5, CUSTODY_Q5_1 = 6, CUSTODY_Q4_K = 7, CUSTODY_Q5_K = 8, CUSTODY_Q6_K = 9,
-    CUSTODY_BF16 = 10
+    CUSTODY_BF16 = 10, CUSTODY_Q2_K = 11, CUSTODY_Q3_K = 12
 };
 
 __device__ __forceinline__ float custody_le_half(const unsigned char* p) {
@@ -148,6 +148,34 @@ __device__ __forceinline__ float custody_qk45(const unsigned char* b, const unsi
     if (hbits) q += (hbits[l] >> sub) & 1 ? 16 : 0;
     const float d1 = custody_le_half(b) * (float)sc, m1 = custody_le_half(b + 2) * (float)m;
     return d1 * (float)q - m1;
+}
+
+// The 2-bit field of element k (< 256) of a Q2_K/Q3_K block's 64 quant bytes: element
+// 128n + 32j + 16c + l is bits 2j..2j+2 of qs[32n + 16c + l].
+__device__ __forceinline__ custody_u32 custody_q2(const unsigned char* qs, custody_u32 k) {
+    const custody_u32 n = k / 128, j = (k / 32) % 4, c = (k / 16) % 2, l = k % 16;
+    return (qs[32 * n + 16 * c + l] >> (2 * j)) & 3;
+}
+
+// Element k of a Q2_K block (scales[16], qs[64], f16 d, f16 dmin): (d·sc)·q − dmin·m.
+__device__ __forceinline__ float custody_q2k(const unsigned char* b, custody_u32 k) {
+    const custody_u32 g = b[k / 16];
+    const float dl = custody_le_half(b + 80) * (float)(g & 0xf);
+    const float ml = custody_le_half(b + 82) * (float)(g >> 4);
+    return dl * (float)custody_q2(b + 16, k) - ml;
+}
+
+// Element k of a Q3_K block (hmask[32], qs[64], 12 bytes of 6-bit scales, f16 d):
+// (d·(sc − 32))·(q2 − 4 where the high bit 4n + j of hmask[16c + l] is clear).
+__device__ __forceinline__ float custody_q3k(const unsigned char* b, custody_u32 k) {
+    const custody_u32 n = k / 128, j = (k / 32) % 4, c = (k / 16) % 2, l = k % 16, g = k / 16;
+    const unsigned char* s = b + 96;
+    const custody_u32 lo = g < 8 ? (s[g % 8] & 0xf) : (s[g % 8] >> 4);
+    const custody_u32 hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+    const int sc = (int)(lo | (hi << 4)) - 32;
+    const int high = (b[16 * c + l] >> (4 * n + j)) & 1;
+    const int q = (int)custody_q2(b + 32, k) - (high ? 0 : 4);
+    return (custody_le_half(b + 108) * (float)sc) * (float)q;
 }
 
 // Element k (< 256) of a Q6_K super-block: ql[128], qh[64], 16 i8 scales, f16 d.
@@ -205,6 +233,10 @@ __device__ __forceinline__ float custody_weight(const unsigned char* w, custody_
         }
         case CUSTODY_Q6_K:
             return custody_q6k(w + ((custody_u64)row * (cols / 256) + k / 256) * 210, k % 256);
+        case CUSTODY_Q2_K:
+            return custody_q2k(w + ((custody_u64)row * (cols / 256) + k / 256) * 84, k % 256);
+        case CUSTODY_Q3_K:
+            return custody_q3k(w + ((custody_u64)row * (cols / 256) + k / 256) * 110, k % 256);
         case CUSTODY_BF16: {
             const unsigned char* p = w + ((custody_u64)row * cols + k) * 2;
             return __uint_as_float(((custody_u32)p[0] | ((custody_u32)p[1] << 8)) << 16);

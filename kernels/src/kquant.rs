@@ -17,6 +17,13 @@
 //!   low or high nibble of `ql[l]` / `ql[l + 32]` with bits `2k..2k+2` of `qh[l]` on top, minus
 //!   32, scaled by `d · scales[l / 16 + 2k]`.
 //! - BF16 (2 bytes): the upper 16 bits of an f32.
+//! - Q2_K (84 bytes / 256): 16 bytes of (4-bit scale | 4-bit min << 4), one per 16-element
+//!   group, 64 bytes `qs` of 2-bit quants, f16 `d`, f16 `dmin`. Element `e = 128n + 32j + 16k +
+//!   l` (group `g = e / 16`) is `(qs[32n + 16k + l] >> 2j) & 3`; value = `(d·sc_g) · q −
+//!   dmin·m_g`.
+//! - Q3_K (110 bytes / 256): 32 bytes `hmask`, 64 bytes `qs`, 12 bytes packing sixteen 6-bit
+//!   scales ([`scales_q3_k`]), f16 `d`. Element `e` as Q2_K's, minus 4 where bit `4n + j` of
+//!   `hmask[16k + l]` is clear; value = `(d·(sc_g − 32)) · q`.
 //!
 //! Float operations are the ones written above, each rounded once, in that order (no fused
 //! multiply-add) — what the PyPI `gguf` package's reference dequantizers compute, which the
@@ -59,6 +66,8 @@ pub(crate) fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
         DType::Q4_K => q4_k(src, out),
         DType::Q5_K => q5_k(src, out),
         DType::Q6_K => q6_k(src, out),
+        DType::Q2_K => q2_k(src, out),
+        DType::Q3_K => q3_k(src, out),
         DType::BF16 => {
             for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
                 *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
@@ -174,6 +183,61 @@ fn q5_k(src: &[u8], out: &mut [f32]) {
     }
 }
 
+/// A Q3_K block's sixteen 6-bit scales (before the −32 offset), unpacked from its 12 bytes as
+/// ggml's `kmask` shuffle does: scale `j` takes its low 4 bits from the low (j < 8) or high
+/// nibble of byte `j % 8`, its high 2 bits from bits `2·(j / 4)` of byte `8 + j % 4`.
+#[inline]
+pub fn scales_q3_k(b: &[u8]) -> [u8; 16] {
+    std::array::from_fn(|j| {
+        let lo = if j < 8 {
+            b[j % 8] & 0x0f
+        } else {
+            b[j % 8] >> 4
+        };
+        let hi = (b[8 + j % 4] >> (2 * (j / 4))) & 3;
+        lo | (hi << 4)
+    })
+}
+
+/// The 2-bit quant of element `e` of a Q2_K/Q3_K block (`qs`: its 64 quant bytes).
+#[inline]
+pub(crate) fn q2_at(qs: &[u8], e: usize) -> u8 {
+    let (n, j, k, l) = (e / 128, (e / 32) % 4, (e / 16) % 2, e % 16);
+    (qs[32 * n + 16 * k + l] >> (2 * j)) & 3
+}
+
+/// Whether the high bit of element `e` of a Q3_K block is set (`hmask`: its 32 bytes).
+#[inline]
+pub(crate) fn q3_high_at(hmask: &[u8], e: usize) -> bool {
+    let (n, j, k, l) = (e / 128, (e / 32) % 4, (e / 16) % 2, e % 16);
+    hmask[16 * k + l] & (1 << (4 * n + j)) != 0
+}
+
+fn q2_k(src: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(QK_K).zip(src.chunks_exact(84)) {
+        let (sc, qs) = (&b[0..16], &b[16..80]);
+        let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+        for (e, v) in o.iter_mut().enumerate() {
+            let g = sc[e / 16];
+            let (dl, ml) = (d * f32::from(g & 0x0f), dmin * f32::from(g >> 4));
+            *v = dl * f32::from(q2_at(qs, e)) - ml;
+        }
+    }
+}
+
+fn q3_k(src: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(QK_K).zip(src.chunks_exact(110)) {
+        let (hmask, qs) = (&b[0..32], &b[32..96]);
+        let scales = scales_q3_k(&b[96..108]);
+        let d = f16_at(b, 108);
+        for (e, v) in o.iter_mut().enumerate() {
+            let dl = d * f32::from(i16::from(scales[e / 16]) - 32);
+            let q = i16::from(q2_at(qs, e)) - if q3_high_at(hmask, e) { 0 } else { 4 };
+            *v = dl * f32::from(q);
+        }
+    }
+}
+
 fn q6_k(src: &[u8], out: &mut [f32]) {
     for (o, b) in out.chunks_exact_mut(QK_K).zip(src.chunks_exact(210)) {
         let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
@@ -225,6 +289,8 @@ mod tests {
             (DType::Q5_K, "Q5_K"),
             (DType::Q6_K, "Q6_K"),
             (DType::BF16, "BF16"),
+            (DType::Q2_K, "Q2_K"),
+            (DType::Q3_K, "Q3_K"),
         ] {
             let blocks = fixture(&format!("{name}.blocks"));
             let want: Vec<f32> = fixture(&format!("{name}.f32"))
@@ -313,10 +379,12 @@ mod tests {
             DType::Q4_K,
             DType::Q5_K,
             DType::Q6_K,
+            DType::Q2_K,
+            DType::Q3_K,
         ] {
             assert_eq!(DType::from_ggml_type(d.ggml_type()), Some(d));
         }
-        for unsupported in [9, 10, 11, 15, 16, 17, 23, 29, 39, 1000] {
+        for unsupported in [9, 15, 16, 17, 23, 29, 39, 1000] {
             assert_eq!(
                 DType::from_ggml_type(unsupported),
                 None,

@@ -218,8 +218,15 @@ fn q8_dot_fn(dtype: DType) -> Q8Dot {
             DType::Q5_0 => |w, a| unsafe { crate::x86::dot_q5_0_q8(w, a) },
             // SAFETY: as above.
             DType::Q5_1 => |w, a| unsafe { crate::x86::dot_q5_1_q8(w, a) },
-            DType::F32 | DType::F16 | DType::BF16 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
-                unreachable!("{dtype:?} weights use f32 activations")
+            DType::F32
+            | DType::F16
+            | DType::BF16
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::Q2_K
+            | DType::Q3_K => {
+                unreachable!("{dtype:?} weights do not use Q8 activations")
             }
         };
     }
@@ -239,6 +246,9 @@ fn q8k_dot_fn(dtype: DType) -> Q8KDot {
             DType::Q5_K => |w, a| unsafe { crate::x86_kquant::dot_q5_k_q8k(w, a) },
             // SAFETY: as above.
             DType::Q6_K => |w, a| unsafe { crate::x86_kquant::dot_q6_k_q8k(w, a) },
+            // No 256-bit kernels for the rarer 2- and 3-bit types: the scalar reference (the
+            // 512-bit kernels cover them where they run).
+            DType::Q2_K | DType::Q3_K => q8k::scalar_dot(dtype),
             _ => unreachable!("{dtype:?} does not use Q8_K activations"),
         };
     }
@@ -252,8 +262,15 @@ fn scalar_q8_dot_fn(dtype: DType) -> Q8Dot {
         DType::Q8_0 => quant::dot_q8_0_q8_scalar,
         DType::Q5_0 => crate::kquant::dot_q5_0_q8_scalar,
         DType::Q5_1 => crate::kquant::dot_q5_1_q8_scalar,
-        DType::F32 | DType::F16 | DType::BF16 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
-            unreachable!("{dtype:?} weights use f32 activations")
+        DType::F32
+        | DType::F16
+        | DType::BF16
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::Q2_K
+        | DType::Q3_K => {
+            unreachable!("{dtype:?} weights do not use Q8 activations")
         }
     }
 }
@@ -804,7 +821,13 @@ mod tests {
     #[test]
     fn kquant_kernels_give_the_scalar_references_bits_at_any_thread_and_token_count() {
         let mut seed = 31;
-        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        for dtype in [
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+            DType::Q2_K,
+            DType::Q3_K,
+        ] {
             for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 3), (70, 768, 9), (9, 256, 6)] {
                 let wb = crate::q8k::tests::weights(dtype, rows * cols / QK_K, &mut seed);
                 let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");

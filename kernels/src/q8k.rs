@@ -10,7 +10,10 @@
 //! - Per super-block `i` the integer sums are exact (any summation order gives the same i32):
 //!   - Q4_K / Q5_K: `S = Σ_j sc_j · Σ_{l<32} q_{32j+l} · a_{32j+l}` and
 //!     `M = Σ_j m_j · (bsums[2j] + bsums[2j+1])` over the eight (scale, min) pairs;
-//!   - Q6_K: `S = Σ_g sc_g · Σ_{l<16} (q_{16g+l} − 32) · a_{16g+l}` over the sixteen i8 scales.
+//!   - Q6_K: `S = Σ_g sc_g · Σ_{l<16} (q_{16g+l} − 32) · a_{16g+l}` over the sixteen i8 scales;
+//!   - Q2_K: `S = Σ_g sc_g · Σ_{l<16} q_{16g+l} · a_{16g+l}`, `M = Σ_g m_g · bsums[g]` over the
+//!     sixteen 4-bit (scale, min) pairs;
+//!   - Q3_K: `S = Σ_g (sc_g − 32) · Σ_{l<16} q_{16g+l} · a_{16g+l}` (q in −4..=3).
 //! - The float part, in this order and no other: `acc ← fma(d_w · d_a, S as f32, acc)`, and for
 //!   Q4_K/Q5_K `accm ← fma(dmin_w · d_a, M as f32, accm)`, block by block; the dot product is
 //!   `acc − accm`. Every kernel — the scalar reference here, the SIMD ones in `x86_kquant.rs` —
@@ -21,7 +24,7 @@
 //! (and repacks Q4_K on AVX2 machines, with another): its logits and ours differ by float
 //! rounding, not by the activations' quantization.
 
-use crate::kquant::scale_min_k4;
+use crate::kquant::{q2_at, q3_high_at, scale_min_k4, scales_q3_k};
 use crate::quant::{DType, QK_K, f16_at};
 
 /// One block of 256 activations quantized to int8 (ggml's `block_q8_K`).
@@ -190,6 +193,55 @@ fn q6_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
     BlockSums { s, m: 0 }
 }
 
+fn q2_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
+    let (sc, qs) = (&b[0..16], &b[16..80]);
+    let (mut s, mut m) = (0i32, 0i32);
+    for g in 0..16 {
+        let sum: i32 = (16 * g..16 * g + 16)
+            .map(|e| i32::from(q2_at(qs, e)) * i32::from(a.qs[e]))
+            .sum();
+        s += i32::from(sc[g] & 0x0f) * sum;
+        m += i32::from(sc[g] >> 4) * i32::from(a.bsums[g]);
+    }
+    BlockSums { s, m }
+}
+
+fn q3_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
+    let (hmask, qs) = (&b[0..32], &b[32..96]);
+    let scales = scales_q3_k(&b[96..108]);
+    let mut s = 0i32;
+    for (g, &sc) in scales.iter().enumerate() {
+        let sum: i32 = (16 * g..16 * g + 16)
+            .map(|e| {
+                let q = i32::from(q2_at(qs, e)) - if q3_high_at(hmask, e) { 0 } else { 4 };
+                q * i32::from(a.qs[e])
+            })
+            .sum();
+        s += (i32::from(sc) - 32) * sum;
+    }
+    BlockSums { s, m: 0 }
+}
+
+/// Scalar reference: Q2_K weights · Q8_K activations.
+pub fn dot_q2_k_q8k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    debug_assert_eq!(w.len(), a.len() * 84);
+    accumulate(
+        w.chunks_exact(84)
+            .zip(a)
+            .map(|(b, x)| (f16_at(b, 80), f16_at(b, 82), q2_k_sums(b, x), x.d)),
+    )
+}
+
+/// Scalar reference: Q3_K weights · Q8_K activations.
+pub fn dot_q3_k_q8k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    debug_assert_eq!(w.len(), a.len() * 110);
+    accumulate(
+        w.chunks_exact(110)
+            .zip(a)
+            .map(|(b, x)| (f16_at(b, 108), 0.0, q3_k_sums(b, x), x.d)),
+    )
+}
+
 /// Scalar reference: Q4_K weights · Q8_K activations (the module's spec).
 pub fn dot_q4_k_q8k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
     debug_assert_eq!(w.len(), a.len() * 144);
@@ -226,6 +278,8 @@ pub fn scalar_dot(dtype: DType) -> fn(&[u8], &[BlockQ8K]) -> f32 {
         DType::Q4_K => dot_q4_k_q8k_scalar,
         DType::Q5_K => dot_q5_k_q8k_scalar,
         DType::Q6_K => dot_q6_k_q8k_scalar,
+        DType::Q2_K => dot_q2_k_q8k_scalar,
+        DType::Q3_K => dot_q3_k_q8k_scalar,
         _ => unreachable!("{dtype:?} does not use Q8_K activations"),
     }
 }
@@ -258,10 +312,18 @@ pub(crate) mod tests {
         let half = |v: f32| half::f16::from_f32(v).to_le_bytes();
         for _ in 0..blocks {
             let r = rand(2, seed);
+            let bb = dtype.block_bytes();
             match dtype {
-                DType::Q6_K => {
-                    w.extend(bytes(208, seed));
+                // f16 `d` last.
+                DType::Q6_K | DType::Q3_K => {
+                    w.extend(bytes(bb - 2, seed));
                     w.extend(half(r[0] * 0.01));
+                }
+                // f16 `d`, `dmin` last.
+                DType::Q2_K => {
+                    w.extend(bytes(bb - 4, seed));
+                    w.extend(half(r[0] * 0.01));
+                    w.extend(half(r[1] * 0.02));
                 }
                 _ => {
                     w.extend(half(r[0] * 0.01));
@@ -305,7 +367,13 @@ pub(crate) mod tests {
     #[test]
     fn kquant_dots_equal_the_dequantized_dot_product() {
         let mut seed = 7u64;
-        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        for dtype in [
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+            DType::Q2_K,
+            DType::Q3_K,
+        ] {
             let n = 3 * QK_K;
             let w = weights(dtype, 3, &mut seed);
             let x = rand(n, &mut seed);

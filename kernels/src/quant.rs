@@ -44,6 +44,13 @@ pub enum DType {
     Q6_K,
     /// bfloat16: the upper half of an f32.
     BF16,
+    /// 256-element super-block: sixteen bytes each a 4-bit scale (low) and 4-bit min (high)
+    /// for a 16-element group, 64 bytes of 2-bit quants, f16 `d`, f16 `dmin`; value =
+    /// d·sc · q − dmin·m.
+    Q2_K,
+    /// 256-element super-block: 32 bytes of high bits, 64 bytes of 2-bit quants, 12 bytes of
+    /// sixteen 6-bit scales, f16 `d`; value = d · (sc − 32) · (q2 − 4·(1 − hbit)).
+    Q3_K,
 }
 
 impl DType {
@@ -52,7 +59,7 @@ impl DType {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 => QK,
-            DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q2_K | DType::Q3_K => QK_K,
         }
     }
 
@@ -70,6 +77,8 @@ impl DType {
             DType::Q5_K => 176,
             DType::Q6_K => 210,
             DType::BF16 => 2,
+            DType::Q2_K => 84,
+            DType::Q3_K => 110,
         }
     }
 
@@ -87,6 +96,8 @@ impl DType {
             DType::Q5_K => 13,
             DType::Q6_K => 14,
             DType::BF16 => 30,
+            DType::Q2_K => 10,
+            DType::Q3_K => 11,
         }
     }
 
@@ -104,6 +115,8 @@ impl DType {
             13 => DType::Q5_K,
             14 => DType::Q6_K,
             30 => DType::BF16,
+            10 => DType::Q2_K,
+            11 => DType::Q3_K,
             _ => return None,
         })
     }
@@ -123,7 +136,7 @@ impl DType {
     pub const fn activations(self) -> Activations {
         match self {
             DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 => Activations::Q8,
-            DType::Q4_K | DType::Q5_K | DType::Q6_K => Activations::Q8K,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q2_K | DType::Q3_K => Activations::Q8K,
             DType::F32 | DType::F16 | DType::BF16 => Activations::F32,
         }
     }
@@ -230,9 +243,14 @@ pub fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::BF16 => {
-            crate::kquant::dequantize_row(dtype, src, out)
-        }
+        DType::Q5_0
+        | DType::Q5_1
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::BF16
+        | DType::Q2_K
+        | DType::Q3_K => crate::kquant::dequantize_row(dtype, src, out),
     }
 }
 

@@ -5,7 +5,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::kquant::scale_min_k4;
+use crate::kquant::{scale_min_k4, scales_q3_k};
 use crate::q8k::{BlockQ8K, BlockSums, accumulate, mins_term, q6_offset_term};
 use crate::quant::{DType, f16_at};
 
@@ -264,6 +264,52 @@ fn decode_q6k(b: &[u8]) -> Decoded {
     d
 }
 
+/// A Q2_K (`hmask` = None) or Q3_K block: chunk `c` (elements `64c..64c+64`, half `n = c/2`)
+/// is the 2-bit fields `2j, 2j+2` (`j = 2·(c % 2)`) of `qs[32n .. 32n+32]`, for Q3_K with the
+/// high bit `4n + j` of `hmask` as bit 2 (an unsigned 0..=7; the −4 goes through `bsums`).
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+fn decode_q23k(
+    qs: &[u8],
+    hmask: Option<&[u8]>,
+    group_scales: [i16; 16],
+    bsum_weights: [i16; 16],
+) -> Decoded {
+    let m2 = _mm256_set1_epi8(3);
+    let one = _mm256_set1_epi8(1);
+    let h = hmask.map(|h| load32(h));
+    // SAFETY: 16 i16 are 32 bytes.
+    let sc16 = unsafe { _mm256_loadu_si256(group_scales.as_ptr().cast()) };
+    let sc16 = _mm512_castsi256_si512(sc16);
+    let mut d = Decoded {
+        q: [_mm512_setzero_si512(); 4],
+        sc: [_mm512_setzero_si512(); 4],
+        // SAFETY: as above.
+        bsum_weights: unsafe { _mm256_loadu_si256(bsum_weights.as_ptr().cast()) },
+        fold_into_s: hmask.is_some(),
+    };
+    for c in 0..4 {
+        let (n, j) = (c / 2, 2 * (c % 2));
+        let q = load32(&qs[32 * n..]);
+        let mut field = [_mm256_setzero_si256(); 2];
+        for (f, jj) in field.iter_mut().zip([j, j + 1]) {
+            let v = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * jj as i32)), m2);
+            *f = match h {
+                Some(h) => {
+                    let bit = _mm256_srl_epi16(h, _mm_cvtsi32_si128((4 * n + jj) as i32));
+                    _mm256_or_si256(v, _mm256_slli_epi16::<2>(_mm256_and_si256(bit, one)))
+                }
+                None => v,
+            };
+        }
+        d.q[c] = join(field[0], field[1]);
+        // SAFETY: each table row is 32 i16 = 64 bytes.
+        let idx = unsafe { _mm512_loadu_si512(Q6_GROUP_OF_PAIR[c].as_ptr().cast()) };
+        d.sc[c] = _mm512_permutexvar_epi16(idx, sc16);
+    }
+    d
+}
+
 /// Each token's [`BlockSums`]: `S = Σ_c Σ_pairs maddubs(q_c, a_c) · sc_c` (for Q6_K with
 /// `−32 · Σ sc_g · bsums[g]` folded in) and `M = Σ_g min_g · bsums[g]` (Q4_K/Q5_K).
 #[inline]
@@ -319,6 +365,19 @@ pub(crate) fn dot_kquant_512<const T: usize>(
                 (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x))
             }
             DType::Q6_K => (f16_at(b, 208), 0.0, block_sums(&decode_q6k(b), x)),
+            DType::Q2_K => {
+                let sc: [i16; 16] = std::array::from_fn(|g| i16::from(b[g] & 0x0f));
+                let mins: [i16; 16] = std::array::from_fn(|g| i16::from(b[g] >> 4));
+                let dec = decode_q23k(&b[16..80], None, sc, mins);
+                (f16_at(b, 80), f16_at(b, 82), block_sums(&dec, x))
+            }
+            DType::Q3_K => {
+                let raw = scales_q3_k(&b[96..108]);
+                let sc: [i16; 16] = std::array::from_fn(|g| i16::from(raw[g]) - 32);
+                let offset: [i16; 16] = std::array::from_fn(|g| -4 * sc[g]);
+                let dec = decode_q23k(&b[32..96], Some(&b[0..32]), sc, offset);
+                (f16_at(b, 108), 0.0, block_sums(&dec, x))
+            }
             _ => unreachable!("{dtype:?} is not a K-quant"),
         };
         for t in 0..T {

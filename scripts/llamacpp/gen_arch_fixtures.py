@@ -24,6 +24,13 @@ back to bytes):
   qwen3      arch qwen3, like qwen2 plus user-defined <think> </think>; per-head Q/K RMSNorm, no
              biases, 8 heads x 64 (Q is 512 wide, embedding 256), 2 kv heads, untied output, rope
              base 1e6, Qwen3-0.6B's template (<think> handling; as in llama.cpp models/templates).
+Quantized files (llama.cpp ftype): llama-spm Q4_K_M (15), Q5_K_M (17), Q8_0 (7), Q3_K_M (12),
+Q2_K (10); llama3 Q4_K_M, Q6_K (18); qwen2 Q4_K_M, Q5_0 (8); qwen3 Q4_K_M. llama.cpp's mixes on
+these 2-layer models (norms F32 throughout): Q4_K_M is Q4_K + Q6_K (output.weight, or token_embd
+when the output is tied, and layer 1's attn_v and ffn_down); the llama-spm Q3_K_M is Q3_K
+(token_embd, attn_q/k, ffn_gate/up) + Q4_K (attn_output, ffn_down) + Q5_K (attn_v) + Q6_K
+(output), its Q2_K is Q2_K (token_embd, attn_q/k, ffn_gate/up) + Q3_K (attn_v, attn_output,
+ffn_down) + Q6_K (output).
 The BPE vocabularies of llama3 and qwen2/qwen3 come from the same merges (trained on chunks with
 digit runs of 1-3, so '12' and '00' exist): the pre-tokenizers differ visibly on digits.
 
@@ -84,7 +91,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests/fixtures/arch"
 DIR = Path.home() / ".cache/custody/arch"
 GENERATOR = "scripts/llamacpp/gen_arch_fixtures.py"
-FTYPES = {"F32": 0, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q5_0": 8}
+FTYPES = {"F32": 0, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q5_0": 8, "Q3_K_M": 12,
+          "Q2_K": 10}
 N_CTX = 256
 BIG = dict(n_embd=256, n_ff=256, n_layer=2)  # the quantized models' dims (heads: per model)
 PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the lantern "
@@ -302,7 +310,7 @@ QWEN3_TEMPLATE = """\
 MODELS = {
     "llama-spm": dict(arch="llama", vocab="spm", n_head=4, n_kv=2, head_dim=64, tied=False,
                       rope_base=10000.0, eps=1e-5, seed=1001, template=MISTRAL_TEMPLATE,
-                      types=["Q4_K_M", "Q5_K_M", "Q8_0"],
+                      types=["Q4_K_M", "Q5_K_M", "Q8_0", "Q3_K_M", "Q2_K"],
                       mini=dict(n_embd=64, n_ff=96, head_dim=16),
                       special_text="<s>[INST] hi [/INST] hello</s>"),
     "llama3": dict(arch="llama", vocab="llama-bpe", n_head=4, n_kv=1, head_dim=64, tied=True,
@@ -635,8 +643,11 @@ docstring). CI never regenerates them; to regenerate (llama-cpp-python needed):
 
     /opt/llamaref/venv/bin/python scripts/llamacpp/gen_arch_fixtures.py
 
-- `<model>.<TYPE>.gguf`: a 2-layer model quantized by llama.cpp's `llama_model_quantize`
-  (models: llama-spm, llama3, qwen2, qwen3).
+- `<model>.<TYPE>.gguf`: a 2-layer model quantized by llama.cpp's `llama_model_quantize`:
+  llama-spm Q4_K_M, Q5_K_M, Q8_0, Q3_K_M, Q2_K; llama3 Q4_K_M, Q6_K; qwen2 Q4_K_M, Q5_0;
+  qwen3 Q4_K_M. The K mixes put other types on some tensors (Q3_K_M: Q3_K, Q4_K, Q5_K, Q6_K;
+  Q2_K: Q2_K, Q3_K, Q6_K; Q4_K_M: Q4_K, Q6_K); an untied output.weight is Q6_K and token_embd
+  has the mix's base type, a tied token_embd is Q6_K.
 - `<model>.F32.gguf` (TYPE F32, ftype 0): a mini sibling of each model, all tensors F32, written
   directly (no quantization): same architecture, vocabulary, tokenizer metadata, chat template,
   kinds of tensors (rope_freqs, Q/K/V biases, Q/K norms) and tied/untied output, but embedding

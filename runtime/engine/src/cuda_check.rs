@@ -67,7 +67,9 @@ pub fn tolerance(dtype: DType) -> f32 {
         | DType::Q5_1
         | DType::Q4_K
         | DType::Q5_K
-        | DType::Q6_K => 3e-2,
+        | DType::Q6_K
+        | DType::Q2_K
+        | DType::Q3_K => 3e-2,
     }
 }
 

@@ -151,6 +151,8 @@ fn dtype_code(m: &Mat) -> u32 {
         DType::Q5_K => 8,
         DType::Q6_K => 9,
         DType::BF16 => 10,
+        DType::Q2_K => 11,
+        DType::Q3_K => 12,
     }
 }
 

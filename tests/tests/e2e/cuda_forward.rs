@@ -373,6 +373,7 @@ fn the_device_runs_every_architecture_and_llama_cpps_k_quant_mixes() {
         ("qwen2.F32", 5e-3, DType::F32),
         ("qwen3.F32", 5e-3, DType::F32),
         ("llama-spm.Q4_K_M", 1.2e-1, DType::Q4_K),
+        ("llama-spm.Q2_K", 1.2e-1, DType::Q2_K),
     ] {
         let path = custody_tests::fixture(&format!("arch/{file}.gguf"));
         let m = Model::load(&path).expect("load");

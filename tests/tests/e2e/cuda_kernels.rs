@@ -462,12 +462,16 @@ fn weights(
                     (0..20).for_each(|_| w.push(rng.next() as u8));
                 }
             }
-            DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q2_K | DType::Q3_K => {
                 for _ in 0..cols / 256 {
                     let block = dtype.block_bytes();
-                    if dtype == DType::Q6_K {
+                    if matches!(dtype, DType::Q6_K | DType::Q3_K) {
                         (0..block - 2).for_each(|_| w.push(rng.next() as u8));
                         w.extend(half(rng, 0.01));
+                    } else if dtype == DType::Q2_K {
+                        (0..block - 4).for_each(|_| w.push(rng.next() as u8));
+                        w.extend(half(rng, 0.01));
+                        w.extend(half(rng, 0.02));
                     } else {
                         w.extend(half(rng, 0.01));
                         w.extend(half(rng, 0.02));
@@ -501,6 +505,8 @@ fn gpu_matvec_matches_the_dequantized_reference_for_every_weight_type() {
         (8, DType::Q5_K),
         (9, DType::Q6_K),
         (10, DType::BF16),
+        (11, DType::Q2_K),
+        (12, DType::Q3_K),
     ] {
         let w = weights(&mut rng, dtype, rows, cols);
         assert_eq!(

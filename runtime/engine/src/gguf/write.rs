@@ -228,7 +228,13 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
             };
             out.extend((h as u16).to_le_bytes());
         }),
-        DType::Q5_0 | DType::Q5_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+        DType::Q5_0
+        | DType::Q5_1
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::Q2_K
+        | DType::Q3_K => {
             panic!("the GGUF writer has no quantizer for {dtype:?}")
         }
     }
