@@ -124,7 +124,7 @@ impl ModelConfig {
         }
         let key = |s: &str| g.get_u64(&format!("{arch}.attention.{s}")).ok();
         match (key("key_length"), key("value_length")) {
-            (None, None) if dim % n_heads == 0 => Ok(dim / n_heads),
+            (None, None) if dim.is_multiple_of(n_heads) => Ok(dim / n_heads),
             (None, None) => Err(ModelError::Config(format!(
                 "embedding length {dim} not divisible by {n_heads} heads"
             ))),
