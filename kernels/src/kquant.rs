@@ -31,8 +31,7 @@
 //!
 //! Q5_0 and Q5_1 multiply int8 activations (Q8_0 / Q8_1 blocks, as llama.cpp does): scalar
 //! references here, AVX2 kernels in `x86.rs` with llama.cpp's accumulation order. The K-quants
-//! multiply Q8_K activations (`crate::q8k`). BF16 rows are dequantized and dotted with f32
-//! activations (the path F16/F32 weights take).
+//! multiply Q8_K activations (`crate::q8k`), BF16 bf16 activations (`crate::bf16`).
 
 use half::f16;
 

@@ -11,6 +11,7 @@
 //! are chosen at run time ([`simd::level`]); the scalar path is the portable fallback.
 
 pub mod attention;
+pub mod bf16;
 pub mod checksum;
 pub mod kquant;
 pub mod matmul;
@@ -23,6 +24,8 @@ pub mod simd;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_bf16;
 #[cfg(target_arch = "x86_64")]
 mod x86_kquant;
 #[cfg(target_arch = "x86_64")]

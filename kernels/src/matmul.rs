@@ -73,6 +73,7 @@ pub struct QInput {
     cols: usize,
     q8: Vec<BlockQ8>,
     q8k: Vec<BlockQ8K>,
+    bf: Vec<u16>,
     f: Vec<f32>,
 }
 
@@ -82,7 +83,14 @@ impl QInput {
         assert_eq!(x.len(), n_tok * cols, "QInput::prepare: shape mismatch");
         self.n_tok = n_tok;
         self.cols = cols;
-        if dtype.activations() == Activations::Q8K {
+        self.bf.clear();
+        if dtype.activations() == Activations::Bf16 {
+            self.bf.resize(n_tok * cols, 0);
+            crate::bf16::quantize_row_bf16(x, &mut self.bf);
+            self.q8.clear();
+            self.q8k.clear();
+            self.f.clear();
+        } else if dtype.activations() == Activations::Q8K {
             assert!(
                 cols.is_multiple_of(QK_K),
                 "Q8_K input width must be a multiple of {QK_K}"
@@ -353,6 +361,8 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
     let (rows, n_tok) = (w.rows, x.n_tok);
     if w.dtype.activations() == Activations::Q8K {
         run_rows_q8k(w, x, p, r0, r1);
+    } else if w.dtype.activations() == Activations::Bf16 {
+        run_rows_bf16(w, x, p, r0, r1);
     } else if w.dtype.uses_q8_activations() {
         let dot = q8_dot_fn(w.dtype);
         let dot4 = q8_dot4_fn(w.dtype);
@@ -477,6 +487,51 @@ fn run_rows_q8k(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usiz
     }
 }
 
+/// Rows `r0..r1` of a BF16 matrix for every token (`crate::bf16`): four tokens per weight load
+/// where AVX512-BF16 runs, the scalar reference (the same bits) elsewhere.
+fn run_rows_bf16(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
+    let (rows, n_tok, cols) = (w.rows, x.n_tok, w.cols);
+    let act = |t: usize| &x.bf[t * cols..(t + 1) * cols];
+    let store = |t0: usize, r: usize, vals: &[f32]| {
+        for (j, v) in vals.iter().enumerate() {
+            // SAFETY: t0 + j < n_tok, r < rows: in bounds of the output (n_tok × rows,
+            // asserted by `matmul_many`); parts' row ranges are disjoint.
+            unsafe { *p.get().add((t0 + j) * rows + r) = *v };
+        }
+    };
+    #[cfg(target_arch = "x86_64")]
+    if simd::has_avx512bf16() {
+        use crate::x86_bf16::dot_bf16_512 as k;
+        for r in r0..r1 {
+            let wr = w.row(r);
+            for t in (0..n_tok).step_by(4) {
+                let mut vals = [0.0f32; 4];
+                let n = (n_tok - t).min(4);
+                // SAFETY (each call): has_avx512bf16 checked AVX-512 F/BW/BF16 at run time.
+                match n {
+                    // SAFETY: as above.
+                    1 => vals[..1].copy_from_slice(&unsafe { k::<1>(wr, [act(t)]) }),
+                    // SAFETY: as above.
+                    2 => vals[..2].copy_from_slice(&unsafe { k::<2>(wr, [act(t), act(t + 1)]) }),
+                    // SAFETY: as above.
+                    3 => vals[..3]
+                        .copy_from_slice(&unsafe { k::<3>(wr, [act(t), act(t + 1), act(t + 2)]) }),
+                    // SAFETY: as above.
+                    _ => vals = unsafe { k::<4>(wr, [act(t), act(t + 1), act(t + 2), act(t + 3)]) },
+                }
+                store(t, r, &vals[..n]);
+            }
+        }
+        return;
+    }
+    for r in r0..r1 {
+        let wr = w.row(r);
+        for t in 0..n_tok {
+            store(t, r, &[crate::bf16::dot_bf16_scalar(wr, act(t))]);
+        }
+    }
+}
+
 /// Groups `g0..g1` of a packed matrix for every token, four tokens at a time: a group's weights
 /// (2.9 KB of Q4_1 at 576 columns) stay in L1 while every token passes over them.
 fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize) {
@@ -526,7 +581,9 @@ fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
     let mut tmp = vec![0.0f32; w.cols];
     for t in 0..x.n_tok {
         for r in 0..w.rows {
-            out[t * w.rows + r] = if w.dtype.activations() == Activations::Q8K {
+            out[t * w.rows + r] = if w.dtype.activations() == Activations::Bf16 {
+                crate::bf16::dot_bf16_scalar(w.row(r), &x.bf[t * w.cols..(t + 1) * w.cols])
+            } else if w.dtype.activations() == Activations::Q8K {
                 let per_row = w.cols / QK_K;
                 q8k::scalar_dot(w.dtype)(w.row(r), &x.q8k[t * per_row..(t + 1) * per_row])
             } else if w.dtype.uses_q8_activations() {
@@ -872,6 +929,53 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// BF16 rows on bf16 activations (`crate::bf16`): what `matmul` runs (AVX512-BF16 where
+    /// present, 1–4 tokens per weight load) equals the scalar reference bit for bit, with
+    /// leftovers past the last 64 and at 1–3 threads — the reference models `vdpbf16ps`.
+    #[test]
+    fn bf16_kernels_give_the_scalar_references_bits() {
+        let mut seed = 37;
+        for (rows, cols, n_tok) in [(3, 64, 1), (9, 576, 2), (17, 100, 3), (33, 1536, 7)] {
+            let wv = rand_f32(rows * cols, &mut seed);
+            let wb: Vec<u8> = wv
+                .iter()
+                .flat_map(|&v| crate::bf16::to_bf16(v * 3.0).to_le_bytes())
+                .collect();
+            let w = QMatrix::new(DType::BF16, rows, cols, &wb).expect("shape");
+            let x = rand_f32(n_tok * cols, &mut seed);
+            let mut qi = QInput::default();
+            qi.prepare(&x, n_tok, cols, DType::BF16);
+            let mut want = vec![0.0; n_tok * rows];
+            matmul_scalar(&w, &qi, &mut want);
+            for threads in [1, 2, 3] {
+                let pool = crate::par::ThreadPool::new(threads).expect("pool");
+                let got = pool.install(|| {
+                    let mut got = vec![0.0; n_tok * rows];
+                    matmul(&w, &qi, &mut got);
+                    got
+                });
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{rows}x{cols} n={n_tok} {threads}t"
+                );
+            }
+            // And close to the exact product of the bf16 values.
+            let mut row = vec![0.0; cols];
+            w.dequantize_row(0, &mut row);
+            let exact: f64 = row
+                .iter()
+                .zip(&qi.bf[..cols])
+                .map(|(a, &b)| f64::from(*a) * f64::from(crate::bf16::widen(b)))
+                .sum();
+            assert!(
+                (f64::from(want[0]) - exact).abs() < 1e-3 * cols as f64,
+                "{want:?}"
+            );
         }
     }
 

@@ -132,12 +132,13 @@ impl DType {
     }
 
     /// What a dot product with this weight type multiplies: the activations' format (ggml's
-    /// `vec_dot_type`, except F16/BF16 weights, which take f32 activations here).
+    /// `vec_dot_type`, except F16 weights, which take f32 activations here).
     pub const fn activations(self) -> Activations {
         match self {
             DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 => Activations::Q8,
             DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q2_K | DType::Q3_K => Activations::Q8K,
-            DType::F32 | DType::F16 | DType::BF16 => Activations::F32,
+            DType::BF16 => Activations::Bf16,
+            DType::F32 | DType::F16 => Activations::F32,
         }
     }
 
@@ -156,6 +157,8 @@ pub enum Activations {
     Q8,
     /// int8 in blocks of 256 with an f32 scale and 16-element sums: `crate::q8k::BlockQ8K`.
     Q8K,
+    /// bf16, rounded to nearest even (`crate::bf16`).
+    Bf16,
 }
 
 /// One block of 32 activations quantized to int8 (ggml's `block_q8_0`/`block_q8_1`).

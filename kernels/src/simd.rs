@@ -70,6 +70,22 @@ pub fn has_avx512() -> bool {
     })
 }
 
+static BF16: OnceLock<bool> = OnceLock::new();
+
+/// Whether AVX-512 BF16 (`vdpbf16ps`) runs here on top of [`has_avx512`]: the BF16 weights'
+/// kernel (`crate::bf16`). `CUSTODY_SIMD=avx2` turns it off.
+pub fn has_avx512bf16() -> bool {
+    *BF16.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if has_avx512() {
+                return std::is_x86_feature_detected!("avx512bf16");
+            }
+        }
+        false
+    })
+}
+
 /// The level in use for this process.
 pub fn level() -> Level {
     *LEVEL.get_or_init(detect)
