@@ -31,7 +31,8 @@ OUT = ROOT / "tests/fixtures/llamacpp-requant"
 CACHE = Path.home() / ".cache/custody"
 SRC = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DIR = CACHE / "requant"
-FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}
+FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32,
+          "Q3_K_M": 12, "Q2_K": 10, "Q4_K_S": 14, "Q5_K_S": 16}
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the lantern "
         "room he could see")
 N_GEN = 24

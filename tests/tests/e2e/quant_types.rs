@@ -42,7 +42,7 @@ fn requant_dir() -> PathBuf {
 /// ours are within llama.cpp's own spread. The bounds leave room over ours; a wrong layout,
 /// scale or integer sum moves every logit and fails them (the tiny models of `arch_models`,
 /// one super-block per row, pin the K-quant kernels to llama.cpp's bits).
-const CASES: [(&str, f64, f64, f64); 8] = [
+const CASES: [(&str, f64, f64, f64); 12] = [
     ("Q8_0", 1.0, 0.0, 0.0),
     // The embedded model plus Llama 3 style RoPE frequency factors (`rope_freqs.weight`).
     ("ROPE_FREQS", 1.0, 0.0, 0.0),
@@ -52,6 +52,10 @@ const CASES: [(&str, f64, f64, f64); 8] = [
     ("Q5_K_M", 0.85, 0.45, 1.5),
     ("Q6_K", 0.95, 0.25, 1.2),
     ("BF16", 1.0, 0.0, 0.0),
+    ("Q3_K_M", 0.8, 0.6, 2.0),
+    ("Q2_K", 0.8, 0.6, 2.0),
+    ("Q4_K_S", 0.8, 0.6, 2.0),
+    ("Q5_K_S", 0.8, 0.6, 2.0),
 ];
 
 #[test]
