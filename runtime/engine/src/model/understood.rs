@@ -114,13 +114,19 @@ pub(super) fn check(g: &Gguf, c: &ModelConfig) -> Result<(), ModelError> {
             why: tensor_hint(name),
         });
     }
+    let has_rope_freqs = g.tensors.contains_key(super::ROPE_FREQS);
     for (key, value) in &g.metadata {
-        check_key(key, value, c)?;
+        check_key(key, value, c, has_rope_freqs)?;
     }
     Ok(())
 }
 
-fn check_key(key: &str, value: &Value, c: &ModelConfig) -> Result<(), ModelError> {
+fn check_key(
+    key: &str,
+    value: &Value,
+    c: &ModelConfig,
+    has_rope_freqs: bool,
+) -> Result<(), ModelError> {
     let refuse = |why: &'static str| {
         Err(ModelError::NotUnderstood {
             what: format!("metadata key {key:?}"),
@@ -155,6 +161,15 @@ fn check_key(key: &str, value: &Value, c: &ModelConfig) -> Result<(), ModelError
     }
     match rest {
         "rope.scaling.type" if matches!(value, Value::String(s) if s == "none") => Ok(()),
+        // Llama 3's scaling is the per-pair factors of `rope_freqs.weight`, which the forward
+        // pass applies; the type only names it (llama.cpp reads nothing else from it).
+        "rope.scaling.type" if matches!(value, Value::String(s) if s == "llama3") => {
+            if c.spec.rope_freqs && has_rope_freqs {
+                Ok(())
+            } else {
+                refuse("Llama 3 RoPE scaling without its rope_freqs.weight factors")
+            }
+        }
         _ if rest.starts_with("rope.scaling.") => {
             refuse("RoPE scaling (linear, YaRN, Llama 3) that the forward pass would not apply")
         }
@@ -291,6 +306,18 @@ mod tests {
             let err = load(&w).expect_err(key).to_string();
             assert!(err.contains(key), "{key}: {err}");
         }
+        // Llama 3 scaling is accepted exactly when its factors are in the file.
+        let mut w = synthetic();
+        w.meta("llama.rope.scaling.type", Value::String("llama3".into()));
+        let err = load(&w)
+            .expect_err("llama3 scaling, no factors")
+            .to_string();
+        assert!(
+            err.contains("rope.scaling.type") && err.contains("rope_freqs"),
+            "{err}"
+        );
+        w.tensor(super::super::ROPE_FREQS, 1, 8, DType::F32, &[1.0; 8]);
+        load(&w).expect("llama3 scaling with its factors loads");
         let mut w = synthetic();
         w.meta("llama.rope.scaling.type", Value::String("none".into()));
         w.meta("general.license", Value::String("apache-2.0".into()));
