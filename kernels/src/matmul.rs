@@ -790,7 +790,13 @@ mod tests {
             return;
         }
         let mut seed = 31;
-        for dtype in [DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1] {
+        for dtype in [
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q4_0,
+        ] {
             for n_tok in [1, 2, 3, 4, 5, 7, 9, 17] {
                 let cols = 576;
                 // A packed job (64 rows), an unpacked one (13 rows) and another packed (24 rows)

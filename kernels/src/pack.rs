@@ -14,13 +14,15 @@
 //!   272 bytes, the same as eight GGUF blocks.
 //! - Q5_0 / Q5_1: `d[8]` (and `m[8]`) f16, each row's 32 fifth bits (`qh`, u32), then each row's
 //!   16 nibble bytes: 176 / 192 bytes.
+//! - Q4_0: `d[8]` f16, then each row's 16 nibble bytes: 144 bytes.
 //!
 //! # Invariants
 //! - Packing is a permutation of the GGUF bytes (and, for Q8_0, a fixed relabelling of each
 //!   quant): nothing is rounded, so the packed kernels compute every output with the one-row
 //!   kernel's arithmetic, bit for bit (tested for every token count).
 //! - A [`PackedRows`] exists only where its kernel can run: x86-64 with AVX-512 F/BW/VL/VNNI, a
-//!   Q4_1, Q5_0, Q5_1 or Q8_0 matrix whose rows are a multiple of eight. Elsewhere [`PackedRows::new`] says
+//!   Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix whose rows are a multiple of eight. Elsewhere
+//!   [`PackedRows::new`] says
 //!   `None` and the GGUF-layout kernels run, as before.
 
 use crate::matmul::QMatrix;
@@ -72,6 +74,14 @@ impl PackedRows {
                         blocks
                             .iter()
                             .for_each(|k| data.extend_from_slice(&k[4..20]));
+                    }
+                    DType::Q4_0 => {
+                        // d, then every row's nibbles.
+                        let blocks = rows.map(|r| &r[b * 18..b * 18 + 18]);
+                        blocks.iter().for_each(|k| data.extend_from_slice(&k[0..2]));
+                        blocks
+                            .iter()
+                            .for_each(|k| data.extend_from_slice(&k[2..18]));
                     }
                     DType::Q5_0 | DType::Q5_1 => {
                         // d (and m), then every row's qh, then every row's nibbles.
@@ -152,9 +162,10 @@ impl PackedRows {
                 match self.dtype {
                     DType::Q4_1 => crate::x86_pack::dot8_q4_1_packed::<T>(gd, a),
                     DType::Q8_0 => crate::x86_pack::dot8_q8_0_packed::<T>(gd, a),
-                    DType::Q5_0 => crate::x86_pack::dot8_q5_packed::<T, false>(gd, a),
-                    DType::Q5_1 => crate::x86_pack::dot8_q5_packed::<T, true>(gd, a),
-                    _ => unreachable!("only Q4_1, Q5_0, Q5_1 and Q8_0 are packed"),
+                    DType::Q5_0 => crate::x86_pack::dot8_q5_packed::<T, false, true>(gd, a),
+                    DType::Q5_1 => crate::x86_pack::dot8_q5_packed::<T, true, true>(gd, a),
+                    DType::Q4_0 => crate::x86_pack::dot8_q5_packed::<T, false, false>(gd, a),
+                    _ => unreachable!("only Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are packed"),
                 }
             }
         }
@@ -186,6 +197,7 @@ mod tests {
     fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
         let (bb, scales) = match dtype {
             DType::Q4_1 => (20, 2),
+            DType::Q4_0 => (18, 1),
             DType::Q8_0 => (34, 1),
             DType::Q5_0 => (22, 1),
             DType::Q5_1 => (24, 2),
@@ -242,7 +254,13 @@ mod tests {
             eprintln!("skipped: no AVX-512 VNNI on this machine");
             return;
         }
-        for dtype in [DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q5_1] {
+        for dtype in [
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q4_0,
+        ] {
             for seed in [1, 2, 3] {
                 check_bits::<1>(dtype, seed);
                 check_bits::<2>(dtype, seed);

@@ -24,6 +24,9 @@ pub(crate) const Q4_1_GROUP_BLOCK: usize = 160;
 /// stored offset by 128 (`q ^ 0x80`, an unsigned byte), what `vpdpbusd` multiplies.
 pub(crate) const Q8_0_GROUP_BLOCK: usize = 272;
 
+/// Bytes of one block of eight interleaved Q4_0 rows: `d[8]` (f16), then each row's 16 nibble
+/// bytes.
+pub(crate) const Q4_0_GROUP_BLOCK: usize = 144;
 /// Bytes of one block of eight interleaved Q5_0 rows: `d[8]` (f16), `qh[8]` (u32), then each
 /// row's 16 nibble bytes.
 pub(crate) const Q5_0_GROUP_BLOCK: usize = 176;
@@ -207,30 +210,36 @@ pub(crate) fn dot8_q8_0_packed<const T: usize>(g: &[u8], a: [&[BlockQ8]; T]) -> 
     out
 }
 
-/// Eight interleaved Q5_0 (`MIN = false`) or Q5_1 (`MIN = true`) rows · `T` Q8 activation rows.
-/// Returns `out[token][row]`, each bit-identical to `dot_q5_0_q8` / `dot_q5_1_q8` of the row.
+/// Eight interleaved Q5_0 (`MIN = false`), Q5_1 (`MIN = true`) or — without fifth bits
+/// (`FIFTH = false`) — Q4_0 rows · `T` Q8 activation rows. Returns `out[token][row]`, each
+/// bit-identical to `dot_q5_0_q8` / `dot_q5_1_q8` / `dot_q4_0_q8` of the row.
 ///
 /// The register layout is the Q4_1 kernel's ([`dot8_q4_1_packed`]); each row's fifth bits are
-/// OR-ed in as 0x10 through a byte mask laid out like the pair register. Q5_0's `q − 16` is
-/// `vpdpbusd` of the unsigned 5-bit values started from `−16 · Σ a` over each lane's four bytes:
-/// the same exact integer lane sums as the one-row kernel's signed products.
+/// OR-ed in as 0x10 through a byte mask laid out like the pair register. Q5_0's `q − 16` (Q4_0's
+/// `q − 8`) is `vpdpbusd` of the unsigned values started from `−16 · Σ a` (`−8 · Σ a`) over each
+/// lane's four bytes: the same exact integer lane sums as the one-row kernel's signed products.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
+pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool, const FIFTH: bool>(
     g: &[u8],
     a: [&[BlockQ8]; T],
 ) -> [[f32; 8]; T] {
-    let gb = if MIN {
-        Q5_1_GROUP_BLOCK
-    } else {
-        Q5_0_GROUP_BLOCK
+    assert!(FIFTH || !MIN, "Q4_1 has its own kernel");
+    let gb = match (FIFTH, MIN) {
+        (true, true) => Q5_1_GROUP_BLOCK,
+        (true, false) => Q5_0_GROUP_BLOCK,
+        (false, _) => Q4_0_GROUP_BLOCK,
     };
     let hoff = if MIN { 32 } else { 16 };
+    // The rows' nibbles follow the scales, and the fifth bits where there are any.
+    let noff = if FIFTH { hoff + 32 } else { hoff };
     let nb = g.len() / gb;
     assert_eq!(g.len(), nb * gb);
     for t in &a {
         assert_eq!(t.len(), nb);
     }
-    let (fifth, sixteen) = (_mm512_set1_epi8(0x10), _mm512_set1_epi8(16));
+    let fifth = _mm512_set1_epi8(0x10);
+    // The offset the unsigned values carry: 16 for five bits, 8 for four.
+    let offset = _mm512_set1_epi8(if FIFTH { 16 } else { 8 });
     let idx = [
         q4_pair_index(0),
         q4_pair_index(1),
@@ -241,11 +250,14 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
     let mut summ = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         // SAFETY: block b spans [gb·b, gb·b + gb) of `g` (length asserted): d at +0, m at +16
-        // (Q5_1), qh at +hoff (32 bytes), rows 0–3 at +hoff+32 and rows 4–7 at +hoff+96.
+        // (Q5_1), qh at +hoff (32 bytes, Q5 only), rows 0–3 at +noff and rows 4–7 at +noff+64.
         let (d8, m8, qh, z0, z1) = unsafe {
             let blk = g.as_ptr().add(b * gb);
-            let qh: [u32; 8] =
-                std::array::from_fn(|i| blk.add(hoff + 4 * i).cast::<u32>().read_unaligned());
+            let qh: [u32; 8] = if FIFTH {
+                std::array::from_fn(|i| blk.add(hoff + 4 * i).cast::<u32>().read_unaligned())
+            } else {
+                [0; 8]
+            };
             (
                 _mm256_cvtph_ps(_mm_loadu_si128(blk.cast())),
                 if MIN {
@@ -254,12 +266,15 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
                     _mm256_setzero_ps()
                 },
                 qh.map(u32::from_le),
-                _mm512_loadu_si512(blk.add(hoff + 32).cast()),
-                _mm512_loadu_si512(blk.add(hoff + 96).cast()),
+                _mm512_loadu_si512(blk.add(noff).cast()),
+                _mm512_loadu_si512(blk.add(noff + 64).cast()),
             )
         };
         let nib = pair_nibbles(z0, z1);
         let w: [__m512i; 4] = std::array::from_fn(|p| {
+            if !FIFTH {
+                return nib[p];
+            }
             // Byte k of the pair register: quarter 0 = row 2p elements 0–15, 1 = row 2p+1's,
             // 2 = row 2p elements 16–31, 3 = row 2p+1's — their fifth bits in that order.
             let (r0, r1) = (u64::from(qh[2 * p]), u64::from(qh[2 * p + 1]));
@@ -277,7 +292,7 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
             } else {
                 _mm512_sub_epi32(
                     _mm512_setzero_si512(),
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), sixteen, av),
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, av),
                 )
             };
             let dd = _mm512_castps256_ps512(_mm256_mul_ps(d8, _mm256_set1_ps(x.d)));
