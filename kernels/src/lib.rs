@@ -35,3 +35,18 @@ pub use attention::{IntegrityError, PageGeometry, PageRef, TagView};
 pub use matmul::{QInput, QMatrix};
 pub use pack::PackedRows;
 pub use quant::{BlockQ8, DType};
+
+#[cfg(test)]
+pub(crate) mod test_util {
+    /// Deterministic values in [-1, 1) from an LCG state.
+    pub(crate) fn rand_f32(n: usize, seed: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *seed = seed
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+}

@@ -96,29 +96,7 @@ impl QInput {
                 "Q8_K input width must be a multiple of {QK_K}"
             );
             self.q8k.resize(n_tok * cols / QK_K, BlockQ8K::default());
-            let per_row = cols / QK_K;
-            if n_tok >= 16 && crate::par::current_num_threads() > 1 {
-                let out = OutPtr(self.q8k.as_mut_ptr());
-                crate::par::run(&|part, parts| {
-                    let rows = crate::par::split(n_tok, part, parts, 1);
-                    // SAFETY: parts' row ranges are disjoint and within `n_tok` rows of
-                    // `per_row` blocks (resized above); the buffer outlives the section.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            out.get().add(rows.start * per_row),
-                            rows.len() * per_row,
-                        )
-                    };
-                    x[rows.start * cols..rows.end * cols]
-                        .chunks(cols)
-                        .zip(dst.chunks_mut(per_row))
-                        .for_each(|(xr, qr)| q8k::quantize_row_q8_k(xr, qr));
-                });
-            } else {
-                x.chunks(cols)
-                    .zip(self.q8k.chunks_mut(per_row))
-                    .for_each(|(xr, qr)| q8k::quantize_row_q8_k(xr, qr));
-            }
+            quantize_rows(x, cols, &mut self.q8k, &q8k::quantize_row_q8_k);
             self.q8.clear();
             self.f.clear();
         } else if dtype.uses_q8_activations() {
@@ -127,37 +105,13 @@ impl QInput {
                 "quantized input width must be a multiple of {QK}"
             );
             self.q8.resize(n_tok * cols / QK, BlockQ8::default());
-            let q8 = &mut self.q8;
-            let per_row = cols / QK;
-            let quantize = |(xr, qr): (&[f32], &mut [BlockQ8])| match simd::level() {
+            let quantize = |xr: &[f32], qr: &mut [BlockQ8]| match simd::level() {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the Avx2 level is only selected when avx2, fma and f16c were detected.
                 Level::Avx2 => unsafe { crate::x86::quantize_row_q8(xr, qr) },
                 _ => quant::quantize_row_q8(xr, qr),
             };
-            if n_tok >= 16 && crate::par::current_num_threads() > 1 {
-                let out = OutPtr(q8.as_mut_ptr());
-                crate::par::run(&|part, parts| {
-                    let rows = crate::par::split(n_tok, part, parts, 1);
-                    // SAFETY: parts' row ranges are disjoint and within `n_tok` rows of
-                    // `per_row` blocks (the buffer was resized to that above), and the buffer
-                    // outlives the section (`run` returns after every part).
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            out.get().add(rows.start * per_row),
-                            rows.len() * per_row,
-                        )
-                    };
-                    x[rows.start * cols..rows.end * cols]
-                        .chunks(cols)
-                        .zip(dst.chunks_mut(per_row))
-                        .for_each(quantize);
-                });
-            } else {
-                x.chunks(cols)
-                    .zip(q8.chunks_mut(per_row))
-                    .for_each(quantize);
-            }
+            quantize_rows(x, cols, &mut self.q8, &quantize);
             self.q8k.clear();
             self.f.clear();
         } else {
@@ -171,6 +125,41 @@ impl QInput {
     pub fn n_tok(&self) -> usize {
         self.n_tok
     }
+}
+
+/// Quantize the rows of `x` (`cols` wide) into `out` (the same number of rows, each
+/// `out.len() / rows` blocks) with `f`, in parallel for prompts (16 rows or more).
+fn quantize_rows<B: Send>(
+    x: &[f32],
+    cols: usize,
+    out: &mut [B],
+    f: &(dyn Fn(&[f32], &mut [B]) + Sync),
+) {
+    let n_tok = x.len() / cols;
+    let per_row = out.len() / n_tok;
+    debug_assert_eq!(out.len(), n_tok * per_row);
+    if n_tok < 16 || crate::par::current_num_threads() == 1 {
+        x.chunks(cols)
+            .zip(out.chunks_mut(per_row))
+            .for_each(|(xr, qr)| f(xr, qr));
+        return;
+    }
+    let dst = OutPtr(out.as_mut_ptr());
+    crate::par::run(&|part, parts| {
+        let rows = crate::par::split(n_tok, part, parts, 1);
+        // SAFETY: parts' row ranges are disjoint and within the `n_tok` rows of `per_row`
+        // blocks of `out`, which outlives the section (`run` returns after every part).
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                dst.get().add(rows.start * per_row),
+                rows.len() * per_row,
+            )
+        };
+        x[rows.start * cols..rows.end * cols]
+            .chunks(cols)
+            .zip(dst.chunks_mut(per_row))
+            .for_each(|(xr, qr)| f(xr, qr));
+    });
 }
 
 type Q8Dot = fn(&[u8], &[BlockQ8]) -> f32;
@@ -602,16 +591,7 @@ mod tests {
     use super::*;
     use half::f16;
 
-    fn rand_f32(n: usize, seed: &mut u64) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *seed = seed
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_util::rand_f32;
 
     /// Build random weight bytes of `dtype` (valid blocks with finite scales).
     fn rand_weights(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {

@@ -222,64 +222,37 @@ fn q3_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
     BlockSums { s, m: 0 }
 }
 
-/// Scalar reference: Q2_K weights · Q8_K activations.
-pub fn dot_q2_k_q8k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    debug_assert_eq!(w.len(), a.len() * 84);
-    accumulate(
-        w.chunks_exact(84)
-            .zip(a)
-            .map(|(b, x)| (f16_at(b, 80), f16_at(b, 82), q2_k_sums(b, x), x.d)),
-    )
+/// A block's `(d_w, dmin_w)` and integer sums (the module's spec), for a K-quant `dtype`.
+#[inline(always)]
+fn block_terms(dtype: DType, b: &[u8], x: &BlockQ8K) -> (f32, f32, BlockSums) {
+    match dtype {
+        DType::Q2_K => (f16_at(b, 80), f16_at(b, 82), q2_k_sums(b, x)),
+        DType::Q3_K => (f16_at(b, 108), 0.0, q3_k_sums(b, x)),
+        DType::Q4_K => (f16_at(b, 0), f16_at(b, 2), q4_k_sums(b, x)),
+        DType::Q5_K => (f16_at(b, 0), f16_at(b, 2), q5_k_sums(b, x)),
+        DType::Q6_K => (f16_at(b, 208), 0.0, q6_k_sums(b, x)),
+        _ => unreachable!("{dtype:?} does not use Q8_K activations"),
+    }
 }
 
-/// Scalar reference: Q3_K weights · Q8_K activations.
-pub fn dot_q3_k_q8k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    debug_assert_eq!(w.len(), a.len() * 110);
-    accumulate(
-        w.chunks_exact(110)
-            .zip(a)
-            .map(|(b, x)| (f16_at(b, 108), 0.0, q3_k_sums(b, x), x.d)),
-    )
+/// Scalar reference: a row of K-quant `dtype` weights · its Q8_K activations (the spec).
+pub fn dot_scalar(dtype: DType, w: &[u8], a: &[BlockQ8K]) -> f32 {
+    let bb = dtype.block_bytes();
+    debug_assert_eq!(w.len(), a.len() * bb);
+    accumulate(w.chunks_exact(bb).zip(a).map(|(b, x)| {
+        let (d, dmin, sums) = block_terms(dtype, b, x);
+        (d, dmin, sums, x.d)
+    }))
 }
 
-/// Scalar reference: Q4_K weights · Q8_K activations (the module's spec).
-pub fn dot_q4_k_q8k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    debug_assert_eq!(w.len(), a.len() * 144);
-    accumulate(
-        w.chunks_exact(144)
-            .zip(a)
-            .map(|(b, x)| (f16_at(b, 0), f16_at(b, 2), q4_k_sums(b, x), x.d)),
-    )
-}
-
-/// Scalar reference: Q5_K weights · Q8_K activations.
-pub fn dot_q5_k_q8k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    debug_assert_eq!(w.len(), a.len() * 176);
-    accumulate(
-        w.chunks_exact(176)
-            .zip(a)
-            .map(|(b, x)| (f16_at(b, 0), f16_at(b, 2), q5_k_sums(b, x), x.d)),
-    )
-}
-
-/// Scalar reference: Q6_K weights · Q8_K activations.
-pub fn dot_q6_k_q8k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    debug_assert_eq!(w.len(), a.len() * 210);
-    accumulate(
-        w.chunks_exact(210)
-            .zip(a)
-            .map(|(b, x)| (f16_at(b, 208), 0.0, q6_k_sums(b, x), x.d)),
-    )
-}
-
-/// The scalar reference of `dtype` (a K-quant).
+/// The scalar reference of `dtype` (a K-quant), as a function pointer.
 pub fn scalar_dot(dtype: DType) -> fn(&[u8], &[BlockQ8K]) -> f32 {
     match dtype {
-        DType::Q4_K => dot_q4_k_q8k_scalar,
-        DType::Q5_K => dot_q5_k_q8k_scalar,
-        DType::Q6_K => dot_q6_k_q8k_scalar,
-        DType::Q2_K => dot_q2_k_q8k_scalar,
-        DType::Q3_K => dot_q3_k_q8k_scalar,
+        DType::Q2_K => |w, a| dot_scalar(DType::Q2_K, w, a),
+        DType::Q3_K => |w, a| dot_scalar(DType::Q3_K, w, a),
+        DType::Q4_K => |w, a| dot_scalar(DType::Q4_K, w, a),
+        DType::Q5_K => |w, a| dot_scalar(DType::Q5_K, w, a),
+        DType::Q6_K => |w, a| dot_scalar(DType::Q6_K, w, a),
         _ => unreachable!("{dtype:?} does not use Q8_K activations"),
     }
 }
@@ -288,16 +261,7 @@ pub fn scalar_dot(dtype: DType) -> fn(&[u8], &[BlockQ8K]) -> f32 {
 pub(crate) mod tests {
     use super::*;
 
-    fn rand(n: usize, seed: &mut u64) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *seed = seed
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_util::rand_f32 as rand;
 
     fn bytes(n: usize, seed: &mut u64) -> Vec<u8> {
         rand(n, seed)

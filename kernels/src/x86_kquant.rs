@@ -34,28 +34,36 @@ fn load32_i8(p: &[i8]) -> __m256i {
     unsafe { _mm256_loadu_si256(p.as_ptr().cast()) }
 }
 
+/// Chunk `c` of a Q4_K/Q5_K block: the low and the high nibbles of bytes `32c..32c+32`
+/// (sub-blocks `2c`, `2c+1`), with the fifth bits of `hbits` (Q5_K's `qh`) where given — bit
+/// `2c` of each `qh` byte for the low nibbles' sub-block, `2c+1` for the high.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn qk45_chunk(qs: &[u8], hbits: Option<__m256i>, c: usize) -> [__m256i; 2] {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let one = _mm256_set1_epi8(1);
+    let q = load32(&qs[32 * c..]);
+    let mut lo = _mm256_and_si256(q, m4);
+    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+    if let Some(h) = hbits {
+        let shifted = _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c as i32));
+        let b0 = _mm256_and_si256(shifted, one);
+        let b1 = _mm256_and_si256(_mm256_srli_epi16::<1>(shifted), one);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(b0));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(b1));
+    }
+    [lo, hi]
+}
+
 /// `Σ_c sc_lo(c) · Σ lo·a + sc_hi(c) · Σ hi·a` over a Q4_K/Q5_K block's four 64-element
 /// chunks, the 5-bit values' fifth bits from `qh` where given.
 #[inline]
 #[target_feature(enable = "avx2")]
 fn qk45_scaled_sum(scales: &[u8], qh: Option<&[u8]>, qs: &[u8], a: &BlockQ8K) -> i32 {
-    let m4 = _mm256_set1_epi8(0x0f);
-    let one = _mm256_set1_epi8(1);
     let hbits = qh.map(|h| load32(h));
     let mut acc = _mm256_setzero_si256();
     for c in 0..4 {
-        let q = load32(&qs[32 * c..]);
-        let mut lo = _mm256_and_si256(q, m4);
-        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-        if let Some(h) = hbits {
-            // Bit 2c of each qh byte is the fifth bit of the low nibbles' sub-block, 2c+1 of
-            // the high nibbles'.
-            let shifted = _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c as i32));
-            let b0 = _mm256_and_si256(shifted, one);
-            let b1 = _mm256_and_si256(_mm256_srli_epi16::<1>(shifted), one);
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(b0));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(b1));
-        }
+        let [lo, hi] = qk45_chunk(qs, hbits, c);
         let (sc0, _) = scale_min_k4(2 * c, scales);
         let (sc1, _) = scale_min_k4(2 * c + 1, scales);
         let p0 = _mm256_maddubs_epi16(lo, load32_i8(&a.qs[64 * c..]));
@@ -171,8 +179,6 @@ fn load64_i8(p: &[i8]) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx2,avx512f,avx512bw")]
 fn decode_qk45(scales: &[u8], qh: Option<&[u8]>, qs: &[u8]) -> Decoded {
-    let m4 = _mm256_set1_epi8(0x0f);
-    let one = _mm256_set1_epi8(1);
     let hbits = qh.map(|h| load32(h));
     let pairs: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, scales));
     let mins: [i16; 16] = std::array::from_fn(|g| i16::from(pairs[g / 2].1));
@@ -184,16 +190,7 @@ fn decode_qk45(scales: &[u8], qh: Option<&[u8]>, qs: &[u8]) -> Decoded {
         fold_into_s: false,
     };
     for c in 0..4 {
-        let b = load32(&qs[32 * c..]);
-        let mut lo = _mm256_and_si256(b, m4);
-        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(b), m4);
-        if let Some(h) = hbits {
-            let shifted = _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c as i32));
-            let b0 = _mm256_and_si256(shifted, one);
-            let b1 = _mm256_and_si256(_mm256_srli_epi16::<1>(shifted), one);
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(b0));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(b1));
-        }
+        let [lo, hi] = qk45_chunk(qs, hbits, c);
         let (sc0, sc1) = (pairs[2 * c].0, pairs[2 * c + 1].0);
         d.q[c] = join(lo, hi);
         d.sc[c] = join(
