@@ -858,6 +858,20 @@ mod tests {
         }
     }
 
+    /// `matmul(w, qi)` at 1, 2 and 3 threads gives `want`, bit for bit.
+    fn assert_bits_at_1_to_3_threads(w: &QMatrix<'_>, qi: &QInput, want: &[f32], what: &str) {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for threads in [1, 2, 3] {
+            let pool = crate::par::ThreadPool::new(threads).expect("pool");
+            let got = pool.install(|| {
+                let mut got = vec![0.0; want.len()];
+                matmul(w, qi, &mut got);
+                got
+            });
+            assert_eq!(bits(&got), bits(want), "{what}: {threads} threads");
+        }
+    }
+
     /// The K-quants' int8 kernels (`crate::q8k`): what `matmul` runs equals the scalar
     /// reference bit for bit, at 1, 2 and 3 threads, batched or one token at a time — with
     /// activations at full scale (±127 after quantization) in some blocks.
@@ -889,20 +903,7 @@ mod tests {
                         assert_eq!(one.to_bits(), want[t * rows + r].to_bits(), "{dtype:?}");
                     }
                 }
-                for threads in [1, 2, 3] {
-                    let pool = crate::par::ThreadPool::new(threads).expect("pool");
-                    let got = pool.install(|| {
-                        let mut got = vec![0.0; n_tok * rows];
-                        matmul(&w, &qi, &mut got);
-                        got
-                    });
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "{dtype:?} {rows}x{cols} {threads}t"
-                    );
-                }
+                assert_bits_at_1_to_3_threads(&w, &qi, &want, &format!("{dtype:?} {rows}x{cols}"));
                 for t in 0..n_tok {
                     let mut one = QInput::default();
                     one.prepare(&x[t * cols..(t + 1) * cols], 1, cols, dtype);
@@ -936,20 +937,7 @@ mod tests {
             qi.prepare(&x, n_tok, cols, DType::BF16);
             let mut want = vec![0.0; n_tok * rows];
             matmul_scalar(&w, &qi, &mut want);
-            for threads in [1, 2, 3] {
-                let pool = crate::par::ThreadPool::new(threads).expect("pool");
-                let got = pool.install(|| {
-                    let mut got = vec![0.0; n_tok * rows];
-                    matmul(&w, &qi, &mut got);
-                    got
-                });
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&got),
-                    bits(&want),
-                    "{rows}x{cols} n={n_tok} {threads}t"
-                );
-            }
+            assert_bits_at_1_to_3_threads(&w, &qi, &want, &format!("{rows}x{cols} n={n_tok}"));
             // And close to the exact product of the bf16 values.
             let mut row = vec![0.0; cols];
             w.dequantize_row(0, &mut row);

@@ -130,8 +130,9 @@ pub(crate) fn q6_offset_term(scales: &[u8], a: &BlockQ8K) -> i32 {
         .sum::<i32>()
 }
 
-fn q4_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
-    let (scales, qs) = (&b[4..16], &b[16..144]);
+/// Q4_K (`qh` = None) or Q5_K (`qh`: its 32 fifth-bit bytes) block sums.
+fn qk45_sums(scales: &[u8], qh: Option<&[u8]>, qs: &[u8], a: &BlockQ8K) -> BlockSums {
+    let fifth = |l: usize, sub: usize| qh.map_or(0, |h| ((h[l] >> sub) & 1) << 4);
     let mut s = 0i32;
     for c in 0..4 {
         let (sc0, _) = scale_min_k4(2 * c, scales);
@@ -139,30 +140,8 @@ fn q4_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
         let (mut s0, mut s1) = (0i32, 0i32);
         for l in 0..32 {
             let q = qs[32 * c + l];
-            s0 += i32::from(q & 0x0f) * i32::from(a.qs[64 * c + l]);
-            s1 += i32::from(q >> 4) * i32::from(a.qs[64 * c + 32 + l]);
-        }
-        s += i32::from(sc0) * s0 + i32::from(sc1) * s1;
-    }
-    BlockSums {
-        s,
-        m: mins_term(scales, a),
-    }
-}
-
-fn q5_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
-    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-    let mut s = 0i32;
-    for c in 0..4 {
-        let (sc0, _) = scale_min_k4(2 * c, scales);
-        let (sc1, _) = scale_min_k4(2 * c + 1, scales);
-        let (mut s0, mut s1) = (0i32, 0i32);
-        for l in 0..32 {
-            let q = qs[32 * c + l];
-            let h0 = ((qh[l] >> (2 * c)) & 1) << 4;
-            let h1 = ((qh[l] >> (2 * c + 1)) & 1) << 4;
-            s0 += i32::from((q & 0x0f) | h0) * i32::from(a.qs[64 * c + l]);
-            s1 += i32::from((q >> 4) | h1) * i32::from(a.qs[64 * c + 32 + l]);
+            s0 += i32::from((q & 0x0f) | fifth(l, 2 * c)) * i32::from(a.qs[64 * c + l]);
+            s1 += i32::from((q >> 4) | fifth(l, 2 * c + 1)) * i32::from(a.qs[64 * c + 32 + l]);
         }
         s += i32::from(sc0) * s0 + i32::from(sc1) * s1;
     }
@@ -228,8 +207,15 @@ fn block_terms(dtype: DType, b: &[u8], x: &BlockQ8K) -> (f32, f32, BlockSums) {
     match dtype {
         DType::Q2_K => (f16_at(b, 80), f16_at(b, 82), q2_k_sums(b, x)),
         DType::Q3_K => (f16_at(b, 108), 0.0, q3_k_sums(b, x)),
-        DType::Q4_K => (f16_at(b, 0), f16_at(b, 2), q4_k_sums(b, x)),
-        DType::Q5_K => (f16_at(b, 0), f16_at(b, 2), q5_k_sums(b, x)),
+        DType::Q4_K => (
+            f16_at(b, 0),
+            f16_at(b, 2),
+            qk45_sums(&b[4..16], None, &b[16..], x),
+        ),
+        DType::Q5_K => {
+            let sums = qk45_sums(&b[4..16], Some(&b[16..48]), &b[48..], x);
+            (f16_at(b, 0), f16_at(b, 2), sums)
+        }
         DType::Q6_K => (f16_at(b, 208), 0.0, q6_k_sums(b, x)),
         _ => unreachable!("{dtype:?} does not use Q8_K activations"),
     }
