@@ -54,12 +54,14 @@ pub fn load(synthetic: &Synthetic) -> Result<Model, CheckError> {
     Ok(Model::from_gguf(g?)?)
 }
 
-/// The stated tolerance on max |Δlogit| / max |logit|: the float types' activations are f32 on
-/// both backends (only summation order differs); the quantized types' are int8 on the CPU (Q8,
-/// Q8_K) and f32 on the device.
+/// The stated tolerance on max |Δlogit| / max |logit|: F32/F16 activations are f32 on both
+/// backends (only summation order differs); BF16's are rounded to bf16 on the CPU (llama.cpp's
+/// arithmetic, 8 significant bits: measured 8.3e-3) and the quantized types' to int8 (Q8,
+/// Q8_K), f32 on the device.
 pub fn tolerance(dtype: DType) -> f32 {
     match dtype {
-        DType::F32 | DType::F16 | DType::BF16 => 1e-3,
+        DType::F32 | DType::F16 => 1e-3,
+        DType::BF16 => 2e-2,
         DType::Q4_0
         | DType::Q4_1
         | DType::Q8_0
