@@ -64,9 +64,9 @@ impl<'a> QMatrix<'a> {
     }
 }
 
-/// Input rows prepared for a weight type: quantized to Q8 blocks for quantized weights, kept as
-/// f32 for float weights. Prepare once, use for every matrix that reads the same input (Q/K/V,
-/// gate/up).
+/// Input rows prepared for a weight type, in its activation format (`DType::activations`): Q8
+/// blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), Q8_K blocks (the K-quants), bf16 (BF16), or f32
+/// (F32, F16). Prepare once, use for every matrix that reads the same input (Q/K/V, gate/up).
 #[derive(Debug, Default)]
 pub struct QInput {
     n_tok: usize,
