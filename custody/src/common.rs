@@ -191,6 +191,27 @@ fn object_checkpoint_sink(
 }
 
 /// `YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ` (UTC) → Unix nanoseconds.
+/// The prompt's token ids: a raw prompt (BOS as the model asks), or — `chat` — a user message
+/// (after an optional system message) rendered by the model's chat template, which places its
+/// own BOS (`Tokenizer::encode_chat`).
+pub(crate) fn prompt_ids(
+    tokenizer: &Tokenizer,
+    chat: bool,
+    system: Option<&str>,
+    prompt: &str,
+) -> Result<Vec<u32>> {
+    if !chat {
+        return Ok(tokenizer.encode(prompt, false)?);
+    }
+    let message = |role: &str, content: &str| custody_runtime::ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    };
+    let mut msgs: Vec<_> = system.map(|s| message("system", s)).into_iter().collect();
+    msgs.push(message("user", prompt));
+    Ok(tokenizer.encode_chat(&msgs)?)
+}
+
 pub(crate) fn parse_utc(s: &str) -> Result<i64> {
     let bad =
         || anyhow::anyhow!("invalid time {s:?}: use YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ (UTC)");

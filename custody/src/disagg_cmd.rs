@@ -332,23 +332,7 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
     let gguf = custody_runtime::gguf::Gguf::open(&path)
         .with_context(|| format!("reading the tokenizer from {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&gguf)?;
-    let text = if a.chat {
-        let mut msgs = Vec::new();
-        if let Some(s) = &a.system {
-            msgs.push(custody_runtime::ChatMessage {
-                role: "system".into(),
-                content: s.clone(),
-            });
-        }
-        msgs.push(custody_runtime::ChatMessage {
-            role: "user".into(),
-            content: a.prompt.clone(),
-        });
-        tokenizer.apply_chat_template(&msgs)?
-    } else {
-        a.prompt.clone()
-    };
-    let prompt = tokenizer.encode(&text, false)?;
+    let prompt = crate::common::prompt_ids(&tokenizer, a.chat, a.system.as_deref(), &a.prompt)?;
     let req = custody_runtime::GenerateRequest {
         prompt,
         max_tokens: a.max_tokens,

@@ -5,9 +5,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use custody_runtime::SamplingParams;
 use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::tokenizer::StreamDecoder;
-use custody_runtime::{ChatMessage, SamplingParams};
 
 use crate::common::{AuditArgs, Common, Loaded, load, open_audit};
 
@@ -60,23 +60,7 @@ pub(crate) fn generate(a: GenerateArgs) -> Result<()> {
     if let Some(w) = &audit {
         engine = engine.with_audit(w.clone());
     }
-    let text = if a.chat {
-        let mut msgs = Vec::new();
-        if let Some(s) = &a.system {
-            msgs.push(ChatMessage {
-                role: "system".into(),
-                content: s.clone(),
-            });
-        }
-        msgs.push(ChatMessage {
-            role: "user".into(),
-            content: a.prompt.clone(),
-        });
-        tokenizer.apply_chat_template(&msgs)?
-    } else {
-        a.prompt.clone()
-    };
-    let prompt = tokenizer.encode(&text, false)?;
+    let prompt = crate::common::prompt_ids(&tokenizer, a.chat, a.system.as_deref(), &a.prompt)?;
     let req = GenerateRequest {
         prompt,
         max_tokens: a.max_tokens,

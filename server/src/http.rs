@@ -371,14 +371,9 @@ async fn tokenize(st: &Arc<AppState>, prompt: Prompt) -> Result<Vec<u32>, ApiErr
             Prompt::Text(t) => tok
                 .encode(&t, false)
                 .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"))),
-            Prompt::Chat(msgs) => {
-                let text = tok.apply_chat_template(&msgs).map_err(|e| {
-                    ApiError::bad_request(format!("cannot apply the chat template: {e}"))
-                })?;
-                tok.encode(&text, false).map_err(|e| {
-                    ApiError::bad_request(format!("cannot tokenize the messages: {e}"))
-                })
-            }
+            Prompt::Chat(msgs) => tok
+                .encode_chat(&msgs)
+                .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}"))),
         }
     })
     .await

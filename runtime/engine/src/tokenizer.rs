@@ -292,6 +292,14 @@ impl Tokenizer {
         }
     }
 
+    /// The token ids of a chat: the rendered template, tokenized with special texts as their
+    /// ids and no BOS added — the template places its own (`{{ bos_token }}`), as Hugging
+    /// Face's `apply_chat_template` and llama-cpp-python tokenize a chat (adding one too would
+    /// start Llama 3 and Mistral prompts with two).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
+        self.encode(&self.apply_chat_template(messages)?, true)
+    }
+
     /// Render the model's chat template over `messages`, with the assistant prompt appended.
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
         let src = self

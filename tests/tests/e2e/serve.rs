@@ -87,19 +87,41 @@ impl TestServer {
     /// `stats`: what `/metrics` and the back-pressure check see of the audit queue (default:
     /// the real writer's).
     fn start_full(name: &str, cfg: ServeSection, stats: Option<Arc<dyn AuditStats>>) -> Self {
+        let engine = engine_with(EngineConfig {
+            context_length: Some(CONTEXT),
+            kv_budget_mib: 64,
+            ..EngineConfig::default()
+        });
+        Self::start_engine(name, cfg, stats, engine, tokenizer())
+    }
+
+    /// A server on another GGUF (its own context length and tokenizer).
+    fn start_model(name: &str, model: &std::path::Path) -> Self {
+        let m = custody_runtime::Model::load(model).expect("model");
+        let tok = custody_runtime::Tokenizer::from_gguf(m.gguf()).expect("tokenizer");
+        let cfg = EngineConfig {
+            kv_budget_mib: 16,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(m, cfg).expect("engine");
+        Self::start_engine(name, serve_cfg(), None, engine, tok)
+    }
+
+    fn start_engine(
+        name: &str,
+        cfg: ServeSection,
+        stats: Option<Arc<dyn AuditStats>>,
+        engine: Engine,
+        tok: custody_runtime::Tokenizer,
+    ) -> Self {
         let root = tmp_dir(&format!("serve-{name}"));
         let key = digest::generate_key().expect("key");
         let writer = Arc::new(
             AuditWriter::open(WriterConfig::new(root.join("audit"), NODE, key)).expect("writer"),
         );
-        let engine = engine_with(EngineConfig {
-            context_length: Some(CONTEXT),
-            kv_budget_mib: 64,
-            ..EngineConfig::default()
-        })
-        .with_audit(writer.clone());
+        let engine = engine.with_audit(writer.clone());
         let pool = custody_runtime::par::ThreadPool::new(2).expect("pool");
-        let prepared = custody_server::prepare(engine, pool, tokenizer(), &cfg).expect("prepare");
+        let prepared = custody_server::prepare(engine, pool, tok, &cfg).expect("prepare");
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -1000,4 +1022,48 @@ fn every_end_is_recorded_as_the_client_saw_it() {
         (1..400).contains(out),
         "{out} tokens handed to the client before it left"
     );
+}
+
+/// The server on each architecture's tiny model (`tests/fixtures/arch`, see `arch_models`): a
+/// chat through `/v1/chat/completions` renders the GGUF's own template and tokenizes it as
+/// llama.cpp does — `usage.prompt_tokens` is llama.cpp's count for the rendered chat — and
+/// answers, audited, as on the embedded model.
+#[test]
+fn chat_completions_run_every_architecture_end_to_end() {
+    for model in ["llama-spm", "llama3", "qwen2", "qwen3"] {
+        let chat: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(custody_tests::fixture(&format!("arch/{model}.chat.json")))
+                .expect("fixture"),
+        )
+        .expect("json");
+        let file = chat["file"].as_str().expect("file");
+        let srv = TestServer::start_model(model, &custody_tests::fixture(&format!("arch/{file}")));
+        let body = serde_json::json!({
+            "model": MODEL_ID,
+            "messages": chat["messages"],
+            "max_tokens": 4,
+            "temperature": 0,
+        });
+        let r = srv.post("/v1/chat/completions", KEY, body.to_string().as_bytes());
+        assert_eq!(
+            r.status,
+            200,
+            "{model}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        let want = chat["ids"].as_array().expect("ids").len() as u64;
+        assert_eq!(v["usage"]["prompt_tokens"], want, "{model}: {v}");
+        assert!(
+            v["usage"]["completion_tokens"]
+                .as_u64()
+                .is_some_and(|n| (1..=4).contains(&n))
+        );
+        let id = engine_id(r.header("x-request-id").expect("request id"));
+        let audit = srv.stop();
+        let reqs = requests(&audit);
+        assert_eq!(reqs[&id].0, "acme", "{model}");
+        assert_eq!(reqs[&id].1, ["admitted", "finished"], "{model}");
+        eprintln!("{model}: {want} prompt tokens, answered and audited");
+    }
 }
