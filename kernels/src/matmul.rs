@@ -424,99 +424,116 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
     }
 }
 
-/// Rows `r0..r1` of a K-quant matrix for every token: row by row, every token over one row
-/// while its weights are in L1 — four tokens per weight decode where the 512-bit kernels run.
-fn run_rows_q8k(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
-    let (rows, n_tok, per_row) = (w.rows, x.n_tok, w.cols / QK_K);
-    let act = |t: usize| &x.q8k[t * per_row..(t + 1) * per_row];
-    let store = |t0: usize, r: usize, vals: &[f32]| {
-        for (j, v) in vals.iter().enumerate() {
-            // SAFETY: t0 + j < n_tok, r < rows: in bounds of the output (n_tok × rows,
-            // asserted by `matmul_many`); parts' row ranges are disjoint.
-            unsafe { *p.get().add((t0 + j) * rows + r) = *v };
-        }
-    };
-    #[cfg(target_arch = "x86_64")]
-    if simd::has_vnni512() {
-        use crate::x86_kquant::dot_kquant_512 as k;
-        let d = w.dtype;
-        for r in r0..r1 {
-            let wr = w.row(r);
-            for t in (0..n_tok).step_by(4) {
-                // SAFETY (each call): has_vnni512 checked avx2/fma/f16c and AVX-512
-                // F/BW/VL/VNNI at run time.
-                let mut vals = [0.0f32; 4];
-                let n = (n_tok - t).min(4);
-                match n {
-                    // SAFETY: as above.
-                    1 => vals[..1].copy_from_slice(&unsafe { k::<1>(d, wr, [act(t)]) }),
-                    // SAFETY: as above.
-                    2 => vals[..2].copy_from_slice(&unsafe { k::<2>(d, wr, [act(t), act(t + 1)]) }),
-                    3 => vals[..3].copy_from_slice(
-                        // SAFETY: as above.
-                        &unsafe { k::<3>(d, wr, [act(t), act(t + 1), act(t + 2)]) },
-                    ),
-                    _ => {
-                        // SAFETY: as above.
-                        vals =
-                            unsafe { k::<4>(d, wr, [act(t), act(t + 1), act(t + 2), act(t + 3)]) }
-                    }
-                }
-                store(t, r, &vals[..n]);
-            }
-        }
-        return;
+/// A row kernel over one to four tokens' activations (of type `A`), each result the bits of
+/// the one-token kernel.
+trait TokensKernel<A: ?Sized> {
+    fn dot<const T: usize>(&self, w: &[u8], a: [&A; T]) -> [f32; T];
+}
+
+/// A one-token kernel, run token by token.
+struct OneToken<A: ?Sized>(fn(&[u8], &A) -> f32);
+
+impl<A: ?Sized> TokensKernel<A> for OneToken<A> {
+    fn dot<const T: usize>(&self, w: &[u8], a: [&A; T]) -> [f32; T] {
+        std::array::from_fn(|t| (self.0)(w, a[t]))
     }
-    let dot = q8k_dot_fn(w.dtype);
+}
+
+/// The AVX-512 VNNI K-quant kernel (`x86_kquant::dot_kquant_512`); only constructed where it
+/// runs.
+struct KQuantVnni {
+    dtype: DType,
+}
+
+impl KQuantVnni {
+    fn new(dtype: DType) -> Option<Self> {
+        (cfg!(target_arch = "x86_64") && simd::has_vnni512()).then_some(Self { dtype })
+    }
+}
+
+impl TokensKernel<[BlockQ8K]> for KQuantVnni {
+    fn dot<const T: usize>(&self, w: &[u8], a: [&[BlockQ8K]; T]) -> [f32; T] {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `KQuantVnni` exists only where `has_vnni512` found AVX2/FMA/F16C and
+        // AVX-512 F/BW/VL/VNNI at run time.
+        return unsafe { crate::x86_kquant::dot_kquant_512::<T>(self.dtype, w, a) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("{:?}: no 512-bit kernels here ({w:?}, {a:?})", self.dtype)
+    }
+}
+
+/// The AVX512-BF16 kernel (`x86_bf16::dot_bf16_512`); only constructed where it runs.
+struct Bf16Avx512(());
+
+impl Bf16Avx512 {
+    fn new() -> Option<Self> {
+        (cfg!(target_arch = "x86_64") && simd::has_avx512bf16()).then_some(Self(()))
+    }
+}
+
+impl TokensKernel<[u16]> for Bf16Avx512 {
+    fn dot<const T: usize>(&self, w: &[u8], a: [&[u16]; T]) -> [f32; T] {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Bf16Avx512` exists only where `has_avx512bf16` found AVX-512 F/BW/BF16.
+        return unsafe { crate::x86_bf16::dot_bf16_512::<T>(w, a) };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no AVX512-BF16 here ({w:?}, {a:?})")
+    }
+}
+
+/// Rows `r0..r1` of `w` for every token, up to four tokens per kernel call: row by row, every
+/// token over one row while its weights are in L1. `act(t)` is token `t`'s activations.
+fn run_rows_by_four<'x, A: ?Sized + 'x>(
+    w: &QMatrix<'_>,
+    n_tok: usize,
+    act: impl Fn(usize) -> &'x A,
+    k: &impl TokensKernel<A>,
+    p: OutPtr<f32>,
+    (r0, r1): (usize, usize),
+) {
+    fn pad<const T: usize>(v: [f32; T]) -> [f32; 4] {
+        std::array::from_fn(|i| if i < T { v[i] } else { 0.0 })
+    }
     for r in r0..r1 {
         let wr = w.row(r);
-        for t in 0..n_tok {
-            store(t, r, &[dot(wr, act(t))]);
+        for t in (0..n_tok).step_by(4) {
+            let n = (n_tok - t).min(4);
+            let vals = match n {
+                1 => pad(k.dot::<1>(wr, [act(t)])),
+                2 => pad(k.dot::<2>(wr, [act(t), act(t + 1)])),
+                3 => pad(k.dot::<3>(wr, [act(t), act(t + 1), act(t + 2)])),
+                _ => k.dot::<4>(wr, [act(t), act(t + 1), act(t + 2), act(t + 3)]),
+            };
+            for (j, v) in vals[..n].iter().enumerate() {
+                // SAFETY: t + j < n_tok, r < rows: in bounds of the output (n_tok × rows,
+                // asserted by `matmul_many`); parts' row ranges are disjoint.
+                unsafe { *p.get().add((t + j) * w.rows + r) = *v };
+            }
         }
+    }
+}
+
+/// Rows `r0..r1` of a K-quant matrix for every token: four tokens per super-block decode where
+/// the 512-bit kernels run, the one-row kernel elsewhere (the same bits).
+fn run_rows_q8k(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
+    let per_row = w.cols / QK_K;
+    let act = |t: usize| &x.q8k[t * per_row..(t + 1) * per_row];
+    match KQuantVnni::new(w.dtype) {
+        Some(k) => run_rows_by_four(w, x.n_tok, act, &k, p, (r0, r1)),
+        None => run_rows_by_four(w, x.n_tok, act, &OneToken(q8k_dot_fn(w.dtype)), p, (r0, r1)),
     }
 }
 
 /// Rows `r0..r1` of a BF16 matrix for every token (`crate::bf16`): four tokens per weight load
 /// where AVX512-BF16 runs, the scalar reference (the same bits) elsewhere.
 fn run_rows_bf16(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
-    let (rows, n_tok, cols) = (w.rows, x.n_tok, w.cols);
+    let cols = w.cols;
     let act = |t: usize| &x.bf[t * cols..(t + 1) * cols];
-    let store = |t0: usize, r: usize, vals: &[f32]| {
-        for (j, v) in vals.iter().enumerate() {
-            // SAFETY: t0 + j < n_tok, r < rows: in bounds of the output (n_tok × rows,
-            // asserted by `matmul_many`); parts' row ranges are disjoint.
-            unsafe { *p.get().add((t0 + j) * rows + r) = *v };
-        }
-    };
-    #[cfg(target_arch = "x86_64")]
-    if simd::has_avx512bf16() {
-        use crate::x86_bf16::dot_bf16_512 as k;
-        for r in r0..r1 {
-            let wr = w.row(r);
-            for t in (0..n_tok).step_by(4) {
-                let mut vals = [0.0f32; 4];
-                let n = (n_tok - t).min(4);
-                // SAFETY (each call): has_avx512bf16 checked AVX-512 F/BW/BF16 at run time.
-                match n {
-                    // SAFETY: as above.
-                    1 => vals[..1].copy_from_slice(&unsafe { k::<1>(wr, [act(t)]) }),
-                    // SAFETY: as above.
-                    2 => vals[..2].copy_from_slice(&unsafe { k::<2>(wr, [act(t), act(t + 1)]) }),
-                    // SAFETY: as above.
-                    3 => vals[..3]
-                        .copy_from_slice(&unsafe { k::<3>(wr, [act(t), act(t + 1), act(t + 2)]) }),
-                    // SAFETY: as above.
-                    _ => vals = unsafe { k::<4>(wr, [act(t), act(t + 1), act(t + 2), act(t + 3)]) },
-                }
-                store(t, r, &vals[..n]);
-            }
-        }
-        return;
-    }
-    for r in r0..r1 {
-        let wr = w.row(r);
-        for t in 0..n_tok {
-            store(t, r, &[crate::bf16::dot_bf16_scalar(wr, act(t))]);
+    match Bf16Avx512::new() {
+        Some(k) => run_rows_by_four(w, x.n_tok, act, &k, p, (r0, r1)),
+        None => {
+            let k = OneToken(crate::bf16::dot_bf16_scalar as fn(&[u8], &[u16]) -> f32);
+            run_rows_by_four(w, x.n_tok, act, &k, p, (r0, r1));
         }
     }
 }
