@@ -222,6 +222,10 @@ pub enum Event {
         detail: String,
     },
     /// The tag check refused a read or write.
+    /// A prefix-cache fact (table `prefix_cache`): a page shared into a namespace by the request
+    /// that wrote it, a hit (one row per page a request attends without computing it), or an
+    /// eviction (the page returned to the pool).
+    Cache(Box<CacheRecord>),
     IntegrityViolation {
         ts_ns: MonoNs,
         request: u64,
@@ -244,11 +248,56 @@ impl Event {
             | Event::Node { ts_ns, .. } => *ts_ns,
             Event::RdmaOp(o) => o.ts_ns,
             Event::RdmaMr(m) => m.ts_ns,
+            Event::Cache(c) => c.ts_ns,
         }
     }
 }
 
 /// One operation on the RDMA transfer path, as the eBPF witness saw it (table `rdma_ops`).
+/// What a [`CacheRecord`] says happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// The writer handed its fully written page to the namespace (read-only from now on).
+    Share,
+    /// A request attends the cached page instead of computing it.
+    Hit,
+    /// The page left the cache and returned to the pool's free list.
+    Evict,
+}
+
+impl CacheEvent {
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheEvent::Share => "share",
+            CacheEvent::Hit => "hit",
+            CacheEvent::Evict => "evict",
+        }
+    }
+}
+
+/// One `prefix_cache` row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheRecord {
+    pub ts_ns: MonoNs,
+    pub event: CacheEvent,
+    /// Share: the writer; hit: the reader; evict: the writer.
+    pub request: u64,
+    pub tenant: Arc<str>,
+    pub page: u32,
+    pub generation: u32,
+    /// The namespace's tag (the shared page's owner value in the pool).
+    pub namespace: u64,
+    /// `tenant`, `tenant+salt`, `public:<name>`, `unsafe:global`.
+    pub scope: Arc<str>,
+    /// `tenant`, `public` or `unsafe`.
+    pub scope_kind: &'static str,
+    /// The request that computed the page, and its tenant.
+    pub writer: u64,
+    pub writer_tenant: Arc<str>,
+    /// Hit: prompt tokens the request took from the cache (all its hit pages); else 0.
+    pub hit_tokens: u32,
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RdmaOp {
     /// The collector's monotonic clock (converted from `ktime_ns`).

@@ -17,7 +17,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use crate::{Event, PageKind, RdmaOpRows, Writer};
 
 /// Version of the table layouts, written into every file's metadata.
-pub const SCHEMA_VERSION: &str = "3";
+pub const SCHEMA_VERSION: &str = "4";
 pub const SCHEMA_VERSION_KEY: &str = "custody.audit.schema_version";
 
 /// The audit tables.
@@ -36,10 +36,12 @@ pub enum Table {
     RdmaOps,
     /// The eBPF witness's observations of memory registration.
     RdmaMr,
+    /// Prefix-cache shares, hits and evictions.
+    PrefixCache,
 }
 
 impl Table {
-    pub const ALL: [Table; 9] = [
+    pub const ALL: [Table; 10] = [
         Table::Requests,
         Table::PageEvents,
         Table::Transfers,
@@ -49,6 +51,7 @@ impl Table {
         Table::NodeEvents,
         Table::RdmaOps,
         Table::RdmaMr,
+        Table::PrefixCache,
     ];
 
     pub fn name(self) -> &'static str {
@@ -62,6 +65,7 @@ impl Table {
             Table::NodeEvents => "node_events",
             Table::RdmaOps => "rdma_ops",
             Table::RdmaMr => "rdma_mr",
+            Table::PrefixCache => "prefix_cache",
         }
     }
 
@@ -79,6 +83,7 @@ impl Table {
             Event::Node { .. } => Table::NodeEvents,
             Event::RdmaOp(_) => Table::RdmaOps,
             Event::RdmaMr(_) => Table::RdmaMr,
+            Event::Cache(_) => Table::PrefixCache,
         }
     }
 
@@ -163,6 +168,19 @@ impl Table {
                 ("qp_num", UInt32, false),
                 ("sges", Utf8, true),
                 ("probe_flags", Utf8, true),
+            ],
+            Table::PrefixCache => vec![
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("event", Utf8, false),
+                ("page", UInt32, false),
+                ("generation", UInt32, false),
+                ("namespace", Utf8, false),
+                ("scope", Utf8, false),
+                ("scope_kind", Utf8, false),
+                ("writer_request_id", UInt64, false),
+                ("writer_tenant", Utf8, false),
+                ("hit_tokens", UInt32, false),
             ],
             Table::RdmaMr => vec![
                 ("ktime_ns", UInt64, false),
@@ -472,6 +490,19 @@ impl TableBuilder {
             Event::Node { kind, detail, .. } => {
                 self.s(0, kind);
                 self.s(1, detail);
+            }
+            Event::Cache(c) => {
+                self.u64(0, c.request);
+                self.s(1, &c.tenant);
+                self.s(2, c.event.name());
+                self.u32(3, c.page);
+                self.u32(4, c.generation);
+                self.s(5, &format!("{:016x}", c.namespace));
+                self.s(6, &c.scope);
+                self.s(7, c.scope_kind);
+                self.u64(8, c.writer);
+                self.s(9, &c.writer_tenant);
+                self.u32(10, c.hit_tokens);
             }
         }
     }

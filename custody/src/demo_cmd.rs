@@ -264,6 +264,7 @@ fn serve(
             sampling: SamplingParams::default(),
             stop_ids: vec![],
             tenant: job.tenant.into(),
+            cache: None,
         };
         let outcome = match pair.generate(&req) {
             Ok(g) => format!(

@@ -344,6 +344,7 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
         },
         stop_ids: tokenizer.stop_ids.clone(),
         tenant: a.tenant.clone(),
+        cache: None,
     };
     let rt = runtime()?;
     rt.block_on(async {

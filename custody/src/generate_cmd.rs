@@ -72,6 +72,7 @@ pub(crate) fn generate(a: GenerateArgs) -> Result<()> {
         },
         stop_ids: tokenizer.stop_ids.clone(),
         tenant: a.tenant.clone(),
+        cache: None,
     };
     let n_prompt = req.prompt.len();
     let id = engine.submit(req).context("request rejected")?;

@@ -83,6 +83,15 @@ pub(crate) enum ForensicsCmd {
         #[arg(long)]
         show_sql: bool,
     },
+    /// Prefix-cache hits by reader and writer tenant and scope: who attended pages another
+    /// request computed (cross-tenant hits are legitimate only in an operator-declared public
+    /// scope; any other is also in `exposure`).
+    Cache {
+        #[command(flatten)]
+        src: Source,
+        #[arg(long)]
+        show_sql: bool,
+    },
     /// The eBPF witness against the engine's record: every transfer the engine recorded has its
     /// observed writes (keys, offsets, lengths, wr_id); every observed write is in the record and
     /// landed in the page and generation the record says. Lists each discrepancy with both
@@ -519,6 +528,9 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
         }
         ForensicsCmd::Anomalies { src, show_sql } => {
             canned(&src, forensics::ANOMALIES_SQL.to_owned(), show_sql)
+        }
+        ForensicsCmd::Cache { src, show_sql } => {
+            canned(&src, forensics::CACHE_SQL.to_owned(), show_sql)
         }
         ForensicsCmd::Request {
             src,

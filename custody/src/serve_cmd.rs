@@ -30,6 +30,12 @@ pub(crate) struct ServeArgs {
     /// The model is still loaded here, for the tokenizer and the canary's colocated reference.
     #[arg(long)]
     prefill: Option<String>,
+    /// Arm the config's `[unsafe_reproduction]` switches; `serve` honours
+    /// `shared_prefix_cache` (one prefix-cache namespace for every tenant: the leak prefix
+    /// caches are known for, reproduced on purpose). Logged at ERROR and recorded in the audit
+    /// log's `node_events`.
+    #[arg(long)]
+    unsafe_reproduction: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -107,6 +113,18 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     if !serve_cfg.prefill.is_empty() {
         return serve_front(&a, serve_cfg, &cfg.tls);
     }
+    let unsafe_ = cfg.unsafe_switches(a.unsafe_reproduction);
+    let others: Vec<&str> = unsafe_
+        .names()
+        .into_iter()
+        .filter(|n| *n != "shared_prefix_cache")
+        .collect();
+    if !others.is_empty() {
+        bail!(
+            "custody serve honours only [unsafe_reproduction] shared_prefix_cache; {} apply to the disaggregated nodes (custody prefill|decode)",
+            others.join(", ")
+        );
+    }
     let Loaded {
         mut engine,
         tokenizer,
@@ -121,12 +139,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     if let Some(w) = &audit {
         engine = engine.with_audit(w.clone());
         let fingerprint = engine.model().gguf().sha256_hex();
-        crate::disagg_cmd::record_start(
-            &mut engine,
-            "serve",
-            &fingerprint,
-            &custody_runtime::config::UnsafeReproduction::default(),
-        );
+        crate::disagg_cmd::record_start(&mut engine, "serve", &fingerprint, &unsafe_);
     } else {
         tracing::warn!(
             "audit is OFF ([audit] dir unset and no --audit-dir): page events are not recorded"
@@ -140,6 +153,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
             .clone()
             .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
         events: None,
+        unsafe_shared_prefix_cache: unsafe_.shared_prefix_cache,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -199,6 +213,7 @@ fn serve_front(
         events: audit
             .clone()
             .map(|w| w as Arc<dyn custody_audit::AuditSink>),
+        unsafe_shared_prefix_cache: false,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

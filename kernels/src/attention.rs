@@ -13,12 +13,19 @@
 //! `out`) unless, for each logical page `i` covering slots `i·P .. min((i+1)·P, n_ctx)`:
 //! 1. the physical page exists in the pool,
 //! 2. `generation[page] == expected generation` (not a stale, reallocated page),
-//! 3. `owner[page] == owner` (not someone else's page),
+//! 3. the reader admits `owner[page]` ([`Reader::admits`]): it is the reader's own id, or one
+//!    of the at most [`MAX_SHARED`] namespace tags whose read-only shared pages (a prefix cache's)
+//!    the reader may attend — never a free page's [`NO_OWNER`]; anything else is someone else's
+//!    page,
 //! 4. `filled[page] >= ` the number of slots attended in that page (no allocated-but-unwritten
 //!    slot is ever read),
 //! 5. the page's in-band stamp (the (owner, generation) its data was last written for, stored with
-//!    the data and carried in-band by transfers) equals (owner, expected generation): a late
-//!    remote write that landed after the page changed hands is caught even though rules 1–4 hold.
+//!    the data and carried in-band by transfers) equals (`owner[page]`, expected generation): a
+//!    late remote write that landed after the page changed hands is caught even though rules 1–4
+//!    hold.
+//!
+//! A shared page's owner is its namespace's tag, which no request id equals, so every write of
+//! one is refused by the write's owner check: shared pages are read-only by construction.
 //!
 //! The only entry point that reads KV memory is [`paged_attention`], and it checks first. The one
 //! way to skip the check is [`TagCheck::DisabledForIncidentReproduction`], which exists to
@@ -51,6 +58,59 @@ impl PageGeometry {
     /// Element offset of `(page, kv_head, slot)` in a layer's cache.
     pub const fn offset(&self, page: usize, kv_head: usize, slot: usize) -> usize {
         ((page * self.n_kv_heads + kv_head) * self.page_size + slot) * self.head_dim
+    }
+}
+
+/// The owner value of a free page (request ids and namespace tags are never 0).
+pub const NO_OWNER: u64 = 0;
+
+/// Most namespaces one reader may attend shared pages of: its own private namespace and one
+/// operator-declared public scope.
+pub const MAX_SHARED: usize = 2;
+
+/// Who reads: the owner value of the reader's own pages (its request id) and the tags of the
+/// namespaces whose read-only shared pages it may attend. The fields are private so that "a
+/// shared owner of 0" — which would admit free pages — cannot be written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reader {
+    owner: u64,
+    /// Namespace tags, `NO_OWNER` where unused.
+    shared: [u64; MAX_SHARED],
+}
+
+impl Reader {
+    /// A reader of its own pages only.
+    pub const fn private(owner: u64) -> Self {
+        Self {
+            owner,
+            shared: [NO_OWNER; MAX_SHARED],
+        }
+    }
+
+    /// A reader of its own pages and of the shared pages of `shared` (at most [`MAX_SHARED`]).
+    pub fn with_shared(owner: u64, shared: &[std::num::NonZeroU64]) -> Self {
+        assert!(shared.len() <= MAX_SHARED, "at most {MAX_SHARED} shared namespaces");
+        let mut r = Self::private(owner);
+        for (slot, tag) in r.shared.iter_mut().zip(shared) {
+            debug_assert_ne!(tag.get(), owner, "a namespace tag equal to a request id");
+            *slot = tag.get();
+        }
+        r
+    }
+
+    /// The reader's own owner value (its request id).
+    pub const fn owner(&self) -> u64 {
+        self.owner
+    }
+
+    /// Whether the reader attends any shared page.
+    pub fn has_shared(&self) -> bool {
+        self.shared.iter().any(|&t| t != NO_OWNER)
+    }
+
+    /// Whether a page whose tag says `tag_owner` is one this reader may attend.
+    pub fn admits(&self, tag_owner: u64) -> bool {
+        tag_owner == self.owner || (tag_owner != NO_OWNER && self.shared.contains(&tag_owner))
     }
 }
 
@@ -169,7 +229,13 @@ pub fn bench_decode_step_tag_checks(
     let t0 = std::time::Instant::now();
     for _ in 0..iters {
         for _ in 0..n_layers {
-            let r = check_tags(std::hint::black_box(&table), n_ctx, page_size, &tags, OWNER);
+            let r = check_tags(
+                std::hint::black_box(&table),
+                n_ctx,
+                page_size,
+                &tags,
+                Reader::private(OWNER),
+            );
             assert!(r.is_ok(), "the benchmark's tags are valid");
         }
     }
@@ -183,7 +249,7 @@ pub fn check_tags(
     n_ctx: usize,
     page_size: usize,
     tags: &TagView<'_>,
-    owner: u64,
+    reader: Reader,
 ) -> Result<(), IntegrityError> {
     assert!(page_size > 0);
     let need = n_ctx.div_ceil(page_size);
@@ -212,12 +278,13 @@ pub fn check_tags(
                 found,
             });
         }
-        if tags.owner[p] != owner {
+        let page_owner = tags.owner[p];
+        if !reader.admits(page_owner) {
             return Err(IntegrityError::ForeignOwner {
                 page: pr.page,
                 generation: found,
-                expected: owner,
-                found: tags.owner[p],
+                expected: reader.owner(),
+                found: page_owner,
             });
         }
         let attended = (n_ctx - i * page_size).min(page_size) as u32;
@@ -234,7 +301,7 @@ pub fn check_tags(
             tags.stamp_owner.get(p).copied().unwrap_or(0),
             tags.stamp_generation.get(p).copied().unwrap_or(0),
         );
-        if so != owner || sg != found {
+        if so != page_owner || sg != found {
             return Err(IntegrityError::InBandMismatch {
                 page: pr.page,
                 generation: found,
@@ -259,7 +326,7 @@ pub struct AttentionArgs<'a> {
     pub geom: PageGeometry,
     pub block_table: &'a [PageRef],
     pub tags: TagView<'a>,
-    pub owner: u64,
+    pub reader: Reader,
     /// Reduction order of the arithmetic (see [`ReduceOrder`]).
     pub order: ReduceOrder,
     /// Always [`TagCheck::Enforced`] outside the incident reproduction.
@@ -298,7 +365,7 @@ pub fn paged_attention(
 
     match args.check {
         TagCheck::Enforced => {
-            check_tags(args.block_table, n_ctx, g.page_size, &args.tags, args.owner)?;
+            check_tags(args.block_table, n_ctx, g.page_size, &args.tags, args.reader)?;
         }
         TagCheck::DisabledForIncidentReproduction => {
             // Still refuse what would be out of bounds: the reproduction reads stale pages, it
@@ -1402,6 +1469,15 @@ mod tests {
     }
 
     fn run(f: &Fixture, q: &[f32], start: usize, owner: u64) -> Result<Vec<f32>, IntegrityError> {
+        run_as(f, q, start, Reader::private(owner))
+    }
+
+    fn run_as(
+        f: &Fixture,
+        q: &[f32],
+        start: usize,
+        reader: Reader,
+    ) -> Result<Vec<f32>, IntegrityError> {
         let args = AttentionArgs {
             q,
             n_heads: 4,
@@ -1417,7 +1493,7 @@ mod tests {
                 stamp_owner: &f.owner,
                 stamp_generation: &f.gens,
             },
-            owner,
+            reader,
             check: TagCheck::Enforced,
             order: if q.len() > 4 * G.head_dim {
                 ReduceOrder::Gemm
@@ -1584,7 +1660,7 @@ mod tests {
                             stamp_owner: &owners,
                             stamp_generation: &gens,
                         },
-                        owner: 5,
+                        reader: Reader::private(5),
                         order: ReduceOrder::Vec,
                         check: TagCheck::Enforced,
                     };
@@ -1780,6 +1856,44 @@ mod tests {
         assert!(matches!(
             run(&f, &q, 8, 41),
             Err(IntegrityError::ForeignOwner { page: 5, .. })
+        ));
+    }
+
+    /// A prefix cache's shared pages: owned by a namespace tag (stamp included), readable by a
+    /// reader that names that tag, by nobody else; a free page is never admitted.
+    #[test]
+    fn shared_pages_are_read_only_by_their_namespace() {
+        let mut seed = 5;
+        let mut f = fixture(9, &mut seed);
+        let ns = std::num::NonZeroU64::new(0x8000_0000_0000_00a1).unwrap();
+        let other = std::num::NonZeroU64::new(0x8000_0000_0000_00b2).unwrap();
+        // The sequence's first page became a shared page of `ns`.
+        let p0 = f.table[0].page as usize;
+        f.owner[p0] = ns.get();
+        let q = rnd(4 * G.head_dim, &mut seed);
+        let shared = run_as(&f, &q, 8, Reader::with_shared(42, &[ns])).unwrap();
+        let mut own = fixture(9, &mut 5);
+        own.owner[p0] = 42;
+        assert_eq!(shared, run(&own, &q, 8, 42).unwrap(), "same bytes, same output");
+        // Its writer's private identity, another namespace, or no namespace: refused.
+        for reader in [
+            Reader::private(42),
+            Reader::with_shared(42, &[other]),
+            Reader::with_shared(43, &[other, ns]),
+        ] {
+            let r = run_as(&f, &q, 8, reader);
+            if reader.admits(ns.get()) {
+                // 43 does not own the private pages.
+                assert!(matches!(r, Err(IntegrityError::ForeignOwner { found: 42, .. })));
+            } else {
+                assert!(matches!(r, Err(IntegrityError::ForeignOwner { page, .. }) if page == p0 as u32));
+            }
+        }
+        // A free page is refused whatever namespaces the reader names.
+        f.owner[p0] = NO_OWNER;
+        assert!(matches!(
+            run_as(&f, &q, 8, Reader::with_shared(42, &[ns, other])),
+            Err(IntegrityError::ForeignOwner { found: NO_OWNER, .. })
         ));
     }
 

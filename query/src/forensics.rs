@@ -47,7 +47,7 @@ use crate::QueryError;
 pub const EXPOSURE_PREPARE_SQL: &str = r#"
 -- Every page write, and every read in the window (views: inlined where used).
 CREATE OR REPLACE VIEW exposure_writes AS
-  SELECT node_id, page, seq, request_id, tenant, slot_start, slot_end
+  SELECT node_id, page, seq, request_id, tenant, generation, slot_start, slot_end
   FROM all_page_events
   WHERE event = 'write';
 
@@ -149,16 +149,16 @@ kept AS (
   ) AS k
   GROUP BY node_id, page, request_id, tenant
 )
-SELECT x.node_id, x.page, x.seq, x.tenant, x.request_id, x.is_read, x.slot_start, x.slot_end,
-       x.wall_ns, x.verdict
+SELECT x.node_id, x.page, x.seq, x.tenant, x.request_id, x.is_read, x.generation,
+       x.slot_start, x.slot_end, x.wall_ns, x.verdict
 FROM kept k
 JOIN (
-  SELECT node_id, page, request_id, tenant, seq, 0 AS is_read, slot_start, slot_end,
+  SELECT node_id, page, request_id, tenant, seq, 0 AS is_read, generation, slot_start, slot_end,
          CAST(NULL AS BIGINT) AS wall_ns, CAST(NULL AS VARCHAR) AS verdict
   FROM exposure_writes
   UNION ALL
-  SELECT node_id, page, request_id, tenant, seq, 1 AS is_read, slot_start, slot_end,
-         wall_ns, verdict
+  SELECT node_id, page, request_id, tenant, seq, 1 AS is_read, CAST(NULL AS BIGINT),
+         slot_start, slot_end, wall_ns, verdict
   FROM exposure_reads
 ) AS x
   ON x.node_id = k.node_id AND x.page = k.page AND x.request_id = k.request_id
@@ -191,10 +191,10 @@ keyed AS (
   FROM slotted
 ),
 latest AS (
-  SELECT node_id, request_id, tenant, is_read, wall_ns, verdict,
+  SELECT node_id, page, request_id, tenant, is_read, wall_ns, verdict,
          CAST(key_max - base AS BIGINT) AS write_seq
   FROM (
-    SELECT node_id, request_id, tenant, is_read, wall_ns, verdict, base,
+    SELECT node_id, page, request_id, tenant, is_read, wall_ns, verdict, base,
            MAX(CASE WHEN is_read = 0 THEN base + CAST(seq AS DECIMAL(38, 0)) END)
              OVER (PARTITION BY node_id, page ORDER BY slot, seq
                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS key_max
@@ -202,11 +202,27 @@ latest AS (
   ) AS k
   WHERE is_read = 1 AND key_max >= base
 ),
+-- Hits on pages shared into an operator-declared public scope: the page's writer shared it
+-- there (its `share` row, in the page's generation) and the reader's `hit` names the same
+-- namespace. A shared page is read-only (its writes are refused by the tag check), so such a
+-- read attended the public prefix's KV, not the writer's tenant's data.
+public_hits AS (
+  SELECT DISTINCT h.node_id, h.request_id, h.page, h.generation, s.request_id AS writer
+  FROM all_prefix_cache h
+  JOIN all_prefix_cache s
+    ON s.node_id = h.node_id AND s.page = h.page AND s.generation = h.generation
+   AND s.namespace = h.namespace
+  WHERE h.event = 'hit' AND s.event = 'share' AND s.scope_kind = 'public'
+),
 sourced AS (
   SELECT l.node_id, l.request_id, l.tenant, c.tenant AS source_tenant, l.wall_ns, l.verdict
   FROM latest l
   JOIN exposure_candidates c
     ON c.node_id = l.node_id AND c.seq = l.write_seq AND c.is_read = 0
+  LEFT JOIN public_hits p
+    ON p.node_id = l.node_id AND p.request_id = l.request_id AND p.page = c.page
+   AND p.generation = c.generation AND p.writer = c.request_id
+  WHERE p.node_id IS NULL
 )
 SELECT node_id, request_id, tenant AS recipient_tenant, source_tenant,
        CAST(COUNT(*) AS BIGINT) AS foreign_slots, MIN(wall_ns) AS wall_ns,
@@ -310,6 +326,20 @@ FROM e WHERE source_tenant = '{tenant}' GROUP BY recipient_tenant
 ORDER BY direction, other_tenant
 "#;
 
+/// Prefix-cache hits by reader and writer tenant and scope kind: who attended pages another
+/// request computed. `cross_tenant` hits are legitimate only in a `public` scope (an
+/// operator-declared prefix); any other is a leak the exposure question reports too.
+pub const CACHE_SQL: &str = r#"
+SELECT node_id, tenant AS reader_tenant, writer_tenant, scope_kind, scope,
+       tenant <> writer_tenant AS cross_tenant,
+       CAST(COUNT(DISTINCT request_id) AS BIGINT) AS requests,
+       CAST(COUNT(*) AS BIGINT) AS pages
+FROM all_prefix_cache
+WHERE event = 'hit'
+GROUP BY node_id, tenant, writer_tenant, scope_kind, scope
+ORDER BY node_id, reader_tenant, writer_tenant, scope
+"#;
+
 /// The timeline of request `{request}` on node `{node}`: admission, every page it held (and who
 /// wrote it), transfers, reads, violations, release — in the node's sequence order.
 pub const REQUEST_SQL: &str = r#"
@@ -324,6 +354,12 @@ UNION ALL
 SELECT seq, wall_ns, 'transfer', outcome, CAST(dst_page AS INT), CAST(dst_generation AS INT),
        CONCAT('transfer ', CAST(transfer_id AS VARCHAR), ' from node ', CAST(src_node AS VARCHAR), ', ', CAST(bytes AS VARCHAR), ' B')
   FROM all_transfers WHERE node_id = {node} AND request_id = {request}
+UNION ALL
+SELECT seq, wall_ns, 'cache', event, CAST(page AS INT), CAST(generation AS INT),
+       CONCAT(scope, ' ', namespace, ', written by request ', CAST(writer_request_id AS VARCHAR),
+              ' (', writer_tenant, ')',
+              CASE WHEN event = 'hit' THEN CONCAT(', ', CAST(hit_tokens AS VARCHAR), ' prompt tokens cached') ELSE '' END)
+  FROM all_prefix_cache WHERE node_id = {node} AND request_id = {request}
 UNION ALL
 SELECT seq, wall_ns, 'read', verdict, CAST(page AS INT), CAST(generation AS INT),
        CONCAT('slots ', CAST(slot_start AS VARCHAR), '..', CAST(slot_end AS VARCHAR), ', steps ', CAST(first_step AS VARCHAR), '..', CAST(last_step AS VARCHAR))

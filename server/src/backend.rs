@@ -327,6 +327,8 @@ async fn submit_remote(
                     reason,
                     prompt_tokens: e.prompt_tokens as usize,
                     generated_tokens: generated,
+                    // The pair's prefill node caches nothing yet.
+                    cached_tokens: 0,
                 })
                 .await;
             return;

@@ -57,6 +57,7 @@ impl Golden {
             sampling: SamplingParams::default(),
             stop_ids: stop_ids.to_vec(),
             tenant: tenant.into(),
+            cache: None,
         }
     }
 }

@@ -29,6 +29,8 @@ pub enum Out {
         reason: FinishReason,
         prompt_tokens: usize,
         generated_tokens: usize,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: usize,
     },
     /// The integrity check refused a read: no further output (the request failed closed).
     Failed(String),
@@ -104,6 +106,12 @@ pub struct EngineGauges {
     pub running: AtomicU64,
     pub pages_total: AtomicU64,
     pub pages_free: AtomicU64,
+    /// Pages the prefix cache holds (counted in the used pages; those no request holds are
+    /// returned to the pool when it needs them).
+    pub prefix_cache_pages: AtomicU64,
+    /// Of them, pages no request holds (evictable).
+    pub prefix_cache_unheld_pages: AtomicU64,
+    pub prefix_cache_evictions_total: AtomicU64,
     pub steps_total: AtomicU64,
     pub integrity_violations_total: AtomicU64,
     pub aborted_total: AtomicU64,
@@ -299,6 +307,14 @@ fn update_gauges(engine: &Engine, g: &EngineGauges) {
         .store(engine.pool().n_pages() as u64, Ordering::Relaxed);
     g.pages_free
         .store(engine.pool().n_free() as u64, Ordering::Relaxed);
+    if let Some(c) = engine.prefix_cache_stats() {
+        g.prefix_cache_pages
+            .store(c.entries as u64, Ordering::Relaxed);
+        g.prefix_cache_unheld_pages
+            .store((c.entries - c.held) as u64, Ordering::Relaxed);
+        g.prefix_cache_evictions_total
+            .store(c.evictions, Ordering::Relaxed);
+    }
     g.audit_failed
         .store(engine.audit_error().is_some(), Ordering::Relaxed);
 }
@@ -369,12 +385,14 @@ fn route(
             reason,
             prompt_tokens,
             generated_tokens,
+            cached_tokens,
         } => (
             id,
             Out::Finished {
                 reason,
                 prompt_tokens,
                 generated_tokens,
+                cached_tokens,
             },
         ),
         Event::Failed { id, error } => {

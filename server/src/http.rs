@@ -46,6 +46,8 @@ pub(crate) struct AppState {
     pub created_unix_s: u64,
     /// Ids for requests refused before they reach the engine (never in the audit log).
     pub refused_seq: AtomicU64,
+    /// The prefix cache's namespaces (`None`: nothing is cached).
+    pub prefix: Option<Arc<crate::prefix::PrefixScopes>>,
 }
 
 pub(crate) fn router(st: Arc<AppState>) -> Router {
@@ -299,6 +301,11 @@ async fn admit_and_run(
         charged,
         used: if fits { ids.len() as u64 } else { 0 },
     };
+    // From the authenticated tenant: a client's salt only narrows it.
+    let cache = st
+        .prefix
+        .as_ref()
+        .map(|p| p.scope(&tenant.id, params.cache_salt.as_deref(), &ids));
     let req = GenerateRequest {
         prompt: ids,
         max_tokens,
@@ -310,6 +317,7 @@ async fn admit_and_run(
         },
         stop_ids: st.tokenizer.stop_ids.clone(),
         tenant: tenant.id.to_string(),
+        cache,
     };
     let prompt_tokens = req.prompt.len();
     let (request_id, id, events) = match st.backend.submit(req, st.node).await {
@@ -341,6 +349,7 @@ async fn admit_and_run(
         finished: false,
         pending_end: None,
         created: unix_now_s(),
+        cached_tokens: 0,
     };
     if run.params.stream {
         Ok(run.stream())
@@ -419,6 +428,8 @@ struct Run {
     /// The end, once decided, if its last text has not been handed out yet.
     pending_end: Option<&'static str>,
     created: u64,
+    /// Prompt tokens served from the prefix cache (known at the end).
+    cached_tokens: usize,
 }
 
 impl Drop for Run {
@@ -512,8 +523,13 @@ impl Run {
                         return Ok(out);
                     }
                 }
-                Out::Finished { reason, .. } => {
+                Out::Finished {
+                    reason,
+                    cached_tokens,
+                    ..
+                } => {
                     self.finished = true;
+                    self.cached_tokens = cached_tokens;
                     let reason = match reason {
                         FinishReason::Stop => "stop",
                         FinishReason::Length => "length",
@@ -545,11 +561,15 @@ impl Run {
         }
     }
 
+    /// The usage object. `prompt_tokens_details.cached_tokens` is the caller's own: prompt
+    /// tokens taken from its own namespaces (its tenant's, or a public scope's) — the answer
+    /// goes only to the tenant that sent the request.
     fn usage(&self, d: &Decoder) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": d.tokens.len(),
             "total_tokens": self.prompt_tokens + d.tokens.len(),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
 
@@ -557,6 +577,9 @@ impl Run {
         let m = &self.st.metrics;
         m.request(&self.tenant.id, self.ep.name(), status);
         m.tokens(&self.tenant.id, self.prompt_tokens, d.tokens.len());
+        if self.st.prefix.is_some() {
+            m.prefix_cache(&self.tenant.id, self.prompt_tokens, self.cached_tokens);
+        }
         m.request_duration.observe(self.t0.elapsed());
         tracing::info!(
             request_id = %self.rid,

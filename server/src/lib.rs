@@ -20,6 +20,7 @@ pub mod error;
 mod http;
 pub mod metrics;
 pub mod openai;
+pub mod prefix;
 pub mod tenants;
 
 use std::future::Future;
@@ -131,6 +132,7 @@ fn calibrate(
         sampling: SamplingParams::default(),
         stop_ids: Vec::new(),
         tenant: CALIBRATION_TENANT.into(),
+        cache: None,
     };
     let (_, ttft) = engine_thread::run_alone(engine, pool, req)
         .map_err(|e| ServeError::Startup(format!("calibration request: {e}")))?;
@@ -153,6 +155,42 @@ pub struct ServeOptions {
     /// In front of a pair (`serve_prefill`): this server's own audit log, for its canary results
     /// and prefill anomalies (`node_events`). Colocated, events go through the engine's sink.
     pub events: Option<Arc<dyn custody_audit::AuditSink>>,
+    /// `[unsafe_reproduction] shared_prefix_cache`, armed: every request in one cache namespace.
+    pub unsafe_shared_prefix_cache: bool,
+}
+
+/// The namespaces of the engine's prefix cache, when it has one; each public scope (and the
+/// unsafe switch, when armed) recorded in its audit log and logged.
+fn prefix_scopes(
+    engine: &mut Engine,
+    tokenizer: &Tokenizer,
+    opts: &ServeOptions,
+) -> Result<Option<Arc<prefix::PrefixScopes>>, ServeError> {
+    if !engine.prefix_cache_enabled() {
+        if opts.unsafe_shared_prefix_cache {
+            return Err(ServeError::Config(
+                "[unsafe_reproduction] shared_prefix_cache needs engine.prefix_cache = true".into(),
+            ));
+        }
+        return Ok(None);
+    }
+    let scopes = prefix::PrefixScopes::new(
+        &opts.cfg.prefix_cache,
+        tokenizer,
+        opts.unsafe_shared_prefix_cache,
+    )?;
+    for line in scopes.describe() {
+        tracing::info!(%line, "prefix cache scope");
+        engine.record(custody_audit::Event::Node {
+            ts_ns: custody_audit::mono_now_ns(),
+            kind: "prefix_scope".into(),
+            detail: line,
+        });
+    }
+    if opts.unsafe_shared_prefix_cache {
+        tracing::error!("UNSAFE REPRODUCTION: the prefix cache's key has NO TENANT: a prompt one tenant sent is another's cache hit");
+    }
+    Ok(Some(Arc::new(scopes)))
 }
 
 /// Serve on `listener` until `shutdown` resolves; then refuse new work, let in-flight requests
@@ -178,6 +216,8 @@ pub async fn serve(
         opts.cfg.model_name.clone()
     };
     let context_length = engine.context_length();
+    let mut engine = engine;
+    let prefix = prefix_scopes(&mut engine, &tokenizer, &opts)?;
     let (handle, join) =
         engine_thread::spawn(engine, pool, opts.cfg.queue_capacity, check, gauges)?;
     let front = Front {
@@ -187,6 +227,7 @@ pub async fn serve(
         model_name,
         context_length,
         node: opts.node,
+        prefix,
     };
     let served = serve_front(listener, front, &opts, shutdown).await;
     handle.shutdown().await;
@@ -291,6 +332,8 @@ pub async fn serve_prefill(
         tokenizer: prepared.tokenizer,
         golden: prepared.golden,
         model_name: prepared.model_name,
+        // In front of a pair: prefill-only requests are not cached (their pages are transferred).
+        prefix: None,
         context_length: info.context_length as usize,
         node: info.node_id,
     };
@@ -299,6 +342,8 @@ pub async fn serve_prefill(
 
 /// What the HTTP front needs, whatever runs the generations.
 struct Front {
+    /// The prefix cache's namespaces (`None`: the engine caches nothing).
+    prefix: Option<Arc<prefix::PrefixScopes>>,
     backend: Backend,
     tokenizer: Arc<Tokenizer>,
     golden: Vec<Golden>,
@@ -320,6 +365,7 @@ async fn serve_front(
         model_name,
         context_length,
         node,
+        prefix,
     } = front;
     let metrics = Arc::new(Metrics::new());
     let st = Arc::new(http::AppState {
@@ -338,6 +384,7 @@ async fn serve_front(
             .map(|d| d.as_secs())
             .unwrap_or(0),
         refused_seq: AtomicU64::new(0),
+        prefix,
     });
     let canary = (opts.cfg.canary_interval_s > 0 && !golden.is_empty()).then(|| {
         tokio::spawn(canary::canary_loop(

@@ -72,6 +72,8 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(String, &'static str, u16), u64>>,
     /// (tenant, "prompt" | "completion") → tokens.
     tokens: Mutex<BTreeMap<(String, &'static str), u64>>,
+    /// tenant → (prompt tokens, of them served from the prefix cache), finished requests.
+    prefix: Mutex<BTreeMap<String, (u64, u64)>>,
     pub in_flight: AtomicI64,
     /// Refused because the audit writer's queue was above its high-water mark.
     pub audit_backpressure_rejections_total: AtomicU64,
@@ -103,6 +105,14 @@ impl Metrics {
         *m.entry((tenant.to_owned(), "completion")).or_default() += completion as u64;
     }
 
+    /// A finished request's prompt tokens and how many of them came from the prefix cache.
+    pub fn prefix_cache(&self, tenant: &str, prompt: usize, cached: usize) {
+        let mut m = self.prefix.lock().unwrap_or_else(|p| p.into_inner());
+        let e = m.entry(tenant.to_owned()).or_default();
+        e.0 += prompt as u64;
+        e.1 += cached as u64;
+    }
+
     /// The whole exposition.
     pub fn render(&self, g: &EngineGauges, audit: Option<&dyn AuditStats>) -> String {
         let mut o = String::with_capacity(8 << 10);
@@ -125,6 +135,30 @@ impl Metrics {
             let _ = writeln!(
                 o,
                 "custody_tokens_total{{tenant=\"{}\",kind=\"{k}\"}} {n}",
+                escape(t)
+            );
+        }
+        let prefix = self.prefix.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        o.push_str("# HELP custody_prefix_cache_tokens_total Prompt tokens of finished requests by tenant: all of them (kind=prompt) and those served from the prefix cache (kind=cached).\n# TYPE custody_prefix_cache_tokens_total counter\n");
+        for (t, (prompt, cached)) in &prefix {
+            for (k, n) in [("prompt", prompt), ("cached", cached)] {
+                let _ = writeln!(
+                    o,
+                    "custody_prefix_cache_tokens_total{{tenant=\"{}\",kind=\"{k}\"}} {n}",
+                    escape(t)
+                );
+            }
+        }
+        o.push_str("# HELP custody_prefix_cache_hit_rate Share of a tenant's prompt tokens served from the prefix cache (finished requests).\n# TYPE custody_prefix_cache_hit_rate gauge\n");
+        for (t, (prompt, cached)) in &prefix {
+            let rate = if *prompt == 0 {
+                0.0
+            } else {
+                *cached as f64 / *prompt as f64
+            };
+            let _ = writeln!(
+                o,
+                "custody_prefix_cache_hit_rate{{tenant=\"{}\"}} {rate}",
                 escape(t)
             );
         }
@@ -153,6 +187,24 @@ impl Metrics {
             ld(&g.running) as f64,
         );
         let (total, free) = (ld(&g.pages_total), ld(&g.pages_free));
+        gauge(
+            &mut o,
+            "custody_prefix_cache_pages",
+            "KV pages the prefix cache holds (part of the used pages).",
+            ld(&g.prefix_cache_pages) as f64,
+        );
+        gauge(
+            &mut o,
+            "custody_prefix_cache_unheld_pages",
+            "Cached pages no request holds: returned to the pool when it needs them.",
+            ld(&g.prefix_cache_unheld_pages) as f64,
+        );
+        counter(
+            &mut o,
+            "custody_prefix_cache_evictions_total",
+            "Cached pages evicted (least recently used, never while a request holds them).",
+            ld(&g.prefix_cache_evictions_total),
+        );
         gauge(
             &mut o,
             "custody_kv_pages_total",

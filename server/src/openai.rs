@@ -21,7 +21,14 @@ pub struct Params {
     pub include_usage: bool,
     /// Non-standard: also return the generated token ids (`custody validate` compares them).
     pub token_ids: bool,
+    /// vLLM's `cache_salt`: narrows the prefix cache's namespace to requests that send the same
+    /// salt *within the caller's tenant* (it is inside the tenant's MAC, so it never reaches
+    /// another tenant's pages).
+    pub cache_salt: Option<String>,
 }
+
+/// Longest accepted `cache_salt`, bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// The prompt as the client gave it.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,6 +57,7 @@ struct Common {
     frequency_penalty: Option<f64>,
     tools: Option<Value>,
     custody_token_ids: Option<bool>,
+    cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -151,8 +159,18 @@ fn common(v: &Value) -> Result<Params, ApiError> {
             ApiError::bad_request("stop: at most 4 sequences, none of them empty").param("stop"),
         );
     }
+    if c.cache_salt
+        .as_ref()
+        .is_some_and(|s| s.is_empty() || s.len() > MAX_CACHE_SALT_BYTES)
+    {
+        return Err(ApiError::bad_request(format!(
+            "cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes"
+        ))
+        .param("cache_salt"));
+    }
     Ok(Params {
         model: c.model,
+        cache_salt: c.cache_salt,
         max_tokens,
         temperature: temperature as f32,
         top_p: top_p as f32,

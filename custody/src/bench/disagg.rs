@@ -525,6 +525,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         sampling: SamplingParams::default(),
         stop_ids: vec![],
         tenant: "bench".into(),
+        cache: None,
     };
     let mut colo = Engine::new(load()?, ecfg.clone())?;
     let fleet = std::sync::Arc::new(custody_runtime::disagg::tls::Fleet::new(

@@ -73,6 +73,7 @@ fn bench_once(
             sampling: SamplingParams::default(),
             stop_ids: Vec::new(),
             tenant: "bench".into(),
+            cache: None,
         })?;
     }
     let mut tokens = std::collections::HashMap::new();

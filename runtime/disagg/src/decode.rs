@@ -254,6 +254,7 @@ impl Node {
             sampling,
             stop_ids: req.stop_ids,
             tenant: req.tenant.clone(),
+            cache: None,
         };
         if prompt_len.div_ceil(self.engine.core().pool().page_size()) > MAX_PAGES_PER_REQUEST {
             return Err(Status::invalid_argument(
@@ -638,6 +639,7 @@ impl Node {
                     reason,
                     prompt_tokens,
                     generated_tokens,
+                    ..
                 } => {
                     if let Some(mut r) = self.reqs.remove(&id) {
                         self.by_slot.remove(&r.slot);

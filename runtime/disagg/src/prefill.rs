@@ -1148,6 +1148,7 @@ impl prefill_server::Prefill for PrefillService {
             sampling: super::sampling_from_proto(g.sampling.as_ref()),
             stop_ids: g.stop_ids,
             tenant: g.tenant,
+            cache: None,
         };
         // Bounded by what the request can produce; the relay awaits a slow client (its own
         // task), never the engine thread.

@@ -27,6 +27,9 @@ pub struct UnsafeReproduction {
     pub disable_tag_check: bool,
     /// Transferred pages are marked written without verifying their checksum.
     pub disable_checksum: bool,
+    /// The prefix cache without the tenant in its key: one namespace for every request, so a
+    /// prompt another tenant sent is a cache hit (the leak prefix caches are known for).
+    pub shared_prefix_cache: bool,
 }
 
 impl UnsafeReproduction {
@@ -35,6 +38,7 @@ impl UnsafeReproduction {
             || self.truncate_overlength
             || self.disable_tag_check
             || self.disable_checksum
+            || self.shared_prefix_cache
     }
 
     /// The switches that are on, by name.
@@ -51,6 +55,9 @@ impl UnsafeReproduction {
         }
         if self.disable_checksum {
             v.push("disable_checksum");
+        }
+        if self.shared_prefix_cache {
+            v.push("shared_prefix_cache");
         }
         v
     }
@@ -88,6 +95,11 @@ pub struct EngineConfig {
     /// at startup with what is missing — a build without the `cuda` feature, the driver, NVRTC,
     /// a device).
     pub backend: Backend,
+    /// Reuse the KV of full prompt pages across requests of one cache namespace (which the
+    /// server derives from the authenticated tenant: `prefix_cache.rs`). Cached pages stay in
+    /// the pool until it needs them (LRU). Unset: on for the CPU backend, off for CUDA (whose
+    /// tag check does not take shared pages yet; `true` there is refused at startup).
+    pub prefix_cache: Option<bool>,
 }
 
 /// The forward pass's backend (chosen once, at startup).
@@ -111,6 +123,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             threads: 0,
             backend: Backend::Cpu,
+            prefix_cache: None,
         }
     }
 }

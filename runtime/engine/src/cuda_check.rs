@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use custody_cuda::Device;
 use custody_kernels::DType;
-use custody_kernels::attention::{PageRef, ReduceOrder, TagCheck};
+use custody_kernels::attention::{PageRef, ReduceOrder, Reader, TagCheck};
 
 use crate::cuda_forward::{CudaForward, CudaForwardError};
 use crate::gguf::write::Synthetic;
@@ -179,7 +179,7 @@ pub fn compare_with_cpu<D: Device>(
                 tokens: &s.tokens[s.start..],
                 start_pos: s.start,
                 block_table: &s.pages,
-                owner: s.owner,
+                reader: Reader::private(s.owner),
                 logits,
                 order: if s.tokens.len() - s.start >= 2 {
                     ReduceOrder::Gemm

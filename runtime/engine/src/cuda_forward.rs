@@ -624,7 +624,10 @@ impl<D: Device> CudaForward<D> {
             off.push(seg_off[si]);
             len.push(sg.block_table.len() as u32);
             n_ctx.push(rows.positions[r] as u32 + 1);
-            owners.push(sg.owner);
+            // The device's tag check takes one owner per row: no shared pages (the engine
+            // refuses a prefix cache on this backend at startup).
+            debug_assert!(!sg.reader.has_shared(), "shared pages on the CUDA backend");
+            owners.push(sg.reader.owner());
         }
         let b = self.bufs;
         self.upload_u32(b.tables, &flat)?;
@@ -663,7 +666,7 @@ impl<D: Device> CudaForward<D> {
                     });
                     break;
                 };
-                if let Err(e) = pool.claim_slot_checked(layer, pr, pos % ps, sg.owner, sg.check) {
+                if let Err(e) = pool.claim_slot_checked(layer, pr, pos % ps, sg.reader.owner(), sg.check) {
                     failed[si] = Some(e);
                     break;
                 }

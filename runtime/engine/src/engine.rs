@@ -18,12 +18,13 @@ use std::sync::Arc;
 
 use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 
-use custody_kernels::attention::{PageRef, ReduceOrder, TagCheck};
+use custody_kernels::attention::{PageRef, ReduceOrder, Reader, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
 use crate::cuda_forward::{CudaForward, CudaForwardError};
 use crate::kv::{PagePool, PoolError};
 use crate::model::{Logits, Model, Scratch, Segment};
+use crate::prefix_cache::{BlockKey, CacheScope, CachedPage, PrefixCache, ScopeKind};
 use crate::sampling::{Sampler, SamplingParams};
 use custody_cuda::{Device, DeviceError};
 
@@ -114,6 +115,10 @@ pub struct GenerateRequest {
     pub stop_ids: Vec<u32>,
     /// Whose data the prompt is (recorded with every page event).
     pub tenant: String,
+    /// Where its full pages may be cached and looked up (`None`: never), set by whoever
+    /// authenticated the tenant — the engine derives no namespace itself. Ignored when
+    /// `engine.prefix_cache` is off and for prefill-only requests.
+    pub cache: Option<CacheScope>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,6 +141,8 @@ pub enum Event {
         reason: FinishReason,
         prompt_tokens: usize,
         generated_tokens: usize,
+        /// Prompt tokens whose KV came from the prefix cache (not computed for this request).
+        cached_tokens: usize,
     },
     Failed {
         id: RequestId,
@@ -179,6 +186,18 @@ struct Seq {
     reads: Vec<Option<(u32, u32, u32)>>,
     /// What the request asks of this engine.
     goal: Goal,
+    /// Its cache namespaces (`None`: it neither reads nor publishes cached pages).
+    cache: Option<CacheScope>,
+    /// Chain keys of its leading pages that are cached (shared) pages — hits, then the pages
+    /// it published itself; `pages[keys.len()..]` are its own.
+    keys: Vec<BlockKey>,
+    /// Whether its next full page may still be published (false once a key was already cached
+    /// by another writer, or a share was refused).
+    publishing: bool,
+    /// Prompt tokens taken from the cache at admission.
+    cached_tokens: usize,
+    /// Its output tokens so far (the KV of all but the last is written).
+    output: Vec<u32>,
 }
 
 /// What a request asks of the engine that runs it. Only [`PrefillEngine`] admits
@@ -223,6 +242,19 @@ impl Seq {
             tenant: req.tenant.into(),
             reads: Vec::new(),
             goal,
+            publishing: req.cache.is_some(),
+            cache: req.cache,
+            keys: Vec::new(),
+            cached_tokens: 0,
+            output: Vec::new(),
+        }
+    }
+
+    /// Who this sequence reads as: its own pages, and the shared pages of its namespaces.
+    fn reader(&self) -> Reader {
+        match &self.cache {
+            Some(c) => Reader::with_shared(self.id, &c.tags()),
+            None => Reader::private(self.id),
         }
     }
 }
@@ -247,6 +279,8 @@ pub struct Engine {
     audit_error: Option<String>,
     step_no: u32,
     tag_check: TagCheck,
+    /// The prefix cache (`engine.prefix_cache`; CPU backend).
+    cache: Option<PrefixCache>,
 }
 
 /// What the forward pass runs on: the backend boundary, chosen once at startup
@@ -403,6 +437,14 @@ impl Engine {
                 crate::cuda_forward::MAX_CONTEXT
             )));
         }
+        if device.is_some() && cfg.prefix_cache == Some(true) {
+            // The device's tag check admits one owner per row; shared pages need two more.
+            return Err(StartupError::Backend(
+                "the prefix cache runs on the CPU backend only: set engine.prefix_cache = false"
+                    .into(),
+            ));
+        }
+        let prefix_cache = cfg.prefix_cache.unwrap_or(device.is_none());
         let pool = PagePool::new(geom, model.config.n_layers, n_pages);
         let compute = match device {
             None => Compute::Cpu(Box::default()),
@@ -413,6 +455,7 @@ impl Engine {
                 Compute::Device(Box::new(f))
             }
         };
+        let cache = prefix_cache.then(PrefixCache::new);
         Ok(Self {
             model,
             pool,
@@ -425,6 +468,7 @@ impl Engine {
             sink: None,
             audit_error: None,
             step_no: 0,
+            cache,
             tag_check: if unsafe_.disable_tag_check {
                 tracing::error!("UNSAFE REPRODUCTION: the KV page tag check is DISABLED");
                 TagCheck::DisabledForIncidentReproduction
@@ -494,6 +538,17 @@ impl Engine {
     }
 
     /// Whether a sink is attached (callers skip building events otherwise).
+    /// Whether this engine caches prefixes (`engine.prefix_cache`): requests' `cache` scopes
+    /// are ignored otherwise.
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    /// The prefix cache's counters (`None` when it is off).
+    pub fn prefix_cache_stats(&self) -> Option<crate::prefix_cache::CacheStats> {
+        self.cache.as_ref().map(PrefixCache::stats)
+    }
+
     pub fn auditing(&self) -> bool {
         self.sink.is_some()
     }
@@ -662,7 +717,15 @@ impl Engine {
         self.submit_as(req, Goal::Generate)
     }
 
-    fn submit_as(&mut self, req: GenerateRequest, goal: Goal) -> Result<RequestId, AdmissionError> {
+    fn submit_as(
+        &mut self,
+        mut req: GenerateRequest,
+        goal: Goal,
+    ) -> Result<RequestId, AdmissionError> {
+        if self.cache.is_none() || goal == Goal::PrefillOnly {
+            // No cache here, or pages a transfer reads (the prefill node's are not shared).
+            req.cache = None;
+        }
         if let Some(e) = &self.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
         }
@@ -770,9 +833,13 @@ impl Engine {
     /// still write live in [`DecodeEngine`]'s importing and quarantined sets, which hand them
     /// back only with the transport's proof that the key is dead.
     fn release(&mut self, s: &Seq) {
+        // Its cached pages stay in the cache (evicted when the pool needs them).
+        if let Some(cache) = &mut self.cache {
+            cache.release(&s.keys);
+        }
         // Page by page: a page whose tag no longer proves it is ours is not returned to the free
         // list (leaked rather than reused — the safe direction).
-        for pr in &s.pages {
+        for pr in &s.pages[s.keys.len()..] {
             match self.pool.release(s.id, std::slice::from_ref(pr)) {
                 Ok(()) => {
                     self.emit_pages(s.id, &s.tenant, std::slice::from_ref(pr), PageKind::Release)
@@ -792,25 +859,157 @@ impl Engine {
     }
 
     fn admit(&mut self) {
-        while let Some(front) = self.waiting.front() {
-            if self.running.len() >= self.cfg.max_running {
-                break;
-            }
-            let need = self.pages_for(front.reserve_tokens());
-            if need > self.pool.n_free() {
-                break;
-            }
+        while self.running.len() < self.cfg.max_running {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
+            let total = self.pages_for(s.reserve_tokens());
+            let hits = self.acquire_hits(&s);
+            let need = total - hits.len();
+            let evictable = self.cache.as_ref().map_or(0, PrefixCache::evictable);
+            if need > self.pool.n_free() + evictable {
+                if let Some(cache) = &mut self.cache {
+                    cache.release(&hits.iter().map(|h| h.key).collect::<Vec<_>>());
+                }
+                self.waiting.push_front(s);
+                break;
+            }
+            self.evict_until_free(need);
             match self.pool.alloc(s.id, need) {
                 Ok(pages) => s.pages = pages,
-                Err(e) => unreachable!("free pages checked above: {e}"),
+                Err(e) => unreachable!("free and evictable pages checked above: {e}"),
             }
+            let ps = self.pool.page_size();
+            s.cached_tokens = hits.len() * ps;
+            s.n_cached = s.cached_tokens;
+            s.keys = hits.iter().map(|h| h.key).collect();
+            let own = std::mem::take(&mut s.pages);
+            s.pages = hits.iter().map(|h| h.page).chain(own.iter().copied()).collect();
             s.reads = vec![None; s.pages.len()];
-            let (id, tenant, pages) = (s.id, s.tenant.clone(), s.pages.clone());
+            debug_assert!(s.n_cached < s.prompt.len(), "a hit leaves a token to compute");
+            let (id, tenant) = (s.id, s.tenant.clone());
+            self.emit_hits(&s, &hits);
             self.running.push(s);
-            self.emit_pages(id, &tenant, &pages, PageKind::Alloc);
+            self.emit_pages(id, &tenant, &own, PageKind::Alloc);
+        }
+    }
+
+    /// The cached pages `s`'s prompt starts with, referenced for it (at most all but its last
+    /// token's pages: that token's logits are its first output).
+    fn acquire_hits(&mut self, s: &Seq) -> Vec<CachedPage> {
+        let (Some(cache), Some(scope)) = (&mut self.cache, &s.cache) else {
+            return Vec::new();
+        };
+        let ps = self.pool.page_size();
+        let chain = scope.chain(&s.prompt, ps, (s.prompt.len() - 1) / ps);
+        let n = cache.lookup(&chain);
+        cache.acquire(&chain, n)
+    }
+
+    /// Evict unheld cached pages (least recently used leaves first) until `need` pages are
+    /// free or nothing more can be evicted; each returns to the pool's free list.
+    fn evict_until_free(&mut self, need: usize) {
+        while self.pool.n_free() < need {
+            let Some(ev) = self.cache.as_mut().and_then(PrefixCache::evict_one) else {
+                break;
+            };
+            let released = self.pool.release(ev.tag.get(), std::slice::from_ref(&ev.page));
+            let kind = match released {
+                Ok(()) => PageKind::Release,
+                Err(e) => {
+                    tracing::error!(page = ev.page.page, error = %e, "cached page not released: tag mismatch");
+                    PageKind::Quarantine
+                }
+            };
+            self.emit_cache(audit::CacheEvent::Evict, ev.writer, &ev.writer_tenant, &ev, 0);
+            self.emit_pages(ev.writer, &ev.writer_tenant, &[ev.page], kind);
+        }
+    }
+
+    /// One `prefix_cache` row.
+    fn emit_cache(
+        &mut self,
+        event: audit::CacheEvent,
+        request: RequestId,
+        tenant: &Arc<str>,
+        page: &CachedPage,
+        hit_tokens: usize,
+    ) {
+        if self.sink.is_none() {
+            return;
+        }
+        let scope_kind = match page.kind {
+            ScopeKind::Tenant => "tenant",
+            ScopeKind::Public => "public",
+            ScopeKind::UnsafeGlobal => "unsafe",
+        };
+        self.emit(audit::Event::Cache(Box::new(audit::CacheRecord {
+            ts_ns: now_ns(),
+            event,
+            request,
+            tenant: tenant.clone(),
+            page: page.page.page,
+            generation: page.page.generation,
+            namespace: page.tag.get(),
+            scope: page.scope.clone(),
+            scope_kind,
+            writer: page.writer,
+            writer_tenant: page.writer_tenant.clone(),
+            hit_tokens: hit_tokens as u32,
+        })));
+    }
+
+    fn emit_hits(&mut self, s: &Seq, hits: &[CachedPage]) {
+        for h in hits {
+            self.emit_cache(audit::CacheEvent::Hit, s.id, &s.tenant, h, s.cached_tokens);
+        }
+    }
+
+    /// Hand `running[i]`'s newly full pages to their namespaces, extending its chain: only its
+    /// own pages written whole (the pool checks), in order, while no other writer cached the
+    /// same key first.
+    fn publish(&mut self, i: usize) {
+        let ps = self.pool.page_size();
+        let s = &self.running[i];
+        let full = s.n_cached / ps;
+        if !s.publishing || full <= s.keys.len() {
+            return;
+        }
+        let Some(scope) = s.cache.clone() else {
+            return;
+        };
+        let written: Vec<u32> = s.prompt.iter().chain(&s.output).take(full * ps).copied().collect();
+        let chain = scope.chain(&written, ps, full);
+        let (id, tenant) = (s.id, s.tenant.clone());
+        let mut shared = Vec::new();
+        for idx in s.keys.len()..full {
+            let link = chain[idx];
+            let Some(cache) = &mut self.cache else { break };
+            if cache.contains(&link.key) {
+                self.running[i].publishing = false;
+                break;
+            }
+            let pr = self.running[i].pages[idx];
+            if let Err(e) = self.pool.share(id, &[pr], link.namespace.tag()) {
+                tracing::error!(request = id, error = %e, "page not shared");
+                self.running[i].publishing = false;
+                break;
+            }
+            let page = CachedPage {
+                key: link.key,
+                page: pr,
+                tag: link.namespace.tag(),
+                scope: link.namespace.label().clone(),
+                kind: link.namespace.kind().clone(),
+                writer: id,
+                writer_tenant: tenant.clone(),
+            };
+            cache.insert(page.clone(), idx.checked_sub(1).map(|p| chain[p].key));
+            self.running[i].keys.push(link.key);
+            shared.push(page);
+        }
+        for page in &shared {
+            self.emit_cache(audit::CacheEvent::Share, id, &tenant, page, 0);
         }
     }
 
@@ -877,7 +1076,7 @@ impl Engine {
                 tokens: toks,
                 start_pos: *start,
                 block_table: &self.running[*i].pages,
-                owner: self.running[*i].id,
+                reader: self.running[*i].reader(),
                 logits: if *want { Logits::Last } else { Logits::None },
                 order: match self.running[*i].phase {
                     // As llama.cpp: a multi-token prompt is a matrix product, a lone token a dot.
@@ -904,6 +1103,7 @@ impl Engine {
         let mut done = Vec::new();
         let mut held = Vec::new();
         let mut violations = Vec::new();
+        let mut grew = Vec::new();
         let ps = self.pool.page_size();
         let step_no = self.step_no;
         for ((i, toks, _, want), res) in plan.into_iter().zip(results) {
@@ -922,6 +1122,9 @@ impl Engine {
                 }
                 Ok(logits) => {
                     s.n_cached += toks.len();
+                    if s.publishing {
+                        grew.push(i);
+                    }
                     // Every slot 0..n_cached was attended (and tag-checked) in this step.
                     for (idx, run) in s.reads.iter_mut().enumerate().take(s.n_cached.div_ceil(ps)) {
                         let end = (s.n_cached - idx * ps).min(ps) as u32;
@@ -945,6 +1148,7 @@ impl Engine {
                     let stop = s.stop_ids.contains(&tok);
                     if !stop {
                         s.generated += 1;
+                        s.output.push(tok);
                         events.push(Event::Token {
                             id: s.id,
                             token: tok,
@@ -961,6 +1165,7 @@ impl Engine {
                             reason,
                             prompt_tokens: s.prompt.len(),
                             generated_tokens: s.generated,
+                            cached_tokens: s.cached_tokens,
                         });
                         let why = if stop { "stop" } else { "length" };
                         done.push((i, RequestKind::Finished { reason: why.into() }));
@@ -969,6 +1174,9 @@ impl Engine {
                     }
                 }
             }
+        }
+        for i in grew {
+            self.publish(i);
         }
         for (id, tenant, error) in violations {
             let (page, generation) = violation_page(&error);
@@ -1056,7 +1264,7 @@ impl Engine {
                 tokens: chunk,
                 start_pos: ci * self.cfg.max_batch_tokens,
                 block_table: &pages,
-                owner,
+                reader: Reader::private(owner),
                 logits: Logits::All,
                 order: ReduceOrder::Gemm,
                 check: TagCheck::Enforced,
@@ -1098,6 +1306,11 @@ impl Engine {
             phase: Phase::Prefill,
             tenant: "score".into(),
             goal: Goal::Generate,
+            cache: None,
+            keys: Vec::new(),
+            publishing: false,
+            cached_tokens: 0,
+            output: Vec::new(),
         };
         self.retire(
             s,

@@ -25,16 +25,16 @@
 //! add quarantine on top of this in the transport layer.
 
 use custody_kernels::attention::{
-    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, TagCheck,
-    TagView,
+    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, Reader,
+    TagCheck, TagView,
 };
 use half::f16;
 
 /// Most destinations [`PagePool::land_dests`] hands out at once (the transport's bound).
 pub use custody_transport::MAX_LAND_DESTS;
 
-/// Owner value of a free page. Request ids start at 1.
-pub const NO_OWNER: u64 = 0;
+/// Owner value of a free page. Request ids start at 1; namespace tags have the top bit set.
+pub use custody_kernels::attention::NO_OWNER;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PoolError {
@@ -43,6 +43,15 @@ pub enum PoolError {
         wanted: usize,
         free: usize,
         total: usize,
+    },
+    #[error(
+        "share of page {page} generation {generation} by {owner:#x} refused: {why}"
+    )]
+    BadShare {
+        page: u32,
+        generation: u32,
+        owner: u64,
+        why: &'static str,
     },
     #[error(
         "release of page {page} generation {generation} by {owner:#x} refused: tag has generation {tag_generation}, owner {tag_owner:#x}"
@@ -463,6 +472,48 @@ impl PagePool {
         Ok(())
     }
 
+    /// Hand pages `owner` holds to a namespace as read-only shared pages (a prefix cache's):
+    /// each must be `owner`'s in its generation, written whole on every layer, and last written
+    /// for `owner` (its in-band stamp); then its owner and stamp become `shared` — a tag no
+    /// request id equals, so every later write of the page is refused by the write's own check,
+    /// and only readers naming `shared` pass the read's. All or nothing. The generation is
+    /// unchanged: the holders' block tables stay valid. Released (evicted) by `shared`.
+    pub fn share(
+        &mut self,
+        owner: u64,
+        pages: &[PageRef],
+        shared: std::num::NonZeroU64,
+    ) -> Result<(), PoolError> {
+        assert_ne!(owner, shared.get(), "a namespace tag equal to a request id");
+        let ps = self.geom.page_size as u32;
+        for pr in pages {
+            let p = pr.page as usize;
+            let refuse = |why| {
+                Err(PoolError::BadShare {
+                    page: pr.page,
+                    generation: pr.generation,
+                    owner,
+                    why,
+                })
+            };
+            if p >= self.n_pages || self.generation[p] != pr.generation || self.owner[p] != owner {
+                return refuse("not the owner's page in this generation");
+            }
+            if self.filled.iter().any(|f| f[p] != ps) {
+                return refuse("not written whole on every layer");
+            }
+            if self.stamp_owner[p] != owner || self.stamp_generation[p] != pr.generation {
+                return refuse("its data was last written for someone else");
+            }
+        }
+        for pr in pages {
+            let p = pr.page as usize;
+            self.owner[p] = shared.get();
+            self.stamp_owner[p] = shared.get();
+        }
+        Ok(())
+    }
+
     /// Write K and V of one token into `slot` of page `pr` at `layer`, for `owner`.
     pub fn write_slot(
         &mut self,
@@ -601,7 +652,7 @@ impl PagePool {
             geom: self.geom,
             block_table: read.block_table,
             tags: self.tags(layer),
-            owner: read.owner,
+            reader: read.reader,
             order: read.order,
             check: read.check,
         };
@@ -659,8 +710,9 @@ pub struct AttendRead<'a> {
     pub n_heads: usize,
     pub start_pos: usize,
     pub block_table: &'a [PageRef],
-    /// The reader: every page must be this owner's, in the block table's generation.
-    pub owner: u64,
+    /// The reader: every page must be one it admits (its own, or a shared page of a namespace
+    /// it names), in the block table's generation.
+    pub reader: Reader,
     pub order: ReduceOrder,
     /// Always [`TagCheck::Enforced`] outside the incident reproduction.
     pub check: TagCheck,
@@ -825,6 +877,70 @@ mod tests {
             pool.release(2, &a[1..]).is_err(),
             "a stale release is refused"
         );
+    }
+
+    #[test]
+    fn shared_pages_are_read_only_and_readable_by_their_namespace_only() {
+        let g = PageGeometry {
+            page_size: 2,
+            n_kv_heads: 1,
+            head_dim: 2,
+        };
+        let mut pool = PagePool::new(g, 1, 3);
+        let a = pool.alloc(7, 2).expect("alloc");
+        let kv = [1.0, 2.0];
+        let ns = std::num::NonZeroU64::new(0x8000_0000_0000_0abc).unwrap();
+        // Not written whole: refused.
+        pool.write_slot(0, a[0], 0, 7, &kv, &kv).expect("write");
+        assert!(matches!(
+            pool.share(7, &a[..1], ns),
+            Err(PoolError::BadShare { .. })
+        ));
+        pool.write_slot(0, a[0], 1, 7, &kv, &kv).expect("write");
+        assert!(matches!(
+            pool.share(8, &a[..1], ns),
+            Err(PoolError::BadShare { .. })
+        ));
+        pool.share(7, &a[..1], ns).expect("share");
+        assert_eq!(pool.tag(a[0].page), (a[0].generation, ns.get(), 2));
+        // Read-only: its writer's write is refused by the write's own owner check.
+        assert!(matches!(
+            pool.write_slot(0, a[0], 1, 7, &kv, &kv),
+            Err(IntegrityError::ForeignOwner { .. })
+        ));
+        // Readable by a reader naming the namespace; not by its writer alone, nor another.
+        let q = [0.5f32; 2];
+        let read = |pool: &PagePool, reader| {
+            let mut out = [0f32; 2];
+            pool.attend(
+                0,
+                &AttendRead {
+                    q: &q,
+                    n_heads: 1,
+                    start_pos: 1,
+                    block_table: &a[..1],
+                    reader,
+                    order: ReduceOrder::Vec,
+                    check: TagCheck::Enforced,
+                },
+                &mut out,
+                &mut AttnScratch::default(),
+            )
+        };
+        let other = std::num::NonZeroU64::new(0x8000_0000_0000_0def).unwrap();
+        read(&pool, Reader::with_shared(9, &[ns])).expect("the namespace reads");
+        assert!(matches!(
+            read(&pool, Reader::private(7)),
+            Err(IntegrityError::ForeignOwner { .. })
+        ));
+        assert!(matches!(
+            read(&pool, Reader::with_shared(7, &[other])),
+            Err(IntegrityError::ForeignOwner { .. })
+        ));
+        // Released (evicted) by the namespace only.
+        assert!(pool.release(7, &a[..1]).is_err());
+        pool.release(ns.get(), &a[..1]).expect("evict");
+        assert_eq!(pool.n_free(), 2);
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod model;
+pub mod prefix_cache;
 pub mod protocol;
 pub mod sampling;
 pub mod tokenizer;

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use custody_kernels::attention::{
-    AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, TagCheck,
+    AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, Reader, TagCheck,
 };
 use custody_kernels::matmul::matmul_many;
 use custody_kernels::{DType, PackedRows, QInput, QMatrix, ops};
@@ -222,7 +222,8 @@ pub struct Segment<'a> {
     /// Position of `tokens[0]`; slots `0..start_pos` must already be written.
     pub start_pos: usize,
     pub block_table: &'a [PageRef],
-    pub owner: u64,
+    /// Whose pages the segment writes (its own, `reader.owner()`) and reads.
+    pub reader: Reader,
     pub logits: Logits,
     /// Attention reduction order: a property of the request (prompt vs decode rows), so that a
     /// row's arithmetic never depends on what else shares its batch.
@@ -551,7 +552,7 @@ impl Model {
                             li,
                             pr,
                             pos % ps,
-                            sg.owner,
+                            sg.reader.owner(),
                             sg.check,
                             &s.k[r * kvd..(r + 1) * kvd],
                             &s.v[r * kvd..(r + 1) * kvd],
@@ -571,7 +572,7 @@ impl Model {
                     n_heads: c.n_heads,
                     start_pos: sg.start_pos,
                     block_table: sg.block_table,
-                    owner: sg.owner,
+                    reader: sg.reader,
                     order: sg.order,
                     check: sg.check,
                 };

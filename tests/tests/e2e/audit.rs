@@ -147,6 +147,7 @@ fn every_page_the_engine_touches_is_in_the_parquet_files() {
             sampling: SamplingParams::default(),
             stop_ids: vec![],
             tenant: format!("tenant-{i}"),
+            cache: None,
         };
         ids.insert(e.submit(req).expect("admit"), format!("tenant-{i}"));
     }
@@ -160,6 +161,7 @@ fn every_page_the_engine_touches_is_in_the_parquet_files() {
             sampling: SamplingParams::default(),
             stop_ids: vec![],
             tenant: "tenant-victim".into(),
+            cache: None,
         })
         .expect("admit");
     let over = e.submit(GenerateRequest {
@@ -168,6 +170,7 @@ fn every_page_the_engine_touches_is_in_the_parquet_files() {
         sampling: SamplingParams::default(),
         stop_ids: vec![],
         tenant: "tenant-greedy".into(),
+        cache: None,
     });
     assert!(over.is_err());
     let mut generated: BTreeMap<u64, usize> = BTreeMap::new();
@@ -658,6 +661,7 @@ fn disk_full_stops_admission_instead_of_losing_events() {
                 sampling: SamplingParams::default(),
                 stop_ids: vec![],
                 tenant: "t".into(),
+                cache: None,
             }) {
                 Ok(_) => {}
                 Err(err) => {

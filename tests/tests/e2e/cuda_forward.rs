@@ -8,7 +8,7 @@
 //! segments still get their logits.
 
 use custody_kernels::DType;
-use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, TagCheck};
+use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, Reader, TagCheck};
 use custody_runtime::cuda_check::{compare_with_cpu, tolerance};
 use custody_runtime::cuda_forward::CudaForward;
 use custody_runtime::gguf::write::Synthetic;
@@ -40,7 +40,7 @@ fn segment<'a>(s: &'a Seq, start: usize, logits: Logits) -> Segment<'a> {
         tokens: &s.tokens[start..],
         start_pos: start,
         block_table: &s.pages,
-        owner: s.owner,
+        reader: Reader::private(s.owner),
         logits,
         order: if s.tokens.len() - start >= 2 {
             ReduceOrder::Gemm
@@ -254,6 +254,7 @@ fn the_engine_on_the_cuda_backend_serves_the_cpus_tokens() {
                 sampling: Default::default(),
                 stop_ids: vec![],
                 tenant: format!("t{i}"),
+                cache: None,
             })
             .expect("admitted");
         }

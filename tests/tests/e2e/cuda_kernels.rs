@@ -6,7 +6,7 @@
 //! barrier only some threads reach is reported.
 
 use custody_kernels::attention::{
-    AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, TagCheck,
+    AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, Reader, TagCheck,
     TagView, check_tags, paged_attention,
 };
 use custody_tests::cuda_shim::{self, AttentionShape, OwnedTags, Request, Verdict};
@@ -186,7 +186,7 @@ fn cpu_check(r: &Request, page_size: u32, tags: &OwnedTags) -> Result<(), Integr
         stamp_owner: &tags.stamp_owner,
         stamp_generation: &tags.stamp_generation,
     };
-    check_tags(&table, r.n_ctx as usize, page_size as usize, &view, r.owner)
+    check_tags(&table, r.n_ctx as usize, page_size as usize, &view, Reader::private(r.owner))
 }
 
 #[test]
@@ -262,7 +262,7 @@ fn gpu_attention_refuses_failing_requests_and_matches_the_cpu_for_the_rest() {
                 stamp_owner: &tags.stamp_owner,
                 stamp_generation: &tags.stamp_generation,
             },
-            owner: r.owner,
+            reader: Reader::private(r.owner),
             order: ReduceOrder::Vec,
             check: TagCheck::Enforced,
         };

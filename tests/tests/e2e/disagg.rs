@@ -246,6 +246,7 @@ pub fn req(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest
         sampling: SamplingParams::default(),
         stop_ids: vec![],
         tenant: tenant.into(),
+        cache: None,
     }
 }
 
@@ -428,6 +429,7 @@ fn all_unsafe() -> UnsafeReproduction {
         truncate_overlength: true,
         disable_tag_check: true,
         disable_checksum: true,
+        shared_prefix_cache: false,
     }
 }
 

@@ -2,7 +2,7 @@
 //! request whose pages are wrong, emits no token for it, and lets the others finish.
 
 use custody_kernels::attention::{
-    self, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder,
+    self, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, Reader,
 };
 use custody_runtime::SamplingParams;
 use custody_runtime::engine::{Event, GenerateRequest};
@@ -18,6 +18,7 @@ fn req(prompt: Vec<u32>, n: usize) -> GenerateRequest {
         sampling: SamplingParams::default(),
         stop_ids: vec![],
         tenant: "tenant-a".into(),
+        cache: None,
     }
 }
 
@@ -196,7 +197,7 @@ proptest! {
                     // The pool's one read path, with the pool's own tags and memory.
                     let read = AttendRead {
                         q: &q, n_heads: 1, start_pos: n_ctx - 1,
-                        block_table: &s.pages, owner: s.owner,
+                        block_table: &s.pages, reader: Reader::private(s.owner),
                         order: ReduceOrder::Vec, check: attention::TagCheck::Enforced,
                     };
                     let mut out = vec![0.0f32; G.head_dim];

@@ -30,6 +30,7 @@ pub fn greedy(engine: &mut custody_runtime::Engine, prompt: Vec<u32>, n: usize) 
             sampling: SamplingParams::default(),
             stop_ids: vec![],
             tenant: "tenant-a".into(),
+            cache: None,
         })
         .expect("admitted");
     let mut out = Vec::new();

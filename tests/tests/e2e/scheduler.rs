@@ -15,6 +15,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         sampling: SamplingParams::default(),
         stop_ids: vec![],
         tenant: "tenant-a".into(),
+        cache: None,
     }
 }
 
@@ -210,6 +211,7 @@ fn sampling_is_reproducible_with_a_seed() {
                 sampling: params,
                 stop_ids: vec![],
                 tenant: "tenant-a".into(),
+                cache: None,
             })
             .expect("admit");
         let mut v = Vec::new();

@@ -137,6 +137,7 @@ impl TestServer {
             node: NODE,
             audit: Some(stats.unwrap_or_else(|| Arc::new(Stats(writer.clone())))),
             events: None,
+            unsafe_shared_prefix_cache: false,
         };
         let done = rt.spawn(custody_server::serve(
             listener,
@@ -614,6 +615,7 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         node: 0,
         audit: None,
         events: Some(front_log.clone() as Arc<dyn custody_audit::AuditSink>),
+        unsafe_shared_prefix_cache: false,
     };
     // This server is the pair's front 0, with a certificate from the suite's fleet.
     let front = custody_runtime::disagg::tls::Security::Tls(

@@ -1,7 +1,7 @@
 //! The compute pool returns the same bits whatever its size: every output element is computed by
 //! the same kernel code whichever part of a section it falls in (`custody_kernels::par`).
 
-use custody_kernels::attention::{PageRef, ReduceOrder, TagCheck};
+use custody_kernels::attention::{PageRef, ReduceOrder, Reader, TagCheck};
 use custody_runtime::Model;
 use custody_runtime::kv::PagePool;
 use custody_runtime::model::{Logits, Scratch, Segment};
@@ -39,7 +39,7 @@ fn logits_of(model: &Model, ids: &[u32], steps: usize) -> Vec<f32> {
             tokens,
             start_pos,
             block_table,
-            owner: 7,
+            reader: Reader::private(7),
             logits,
             order,
             check: TagCheck::Enforced,
