@@ -281,6 +281,10 @@ pub struct Engine {
     tag_check: TagCheck,
     /// The prefix cache (`engine.prefix_cache`; CPU backend).
     cache: Option<PrefixCache>,
+    /// Fault injection only: every lookup uses this scope instead of the request's (a buggy
+    /// index that hands out another namespace's pages).
+    #[cfg(feature = "fault-injection")]
+    fault_lookup_scope: Option<CacheScope>,
 }
 
 /// What the forward pass runs on: the backend boundary, chosen once at startup
@@ -456,6 +460,9 @@ impl Engine {
             }
         };
         let cache = prefix_cache.then(PrefixCache::new);
+        if cache.is_some() {
+            tracing::info!("prefix cache on");
+        }
         Ok(Self {
             model,
             pool,
@@ -469,6 +476,8 @@ impl Engine {
             audit_error: None,
             step_no: 0,
             cache,
+            #[cfg(feature = "fault-injection")]
+            fault_lookup_scope: None,
             tag_check: if unsafe_.disable_tag_check {
                 tracing::error!("UNSAFE REPRODUCTION: the KV page tag check is DISABLED");
                 TagCheck::DisabledForIncidentReproduction
@@ -900,6 +909,8 @@ impl Engine {
         let (Some(cache), Some(scope)) = (&mut self.cache, &s.cache) else {
             return Vec::new();
         };
+        #[cfg(feature = "fault-injection")]
+        let scope = self.fault_lookup_scope.as_ref().unwrap_or(scope);
         let ps = self.pool.page_size();
         let chain = scope.chain(&s.prompt, ps, (s.prompt.len() - 1) / ps);
         let n = cache.lookup(&chain);
@@ -1004,7 +1015,10 @@ impl Engine {
                 writer: id,
                 writer_tenant: tenant.clone(),
             };
-            cache.insert(page.clone(), idx.checked_sub(1).map(|p| chain[p].key));
+            // Its parent is its own previous link, cached and held by it.
+            let parent = self.running[i].keys.last().copied();
+            debug_assert_eq!(parent, idx.checked_sub(1).map(|p| chain[p].key));
+            cache.insert(page.clone(), parent);
             self.running[i].keys.push(link.key);
             shared.push(page);
         }
@@ -1392,6 +1406,12 @@ impl FaultInjector<'_> {
         self.engine
             .pool
             .fault_inject_set_tag(pr.page, generation.wrapping_add(1), owner);
+    }
+
+    /// Every later cache lookup uses `scope` instead of the request's own: an index that hands a
+    /// request another namespace's pages. The read's tag check must still refuse them.
+    pub fn misdirect_cache_lookups(&mut self, scope: CacheScope) {
+        self.engine.fault_lookup_scope = Some(scope);
     }
 
     /// Request `id`'s logical page `idx` is pointed at a page that belongs to request `victim`

@@ -13,6 +13,7 @@ mod integrity;
 mod kv_auth;
 mod model_check;
 mod netns;
+mod prefix_cache;
 mod protocol;
 mod quant_types;
 mod reference;
