@@ -25,7 +25,13 @@ import time
 import duckdb
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TABLES = ["page_events", "page_reads", "integrity_violations"]
+TABLES = ["page_events", "page_reads", "integrity_violations", "prefix_cache"]
+# Columns the exposure SQL reads from a table the log does not have (an empty view stands in).
+EMPTY_COLUMNS = {
+    "prefix_cache": "NULL::UINTEGER AS node_id, NULL::UBIGINT AS seq, NULL::UBIGINT AS request_id, "
+    "NULL::VARCHAR AS event, NULL::UINTEGER AS page, NULL::UINTEGER AS generation, "
+    "NULL::VARCHAR AS namespace, NULL::VARCHAR AS scope_kind",
+}
 PREVENTED_SQL = "SELECT COUNT(*) FROM all_integrity_violations"
 
 
@@ -88,10 +94,8 @@ def main():
             # The Hive partition columns (node=, date=) are in the paths; the files carry node_id.
             con.execute(f"CREATE VIEW all_{t} AS SELECT * FROM read_parquet([{lst}])")
         else:
-            con.execute(
-                f"CREATE VIEW all_{t} AS SELECT NULL::UINTEGER AS node_id, NULL::UBIGINT AS seq "
-                "WHERE FALSE"
-            )
+            cols = EMPTY_COLUMNS.get(t, "NULL::UINTEGER AS node_id, NULL::UBIGINT AS seq")
+            con.execute(f"CREATE VIEW all_{t} AS SELECT {cols} WHERE FALSE")
     t1 = time.monotonic()
     prepare, query = exposure_sql()
     con.execute(prepare)

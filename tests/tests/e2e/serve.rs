@@ -95,6 +95,17 @@ impl TestServer {
         Self::start_engine(name, cfg, stats, engine, tokenizer())
     }
 
+    /// A server whose `[unsafe_reproduction] shared_prefix_cache` is armed or not.
+    fn start_cache(name: &str, cfg: ServeSection, unsafe_shared: bool) -> Self {
+        let engine = engine_with(EngineConfig {
+            context_length: Some(CONTEXT),
+            kv_budget_mib: 64,
+            prefix_cache: Some(true),
+            ..EngineConfig::default()
+        });
+        Self::start_opts(name, cfg, None, engine, tokenizer(), unsafe_shared)
+    }
+
     /// A server on another GGUF (its own context length and tokenizer).
     fn start_model(name: &str, model: &std::path::Path) -> Self {
         let m = custody_runtime::Model::load(model).expect("model");
@@ -113,6 +124,17 @@ impl TestServer {
         stats: Option<Arc<dyn AuditStats>>,
         engine: Engine,
         tok: custody_runtime::Tokenizer,
+    ) -> Self {
+        Self::start_opts(name, cfg, stats, engine, tok, false)
+    }
+
+    fn start_opts(
+        name: &str,
+        cfg: ServeSection,
+        stats: Option<Arc<dyn AuditStats>>,
+        engine: Engine,
+        tok: custody_runtime::Tokenizer,
+        unsafe_shared: bool,
     ) -> Self {
         let root = tmp_dir(&format!("serve-{name}"));
         let key = digest::generate_key().expect("key");
@@ -137,7 +159,7 @@ impl TestServer {
             node: NODE,
             audit: Some(stats.unwrap_or_else(|| Arc::new(Stats(writer.clone())))),
             events: None,
-            unsafe_shared_prefix_cache: false,
+            unsafe_shared_prefix_cache: unsafe_shared,
         };
         let done = rt.spawn(custody_server::serve(
             listener,
@@ -1068,4 +1090,223 @@ fn chat_completions_run_every_architecture_end_to_end() {
         assert_eq!(reqs[&id].1, ["admitted", "finished"], "{model}");
         eprintln!("{model}: {want} prompt tokens, answered and audited");
     }
+}
+
+const KEY_BRAVO: &str = "sk-test-bravo";
+
+fn cache_cfg(public: Option<&str>) -> ServeSection {
+    let mut cfg = serve_cfg();
+    cfg.canary_interval_s = 0;
+    cfg.tenants.push(TenantSection {
+        id: "bravo".into(),
+        keys_sha256: vec![hash_key(KEY_BRAVO)],
+        max_concurrent: 8,
+        tokens_per_minute: 0,
+    });
+    if let Some(text) = public {
+        cfg.prefix_cache.public = vec![custody_server::config::PublicScopeSection {
+            scope: "helpdesk".into(),
+            text: Some(text.into()),
+            system_prompt: None,
+        }];
+    }
+    cfg
+}
+
+/// One greedy completion of one token: (request id, `usage.prompt_tokens_details.cached_tokens`).
+fn complete(srv: &TestServer, key: &str, prompt: serde_json::Value, salt: Option<&str>) -> (String, usize) {
+    let mut body = serde_json::json!({
+        "model": MODEL_ID, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+    });
+    if let Some(s) = salt {
+        body["cache_salt"] = s.into();
+    }
+    let r = srv.post("/v1/completions", key, body.to_string().as_bytes());
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached_tokens in usage") as usize;
+    (v["id"].as_str().expect("id").to_owned(), cached)
+}
+
+fn cmpl_engine_id(id: &str) -> u64 {
+    engine_id(id.strip_prefix("cmpl-").expect("a completion id"))
+}
+
+/// The exposure rows and the cache question's rows over a sealed root.
+fn forensics(audit: &std::path::Path) -> (custody_query::forensics::Exposure, Vec<(String, String, String, bool)>) {
+    let rt = tokio::runtime::Builder::new_current_thread().build().expect("rt");
+    rt.block_on(async {
+        let vs = custody_query::session_over_verified(audit, None).await.expect("session");
+        assert!(vs.report.problems.is_empty(), "{:?}", vs.report.problems);
+        custody_query::prepare_forensics(&vs.ctx).await.expect("prepare");
+        let e = custody_query::forensics::exposure(&vs.ctx, None, None).await.expect("exposure");
+        let batches = vs
+            .ctx
+            .sql(custody_query::forensics::CACHE_SQL)
+            .await
+            .expect("cache sql")
+            .collect()
+            .await
+            .expect("cache rows");
+        let mut rows = Vec::new();
+        for b in &batches {
+            let s = |n: &str| {
+                arrow::compute::cast(b.column_by_name(n).expect(n), &arrow::datatypes::DataType::Utf8)
+                    .expect("cast")
+            };
+            let (r, w, k, x) = (s("reader_tenant"), s("writer_tenant"), s("scope_kind"), s("cross_tenant"));
+            use arrow::array::AsArray;
+            for i in 0..b.num_rows() {
+                rows.push((
+                    r.as_string::<i32>().value(i).to_owned(),
+                    w.as_string::<i32>().value(i).to_owned(),
+                    k.as_string::<i32>().value(i).to_owned(),
+                    x.as_string::<i32>().value(i) == "true",
+                ));
+            }
+        }
+        (e, rows)
+    })
+}
+
+/// The paired isolation test: same tenant → hit; another tenant, same prompt → miss; another
+/// tenant with the victim's `cache_salt` → miss; a public scope → a hit for both, recorded as
+/// such — and none of it an exposure in the forensic answer.
+#[test]
+fn prefix_cache_isolation_is_paired_and_public_scopes_are_recorded() {
+    use crate::prefix_cache::text;
+    let tok = tokenizer();
+    let sys = text(7, 70);
+    let srv = TestServer::start_cache("cache-isolation", cache_cfg(Some(&sys)), false);
+    let p = serde_json::Value::from(text(8, 100));
+    let n = tok.encode(&text(8, 100), false).expect("tokenize").len();
+    let full = (n - 1) / 16 * 16;
+
+    assert_eq!(complete(&srv, KEY, p.clone(), None).1, 0, "first sight: a miss");
+    assert_eq!(complete(&srv, KEY, p.clone(), None).1, full, "same tenant: a hit");
+    assert_eq!(complete(&srv, KEY_BRAVO, p.clone(), None).1, 0, "another tenant: a miss");
+    assert_eq!(complete(&srv, KEY, p.clone(), Some("victim-salt")).1, 0, "a salt narrows");
+    assert_eq!(complete(&srv, KEY, p.clone(), Some("victim-salt")).1, full);
+    assert_eq!(
+        complete(&srv, KEY_BRAVO, p.clone(), Some("victim-salt")).1,
+        0,
+        "the victim's salt does not widen another tenant's namespace"
+    );
+    // The public scope: both tenants share the declared prefix's pages.
+    let sys_n = tok.encode(&sys, false).expect("tokenize").len();
+    let ask = |q| serde_json::Value::from(format!("{sys} {}", text(q, 30)));
+    let (_, a1) = complete(&srv, KEY, ask(9), None);
+    let (b_id, b1) = complete(&srv, KEY_BRAVO, ask(10), None);
+    assert_eq!(a1, 0);
+    assert!(b1 > 0 && b1 <= sys_n / 16 * 16, "bravo hits the public pages acme computed: {b1}");
+    assert!(srv.metric("custody_prefix_cache_hit_rate{tenant=\"acme\"}") > 0.0);
+    assert!(srv.metric("custody_prefix_cache_hit_rate{tenant=\"bravo\"}") > 0.0);
+    assert!(srv.metric("custody_prefix_cache_pages") > 0.0);
+
+    let audit = srv.stop();
+    let (exposure, cache) = forensics(&audit);
+    assert_eq!(exposure.affected_responses(), 0, "{:?}", exposure.affected);
+    assert!(cache.iter().any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "public" && *x));
+    assert!(
+        cache.iter().all(|(_, _, k, x)| !x || k == "public"),
+        "only a public scope crosses tenants: {cache:?}"
+    );
+    let _ = b_id;
+    // The public scope is on the record, with its namespace.
+    let scopes: Vec<String> = read_table(&audit, "node_events")
+        .iter()
+        .flat_map(|b| {
+            let (ev, d) = (col_str(b, "event"), col_str(b, "detail"));
+            (0..ev.len())
+                .filter(|&i| ev[i].as_deref() == Some("prefix_scope"))
+                .map(|i| d[i].clone().unwrap_or_default())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(scopes.len(), 1, "{scopes:?}");
+    assert!(scopes[0].starts_with("scope=public:helpdesk tokens="), "{scopes:?}");
+}
+
+/// The incident, for prefix caches: `[unsafe_reproduction] shared_prefix_cache` keys the cache
+/// without the tenant, so another tenant's prompt prefix is a hit (the client even sees it in
+/// `cached_tokens`). The forensic answer names every cross-tenant hit exactly: per attacker
+/// request, the slots of the victim's pages it attended — here computed from the prompts alone
+/// (the longest common prefix with an earlier victim prompt, in whole pages, short of the last
+/// token), independently of the engine and the log.
+#[test]
+fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hit() {
+    use crate::prefix_cache::text;
+    let tok = tokenizer();
+    let srv = TestServer::start_cache("cache-unsafe", cache_cfg(None), true);
+    let victim: Vec<Vec<u32>> = (0..3)
+        .map(|k| tok.encode(&text(30 + k, 90), false).expect("tokenize"))
+        .collect();
+    for v in &victim {
+        complete(&srv, KEY, serde_json::json!(v), None);
+    }
+    // acme again: a same-tenant hit, not an exposure.
+    complete(&srv, KEY, serde_json::json!(victim[0]), None);
+    let mut expected = BTreeMap::new();
+    for (k, cut) in [(0usize, 20usize), (1, 55), (2, 80), (0, 5)] {
+        let mut p = victim[k][..cut].to_vec();
+        p.extend(tok.encode(&format!(" {}", text(50 + cut, 25)), false).expect("tokenize"));
+        let common = victim
+            .iter()
+            .map(|v| v.iter().zip(&p).take_while(|(a, b)| a == b).count())
+            .max()
+            .unwrap_or(0);
+        let want = common.min(p.len() - 1) / 16 * 16;
+        let (id, cached) = complete(&srv, KEY_BRAVO, serde_json::json!(p), None);
+        assert_eq!(cached, want, "bravo's cut {cut} of victim prompt {k}");
+        if want > 0 {
+            expected.insert(cmpl_engine_id(&id), want as u64);
+        }
+    }
+    assert_eq!(expected.len(), 3, "three of the four attacker prompts hit");
+    let audit = srv.stop();
+    let (exposure, cache) = forensics(&audit);
+    let got: BTreeMap<u64, u64> = exposure
+        .affected
+        .iter()
+        .map(|a| {
+            assert_eq!(a.recipient_tenant, "bravo");
+            assert_eq!(a.sources, vec![("acme".to_owned(), a.foreign_slots)]);
+            (a.request, a.foreign_slots)
+        })
+        .collect();
+    assert_eq!(got, expected, "every cross-tenant hit, exactly");
+    // DuckDB, reading the digest-named Parquet files itself, runs the same SQL to the same rows.
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/duckdb-exposure.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(&*audit)
+        .output()
+        .expect("python3 (scripts/setup.sh installs duckdb)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let duck: BTreeMap<u64, u64> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("node_id,"))
+        .skip(1)
+        .take_while(|l| !l.starts_with('#'))
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f[1].parse().expect("request"), f[4].parse().expect("slots"))
+        })
+        .collect();
+    assert_eq!(duck, expected, "DuckDB agrees");
+    assert!(cache.iter().any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "unsafe" && *x));
+    let switches: Vec<String> = read_table(&audit, "node_events")
+        .iter()
+        .flat_map(|b| {
+            let (ev, d) = (col_str(b, "event"), col_str(b, "detail"));
+            (0..ev.len())
+                .filter(|&i| ev[i].as_deref() == Some("prefix_scope"))
+                .map(|i| d[i].clone().unwrap_or_default())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(switches.iter().any(|d| d.contains("unsafe:global")), "{switches:?}");
 }
