@@ -89,7 +89,10 @@ impl Reader {
 
     /// A reader of its own pages and of the shared pages of `shared` (at most [`MAX_SHARED`]).
     pub fn with_shared(owner: u64, shared: &[std::num::NonZeroU64]) -> Self {
-        assert!(shared.len() <= MAX_SHARED, "at most {MAX_SHARED} shared namespaces");
+        assert!(
+            shared.len() <= MAX_SHARED,
+            "at most {MAX_SHARED} shared namespaces"
+        );
         let mut r = Self::private(owner);
         for (slot, tag) in r.shared.iter_mut().zip(shared) {
             debug_assert_ne!(tag.get(), owner, "a namespace tag equal to a request id");
@@ -365,7 +368,13 @@ pub fn paged_attention(
 
     match args.check {
         TagCheck::Enforced => {
-            check_tags(args.block_table, n_ctx, g.page_size, &args.tags, args.reader)?;
+            check_tags(
+                args.block_table,
+                n_ctx,
+                g.page_size,
+                &args.tags,
+                args.reader,
+            )?;
         }
         TagCheck::DisabledForIncidentReproduction => {
             // Still refuse what would be out of bounds: the reproduction reads stale pages, it
@@ -1874,7 +1883,11 @@ mod tests {
         let shared = run_as(&f, &q, 8, Reader::with_shared(42, &[ns])).unwrap();
         let mut own = fixture(9, &mut 5);
         own.owner[p0] = 42;
-        assert_eq!(shared, run(&own, &q, 8, 42).unwrap(), "same bytes, same output");
+        assert_eq!(
+            shared,
+            run(&own, &q, 8, 42).unwrap(),
+            "same bytes, same output"
+        );
         // Its writer's private identity, another namespace, or no namespace: refused.
         for reader in [
             Reader::private(42),
@@ -1884,16 +1897,24 @@ mod tests {
             let r = run_as(&f, &q, 8, reader);
             if reader.admits(ns.get()) {
                 // 43 does not own the private pages.
-                assert!(matches!(r, Err(IntegrityError::ForeignOwner { found: 42, .. })));
+                assert!(matches!(
+                    r,
+                    Err(IntegrityError::ForeignOwner { found: 42, .. })
+                ));
             } else {
-                assert!(matches!(r, Err(IntegrityError::ForeignOwner { page, .. }) if page == p0 as u32));
+                assert!(
+                    matches!(r, Err(IntegrityError::ForeignOwner { page, .. }) if page == p0 as u32)
+                );
             }
         }
         // A free page is refused whatever namespaces the reader names.
         f.owner[p0] = NO_OWNER;
         assert!(matches!(
             run_as(&f, &q, 8, Reader::with_shared(42, &[ns, other])),
-            Err(IntegrityError::ForeignOwner { found: NO_OWNER, .. })
+            Err(IntegrityError::ForeignOwner {
+                found: NO_OWNER,
+                ..
+            })
         ));
     }
 

@@ -14,7 +14,6 @@ pub use custody_engine::{
 };
 pub use custody_engine::{
     actor, config, cuda_check, cuda_forward, engine, gguf, kv, model, par, prefix_cache, protocol,
-    sampling,
-    tokenizer,
+    sampling, tokenizer,
 };
 pub use custody_transport as transport;

@@ -188,7 +188,9 @@ fn prefix_scopes(
         });
     }
     if opts.unsafe_shared_prefix_cache {
-        tracing::error!("UNSAFE REPRODUCTION: the prefix cache's key has NO TENANT: a prompt one tenant sent is another's cache hit");
+        tracing::error!(
+            "UNSAFE REPRODUCTION: the prefix cache's key has NO TENANT: a prompt one tenant sent is another's cache hit"
+        );
     }
     Ok(Some(Arc::new(scopes)))
 }

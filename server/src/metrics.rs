@@ -138,7 +138,11 @@ impl Metrics {
                 escape(t)
             );
         }
-        let prefix = self.prefix.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let prefix = self
+            .prefix
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         o.push_str("# HELP custody_prefix_cache_tokens_total Prompt tokens of finished requests by tenant: all of them (kind=prompt) and those served from the prefix cache (kind=cached).\n# TYPE custody_prefix_cache_tokens_total counter\n");
         for (t, (prompt, cached)) in &prefix {
             for (k, n) in [("prompt", prompt), ("cached", cached)] {

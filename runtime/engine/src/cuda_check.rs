@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use custody_cuda::Device;
 use custody_kernels::DType;
-use custody_kernels::attention::{PageRef, ReduceOrder, Reader, TagCheck};
+use custody_kernels::attention::{PageRef, Reader, ReduceOrder, TagCheck};
 
 use crate::cuda_forward::{CudaForward, CudaForwardError};
 use crate::gguf::write::Synthetic;

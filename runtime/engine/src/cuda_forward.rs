@@ -666,7 +666,9 @@ impl<D: Device> CudaForward<D> {
                     });
                     break;
                 };
-                if let Err(e) = pool.claim_slot_checked(layer, pr, pos % ps, sg.reader.owner(), sg.check) {
+                if let Err(e) =
+                    pool.claim_slot_checked(layer, pr, pos % ps, sg.reader.owner(), sg.check)
+                {
                     failed[si] = Some(e);
                     break;
                 }

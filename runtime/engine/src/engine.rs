@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 
-use custody_kernels::attention::{PageRef, ReduceOrder, Reader, TagCheck};
+use custody_kernels::attention::{PageRef, Reader, ReduceOrder, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
 use crate::cuda_forward::{CudaForward, CudaForwardError};
@@ -893,9 +893,16 @@ impl Engine {
             s.n_cached = s.cached_tokens;
             s.keys = hits.iter().map(|h| h.key).collect();
             let own = std::mem::take(&mut s.pages);
-            s.pages = hits.iter().map(|h| h.page).chain(own.iter().copied()).collect();
+            s.pages = hits
+                .iter()
+                .map(|h| h.page)
+                .chain(own.iter().copied())
+                .collect();
             s.reads = vec![None; s.pages.len()];
-            debug_assert!(s.n_cached < s.prompt.len(), "a hit leaves a token to compute");
+            debug_assert!(
+                s.n_cached < s.prompt.len(),
+                "a hit leaves a token to compute"
+            );
             let (id, tenant) = (s.id, s.tenant.clone());
             self.emit_hits(&s, &hits);
             self.running.push(s);
@@ -924,7 +931,9 @@ impl Engine {
             let Some(ev) = self.cache.as_mut().and_then(PrefixCache::evict_one) else {
                 break;
             };
-            let released = self.pool.release(ev.tag.get(), std::slice::from_ref(&ev.page));
+            let released = self
+                .pool
+                .release(ev.tag.get(), std::slice::from_ref(&ev.page));
             let kind = match released {
                 Ok(()) => PageKind::Release,
                 Err(e) => {
@@ -932,7 +941,13 @@ impl Engine {
                     PageKind::Quarantine
                 }
             };
-            self.emit_cache(audit::CacheEvent::Evict, ev.writer, &ev.writer_tenant, &ev, 0);
+            self.emit_cache(
+                audit::CacheEvent::Evict,
+                ev.writer,
+                &ev.writer_tenant,
+                &ev,
+                0,
+            );
             self.emit_pages(ev.writer, &ev.writer_tenant, &[ev.page], kind);
         }
     }
@@ -989,7 +1004,13 @@ impl Engine {
         let Some(scope) = s.cache.clone() else {
             return;
         };
-        let written: Vec<u32> = s.prompt.iter().chain(&s.output).take(full * ps).copied().collect();
+        let written: Vec<u32> = s
+            .prompt
+            .iter()
+            .chain(&s.output)
+            .take(full * ps)
+            .copied()
+            .collect();
         let chain = scope.chain(&written, ps, full);
         let (id, tenant) = (s.id, s.tenant.clone());
         let mut shared = Vec::new();

@@ -25,7 +25,7 @@
 //! add quarantine on top of this in the transport layer.
 
 use custody_kernels::attention::{
-    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, Reader,
+    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, Reader, ReduceOrder,
     TagCheck, TagView,
 };
 use half::f16;
@@ -44,9 +44,7 @@ pub enum PoolError {
         free: usize,
         total: usize,
     },
-    #[error(
-        "share of page {page} generation {generation} by {owner:#x} refused: {why}"
-    )]
+    #[error("share of page {page} generation {generation} by {owner:#x} refused: {why}")]
     BadShare {
         page: u32,
         generation: u32,

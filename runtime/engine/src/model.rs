@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use custody_kernels::attention::{
-    AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, Reader, TagCheck,
+    AttnScratch, IntegrityError, PageGeometry, PageRef, Reader, ReduceOrder, TagCheck,
 };
 use custody_kernels::matmul::matmul_many;
 use custody_kernels::{DType, PackedRows, QInput, QMatrix, ops};

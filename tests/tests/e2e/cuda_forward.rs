@@ -8,7 +8,7 @@
 //! segments still get their logits.
 
 use custody_kernels::DType;
-use custody_kernels::attention::{IntegrityError, PageRef, ReduceOrder, Reader, TagCheck};
+use custody_kernels::attention::{IntegrityError, PageRef, Reader, ReduceOrder, TagCheck};
 use custody_runtime::cuda_check::{compare_with_cpu, tolerance};
 use custody_runtime::cuda_forward::CudaForward;
 use custody_runtime::gguf::write::Synthetic;

@@ -6,8 +6,8 @@
 //! barrier only some threads reach is reported.
 
 use custody_kernels::attention::{
-    AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, Reader, TagCheck,
-    TagView, check_tags, paged_attention,
+    AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, Reader, ReduceOrder,
+    TagCheck, TagView, check_tags, paged_attention,
 };
 use custody_tests::cuda_shim::{self, AttentionShape, OwnedTags, Request, Verdict};
 use half::f16;
@@ -186,7 +186,13 @@ fn cpu_check(r: &Request, page_size: u32, tags: &OwnedTags) -> Result<(), Integr
         stamp_owner: &tags.stamp_owner,
         stamp_generation: &tags.stamp_generation,
     };
-    check_tags(&table, r.n_ctx as usize, page_size as usize, &view, Reader::private(r.owner))
+    check_tags(
+        &table,
+        r.n_ctx as usize,
+        page_size as usize,
+        &view,
+        Reader::private(r.owner),
+    )
 }
 
 #[test]

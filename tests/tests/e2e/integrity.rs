@@ -2,7 +2,7 @@
 //! request whose pages are wrong, emits no token for it, and lets the others finish.
 
 use custody_kernels::attention::{
-    self, AttnScratch, IntegrityError, PageGeometry, PageRef, ReduceOrder, Reader,
+    self, AttnScratch, IntegrityError, PageGeometry, PageRef, Reader, ReduceOrder,
 };
 use custody_runtime::SamplingParams;
 use custody_runtime::engine::{Event, GenerateRequest};

@@ -134,7 +134,10 @@ fn a_hit_reuses_the_prefix_and_gives_the_uncached_output_bit_for_bit() {
     // Same tenant, same prompt: every full page but the one holding the last token is a hit.
     let (r2, again) = run_one(&mut e, req("acme", p.clone(), Some(scope("acme"))));
     assert_eq!(again.cached_tokens, (p.len() - 1) / PAGE * PAGE);
-    assert_eq!(again.tokens, want1.tokens, "a hit changes no bit of the output");
+    assert_eq!(
+        again.tokens, want1.tokens,
+        "a hit changes no bit of the output"
+    );
     // The next turn of the chat: the whole first prompt (and the first answer's full pages,
     // where they match) come from the cache.
     let (_, next) = run_one(&mut e, req("acme", turn2.clone(), Some(scope("acme"))));
@@ -163,10 +166,16 @@ fn a_hit_reuses_the_prefix_and_gives_the_uncached_output_bit_for_bit() {
         .iter()
         .filter(|c| c.event == CacheEvent::Share && c.request == w)
         .collect();
-    assert!(shared.len() >= p.len() / PAGE, "the first request shared its full pages");
+    assert!(
+        shared.len() >= p.len() / PAGE,
+        "the first request shared its full pages"
+    );
     // Every page is either free, held by the cache, or neither leaked: the pool adds up.
     let stats = e.prefix_cache_stats().expect("cache on");
-    assert_eq!(stats.held, 0, "nobody holds a cached page once every request ended");
+    assert_eq!(
+        stats.held, 0,
+        "nobody holds a cached page once every request ended"
+    );
     assert_eq!(e.pool().n_free() + stats.entries, e.pool().n_pages());
 }
 
@@ -180,8 +189,14 @@ fn a_lookup_that_returns_another_namespaces_pages_is_refused_by_the_tag_check() 
     // A broken index: bravo's lookups land on acme's chain.
     e.fault_injection().misdirect_cache_lookups(scope("acme"));
     let (id, attacker) = run_one(&mut e, req("bravo", p.clone(), Some(scope("bravo"))));
-    assert!(attacker.failed, "the read of acme's shared pages must be refused");
-    assert!(attacker.tokens.is_empty(), "no token from another namespace's pages");
+    assert!(
+        attacker.failed,
+        "the read of acme's shared pages must be refused"
+    );
+    assert!(
+        attacker.tokens.is_empty(),
+        "no token from another namespace's pages"
+    );
     let violations: Vec<String> = sink
         .events
         .lock()
@@ -230,9 +245,10 @@ fn a_public_scope_is_shared_across_tenants_and_nothing_else_is() {
         && h.scope.as_ref() == "public:helpdesk"
         && h.writer == a));
     // acme's own pages after the prefix went into acme's namespace, which bravo never read.
-    assert!(rows.iter().any(|c| c.event == CacheEvent::Share
-        && c.request == a
-        && c.scope_kind == "tenant"));
+    assert!(
+        rows.iter()
+            .any(|c| c.event == CacheEvent::Share && c.request == a && c.scope_kind == "tenant")
+    );
 }
 
 #[test]
@@ -253,9 +269,15 @@ fn eviction_is_lru_under_pressure_never_takes_a_held_page_and_is_audited() {
         assert_eq!(e.pool().n_free() + st.entries, n_pages, "pages add up");
     }
     let st = e.prefix_cache_stats().expect("cache on");
-    assert!(st.evictions > 0, "the pool filled and the cache gave pages back");
+    assert!(
+        st.evictions > 0,
+        "the pool filled and the cache gave pages back"
+    );
     // The most recent prompt is still cached; the first was evicted.
-    let (_, recent) = run_one(&mut e, req("acme", prompts[23].clone(), Some(scope("acme"))));
+    let (_, recent) = run_one(
+        &mut e,
+        req("acme", prompts[23].clone(), Some(scope("acme"))),
+    );
     assert!(recent.cached_tokens > 0);
     let (_, oldest) = run_one(&mut e, req("acme", prompts[0].clone(), Some(scope("acme"))));
     assert_eq!(oldest.cached_tokens, 0, "least recently used went first");
@@ -301,7 +323,8 @@ fn a_page_a_running_request_holds_is_never_evicted() {
         if e.n_waiting() == 0
             && let Some(p) = others.next()
         {
-            e.submit(req("acme", p, Some(scope("acme")))).expect("admitted");
+            e.submit(req("acme", p, Some(scope("acme"))))
+                .expect("admitted");
         }
         for ev in e.step() {
             match ev {
@@ -315,7 +338,11 @@ fn a_page_a_running_request_holds_is_never_evicted() {
     while e.has_work() {
         e.step();
     }
-    assert_eq!(holder_tokens.len(), 40, "the holder ran to its end on its cached pages");
+    assert_eq!(
+        holder_tokens.len(),
+        40,
+        "the holder ran to its end on its cached pages"
+    );
     let st = e.prefix_cache_stats().expect("on");
     assert!(st.evictions > 0);
     assert_eq!(e.pool().n_free() + st.entries, e.pool().n_pages());

@@ -1114,7 +1114,12 @@ fn cache_cfg(public: Option<&str>) -> ServeSection {
 }
 
 /// One greedy completion of one token: (request id, `usage.prompt_tokens_details.cached_tokens`).
-fn complete(srv: &TestServer, key: &str, prompt: serde_json::Value, salt: Option<&str>) -> (String, usize) {
+fn complete(
+    srv: &TestServer,
+    key: &str,
+    prompt: serde_json::Value,
+    salt: Option<&str>,
+) -> (String, usize) {
     let mut body = serde_json::json!({
         "model": MODEL_ID, "prompt": prompt, "max_tokens": 1, "temperature": 0,
     });
@@ -1135,13 +1140,26 @@ fn cmpl_engine_id(id: &str) -> u64 {
 }
 
 /// The exposure rows and the cache question's rows over a sealed root.
-fn forensics(audit: &std::path::Path) -> (custody_query::forensics::Exposure, Vec<(String, String, String, bool)>) {
-    let rt = tokio::runtime::Builder::new_current_thread().build().expect("rt");
+fn forensics(
+    audit: &std::path::Path,
+) -> (
+    custody_query::forensics::Exposure,
+    Vec<(String, String, String, bool)>,
+) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("rt");
     rt.block_on(async {
-        let vs = custody_query::session_over_verified(audit, None).await.expect("session");
+        let vs = custody_query::session_over_verified(audit, None)
+            .await
+            .expect("session");
         assert!(vs.report.problems.is_empty(), "{:?}", vs.report.problems);
-        custody_query::prepare_forensics(&vs.ctx).await.expect("prepare");
-        let e = custody_query::forensics::exposure(&vs.ctx, None, None).await.expect("exposure");
+        custody_query::prepare_forensics(&vs.ctx)
+            .await
+            .expect("prepare");
+        let e = custody_query::forensics::exposure(&vs.ctx, None, None)
+            .await
+            .expect("exposure");
         let batches = vs
             .ctx
             .sql(custody_query::forensics::CACHE_SQL)
@@ -1153,10 +1171,18 @@ fn forensics(audit: &std::path::Path) -> (custody_query::forensics::Exposure, Ve
         let mut rows = Vec::new();
         for b in &batches {
             let s = |n: &str| {
-                arrow::compute::cast(b.column_by_name(n).expect(n), &arrow::datatypes::DataType::Utf8)
-                    .expect("cast")
+                arrow::compute::cast(
+                    b.column_by_name(n).expect(n),
+                    &arrow::datatypes::DataType::Utf8,
+                )
+                .expect("cast")
             };
-            let (r, w, k, x) = (s("reader_tenant"), s("writer_tenant"), s("scope_kind"), s("cross_tenant"));
+            let (r, w, k, x) = (
+                s("reader_tenant"),
+                s("writer_tenant"),
+                s("scope_kind"),
+                s("cross_tenant"),
+            );
             use arrow::array::AsArray;
             for i in 0..b.num_rows() {
                 rows.push((
@@ -1184,10 +1210,26 @@ fn prefix_cache_isolation_is_paired_and_public_scopes_are_recorded() {
     let n = tok.encode(&text(8, 100), false).expect("tokenize").len();
     let full = (n - 1) / 16 * 16;
 
-    assert_eq!(complete(&srv, KEY, p.clone(), None).1, 0, "first sight: a miss");
-    assert_eq!(complete(&srv, KEY, p.clone(), None).1, full, "same tenant: a hit");
-    assert_eq!(complete(&srv, KEY_BRAVO, p.clone(), None).1, 0, "another tenant: a miss");
-    assert_eq!(complete(&srv, KEY, p.clone(), Some("victim-salt")).1, 0, "a salt narrows");
+    assert_eq!(
+        complete(&srv, KEY, p.clone(), None).1,
+        0,
+        "first sight: a miss"
+    );
+    assert_eq!(
+        complete(&srv, KEY, p.clone(), None).1,
+        full,
+        "same tenant: a hit"
+    );
+    assert_eq!(
+        complete(&srv, KEY_BRAVO, p.clone(), None).1,
+        0,
+        "another tenant: a miss"
+    );
+    assert_eq!(
+        complete(&srv, KEY, p.clone(), Some("victim-salt")).1,
+        0,
+        "a salt narrows"
+    );
     assert_eq!(complete(&srv, KEY, p.clone(), Some("victim-salt")).1, full);
     assert_eq!(
         complete(&srv, KEY_BRAVO, p.clone(), Some("victim-salt")).1,
@@ -1200,7 +1242,10 @@ fn prefix_cache_isolation_is_paired_and_public_scopes_are_recorded() {
     let (_, a1) = complete(&srv, KEY, ask(9), None);
     let (b_id, b1) = complete(&srv, KEY_BRAVO, ask(10), None);
     assert_eq!(a1, 0);
-    assert!(b1 > 0 && b1 <= sys_n / 16 * 16, "bravo hits the public pages acme computed: {b1}");
+    assert!(
+        b1 > 0 && b1 <= sys_n / 16 * 16,
+        "bravo hits the public pages acme computed: {b1}"
+    );
     assert!(srv.metric("custody_prefix_cache_hit_rate{tenant=\"acme\"}") > 0.0);
     assert!(srv.metric("custody_prefix_cache_hit_rate{tenant=\"bravo\"}") > 0.0);
     assert!(srv.metric("custody_prefix_cache_pages") > 0.0);
@@ -1208,7 +1253,11 @@ fn prefix_cache_isolation_is_paired_and_public_scopes_are_recorded() {
     let audit = srv.stop();
     let (exposure, cache) = forensics(&audit);
     assert_eq!(exposure.affected_responses(), 0, "{:?}", exposure.affected);
-    assert!(cache.iter().any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "public" && *x));
+    assert!(
+        cache
+            .iter()
+            .any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "public" && *x)
+    );
     assert!(
         cache.iter().all(|(_, _, k, x)| !x || k == "public"),
         "only a public scope crosses tenants: {cache:?}"
@@ -1226,7 +1275,10 @@ fn prefix_cache_isolation_is_paired_and_public_scopes_are_recorded() {
         })
         .collect();
     assert_eq!(scopes.len(), 1, "{scopes:?}");
-    assert!(scopes[0].starts_with("scope=public:helpdesk tokens="), "{scopes:?}");
+    assert!(
+        scopes[0].starts_with("scope=public:helpdesk tokens="),
+        "{scopes:?}"
+    );
 }
 
 /// The incident, for prefix caches: `[unsafe_reproduction] shared_prefix_cache` keys the cache
@@ -1251,7 +1303,10 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
     let mut expected = BTreeMap::new();
     for (k, cut) in [(0usize, 20usize), (1, 55), (2, 80), (0, 5)] {
         let mut p = victim[k][..cut].to_vec();
-        p.extend(tok.encode(&format!(" {}", text(50 + cut, 25)), false).expect("tokenize"));
+        p.extend(
+            tok.encode(&format!(" {}", text(50 + cut, 25)), false)
+                .expect("tokenize"),
+        );
         let common = victim
             .iter()
             .map(|v| v.iter().zip(&p).take_while(|(a, b)| a == b).count())
@@ -1285,7 +1340,11 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
         .output()
         .expect("python3 (scripts/setup.sh installs duckdb)");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let duck: BTreeMap<u64, u64> = text
         .lines()
         .skip_while(|l| !l.starts_with("node_id,"))
@@ -1297,7 +1356,11 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
         })
         .collect();
     assert_eq!(duck, expected, "DuckDB agrees");
-    assert!(cache.iter().any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "unsafe" && *x));
+    assert!(
+        cache
+            .iter()
+            .any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "unsafe" && *x)
+    );
     let switches: Vec<String> = read_table(&audit, "node_events")
         .iter()
         .flat_map(|b| {
@@ -1308,5 +1371,125 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
                 .collect::<Vec<_>>()
         })
         .collect();
-    assert!(switches.iter().any(|d| d.contains("unsafe:global")), "{switches:?}");
+    assert!(
+        switches.iter().any(|d| d.contains("unsafe:global")),
+        "{switches:?}"
+    );
+}
+
+/// Two-sample Kolmogorov–Smirnov: the statistic D and its asymptotic p-value (the Kolmogorov
+/// distribution with Stephens' small-sample correction, as Numerical Recipes' `kstwo`).
+fn ks_two_sample(a: &[f64], b: &[f64]) -> (f64, f64) {
+    let (mut a, mut b) = (a.to_vec(), b.to_vec());
+    a.sort_by(f64::total_cmp);
+    b.sort_by(f64::total_cmp);
+    let (n, m) = (a.len() as f64, b.len() as f64);
+    let (mut i, mut j, mut d) = (0usize, 0usize, 0f64);
+    while i < a.len() && j < b.len() {
+        let x = a[i].min(b[j]);
+        while i < a.len() && a[i] <= x {
+            i += 1;
+        }
+        while j < b.len() && b[j] <= x {
+            j += 1;
+        }
+        d = d.max((i as f64 / n - j as f64 / m).abs());
+    }
+    let en = (n * m / (n + m)).sqrt();
+    let lambda = (en + 0.12 + 0.11 / en) * d;
+    let mut p = 0.0;
+    for k in 1..=100 {
+        let k = k as f64;
+        p += 2.0 * (-1f64).powf(k - 1.0) * (-2.0 * k * k * lambda * lambda).exp();
+    }
+    (d, p.clamp(0.0, 1.0))
+}
+
+#[test]
+fn ks_two_sample_detects_a_shift_and_not_noise() {
+    let a: Vec<f64> = (0..40).map(|i| (i * 37 % 40) as f64).collect();
+    let same: Vec<f64> = (0..40).map(|i| (i * 13 % 40) as f64 + 0.5).collect();
+    let shifted: Vec<f64> = a.iter().map(|x| x + 30.0).collect();
+    assert!(ks_two_sample(&a, &same).1 > 0.5);
+    assert!(ks_two_sample(&a, &shifted).1 < 1e-6);
+}
+
+/// The timing audit of Gu et al. (ICML 2025), against this server: an attacker (bravo) times
+/// its own requests for prompts a victim (acme) just sent ("primed") and for fresh prompts of
+/// the same length, interleaved; a two-sample KS test over the latencies finds no difference.
+/// The same test for the victim's own tenant (whose prompts *are* cached) finds it at once —
+/// proof the test can fail. Latency: one token, non-streaming, measured by the client (what an
+/// attacker sees); `N_PER_GROUP` requests per distribution.
+#[test]
+fn timing_audit_finds_no_cross_tenant_cache_signal_and_finds_the_same_tenant_one() {
+    use crate::prefix_cache::text;
+    const N_PER_GROUP: usize = 30;
+    const PROMPT_TOKENS: usize = 192;
+    let tok = tokenizer();
+    let srv = TestServer::start_cache("cache-timing", cache_cfg(None), false);
+    let prompt = |seed: usize| {
+        let mut t = tok.encode(&text(seed, 260), false).expect("tokenize");
+        assert!(t.len() >= PROMPT_TOKENS);
+        t.truncate(PROMPT_TOKENS);
+        serde_json::json!(t)
+    };
+    let timed = |key: &str, p: serde_json::Value| {
+        let t0 = Instant::now();
+        let (_, cached) = complete(&srv, key, p, None);
+        (t0.elapsed().as_secs_f64() * 1e3, cached)
+    };
+    // Warm up (first requests pay one-time costs).
+    for s in 0..3 {
+        timed(KEY_BRAVO, prompt(9000 + s));
+    }
+    let audit = |tenant: &str, prober: &str, seed0: usize| {
+        let (mut primed, mut fresh, mut hits) = (Vec::new(), Vec::new(), 0);
+        for i in 0..N_PER_GROUP {
+            let (p, f) = (prompt(seed0 + 2 * i), prompt(seed0 + 2 * i + 1));
+            complete(&srv, KEY, p.clone(), None); // the victim's request
+            // Alternate which goes first, so drift in the machine's load hits both alike.
+            let order = if i % 2 == 0 {
+                [(true, p), (false, f)]
+            } else {
+                [(false, f), (true, p)]
+            };
+            for (is_primed, q) in order {
+                let (ms, cached) = timed(prober, q);
+                hits += usize::from(cached > 0);
+                if is_primed {
+                    primed.push(ms)
+                } else {
+                    fresh.push(ms)
+                }
+            }
+        }
+        let (d, p) = ks_two_sample(&primed, &fresh);
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        eprintln!(
+            "timing audit, prober {tenant}: n = {N_PER_GROUP} + {N_PER_GROUP}, median primed {:.1} ms, fresh {:.1} ms, KS D = {d:.3}, p = {p:.3e}, hits {hits}",
+            med(&mut primed.clone()),
+            med(&mut fresh.clone())
+        );
+        (p, hits)
+    };
+    let (p_other, hits_other) = audit("bravo", KEY_BRAVO, 10_000);
+    let (p_same, hits_same) = audit("acme", KEY, 20_000);
+    assert_eq!(hits_other, 0, "no cross-tenant hit");
+    assert_eq!(
+        hits_same, N_PER_GROUP,
+        "every primed prompt of the victim's own tenant hit"
+    );
+    assert!(
+        p_same < 1e-6,
+        "the test detects a cache hit's timing (p = {p_same:.3e})"
+    );
+    // Under no difference p is uniform: a false alarm at this level is 1 run in 1,000.
+    assert!(
+        p_other > 1e-3,
+        "a cross-tenant timing signal (p = {p_other:.3e})"
+    );
+    srv.stop();
 }

@@ -1,7 +1,7 @@
 //! The compute pool returns the same bits whatever its size: every output element is computed by
 //! the same kernel code whichever part of a section it falls in (`custody_kernels::par`).
 
-use custody_kernels::attention::{PageRef, ReduceOrder, Reader, TagCheck};
+use custody_kernels::attention::{PageRef, Reader, ReduceOrder, TagCheck};
 use custody_runtime::Model;
 use custody_runtime::kv::PagePool;
 use custody_runtime::model::{Logits, Scratch, Segment};
