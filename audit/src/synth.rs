@@ -12,6 +12,12 @@
 //!   per decode step (write-ahead), and when it ends flushes one run-length `page_reads` row per
 //!   page it attended (`[0, filled)`, first and last step), releases every page and finishes;
 //! - many tenants with skewed popularity, long prompts (log-uniform), a few rejected requests;
+//! - with `cache_hit_rate` > 0, the prefix cache: a finished request may share its full prompt
+//!   pages (`prefix_cache` `share` rows; the pages stay allocated to the cache, a fraction in a
+//!   public scope), and that fraction of later requests starts from a cached prefix — its own
+//!   tenant's or a public one (one `hit` row per page, the hit pages attended but not written);
+//!   the cache is bounded and evicts unheld entries, least recently used first (`evict` rows
+//!   and the writer's page `release`). Neither kind of hit is an exposure;
 //! - `exposures` injected incidents: a request whose prompt KV was truncated to one slot (the
 //!   incident's fault) but which attended the whole prompt with the tag check disabled
 //!   (`verdict = 'unchecked'`), so it read whatever the recycled pages last held.
@@ -88,6 +94,11 @@ pub struct SynthConfig {
     pub fault_rate: f64,
     /// Seal the live segment at this size (larger files: fewer, bigger Parquet files).
     pub rotate_bytes: u64,
+    /// Fraction of admitted requests that start from a cached prefix (and of finished ones that
+    /// share their prompt pages); 0 = no prefix cache.
+    pub cache_hit_rate: f64,
+    /// Fraction of shared prefixes in an operator-declared public scope (hit across tenants).
+    pub public_share: f64,
 }
 
 impl SynthConfig {
@@ -107,6 +118,8 @@ impl SynthConfig {
             reject_per_mille: 5,
             fault_rate: 0.0,
             rotate_bytes: 256 << 20,
+            cache_hit_rate: 0.0,
+            public_share: 0.1,
         }
     }
 
@@ -148,6 +161,10 @@ impl SynthConfig {
         if !(0.0..=1.0).contains(&self.fault_rate) {
             return bad("fault_rate must be in [0, 1]");
         }
+        if !(0.0..=1.0).contains(&self.cache_hit_rate) || !(0.0..=1.0).contains(&self.public_share)
+        {
+            return bad("cache_hit_rate and public_share must be in [0, 1]");
+        }
         if self.reject_per_mille >= 1000 {
             return bad("reject_per_mille must be below 1000");
         }
@@ -180,6 +197,13 @@ pub struct SynthTruth {
     pub page_allocs: u64,
     pub page_writes: u64,
     pub page_reads: u64,
+    /// Prefix-cache rows: pages shared, pages hit (of them in a public scope across tenants).
+    #[serde(default)]
+    pub cache_shares: u64,
+    #[serde(default)]
+    pub cache_hits: u64,
+    #[serde(default)]
+    pub cache_public_cross_tenant_hits: u64,
     /// Every response that could have seen another tenant's data, by (node, request).
     pub exposures: Vec<InjectedExposure>,
 }
@@ -237,6 +261,9 @@ pub fn generate(
         page_allocs: 0,
         page_writes: 0,
         page_reads: 0,
+        cache_shares: 0,
+        cache_hits: 0,
+        cache_public_cross_tenant_hits: 0,
         exposures: Vec::new(),
     };
     for r in results {
@@ -246,6 +273,9 @@ pub fn generate(
         truth.page_allocs += t.allocs;
         truth.page_writes += t.writes;
         truth.page_reads += t.reads;
+        truth.cache_shares += t.cache_shares;
+        truth.cache_hits += t.cache_hits;
+        truth.cache_public_cross_tenant_hits += t.cache_public_cross;
         truth.exposures.extend(t.exposures);
     }
     truth.exposures.sort_by_key(|e| (e.node, e.request));
@@ -285,6 +315,9 @@ struct NodeTotals {
     allocs: u64,
     writes: u64,
     reads: u64,
+    cache_shares: u64,
+    cache_hits: u64,
+    cache_public_cross: u64,
     exposures: Vec<InjectedExposure>,
 }
 
@@ -333,7 +366,27 @@ struct Req {
     /// One of the `exposures` owed (retried on the next request if it exposes nothing), not a
     /// `fault_rate` draw.
     owed: bool,
+    /// The cache entry its first `hit_pages` pages are (not its own: attended, never written,
+    /// not released by it).
+    hit: Option<u64>,
+    hit_pages: u32,
+    /// Whether that entry is in a public scope.
+    public_hit: bool,
 }
+
+/// A cached prefix: the full prompt pages its writer shared.
+#[derive(Debug)]
+struct CacheEntry {
+    writer: u64,
+    tenant: u32,
+    pages: Vec<(u32, u32)>,
+    public: bool,
+    readers: u32,
+    last_used: u32,
+}
+
+/// At most this share of a node's pool is held by its prefix cache.
+const CACHE_POOL_FRACTION: usize = 4;
 
 struct NodeSim<'a> {
     cfg: &'a SynthConfig,
@@ -349,6 +402,10 @@ struct NodeSim<'a> {
     /// Per pool slot (`page * ps + slot`): 1 + index of the tenant that last wrote it, 0 = never.
     last_writer: Vec<u32>,
     active: Vec<Req>,
+    /// The prefix cache, by entry id (ids grow: the newest entry has the largest).
+    cache: BTreeMap<u64, CacheEntry>,
+    next_entry: u64,
+    cache_pages: usize,
     step: u32,
     ts_ns: u64,
     next_id: u64,
@@ -398,6 +455,9 @@ impl<'a> NodeSim<'a> {
             generation: vec![0; pool as usize],
             last_writer: vec![0; pool as usize * cfg.page_size as usize],
             active: Vec::with_capacity(cfg.max_batch),
+            cache: BTreeMap::new(),
+            next_entry: 0,
+            cache_pages: 0,
             step: 0,
             ts_ns: mono_now_ns(),
             next_id: 1,
@@ -465,6 +525,7 @@ impl<'a> NodeSim<'a> {
                 }
             }
         }
+        while self.evict_one()? {}
         assert_eq!(
             self.free.len(),
             self.cfg.pool_pages as usize,
@@ -512,7 +573,25 @@ impl<'a> NodeSim<'a> {
             let tenant = ((u * u * f64::from(self.cfg.tenants)) as u32).min(self.cfg.tenants - 1);
             let output = 1 + self.rng.below(max_tokens);
             let reject = self.rng.below(1000) < self.cfg.reject_per_mille;
-            let need = (prompt + max_tokens).div_ceil(self.ps) as usize;
+            // Drawn only with a rate, so that the sequence of a cache-free seed is unchanged.
+            let hit = if self.cfg.cache_hit_rate > 0.0
+                && self.rng.unit() < self.cfg.cache_hit_rate
+                && !reject
+                && self.inject_pending == 0
+            {
+                self.cache
+                    .iter()
+                    .rev()
+                    .find(|(_, e)| e.tenant == tenant || e.public)
+                    .map(|(&id, e)| (id, e.pages.len() as u32, e.public))
+            } else {
+                None
+            };
+            let hit_pages = hit.map_or(0, |h| h.1);
+            // A hit leaves at least one prompt token to compute.
+            let prompt = prompt.max(hit_pages * self.ps + 1);
+            let need = (prompt + max_tokens).div_ceil(self.ps) as usize - hit_pages as usize;
+            while self.free.len() < need && self.evict_one_except(hit.map(|h| h.0))? {}
             if self.free.len() < need {
                 // The engine would queue it; the next request is drawn when pages are free.
                 return Ok(());
@@ -541,7 +620,10 @@ impl<'a> NodeSim<'a> {
                 prompt_tokens: prompt,
                 output_tokens: 0,
             })?;
-            let mut pages = Vec::with_capacity(need);
+            let mut pages = Vec::with_capacity(need + hit_pages as usize);
+            if let Some((entry, _, public)) = hit {
+                self.hit(id, tenant, entry, public, &mut pages)?;
+            }
             for _ in 0..need {
                 let Some(p) = self.free.pop() else {
                     unreachable!("free pages checked above")
@@ -564,8 +646,11 @@ impl<'a> NodeSim<'a> {
                 self.inject_pending -= 1;
             }
             // Drawn only with a rate, so that the sequence of a rate-free seed is unchanged.
-            let injected =
-                owed || (self.cfg.fault_rate > 0.0 && self.rng.unit() < self.cfg.fault_rate);
+            // (A request that starts from a cached prefix is never a faulty one.)
+            let injected = (owed
+                || (self.cfg.fault_rate > 0.0 && self.rng.unit() < self.cfg.fault_rate))
+                && hit.is_none();
+            let n_pages = pages.len();
             self.active.push(Req {
                 id,
                 tenant,
@@ -573,11 +658,14 @@ impl<'a> NodeSim<'a> {
                 prompt,
                 max_tokens,
                 output,
-                prefilled: 0,
+                prefilled: hit_pages * self.ps,
                 generated: 0,
-                reads: vec![(0, 0); need],
+                reads: vec![(0, 0); n_pages],
                 injected,
                 owed,
+                hit: hit.map(|h| h.0),
+                hit_pages,
+                public_hit: hit.is_some_and(|h| h.2),
             });
         }
         Ok(())
@@ -665,8 +753,13 @@ impl<'a> NodeSim<'a> {
     /// One engine step of request `i`; true when it is done.
     fn advance(&mut self, i: usize) -> Result<bool, SynthError> {
         let r = &self.active[i];
-        let (prompt, prefilled, generated, injected) =
-            (r.prompt, r.prefilled, r.generated, r.injected);
+        let (prompt, prefilled, generated, injected, hit_end) = (
+            r.prompt,
+            r.prefilled,
+            r.generated,
+            r.injected,
+            r.hit_pages * self.ps,
+        );
         if prefilled < prompt {
             let end = (prefilled + self.cfg.prefill_chunk).min(prompt);
             if !injected {
@@ -675,7 +768,9 @@ impl<'a> NodeSim<'a> {
                 // The fault: one slot of prompt KV, the rest of the prompt never written.
                 self.write(i, 0, 1)?;
             }
-            self.attend(i, prefilled, end);
+            // A hit's first step attends the cached pages too.
+            let from = if prefilled == hit_end { 0 } else { prefilled };
+            self.attend(i, from, end);
             let r = &mut self.active[i];
             r.prefilled = end;
             if end == prompt {
@@ -695,6 +790,154 @@ impl<'a> NodeSim<'a> {
         Ok(r.prefilled == r.prompt && r.generated >= r.output)
     }
 
+    fn cache_record(
+        &self,
+        event: crate::CacheEvent,
+        request: u64,
+        tenant: u32,
+        e: &CacheEntry,
+        (page, generation): (u32, u32),
+        hit_tokens: u32,
+    ) -> Event {
+        let (namespace, scope, kind) = if e.public {
+            (0xC000_0000_0000_0000, "public:synthetic", "public")
+        } else {
+            (
+                0x8000_0000_0000_0000 | u64::from(e.tenant),
+                "tenant",
+                "tenant",
+            )
+        };
+        Event::Cache(Box::new(crate::CacheRecord {
+            ts_ns: self.ts_ns,
+            event,
+            request,
+            tenant: self.tenants[tenant as usize].clone(),
+            page,
+            generation,
+            namespace,
+            scope: scope.into(),
+            scope_kind: kind,
+            writer: e.writer,
+            writer_tenant: self.tenants[e.tenant as usize].clone(),
+            hit_tokens,
+        }))
+    }
+
+    /// Request `id` of `tenant` starts from cache entry `entry`: one `hit` row per page, the
+    /// pages pushed onto its block table.
+    fn hit(
+        &mut self,
+        id: u64,
+        tenant: u32,
+        entry: u64,
+        public: bool,
+        pages: &mut Vec<(u32, u32)>,
+    ) -> Result<(), SynthError> {
+        let step = self.step;
+        let e = self.cache.get_mut(&entry).expect("a chosen entry");
+        e.readers += 1;
+        e.last_used = step;
+        let e = &self.cache[&entry];
+        let hit_tokens = e.pages.len() as u32 * self.ps;
+        let rows: Vec<Event> = e
+            .pages
+            .iter()
+            .map(|&p| self.cache_record(crate::CacheEvent::Hit, id, tenant, e, p, hit_tokens))
+            .collect();
+        pages.extend(&e.pages);
+        let cross = public && e.tenant != tenant;
+        for row in rows {
+            self.emit(row)?;
+            self.totals.cache_hits += 1;
+            self.totals.cache_public_cross += u64::from(cross);
+        }
+        Ok(())
+    }
+
+    /// A finished request shares its full prompt pages (its own, written whole) with
+    /// probability `cache_hit_rate`, within the cache's bound. Returns how many of its pages
+    /// (after its hit pages, which it does not own) went to the cache: `0` or all of them.
+    fn share(&mut self, r: &Req) -> Result<usize, SynthError> {
+        if self.cfg.cache_hit_rate == 0.0 || r.injected || r.hit.is_some() {
+            return Ok(0);
+        }
+        if self.rng.unit() >= self.cfg.cache_hit_rate {
+            return Ok(0);
+        }
+        let n = (r.prompt / self.ps) as usize;
+        let bound = self.cfg.pool_pages as usize / CACHE_POOL_FRACTION;
+        while n > 0 && self.cache_pages + n > bound && self.evict_one()? {}
+        if n == 0 || self.cache_pages + n > bound {
+            return Ok(0);
+        }
+        let public = self.rng.unit() < self.cfg.public_share;
+        let e = CacheEntry {
+            writer: r.id,
+            tenant: r.tenant,
+            pages: r.pages[..n].to_vec(),
+            public,
+            readers: 0,
+            last_used: self.step,
+        };
+        let rows: Vec<Event> = e
+            .pages
+            .iter()
+            .map(|&p| self.cache_record(crate::CacheEvent::Share, r.id, r.tenant, &e, p, 0))
+            .collect();
+        for row in rows {
+            self.emit(row)?;
+            self.totals.cache_shares += 1;
+        }
+        self.cache_pages += n;
+        self.cache.insert(self.next_entry, e);
+        self.next_entry += 1;
+        Ok(n)
+    }
+
+    fn evict_one(&mut self) -> Result<bool, SynthError> {
+        self.evict_one_except(None)
+    }
+
+    /// Evict the least recently used entry no request holds (and not `keep`): `evict` rows,
+    /// its pages released by their writer. False when there is none.
+    fn evict_one_except(&mut self, keep: Option<u64>) -> Result<bool, SynthError> {
+        let Some(id) = self
+            .cache
+            .iter()
+            .filter(|(id, e)| e.readers == 0 && Some(**id) != keep)
+            .min_by_key(|(id, e)| (e.last_used, **id))
+            .map(|(&id, _)| id)
+        else {
+            return Ok(false);
+        };
+        let Some(e) = self.cache.remove(&id) else {
+            unreachable!("found above")
+        };
+        for &(page, generation) in &e.pages {
+            let row = self.cache_record(
+                crate::CacheEvent::Evict,
+                e.writer,
+                e.tenant,
+                &e,
+                (page, generation),
+                0,
+            );
+            self.emit(row)?;
+            self.emit(Event::Page {
+                ts_ns: self.ts_ns,
+                request: e.writer,
+                tenant: self.tenants[e.tenant as usize].clone(),
+                page,
+                generation,
+                kind: PageKind::Release,
+            })?;
+            self.free.push(page);
+        }
+        self.cache_pages -= e.pages.len();
+        Ok(true)
+    }
+
     fn retire(&mut self, r: Req) -> Result<(), SynthError> {
         let ps = self.ps;
         let t = self.tenants[r.tenant as usize].clone();
@@ -707,8 +950,10 @@ impl<'a> NodeSim<'a> {
             // The definition, evaluated on the simulator's own state: the latest earlier write of
             // each attended slot, by tenant.
             let base = (page * ps) as usize;
+            // A public scope's page is a shared read, not foreign (docs/forensics.md, Sharing).
+            let public = r.public_hit && (idx as u32) < r.hit_pages;
             for &w in &self.last_writer[base..base + filled as usize] {
-                if w != 0 && w - 1 != r.tenant {
+                if w != 0 && w - 1 != r.tenant && !public {
                     *foreign.entry(w - 1).or_default() += 1;
                 }
             }
@@ -732,7 +977,16 @@ impl<'a> NodeSim<'a> {
             self.node,
             r.id
         );
-        for &(page, generation) in &r.pages {
+        if let Some(entry) = r.hit {
+            let step = self.step;
+            let Some(e) = self.cache.get_mut(&entry) else {
+                unreachable!("a held entry is never evicted")
+            };
+            e.readers -= 1;
+            e.last_used = step;
+        }
+        let shared = self.share(&r)?;
+        for &(page, generation) in &r.pages[r.hit_pages as usize + shared..] {
             self.emit(Event::Page {
                 ts_ns: self.ts_ns,
                 request: r.id,

@@ -35,6 +35,13 @@ pub(crate) struct SynthArgs {
     /// Pages in each node's pool.
     #[arg(long, default_value_t = 8192)]
     pool_pages: u32,
+    /// Fraction of requests that start from a cached prompt prefix (and of finished ones that
+    /// share theirs): prefix-cache `share`, `hit` and `evict` rows; 0 = no prefix cache.
+    #[arg(long, default_value_t = 0.0)]
+    cache_hit_rate: f64,
+    /// Fraction of shared prefixes in a public scope (hits across tenants, not exposures).
+    #[arg(long, default_value_t = 0.1)]
+    public_share: f64,
     /// Signing key (`custody audit keygen`); default: a fresh one, its public key written to
     /// `<out>/synth-key.pub`.
     #[arg(long)]
@@ -52,6 +59,8 @@ pub(crate) fn synth(a: SynthArgs) -> Result<()> {
     cfg.exposures = a.exposures;
     cfg.fault_rate = a.fault_rate;
     cfg.pool_pages = a.pool_pages;
+    cfg.cache_hit_rate = a.cache_hit_rate;
+    cfg.public_share = a.public_share;
     let progress = AtomicU64::new(0);
     let done = AtomicBool::new(false);
     let t0 = Instant::now();

@@ -11,6 +11,13 @@
 //!
 //! A read refused by the tag check is not a read: it is an `integrity_violations` row, listed as
 //! a **prevented** exposure.
+//!
+//! Prefix-cache hits: a read of a page another request of the **same tenant** computed is not
+//! foreign by the rule above; a read of a page its writer shared into an operator-declared
+//! **public** scope (a `prefix_cache` `share` row in the page's generation, and the reader's
+//! `hit` naming the same namespace) is a shared read, not an exposure — shared pages are
+//! read-only, so the reader attended the declared prefix's K/V. Any other cross-tenant hit (the
+//! `shared_prefix_cache` reproduction) is an exposure like any other.
 
 use datafusion::arrow::array::AsArray;
 use datafusion::arrow::compute::cast;

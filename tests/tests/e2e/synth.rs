@@ -111,6 +111,43 @@ fn synthetic_log_exposure_equals_the_injected_truth() {
     let _ = std::fs::remove_dir_all(&again_root);
 }
 
+/// With the prefix cache: requests that start from their own tenant's or a public scope's
+/// cached prefix attend pages other requests wrote; neither is an exposure, and the answer is
+/// still exactly the injected truth (computed by the generator, not by SQL).
+#[test]
+fn synthetic_log_with_prefix_cache_hits_equals_the_injected_truth() {
+    let root = tmp_dir("synth-cache");
+    let key = custody_audit::digest::generate_key().expect("key");
+    let mut cfg = small_synth(200_000, 13);
+    cfg.cache_hit_rate = 0.4;
+    cfg.public_share = 0.3;
+    let truth = synth::generate(&cfg, &root, &key, &AtomicU64::new(0)).expect("generate");
+    assert!(truth.cache_hits > 1000, "{truth:?}");
+    assert!(truth.cache_public_cross_tenant_hits > 100, "{truth:?}");
+    assert_eq!(truth.exposures.len(), 4, "{truth:?}");
+    let got = exposure_of(&root, &key);
+    let want: Answer = truth
+        .exposures
+        .iter()
+        .map(|x| {
+            (
+                x.node,
+                x.request,
+                x.recipient_tenant.clone(),
+                x.sources.clone(),
+                x.foreign_slots,
+                true,
+            )
+        })
+        .collect();
+    assert_eq!(
+        answer(&got),
+        want,
+        "hits are not exposures; the injected ones are found"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// (node, request, tenant) → source tenant → (foreign slots, any of them unchecked).
 type Oracle = BTreeMap<(u32, u64, u32), BTreeMap<u32, (u64, bool)>>;
 
