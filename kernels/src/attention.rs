@@ -245,6 +245,51 @@ pub fn bench_decode_step_tag_checks(
     t0.elapsed() / iters
 }
 
+/// [`bench_decode_step_tag_checks`] when every page is a prefix cache's shared page: owned by
+/// one of the two namespaces the reader names (the second, so `admits` compares all three).
+pub fn bench_decode_step_tag_checks_shared(
+    n_ctx: usize,
+    page_size: usize,
+    n_layers: usize,
+    iters: u32,
+) -> std::time::Duration {
+    assert!(page_size > 0 && iters > 0);
+    let private = std::num::NonZeroU64::new(0x8000_0000_0000_0001).expect("non-zero");
+    let public = std::num::NonZeroU64::new(0x8000_0000_0000_0002).expect("non-zero");
+    let n_pages = n_ctx.div_ceil(page_size);
+    let generation = vec![1u32; n_pages];
+    let owner = vec![public.get(); n_pages];
+    let filled = vec![page_size as u32; n_pages];
+    let table: Vec<PageRef> = (0..n_pages as u32)
+        .map(|page| PageRef {
+            page,
+            generation: 1,
+        })
+        .collect();
+    let tags = TagView {
+        generation: &generation,
+        owner: &owner,
+        filled: &filled,
+        stamp_owner: &owner,
+        stamp_generation: &generation,
+    };
+    let reader = Reader::with_shared(7, &[private, public]);
+    let t0 = std::time::Instant::now();
+    for _ in 0..iters {
+        for _ in 0..n_layers {
+            let r = check_tags(
+                std::hint::black_box(&table),
+                n_ctx,
+                page_size,
+                &tags,
+                reader,
+            );
+            assert!(r.is_ok(), "the benchmark's tags are valid");
+        }
+    }
+    t0.elapsed() / iters
+}
+
 /// Verify the tags of every page that attending `n_ctx` slots through `block_table` touches.
 /// See the module documentation for the exact rule.
 pub fn check_tags(

@@ -234,12 +234,20 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
         None
     };
     let (p, d, c) = (median(prefill), median(decode), median(check_frac));
+    let machinery = custody_runtime::prefix_cache::bench_machinery(
+        a.prompt_tokens.max(16),
+        engine.pool().page_size(),
+        engine.model().config.n_layers,
+        200,
+    );
     if a.json {
         println!(
             "{}",
             serde_json::json!({
                 "threads": threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "batch": a.batch,
                 "prefill_tok_s": p, "decode_tok_s": d, "tag_check_fraction_of_decode_step": c,
+                "prefix_cache_scope_chain_lookup_us": machinery.scope_chain_lookup.as_secs_f64() * 1e6,
+                "prefix_cache_shared_tag_check_ratio": machinery.shared_tag_check_ratio,
                 "simd": format!("{:?}", custody_kernels::simd::level()),
                 "audited_prefill_tok_s": audit.map(|x| x.0), "audited_decode_tok_s": audit.map(|x| x.1),
                 "audit_paired_prefill_ratio": (!paired_prefill.is_empty()).then(|| median_ci(&paired_prefill)),
@@ -258,6 +266,13 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
         println!("prefill  {p:8.1} tok/s");
         println!("decode   {d:8.1} tok/s");
         println!("tag check: {:.3} % of a decode step", c * 100.0);
+        println!(
+            "prefix cache on a miss: namespace + chain + lookup {:.1} us for the {}-token prompt ({:.4} % of its prefill); tag checks over shared pages {:.2}x those over own pages",
+            machinery.scope_chain_lookup.as_secs_f64() * 1e6,
+            a.prompt_tokens,
+            machinery.scope_chain_lookup.as_secs_f64() * p / a.prompt_tokens as f64 * 100.0,
+            machinery.shared_tag_check_ratio
+        );
         if let Some((ap, ad)) = audit {
             println!(
                 "audit on: prefill {ap:8.1} tok/s ({:+.2} %), decode {ad:8.1} tok/s ({:+.2} %)",

@@ -427,6 +427,57 @@ impl PrefixCache {
     }
 }
 
+/// What the namespace and chain machinery costs one request (`custody bench` reports it).
+#[derive(Clone, Copy, Debug)]
+pub struct MachineryCost {
+    /// Deriving the request's namespace (one HMAC-SHA-256) and its chain over the prompt's full
+    /// pages (one SHA-256 per page), then the lookup, on a miss: the cost a request pays.
+    pub scope_chain_lookup: std::time::Duration,
+    /// One decode step's tag checks when every page of the context is a shared page (the
+    /// reader names two namespaces) over the same checks when every page is the reader's own.
+    pub shared_tag_check_ratio: f64,
+}
+
+/// Measure [`MachineryCost`] for a `prompt_tokens`-token prompt of `page_size`-token pages and
+/// `n_layers` layers, `iters` times each.
+pub fn bench_machinery(
+    prompt_tokens: usize,
+    page_size: usize,
+    n_layers: usize,
+    iters: u32,
+) -> MachineryCost {
+    assert!(iters > 0 && page_size > 0);
+    let secret = NamespaceSecret([7; SECRET_BYTES]);
+    let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|t| t * 31 % 49_152).collect();
+    let cache = PrefixCache::new();
+    let t0 = std::time::Instant::now();
+    for i in 0..iters {
+        let scope = CacheScope {
+            private: secret.private(if i % 2 == 0 { "acme" } else { "globex" }, None),
+            public: None,
+        };
+        let chain = scope.chain(std::hint::black_box(&prompt), page_size, usize::MAX);
+        assert_eq!(cache.lookup(&chain), 0);
+    }
+    let scope_chain_lookup = t0.elapsed() / iters;
+    let own = custody_kernels::attention::bench_decode_step_tag_checks(
+        prompt_tokens,
+        page_size,
+        n_layers,
+        iters,
+    );
+    let shared = custody_kernels::attention::bench_decode_step_tag_checks_shared(
+        prompt_tokens,
+        page_size,
+        n_layers,
+        iters,
+    );
+    MachineryCost {
+        scope_chain_lookup,
+        shared_tag_check_ratio: shared.as_secs_f64() / own.as_secs_f64().max(1e-12),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
