@@ -6,7 +6,7 @@ on, in one run, on the same machine, driven by the official `openai` client from
 
 Scenarios (greedy, streaming; TTFT = time to the first content chunk, measured by the client):
 - shared system prompt: a ~1,024-token system prompt declared as a public scope
-  (`[[serve.prefix_cache.public]]`), short distinct questions from three tenants;
+  (`[[prefix_cache.public]]`), short distinct questions from three tenants;
 - multi-turn chat: one tenant, 8 turns, each turn's prompt = the whole conversation so far;
 - all-miss: distinct 512-token prompts (nothing to reuse): the namespace/hash/share machinery's
   cost on a miss;
@@ -66,7 +66,7 @@ def config(path, cache, system_prompt):
         f.write(
             f"[engine]\ncontext_length = 4096\nkv_budget_mib = 256\nprefix_cache = {str(cache).lower()}\n"
             f'\n[serve]\nmodel_name = "bench"\ncanary_interval_s = 0\ndefault_max_tokens = 64\n'
-            f'\n[[serve.prefix_cache.public]]\nscope = "bench-system"\nsystem_prompt = "{system_prompt}"\n'
+            f'\n[[prefix_cache.public]]\nscope = "bench-system"\nsystem_prompt = "{system_prompt}"\n'
             f"{tenants}"
         )
 

@@ -48,6 +48,10 @@ pub(crate) struct Config {
     /// keys and limits, the canary. Plain data: the HTTP code lives in `custody-server`.
     #[serde(default)]
     pub(crate) serve: ServeSection,
+    /// The prefix cache's namespaces (`custody serve` and prefill nodes): the secret, the
+    /// operator-declared public scopes.
+    #[serde(default)]
+    pub(crate) prefix_cache: custody_runtime::config::PrefixCacheSection,
     /// Switches that recreate the incident's faults. Ignored unless the command line also says
     /// `--unsafe-reproduction` (see [`Config::unsafe_switches`]).
     #[serde(default)]
@@ -87,6 +91,9 @@ impl Config {
         };
         cfg.engine.validate().map_err(|e| invalid(e.to_string()))?;
         cfg.serve.validate().map_err(|e| invalid(e.to_string()))?;
+        cfg.prefix_cache
+            .validate()
+            .map_err(|e| invalid(e.to_string()))?;
         Ok(cfg)
     }
 }

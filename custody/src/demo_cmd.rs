@@ -238,6 +238,7 @@ fn serve(
             transport_kind: Default::default(),
             kv_encryption: Default::default(),
             checkpoints: None,
+            namespaces: None,
         },
         decode: DecodeOptions {
             node_id: 2,

@@ -15,6 +15,7 @@ use custody_runtime::disagg::decode::{DecodeHandle, DecodeOptions};
 use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
 use custody_runtime::disagg::proto::prefill_client::PrefillClient;
 use custody_runtime::disagg::tls::{Role as FleetRole, Security};
+use custody_runtime::prefix_cache::Namespaces;
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{Engine, Model, SamplingParams, Tokenizer};
 
@@ -117,6 +118,29 @@ fn load_role(a: &RoleArgs, role: &str) -> Result<Role> {
         checkpoints,
         security,
     })
+}
+
+/// The prefix cache's namespaces of a prefill node whose engine caches (`[prefix_cache]`), each
+/// public scope (and the unsafe switch, when armed) recorded in its audit log.
+fn prefix_namespaces(r: &mut Role) -> Result<Option<Arc<Namespaces>>> {
+    if !r.engine.prefix_cache_enabled() {
+        if r.unsafe_.shared_prefix_cache {
+            bail!("[unsafe_reproduction] shared_prefix_cache needs engine.prefix_cache = true");
+        }
+        return Ok(None);
+    }
+    let tok = custody_runtime::Tokenizer::from_gguf(r.engine.model().gguf())
+        .context("the tokenizer, for the prefix cache's public scopes")?;
+    let n = Namespaces::from_section(&r.cfg.prefix_cache, &tok, r.unsafe_.shared_prefix_cache)?;
+    for line in n.describe() {
+        tracing::info!(%line, "prefix cache scope");
+        r.engine.record(AuditEvent::Node {
+            ts_ns: custody_audit::mono_now_ns(),
+            kind: "prefix_scope".into(),
+            detail: line,
+        });
+    }
+    Ok(Some(Arc::new(n)))
 }
 
 /// How the node talks to the fleet, in its audit log at start: its certificate's identity, or
@@ -271,7 +295,8 @@ async fn wait_for_peer(addr: &str, bound: Duration) -> Result<()> {
 }
 
 pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
-    let r = load_role(&a, "prefill")?;
+    let mut r = load_role(&a, "prefill")?;
+    let namespaces = prefix_namespaces(&mut r)?;
     let listen = addr(&r.cfg.disagg.prefill_listen, "disagg.prefill_listen")?;
     let decode_url = format!("http://{}", r.cfg.disagg.decode_control);
     let opts = PrefillOptions {
@@ -285,6 +310,7 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
             .kv_encryption(FleetRole::Prefill, r.cfg.disagg.transport_encryption)
             .context("[disagg] transport_encryption")?,
         checkpoints: r.checkpoints,
+        namespaces,
     };
     let rt = runtime()?;
     let mut engine = Some(r.engine);
@@ -369,6 +395,7 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
                     seed: req.sampling.seed,
                 }),
                 stop_ids: req.stop_ids.clone(),
+                cache_salt: String::new(),
             })
             .await
             .map_err(|s| anyhow::anyhow!("request refused: {}", s.message()))?

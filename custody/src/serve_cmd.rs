@@ -153,6 +153,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
             .clone()
             .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
         events: None,
+        prefix_cache: cfg.prefix_cache.clone(),
         unsafe_shared_prefix_cache: unsafe_.shared_prefix_cache,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -213,6 +214,7 @@ fn serve_front(
         events: audit
             .clone()
             .map(|w| w as Arc<dyn custody_audit::AuditSink>),
+        prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

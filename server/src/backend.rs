@@ -49,10 +49,13 @@ impl Backend {
         }
     }
 
+    /// Submit `req`. `cache_salt`: the client's prefix-cache salt, for a pair's prefill node
+    /// (which derives the namespace itself); a local engine's request carries its scope already.
     pub(crate) async fn submit(
         &self,
         req: GenerateRequest,
         node: u32,
+        cache_salt: Option<&str>,
     ) -> Result<Admitted, Refused> {
         let prompt_tokens = req.prompt.len();
         match self {
@@ -78,6 +81,7 @@ impl Backend {
                     *check,
                     audit.clone(),
                     req,
+                    cache_salt.unwrap_or_default().to_owned(),
                 )
                 .await
             }
@@ -187,6 +191,7 @@ async fn submit_remote(
     check: PrefillCheck,
     audit_sink: Option<Arc<dyn audit::AuditSink>>,
     req: GenerateRequest,
+    cache_salt: String,
 ) -> Result<Admitted, Refused> {
     let max_tokens = req.max_tokens;
     let (prompt_tokens, tenant) = (req.prompt.len(), req.tenant.clone());
@@ -202,6 +207,7 @@ async fn submit_remote(
             seed: req.sampling.seed,
         }),
         stop_ids: req.stop_ids,
+        cache_salt,
     };
     let mut stream = client
         .generate(g)
@@ -261,6 +267,7 @@ async fn submit_remote(
     let (tx, rx) = mpsc::channel(max_tokens.saturating_add(1).min(1 << 16));
     let end = EndSlot::default();
     let said = end.clone();
+    let cached_tokens = first.cached_tokens as usize;
     tokio::spawn(async move {
         let mut generated = 0usize;
         let mut ev = Some(first);
@@ -327,8 +334,7 @@ async fn submit_remote(
                     reason,
                     prompt_tokens: e.prompt_tokens as usize,
                     generated_tokens: generated,
-                    // The pair's prefill node caches nothing yet.
-                    cached_tokens: 0,
+                    cached_tokens,
                 })
                 .await;
             return;

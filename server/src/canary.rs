@@ -168,7 +168,9 @@ impl Report {
 async fn run_once(engine: &Backend, golden: &[Golden], stop_ids: &[u32]) -> Report {
     let mut pending = Vec::new();
     for g in golden {
-        let r = engine.submit(g.request(CANARY_TENANT, stop_ids), 0).await;
+        let r = engine
+            .submit(g.request(CANARY_TENANT, stop_ids), 0, None)
+            .await;
         pending.push((g, r));
     }
     let mut report = Report {

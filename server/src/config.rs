@@ -46,36 +46,6 @@ pub struct ServeSection {
     pub prefill: String,
     /// Who may call, by API key.
     pub tenants: Vec<TenantSection>,
-    /// The prefix cache's namespaces: the secret they are derived from and the public scopes.
-    pub prefix_cache: PrefixCacheSection,
-}
-
-/// `[serve.prefix_cache]`: how the server derives cache namespaces (the engine's
-/// `engine.prefix_cache` turns the cache itself on or off).
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct PrefixCacheSection {
-    /// A file holding the namespace secret (64 hex digits). Unset: a fresh random secret per
-    /// process (namespaces then last as long as the process's cache does).
-    pub secret_file: Option<std::path::PathBuf>,
-    /// Operator-declared public scopes: prompt prefixes every tenant may share (a published
-    /// system prompt). Nothing is shared across tenants except through one of these.
-    pub public: Vec<PublicScopeSection>,
-}
-
-/// One `[[serve.prefix_cache.public]]` scope: a name and the prompt prefix it covers.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct PublicScopeSection {
-    /// The scope's name (in the audit log as `public:<scope>`).
-    pub scope: String,
-    /// The prefix as raw prompt text (tokenized as a completion prompt is).
-    #[serde(default)]
-    pub text: Option<String>,
-    /// The prefix as a published system prompt: rendered through the model's chat template as
-    /// a chat's first message.
-    #[serde(default)]
-    pub system_prompt: Option<String>,
 }
 
 impl Default for ServeSection {
@@ -93,7 +63,6 @@ impl Default for ServeSection {
             prefill_anomaly_min_tokens: 64,
             prefill: String::new(),
             tenants: Vec::new(),
-            prefix_cache: PrefixCacheSection::default(),
         }
     }
 }
@@ -131,21 +100,6 @@ impl ServeSection {
         }
         if !(self.audit_high_water > 0.0 && self.audit_high_water <= 1.0) {
             return bad("serve.audit_high_water must be in (0, 1]".into());
-        }
-        let mut scopes = std::collections::BTreeSet::new();
-        for p in &self.prefix_cache.public {
-            if p.scope.is_empty() || p.scope.len() > 64 || !scopes.insert(&p.scope) {
-                return bad(format!(
-                    "serve.prefix_cache.public: scope {:?} must be unique, 1 to 64 bytes",
-                    p.scope
-                ));
-            }
-            if p.text.is_some() == p.system_prompt.is_some() {
-                return bad(format!(
-                    "serve.prefix_cache.public {}: give exactly one of text and system_prompt",
-                    p.scope
-                ));
-            }
         }
         let mut seen = std::collections::BTreeSet::new();
         for t in &self.tenants {

@@ -47,7 +47,8 @@ pub(crate) struct AppState {
     /// Ids for requests refused before they reach the engine (never in the audit log).
     pub refused_seq: AtomicU64,
     /// The prefix cache's namespaces (`None`: nothing is cached).
-    pub prefix: Option<Arc<crate::prefix::PrefixScopes>>,
+    /// (Derived from the authenticated tenant: `Namespaces::scope`.)
+    pub prefix: Option<Arc<custody_runtime::prefix_cache::Namespaces>>,
 }
 
 pub(crate) fn router(st: Arc<AppState>) -> Router {
@@ -320,7 +321,11 @@ async fn admit_and_run(
         cache,
     };
     let prompt_tokens = req.prompt.len();
-    let (request_id, id, events) = match st.backend.submit(req, st.node).await {
+    let (request_id, id, events) = match st
+        .backend
+        .submit(req, st.node, params.cache_salt.as_deref())
+        .await
+    {
         Ok(a) => a,
         Err((r, mut e)) => {
             *rid = r;

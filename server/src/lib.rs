@@ -20,7 +20,6 @@ pub mod error;
 mod http;
 pub mod metrics;
 pub mod openai;
-pub mod prefix;
 pub mod tenants;
 
 use std::future::Future;
@@ -30,6 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::config::ServeSection;
 use custody_runtime::engine::{Engine, GenerateRequest};
+use custody_runtime::prefix_cache::Namespaces;
 use custody_runtime::{SamplingParams, Tokenizer};
 
 pub use backend::Backend;
@@ -155,6 +155,9 @@ pub struct ServeOptions {
     /// In front of a pair (`serve_prefill`): this server's own audit log, for its canary results
     /// and prefill anomalies (`node_events`). Colocated, events go through the engine's sink.
     pub events: Option<Arc<dyn custody_audit::AuditSink>>,
+    /// `[prefix_cache]`: the namespace secret and the operator's public scopes (used when the
+    /// engine caches prefixes).
+    pub prefix_cache: custody_runtime::config::PrefixCacheSection,
     /// `[unsafe_reproduction] shared_prefix_cache`, armed: every request in one cache namespace.
     pub unsafe_shared_prefix_cache: bool,
 }
@@ -165,7 +168,7 @@ fn prefix_scopes(
     engine: &mut Engine,
     tokenizer: &Tokenizer,
     opts: &ServeOptions,
-) -> Result<Option<Arc<prefix::PrefixScopes>>, ServeError> {
+) -> Result<Option<Arc<Namespaces>>, ServeError> {
     if !engine.prefix_cache_enabled() {
         if opts.unsafe_shared_prefix_cache {
             return Err(ServeError::Config(
@@ -174,11 +177,12 @@ fn prefix_scopes(
         }
         return Ok(None);
     }
-    let scopes = prefix::PrefixScopes::new(
-        &opts.cfg.prefix_cache,
+    let scopes = Namespaces::from_section(
+        &opts.prefix_cache,
         tokenizer,
         opts.unsafe_shared_prefix_cache,
-    )?;
+    )
+    .map_err(|e| ServeError::Config(e.to_string()))?;
     for line in scopes.describe() {
         tracing::info!(%line, "prefix cache scope");
         engine.record(custody_audit::Event::Node {
@@ -345,7 +349,7 @@ pub async fn serve_prefill(
 /// What the HTTP front needs, whatever runs the generations.
 struct Front {
     /// The prefix cache's namespaces (`None`: the engine caches nothing).
-    prefix: Option<Arc<prefix::PrefixScopes>>,
+    prefix: Option<Arc<Namespaces>>,
     backend: Backend,
     tokenizer: Arc<Tokenizer>,
     golden: Vec<Golden>,

@@ -541,6 +541,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             transport_kind: Default::default(),
             kv_encryption: Default::default(),
             checkpoints: None,
+            namespaces: None,
         },
         decode: DecodeOptions {
             node_id: 2,

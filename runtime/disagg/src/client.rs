@@ -107,6 +107,10 @@ pub struct Generated {
     /// Time to the first token, as the client measured it.
     pub ttft: Duration,
     pub total: Duration,
+    /// The prefill node's request id (its audit log's `request_id`).
+    pub request: u64,
+    /// Prompt tokens the prefill node took from its prefix cache.
+    pub cached_tokens: u32,
 }
 
 /// Collect a front-door token stream.
@@ -122,6 +126,7 @@ pub async fn collect(
             max_tokens: req.max_tokens as u32,
             sampling: Some(super::sampling_to_proto(&req.sampling)),
             stop_ids: req.stop_ids.clone(),
+            cache_salt: String::new(),
         })
         .await?
         .into_inner();
@@ -131,11 +136,18 @@ pub async fn collect(
         prompt_tokens: req.prompt.len() as u32,
         ttft: Duration::ZERO,
         total: Duration::ZERO,
+        request: 0,
+        cached_tokens: 0,
     };
     while let Some(ev) = stream.next().await {
         let ev = ev?;
         if !ev.error.is_empty() {
             return Err(Status::aborted(ev.error));
+        }
+        if out.tokens.is_empty() {
+            // The first event: who answers, and what its prefix cache gave.
+            out.request = ev.request;
+            out.cached_tokens = ev.cached_tokens;
         }
         if ev.finish_reason.is_empty() {
             if out.tokens.is_empty() {

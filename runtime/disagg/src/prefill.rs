@@ -47,6 +47,10 @@ pub struct PrefillOptions {
     /// Exchange checkpoints with the decode node: keep its newest in this node's log, send it
     /// this node's (`None`: no exchange, e.g. without an audit writer).
     pub checkpoints: Option<crate::checkpoints::PeerCheckpoints>,
+    /// The prefix cache's namespaces (`None`: nothing cached here). A request's scope is made
+    /// from the tenant its authenticated front asserted and the client's `cache_salt`; the
+    /// cached pages are transferred like any other (checksummed, verified on decode).
+    pub namespaces: Option<Arc<custody_engine::prefix_cache::Namespaces>>,
 }
 
 /// The requests a front may still end early, by this node's request id: the decode request each
@@ -93,6 +97,16 @@ impl From<&str> for TransferFailed {
 /// How a request's transfer ended, as seen by prefill: the first token, or why not.
 type TransferResult = Result<u32, TransferFailed>;
 
+/// A prompt's KV is computed (its first token travels with the transfer's result): how many
+/// of its tokens came from the prefix cache.
+#[derive(Clone, Copy, Debug)]
+struct Prefilled {
+    cached_tokens: usize,
+}
+
+/// How a prompt's prefill ended: [`Prefilled`], or why not.
+type PrefillResult = Result<Prefilled, TransferFailed>;
+
 /// Why a lost transport connection could not be re-established (retried).
 #[derive(Debug, thiserror::Error)]
 enum ReconnectError {
@@ -117,7 +131,7 @@ enum Cmd {
         GenerateRequest,
         Option<NodeIdentity>,
         oneshot::Sender<Result<(RequestId, bool), Status>>,
-        oneshot::Sender<TransferResult>,
+        oneshot::Sender<PrefillResult>,
     ),
     /// Decode's reservation for a submitted request; the reply fires when the transfer is over.
     Attach(
@@ -163,7 +177,7 @@ struct PReq {
     tenant: Arc<str>,
     reservation: Option<proto::ReserveReply>,
     first_token: Option<u32>,
-    prefilled: Option<oneshot::Sender<TransferResult>>,
+    prefilled: Option<oneshot::Sender<PrefillResult>>,
     done: Option<oneshot::Sender<TransferResult>>,
     outstanding: usize,
     failed: Option<String>,
@@ -212,7 +226,7 @@ impl Node {
         &mut self,
         mut req: GenerateRequest,
         front: Option<NodeIdentity>,
-        prefilled: oneshot::Sender<TransferResult>,
+        prefilled: oneshot::Sender<PrefillResult>,
     ) -> Result<(RequestId, bool), Status> {
         let mut truncated = false;
         // Only the legacy path looks before it leaps; otherwise `PrefillEngine::submit` checks and
@@ -571,12 +585,16 @@ impl Node {
             busy = true;
             for ev in self.engine.step() {
                 match ev {
-                    Event::Prefilled { id, first_token } => {
+                    Event::Prefilled {
+                        id,
+                        first_token,
+                        cached_tokens,
+                    } => {
                         let checksums = self.checksums(id);
                         if let Some(r) = self.reqs.get_mut(&id) {
                             r.first_token = Some(first_token);
                             if let Some(tx) = r.prefilled.take() {
-                                let _ = tx.send(Ok(first_token));
+                                let _ = tx.send(Ok(Prefilled { cached_tokens }));
                             }
                             r.checksums = checksums;
                             if r.reservation.is_some() {
@@ -962,14 +980,14 @@ impl PrefillHandle {
             .map_err(|_| Status::unavailable("prefill engine stopped"))??;
         // 2. Compute the prompt's KV. (Decode pages are reserved only after: they are held for
         //    the transfer and the decode, not for prefill's queueing and compute.)
-        match prx.await {
-            Ok(Ok(_first)) => {}
+        let cached_tokens = match prx.await {
+            Ok(Ok(p)) => p.cached_tokens as u32,
             Ok(Err(e)) => return Err(Status::aborted(format!("prefill failed: {e}"))),
             Err(_) => {
                 let _ = self.send(Cmd::Abort(id, "prefill engine stopped".into()));
                 return Err(Status::unavailable("prefill engine stopped"));
             }
-        }
+        };
         // 3. Reserve on decode, with the prompt as the client sent it (decode runs its own
         //    admission).
         let mut decode = self.decode.clone();
@@ -1043,6 +1061,7 @@ impl PrefillHandle {
                     generated_tokens: u32::from(!stop),
                     token: if stop { 0 } else { first },
                     request: id,
+                    cached_tokens,
                     ..Default::default()
                 }))
                 .await;
@@ -1052,6 +1071,7 @@ impl PrefillHandle {
             .send(Ok(proto::TokenEvent {
                 token: first,
                 request: id,
+                cached_tokens,
                 ..Default::default()
             }))
             .await
@@ -1142,13 +1162,20 @@ impl prefill_server::Prefill for PrefillService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let front = r.extensions().get::<crate::tls::Caller>().map(|c| c.0);
         let g = r.into_inner();
+        let salt = (!g.cache_salt.is_empty()).then_some(g.cache_salt.as_str());
+        let cache = self
+            .h
+            .opts
+            .namespaces
+            .as_ref()
+            .map(|n| n.scope(&g.tenant, salt, &g.prompt));
         let req = GenerateRequest {
             prompt: g.prompt,
             max_tokens: g.max_tokens as usize,
             sampling: super::sampling_from_proto(g.sampling.as_ref()),
             stop_ids: g.stop_ids,
             tenant: g.tenant,
-            cache: None,
+            cache,
         };
         // Bounded by what the request can produce; the relay awaits a slow client (its own
         // task), never the engine thread.

@@ -102,6 +102,56 @@ pub struct EngineConfig {
     pub prefix_cache: Option<bool>,
 }
 
+/// `[prefix_cache]`: how the namespaces of the prefix cache are derived (the node that derives
+/// them — `custody serve`, or a prefill node — from the tenant it authenticated). The engine's
+/// `engine.prefix_cache` turns the cache itself on or off.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixCacheSection {
+    /// A file holding the namespace secret (64 hex digits). Unset: a fresh random secret per
+    /// process (namespaces then last as long as the process's cache does).
+    pub secret_file: Option<PathBuf>,
+    /// Operator-declared public scopes: prompt prefixes every tenant may share (a published
+    /// system prompt). Nothing is shared across tenants except through one of these.
+    pub public: Vec<PublicScopeSection>,
+}
+
+/// One `[[prefix_cache.public]]` scope: a name and the prompt prefix it covers.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PublicScopeSection {
+    /// The scope's name (in the audit log as `public:<scope>`).
+    pub scope: String,
+    /// The prefix as raw prompt text (tokenized as a completion prompt is).
+    #[serde(default)]
+    pub text: Option<String>,
+    /// The prefix as a published system prompt: rendered through the model's chat template as
+    /// a chat's first message.
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+}
+
+impl PrefixCacheSection {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut scopes = std::collections::BTreeSet::new();
+        for p in &self.public {
+            if p.scope.is_empty() || p.scope.len() > 64 || !scopes.insert(&p.scope) {
+                return Err(ConfigError::Invalid(format!(
+                    "prefix_cache.public: scope {:?} must be unique, 1 to 64 bytes",
+                    p.scope
+                )));
+            }
+            if p.text.is_some() == p.system_prompt.is_some() {
+                return Err(ConfigError::Invalid(format!(
+                    "prefix_cache.public {}: give exactly one of text and system_prompt",
+                    p.scope
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The forward pass's backend (chosen once, at startup).
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]

@@ -158,6 +158,8 @@ pub enum Event {
     Prefilled {
         id: RequestId,
         first_token: u32,
+        /// Prompt tokens whose KV came from the prefix cache.
+        cached_tokens: usize,
     },
 }
 
@@ -731,8 +733,7 @@ impl Engine {
         mut req: GenerateRequest,
         goal: Goal,
     ) -> Result<RequestId, AdmissionError> {
-        if self.cache.is_none() || goal == Goal::PrefillOnly {
-            // No cache here, or pages a transfer reads (the prefill node's are not shared).
+        if self.cache.is_none() {
             req.cache = None;
         }
         if let Some(e) = &self.audit_error {
@@ -1176,6 +1177,7 @@ impl Engine {
                         events.push(Event::Prefilled {
                             id: s.id,
                             first_token: tok,
+                            cached_tokens: s.cached_tokens,
                         });
                         held.push(i);
                         continue;

@@ -245,6 +245,128 @@ impl CacheScope {
     }
 }
 
+/// The namespaces could not be set up from the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum NamespaceError {
+    #[error("prefix_cache.secret_file {path}: {reason}")]
+    Secret { path: String, reason: String },
+    #[error("prefix-cache secret: {0}")]
+    Random(SecretError),
+    #[error("prefix_cache.public {scope}: cannot tokenize: {reason}")]
+    Tokenize { scope: String, reason: String },
+}
+
+/// A node's namespace material: the secret, the operator's public scopes (tokenized once), and
+/// the incident reproduction's switch. The node that authenticated a request's tenant (`custody
+/// serve`, or a prefill node for the tenant its front's certificate vouched for) makes the
+/// request's [`CacheScope`] here — and only here.
+#[derive(Debug)]
+pub struct Namespaces {
+    secret: NamespaceSecret,
+    public: Vec<PublicPrefix>,
+    /// `[unsafe_reproduction] shared_prefix_cache`: every request in one namespace.
+    unsafe_global: bool,
+}
+
+impl Namespaces {
+    /// Read the secret (or draw one) and tokenize the public scopes.
+    pub fn from_section(
+        cfg: &crate::config::PrefixCacheSection,
+        tokenizer: &crate::Tokenizer,
+        unsafe_global: bool,
+    ) -> Result<Self, NamespaceError> {
+        let secret = match &cfg.secret_file {
+            Some(p) => {
+                let bad = |reason: String| NamespaceError::Secret {
+                    path: p.display().to_string(),
+                    reason,
+                };
+                let text = std::fs::read_to_string(p).map_err(|e| bad(e.to_string()))?;
+                NamespaceSecret::from_hex(&text).map_err(|e| bad(e.to_string()))?
+            }
+            None => NamespaceSecret::generate().map_err(NamespaceError::Random)?,
+        };
+        let mut public = Vec::with_capacity(cfg.public.len());
+        for p in &cfg.public {
+            let tokens = match (&p.text, &p.system_prompt) {
+                (Some(t), _) => tokenizer.encode(t, false),
+                (None, Some(sys)) => tokenizer.encode_chat(&[crate::ChatMessage {
+                    role: "system".into(),
+                    content: sys.clone(),
+                }]),
+                (None, None) => unreachable!("validated: one of text and system_prompt"),
+            }
+            .map_err(|e| NamespaceError::Tokenize {
+                scope: p.scope.clone(),
+                reason: e.to_string(),
+            })?;
+            public.push(PublicPrefix {
+                namespace: secret.public(&p.scope),
+                tokens: tokens.into(),
+            });
+        }
+        Ok(Self {
+            secret,
+            public,
+            unsafe_global,
+        })
+    }
+
+    /// The scope of a request of authenticated `tenant` with the client's `salt` and `prompt`:
+    /// the tenant's namespace (narrowed by the salt) and the public scope whose declared prefix
+    /// the prompt shares the most tokens with, if any.
+    pub fn scope(&self, tenant: &str, salt: Option<&str>, prompt: &[u32]) -> CacheScope {
+        if self.unsafe_global {
+            return CacheScope {
+                private: self.secret.unsafe_global(),
+                public: None,
+            };
+        }
+        let shared = |p: &PublicPrefix| {
+            p.tokens
+                .iter()
+                .zip(prompt)
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        let public = self
+            .public
+            .iter()
+            .map(|p| (shared(p), p))
+            .filter(|(n, _)| *n > 0)
+            .max_by_key(|(n, _)| *n)
+            .map(|(_, p)| p.clone());
+        CacheScope {
+            private: self.secret.private(tenant, salt),
+            public,
+        }
+    }
+
+    /// One line per public scope for the audit log's `node_events` (`prefix_scope`): its name,
+    /// its length in tokens and its namespace tag; and the unsafe global namespace when armed.
+    pub fn describe(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .public
+            .iter()
+            .map(|p| {
+                format!(
+                    "scope={} tokens={} namespace={:016x}",
+                    p.namespace.label(),
+                    p.tokens.len(),
+                    p.namespace.tag()
+                )
+            })
+            .collect();
+        if self.unsafe_global {
+            v.push(format!(
+                "scope=unsafe:global namespace={:016x} (UNSAFE: tenants share one namespace)",
+                self.secret.unsafe_global().tag()
+            ));
+        }
+        v
+    }
+}
+
 /// One page of a chain: its key and the namespace it is cached in.
 #[derive(Clone, Copy, Debug)]
 pub struct ChainLink<'a> {

@@ -206,11 +206,38 @@ pub fn start_engines(
     fp: String,
     unsafe_: UnsafeReproduction,
     lease: Duration,
+    peers: (
+        Option<custody_runtime::disagg::checkpoints::PeerCheckpoints>,
+        Option<custody_runtime::disagg::checkpoints::PeerCheckpoints>,
+    ),
+    transport_encryption: bool,
+) -> Pair {
+    start_engines_ns(
+        pe,
+        de,
+        fp,
+        unsafe_,
+        lease,
+        peers,
+        transport_encryption,
+        None,
+    )
+}
+
+/// [`start_engines`], the prefill node deriving prefix-cache namespaces from `namespaces`.
+#[allow(clippy::too_many_arguments)]
+pub fn start_engines_ns(
+    pe: Engine,
+    de: Engine,
+    fp: String,
+    unsafe_: UnsafeReproduction,
+    lease: Duration,
     (prefill_peer, decode_peer): (
         Option<custody_runtime::disagg::checkpoints::PeerCheckpoints>,
         Option<custody_runtime::disagg::checkpoints::PeerCheckpoints>,
     ),
     transport_encryption: bool,
+    namespaces: Option<Arc<custody_runtime::prefix_cache::Namespaces>>,
 ) -> Pair {
     let opts = PairOptions {
         prefill: PrefillOptions {
@@ -221,6 +248,7 @@ pub fn start_engines(
             transport_kind: transport_under_test(),
             kv_encryption: Default::default(),
             checkpoints: prefill_peer,
+            namespaces,
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -1057,6 +1085,7 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
             transport_kind: verbs.clone(),
             kv_encryption: Default::default(),
             checkpoints: None,
+            namespaces: None,
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -1109,6 +1138,7 @@ fn handshake_refuses_a_mismatched_pair() {
             transport_kind: Default::default(),
             kv_encryption: Default::default(),
             checkpoints: None,
+            namespaces: None,
         },
         decode: DecodeOptions {
             node_id: 2,

@@ -329,6 +329,7 @@ fn netns_child_node() {
             .kv_encryption(Role::Prefill, true)
             .expect("KV TLS"),
         checkpoints: None,
+        namespaces: None,
     };
     let h = rt
         .block_on(PrefillHandle::start(

@@ -347,3 +347,72 @@ fn a_page_a_running_request_holds_is_never_evicted() {
     assert!(st.evictions > 0);
     assert_eq!(e.pool().n_free() + st.entries, e.pool().n_pages());
 }
+
+/// Disaggregated: a hit on the prefill node computes only the prompt's tail, and the cached pages
+/// are still transferred — checksummed and verified by decode like any other — so decode's
+/// output equals the colocated engine's token for token. Decode caches nothing (it holds no
+/// namespace); another tenant's request is a miss on the prefill node.
+#[test]
+fn a_prefill_node_hit_transfers_the_cached_pages_and_decode_gives_the_colocated_output() {
+    use crate::disagg::{cfg, fingerprint, model};
+    use custody_runtime::config::PrefixCacheSection;
+    use custody_runtime::prefix_cache::Namespaces;
+    let tok = tokenizer();
+    let p = tok.encode(&text(70, 100), false).expect("tokenize");
+    let (pa, da) = (MemorySink::default(), MemorySink::default());
+    let pe = Engine::new(
+        model(),
+        EngineConfig {
+            prefix_cache: Some(true),
+            ..cfg(2048, 64)
+        },
+    )
+    .expect("prefill engine")
+    .with_audit(Arc::new(pa.clone()));
+    let de = Engine::new(model(), cfg(2048, 64))
+        .expect("decode engine")
+        .with_audit(Arc::new(da.clone()));
+    let ns = Namespaces::from_section(&PrefixCacheSection::default(), &tok, false).expect("ns");
+    let pair = crate::disagg::start_engines_ns(
+        pe,
+        de,
+        fingerprint(),
+        Default::default(),
+        std::time::Duration::from_secs(30),
+        (None, None),
+        false,
+        Some(Arc::new(ns)),
+    );
+    let r = |tenant: &str| GenerateRequest {
+        max_tokens: 8,
+        ..req(tenant, p.clone(), None)
+    };
+    let first = pair.generate(&r("acme")).expect("first");
+    let again = pair.generate(&r("acme")).expect("again");
+    let other = pair.generate(&r("bravo")).expect("other");
+    assert_eq!(first.cached_tokens, 0);
+    assert_eq!(again.cached_tokens as usize, (p.len() - 1) / PAGE * PAGE);
+    assert_eq!(
+        other.cached_tokens, 0,
+        "another tenant misses on the prefill node"
+    );
+    let want = crate::reference::greedy(&mut engine_with(small_cfg()), p.clone(), 8);
+    for g in [&first, &again, &other] {
+        assert_eq!(g.tokens, want, "the colocated engine's tokens");
+    }
+    // The hit's pages went to decode like any other: one transfer row per prompt page.
+    let transfers = pa
+        .events
+        .lock()
+        .expect("sink")
+        .iter()
+        .filter(|e| matches!(e, AEvent::Transfer { request, .. } if *request == again.request))
+        .count();
+    assert_eq!(transfers, p.len().div_ceil(PAGE));
+    let hits = cache_rows(&pa)
+        .iter()
+        .filter(|c| c.event == CacheEvent::Hit && c.request == again.request)
+        .count();
+    assert_eq!(hits, (p.len() - 1) / PAGE);
+    assert!(cache_rows(&da).is_empty(), "decode shares nothing");
+}

@@ -35,6 +35,7 @@ fn prefill_engine_holds_prefilled_pages_outside_every_queue() {
             if let Event::Prefilled {
                 id: got,
                 first_token,
+                ..
             } = ev
             {
                 assert_eq!(got, id);

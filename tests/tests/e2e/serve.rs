@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use custody_audit::digest;
 use custody_audit::writer::{AuditWriter, WriterConfig};
+use custody_runtime::config::{PrefixCacheSection, PublicScopeSection};
 use custody_runtime::{Engine, EngineConfig};
 use custody_server::client;
 use custody_server::config::{ServeSection, TenantSection};
@@ -95,15 +96,29 @@ impl TestServer {
         Self::start_engine(name, cfg, stats, engine, tokenizer())
     }
 
-    /// A server whose `[unsafe_reproduction] shared_prefix_cache` is armed or not.
-    fn start_cache(name: &str, cfg: ServeSection, unsafe_shared: bool) -> Self {
+    /// A server with the prefix cache on, `prefix_cache` its namespaces' section, and
+    /// `[unsafe_reproduction] shared_prefix_cache` armed or not.
+    fn start_cache(
+        name: &str,
+        cfg: ServeSection,
+        prefix_cache: PrefixCacheSection,
+        unsafe_shared: bool,
+    ) -> Self {
         let engine = engine_with(EngineConfig {
             context_length: Some(CONTEXT),
             kv_budget_mib: 64,
             prefix_cache: Some(true),
             ..EngineConfig::default()
         });
-        Self::start_opts(name, cfg, None, engine, tokenizer(), unsafe_shared)
+        Self::start_opts(
+            name,
+            cfg,
+            None,
+            engine,
+            tokenizer(),
+            prefix_cache,
+            unsafe_shared,
+        )
     }
 
     /// A server on another GGUF (its own context length and tokenizer).
@@ -125,7 +140,7 @@ impl TestServer {
         engine: Engine,
         tok: custody_runtime::Tokenizer,
     ) -> Self {
-        Self::start_opts(name, cfg, stats, engine, tok, false)
+        Self::start_opts(name, cfg, stats, engine, tok, Default::default(), false)
     }
 
     fn start_opts(
@@ -134,6 +149,7 @@ impl TestServer {
         stats: Option<Arc<dyn AuditStats>>,
         engine: Engine,
         tok: custody_runtime::Tokenizer,
+        prefix_cache: PrefixCacheSection,
         unsafe_shared: bool,
     ) -> Self {
         let root = tmp_dir(&format!("serve-{name}"));
@@ -159,6 +175,7 @@ impl TestServer {
             node: NODE,
             audit: Some(stats.unwrap_or_else(|| Arc::new(Stats(writer.clone())))),
             events: None,
+            prefix_cache,
             unsafe_shared_prefix_cache: unsafe_shared,
         };
         let done = rt.spawn(custody_server::serve(
@@ -637,6 +654,7 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         node: 0,
         audit: None,
         events: Some(front_log.clone() as Arc<dyn custody_audit::AuditSink>),
+        prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
     };
     // This server is the pair's front 0, with a certificate from the suite's fleet.
@@ -1094,7 +1112,7 @@ fn chat_completions_run_every_architecture_end_to_end() {
 
 const KEY_BRAVO: &str = "sk-test-bravo";
 
-fn cache_cfg(public: Option<&str>) -> ServeSection {
+fn cache_cfg() -> ServeSection {
     let mut cfg = serve_cfg();
     cfg.canary_interval_s = 0;
     cfg.tenants.push(TenantSection {
@@ -1103,14 +1121,23 @@ fn cache_cfg(public: Option<&str>) -> ServeSection {
         max_concurrent: 8,
         tokens_per_minute: 0,
     });
-    if let Some(text) = public {
-        cfg.prefix_cache.public = vec![custody_server::config::PublicScopeSection {
-            scope: "helpdesk".into(),
-            text: Some(text.into()),
-            system_prompt: None,
-        }];
-    }
     cfg
+}
+
+/// `[prefix_cache]` with one public scope of raw `text`, if any.
+fn public_scope(text: Option<&str>) -> PrefixCacheSection {
+    PrefixCacheSection {
+        secret_file: None,
+        public: text
+            .map(|t| {
+                vec![PublicScopeSection {
+                    scope: "helpdesk".into(),
+                    text: Some(t.into()),
+                    system_prompt: None,
+                }]
+            })
+            .unwrap_or_default(),
+    }
 }
 
 /// One greedy completion of one token: (request id, `usage.prompt_tokens_details.cached_tokens`).
@@ -1205,7 +1232,12 @@ fn prefix_cache_isolation_is_paired_and_public_scopes_are_recorded() {
     use crate::prefix_cache::text;
     let tok = tokenizer();
     let sys = text(7, 70);
-    let srv = TestServer::start_cache("cache-isolation", cache_cfg(Some(&sys)), false);
+    let srv = TestServer::start_cache(
+        "cache-isolation",
+        cache_cfg(),
+        public_scope(Some(&sys)),
+        false,
+    );
     let p = serde_json::Value::from(text(8, 100));
     let n = tok.encode(&text(8, 100), false).expect("tokenize").len();
     let full = (n - 1) / 16 * 16;
@@ -1291,7 +1323,7 @@ fn prefix_cache_isolation_is_paired_and_public_scopes_are_recorded() {
 fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hit() {
     use crate::prefix_cache::text;
     let tok = tokenizer();
-    let srv = TestServer::start_cache("cache-unsafe", cache_cfg(None), true);
+    let srv = TestServer::start_cache("cache-unsafe", cache_cfg(), public_scope(None), true);
     let victim: Vec<Vec<u32>> = (0..3)
         .map(|k| tok.encode(&text(30 + k, 90), false).expect("tokenize"))
         .collect();
@@ -1426,7 +1458,7 @@ fn timing_audit_finds_no_cross_tenant_cache_signal_and_finds_the_same_tenant_one
     const N_PER_GROUP: usize = 30;
     const PROMPT_TOKENS: usize = 192;
     let tok = tokenizer();
-    let srv = TestServer::start_cache("cache-timing", cache_cfg(None), false);
+    let srv = TestServer::start_cache("cache-timing", cache_cfg(), public_scope(None), false);
     let prompt = |seed: usize| {
         let mut t = tok.encode(&text(seed, 260), false).expect("tokenize");
         assert!(t.len() >= PROMPT_TOKENS);

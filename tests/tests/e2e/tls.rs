@@ -204,6 +204,7 @@ fn generate_as(nodes: &Nodes, tls: NodeTls, tenant: &str) -> Result<u64, String>
                 max_tokens: 2,
                 sampling: None,
                 stop_ids: vec![],
+                cache_salt: String::new(),
             })
             .await
             .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?

@@ -83,6 +83,7 @@ impl Rig {
                 transport_kind: TransportKind::Tcp,
                 kv_encryption: Default::default(),
                 checkpoints: None,
+                namespaces: None,
             },
             decode: DecodeOptions {
                 node_id: node + 1,
