@@ -4,9 +4,11 @@
 # (`custody forensics exposure`, release build), its answer checked against the injected ground
 # truth, then DuckDB running the same SQL over the same sealed files (scripts/duckdb-exposure.py).
 #
-#   scripts/bench-forensics-scale.sh [ROOT] [EVENTS] [FAULT_RATE]
+#   scripts/bench-forensics-scale.sh [ROOT] [EVENTS] [FAULT_RATE] [CACHE_HIT_RATE]
 #     ROOT default /tmp/custody-synth-1e8; FAULT_RATE (default 0): the fraction of requests with
-#     the incident's faults (`audit synth --fault-rate`), for the query's cost in an incident
+#     the incident's faults (`audit synth --fault-rate`), for the query's cost in an incident;
+#     CACHE_HIT_RATE (default 0): the fraction of requests that start from a cached prefix
+#     (`audit synth --cache-hit-rate`: prefix-cache shares, hits and evictions in the log)
 #
 # Needs `cargo build --release -p custody` (~25 min on 2 cores), GNU time, and PyPI duckdb for the
 # comparison (skipped with a note if absent). Not run in CI: ~4 minutes and ~250 MB per 10^8 events.
@@ -15,13 +17,15 @@ cd "$(dirname "$0")/.."
 root="${1:-/tmp/custody-synth-1e8}"
 events="${2:-100000000}"
 fault_rate="${3:-0}"
+cache_hit_rate="${4:-0}"
 bin=./target/release/custody
 [ -x "$bin" ] || { echo "build first: cargo build --release -p custody" >&2; exit 2; }
 [ -x /usr/bin/time ] || { echo "needs GNU time (apt-get install time)" >&2; exit 2; }
 
 if [ ! -f "$root/synth-truth.json" ]; then
-  echo "# generating $events events into $root (fault rate $fault_rate)"
-  /usr/bin/time -f "synth: %e s wall" "$bin" audit synth --out "$root" --events "$events" --fault-rate "$fault_rate"
+  echo "# generating $events events into $root (fault rate $fault_rate, cache hit rate $cache_hit_rate)"
+  /usr/bin/time -f "synth: %e s wall" "$bin" audit synth --out "$root" --events "$events" \
+    --fault-rate "$fault_rate" --cache-hit-rate "$cache_hit_rate"
 fi
 echo "# custody forensics exposure (nproc=$(nproc))"
 out="$(mktemp)"
@@ -40,6 +44,9 @@ for line in open(sys.argv[2]):
         got.setdefault((int(p[0]), int(p[1])), (p[2], []))[1].append((p[3], int(p[4])))
 got = {k: (v[0], sorted(v[1])) for k, v in got.items()}
 ok = got == want
+print(f"log: {truth['events']} events, {truth['requests']} requests; prefix cache: "
+      f"{truth.get('cache_shares', 0)} page shares, {truth.get('cache_hits', 0)} page hits "
+      f"({truth.get('cache_public_cross_tenant_hits', 0)} across tenants in a public scope)")
 print(f"ground truth: {len(want)} exposures (injected and fault-rate), {len(got)} found, "
       f"{'EQUAL' if ok else 'DIFFERENT'} (responses, tenant pairs, foreign-slot counts)")
 sys.exit(0 if ok else 1)

@@ -210,39 +210,15 @@ pub fn bench_decode_step_tag_checks(
     n_layers: usize,
     iters: u32,
 ) -> std::time::Duration {
-    assert!(page_size > 0 && iters > 0);
     const OWNER: u64 = 7;
-    let n_pages = n_ctx.div_ceil(page_size);
-    let generation = vec![1u32; n_pages];
-    let owner = vec![OWNER; n_pages];
-    let filled = vec![page_size as u32; n_pages];
-    let table: Vec<PageRef> = (0..n_pages as u32)
-        .map(|page| PageRef {
-            page,
-            generation: 1,
-        })
-        .collect();
-    let tags = TagView {
-        generation: &generation,
-        owner: &owner,
-        filled: &filled,
-        stamp_owner: &owner,
-        stamp_generation: &generation,
-    };
-    let t0 = std::time::Instant::now();
-    for _ in 0..iters {
-        for _ in 0..n_layers {
-            let r = check_tags(
-                std::hint::black_box(&table),
-                n_ctx,
-                page_size,
-                &tags,
-                Reader::private(OWNER),
-            );
-            assert!(r.is_ok(), "the benchmark's tags are valid");
-        }
-    }
-    t0.elapsed() / iters
+    bench_tag_checks(
+        n_ctx,
+        page_size,
+        n_layers,
+        iters,
+        OWNER,
+        Reader::private(OWNER),
+    )
 }
 
 /// [`bench_decode_step_tag_checks`] when every page is a prefix cache's shared page: owned by
@@ -253,12 +229,25 @@ pub fn bench_decode_step_tag_checks_shared(
     n_layers: usize,
     iters: u32,
 ) -> std::time::Duration {
-    assert!(page_size > 0 && iters > 0);
     let private = std::num::NonZeroU64::new(0x8000_0000_0000_0001).expect("non-zero");
     let public = std::num::NonZeroU64::new(0x8000_0000_0000_0002).expect("non-zero");
+    let reader = Reader::with_shared(7, &[private, public]);
+    bench_tag_checks(n_ctx, page_size, n_layers, iters, public.get(), reader)
+}
+
+/// Every page tagged `owner` (generation 1, written whole), checked as `reader`.
+fn bench_tag_checks(
+    n_ctx: usize,
+    page_size: usize,
+    n_layers: usize,
+    iters: u32,
+    owner: u64,
+    reader: Reader,
+) -> std::time::Duration {
+    assert!(page_size > 0 && iters > 0);
     let n_pages = n_ctx.div_ceil(page_size);
     let generation = vec![1u32; n_pages];
-    let owner = vec![public.get(); n_pages];
+    let owners = vec![owner; n_pages];
     let filled = vec![page_size as u32; n_pages];
     let table: Vec<PageRef> = (0..n_pages as u32)
         .map(|page| PageRef {
@@ -268,12 +257,11 @@ pub fn bench_decode_step_tag_checks_shared(
         .collect();
     let tags = TagView {
         generation: &generation,
-        owner: &owner,
+        owner: &owners,
         filled: &filled,
-        stamp_owner: &owner,
+        stamp_owner: &owners,
         stamp_generation: &generation,
     };
-    let reader = Reader::with_shared(7, &[private, public]);
     let t0 = std::time::Instant::now();
     for _ in 0..iters {
         for _ in 0..n_layers {

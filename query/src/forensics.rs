@@ -46,7 +46,10 @@ use crate::QueryError;
 ///    of epoch `e` (spans before the anchor ended before it; a span of a later epoch began after
 ///    that epoch's anchor, which began after this span ended). Such a read needs epoch `e`'s
 ///    writes only; any other dirty span (`far`: no such anchor, or reads beyond slot 61) needs
-///    the page's whole history up to its epoch.
+///    the page's whole history up to its epoch. A dirty span in an epoch whose one writing span
+///    is its anchor (a prefix-cache hit's reader, or the anchor), the anchor's writes all before
+///    the span's reads, attended only the anchor's writes (or unwritten slots): of the anchor's
+///    tenant it is cleared here (no slot matching); of another, it is matched like any other.
 /// 3. `exposure_candidates`: the dirty spans' reads and the writes of the epochs they need.
 ///
 /// Writes and reads are views (each statement scans them where it uses them); spans, epochs and
@@ -122,18 +125,42 @@ marked AS (
   FROM covered
 ),
 epochs AS (
-  SELECT node_id, page, request_id, tenant, first_read, attended, dirty,
+  SELECT node_id, page, request_id, tenant, last_write, first_read, attended, dirty, anchor,
          SUM(anchor) OVER (PARTITION BY node_id, page ORDER BY start_seq
                            ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS epoch,
          MAX(CASE WHEN anchor = 1 THEN last_write END)
            OVER (PARTITION BY node_id, page ORDER BY start_seq
                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS anchor_last_write
   FROM marked
+),
+-- Per epoch: its anchor (one per epoch > 0) and how many of its spans wrote.
+anchors AS (
+  SELECT node_id, page, epoch, tenant AS anchor_tenant
+  FROM epochs WHERE anchor = 1
+),
+writers AS (
+  SELECT node_id, page, epoch, COUNT(last_write) AS n_writers
+  FROM epochs GROUP BY node_id, page, epoch
+),
+-- A dirty span in an epoch whose one writing span is its anchor (a prefix-cache hit's reader,
+-- or the anchor itself), all of the anchor's writes preceding the span's reads: each slot it
+-- attended was last written by the anchor (no other span of the epoch writes; a later epoch
+-- began after it ended), or by nobody (the anchor wrote every slot any earlier span wrote). Of
+-- the anchor's tenant: no foreign slot, so it needs no matching.
+resolved AS (
+  SELECT e.node_id, e.page, e.request_id, e.tenant, e.epoch, e.attended, e.first_read,
+         e.anchor_last_write,
+         e.dirty AND NOT COALESCE(
+           e.epoch > 0 AND w.n_writers = 1 AND e.anchor_last_write < e.first_read AND a.anchor_tenant = e.tenant,
+           FALSE) AS dirty
+  FROM epochs e
+  LEFT JOIN anchors a ON a.node_id = e.node_id AND a.page = e.page AND a.epoch = e.epoch
+  LEFT JOIN writers w ON w.node_id = e.node_id AND w.page = e.page AND w.epoch = e.epoch
 )
 SELECT node_id, page, request_id, tenant, epoch, dirty,
        dirty AND NOT COALESCE(epoch > 0 AND anchor_last_write < first_read AND attended <> -1,
                               FALSE) AS far
-FROM epochs;
+FROM resolved;
 
 DROP TABLE exposure_spans;
 

@@ -582,9 +582,8 @@ impl Run {
         let m = &self.st.metrics;
         m.request(&self.tenant.id, self.ep.name(), status);
         m.tokens(&self.tenant.id, self.prompt_tokens, d.tokens.len());
-        if self.st.prefix.is_some() {
-            m.prefix_cache(&self.tenant.id, self.prompt_tokens, self.cached_tokens);
-        }
+        // Locally or from a pair's prefill node (0 where nothing is cached).
+        m.prefix_cache(&self.tenant.id, self.prompt_tokens, self.cached_tokens);
         m.request_duration.observe(self.t0.elapsed());
         tracing::info!(
             request_id = %self.rid,

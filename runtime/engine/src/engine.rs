@@ -117,7 +117,7 @@ pub struct GenerateRequest {
     pub tenant: String,
     /// Where its full pages may be cached and looked up (`None`: never), set by whoever
     /// authenticated the tenant — the engine derives no namespace itself. Ignored when
-    /// `engine.prefix_cache` is off and for prefill-only requests.
+    /// `engine.prefix_cache` is off.
     pub cache: Option<CacheScope>,
 }
 
@@ -548,7 +548,6 @@ impl Engine {
         self.emit(ev);
     }
 
-    /// Whether a sink is attached (callers skip building events otherwise).
     /// Whether this engine caches prefixes (`engine.prefix_cache`): requests' `cache` scopes
     /// are ignored otherwise.
     pub fn prefix_cache_enabled(&self) -> bool {
@@ -560,6 +559,7 @@ impl Engine {
         self.cache.as_ref().map(PrefixCache::stats)
     }
 
+    /// Whether a sink is attached (callers skip building events otherwise).
     pub fn auditing(&self) -> bool {
         self.sink.is_some()
     }

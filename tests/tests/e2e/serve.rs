@@ -258,6 +258,20 @@ impl std::ops::Deref for Sealed {
     }
 }
 
+/// The `detail` of every `node_events` row of kind `kind`.
+fn node_events(audit: &std::path::Path, kind: &str) -> Vec<String> {
+    read_table(audit, "node_events")
+        .iter()
+        .flat_map(|b| {
+            let (ev, d) = (col_str(b, "event"), col_str(b, "detail"));
+            (0..ev.len())
+                .filter(|&i| ev[i].as_deref() == Some(kind))
+                .map(|i| d[i].clone().unwrap_or_default())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// Requests table: request id → (tenant, lifecycle events).
 fn requests(audit: &std::path::Path) -> BTreeMap<u64, (String, Vec<String>)> {
     let mut out: BTreeMap<u64, (String, Vec<String>)> = BTreeMap::new();
@@ -597,16 +611,7 @@ fn shutdown_drains_a_live_stream_then_seals_the_audit_log() {
     let id = engine_id(r.header("x-request-id").expect("request id"));
     let reqs = requests(&audit);
     assert_eq!(reqs[&id].1, ["admitted", "finished"], "{reqs:?}");
-    let anomalies: Vec<String> = read_table(&audit, "node_events")
-        .iter()
-        .flat_map(|b| {
-            let (ev, detail) = (col_str(b, "event"), col_str(b, "detail"));
-            (0..ev.len())
-                .filter(|&i| ev[i].as_deref() == Some("prefill_anomaly"))
-                .map(|i| detail[i].clone().unwrap_or_default())
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let anomalies: Vec<String> = node_events(&audit, "prefill_anomaly");
     assert!(
         anomalies
             .iter()
@@ -1296,16 +1301,7 @@ fn prefix_cache_isolation_is_paired_and_public_scopes_are_recorded() {
     );
     let _ = b_id;
     // The public scope is on the record, with its namespace.
-    let scopes: Vec<String> = read_table(&audit, "node_events")
-        .iter()
-        .flat_map(|b| {
-            let (ev, d) = (col_str(b, "event"), col_str(b, "detail"));
-            (0..ev.len())
-                .filter(|&i| ev[i].as_deref() == Some("prefix_scope"))
-                .map(|i| d[i].clone().unwrap_or_default())
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let scopes: Vec<String> = node_events(&audit, "prefix_scope");
     assert_eq!(scopes.len(), 1, "{scopes:?}");
     assert!(
         scopes[0].starts_with("scope=public:helpdesk tokens="),
@@ -1393,16 +1389,7 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
             .iter()
             .any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "unsafe" && *x)
     );
-    let switches: Vec<String> = read_table(&audit, "node_events")
-        .iter()
-        .flat_map(|b| {
-            let (ev, d) = (col_str(b, "event"), col_str(b, "detail"));
-            (0..ev.len())
-                .filter(|&i| ev[i].as_deref() == Some("prefix_scope"))
-                .map(|i| d[i].clone().unwrap_or_default())
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let switches: Vec<String> = node_events(&audit, "prefix_scope");
     assert!(
         switches.iter().any(|d| d.contains("unsafe:global")),
         "{switches:?}"

@@ -86,20 +86,7 @@ fn synthetic_log_exposure_equals_the_injected_truth() {
     assert!(truth.exposures.iter().any(|x| x.sources.len() > 1));
 
     let got = exposure_of(&root, &key);
-    let want: Answer = truth
-        .exposures
-        .iter()
-        .map(|x| {
-            (
-                x.node,
-                x.request,
-                x.recipient_tenant.clone(),
-                x.sources.clone(),
-                x.foreign_slots,
-                true,
-            )
-        })
-        .collect();
+    let want = truth_answer(&truth);
     assert_eq!(answer(&got), want, "exactly the injected exposures");
     assert_eq!(got.prevented, 0);
 
@@ -126,7 +113,18 @@ fn synthetic_log_with_prefix_cache_hits_equals_the_injected_truth() {
     assert!(truth.cache_public_cross_tenant_hits > 100, "{truth:?}");
     assert_eq!(truth.exposures.len(), 4, "{truth:?}");
     let got = exposure_of(&root, &key);
-    let want: Answer = truth
+    let want = truth_answer(&truth);
+    assert_eq!(
+        answer(&got),
+        want,
+        "hits are not exposures; the injected ones are found"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The generator's ground truth as an [`Answer`] (its exposures' reads are all unchecked).
+fn truth_answer(truth: &synth::SynthTruth) -> Answer {
+    truth
         .exposures
         .iter()
         .map(|x| {
@@ -139,13 +137,7 @@ fn synthetic_log_with_prefix_cache_hits_equals_the_injected_truth() {
                 true,
             )
         })
-        .collect();
-    assert_eq!(
-        answer(&got),
-        want,
-        "hits are not exposures; the injected ones are found"
-    );
-    let _ = std::fs::remove_dir_all(&root);
+        .collect()
 }
 
 /// (node, request, tenant) → source tenant → (foreign slots, any of them unchecked).
@@ -340,14 +332,22 @@ struct Op(u64, u32, bool, (u32, u32));
 
 /// Page histories that each break one step the query's epochs lean on, with the definition's
 /// answer: an anchor still writing when a later request reads (that read needs the epochs before
-/// the anchor), a partial writer between the anchor and the read, a slot only a long-gone request
-/// wrote, a read before any anchor.
+/// the anchor, even when it is of the anchor's tenant and only reads), a partial writer between
+/// the anchor and the read, a slot only a long-gone request wrote, a read before any anchor.
 const SCRIPTS: &[&[Op]] = &[
     // Anchor 1 still writes slots 2..4 after request 2 read them: 2..4 are request 0's.
     &[
         Op(0, 0, true, (0, 4)),
         Op(1, 1, true, (0, 2)),
         Op(2, 2, false, (0, 4)),
+        Op(1, 1, true, (2, 4)),
+    ],
+    // The same with a reader of the anchor's own tenant (a prefix-cache hit's shape: it only
+    // reads): 2..4 are still request 0's, another tenant's — not cleared as the anchor's.
+    &[
+        Op(0, 0, true, (0, 4)),
+        Op(1, 1, true, (0, 2)),
+        Op(2, 1, false, (0, 4)),
         Op(1, 1, true, (2, 4)),
     ],
     // A partial writer (1) after the anchor (0): slot 0 is 1's, 1..4 are 0's.
@@ -488,21 +488,7 @@ fn faults_at_a_rate_make_only_nearby_reads_suspect() {
     let truth = synth::generate(&cfg, &root, &key, &AtomicU64::new(0)).expect("generate");
     assert!(!truth.exposures.is_empty(), "{truth:?}");
     let got = exposure_of(&root, &key);
-    let want: Answer = truth
-        .exposures
-        .iter()
-        .map(|x| {
-            let sources = x.sources.clone();
-            (
-                x.node,
-                x.request,
-                x.recipient_tenant.clone(),
-                sources,
-                x.foreign_slots,
-                true,
-            )
-        })
-        .collect();
+    let want = truth_answer(&truth);
     assert_eq!(
         answer(&got),
         want,
