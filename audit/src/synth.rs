@@ -579,10 +579,15 @@ impl<'a> NodeSim<'a> {
                 && !reject
                 && self.inject_pending == 0
             {
-                self.cache
-                    .iter()
-                    .rev()
-                    .find(|(_, e)| e.tenant == tenant || e.public)
+                // The tenant's own newest prefix, else the newest public one.
+                let newest = |public: bool| {
+                    self.cache
+                        .iter()
+                        .rev()
+                        .find(|(_, e)| if public { e.public } else { e.tenant == tenant })
+                };
+                newest(false)
+                    .or_else(|| newest(true))
                     .map(|(&id, e)| (id, e.pages.len() as u32, e.public))
             } else {
                 None

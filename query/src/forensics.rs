@@ -49,7 +49,8 @@ use crate::QueryError;
 ///    the page's whole history up to its epoch. A dirty span in an epoch whose one writing span
 ///    is its anchor (a prefix-cache hit's reader, or the anchor), the anchor's writes all before
 ///    the span's reads, attended only the anchor's writes (or unwritten slots): of the anchor's
-///    tenant it is cleared here (no slot matching); of another, it is matched like any other.
+///    tenant, or a hit on the page the anchor shared into a public scope, it is cleared here (no
+///    slot matching); otherwise it is matched like any other.
 /// 3. `exposure_candidates`: the dirty spans' reads and the writes of the epochs they need.
 ///
 /// Writes and reads are views (each statement scans them where it uses them); spans, epochs and
@@ -135,8 +136,18 @@ epochs AS (
 ),
 -- Per epoch: its anchor (one per epoch > 0) and how many of its spans wrote.
 anchors AS (
-  SELECT node_id, page, epoch, tenant AS anchor_tenant
+  SELECT node_id, page, epoch, request_id AS anchor_request, tenant AS anchor_tenant
   FROM epochs WHERE anchor = 1
+),
+-- Readers' hits on pages their writer shared into a public scope (as in the answer's
+-- `public_hits`: the share in the hit's generation, the same namespace).
+shared_public AS (
+  SELECT DISTINCT h.node_id, h.request_id, h.page, s.request_id AS writer
+  FROM all_prefix_cache h
+  JOIN all_prefix_cache s
+    ON s.node_id = h.node_id AND s.page = h.page AND s.generation = h.generation
+   AND s.namespace = h.namespace
+  WHERE h.event = 'hit' AND s.event = 'share' AND s.scope_kind = 'public'
 ),
 writers AS (
   SELECT node_id, page, epoch, COUNT(last_write) AS n_writers
@@ -146,16 +157,21 @@ writers AS (
 -- or the anchor itself), all of the anchor's writes preceding the span's reads: each slot it
 -- attended was last written by the anchor (no other span of the epoch writes; a later epoch
 -- began after it ended), or by nobody (the anchor wrote every slot any earlier span wrote). Of
--- the anchor's tenant: no foreign slot, so it needs no matching.
+-- the anchor's tenant, or a hit on the page the anchor shared into a public scope: no foreign
+-- slot, so it needs no matching.
 resolved AS (
   SELECT e.node_id, e.page, e.request_id, e.tenant, e.epoch, e.attended, e.first_read,
          e.anchor_last_write,
          e.dirty AND NOT COALESCE(
-           e.epoch > 0 AND w.n_writers = 1 AND e.anchor_last_write < e.first_read AND a.anchor_tenant = e.tenant,
+           e.epoch > 0 AND w.n_writers = 1 AND e.anchor_last_write < e.first_read
+           AND (a.anchor_tenant = e.tenant OR p.writer IS NOT NULL),
            FALSE) AS dirty
   FROM epochs e
   LEFT JOIN anchors a ON a.node_id = e.node_id AND a.page = e.page AND a.epoch = e.epoch
   LEFT JOIN writers w ON w.node_id = e.node_id AND w.page = e.page AND w.epoch = e.epoch
+  LEFT JOIN shared_public p
+    ON p.node_id = e.node_id AND p.request_id = e.request_id AND p.page = e.page
+   AND p.writer = a.anchor_request
 )
 SELECT node_id, page, request_id, tenant, epoch, dirty,
        dirty AND NOT COALESCE(epoch > 0 AND anchor_last_write < first_read AND attended <> -1,
