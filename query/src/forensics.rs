@@ -27,9 +27,10 @@ use datafusion::prelude::SessionContext;
 
 use crate::QueryError;
 
-/// The exposure question's preparation: statements that leave in the session the table its
+/// The exposure question's preparation: statements that leave in the session the tables its
 /// answer ([`EXPOSURE_SQL`]) is read from, `exposure_candidates` — the suspect reads and every
-/// write that can be the latest one before them. Linear in the log, and in an incident linear in
+/// write that can be the latest one before them — and `exposure_public_hits` (hits on pages
+/// shared into a public scope). Linear in the log, and in an incident linear in
 /// the faults, not in page reuse (`docs/forensics.md`, "At scale"):
 ///
 /// 1. `exposure_spans`: one row per (node, page, request, tenant) — a *span* — over its writes
@@ -107,6 +108,19 @@ SELECT node_id, page, request_id, tenant, start_seq, last_write, first_read, wri
          AS dirty
 FROM spans;
 
+-- Hits on pages their writer shared into an operator-declared public scope: the writer's
+-- `share` row in the page's generation, the reader's `hit` naming the same namespace. A shared
+-- page is read-only (its writes are refused by the tag check), so such a read attended the
+-- public prefix's KV, not the writer's tenant's data. Read by the epochs' bulk clearing and by
+-- the answer.
+CREATE OR REPLACE TABLE exposure_public_hits AS
+  SELECT DISTINCT h.node_id, h.request_id, h.page, h.generation, s.request_id AS writer
+  FROM all_prefix_cache h
+  JOIN all_prefix_cache s
+    ON s.node_id = h.node_id AND s.page = h.page AND s.generation = h.generation
+   AND s.namespace = h.namespace
+  WHERE h.event = 'hit' AND s.event = 'share' AND s.scope_kind = 'public';
+
 CREATE OR REPLACE TABLE exposure_epochs AS
 WITH covered AS (
   SELECT s.node_id, s.page, s.request_id, s.tenant, s.start_seq, s.last_write, s.first_read,
@@ -139,16 +153,7 @@ anchors AS (
   SELECT node_id, page, epoch, request_id AS anchor_request, tenant AS anchor_tenant
   FROM epochs WHERE anchor = 1
 ),
--- Readers' hits on pages their writer shared into a public scope (as in the answer's
--- `public_hits`: the share in the hit's generation, the same namespace).
-shared_public AS (
-  SELECT DISTINCT h.node_id, h.request_id, h.page, s.request_id AS writer
-  FROM all_prefix_cache h
-  JOIN all_prefix_cache s
-    ON s.node_id = h.node_id AND s.page = h.page AND s.generation = h.generation
-   AND s.namespace = h.namespace
-  WHERE h.event = 'hit' AND s.event = 'share' AND s.scope_kind = 'public'
-),
+
 writers AS (
   SELECT node_id, page, epoch, COUNT(last_write) AS n_writers
   FROM epochs GROUP BY node_id, page, epoch
@@ -169,7 +174,7 @@ resolved AS (
   FROM epochs e
   LEFT JOIN anchors a ON a.node_id = e.node_id AND a.page = e.page AND a.epoch = e.epoch
   LEFT JOIN writers w ON w.node_id = e.node_id AND w.page = e.page AND w.epoch = e.epoch
-  LEFT JOIN shared_public p
+  LEFT JOIN exposure_public_hits p
     ON p.node_id = e.node_id AND p.request_id = e.request_id AND p.page = e.page
    AND p.writer = a.anchor_request
 )
@@ -223,7 +228,7 @@ DROP VIEW exposure_reads;
 "#;
 
 /// Every attended slot whose latest earlier write was another tenant's: one row per affected
-/// response and source tenant. Reads the table [`EXPOSURE_PREPARE_SQL`] leaves: each suspect
+/// response and source tenant. Reads the tables [`EXPOSURE_PREPARE_SQL`] leaves: each suspect
 /// read's slots are matched with the latest candidate write before them (an as-of match by one
 /// ordered pass, not a join with the page's history).
 pub const EXPOSURE_SQL: &str = r#"
@@ -252,24 +257,12 @@ latest AS (
   ) AS k
   WHERE is_read = 1 AND key_max >= base
 ),
--- Hits on pages shared into an operator-declared public scope: the page's writer shared it
--- there (its `share` row, in the page's generation) and the reader's `hit` names the same
--- namespace. A shared page is read-only (its writes are refused by the tag check), so such a
--- read attended the public prefix's KV, not the writer's tenant's data.
-public_hits AS (
-  SELECT DISTINCT h.node_id, h.request_id, h.page, h.generation, s.request_id AS writer
-  FROM all_prefix_cache h
-  JOIN all_prefix_cache s
-    ON s.node_id = h.node_id AND s.page = h.page AND s.generation = h.generation
-   AND s.namespace = h.namespace
-  WHERE h.event = 'hit' AND s.event = 'share' AND s.scope_kind = 'public'
-),
 sourced AS (
   SELECT l.node_id, l.request_id, l.tenant, c.tenant AS source_tenant, l.wall_ns, l.verdict
   FROM latest l
   JOIN exposure_candidates c
     ON c.node_id = l.node_id AND c.seq = l.write_seq AND c.is_read = 0
-  LEFT JOIN public_hits p
+  LEFT JOIN exposure_public_hits p
     ON p.node_id = l.node_id AND p.request_id = l.request_id AND p.page = c.page
    AND p.generation = c.generation AND p.writer = c.request_id
   WHERE p.node_id IS NULL

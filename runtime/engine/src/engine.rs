@@ -1012,11 +1012,12 @@ impl Engine {
             .take(full * ps)
             .copied()
             .collect();
-        let chain = scope.chain(&written, ps, full);
+        // Only the new links: the chain so far is the sequence's own keys.
+        let from = s.keys.len();
+        let chain = scope.links(&written, ps, s.keys.last().copied(), from..full);
         let (id, tenant) = (s.id, s.tenant.clone());
         let mut shared = Vec::new();
-        for idx in s.keys.len()..full {
-            let link = chain[idx];
+        for (idx, &link) in (from..full).zip(&chain) {
             let Some(cache) = &mut self.cache else { break };
             if cache.contains(&link.key) {
                 self.running[i].publishing = false;
@@ -1038,9 +1039,7 @@ impl Engine {
                 writer_tenant: tenant.clone(),
             };
             // Its parent is its own previous link, cached and held by it.
-            let parent = self.running[i].keys.last().copied();
-            debug_assert_eq!(parent, idx.checked_sub(1).map(|p| chain[p].key));
-            cache.insert(page.clone(), parent);
+            cache.insert(page.clone(), self.running[i].keys.last().copied());
             self.running[i].keys.push(link.key);
             shared.push(page);
         }

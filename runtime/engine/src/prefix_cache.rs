@@ -211,8 +211,26 @@ impl CacheScope {
     /// The chain over `tokens`' full pages (`page_size` tokens each): page `i`'s key and
     /// namespace, for the first `n_pages` pages.
     pub fn chain(&self, tokens: &[u32], page_size: usize, n_pages: usize) -> Vec<ChainLink<'_>> {
+        self.links(tokens, page_size, None, 0..n_pages)
+    }
+
+    /// Links `pages` of the chain over `tokens` (only full pages), given the key of the link
+    /// before `pages.start` (`None` exactly when it is 0): a running sequence extends its chain
+    /// page by page without hashing its history again.
+    pub fn links(
+        &self,
+        tokens: &[u32],
+        page_size: usize,
+        before: Option<BlockKey>,
+        pages: std::ops::Range<usize>,
+    ) -> Vec<ChainLink<'_>> {
         assert!(page_size > 0);
-        let n_pages = n_pages.min(tokens.len() / page_size);
+        assert_eq!(
+            before.is_some(),
+            pages.start > 0,
+            "the previous key, exactly when needed"
+        );
+        let end = pages.end.min(tokens.len() / page_size);
         let public_pages = self.public.as_ref().map_or(0, |p| {
             let m = p
                 .tokens
@@ -222,9 +240,9 @@ impl CacheScope {
                 .count();
             m / page_size
         });
-        let mut prev = [0u8; 32];
-        let mut out = Vec::with_capacity(n_pages);
-        for (i, page) in tokens.chunks_exact(page_size).take(n_pages).enumerate() {
+        let mut prev = before.unwrap_or([0u8; 32]);
+        let mut out = Vec::with_capacity(end.saturating_sub(pages.start));
+        for i in pages.start..end {
             let ns = match &self.public {
                 Some(p) if i < public_pages => &p.namespace,
                 _ => &self.private,
@@ -232,7 +250,7 @@ impl CacheScope {
             let mut h = Sha256::new();
             h.update(prev);
             h.update(ns.key);
-            for t in page {
+            for t in &tokens[i * page_size..(i + 1) * page_size] {
                 h.update(t.to_le_bytes());
             }
             prev = h.finalize().into();
@@ -635,6 +653,17 @@ mod tests {
         assert!(format!("{s:?}").contains("redacted"));
         assert!(NamespaceSecret::from_hex("abcd").is_err());
         assert!(NamespaceSecret::from_hex(&"zz".repeat(32)).is_err());
+    }
+
+    #[test]
+    fn links_extend_a_chain_as_hashing_it_whole_would() {
+        let toks: Vec<u32> = (0..80).collect();
+        let s = scope("acme");
+        let whole = s.chain(&toks, 16, 5);
+        let head = s.links(&toks, 16, None, 0..2);
+        let tail = s.links(&toks, 16, Some(head[1].key), 2..5);
+        let keys: Vec<BlockKey> = head.iter().chain(&tail).map(|l| l.key).collect();
+        assert_eq!(keys, whole.iter().map(|l| l.key).collect::<Vec<_>>());
     }
 
     #[test]
