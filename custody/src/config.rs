@@ -1,6 +1,6 @@
 //! The node's TOML file: every crate's section assembled in one document, each section defined by
 //! the crate it configures — `[model]`, `[engine]`, `[unsafe_reproduction]` (custody-engine),
-//! `[audit]` (custody-audit), `[disagg]` (custody-disagg), `[serve]` (custody-server).
+//! `[audit]` (custody-audit), `[disagg]` (custody-disagg), `[serve]` and `[fleet]` (custody-server).
 
 use std::path::{Path, PathBuf};
 
@@ -48,6 +48,10 @@ pub(crate) struct Config {
     /// keys and limits, the canary. Plain data: the HTTP code lives in `custody-server`.
     #[serde(default)]
     pub(crate) serve: ServeSection,
+    /// `custody serve` as the router of many prefill and decode nodes: the nodes, probes,
+    /// health thresholds and routing policy.
+    #[serde(default)]
+    pub(crate) fleet: custody_server::config::FleetSection,
     /// The prefix cache's namespaces (`custody serve` and prefill nodes): the secret, the
     /// operator-declared public scopes.
     #[serde(default)]
@@ -91,6 +95,9 @@ impl Config {
         };
         cfg.engine.validate().map_err(|e| invalid(e.to_string()))?;
         cfg.serve.validate().map_err(|e| invalid(e.to_string()))?;
+        if cfg.fleet.is_router() {
+            cfg.fleet.validate().map_err(|e| invalid(e.to_string()))?;
+        }
         cfg.prefix_cache
             .validate()
             .map_err(|e| invalid(e.to_string()))?;

@@ -239,6 +239,7 @@ fn serve(
             kv_encryption: Default::default(),
             checkpoints: None,
             namespaces: None,
+            drain: Default::default(),
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -250,6 +251,7 @@ fn serve(
             unsafe_: unsafe_all,
             fingerprint: fingerprint.to_owned(),
             checkpoints: None,
+            drain: Default::default(),
         },
         fleet: Some(std::sync::Arc::new(
             custody_runtime::disagg::tls::Fleet::new("custody demo fleet", 2)?,

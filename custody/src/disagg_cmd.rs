@@ -14,7 +14,10 @@ use custody_runtime::disagg::client::{serve_decode, serve_prefill};
 use custody_runtime::disagg::decode::{DecodeHandle, DecodeOptions};
 use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
 use custody_runtime::disagg::proto::prefill_client::PrefillClient;
-use custody_runtime::disagg::tls::{Role as FleetRole, Security};
+use custody_runtime::disagg::Drain;
+use custody_runtime::disagg::fleet::FleetNode;
+use custody_runtime::disagg::prefill::DecodeTarget;
+use custody_runtime::disagg::tls::{NodeIdentity, Role as FleetRole, Security};
 use custody_runtime::prefix_cache::Namespaces;
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{Engine, Model, SamplingParams, Tokenizer};
@@ -195,14 +198,78 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-async fn shutdown_signal(tx: tokio::sync::oneshot::Sender<()>) {
+/// On SIGINT/SIGTERM: drain — refuse new requests (the router retries them elsewhere: nothing
+/// was reserved), let the running ones finish (bounded by `timeout`) — then stop serving.
+async fn drain_on_signal(
+    tx: tokio::sync::oneshot::Sender<()>,
+    node: FleetNode,
+    drain: Drain,
+    timeout: Duration,
+) {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
     }
-    tracing::info!("shutting down");
+    drain.start();
+    tracing::info!(timeout_ms = timeout.as_millis() as u64, "draining: new requests refused, running ones finish");
+    let t0 = Instant::now();
+    // Bounded by `timeout`.
+    while t0.elapsed() < timeout {
+        let left = match &node {
+            FleetNode::Prefill(h) => h.stats().await.map(|s| s.live_requests + h.relaying()),
+            FleetNode::Decode(h) => h.stats().await.map(|s| s.live_requests + s.reservations),
+        };
+        if left.is_none_or(|n| n == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tracing::info!(drained_ms = t0.elapsed().as_millis() as u64, "shutting down");
     let _ = tx.send(());
+}
+
+/// Serve `/health/live` and `/health/ready` on `[disagg] health_listen`, when set.
+fn serve_health(listen: &str, node: FleetNode) -> Result<()> {
+    if listen.is_empty() {
+        return Ok(());
+    }
+    let l = std::net::TcpListener::bind(listen)
+        .with_context(|| format!("binding the health endpoint on {listen}"))?;
+    let ready: custody_runtime::disagg::health::Readiness =
+        Arc::new(move || node.ready_blocking());
+    custody_runtime::disagg::health::spawn(l, ready).context("starting the health endpoint")
+}
+
+/// How long a node's gRPC service may take to stop after its drain: open HTTP/2 connections
+/// (a router's, kept alive) would otherwise hold it.
+const STOP_BOUND: Duration = Duration::from_secs(5);
+
+/// Run a node's gRPC service until it stops, or until `drained` (which tells it to stop) and
+/// then at most `STOP_BOUND` more.
+async fn serve_until_drained<F>(served: F, drained: impl std::future::Future<Output = ()>) -> Result<()>
+where
+    F: std::future::Future<Output = Result<(), custody_runtime::disagg::client::ServeError>>
+        + Send
+        + 'static,
+{
+    let mut task = tokio::spawn(served);
+    let joined = |r: Result<Result<(), _>, tokio::task::JoinError>| match r {
+        Ok(r) => r.map_err(anyhow::Error::from),
+        Err(e) => Err(anyhow::anyhow!("the node's service task failed: {e}")),
+    };
+    tokio::select! {
+        r = &mut task => return joined(r),
+        () = drained => {}
+    }
+    match tokio::time::timeout(STOP_BOUND, &mut task).await {
+        Ok(r) => joined(r),
+        Err(_) => {
+            tracing::warn!("the service did not stop within {STOP_BOUND:?} of the drain: leaving it");
+            task.abort();
+            Ok(())
+        }
+    }
 }
 
 fn transport_kind(
@@ -234,7 +301,9 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
         unsafe_: r.unsafe_,
         fingerprint: r.fingerprint,
         checkpoints: r.checkpoints,
+        drain: Drain::default(),
     };
+    let drain = opts.drain.clone();
     let h = DecodeHandle::start(r.engine, opts).context("starting the decode node")?;
     let rt = runtime()?;
     rt.block_on(async {
@@ -245,9 +314,11 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
             "decode node {} ready: control {control}, KV transport {} {}",
             r.node, h.info.transport, h.transport_addr
         );
+        serve_health(&r.cfg.disagg.health_listen, FleetNode::Decode(h.clone()))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(shutdown_signal(tx));
-        serve_decode(h, listener, r.security, rx)
+        let timeout = Duration::from_millis(r.cfg.disagg.drain_timeout_ms);
+        let drained = drain_on_signal(tx, FleetNode::Decode(h.clone()), drain, timeout);
+        serve_until_drained(serve_decode(h, listener, r.security, rx), drained)
             .await
             .context("control plane")
     })?;
@@ -298,6 +369,7 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
     let mut r = load_role(&a, "prefill")?;
     let namespaces = prefix_namespaces(&mut r)?;
     let listen = addr(&r.cfg.disagg.prefill_listen, "disagg.prefill_listen")?;
+    let targets = fleet_targets(&r)?;
     let decode_url = format!("http://{}", r.cfg.disagg.decode_control);
     let opts = PrefillOptions {
         node_id: r.node,
@@ -311,19 +383,29 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
             .context("[disagg] transport_encryption")?,
         checkpoints: r.checkpoints,
         namespaces,
+        drain: Drain::default(),
     };
+    let drain = opts.drain.clone();
     let rt = runtime()?;
     let mut engine = Some(r.engine);
     rt.block_on(async {
-        // The decode node may still be starting: wait for its control port (bounded), then run
-        // the handshake once — a refused handshake is final.
-        wait_for_peer(&r.cfg.disagg.decode_control, PEER_WAIT_BOUND).await?;
         let Some(e) = engine.take() else {
             bail!("engine lost")
         };
-        let h = PrefillHandle::start(e, opts.clone(), &r.security, &decode_url)
-            .await
-            .context("pairing with the decode node")?;
+        let h = if let Some(targets) = targets {
+            // A fleet's prefill node: decode nodes that are down now are paired when they
+            // answer; a refused handshake (model, geometry, identity) is final.
+            PrefillHandle::start_fleet(e, opts.clone(), &r.security, targets)
+                .await
+                .context("pairing with the decode nodes")?
+        } else {
+            // The decode node may still be starting: wait for its control port (bounded), then
+            // run the handshake once — a refused handshake is final.
+            wait_for_peer(&r.cfg.disagg.decode_control, PEER_WAIT_BOUND).await?;
+            PrefillHandle::start(e, opts.clone(), &r.security, &decode_url)
+                .await
+                .context("pairing with the decode node")?
+        };
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .with_context(|| format!("binding the front door on {listen}"))?;
@@ -331,9 +413,11 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
             "prefill node {} ready: front door {listen}, decode {decode_url}",
             r.node
         );
+        serve_health(&r.cfg.disagg.health_listen, FleetNode::Prefill(h.clone()))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(shutdown_signal(tx));
-        serve_prefill(h, listener, r.security.clone(), rx)
+        let timeout = Duration::from_millis(r.cfg.disagg.drain_timeout_ms);
+        let drained = drain_on_signal(tx, FleetNode::Prefill(h.clone()), drain, timeout);
+        serve_until_drained(serve_prefill(h, listener, r.security.clone(), rx), drained)
             .await
             .context("front door")
     })?;
@@ -341,6 +425,30 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         w.close().context("sealing the audit log")?;
     }
     Ok(())
+}
+
+/// `[[disagg.decode]]`: the decode nodes of a fleet's prefill node, each verified by its own
+/// identity (`None`: the one-pair `decode_control`).
+fn fleet_targets(r: &Role) -> Result<Option<Vec<DecodeTarget>>> {
+    if r.cfg.disagg.decode.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(r.cfg.disagg.decode.len());
+    for d in &r.cfg.disagg.decode {
+        let id = NodeIdentity::new(FleetRole::Decode, d.node);
+        let url = format!("http://{}", d.control);
+        let kv_encryption = r
+            .security
+            .kv_encryption_to(id, r.cfg.disagg.transport_encryption)
+            .with_context(|| format!("[disagg] transport_encryption to decode node {}", d.node))?;
+        let identity = r.security.own().map(|_| id);
+        out.push(DecodeTarget {
+            url,
+            identity,
+            kv_encryption,
+        });
+    }
+    Ok(Some(out))
 }
 
 pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
@@ -396,6 +504,7 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
                 }),
                 stop_ids: req.stop_ids.clone(),
                 cache_salt: String::new(),
+                route: None,
             })
             .await
             .map_err(|s| anyhow::anyhow!("request refused: {}", s.message()))?

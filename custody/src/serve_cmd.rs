@@ -110,6 +110,9 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     if let Some(p) = &a.prefill {
         serve_cfg.prefill = p.clone();
     }
+    if cfg.fleet.is_router() && a.prefill.is_none() {
+        return serve_router(&a, serve_cfg, &cfg);
+    }
     if !serve_cfg.prefill.is_empty() {
         return serve_front(&a, serve_cfg, &cfg.tls);
     }
@@ -237,6 +240,96 @@ fn serve_front(
         .await
         .map_err(anyhow::Error::from)
     });
+    if let Some(w) = audit {
+        w.close().context("sealing the audit log")?;
+        tracing::info!("audit log sealed");
+    }
+    served
+}
+
+/// `custody serve` as the router of a fleet (`[fleet]`): N prefill × M decode nodes, each
+/// request routed to a pair (`custody_server::fleet`). The router is a node of its own: with
+/// `--audit-dir` (and `--audit-key`, and its own `--node`) it keeps a signed log of every
+/// routing decision, retry and health transition.
+fn serve_router(a: &ServeArgs, serve_cfg: custody_server::config::ServeSection, cfg: &Config) -> Result<()> {
+    let security = crate::common::fleet_security(&cfg.tls)?;
+    let audit = if a.audit.audit_dir.is_some() {
+        if a.audit.node == 0 {
+            bail!("a router's --audit-dir needs its own --node id (not a prefill's or decode's)");
+        }
+        open_audit(&a.audit, None)?
+    } else {
+        None
+    };
+    let Loaded {
+        engine,
+        tokenizer,
+        pool,
+    } = load(&a.common, None)?;
+    let fingerprint = engine.model().gguf().sha256_hex();
+    // The fleet's prefix-cache secret, when configured: the router computes a request's chain
+    // keys within the request's own namespace (never another tenant's) to route by affinity.
+    let namespaces = if cfg.prefix_cache.secret_file.is_some() {
+        let n = custody_runtime::prefix_cache::Namespaces::from_section(&cfg.prefix_cache, &tokenizer, false)
+            .context("[prefix_cache] for the router's cache affinity")?;
+        Some(Arc::new(n))
+    } else {
+        None
+    };
+    if let Some(w) = &audit {
+        let ev = custody_audit::Event::Node {
+            ts_ns: custody_audit::mono_now_ns(),
+            kind: "start".into(),
+            detail: format!(
+                "role=router model_sha256={fingerprint} prefill={} decode={} cache_affinity={}",
+                cfg.fleet.prefill.len(),
+                cfg.fleet.decode.len(),
+                namespaces.is_some()
+            ),
+        };
+        custody_audit::AuditSink::record(&**w, ev).context("recording the router's start")?;
+    }
+    let prepared = custody_server::prepare_front(engine, pool, tokenizer, &serve_cfg)?;
+    let parts = custody_server::fleet::RouterParts {
+        node: a.audit.node,
+        audit: audit.clone().map(|w| w as Arc<dyn custody_audit::AuditSink>),
+        namespaces,
+        fingerprint,
+    };
+    let opts = ServeOptions {
+        cfg: serve_cfg.clone(),
+        node: a.audit.node,
+        audit: audit
+            .clone()
+            .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
+        events: audit
+            .clone()
+            .map(|w| w as Arc<dyn custody_audit::AuditSink>),
+        prefix_cache: Default::default(),
+        unsafe_shared_prefix_cache: false,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let served = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&serve_cfg.listen)
+            .await
+            .with_context(|| format!("binding {}", serve_cfg.listen))?;
+        custody_server::serve_fleet(
+            listener,
+            prepared,
+            cfg.fleet.clone(),
+            &security,
+            parts,
+            opts,
+            shutdown_signal(),
+        )
+        .await
+        .map_err(anyhow::Error::from)
+    });
+    drop(rt);
     if let Some(w) = audit {
         w.close().context("sealing the audit log")?;
         tracing::info!("audit log sealed");

@@ -32,6 +32,8 @@ pub enum Backend {
         /// prefill anomalies), when it keeps one; the pair's nodes record every page event.
         audit: Option<Arc<dyn audit::AuditSink>>,
     },
+    /// The router of a fleet of prefill and decode nodes (`fleet.rs`).
+    Fleet(Arc<crate::fleet::Router>),
 }
 
 /// An admitted request: its id (`req-<node>-<n>`, `n` the audit `request_id` on `node`) and
@@ -46,6 +48,7 @@ impl Backend {
         match self {
             Backend::Local(h) => &h.gauges,
             Backend::Prefill { gauges, .. } => gauges,
+            Backend::Fleet(r) => r.gauges(),
         }
     }
 
@@ -85,6 +88,7 @@ impl Backend {
                 )
                 .await
             }
+            Backend::Fleet(r) => r.submit(req, cache_salt.unwrap_or_default()).await,
         }
     }
 
@@ -104,22 +108,30 @@ impl Backend {
         match self {
             Backend::Local(h) => h.record(ev).await,
             Backend::Prefill { audit: None, .. } => Ok(()),
+            Backend::Fleet(r) => match r.audit() {
+                Some(sink) => record_blocking(sink, ev).await,
+                None => Ok(()),
+            },
             Backend::Prefill {
                 audit: Some(sink), ..
-            } => {
-                // The writer's queue is bounded and fail-closed: this may wait for it, so off the
-                // async workers.
-                let sink = sink.clone();
-                match tokio::task::spawn_blocking(move || sink.record(ev)).await {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(e)) => {
-                        tracing::error!(error = %e, "recording a server event in the audit log failed");
-                        Err(EngineGone::Stopped)
-                    }
-                    Err(_) => Err(EngineGone::Stopped),
-                }
-            }
+            } => record_blocking(sink.clone(), ev).await,
         }
+    }
+}
+
+/// Record `ev` in a server-side log: the writer's queue is bounded and fail-closed, so this may
+/// wait for it — off the async workers.
+pub(crate) async fn record_blocking(
+    sink: Arc<dyn audit::AuditSink>,
+    ev: audit::Event,
+) -> Result<(), EngineGone> {
+    match tokio::task::spawn_blocking(move || sink.record(ev)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "recording a server event in the audit log failed");
+            Err(EngineGone::Stopped)
+        }
+        Err(_) => Err(EngineGone::Stopped),
     }
 }
 
@@ -162,7 +174,7 @@ pub(crate) fn admission_error(e: &AdmissionError, prompt_tokens: usize) -> ApiEr
 }
 
 /// The front door's gRPC status → the HTTP answer (see `disagg::admission_status`).
-fn status_error(s: &tonic::Status) -> ApiError {
+pub(crate) fn status_error(s: &tonic::Status) -> ApiError {
     use tonic::Code;
     let msg = format!("prefill node: {}", s.message());
     match s.code() {
@@ -195,8 +207,29 @@ async fn submit_remote(
 ) -> Result<Admitted, Refused> {
     let max_tokens = req.max_tokens;
     let (prompt_tokens, tenant) = (req.prompt.len(), req.tenant.clone());
-    let t0 = std::time::Instant::now();
-    let g = proto::GenerateRequest {
+    let g = generate_request(req, cache_salt, None);
+    let opened = open_remote(&mut client, g)
+        .await
+        .map_err(|s| (None, status_error(&s)))?;
+    let id = opened.first.request;
+    let anomaly = Anomaly {
+        check,
+        node,
+        tenant: &tenant,
+        prompt_tokens,
+    };
+    anomaly.check(&opened, &gauges, audit_sink.as_ref()).await;
+    let events = relay(client, opened, gauges, max_tokens, None);
+    Ok((format!("req-{node}-{id}"), id, events))
+}
+
+/// The front door's request for `req`.
+pub(crate) fn generate_request(
+    req: GenerateRequest,
+    cache_salt: String,
+    route: Option<proto::Route>,
+) -> proto::GenerateRequest {
+    proto::GenerateRequest {
         tenant: req.tenant,
         prompt: req.prompt,
         max_tokens: u32::try_from(req.max_tokens).unwrap_or(u32::MAX),
@@ -208,31 +241,61 @@ async fn submit_remote(
         }),
         stop_ids: req.stop_ids,
         cache_salt,
+        route,
+    }
+}
+
+/// A front door's stream, past admission: its first event and how long it took.
+pub(crate) struct Opened {
+    stream: tonic::Streaming<proto::TokenEvent>,
+    pub(crate) first: proto::TokenEvent,
+    ttft: std::time::Duration,
+}
+
+/// Call the front door and wait for its first event (a token, carrying the request id) or an
+/// error status, so that refusals are errors here, not broken streams.
+pub(crate) async fn open_remote(
+    client: &mut PrefillClient<Channel>,
+    g: proto::GenerateRequest,
+) -> Result<Opened, tonic::Status> {
+    let t0 = std::time::Instant::now();
+    let mut stream = client.generate(g).await?.into_inner();
+    let first = match stream.message().await? {
+        Some(ev) => ev,
+        None => return Err(tonic::Status::unavailable("the prefill node ended the stream")),
     };
-    let mut stream = client
-        .generate(g)
-        .await
-        .map_err(|s| (None, status_error(&s)))?
-        .into_inner();
-    // The front door answers admission with its first event (a token, carrying the request
-    // id) or an error status: wait for it, so that refusals are HTTP errors, not broken streams.
-    let first = match stream.message().await {
-        Ok(Some(ev)) => ev,
-        Ok(None) => {
-            return Err((
-                None,
-                ApiError::unavailable("the prefill node ended the stream", "backend_unavailable"),
-            ));
+    Ok(Opened {
+        stream,
+        first,
+        ttft: t0.elapsed(),
+    })
+}
+
+/// The incident's signature, checked on a pair's first event: a long prompt "prefilled" in no
+/// time.
+pub(crate) struct Anomaly<'a> {
+    pub(crate) check: PrefillCheck,
+    pub(crate) node: u32,
+    pub(crate) tenant: &'a str,
+    pub(crate) prompt_tokens: usize,
+}
+
+impl Anomaly<'_> {
+    pub(crate) async fn check(
+        &self,
+        o: &Opened,
+        gauges: &EngineGauges,
+        audit_sink: Option<&Arc<dyn audit::AuditSink>>,
+    ) {
+        let (check, node, tenant, prompt_tokens) =
+            (self.check, self.node, self.tenant, self.prompt_tokens);
+        let (id, ttft) = (o.first.request, o.ttft);
+        if !o.first.error.is_empty() || !check.is_anomalous(prompt_tokens, ttft) {
+            return;
         }
-        Err(s) => return Err((None, status_error(&s))),
-    };
-    let id = first.request;
-    let ttft = t0.elapsed();
-    if first.error.is_empty() && check.is_anomalous(prompt_tokens, ttft) {
-        // The incident's signature: a long prompt "prefilled" in no time. The pair's own audit
-        // logs hold the pages; this server records the anomaly in its own log when it keeps one,
-        // and always as a metric and an ERROR log.
-        if let Some(sink) = &audit_sink {
+        // The pair's own audit logs hold the pages; this server records the anomaly in its own
+        // log when it keeps one, and always as a metric and an ERROR log.
+        if let Some(sink) = audit_sink {
             let detail = serde_json::json!({
                 "request_id": format!("req-{node}-{id}"),
                 "tenant": tenant,
@@ -262,87 +325,123 @@ async fn submit_remote(
             "PREFILL ANOMALY: the pair's first token came sooner than computing the prompt can take"
         );
     }
-    // Bounded like the local path: at most max_tokens tokens and one terminal event; the
-    // relay awaits space, which holds back the gRPC stream (never the engines).
+}
+
+/// How a relayed request ended, for a router's log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum RelayEnd {
+    Finished { reason: String, generated: usize },
+    Failed(String),
+    /// The server or its client ended it (what the front door was told).
+    Ended,
+}
+
+/// Relay an opened stream's events to the HTTP side. Bounded like the local path: at most
+/// `max_tokens` tokens and one terminal event; the relay awaits space, which holds back the
+/// gRPC stream (never the engines). `ended` hears how it ended.
+pub(crate) fn relay(
+    mut client: PrefillClient<Channel>,
+    opened: Opened,
+    gauges: Arc<EngineGauges>,
+    max_tokens: usize,
+    ended: Option<tokio::sync::oneshot::Sender<RelayEnd>>,
+) -> Events {
+    let Opened {
+        mut stream, first, ..
+    } = opened;
     let (tx, rx) = mpsc::channel(max_tokens.saturating_add(1).min(1 << 16));
     let end = EndSlot::default();
     let said = end.clone();
     let cached_tokens = first.cached_tokens as usize;
     tokio::spawn(async move {
-        let mut generated = 0usize;
-        let mut ev = Some(first);
-        // Bounded by the stream: it ends after its terminal event.
-        loop {
-            let e = match ev.take() {
-                Some(e) => e,
-                None => match tokio::select! {
-                    m = stream.message() => m,
-                    () = tx.closed() => {
-                        // The server ended the request, or its client went away.
-                        end_upstream(&mut client, id, said.get()).await;
-                        return;
-                    }
-                } {
-                    Ok(Some(e)) => e,
-                    Ok(None) => {
-                        let _ = tx
-                            .send(Out::Aborted(
-                                "the prefill node ended the stream early".into(),
-                            ))
-                            .await;
-                        return;
-                    }
-                    Err(s) => {
-                        let _ = tx
-                            .send(Out::Aborted(format!("prefill node: {}", s.message())))
-                            .await;
-                        return;
-                    }
-                },
-            };
-            if !e.error.is_empty() {
-                if e.error.contains("integrity") || e.error.contains("tag") {
-                    gauges
-                        .integrity_violations_total
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                let _ = tx.send(Out::Failed(e.error)).await;
-                return;
-            }
-            if e.finish_reason.is_empty() {
-                generated += 1;
-                if tx.send(Out::Token(e.token)).await.is_err() {
-                    end_upstream(&mut client, id, said.get()).await;
-                    return; // dropping the stream aborts what the front door did not end
-                }
-                continue;
-            }
-            // A request that ended at its first token carries it in the final event.
-            if e.generated_tokens as usize > generated {
-                generated += 1;
-                if tx.send(Out::Token(e.token)).await.is_err() {
-                    return;
-                }
-            }
-            let reason = if e.finish_reason == "stop" {
-                FinishReason::Stop
-            } else {
-                FinishReason::Length
-            };
-            let _ = tx
-                .send(Out::Finished {
-                    reason,
-                    prompt_tokens: e.prompt_tokens as usize,
-                    generated_tokens: generated,
-                    cached_tokens,
-                })
-                .await;
-            return;
+        let how = relay_loop(&mut client, &mut stream, first, &tx, &gauges, cached_tokens, &said).await;
+        if let Some(e) = ended {
+            let _ = e.send(how);
         }
     });
     // What the server says in `end` reaches the pair's nodes (`end_upstream`), which record it.
-    let events = Events { rx, end };
-    Ok((format!("req-{node}-{id}"), id, events))
+    Events { rx, end }
+}
+
+async fn relay_loop(
+    client: &mut PrefillClient<Channel>,
+    stream: &mut tonic::Streaming<proto::TokenEvent>,
+    first: proto::TokenEvent,
+    tx: &mpsc::Sender<Out>,
+    gauges: &EngineGauges,
+    cached_tokens: usize,
+    said: &EndSlot,
+) -> RelayEnd {
+    let id = first.request;
+    let mut generated = 0usize;
+    let mut ev = Some(first);
+    // Bounded by the stream: it ends after its terminal event.
+    loop {
+        let e = match ev.take() {
+            Some(e) => e,
+            None => match tokio::select! {
+                m = stream.message() => m,
+                () = tx.closed() => {
+                    // The server ended the request, or its client went away.
+                    end_upstream(client, id, said.get()).await;
+                    return RelayEnd::Ended;
+                }
+            } {
+                Ok(Some(e)) => e,
+                Ok(None) => {
+                    let why = "the prefill node ended the stream early";
+                    let _ = tx.send(Out::Aborted(why.into())).await;
+                    return RelayEnd::Failed(why.into());
+                }
+                Err(s) => {
+                    let why = format!("prefill node: {}", s.message());
+                    let _ = tx.send(Out::Aborted(why.clone())).await;
+                    return RelayEnd::Failed(why);
+                }
+            },
+        };
+        if !e.error.is_empty() {
+            if e.error.contains("integrity") || e.error.contains("tag") {
+                gauges
+                    .integrity_violations_total
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            let _ = tx.send(Out::Failed(e.error.clone())).await;
+            return RelayEnd::Failed(e.error);
+        }
+        if e.finish_reason.is_empty() {
+            generated += 1;
+            if tx.send(Out::Token(e.token)).await.is_err() {
+                end_upstream(client, id, said.get()).await;
+                return RelayEnd::Ended; // dropping the stream aborts what the front door did not end
+            }
+            continue;
+        }
+        // A request that ended at its first token carries it in the final event.
+        if e.generated_tokens as usize > generated {
+            generated += 1;
+            if tx.send(Out::Token(e.token)).await.is_err() {
+                return RelayEnd::Ended;
+            }
+        }
+        let reason = if e.finish_reason == "stop" {
+            FinishReason::Stop
+        } else {
+            FinishReason::Length
+        };
+        let _ = tx
+            .send(Out::Finished {
+                reason,
+                prompt_tokens: e.prompt_tokens as usize,
+                generated_tokens: generated,
+                cached_tokens,
+            })
+            .await;
+        return RelayEnd::Finished {
+            reason: e.finish_reason,
+            generated,
+        };
+    }
 }
 
 /// How long telling the front door about a request's end may take before the relay gives up

@@ -138,6 +138,92 @@ impl ServeSection {
     }
 }
 
+/// `[fleet]`: `custody serve` as the router of N prefill × M decode nodes (`fleet.rs`). Empty
+/// `prefill`: not a router.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct FleetSection {
+    /// The prefill nodes (`[[fleet.prefill]]`): node id and front door (`http://host:port`).
+    pub prefill: Vec<FleetNode>,
+    /// The decode nodes (`[[fleet.decode]]`): node id and control plane (`http://host:port`).
+    pub decode: Vec<FleetNode>,
+    /// Every node's load report (the active health probe) is asked for this often.
+    pub probe_interval_ms: u64,
+    /// A probe not answered within this failed.
+    pub probe_timeout_ms: u64,
+    /// Attempts of one request across pairs (only failures before its first KV write was
+    /// posted are retried).
+    pub max_attempts: u32,
+    /// Health thresholds (`custody_router::health`).
+    pub ready_after_ok: u32,
+    pub not_ready_after_failures: u32,
+    pub failed_after_failures: u32,
+    pub circuit_open_ms: u64,
+    /// Routing policy (`custody_router::policy`).
+    pub cache_match_ratio: f64,
+    pub balance_abs_requests: u32,
+    pub balance_rel: f64,
+    /// Prefix keys the router remembers per prefill node (its approximate view of their caches).
+    pub index_keys_per_node: usize,
+    /// The power-of-two-choices draws' seed (0: from the OS at start).
+    pub seed: u64,
+}
+
+/// One node of the fleet as the router knows it.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FleetNode {
+    pub node: u32,
+    pub url: String,
+}
+
+impl Default for FleetSection {
+    fn default() -> Self {
+        Self {
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            probe_interval_ms: 250,
+            probe_timeout_ms: 1000,
+            max_attempts: 3,
+            ready_after_ok: 2,
+            not_ready_after_failures: 1,
+            failed_after_failures: 3,
+            circuit_open_ms: 1000,
+            cache_match_ratio: 0.5,
+            balance_abs_requests: 8,
+            balance_rel: 1.5,
+            index_keys_per_node: 1 << 16,
+            seed: 0,
+        }
+    }
+}
+
+impl FleetSection {
+    pub fn is_router(&self) -> bool {
+        !self.prefill.is_empty()
+    }
+
+    pub fn validate(&self) -> Result<(), ServeConfigError> {
+        let bad = |m: &str| Err(ServeConfigError(format!("[fleet]: {m}")));
+        if self.decode.is_empty() {
+            return bad("a router needs at least one [[fleet.decode]] node");
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        for n in self.prefill.iter().chain(&self.decode) {
+            if n.node == 0 || !ids.insert(n.node) {
+                return bad(&format!("node {} is 0 or listed twice", n.node));
+            }
+        }
+        if self.probe_interval_ms == 0 || self.probe_timeout_ms == 0 || self.max_attempts == 0 {
+            return bad("probe_interval_ms, probe_timeout_ms and max_attempts must be positive");
+        }
+        if self.index_keys_per_node == 0 {
+            return bad("index_keys_per_node must be positive");
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

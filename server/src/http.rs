@@ -58,6 +58,8 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/health/live", get(live))
+        .route("/health/ready", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
@@ -115,15 +117,22 @@ async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response
     )
 }
 
-/// Liveness and readiness in one: 200 while serving, 503 while draining or when the audit log
-/// failed (the node serves nothing then).
+/// Readiness (`/health`, `/health/ready`): 200 while serving, 503 while draining, when the
+/// audit log failed (the node serves nothing then), or — a router — while no prefill/decode
+/// pair is routable.
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     let audit_failed = st.backend.gauges().audit_failed.load(Ordering::Relaxed);
     let draining = st.draining.load(Ordering::Relaxed);
+    let no_pair = match &st.backend {
+        crate::backend::Backend::Fleet(r) => r.ready().is_err(),
+        _ => false,
+    };
     let status = if audit_failed {
         "audit_failed"
     } else if draining {
         "draining"
+    } else if no_pair {
+        "no_routable_pair"
     } else {
         "ok"
     };
@@ -133,6 +142,11 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     json_response(code, &json!({ "status": status, "model": st.model_name }))
+}
+
+/// Liveness: the process answers HTTP (Kubernetes restarts it when this fails).
+async fn live() -> Response {
+    json_response(StatusCode::OK, &json!({ "status": "live" }))
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {

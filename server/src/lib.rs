@@ -17,6 +17,7 @@ pub mod client;
 pub mod config;
 pub mod engine_thread;
 pub mod error;
+pub mod fleet;
 mod http;
 pub mod metrics;
 pub mod openai;
@@ -345,6 +346,52 @@ pub async fn serve_prefill(
     };
     serve_front(listener, front, &opts, shutdown).await
 }
+
+/// Serve on `listener` as the router of a fleet (`[fleet]`): every generation goes to a
+/// prefill/decode pair the router chooses (`fleet.rs`); tenants, limits, errors, metrics and the
+/// canary are this server's. `security`: this router's front certificate (every node admits it
+/// for its load report; the prefill nodes take the tenant from it alone).
+pub async fn serve_fleet(
+    listener: tokio::net::TcpListener,
+    prepared: PreparedFront,
+    fleet: config::FleetSection,
+    security: &custody_runtime::disagg::tls::Security,
+    parts: fleet::RouterParts,
+    opts: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let node = parts.node;
+    let router = fleet::Router::start(
+        fleet,
+        security,
+        parts,
+        prepared.gauges.clone(),
+        prepared.check,
+    )
+        .map_err(|e| ServeError::Startup(e.to_string()))?;
+    // Wait (bounded) for the first reports, so that the context length below is the fleet's.
+    let t0 = std::time::Instant::now();
+    while router.ready().is_err() && t0.elapsed() < FLEET_READY_WAIT {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let context_length = router.context_length().unwrap_or(0);
+    tracing::info!(context_length, ready = router.ready().is_ok(), "routing a fleet");
+    let front = Front {
+        backend: Backend::Fleet(router),
+        tokenizer: prepared.tokenizer,
+        golden: prepared.golden,
+        model_name: prepared.model_name,
+        // The prefill nodes cache; the router only routes by what they may hold.
+        prefix: None,
+        context_length,
+        node,
+    };
+    serve_front(listener, front, &opts, shutdown).await
+}
+
+/// How long a router waits at start for a routable pair before it serves anyway (refusing
+/// requests with 503 until one is ready).
+const FLEET_READY_WAIT: Duration = Duration::from_secs(30);
 
 /// What the HTTP front needs, whatever runs the generations.
 struct Front {

@@ -542,6 +542,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             kv_encryption: Default::default(),
             checkpoints: None,
             namespaces: None,
+            drain: Default::default(),
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -553,6 +554,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
             unsafe_: UnsafeReproduction::default(),
             fingerprint,
             checkpoints: None,
+            drain: Default::default(),
         },
         fleet: Some(fleet.clone()),
         transport_encryption: false,

@@ -10,6 +10,7 @@ use tonic::Status;
 use tonic::transport::{Channel, Server};
 
 use super::decode::{DecodeHandle, DecodeOptions};
+use super::fleet::{FleetNode, FleetService};
 use super::prefill::{PrefillHandle, PrefillOptions, PrefillStartError};
 use super::proto::{self, prefill_client::PrefillClient};
 use crate::engine::{Engine, GenerateRequest};
@@ -23,12 +24,13 @@ pub async fn serve_decode(
     security: Security,
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(), ServeError> {
+    let fleet = fleet_service(FleetNode::Decode(h.clone()), &security);
     let svc = proto::decode_server::DecodeServer::with_interceptor(
         h.service(),
         security.interceptor(&[Role::Prefill]),
     );
     serve_secured(
-        Server::builder().add_service(svc),
+        Server::builder().add_service(svc).add_service(fleet),
         listener,
         &security,
         shutdown,
@@ -44,17 +46,32 @@ pub async fn serve_prefill(
     security: Security,
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(), ServeError> {
+    let fleet = fleet_service(FleetNode::Prefill(h.clone()), &security);
     let svc = proto::prefill_server::PrefillServer::with_interceptor(
         h.service(),
         security.interceptor(&[Role::Front]),
     );
     serve_secured(
-        Server::builder().add_service(svc),
+        Server::builder().add_service(svc).add_service(fleet),
         listener,
         &security,
         shutdown,
     )
     .await
+}
+
+/// The load report, served on the node's control port to its router (a front identity) only.
+fn fleet_service(
+    node: FleetNode,
+    security: &Security,
+) -> tonic::service::interceptor::InterceptedService<
+    proto::fleet_server::FleetServer<FleetService>,
+    impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, Status> + Clone + Send + 'static,
+> {
+    proto::fleet_server::FleetServer::with_interceptor(
+        FleetService::new(node),
+        security.interceptor(&[Role::Front]),
+    )
 }
 
 /// Run `router` on `listener`: TLS streams from this process's own acceptor
@@ -127,6 +144,7 @@ pub async fn collect(
             sampling: Some(super::sampling_to_proto(&req.sampling)),
             stop_ids: req.stop_ids.clone(),
             cache_salt: String::new(),
+            route: None,
         })
         .await?
         .into_inner();

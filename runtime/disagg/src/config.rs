@@ -27,6 +27,24 @@ pub struct DisaggSection {
     /// TLS on the tcp KV transport's connections (needs `[tls]` certificates; both nodes must
     /// agree). Off, every connection still proves its pairing's secret before any frame.
     pub transport_encryption: bool,
+    /// Prefill in a fleet: every decode node it writes into (`[[disagg.decode]]`), each verified
+    /// by its own identity. Empty: the one at `decode_control`, named by `[tls] accept`.
+    pub decode: Vec<DecodePeer>,
+    /// Both roles: where `/health/live` and `/health/ready` answer (plain HTTP; empty = off).
+    pub health_listen: String,
+    /// Both roles: on SIGTERM the node drains — refuses new requests, finishes those running —
+    /// and exits when none is left or after this long, whichever comes first.
+    pub drain_timeout_ms: u64,
+}
+
+/// One decode node a prefill node writes into.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DecodePeer {
+    /// Its node id: its certificate must say `custody-node:decode:<node>`.
+    pub node: u32,
+    /// Its control plane, `host:port`.
+    pub control: String,
 }
 
 impl Default for DisaggSection {
@@ -40,6 +58,9 @@ impl Default for DisaggSection {
             checksum: true,
             release_fill: ReleaseFill::None,
             transport_encryption: false,
+            decode: Vec::new(),
+            health_listen: String::new(),
+            drain_timeout_ms: 30_000,
         }
     }
 }

@@ -48,6 +48,9 @@ pub struct DecodeOptions {
     /// Keep the prefill node's checkpoints in this node's log and answer with this node's own
     /// (`None`: the exchange is refused, e.g. without an audit writer).
     pub checkpoints: Option<crate::checkpoints::PeerCheckpoints>,
+    /// Set by the node's signal handler: new reservations are refused (nothing reserved or
+    /// registered: the router retries elsewhere); requests already reserved finish.
+    pub drain: super::Drain,
 }
 
 /// How prefill (for the front behind it) ended a request: the `requests` row's kind and the
@@ -245,7 +248,34 @@ impl Node {
         Ok(info)
     }
 
+    /// A router's route must name this node, at its current epoch, and the asking prefill node:
+    /// a route minted before this node restarted (another epoch) never reserves a page, so no
+    /// write of it can land. Refused here, before anything is reserved or registered.
+    fn check_route(&self, req: &proto::ReserveRequest) -> Result<(), Status> {
+        if self.opts.drain.is_draining() {
+            return Err(Status::unavailable("this decode node is draining"));
+        }
+        let Some(r) = &req.route else {
+            return Ok(());
+        };
+        if r.decode_node != self.opts.node_id || r.prefill_node != req.origin_node {
+            return Err(Status::failed_precondition(format!(
+                "the route is prefill {} -> decode {}, this is decode {} asked by prefill {}",
+                r.prefill_node, r.decode_node, self.opts.node_id, req.origin_node
+            )));
+        }
+        if r.decode_epoch != self.info.epoch {
+            return Err(Status::failed_precondition(format!(
+                "stale route: it names epoch {} of decode node {}, which is at epoch {}",
+                r.decode_epoch, self.opts.node_id, self.info.epoch
+            )));
+        }
+        Ok(())
+    }
+
     fn reserve(&mut self, req: proto::ReserveRequest) -> Result<proto::ReserveReply, Status> {
+        self.check_route(&req)?;
+        let route = req.route.clone();
         let sampling = super::sampling_from_proto(req.sampling.as_ref());
         let prompt_len = req.prompt.len();
         let greq = GenerateRequest {
@@ -333,6 +363,13 @@ impl Node {
         );
         self.by_slot.insert(slot, id);
         self.by_key.insert(region.rkey, id);
+        if let Some(route) = &route {
+            self.engine.record(custody_audit::Event::Node {
+                ts_ns: custody_audit::mono_now_ns(),
+                kind: super::prefill::ROUTE_EVENT.into(),
+                detail: super::prefill::route_detail(id, route),
+            });
+        }
         Ok(proto::ReserveReply {
             request: id,
             rkey: region.rkey,
@@ -849,6 +886,7 @@ pub struct DecodeHandle {
     /// The transport's endpoint: `tcp`, its listening address; `verbs`, the queue pair's.
     pub transport_addr: String,
     pub info: proto::NodeInfo,
+    drain: super::Drain,
 }
 
 impl std::fmt::Debug for Cmd {
@@ -886,6 +924,7 @@ impl DecodeHandle {
         )?;
         let transport_addr = transport.endpoint();
         let checkpoints = opts.checkpoints.as_ref().map(|p| p.book.clone());
+        let drain = opts.drain.clone();
         let stride = engine.core().pool().region_page_stride();
         let info = super::node_info(
             engine.core().model(),
@@ -901,6 +940,7 @@ impl DecodeHandle {
         );
         let info = proto::NodeInfo {
             transport_encryption: opts.kv_encryption.is_on(),
+            epoch: super::draw_epoch()?,
             ..info
         };
         let node = Node {
@@ -930,6 +970,7 @@ impl DecodeHandle {
             checkpoints,
             transport_addr,
             info,
+            drain,
         })
     }
 
@@ -970,6 +1011,11 @@ impl DecodeHandle {
     #[cfg(feature = "fault-injection")]
     pub fn fault_inject(&self, f: DecodeFault) {
         let _ = self.send(Cmd::Fault(f));
+    }
+
+    /// Whether the node is draining (refusing new reservations).
+    pub fn draining(&self) -> bool {
+        self.drain.is_draining()
     }
 
     /// The gRPC service over this handle.

@@ -27,6 +27,8 @@ pub mod checkpoints;
 pub mod client;
 pub mod config;
 pub mod decode;
+pub mod fleet;
+pub mod health;
 pub mod prefill;
 pub mod tls;
 /// The request protocol's state machine (in the engine crate: the engine applies its page rule).
@@ -198,6 +200,47 @@ pub fn node_info(
         unsafe_switches: unsafe_switches.iter().map(|s| (*s).to_owned()).collect(),
         transport_encryption: false,
         kv_pairing: None,
+        epoch: 0,
+    }
+}
+
+/// A process's epoch (its incarnation, [`proto::NodeInfo::epoch`]): drawn from the OS CSPRNG at
+/// start, never 0 (0 is "unset" on the wire).
+pub fn draw_epoch() -> Result<u64, crate::transport::TransportError> {
+    Ok(crate::transport::pairing::random_u64()?.max(1))
+}
+
+/// The gRPC metadata a node puts on a failed `Generate`/`Reserve` when **no KV write of the
+/// attempt was posted** (nothing can have landed anywhere): the only failures a router may
+/// retry on another pair. Absent, the request failed closed.
+pub const NOTHING_POSTED_KEY: &str = "custody-nothing-posted";
+
+/// `s`, marked as failing before any KV write was posted ([`NOTHING_POSTED_KEY`]).
+pub fn nothing_posted(mut s: tonic::Status) -> tonic::Status {
+    s.metadata_mut()
+        .insert(NOTHING_POSTED_KEY, tonic::metadata::MetadataValue::from_static("1"));
+    s
+}
+
+/// Whether `s` says no KV write of the attempt was posted.
+pub fn is_nothing_posted(s: &tonic::Status) -> bool {
+    s.metadata()
+        .get(NOTHING_POSTED_KEY)
+        .is_some_and(|v| v.as_bytes() == b"1")
+}
+
+/// A node's drain switch, shared by its services and its signal handler: once set, new requests
+/// are refused (before anything is reserved: retryable elsewhere), the load report and
+/// `/health/ready` say so, and requests already running finish.
+#[derive(Clone, Debug, Default)]
+pub struct Drain(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drain {
+    pub fn start(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    pub fn is_draining(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -495,6 +538,7 @@ mod tests {
             unsafe_switches: Vec::new(),
             transport_encryption: false,
             kv_pairing: None,
+            epoch: 0,
         }
     }
 

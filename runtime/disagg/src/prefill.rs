@@ -51,15 +51,41 @@ pub struct PrefillOptions {
     /// from the tenant its authenticated front asserted and the client's `cache_salt`; the
     /// cached pages are transferred like any other (checksummed, verified on decode).
     pub namespaces: Option<Arc<custody_engine::prefix_cache::Namespaces>>,
+    /// Set by the node's signal handler: new requests are refused (retryable: nothing posted).
+    pub drain: super::Drain,
 }
 
-/// The requests a front may still end early, by this node's request id: the decode request each
-/// was reserved as. An entry lives while its `generate` runs (bounded by the live requests).
+/// One decode node this prefill node writes into (a fleet names several).
+#[derive(Clone, Debug)]
+pub struct DecodeTarget {
+    /// Its control plane, `http://host:port`.
+    pub url: String,
+    /// The identity its certificate (and its handshake's node id) must name; `None` on the
+    /// insecure loopback mode.
+    pub identity: Option<NodeIdentity>,
+    /// TLS on the KV transport's connection to it (must match the decode node's).
+    pub kv_encryption: crate::transport::KvEncryption,
+}
+
+/// What the node knows of one decode peer, shared with the gRPC side: its node id and epoch
+/// from the last accepted handshake, and whether the KV transport to it is connected now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerLink {
+    pub node: u32,
+    pub epoch: u64,
+    pub connected: bool,
+}
+
+/// The peers' links by peer index (written only by the engine thread).
+type PeerTable = Arc<std::sync::RwLock<Vec<PeerLink>>>;
+
+/// The requests a front may still end early, by this node's request id: the decode peer and the
+/// decode request each was reserved as. An entry lives while its `generate` runs (bounded by the live requests).
 #[derive(Debug, Default)]
-struct Relays(std::sync::Mutex<HashMap<RequestId, u64>>);
+struct Relays(std::sync::Mutex<HashMap<RequestId, (usize, u64)>>);
 
 impl Relays {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RequestId, u64>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RequestId, (usize, u64)>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -116,26 +142,59 @@ enum ReconnectError {
     Timeout,
     #[error("handshake refused: {0}")]
     Refused(String),
+    #[error("decode node unreachable: {0}")]
+    Unreachable(String),
     #[error(transparent)]
     Pair(#[from] super::PairMismatch),
+}
+
+impl ReconnectError {
+    fn of_status(s: &Status) -> Self {
+        if s.code() == tonic::Code::Unavailable {
+            Self::Unreachable(s.message().to_owned())
+        } else {
+            Self::Refused(s.message().to_owned())
+        }
+    }
 }
 
 /// The `node_events` kind that names, for each admitted request, the authenticated front that
 /// asserted its tenant (`request=<id> tenant=<tenant> front=custody-node:front:<n>`).
 pub const FRONT_REQUEST_EVENT: &str = "front_request";
 
+/// The `node_events` kind that binds a request to the router's route (`request=<id>
+/// transfer=<router's transfer id> router=<n> prefill=<n> decode=<n> epoch=<e> attempt=<a>`).
+pub const ROUTE_EVENT: &str = "route";
+
+/// A route's `node_events` detail, the same fields on both nodes (`request` is the recording
+/// node's own request id).
+pub fn route_detail(request: u64, r: &proto::Route) -> String {
+    format!(
+        "request={request} transfer={} router={} prefill={} decode={} epoch={} attempt={}",
+        r.transfer_id, r.router_node, r.prefill_node, r.decode_node, r.decode_epoch, r.attempt
+    )
+}
+
+/// A prompt to admit, from an authenticated front (and, in a fleet, its router's route).
+struct Submission {
+    req: GenerateRequest,
+    front: Option<NodeIdentity>,
+    route: Option<proto::Route>,
+}
+
 enum Cmd {
     /// Admit a prompt (prefill-only). Replies with the prefill request id and whether the
     /// (legacy) path truncated it; `prefilled` fires when its KV is computed (first token).
     Submit(
-        GenerateRequest,
-        Option<NodeIdentity>,
+        Box<Submission>,
         oneshot::Sender<Result<(RequestId, bool), Status>>,
         oneshot::Sender<PrefillResult>,
     ),
-    /// Decode's reservation for a submitted request; the reply fires when the transfer is over.
+    /// Decode's reservation (on peer `peer`) for a submitted request; the reply fires when the
+    /// transfer is over.
     Attach(
         RequestId,
+        usize,
         proto::ReserveReply,
         oneshot::Sender<TransferResult>,
     ),
@@ -175,6 +234,9 @@ struct PReq {
     /// This node's view of the request in the protocol; changed only through its `on`.
     machine: ReqMachine,
     tenant: Arc<str>,
+    /// The decode peer written into (index into `Node::peers`) and its node id; set at attach.
+    peer: usize,
+    decode_node: u32,
     reservation: Option<proto::ReserveReply>,
     first_token: Option<u32>,
     prefilled: Option<oneshot::Sender<PrefillResult>>,
@@ -196,38 +258,61 @@ struct PReq {
 /// gathers only from registered memory); it never moves (a boxed slice).
 struct HeaderArena(Box<[[u8; crate::kv::TRANSFER_HDR_BYTES]]>);
 
-struct Node {
+/// One decode peer: the KV transport to it (its own connection and pairing) and its control
+/// plane.
+struct Peer {
     /// Declared (so dropped) before the memory registered with it: the engine's pool and the
-    /// header arena.
+    /// header arena (fields of [`Node`] after `peers`).
     transport: Box<dyn KvTransport>,
+    target: DecodeTarget,
+    decode: DecodeClient<Channel>,
+    /// The last accepted handshake reply (node id, epoch); `None` until paired.
+    paired: Option<proto::NodeInfo>,
+    /// A handshake is in flight (its result comes through `Node::handshakes`).
+    handshaking: bool,
+    last_attempt: Instant,
+    backoff: Duration,
+}
+
+/// A background handshake's result, for the engine thread.
+struct HandshakeDone {
+    peer: usize,
+    result: Result<proto::NodeInfo, ReconnectError>,
+}
+
+struct Node {
+    /// Declared (so dropped) before the memory registered with their transports: the engine's
+    /// pool and the header arena.
+    peers: Vec<Peer>,
     engine: PrefillEngine,
     headers: HeaderArena,
     opts: PrefillOptions,
-    decode_node: u32,
     reqs: HashMap<RequestId, PReq>,
-    /// Re-run the handshake on a lost transport connection (it carries the endpoints).
-    control: Reconnect,
-    last_reconnect: Instant,
+    /// This node's handshake statement (its transport address is each peer's own).
+    info: proto::NodeInfo,
+    rt: tokio::runtime::Handle,
+    handshakes: (
+        std::sync::mpsc::Sender<HandshakeDone>,
+        std::sync::mpsc::Receiver<HandshakeDone>,
+    ),
+    table: PeerTable,
     reconnects: u64,
     /// Faults armed by tests (feature `fault-injection`; not compiled into a binary).
     #[cfg(feature = "fault-injection")]
     fault: faults::FaultState,
 }
 
-/// What a reconnect needs: the control-plane client and this node's handshake statement.
-struct Reconnect {
-    rt: tokio::runtime::Handle,
-    decode: DecodeClient<Channel>,
-    info: proto::NodeInfo,
-}
-
 impl Node {
     fn submit(
         &mut self,
-        mut req: GenerateRequest,
-        front: Option<NodeIdentity>,
+        sub: Submission,
         prefilled: oneshot::Sender<PrefillResult>,
     ) -> Result<(RequestId, bool), Status> {
+        let Submission {
+            mut req,
+            front,
+            route,
+        } = sub;
         let mut truncated = false;
         // Only the legacy path looks before it leaps; otherwise `PrefillEngine::submit` checks and
         // records the rejection itself.
@@ -255,11 +340,21 @@ impl Node {
                 detail: format!("request={id} tenant={tenant} front={front}"),
             });
         }
+        if let Some(route) = &route {
+            // Which route of the router's this request is (its transfer id joins the logs).
+            self.engine.record(audit::Event::Node {
+                ts_ns: audit::mono_now_ns(),
+                kind: ROUTE_EVENT.into(),
+                detail: route_detail(id, route),
+            });
+        }
         self.reqs.insert(
             id,
             PReq {
                 machine: ReqMachine::new(),
                 tenant,
+                peer: 0,
+                decode_node: 0,
                 reservation: None,
                 first_token: None,
                 prefilled: Some(prefilled),
@@ -276,13 +371,21 @@ impl Node {
     fn attach(
         &mut self,
         id: RequestId,
+        peer: usize,
         res: proto::ReserveReply,
         done: oneshot::Sender<TransferResult>,
     ) {
-        let Some(r) = self.reqs.get_mut(&id) else {
-            let _ = done.send(Err(format!("prefill request {id} is gone").into()));
+        let decode_node = self
+            .peers
+            .get(peer)
+            .and_then(|p| p.paired.as_ref())
+            .map(|i| i.node_id);
+        let (Some(r), Some(decode_node)) = (self.reqs.get_mut(&id), decode_node) else {
+            let _ = done.send(Err(format!("prefill request {id} or its decode peer is gone").into()));
             return;
         };
+        r.peer = peer;
+        r.decode_node = decode_node;
         r.reservation = Some(res);
         r.done = Some(done);
         // Decode's pages exist from here on; prefill starts the transfer phase for them.
@@ -356,6 +459,10 @@ impl Node {
             return;
         }
         let stride = res.page_stride;
+        let peer = r.peer;
+        let Some(transport) = self.peers.get_mut(peer).map(|p| &mut p.transport) else {
+            return;
+        };
         let mut posted = 0;
         let mut error = None;
         // Test-only faults (see `PrefillFault`): (page index, wr_id) of one extra write.
@@ -418,7 +525,7 @@ impl Node {
                 && (first..end).contains(&x.page_index)
             {
                 faults::post_unrecorded_copy(
-                    &mut *self.transport,
+                    &mut **transport,
                     &chains[x.page_index],
                     x,
                     res.rkey,
@@ -428,7 +535,7 @@ impl Node {
             // released after the completion) or into the page's header slot (see
             // `HeaderArena`), both registered with the transport at start; the linked chains
             // live in `chains` (their heap buffers do not move) for the duration of the call.
-            let res_post = unsafe { self.transport.post_write(&chains[first].1[0]) };
+            let res_post = unsafe { transport.post_write(&chains[first].1[0]) };
             match res_post {
                 Ok(()) => {
                     posted += end - first;
@@ -482,7 +589,7 @@ impl Node {
                 src_node: self.opts.node_id,
                 src_page: sent.page,
                 src_generation: sent.generation,
-                dst_node: self.decode_node,
+                dst_node: r.decode_node,
                 dst_page: dst.page,
                 dst_generation: dst.generation,
                 bytes: sent.bytes,
@@ -633,51 +740,82 @@ impl Node {
             }
         }
         let mut wcs = Vec::new();
-        if self.transport.poll_send(&mut wcs, 1024).is_ok() {
-            busy |= !wcs.is_empty();
-            for wc in wcs {
-                self.on_completion(wc);
-            }
+        for peer in &mut self.peers {
+            // wr_ids are this node's (request << 16 | page index): unique across peers.
+            let _ = peer.transport.poll_send(&mut wcs, 1024);
+        }
+        busy |= !wcs.is_empty();
+        for wc in wcs {
+            self.on_completion(wc);
         }
         busy
     }
 
-    /// A lost transport connection is re-established (its outstanding writes were flushed in
-    /// error, so nothing is "in flight" on the old one).
+    /// A peer whose transport connection was lost (its outstanding writes were flushed in
+    /// error, so nothing is "in flight" on the old one), or that was never paired, gets a fresh
+    /// handshake — in the background, so that a dead or unreachable decode node never stalls
+    /// this thread (and every other peer's transfers) — with doubling pauses.
     fn maybe_reconnect(&mut self) {
-        if self.transport.connected() || self.last_reconnect.elapsed() < Duration::from_millis(50) {
-            return;
+        while let Ok(done) = self.handshakes.1.try_recv() {
+            self.handshake_done(done);
         }
-        self.last_reconnect = Instant::now();
-        match self.reconnect() {
-            Ok(peer) => {
-                self.reconnects += 1;
-                tracing::warn!(peer = %peer, "KV transport reconnected");
+        let now = Instant::now();
+        for idx in 0..self.peers.len() {
+            let p = &mut self.peers[idx];
+            let down = p.paired.is_none() || !p.transport.connected();
+            if !down || p.handshaking || now.duration_since(p.last_attempt) < p.backoff {
+                continue;
             }
-            Err(e) => tracing::warn!(error = %e, "KV transport reconnect failed"),
+            p.last_attempt = now;
+            p.handshaking = true;
+            if p.paired.take().is_some() {
+                tracing::warn!(peer = idx, url = %p.target.url, "KV transport to a decode node lost: re-pairing");
+            }
+            if let Err(e) = p.transport.reset() {
+                tracing::warn!(error = %e, "KV transport reset failed");
+            }
+            let mut hello = self.info.clone();
+            hello.transport_addr = p.transport.endpoint();
+            let mut decode = p.decode.clone();
+            let tx = self.handshakes.0.clone();
+            self.rt.spawn(async move {
+                let result = match tokio::time::timeout(HANDSHAKE_TIMEOUT, decode.handshake(hello)).await {
+                    Err(_) => Err(ReconnectError::Timeout),
+                    Ok(Err(s)) => Err(ReconnectError::of_status(&s)),
+                    Ok(Ok(r)) => Ok(r.into_inner()),
+                };
+                let _ = tx.send(HandshakeDone { peer: idx, result });
+            });
+        }
+        self.publish_links();
+    }
+
+    fn handshake_done(&mut self, done: HandshakeDone) {
+        let info = self.info.clone();
+        let Some(p) = self.peers.get_mut(done.peer) else {
+            return;
+        };
+        p.handshaking = false;
+        match done.result.and_then(|reply| pair_with(p, &info, reply)) {
+            Ok(()) => {
+                p.backoff = RECONNECT_INTERVAL;
+                self.reconnects += 1;
+                tracing::warn!(peer = %p.target.url, "KV transport to a decode node (re)paired");
+            }
+            Err(e) => {
+                p.backoff = (p.backoff * 2).min(RECONNECT_MAX);
+                tracing::warn!(peer = %p.target.url, error = %e, retry_in_ms = p.backoff.as_millis() as u64, "pairing with a decode node failed");
+            }
         }
     }
 
-    /// A fresh handshake (both transports: `verbs` must exchange new queue-pair endpoints, and
-    /// `tcp` learns the address anew), then connect. Blocks this thread for one round trip.
-    fn reconnect(&mut self) -> Result<String, ReconnectError> {
-        self.transport.reset()?;
-        let mut info = self.control.info.clone();
-        info.transport_addr = self.transport.endpoint();
-        let mut decode = self.control.decode.clone();
-        let reply = self
-            .control
-            .rt
-            .block_on(async move {
-                tokio::time::timeout(Duration::from_secs(5), decode.handshake(info)).await
-            })
-            .map_err(|_| ReconnectError::Timeout)?
-            .map_err(|s| ReconnectError::Refused(s.message().to_owned()))?
-            .into_inner();
-        super::check_pair(&self.control.info, &reply)?;
-        self.transport
-            .connect_peer(&reply.transport_addr, &super::pairing_of(&reply)?)?;
-        Ok(reply.transport_addr)
+    /// The peers' links as the gRPC side and the load report see them (written on change).
+    fn publish_links(&self) {
+        let links: Vec<PeerLink> = self.peers.iter().map(Peer::link).collect();
+        let mut t = self.table.write().unwrap_or_else(|p| p.into_inner());
+        if *t != links {
+            *t = links;
+        }
     }
 
     fn handle(&mut self, cmd: Cmd) {
@@ -691,13 +829,18 @@ impl Node {
                     reconnects: self.reconnects,
                 });
             }
-            Cmd::Submit(req, front, tx, prefilled) => {
-                let _ = tx.send(self.submit(req, front, prefilled));
+            Cmd::Submit(sub, tx, prefilled) => {
+                let _ = tx.send(self.submit(*sub, prefilled));
             }
-            Cmd::Attach(id, res, tx) => self.attach(id, res, tx),
+            Cmd::Attach(id, peer, res, tx) => self.attach(id, peer, res, tx),
             Cmd::Abort(id, reason) => self.abort(id, &reason),
             #[cfg(feature = "fault-injection")]
-            Cmd::Fault(f) => self.fault.arm(f, &mut *self.transport),
+            Cmd::Fault(f) => {
+                // Test faults act on the first peer's transport (the pair tests have one).
+                if let Some(p) = self.peers.first_mut() {
+                    self.fault.arm(f, &mut *p.transport);
+                }
+            }
         }
     }
 }
@@ -705,8 +848,48 @@ impl Node {
 /// How long the engine thread may sleep while writes are in flight: the transport's
 /// completions arrive on a channel this thread polls (no reactor wakes it).
 const COMPLETION_POLL: Duration = Duration::from_micros(500);
-/// How often a lost transport connection is redialled.
+/// How often a lost transport connection is redialled at first (doubling up to RECONNECT_MAX).
 const RECONNECT_INTERVAL: Duration = Duration::from_millis(50);
+const RECONNECT_MAX: Duration = Duration::from_secs(2);
+/// A background handshake that takes longer than this failed.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Peer {
+    fn link(&self) -> PeerLink {
+        match &self.paired {
+            Some(i) => PeerLink {
+                node: i.node_id,
+                epoch: i.epoch,
+                connected: self.transport.connected(),
+            },
+            None => PeerLink::default(),
+        }
+    }
+}
+
+/// Check a decode node's handshake reply against this node's statement and the peer's expected
+/// identity, then connect the KV transport with the pairing it carries.
+fn pair_with(
+    p: &mut Peer,
+    own: &proto::NodeInfo,
+    reply: proto::NodeInfo,
+) -> Result<(), ReconnectError> {
+    super::check_pair(own, &reply)?;
+    // The decode node's certificate named the identity this node expects (the TLS handshake
+    // checked its DNS name); the node id it states must be that identity's.
+    if let Some(id) = p.target.identity
+        && reply.node_id != id.node
+    {
+        return Err(ReconnectError::Refused(format!(
+            "the decode node states node {} but its certificate is {id}",
+            reply.node_id
+        )));
+    }
+    p.transport
+        .connect_peer(&reply.transport_addr, &super::pairing_of(&reply)?)?;
+    p.paired = Some(reply);
+    Ok(())
+}
 
 impl actor::Actor for Node {
     type Cmd = Cmd;
@@ -723,7 +906,11 @@ impl actor::Actor for Node {
         self.maybe_reconnect();
         if busy {
             actor::Work::Busy
-        } else if !self.transport.connected() {
+        } else if self
+            .peers
+            .iter()
+            .any(|p| p.paired.is_none() || !p.transport.connected())
+        {
             actor::Work::PollAfter(RECONNECT_INTERVAL)
         } else if self.reqs.values().any(|r| r.outstanding > 0) {
             actor::Work::PollAfter(COMPLETION_POLL)
@@ -749,16 +936,19 @@ impl std::fmt::Debug for Cmd {
 /// Commands waiting for the engine thread (bounded: a full queue answers `unavailable`).
 const CMD_QUEUE_CMDS: usize = 1024;
 
-/// A running prefill node: its engine thread, and a control-plane client of its decode node.
+/// A running prefill node: its engine thread, and a control-plane client of each decode peer.
 #[derive(Clone, Debug)]
 pub struct PrefillHandle {
     tx: Mailbox<Cmd>,
-    decode: DecodeClient<Channel>,
+    /// By peer index (the same as the engine thread's).
+    decodes: Arc<[DecodeClient<Channel>]>,
+    table: PeerTable,
     opts: PrefillOptions,
     relays: Arc<Relays>,
     /// Held by every handle: the checkpoint exchange stops when the last one is gone.
     _alive: Arc<()>,
     pub info: proto::NodeInfo,
+    /// The first decode peer's handshake reply at start (default when it was not reachable).
     pub decode_info: proto::NodeInfo,
 }
 
@@ -781,8 +971,24 @@ pub enum PrefillStartError {
         addr: String,
         source: TransportError,
     },
+    #[error("no decode node to write into")]
+    NoPeers,
     #[error("cannot start the prefill engine thread: {0}")]
     Thread(#[from] std::io::Error),
+}
+
+impl From<ReconnectError> for PrefillStartError {
+    fn from(e: ReconnectError) -> Self {
+        match e {
+            ReconnectError::Pair(p) => Self::Pair(p),
+            ReconnectError::Transport(source) => Self::Transport {
+                addr: String::new(),
+                source,
+            },
+            ReconnectError::Timeout => Self::Handshake("handshake timed out".into()),
+            ReconnectError::Refused(m) | ReconnectError::Unreachable(m) => Self::Handshake(m),
+        }
+    }
 }
 
 impl PrefillHandle {
@@ -795,7 +1001,6 @@ impl PrefillHandle {
         security: &Security,
         decode_control: &str,
     ) -> Result<Self, PrefillStartError> {
-        let engine = PrefillEngine::new(engine);
         let channel = security
             .channel(decode_control, Role::Decode)
             .await
@@ -803,16 +1008,57 @@ impl PrefillHandle {
                 addr: decode_control.to_owned(),
                 source,
             })?;
-        let mut decode = DecodeClient::new(channel);
-        let mut transport = crate::transport::open_initiator(
-            opts.node_id,
-            &opts.transport_kind,
-            opts.kv_encryption.clone(),
-        )
-        .map_err(|source| PrefillStartError::Transport {
-            addr: String::new(),
-            source,
-        })?;
+        let identity = match security {
+            Security::Tls(t) => Some(t.peer(Role::Decode)?),
+            Security::InsecureLoopback => None,
+        };
+        let target = DecodeTarget {
+            url: decode_control.to_owned(),
+            identity,
+            kv_encryption: opts.kv_encryption.clone(),
+        };
+        Self::start_with(engine, opts, vec![(target, DecodeClient::new(channel))], true).await
+    }
+
+    /// A fleet's prefill node: every decode node in `targets`, each verified by its own
+    /// identity. A refused handshake (model, geometry, identity) stops the start; a peer that is
+    /// unreachable now is paired in the background when it answers.
+    pub async fn start_fleet(
+        engine: Engine,
+        opts: PrefillOptions,
+        security: &Security,
+        targets: Vec<DecodeTarget>,
+    ) -> Result<Self, PrefillStartError> {
+        let mut peers = Vec::with_capacity(targets.len());
+        for t in targets {
+            let channel = match t.identity {
+                Some(id) => security.channel_lazy(&t.url, id),
+                None => {
+                    security.check_url(&t.url)?;
+                    tonic::transport::Endpoint::from_shared(t.url.clone())
+                        .map(|e| e.connect_lazy())
+                        .map_err(crate::tls::ChannelError::from)
+                }
+            }
+            .map_err(|source| PrefillStartError::Connect {
+                addr: t.url.clone(),
+                source,
+            })?;
+            peers.push((t, DecodeClient::new(channel)));
+        }
+        Self::start_with(engine, opts, peers, false).await
+    }
+
+    async fn start_with(
+        engine: Engine,
+        opts: PrefillOptions,
+        targets: Vec<(DecodeTarget, DecodeClient<Channel>)>,
+        all_required: bool,
+    ) -> Result<Self, PrefillStartError> {
+        if targets.is_empty() {
+            return Err(PrefillStartError::NoPeers);
+        }
+        let engine = PrefillEngine::new(engine);
         let info = super::node_info(
             engine.core().model(),
             &opts.fingerprint,
@@ -821,82 +1067,62 @@ impl PrefillHandle {
             engine.core().pool().page_size(),
             engine.core().context_length(),
             engine.core().pool().n_pages() * engine.core().pool().page_size(),
-            transport.kind(),
+            opts.transport_kind.name(),
             String::new(),
             &opts.unsafe_.names(),
         );
         let info = proto::NodeInfo {
             transport_encryption: opts.kv_encryption.is_on(),
+            epoch: super::draw_epoch().map_err(|source| PrefillStartError::Transport {
+                addr: String::new(),
+                source,
+            })?,
             ..info
         };
-        let mut hello = info.clone();
-        hello.transport_addr = transport.endpoint();
-        let decode_info = decode
-            .handshake(hello)
-            .await
-            .map_err(|s| PrefillStartError::Handshake(s.message().to_owned()))?
-            .into_inner();
-        super::check_pair(&info, &decode_info)?;
-        // The decode node's certificate named the identity this node expects (the TLS
-        // handshake checked its DNS name); the node id it states must be that identity's.
-        if let Security::Tls(t) = security {
-            let expected = t.peer(Role::Decode)?;
-            if decode_info.node_id != expected.node {
-                return Err(PrefillStartError::Handshake(format!(
-                    "the decode node states node {} but its certificate is {expected}",
-                    decode_info.node_id
-                )));
-            }
-        }
-        let pairing =
-            super::pairing_of(&decode_info).map_err(|source| PrefillStartError::Transport {
-                addr: decode_info.transport_addr.clone(),
-                source,
-            })?;
-        transport
-            .connect_peer(&decode_info.transport_addr, &pairing)
-            .map_err(|source| PrefillStartError::Transport {
-                addr: decode_info.transport_addr.clone(),
-                source,
-            })?;
         let headers = HeaderArena(
             vec![[0u8; crate::kv::TRANSFER_HDR_BYTES]; engine.core().pool().n_pages()]
                 .into_boxed_slice(),
         );
-        let register = |t: &mut Box<dyn KvTransport>, p: *const u8, len: usize| {
-            // SAFETY: the pool's K/V storage and the header arena are allocated once and
-            // never move or shrink; both live in the node, which owns the transport and drops
-            // it first (field order).
-            unsafe { t.register_source(p, len) }.map_err(|source| PrefillStartError::Transport {
-                addr: decode_info.transport_addr.clone(),
-                source,
-            })
-        };
-        {
-            for region in engine.core().pool().source_regions() {
-                register(&mut transport, region.addr, region.len_bytes)?;
+        let mut peers = Vec::with_capacity(targets.len());
+        let mut decode_info = proto::NodeInfo::default();
+        for (idx, (target, decode)) in targets.into_iter().enumerate() {
+            let mut p = open_peer(&engine, &headers, &opts, target, decode)?;
+            match first_handshake(&mut p, &info).await {
+                Ok(()) => {}
+                // Unreachable now: paired in the background when it answers.
+                Err(
+                    e @ (ReconnectError::Timeout
+                    | ReconnectError::Transport(_)
+                    | ReconnectError::Unreachable(_)),
+                ) if !all_required => {
+                    tracing::warn!(peer = %p.target.url, error = %e, "decode node not reachable at start: pairing in the background");
+                }
+                Err(e) => return Err(e.into()),
             }
-            let h = &headers.0;
-            register(
-                &mut transport,
-                h.as_ptr().cast(),
-                std::mem::size_of_val(&**h),
-            )?;
+            if idx == 0 {
+                decode_info = p.paired.clone().unwrap_or_default();
+            }
+            peers.push(p);
         }
-        let peer = decode_info.transport_addr.clone();
+        let decodes: Arc<[DecodeClient<Channel>]> = peers.iter().map(|p| p.decode.clone()).collect();
+        let table: PeerTable = Arc::new(std::sync::RwLock::new(
+            peers.iter().map(Peer::link).collect(),
+        ));
+        for p in &peers {
+            if let Some(i) = &p.paired {
+                tracing::info!(decode = i.node_id, transport = %i.transport_addr, epoch = i.epoch, "prefill node paired with decode node");
+            }
+        }
         let node = Node {
-            transport,
+            peers,
             engine,
             headers,
             opts: opts.clone(),
-            decode_node: decode_info.node_id,
             reqs: HashMap::new(),
-            control: Reconnect {
-                rt: tokio::runtime::Handle::current(),
-                decode: decode.clone(),
-                info: info.clone(),
-            },
-            last_reconnect: Instant::now(),
+            info: info.clone(),
+            rt: tokio::runtime::Handle::current(),
+            handshakes: std::sync::mpsc::channel(),
+            table: table.clone(),
             reconnects: 0,
             #[cfg(feature = "fault-injection")]
             fault: faults::FaultState::default(),
@@ -906,25 +1132,71 @@ impl PrefillHandle {
             node,
             ActorLimits::with_queue(CMD_QUEUE_CMDS),
         )?;
-        tracing::info!(decode = decode_info.node_id, transport = %peer, "prefill node paired with decode node");
         let alive = Arc::new(());
         if let Some(p) = &opts.checkpoints {
-            tokio::spawn(crate::checkpoints::exchange_loop(
-                decode.clone(),
-                p.book.clone(),
-                p.interval,
-                Arc::downgrade(&alive),
-            ));
+            for decode in decodes.iter() {
+                tokio::spawn(crate::checkpoints::exchange_loop(
+                    decode.clone(),
+                    p.book.clone(),
+                    p.interval,
+                    Arc::downgrade(&alive),
+                ));
+            }
         }
         Ok(Self {
             tx,
-            decode,
+            decodes,
+            table,
             opts,
             relays: Arc::default(),
             _alive: alive,
             info,
             decode_info,
         })
+    }
+
+    /// The decode peers as the engine thread last saw them (node id, epoch, connected).
+    pub fn peer_links(&self) -> Vec<PeerLink> {
+        self.table.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Requests whose tokens this node still relays from a decode node.
+    pub fn relaying(&self) -> usize {
+        self.relays.lock().len()
+    }
+
+    /// Whether the node is draining (refusing new requests).
+    pub fn draining(&self) -> bool {
+        self.opts.drain.is_draining()
+    }
+
+    /// The peer a request is written into: the route's decode node, if this node is paired
+    /// with it at the route's epoch; without a route, the only (or the first connected) peer.
+    fn choose_peer(&self, route: Option<&proto::Route>) -> Result<usize, Status> {
+        let links = self.peer_links();
+        let Some(route) = route else {
+            return links
+                .iter()
+                .position(|l| l.connected)
+                .ok_or_else(|| super::nothing_posted(Status::unavailable("no decode node is paired with this prefill node")));
+        };
+        if route.prefill_node != self.opts.node_id {
+            return Err(Status::invalid_argument(format!(
+                "the route names prefill node {}, this is node {}",
+                route.prefill_node, self.opts.node_id
+            )));
+        }
+        match links.iter().position(|l| l.node == route.decode_node) {
+            Some(i) if links[i].epoch == route.decode_epoch && links[i].connected => Ok(i),
+            Some(i) => Err(super::nothing_posted(Status::unavailable(format!(
+                "decode node {} is at epoch {} (connected: {}), the route names epoch {}",
+                route.decode_node, links[i].epoch, links[i].connected, route.decode_epoch
+            )))),
+            None => Err(super::nothing_posted(Status::unavailable(format!(
+                "decode node {} is not paired with this prefill node",
+                route.decode_node
+            )))),
+        }
     }
 
     fn send(&self, cmd: Cmd) -> Result<(), Status> {
@@ -935,6 +1207,13 @@ impl PrefillHandle {
             }
             Err(MailboxError::Stopped(_)) => Err(Status::unavailable("prefill engine stopped")),
         }
+    }
+
+    /// Counters.
+    pub async fn stats(&self) -> Option<PrefillStats> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Stats(tx)).ok()?;
+        rx.await.ok()
     }
 
     /// Counters (blocking).
@@ -956,41 +1235,65 @@ impl PrefillHandle {
         &self,
         req: GenerateRequest,
         front: Option<NodeIdentity>,
+        route: Option<proto::Route>,
         out: mpsc::Sender<Result<proto::TokenEvent, Status>>,
     ) {
-        if let Err(s) = self.generate_inner(req, front, &out).await {
+        if let Err(s) = self.generate_inner(req, front, route, &out).await {
             let _ = out.send(Err(s)).await;
         }
     }
 
+    /// Steps 1–3 (admission, prefill, reservation) post nothing: each failure there is
+    /// returned marked [`super::nothing_posted`], the only kind a router may retry elsewhere.
     async fn generate_inner(
         &self,
         req: GenerateRequest,
         front: Option<NodeIdentity>,
+        route: Option<proto::Route>,
         out: &mpsc::Sender<Result<proto::TokenEvent, Status>>,
     ) -> Result<(), Status> {
         let t0 = Instant::now();
+        if self.draining() {
+            return Err(super::nothing_posted(Status::unavailable(
+                "this prefill node is draining",
+            )));
+        }
+        let peer = self.choose_peer(route.as_ref())?;
         let original = req.clone();
         // 1. Admission on prefill (over-length: rejected here, nothing allocated anywhere).
         let (tx, rx) = oneshot::channel();
         let (ptx, prx) = oneshot::channel();
-        self.send(Cmd::Submit(req, front, tx, ptx))?;
+        let sub = Submission {
+            req,
+            front,
+            route: route.clone(),
+        };
+        self.send(Cmd::Submit(Box::new(sub), tx, ptx))
+            .map_err(super::nothing_posted)?;
         let (id, _truncated) = rx
             .await
-            .map_err(|_| Status::unavailable("prefill engine stopped"))??;
+            .map_err(|_| Status::unavailable("prefill engine stopped"))
+            .and_then(|r| r)
+            .map_err(super::nothing_posted)?;
         // 2. Compute the prompt's KV. (Decode pages are reserved only after: they are held for
         //    the transfer and the decode, not for prefill's queueing and compute.)
         let cached_tokens = match prx.await {
             Ok(Ok(p)) => p.cached_tokens as u32,
-            Ok(Err(e)) => return Err(Status::aborted(format!("prefill failed: {e}"))),
+            Ok(Err(e)) => {
+                return Err(super::nothing_posted(Status::aborted(format!(
+                    "prefill failed: {e}"
+                ))));
+            }
             Err(_) => {
                 let _ = self.send(Cmd::Abort(id, "prefill engine stopped".into()));
-                return Err(Status::unavailable("prefill engine stopped"));
+                return Err(super::nothing_posted(Status::unavailable(
+                    "prefill engine stopped",
+                )));
             }
         };
         // 3. Reserve on decode, with the prompt as the client sent it (decode runs its own
         //    admission).
-        let mut decode = self.decode.clone();
+        let mut decode = self.decodes[peer].clone();
         let reserve = proto::ReserveRequest {
             origin_request: id,
             origin_node: self.opts.node_id,
@@ -999,6 +1302,7 @@ impl PrefillHandle {
             max_tokens: original.max_tokens as u32,
             sampling: Some(super::sampling_to_proto(&original.sampling)),
             stop_ids: original.stop_ids.clone(),
+            route,
         };
         let res = loop {
             match decode.reserve(reserve.clone()).await {
@@ -1012,19 +1316,19 @@ impl PrefillHandle {
                 Err(s) => {
                     let reason = format!("decode reservation failed: {}", s.message());
                     let _ = self.send(Cmd::Abort(id, reason));
-                    return Err(s);
+                    return Err(super::nothing_posted(s));
                 }
             }
         };
         let decode_id = res.request;
-        self.relays.lock().insert(id, decode_id);
+        self.relays.lock().insert(id, (peer, decode_id));
         let _relay = RelayEntry {
             relays: self.relays.clone(),
             id,
         };
         // 4. Transfer; wait for every write to complete.
         let (tx, rx) = oneshot::channel();
-        if let Err(s) = self.send(Cmd::Attach(id, res, tx)) {
+        if let Err(s) = self.send(Cmd::Attach(id, peer, res, tx)) {
             let _ = decode
                 .abort(abort_req(decode_id, "prefill queue full"))
                 .await;
@@ -1112,7 +1416,7 @@ impl PrefillHandle {
     /// the front's client saw it. Returns whether decode still had the request (a request that
     /// ended on its own first is recorded as it ended).
     pub async fn end(&self, e: proto::EndRequest) -> Result<bool, Status> {
-        let Some(decode_id) = self.relays.lock().get(&e.request).copied() else {
+        let Some((peer, decode_id)) = self.relays.lock().get(&e.request).copied() else {
             return Ok(false);
         };
         let reason = if e.reason.is_empty() && e.finish_reason.is_empty() {
@@ -1126,13 +1430,65 @@ impl PrefillHandle {
             finish_reason: e.finish_reason,
             delivered_tokens: e.delivered_tokens,
         };
-        Ok(self.decode.clone().abort(ended).await?.into_inner().existed)
+        Ok(self.decodes[peer].clone().abort(ended).await?.into_inner().existed)
     }
 
     /// The gRPC front-door service over this handle.
     pub fn service(&self) -> PrefillService {
         PrefillService { h: self.clone() }
     }
+}
+
+/// A decode peer's KV transport (the pool and the header arena registered with it) and its
+/// control-plane client; not yet paired.
+fn open_peer(
+    engine: &PrefillEngine,
+    headers: &HeaderArena,
+    opts: &PrefillOptions,
+    target: DecodeTarget,
+    decode: DecodeClient<Channel>,
+) -> Result<Peer, PrefillStartError> {
+    let addr = target.url.clone();
+    let err = |source| PrefillStartError::Transport {
+        addr: addr.clone(),
+        source,
+    };
+    let mut transport = crate::transport::open_initiator(
+        opts.node_id,
+        &opts.transport_kind,
+        target.kv_encryption.clone(),
+    )
+    .map_err(err)?;
+    for region in engine.core().pool().source_regions() {
+        // SAFETY: the pool's K/V storage is allocated once and never moves or shrinks; it
+        // lives in the node, which owns the transport and drops it first (field order).
+        unsafe { transport.register_source(region.addr, region.len_bytes) }.map_err(err)?;
+    }
+    let h = &headers.0;
+    // SAFETY: the header arena is a boxed slice that never moves; as above for its lifetime.
+    unsafe { transport.register_source(h.as_ptr().cast(), std::mem::size_of_val(&**h)) }
+        .map_err(err)?;
+    Ok(Peer {
+        transport,
+        target,
+        decode,
+        paired: None,
+        handshaking: false,
+        last_attempt: Instant::now(),
+        backoff: RECONNECT_INTERVAL,
+    })
+}
+
+/// The handshake at start, awaited (a refusal stops the start).
+async fn first_handshake(p: &mut Peer, info: &proto::NodeInfo) -> Result<(), ReconnectError> {
+    let mut hello = info.clone();
+    hello.transport_addr = p.transport.endpoint();
+    let reply = tokio::time::timeout(HANDSHAKE_TIMEOUT, p.decode.handshake(hello))
+        .await
+        .map_err(|_| ReconnectError::Timeout)?
+        .map_err(|s| ReconnectError::of_status(&s))?
+        .into_inner();
+    pair_with(p, info, reply)
 }
 
 fn abort_req(request: u64, reason: &str) -> proto::AbortRequest {
@@ -1181,7 +1537,8 @@ impl prefill_server::Prefill for PrefillService {
         // task), never the engine thread.
         let (tx, rx) = mpsc::channel(super::token_relay_capacity_events(req.max_tokens));
         let h = self.h.clone();
-        tokio::spawn(async move { h.generate(req, front, tx).await });
+        let route = g.route;
+        tokio::spawn(async move { h.generate(req, front, route, tx).await });
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))

@@ -577,19 +577,70 @@ impl Security {
         url: &str,
         role: Role,
     ) -> Result<tonic::transport::Channel, ChannelError> {
+        let peer = match self {
+            Security::Tls(t) => Some(t.peer(role)?),
+            Security::InsecureLoopback => None,
+        };
+        Ok(self.endpoint(url, peer)?.connect().await?)
+    }
+
+    /// A channel to `url` whose certificate must name exactly `peer` (one of many nodes of a
+    /// role: a fleet), connecting on first use and reconnecting after a loss — a peer that is
+    /// down now is not an error until a call is made.
+    pub fn channel_lazy(
+        &self,
+        url: &str,
+        peer: NodeIdentity,
+    ) -> Result<tonic::transport::Channel, ChannelError> {
+        let peer = matches!(self, Security::Tls(_)).then_some(peer);
+        Ok(self
+            .endpoint(url, peer)?
+            .connect_timeout(std::time::Duration::from_secs(2))
+            .connect_lazy())
+    }
+
+    fn endpoint(
+        &self,
+        url: &str,
+        peer: Option<NodeIdentity>,
+    ) -> Result<tonic::transport::Endpoint, ChannelError> {
         self.check_url(url)?;
-        let endpoint = match self {
+        Ok(match (self, peer) {
             // tonic speaks TLS only to an `https` URI, whatever the channel's TLS config says.
-            Security::Tls(t) => {
+            (Security::Tls(t), Some(peer)) => {
                 let host = url
                     .trim_start_matches("http://")
                     .trim_start_matches("https://");
                 tonic::transport::Endpoint::from_shared(format!("https://{host}"))?
-                    .tls_config(t.client(t.peer(role)?))?
+                    .tls_config(t.client(peer))?
             }
-            Security::InsecureLoopback => tonic::transport::Endpoint::from_shared(url.to_owned())?,
-        };
-        Ok(endpoint.connect().await?)
+            (Security::Tls(_), None) => {
+                return Err(ChannelError::Tls(TlsError::Config(format!(
+                    "no identity to verify {url} by"
+                ))));
+            }
+            (Security::InsecureLoopback, _) => {
+                tonic::transport::Endpoint::from_shared(url.to_owned())?
+            }
+        })
+    }
+
+    /// The KV transport's encryption for a prefill node writing to decode node `peer` (one of
+    /// a fleet's), when `on`; refused in the insecure mode.
+    pub fn kv_encryption_to(
+        &self,
+        peer: NodeIdentity,
+        on: bool,
+    ) -> Result<KvEncryption, TlsError> {
+        if !on {
+            return Ok(KvEncryption::Off);
+        }
+        match self {
+            Security::Tls(t) => t.kv_client(peer),
+            Security::InsecureLoopback => Err(TlsError::Config(
+                "transport_encryption needs the [tls] certificates (not insecure_loopback)".into(),
+            )),
+        }
     }
 }
 

@@ -73,7 +73,8 @@ pub(crate) fn fill_random(buf: &mut [u8]) -> Result<(), TransportError> {
         .map_err(|_| TransportError::Entropy)
 }
 
-pub(crate) fn random_u64() -> Result<u64, TransportError> {
+/// 64 random bits from the OS CSPRNG.
+pub fn random_u64() -> Result<u64, TransportError> {
     let mut b = [0u8; 8];
     fill_random(&mut b)?;
     Ok(u64::from_le_bytes(b))

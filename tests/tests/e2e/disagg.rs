@@ -249,6 +249,7 @@ pub fn start_engines_ns(
             kv_encryption: Default::default(),
             checkpoints: prefill_peer,
             namespaces,
+            drain: Default::default(),
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -260,6 +261,7 @@ pub fn start_engines_ns(
             unsafe_,
             fingerprint: fp,
             checkpoints: decode_peer,
+            drain: Default::default(),
         },
         fleet: Some(fleet()),
         transport_encryption,
@@ -419,6 +421,7 @@ fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transfer
                 max_tokens: 8,
                 sampling: None,
                 stop_ids: vec![],
+                route: None,
             })
             .await
         })
@@ -1086,6 +1089,7 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
             kv_encryption: Default::default(),
             checkpoints: None,
             namespaces: None,
+            drain: Default::default(),
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -1097,6 +1101,7 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
             unsafe_: UnsafeReproduction::default(),
             fingerprint: fingerprint(),
             checkpoints: None,
+            drain: Default::default(),
         },
         fleet: Some(fleet()),
         transport_encryption: false,
@@ -1139,6 +1144,7 @@ fn handshake_refuses_a_mismatched_pair() {
             kv_encryption: Default::default(),
             checkpoints: None,
             namespaces: None,
+            drain: Default::default(),
         },
         decode: DecodeOptions {
             node_id: 2,
@@ -1150,6 +1156,7 @@ fn handshake_refuses_a_mismatched_pair() {
             unsafe_: UnsafeReproduction::default(),
             fingerprint: fingerprint(),
             checkpoints: None,
+            drain: Default::default(),
         },
         fleet: Some(fleet()),
         transport_encryption: false,

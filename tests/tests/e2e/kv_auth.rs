@@ -49,6 +49,7 @@ fn reserve(nodes: &Nodes) -> proto::ReserveReply {
                 max_tokens: 4,
                 sampling: None,
                 stop_ids: vec![],
+                route: None,
             })
             .await
         })

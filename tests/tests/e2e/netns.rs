@@ -287,6 +287,7 @@ fn netns_child_node() {
                 unsafe_: UnsafeReproduction::default(),
                 fingerprint: fingerprint(),
                 checkpoints: None,
+                drain: Default::default(),
             },
         )
         .expect("decode");
@@ -330,6 +331,7 @@ fn netns_child_node() {
             .expect("KV TLS"),
         checkpoints: None,
         namespaces: None,
+        drain: Default::default(),
     };
     let h = rt
         .block_on(PrefillHandle::start(

@@ -75,6 +75,7 @@ fn decode_fails_the_request_on_an_illegal_transition() {
                 max_tokens: 8,
                 sampling: None,
                 stop_ids: vec![],
+                route: None,
             })
             .await
             .expect("reserve")

@@ -205,6 +205,7 @@ fn generate_as(nodes: &Nodes, tls: NodeTls, tenant: &str) -> Result<u64, String>
                 sampling: None,
                 stop_ids: vec![],
                 cache_salt: String::new(),
+                route: None,
             })
             .await
             .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?

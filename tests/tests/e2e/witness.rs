@@ -84,6 +84,7 @@ impl Rig {
                 kv_encryption: Default::default(),
                 checkpoints: None,
                 namespaces: None,
+                drain: Default::default(),
             },
             decode: DecodeOptions {
                 node_id: node + 1,
@@ -95,6 +96,7 @@ impl Rig {
                 unsafe_: UnsafeReproduction::default(),
                 fingerprint: fingerprint(),
                 checkpoints: None,
+                drain: Default::default(),
             },
             fleet: Some(crate::disagg::fleet()),
             transport_encryption: false,
