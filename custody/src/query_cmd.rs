@@ -102,8 +102,18 @@ pub(crate) enum ForensicsCmd {
         #[arg(long)]
         show_sql: bool,
     },
+    /// A fleet's logs against each other: the router's routes (every decision, admission and
+    /// end) against the prefill and decode nodes' records of the same transfer ids. Lists each
+    /// disagreement; exit code 1 when there is any.
+    Fleet {
+        #[command(flatten)]
+        src: Source,
+        #[arg(long)]
+        show_sql: bool,
+    },
     /// The timeline of one request on one node: admission, pages and who wrote them, transfers,
-    /// reads, violations, release.
+    /// reads, violations, release; in a fleet, its path (the router's decisions and retries, the
+    /// decode node it was written into) and the decode side's timeline.
     Request {
         #[command(flatten)]
         src: Source,
@@ -476,6 +486,40 @@ async fn interactive_piped(ctx: &SessionContext, format: Format) -> Result<()> {
     Ok(())
 }
 
+/// A request's timeline on its node and, in a fleet, its path and its decode side's timeline.
+async fn request_across_fleet(src: &Source, node: u32, request: u64) -> Result<()> {
+    use custody_query::datafusion::arrow::array::{Array, Int64Array};
+    let ctx = forensics::tuned(&session(src).await?)?;
+    println!("# request {request} on node {node}");
+    run_sql(&ctx, &forensics::request_sql(node, request), src.format).await?;
+    let path = custody_query::run_script(&ctx, &forensics::fleet_path_sql(node, request)).await?;
+    if path.iter().flatten().all(|b| b.num_rows() == 0) {
+        return Ok(());
+    }
+    println!("# its path across the fleet (router, prefill and decode route rows)");
+    for b in &path {
+        print(b, src.format)?;
+    }
+    let sides = custody_query::run_script(&ctx, &forensics::fleet_decode_sides_sql(node, request)).await?;
+    for b in sides.iter().flatten() {
+        let (Some(n), Some(r)) = (
+            b.column(0).as_any().downcast_ref::<Int64Array>(),
+            b.column(1).as_any().downcast_ref::<Int64Array>(),
+        ) else {
+            continue;
+        };
+        for i in 0..b.num_rows() {
+            if n.is_null(i) || r.is_null(i) {
+                continue;
+            }
+            let (dn, dr) = (n.value(i) as u32, r.value(i) as u64);
+            println!("# decode side: request {dr} on node {dn}");
+            run_sql(&ctx, &forensics::request_sql(dn, dr), src.format).await?;
+        }
+    }
+    Ok(())
+}
+
 fn canned(src: &Source, sql: String, show_sql: bool) -> Result<()> {
     if show_sql {
         print!("{}", forensics::script(&sql));
@@ -537,7 +581,38 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             node,
             request,
             show_sql,
-        } => canned(&src, forensics::request_sql(node, request), show_sql),
+        } => {
+            if show_sql {
+                print!("{}", forensics::script(&forensics::request_sql(node, request)));
+                print!("{}", forensics::script(&forensics::fleet_path_sql(node, request)));
+                return Ok(());
+            }
+            runtime()?.block_on(request_across_fleet(&src, node, request))
+        }
+        ForensicsCmd::Fleet { src, show_sql } => {
+            if show_sql {
+                println!("-- disagreements between the router's log and the nodes'");
+                println!("{};", forensics::fleet_crosscheck_sql());
+                println!("-- what was compared");
+                println!("{};", forensics::fleet_counts_sql());
+                return Ok(());
+            }
+            runtime()?.block_on(async {
+                let ctx = forensics::tuned(&session(&src).await?)?;
+                println!("# disagreements (router vs prefill vs decode)");
+                let rows = custody_query::run_script(&ctx, &forensics::fleet_crosscheck_sql()).await?;
+                let n: usize = rows.iter().flatten().map(|b| b.num_rows()).sum();
+                for b in &rows {
+                    print(b, src.format)?;
+                }
+                println!("# what was compared");
+                run_sql(&ctx, &forensics::fleet_counts_sql(), src.format).await?;
+                if n > 0 {
+                    anyhow::bail!("{n} disagreements between the fleet's logs");
+                }
+                Ok(())
+            })
+        }
         ForensicsCmd::Exposure {
             src,
             show_sql,

@@ -667,6 +667,121 @@ pub fn request_sql(node: u32, request: u64) -> String {
         .replace("{request}", &request.to_string())
 }
 
+/// Every `route` row of every node in the root (`node_events` kind `route`), its fields parsed
+/// from `detail`: the router's rows carry an `outcome` (`chosen`, `admitted`, `retry`, `failed`,
+/// `refused`, `finished`, `ended`), the prefill and decode nodes' rows do not (they bind the
+/// router's transfer id to their own request id). Ids stay text: a transfer id uses all 64 bits.
+const ROUTES_CTE: &str = r#"routes AS (
+  SELECT node_id, seq, wall_ns, detail,
+    regexp_match(detail, '(?:^| )transfer=([0-9]+)')[1] AS transfer,
+    regexp_match(detail, '(?:^| )request=([0-9]+)')[1] AS request,
+    regexp_match(detail, '(?:^| )prefill=([0-9]+)')[1] AS prefill,
+    regexp_match(detail, '(?:^| )decode=([0-9]+)')[1] AS decode,
+    regexp_match(detail, '(?:^| )epoch=([0-9]+)')[1] AS epoch,
+    regexp_match(detail, '(?:^| )outcome=([a-z]+)')[1] AS outcome,
+    regexp_match(detail, '(?:^| )prefill_request=([0-9]+)')[1] AS prefill_request
+  FROM all_node_events WHERE event = 'route'
+),
+router AS (SELECT * FROM routes WHERE outcome IS NOT NULL),
+pnode AS (SELECT * FROM routes WHERE outcome IS NULL AND CAST(node_id AS VARCHAR) = prefill),
+dnode AS (SELECT * FROM routes WHERE outcome IS NULL AND CAST(node_id AS VARCHAR) = decode),
+chosen AS (SELECT * FROM router WHERE outcome = 'chosen')"#;
+
+/// The fleet's logs against each other: one row per disagreement between the router's record
+/// of its routes and the prefill and decode nodes' records (empty: they tell the same story).
+/// Kinds:
+/// - `admitted_without_prefill_record`: the router says a prefill node admitted the request
+///   under a transfer id; that node's log has no route row binding it;
+/// - `prefill_route_not_minted` / `decode_route_not_minted`: a node acted on a route (transfer
+///   id, prefill, decode, epoch) the router never chose — a forged or replayed route;
+/// - `decode_route_without_prefill`: a decode node reserved for a route no prefill node
+///   recorded;
+/// - `transfer_off_route`: a routed prefill request wrote KV into another decode node than its
+///   route names;
+/// - `finished_not_on_decode`: the router saw the request finish, the decode node's log has no
+///   `finished` row for the request it reserved under that route.
+pub fn fleet_crosscheck_sql() -> String {
+    format!(
+        r#"WITH {ROUTES_CTE}
+SELECT 'admitted_without_prefill_record' AS kind, a.transfer, a.prefill AS node, a.prefill_request AS request,
+       CONCAT('router node ', CAST(a.node_id AS VARCHAR), ' request ', a.request) AS detail
+  FROM router a LEFT JOIN pnode p
+    ON p.transfer = a.transfer AND p.prefill = a.prefill AND p.request = a.prefill_request
+ WHERE a.outcome = 'admitted' AND p.transfer IS NULL
+UNION ALL
+SELECT 'prefill_route_not_minted', p.transfer, CAST(p.node_id AS VARCHAR), p.request, p.detail
+  FROM pnode p LEFT JOIN chosen c
+    ON c.transfer = p.transfer AND c.prefill = p.prefill AND c.decode = p.decode AND c.epoch = p.epoch
+ WHERE c.transfer IS NULL
+UNION ALL
+SELECT 'decode_route_not_minted', d.transfer, CAST(d.node_id AS VARCHAR), d.request, d.detail
+  FROM dnode d LEFT JOIN chosen c
+    ON c.transfer = d.transfer AND c.prefill = d.prefill AND c.decode = d.decode AND c.epoch = d.epoch
+ WHERE c.transfer IS NULL
+UNION ALL
+SELECT 'decode_route_without_prefill', d.transfer, CAST(d.node_id AS VARCHAR), d.request, d.detail
+  FROM dnode d LEFT JOIN pnode p ON p.transfer = d.transfer
+ WHERE p.transfer IS NULL
+UNION ALL
+SELECT DISTINCT 'transfer_off_route', p.transfer, CAST(t.node_id AS VARCHAR), CAST(t.request_id AS VARCHAR),
+       CONCAT('wrote into decode node ', CAST(t.dst_node AS VARCHAR), ', the route names ', p.decode)
+  FROM all_transfers t JOIN pnode p
+    ON CAST(t.node_id AS VARCHAR) = p.prefill AND CAST(t.request_id AS VARCHAR) = p.request
+ WHERE CAST(t.dst_node AS VARCHAR) <> p.decode
+UNION ALL
+SELECT 'finished_not_on_decode', f.transfer, d.decode, d.request,
+       CONCAT('router request ', f.request, ' finished; decode request ', d.request, ' has no finished row')
+  FROM router f JOIN dnode d ON d.transfer = f.transfer
+  LEFT JOIN (SELECT DISTINCT node_id, request_id FROM all_requests WHERE event = 'finished') q
+    ON CAST(q.node_id AS VARCHAR) = d.decode AND CAST(q.request_id AS VARCHAR) = d.request
+ WHERE f.outcome = 'finished' AND q.request_id IS NULL
+ORDER BY kind, transfer"#
+    )
+}
+
+/// What the fleet crosscheck compared: route rows by node role and the router's outcomes.
+pub fn fleet_counts_sql() -> String {
+    format!(
+        r#"WITH {ROUTES_CTE}
+SELECT 'router' AS side, outcome, COUNT(*) AS rows FROM router GROUP BY outcome
+UNION ALL SELECT 'prefill', NULL, COUNT(*) FROM pnode
+UNION ALL SELECT 'decode', NULL, COUNT(*) FROM dnode
+ORDER BY side, outcome"#
+    )
+}
+
+/// The path of request `{request}` of node `{node}` across the fleet: every route row (router,
+/// prefill, decode; every attempt of the router's request) that shares a transfer id with it or
+/// belongs to the same router request.
+pub fn fleet_path_sql(node: u32, request: u64) -> String {
+    format!(
+        r#"WITH {ROUTES_CTE},
+mine AS (SELECT DISTINCT transfer FROM routes
+          WHERE node_id = {node} AND request = '{request}' AND outcome IS NULL),
+rreq AS (SELECT DISTINCT r.node_id, r.request FROM router r JOIN mine m ON r.transfer = m.transfer),
+attempts AS (SELECT DISTINCT r.transfer FROM router r JOIN rreq q
+               ON r.node_id = q.node_id AND r.request = q.request WHERE r.transfer IS NOT NULL)
+SELECT CASE WHEN x.outcome IS NOT NULL THEN 'router'
+            WHEN CAST(x.node_id AS VARCHAR) = x.prefill THEN 'prefill' ELSE 'decode' END AS role,
+       x.node_id, x.request, x.transfer, x.outcome, x.wall_ns, x.detail
+  FROM routes x
+ WHERE x.transfer IN (SELECT transfer FROM attempts)
+    OR (x.outcome IS NOT NULL AND EXISTS (SELECT 1 FROM rreq q WHERE q.node_id = x.node_id AND q.request = x.request))
+ ORDER BY x.wall_ns"#
+    )
+}
+
+/// The decode side of request `{request}` of prefill node `{node}` (the routes it was written
+/// under): its node and request id, whose timelines follow.
+pub fn fleet_decode_sides_sql(node: u32, request: u64) -> String {
+    format!(
+        r#"WITH {ROUTES_CTE}
+SELECT DISTINCT CAST(d.node_id AS BIGINT) AS node, CAST(d.request AS BIGINT) AS request
+  FROM pnode p JOIN dnode d ON d.transfer = p.transfer
+ WHERE p.node_id = {node} AND p.request = '{request}'"#
+    )
+}
+
 /// Reads the tag check refused: exposures that did not happen.
 pub const PREVENTED_SQL: &str = r#"
 SELECT node_id, request_id, tenant, page, generation, kind, detail, wall_ns
