@@ -4,6 +4,7 @@
 # - custody-probe-abi has no dependencies at all;
 # - custody-engine depends (transitively) on no tokio, tonic, hyper or axum: it knows no network;
 # - custody-transport depends on no engine and no async runtime;
+# - custody-router (the routing policy) depends on no async runtime, network or runtime crate;
 # - DataFusion is a direct dependency of custody-query only, aya of custody-ebpf only, axum of
 #   custody-server only (tonic's server links axum internally, so the check is on direct
 #   dependencies: no other crate of ours uses it).
@@ -20,6 +21,10 @@ for crate in tokio tonic hyper axum; do
 done
 for crate in tokio tonic custody-engine custody-disagg; do
   if tree -p custody-transport | grep -q "^$crate "; then fail "custody-transport depends on $crate"; fi
+done
+# The routing policy is pure: no async runtime, no network, none of the runtime's crates.
+for crate in tokio tonic custody-engine custody-disagg custody-runtime custody-audit; do
+  if tree -p custody-router | grep -q "^$crate "; then fail "custody-router depends on $crate"; fi
 done
 direct_users() { # the workspace crates that depend on $1 directly
   cargo tree --offline -e normal --prefix depth -i "$1" --workspace 2>/dev/null \

@@ -143,6 +143,24 @@ mod tests {
     }
 
     #[test]
+    fn shipped_fleet_configs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let r = Config::load(&dir.join("fleet-router.toml")).expect("fleet-router.toml");
+        assert!(r.fleet.is_router());
+        assert_eq!((r.fleet.prefill.len(), r.fleet.decode.len()), (2, 2));
+        for n in [1, 2] {
+            let c = Config::load(&dir.join(format!("fleet-prefill-{n}.toml"))).expect("prefill");
+            assert_eq!(c.disagg.decode.len(), 2);
+            assert_eq!(c.audit.node, n);
+        }
+        for n in [3, 4] {
+            let c = Config::load(&dir.join(format!("fleet-decode-{n}.toml"))).expect("decode");
+            assert!(c.disagg.checksum && !c.disagg.health_listen.is_empty());
+            assert_eq!(c.audit.node, n);
+        }
+    }
+
+    #[test]
     fn shipped_single_node_config_is_valid() {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/single-node.toml");
         let c = Config::load(&p).expect("configs/single-node.toml must parse");

@@ -115,6 +115,12 @@ enum Cmd {
     /// KV transfer on loopback vs memcpy (with and without checksum), time to first token and
     /// decode tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
     BenchDisagg(bench::disagg::BenchDisaggArgs),
+    /// Benchmark the router's decision: ns per routing decision at 1×1 to 64×64 nodes
+    ///
+    /// The router's own code (registry lock, checks, cache-aware prefill choice, power of two
+    /// choices for decode) on synthetic ready nodes; see BENCHMARKS.md for the latency a
+    /// request gains through it and the policy's simulated balance at 64×64.
+    BenchRouter(bench::router::BenchRouterArgs),
     /// A fleet's CA and node certificates for mutual TLS between its processes
     ///
     /// Creates (or reuses) `<out>/ca.pem` and `ca.key`, and for each `--node ROLE:ID` a
@@ -204,6 +210,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),
         Cmd::BenchDisagg(a) => bench::disagg::bench_disagg(a),
+        Cmd::BenchRouter(a) => bench::router::bench_router(a),
         Cmd::Certs(a) => certs_cmd::certs(a),
         Cmd::Probe(a) => probe_cmd::probe(a),
         #[cfg(feature = "forensics")]

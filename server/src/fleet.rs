@@ -336,6 +336,31 @@ impl Router {
             .collect()
     }
 
+    /// The registry and the router's counters, in Prometheus' text format.
+    pub fn metrics_text(&self) -> String {
+        use std::fmt::Write as _;
+        let mut o = String::new();
+        o.push_str("# HELP custody_fleet_node_state A fleet node's health state (1 for its current one).\n# TYPE custody_fleet_node_state gauge\n");
+        for (role, node, state) in self.health_states() {
+            let _ = writeln!(
+                o,
+                "custody_fleet_node_state{{role=\"{}\",node=\"{node}\",state=\"{}\"}} 1",
+                role.name(),
+                state.name()
+            );
+        }
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        for (name, help, v) in [
+            ("custody_router_decisions_total", "Routing decisions (one per attempt).", ld(&self.stats.decisions)),
+            ("custody_router_retries_total", "Attempts retried on another pair (nothing of them was posted).", ld(&self.stats.retries)),
+            ("custody_router_refused_total", "Requests refused before any attempt (length, capacity, no pair).", ld(&self.stats.refused)),
+            ("custody_router_failed_total", "Requests failed closed.", ld(&self.stats.failed)),
+        ] {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        }
+        o
+    }
+
     fn observe_probe(&self, role: WorkerRole, node: NodeId, r: Result<proto::LoadReport, String>) {
         let now = self.now_ms();
         let mut events = Vec::new();
@@ -978,5 +1003,320 @@ async fn probe_loop(
             return;
         };
         router.observe_probe(role, node, r);
+    }
+}
+
+/// A synthetic load report: a ready node of the fleet's geometry (tests and the benchmark).
+fn synthetic_report(role: WorkerRole, node: NodeId, decodes: &[NodeId]) -> proto::LoadReport {
+    proto::LoadReport {
+        node_id: node,
+        role: role.name().into(),
+        epoch: u64::from(node) * 1000 + 1,
+        model_fingerprint: String::new(),
+        page_size: 16,
+        context_length: 4096,
+        pool_pages: 4096,
+        free_pages: 4096,
+        kv_dtype: "f16".into(),
+        n_layers: 30,
+        kv_dim: 192,
+        decode_peers: decodes
+            .iter()
+            .map(|&d| proto::PeerLink {
+                node_id: d,
+                epoch: u64::from(d) * 1000 + 1,
+                connected: true,
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+impl Router {
+    /// A router over `prefill` × `decode` nodes that exist only as synthetic reports (every
+    /// node ready, every prefill node paired with every decode node): no channel, no probe, no
+    /// log. For the routing benchmark and the tests: the decisions are the real `plan`'s.
+    pub fn offline(prefill: u32, decode: u32) -> Arc<Self> {
+        let cfg = FleetSection {
+            prefill: (1..=prefill)
+                .map(|n| crate::config::FleetNode {
+                    node: n,
+                    url: format!("http://p{n}"),
+                })
+                .collect(),
+            decode: (1..=decode)
+                .map(|n| crate::config::FleetNode {
+                    node: prefill + n,
+                    url: format!("http://d{n}"),
+                })
+                .collect(),
+            seed: 1,
+            ..FleetSection::default()
+        };
+        let mut workers = BTreeMap::new();
+        for (role, list) in [(WorkerRole::Prefill, &cfg.prefill), (WorkerRole::Decode, &cfg.decode)] {
+            for n in list {
+                workers.insert(
+                    (role, n.node),
+                    Worker {
+                        url: n.url.clone(),
+                        health: Health::new(),
+                        report: None,
+                        routed_since_report: 0,
+                        incompatible: None,
+                    },
+                );
+            }
+        }
+        let router = Arc::new(Self {
+            node: 0,
+            thresholds: HealthThresholds::default(),
+            policy: PolicyConfig::default(),
+            state: Mutex::new(State {
+                workers,
+                geometry: None,
+                index: PrefixIndex::new(cfg.index_keys_per_node),
+                rng: SplitMix64::new(1),
+            }),
+            prefill_clients: BTreeMap::new(),
+            audit: None,
+            namespaces: None,
+            fingerprint: String::new(),
+            gauges: Arc::default(),
+            // Off: no first event is ever checked here.
+            check: PrefillCheck {
+                max_plausible_tok_s: 0.0,
+                min_tokens: 0,
+            },
+            next_request: AtomicU64::new(1),
+            transfer_base: 0,
+            next_transfer: AtomicU64::new(1),
+            started: Instant::now(),
+            stats: RouterStats::default(),
+            cfg,
+        });
+        router.report_all();
+        router.report_all();
+        router
+    }
+
+    /// Every node reports (synthetic, ready, idle).
+    fn report_all(&self) {
+        let decodes: Vec<NodeId> = self.cfg.decode.iter().map(|n| n.node).collect();
+        for n in &self.cfg.prefill {
+            let r = synthetic_report(WorkerRole::Prefill, n.node, &decodes);
+            self.observe_probe(WorkerRole::Prefill, n.node, Ok(r));
+        }
+        for n in &self.cfg.decode {
+            let r = synthetic_report(WorkerRole::Decode, n.node, &[]);
+            self.observe_probe(WorkerRole::Decode, n.node, Ok(r));
+        }
+    }
+}
+
+/// What one routing decision costs (`custody bench-router`).
+#[derive(Clone, Copy, Debug)]
+pub struct RoutingCost {
+    pub prefill_nodes: u32,
+    pub decode_nodes: u32,
+    pub prompt_pages: usize,
+    pub decisions: u32,
+    pub ns_per_decision: f64,
+    pub decisions_per_s: f64,
+}
+
+/// Time `decisions` routing decisions — the router's own `plan` (registry lock, length and
+/// capacity checks, cache-aware prefill choice over `prompt_pages` chain keys, power-of-two
+/// decode choice, the alternatives' JSON for the log) and the index update an admission makes —
+/// on an offline router of `prefill` × `decode` ready nodes. Reports arrive every 64 decisions
+/// (as a 250 ms probe interval would at ~250 decisions/s per node).
+pub fn bench_routing(prefill: u32, decode: u32, prompt_pages: usize, decisions: u32) -> RoutingCost {
+    let router = Router::offline(prefill, decode);
+    let req = GenerateRequest {
+        prompt: vec![1; prompt_pages * 16 + 5],
+        max_tokens: 64,
+        sampling: Default::default(),
+        stop_ids: vec![],
+        tenant: "bench".into(),
+        cache: None,
+    };
+    // Chain keys: 16 distinct prefixes, so that affinity has something to find.
+    let keys_of = |i: u32| -> Vec<ChainKey> {
+        (0..prompt_pages)
+            .map(|p| {
+                let mut k = [0u8; 32];
+                k[..4].copy_from_slice(&(i % 16).to_le_bytes());
+                k[4..12].copy_from_slice(&(p as u64).to_le_bytes());
+                k
+            })
+            .collect()
+    };
+    let excluded = Excluded::default();
+    let t0 = Instant::now();
+    for i in 0..decisions {
+        if i % 64 == 0 {
+            router.report_all();
+        }
+        let keys = keys_of(i);
+        let plan = router
+            .plan(&req, &keys, &excluded)
+            .unwrap_or_else(|e| panic!("the offline fleet routes every request: {}", e.why));
+        let _route = router.mint(&plan, 1);
+        router.lock().index.record(plan.prefill, &keys);
+    }
+    let s = t0.elapsed().as_secs_f64();
+    RoutingCost {
+        prefill_nodes: prefill,
+        decode_nodes: decode,
+        prompt_pages,
+        decisions,
+        ns_per_decision: s * 1e9 / f64::from(decisions.max(1)),
+        decisions_per_s: f64::from(decisions) / s.max(1e-12),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(prompt: usize, max_tokens: usize) -> GenerateRequest {
+        GenerateRequest {
+            prompt: vec![1; prompt],
+            max_tokens,
+            sampling: Default::default(),
+            stop_ids: vec![],
+            tenant: "t".into(),
+            cache: None,
+        }
+    }
+
+    /// Over-length and over-capacity requests are refused at the router, before any attempt
+    /// (the prefill node's admission checks again).
+    #[test]
+    fn length_and_capacity_are_checked_before_any_attempt() {
+        let r = Router::offline(2, 2);
+        let none = Excluded::default();
+        assert!(r.plan(&req(100, 16), &[], &none).is_ok());
+        let e = r.plan(&req(4000, 200), &[], &none).err().expect("over the context");
+        assert!(e.why.contains("exceed the context"), "{}", e.why);
+        // Within the context but more pages than any decode pool holds.
+        {
+            let mut st = r.lock();
+            for ((role, _), w) in st.workers.iter_mut() {
+                if *role == WorkerRole::Decode
+                    && let Some(rep) = &mut w.report
+                {
+                    rep.pool_pages = 8;
+                }
+            }
+        }
+        let e = r.plan(&req(200, 16), &[], &none).err().expect("over every pool");
+        assert!(e.why.contains("every decode pool"), "{}", e.why);
+    }
+
+    /// A decode node whose reported epoch differs from the prefill node's link to it (it
+    /// restarted, the prefill node has not re-paired yet) is not routable: no route names an
+    /// epoch the decode node is not at.
+    #[test]
+    fn a_restarted_decode_node_is_routed_to_only_once_re_paired() {
+        let r = Router::offline(1, 2);
+        let none = Excluded::default();
+        {
+            let mut st = r.lock();
+            let d = st.workers.get_mut(&(WorkerRole::Decode, 2)).expect("decode 2");
+            d.report.as_mut().expect("report").epoch = 777;
+        }
+        for _ in 0..32 {
+            let p = r.plan(&req(40, 8), &[], &none).ok().expect("routed");
+            assert_eq!(p.decode, 3, "only the decode node at the linked epoch");
+        }
+        let pairs = routable_pairs(&r.lock(), r.now_ms());
+        assert!(pairs.iter().all(|p| p.decode != 2));
+    }
+
+    /// Power of two choices on free pages, counting what this router sent since the reports:
+    /// a burst between two reports alternates rather than piling onto one node.
+    #[test]
+    fn a_burst_between_reports_is_spread_by_what_the_router_sent() {
+        let r = Router::offline(1, 2);
+        let none = Excluded::default();
+        let mut per = BTreeMap::new();
+        for _ in 0..20 {
+            let p = r.plan(&req(1000, 24), &[], &none).ok().expect("routed");
+            *per.entry(p.decode).or_insert(0) += 1;
+        }
+        assert_eq!(per.len(), 2, "{per:?}");
+        let (a, b) = (per[&2], per[&3]);
+        assert!(a.abs_diff(b) <= 2, "{per:?}");
+    }
+
+    /// Excluded nodes (an attempt's culprit) are not chosen again for the request.
+    #[test]
+    fn a_retry_avoids_the_failed_node() {
+        let r = Router::offline(2, 2);
+        let ex = Excluded {
+            prefill: vec![1],
+            decode: vec![3],
+        };
+        for _ in 0..10 {
+            let p = r.plan(&req(40, 8), &[], &ex).ok().expect("routed");
+            assert_eq!((p.prefill, p.decode), (2, 4));
+        }
+        let all = Excluded {
+            prefill: vec![1, 2],
+            decode: vec![],
+        };
+        assert!(r.plan(&req(40, 8), &[], &all).is_err());
+    }
+
+    /// Retried only when nothing of the attempt was posted (the node's mark) with a retryable
+    /// code; otherwise failed closed.
+    #[test]
+    fn only_failures_before_any_write_are_retried() {
+        let r = Router::offline(1, 1);
+        let plan = r.plan(&req(40, 8), &[], &Excluded::default()).ok().expect("plan");
+        let marked = custody_runtime::disagg::nothing_posted(tonic::Status::unavailable(
+            "decode node 2 is at epoch 5, the route names epoch 4",
+        ));
+        assert!(matches!(
+            r.classify(&marked, &plan),
+            Failure::Retry {
+                culprit: WorkerRole::Decode,
+                ..
+            }
+        ));
+        let drained = custody_runtime::disagg::nothing_posted(tonic::Status::unavailable(
+            "this prefill node is draining",
+        ));
+        assert!(matches!(
+            r.classify(&drained, &plan),
+            Failure::Retry {
+                culprit: WorkerRole::Prefill,
+                ..
+            }
+        ));
+        let after_writes = tonic::Status::unavailable("KV transfer failed: connection lost");
+        assert!(matches!(r.classify(&after_writes, &plan), Failure::Closed { .. }));
+        let client_error = custody_runtime::disagg::nothing_posted(tonic::Status::invalid_argument(
+            "prompt exceeds the context length",
+        ));
+        assert!(matches!(r.classify(&client_error, &plan), Failure::Closed { .. }));
+    }
+
+    /// A node stating another geometry than the fleet's never becomes ready.
+    #[test]
+    fn an_incompatible_node_is_held_out() {
+        let r = Router::offline(1, 2);
+        let mut bad = synthetic_report(WorkerRole::Decode, 3, &[]);
+        bad.page_size = 32;
+        for _ in 0..4 {
+            r.observe_probe(WorkerRole::Decode, 3, Ok(bad.clone()));
+        }
+        let states = r.health_states();
+        let s = states
+            .iter()
+            .find(|(role, n, _)| *role == WorkerRole::Decode && *n == 3)
+            .expect("decode 3");
+        assert_ne!(s.2, HealthState::Ready);
     }
 }

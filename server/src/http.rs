@@ -150,7 +150,10 @@ async fn live() -> Response {
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
-    let body = st.metrics.render(st.backend.gauges(), st.audit.as_deref());
+    let mut body = st.metrics.render(st.backend.gauges(), st.audit.as_deref());
+    if let crate::backend::Backend::Fleet(r) = &st.backend {
+        body.push_str(&r.metrics_text());
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -4,4 +4,5 @@
 pub(crate) mod audit;
 pub(crate) mod disagg;
 pub(crate) mod engine;
+pub(crate) mod router;
 pub(crate) mod stats;

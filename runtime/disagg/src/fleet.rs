@@ -37,6 +37,7 @@ impl FleetNode {
                 r.pool_pages = st.pool_pages as u64;
                 r.free_pages = st.free_pages as u64;
                 r.live_requests = st.live_requests as u32;
+                r.cached_pages = st.cached_pages as u64;
                 r.decode_peers = h
                     .peer_links()
                     .into_iter()

@@ -212,6 +212,8 @@ pub struct PrefillStats {
     pub live_requests: usize,
     pub transfers_in_flight: usize,
     pub reconnects: u64,
+    /// Pages the prefix cache keeps (evictable when not held by a request).
+    pub cached_pages: usize,
 }
 
 /// What was posted for one page (its `transfers` row): source page and generation, data bytes,
@@ -827,6 +829,11 @@ impl Node {
                     live_requests: self.engine.n_live(),
                     transfers_in_flight: self.reqs.values().map(|r| r.outstanding).sum(),
                     reconnects: self.reconnects,
+                    cached_pages: self
+                        .engine
+                        .core()
+                        .prefix_cache_stats()
+                        .map_or(0, |c| c.entries),
                 });
             }
             Cmd::Submit(sub, tx, prefilled) => {

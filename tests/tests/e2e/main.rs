@@ -8,6 +8,7 @@ mod cuda_compile;
 mod cuda_forward;
 mod cuda_kernels;
 mod disagg;
+mod fleet;
 mod gguf_corruption;
 mod integrity;
 mod kv_auth;

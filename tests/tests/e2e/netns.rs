@@ -362,7 +362,7 @@ fn netns_child_node() {
                         custody_runtime::disagg::token_relay_capacity_events(r.max_tokens),
                     );
                     let hh = h.clone();
-                    tokio::spawn(async move { hh.generate(r, None, tx).await });
+                    tokio::spawn(async move { hh.generate(r, None, None, tx).await });
                     let mut toks = Vec::new();
                     while let Some(ev) = rx.recv().await {
                         match ev {

@@ -297,7 +297,7 @@ fn engine_id(request_id: &str) -> u64 {
     rest.parse().expect("numeric id")
 }
 
-fn python_with_openai() -> &'static str {
+pub(crate) fn python_with_openai() -> &'static str {
     let ok = Command::new("python3")
         .args(["-c", "import openai"])
         .status()
