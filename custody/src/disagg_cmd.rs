@@ -9,14 +9,14 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use custody_audit::{AuditSink, Event as AuditEvent};
 use custody_runtime::config::UnsafeReproduction;
+use custody_runtime::disagg::Drain;
 use custody_runtime::disagg::checkpoints::PeerCheckpoints;
 use custody_runtime::disagg::client::{serve_decode, serve_prefill};
 use custody_runtime::disagg::decode::{DecodeHandle, DecodeOptions};
-use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
-use custody_runtime::disagg::proto::prefill_client::PrefillClient;
-use custody_runtime::disagg::Drain;
 use custody_runtime::disagg::fleet::FleetNode;
 use custody_runtime::disagg::prefill::DecodeTarget;
+use custody_runtime::disagg::prefill::{PrefillHandle, PrefillOptions};
+use custody_runtime::disagg::proto::prefill_client::PrefillClient;
 use custody_runtime::disagg::tls::{NodeIdentity, Role as FleetRole, Security};
 use custody_runtime::prefix_cache::Namespaces;
 use custody_runtime::tokenizer::StreamDecoder;
@@ -212,7 +212,10 @@ async fn drain_on_signal(
         _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
     }
     drain.start();
-    tracing::info!(timeout_ms = timeout.as_millis() as u64, "draining: new requests refused, running ones finish");
+    tracing::info!(
+        timeout_ms = timeout.as_millis() as u64,
+        "draining: new requests refused, running ones finish"
+    );
     let t0 = Instant::now();
     // Bounded by `timeout`.
     while t0.elapsed() < timeout {
@@ -225,7 +228,10 @@ async fn drain_on_signal(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    tracing::info!(drained_ms = t0.elapsed().as_millis() as u64, "shutting down");
+    tracing::info!(
+        drained_ms = t0.elapsed().as_millis() as u64,
+        "shutting down"
+    );
     let _ = tx.send(());
 }
 
@@ -236,8 +242,7 @@ fn serve_health(listen: &str, node: FleetNode) -> Result<()> {
     }
     let l = std::net::TcpListener::bind(listen)
         .with_context(|| format!("binding the health endpoint on {listen}"))?;
-    let ready: custody_runtime::disagg::health::Readiness =
-        Arc::new(move || node.ready_blocking());
+    let ready: custody_runtime::disagg::health::Readiness = Arc::new(move || node.ready_blocking());
     custody_runtime::disagg::health::spawn(l, ready).context("starting the health endpoint")
 }
 
@@ -247,7 +252,10 @@ const STOP_BOUND: Duration = Duration::from_secs(5);
 
 /// Run a node's gRPC service until it stops, or until `drained` (which tells it to stop) and
 /// then at most `STOP_BOUND` more.
-async fn serve_until_drained<F>(served: F, drained: impl std::future::Future<Output = ()>) -> Result<()>
+async fn serve_until_drained<F>(
+    served: F,
+    drained: impl std::future::Future<Output = ()>,
+) -> Result<()>
 where
     F: std::future::Future<Output = Result<(), custody_runtime::disagg::client::ServeError>>
         + Send
@@ -265,7 +273,9 @@ where
     match tokio::time::timeout(STOP_BOUND, &mut task).await {
         Ok(r) => joined(r),
         Err(_) => {
-            tracing::warn!("the service did not stop within {STOP_BOUND:?} of the drain: leaving it");
+            tracing::warn!(
+                "the service did not stop within {STOP_BOUND:?} of the drain: leaving it"
+            );
             task.abort();
             Ok(())
         }
@@ -314,10 +324,13 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
             "decode node {} ready: control {control}, KV transport {} {}",
             r.node, h.info.transport, h.transport_addr
         );
-        serve_health(&r.cfg.disagg.health_listen, FleetNode::Decode(h.clone()))?;
+        serve_health(
+            &r.cfg.disagg.health_listen,
+            FleetNode::Decode(Box::new(h.clone())),
+        )?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let timeout = Duration::from_millis(r.cfg.disagg.drain_timeout_ms);
-        let drained = drain_on_signal(tx, FleetNode::Decode(h.clone()), drain, timeout);
+        let drained = drain_on_signal(tx, FleetNode::Decode(Box::new(h.clone())), drain, timeout);
         serve_until_drained(serve_decode(h, listener, r.security, rx), drained)
             .await
             .context("control plane")
@@ -413,10 +426,13 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
             "prefill node {} ready: front door {listen}, decode {decode_url}",
             r.node
         );
-        serve_health(&r.cfg.disagg.health_listen, FleetNode::Prefill(h.clone()))?;
+        serve_health(
+            &r.cfg.disagg.health_listen,
+            FleetNode::Prefill(Box::new(h.clone())),
+        )?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let timeout = Duration::from_millis(r.cfg.disagg.drain_timeout_ms);
-        let drained = drain_on_signal(tx, FleetNode::Prefill(h.clone()), drain, timeout);
+        let drained = drain_on_signal(tx, FleetNode::Prefill(Box::new(h.clone())), drain, timeout);
         serve_until_drained(serve_prefill(h, listener, r.security.clone(), rx), drained)
             .await
             .context("front door")

@@ -500,7 +500,8 @@ async fn request_across_fleet(src: &Source, node: u32, request: u64) -> Result<(
     for b in &path {
         print(b, src.format)?;
     }
-    let sides = custody_query::run_script(&ctx, &forensics::fleet_decode_sides_sql(node, request)).await?;
+    let sides =
+        custody_query::run_script(&ctx, &forensics::fleet_decode_sides_sql(node, request)).await?;
     for b in sides.iter().flatten() {
         let (Some(n), Some(r)) = (
             b.column(0).as_any().downcast_ref::<Int64Array>(),
@@ -583,8 +584,14 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             show_sql,
         } => {
             if show_sql {
-                print!("{}", forensics::script(&forensics::request_sql(node, request)));
-                print!("{}", forensics::script(&forensics::fleet_path_sql(node, request)));
+                print!(
+                    "{}",
+                    forensics::script(&forensics::request_sql(node, request))
+                );
+                print!(
+                    "{}",
+                    forensics::script(&forensics::fleet_path_sql(node, request))
+                );
                 return Ok(());
             }
             runtime()?.block_on(request_across_fleet(&src, node, request))
@@ -600,7 +607,8 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             runtime()?.block_on(async {
                 let ctx = forensics::tuned(&session(&src).await?)?;
                 println!("# disagreements (router vs prefill vs decode)");
-                let rows = custody_query::run_script(&ctx, &forensics::fleet_crosscheck_sql()).await?;
+                let rows =
+                    custody_query::run_script(&ctx, &forensics::fleet_crosscheck_sql()).await?;
                 let n: usize = rows.iter().flatten().map(|b| b.num_rows()).sum();
                 for b in &rows {
                     print(b, src.format)?;

@@ -251,7 +251,11 @@ fn serve_front(
 /// request routed to a pair (`custody_server::fleet`). The router is a node of its own: with
 /// `--audit-dir` (and `--audit-key`, and its own `--node`) it keeps a signed log of every
 /// routing decision, retry and health transition.
-fn serve_router(a: &ServeArgs, serve_cfg: custody_server::config::ServeSection, cfg: &Config) -> Result<()> {
+fn serve_router(
+    a: &ServeArgs,
+    serve_cfg: custody_server::config::ServeSection,
+    cfg: &Config,
+) -> Result<()> {
     let security = crate::common::fleet_security(&cfg.tls)?;
     let audit = if a.audit.audit_dir.is_some() {
         if a.audit.node == 0 {
@@ -270,8 +274,12 @@ fn serve_router(a: &ServeArgs, serve_cfg: custody_server::config::ServeSection, 
     // The fleet's prefix-cache secret, when configured: the router computes a request's chain
     // keys within the request's own namespace (never another tenant's) to route by affinity.
     let namespaces = if cfg.prefix_cache.secret_file.is_some() {
-        let n = custody_runtime::prefix_cache::Namespaces::from_section(&cfg.prefix_cache, &tokenizer, false)
-            .context("[prefix_cache] for the router's cache affinity")?;
+        let n = custody_runtime::prefix_cache::Namespaces::from_section(
+            &cfg.prefix_cache,
+            &tokenizer,
+            false,
+        )
+        .context("[prefix_cache] for the router's cache affinity")?;
         Some(Arc::new(n))
     } else {
         None
@@ -292,7 +300,9 @@ fn serve_router(a: &ServeArgs, serve_cfg: custody_server::config::ServeSection, 
     let prepared = custody_server::prepare_front(engine, pool, tokenizer, &serve_cfg)?;
     let parts = custody_server::fleet::RouterParts {
         node: a.audit.node,
-        audit: audit.clone().map(|w| w as Arc<dyn custody_audit::AuditSink>),
+        audit: audit
+            .clone()
+            .map(|w| w as Arc<dyn custody_audit::AuditSink>),
         namespaces,
         fingerprint,
     };

@@ -25,7 +25,7 @@
 //!    moves at most one step, so with `failed_after_failures == not_ready_after_failures` a
 //!    `Ready` node reaches `Failed` one failure after it reaches `NotReady`.
 //! 6. `Failed → Pending` on the first probe that answers, draining or not (reason
-//!    `"restarted"`): a restarted node is re-admitted through `Pending` and must prove itself
+//!    `"answers again"`): a restarted node is re-admitted through `Pending` and must prove itself
 //!    `ready_after_ok` times again; the answering probe does not count towards that.
 //! 7. Any ok resets the failure count; any failure resets the ok count. A state change returns a
 //!    [`Transition`]; no change returns `None`.
@@ -159,7 +159,7 @@ pub struct Transition {
     /// The state after it.
     pub to: HealthState,
     /// A short, stable reason: "probe ok", "probe failed", "request failed", "draining",
-    /// "recovered" or "restarted".
+    /// "recovered" or "answers again".
     pub reason: &'static str,
 }
 
@@ -287,7 +287,7 @@ impl Health {
     /// A dead node answered: it restarted, and its streak starts from nothing.
     fn restart(&mut self) -> Step {
         self.consecutive_ok = 0;
-        Some((HealthState::Pending, "restarted"))
+        Some((HealthState::Pending, "answers again"))
     }
 
     fn on_failure(&mut self, reason: &'static str, t: &HealthThresholds) -> Step {
@@ -597,7 +597,10 @@ mod tests {
             thresholds: DEFAULT,
             start: Failed,
             observations: &[at(0, OK), at(1, OK), at(2, OK)],
-            transitions: &[(Failed, Pending, "restarted"), (Pending, Ready, "probe ok")],
+            transitions: &[
+                (Failed, Pending, "answers again"),
+                (Pending, Ready, "probe ok"),
+            ],
             end: Ready,
             routable: &[],
         },
@@ -606,7 +609,7 @@ mod tests {
             thresholds: DEFAULT,
             start: Failed,
             observations: &[at(0, OK), at(1, OK)],
-            transitions: &[(Failed, Pending, "restarted")],
+            transitions: &[(Failed, Pending, "answers again")],
             end: Pending,
             routable: &[],
         },
@@ -616,7 +619,7 @@ mod tests {
             start: Failed,
             observations: &[at(0, DRAIN), at(1, DRAIN)],
             transitions: &[
-                (Failed, Pending, "restarted"),
+                (Failed, Pending, "answers again"),
                 (Pending, NotReady, "draining"),
             ],
             end: NotReady,

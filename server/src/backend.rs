@@ -262,7 +262,11 @@ pub(crate) async fn open_remote(
     let mut stream = client.generate(g).await?.into_inner();
     let first = match stream.message().await? {
         Some(ev) => ev,
-        None => return Err(tonic::Status::unavailable("the prefill node ended the stream")),
+        None => {
+            return Err(tonic::Status::unavailable(
+                "the prefill node ended the stream",
+            ));
+        }
     };
     Ok(Opened {
         stream,
@@ -330,7 +334,10 @@ impl Anomaly<'_> {
 /// How a relayed request ended, for a router's log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum RelayEnd {
-    Finished { reason: String, generated: usize },
+    Finished {
+        reason: String,
+        generated: usize,
+    },
     Failed(String),
     /// The server or its client ended it (what the front door was told).
     Ended,
@@ -354,7 +361,16 @@ pub(crate) fn relay(
     let said = end.clone();
     let cached_tokens = first.cached_tokens as usize;
     tokio::spawn(async move {
-        let how = relay_loop(&mut client, &mut stream, first, &tx, &gauges, cached_tokens, &said).await;
+        let how = relay_loop(
+            &mut client,
+            &mut stream,
+            first,
+            &tx,
+            &gauges,
+            cached_tokens,
+            &said,
+        )
+        .await;
         if let Some(e) = ended {
             let _ = e.send(how);
         }

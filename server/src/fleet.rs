@@ -46,7 +46,9 @@ use custody_router::policy::{
 };
 use custody_router::rng::SplitMix64;
 use custody_router::{ChainKey, NodeId};
-use custody_runtime::disagg::proto::{self, fleet_client::FleetClient, prefill_client::PrefillClient};
+use custody_runtime::disagg::proto::{
+    self, fleet_client::FleetClient, prefill_client::PrefillClient,
+};
 use custody_runtime::disagg::tls::{NodeIdentity, Role, Security};
 use custody_runtime::engine::GenerateRequest;
 use custody_runtime::prefix_cache::Namespaces;
@@ -241,13 +243,12 @@ impl Router {
                     },
                     n.node,
                 );
-                let channel = lazy_channel(security, &n.url, id).map_err(|source| {
-                    RouterError::Channel {
+                let channel =
+                    lazy_channel(security, &n.url, id).map_err(|source| RouterError::Channel {
                         node: n.node,
                         url: n.url.clone(),
                         source,
-                    }
-                })?;
+                    })?;
                 if role == WorkerRole::Prefill {
                     prefill_clients.insert(n.node, PrefillClient::new(channel.clone()));
                 }
@@ -295,7 +296,10 @@ impl Router {
 
     /// The fleet's context length (from the first compatible report).
     pub fn context_length(&self) -> Option<usize> {
-        self.lock().geometry.as_ref().map(|g| g.context_length as usize)
+        self.lock()
+            .geometry
+            .as_ref()
+            .map(|g| g.context_length as usize)
     }
 
     pub fn gauges(&self) -> &Arc<EngineGauges> {
@@ -351,10 +355,26 @@ impl Router {
         }
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         for (name, help, v) in [
-            ("custody_router_decisions_total", "Routing decisions (one per attempt).", ld(&self.stats.decisions)),
-            ("custody_router_retries_total", "Attempts retried on another pair (nothing of them was posted).", ld(&self.stats.retries)),
-            ("custody_router_refused_total", "Requests refused before any attempt (length, capacity, no pair).", ld(&self.stats.refused)),
-            ("custody_router_failed_total", "Requests failed closed.", ld(&self.stats.failed)),
+            (
+                "custody_router_decisions_total",
+                "Routing decisions (one per attempt).",
+                ld(&self.stats.decisions),
+            ),
+            (
+                "custody_router_retries_total",
+                "Attempts retried on another pair (nothing of them was posted).",
+                ld(&self.stats.retries),
+            ),
+            (
+                "custody_router_refused_total",
+                "Requests refused before any attempt (length, capacity, no pair).",
+                ld(&self.stats.refused),
+            ),
+            (
+                "custody_router_failed_total",
+                "Requests failed closed.",
+                ld(&self.stats.failed),
+            ),
         ] {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
         }
@@ -474,7 +494,7 @@ impl Router {
             self.stats.decisions.fetch_add(1, Ordering::Relaxed);
             let route = self.mint(&plan, attempt);
             self.record(ROUTE_EVENT, plan.detail(request, &req.tenant, &route));
-            match self.attempt(&req, cache_salt, &plan, route.clone()).await {
+            match self.attempt(&req, cache_salt, &plan, route).await {
                 Ok(admitted) => {
                     self.lock().index.record(plan.prefill, &keys);
                     self.check_anomaly(plan.prefill, &req.tenant, req.prompt.len(), &admitted.1)
@@ -575,15 +595,23 @@ impl Router {
     ) -> Result<Plan, Refusal> {
         let now = self.now_ms();
         let mut st = self.lock();
-        let geometry = st.geometry.clone().ok_or_else(|| Refusal::unavailable("no fleet node has reported yet"))?;
+        let geometry = st
+            .geometry
+            .clone()
+            .ok_or_else(|| Refusal::unavailable("no fleet node has reported yet"))?;
         check_length(req, &geometry, &st)?;
-        let need_pages = (req.prompt.len() + req.max_tokens).div_ceil(geometry.page_size.max(1) as usize) as u32;
+        let need_pages =
+            (req.prompt.len() + req.max_tokens).div_ceil(geometry.page_size.max(1) as usize) as u32;
         let pairs = routable_pairs(&st, now);
         let prefills: Vec<PrefillCandidate> = st
             .workers
             .iter()
             .filter(|((r, n), _)| *r == WorkerRole::Prefill && !excluded.prefill.contains(n))
-            .filter(|((_, n), _)| pairs.iter().any(|p| p.prefill == *n && !excluded.decode.contains(&p.decode)))
+            .filter(|((_, n), _)| {
+                pairs
+                    .iter()
+                    .any(|p| p.prefill == *n && !excluded.decode.contains(&p.decode))
+            })
             .filter_map(|((_, n), w)| {
                 let rep = w.report.as_ref()?;
                 Some(PrefillCandidate {
@@ -612,7 +640,9 @@ impl Router {
             let State { rng, .. } = &mut *st;
             choose_decode(&decodes, need_pages, rng)
         }
-        .ok_or_else(|| Refusal::busy("no decode node paired with the chosen prefill node has the pages free"))?;
+        .ok_or_else(|| {
+            Refusal::busy("no decode node paired with the chosen prefill node has the pages free")
+        })?;
         let decode_epoch = pairs
             .iter()
             .find(|pr| pr.prefill == p.node && pr.decode == d.node)
@@ -656,7 +686,10 @@ impl Router {
             Ok(o) if o.first.error.is_empty() => Ok((client, o)),
             Ok(o) => Err(Failure::Closed {
                 why: o.first.error.clone(),
-                error: ApiError::internal(format!("prefill node: {}", o.first.error), "backend_error"),
+                error: ApiError::internal(
+                    format!("prefill node: {}", o.first.error),
+                    "backend_error",
+                ),
             }),
             Err(s) => Err(self.classify(&s, plan)),
         }
@@ -716,7 +749,13 @@ impl Router {
         let router = self.clone();
         let transfer = route.transfer_id;
         let (prefill, decode) = (plan.prefill, plan.decode);
-        let events = backend::relay(client, opened, self.gauges.clone(), req.max_tokens, Some(tx));
+        let events = backend::relay(
+            client,
+            opened,
+            self.gauges.clone(),
+            req.max_tokens,
+            Some(tx),
+        );
         tokio::spawn(async move {
             let (outcome, why) = match rx.await {
                 Ok(RelayEnd::Finished { reason, generated }) => {
@@ -736,7 +775,13 @@ impl Router {
     }
 
     /// The anomaly check of the front, on a fleet's first event.
-    async fn check_anomaly(&self, node: u32, tenant: &str, prompt_tokens: usize, o: &backend::Opened) {
+    async fn check_anomaly(
+        &self,
+        node: u32,
+        tenant: &str,
+        prompt_tokens: usize,
+        o: &backend::Opened,
+    ) {
         Anomaly {
             check: self.check,
             node,
@@ -793,6 +838,7 @@ enum Failure {
 }
 
 /// A refusal before any attempt.
+#[derive(Debug)]
 struct Refusal {
     why: String,
     error: ApiError,
@@ -1054,7 +1100,10 @@ impl Router {
             ..FleetSection::default()
         };
         let mut workers = BTreeMap::new();
-        for (role, list) in [(WorkerRole::Prefill, &cfg.prefill), (WorkerRole::Decode, &cfg.decode)] {
+        for (role, list) in [
+            (WorkerRole::Prefill, &cfg.prefill),
+            (WorkerRole::Decode, &cfg.decode),
+        ] {
             for n in list {
                 workers.insert(
                     (role, n.node),
@@ -1130,7 +1179,12 @@ pub struct RoutingCost {
 /// decode choice, the alternatives' JSON for the log) and the index update an admission makes —
 /// on an offline router of `prefill` × `decode` ready nodes. Reports arrive every 64 decisions
 /// (as a 250 ms probe interval would at ~250 decisions/s per node).
-pub fn bench_routing(prefill: u32, decode: u32, prompt_pages: usize, decisions: u32) -> RoutingCost {
+pub fn bench_routing(
+    prefill: u32,
+    decode: u32,
+    prompt_pages: usize,
+    decisions: u32,
+) -> RoutingCost {
     let router = Router::offline(prefill, decode);
     let req = GenerateRequest {
         prompt: vec![1; prompt_pages * 16 + 5],
@@ -1197,7 +1251,9 @@ mod tests {
         let r = Router::offline(2, 2);
         let none = Excluded::default();
         assert!(r.plan(&req(100, 16), &[], &none).is_ok());
-        let e = r.plan(&req(4000, 200), &[], &none).err().expect("over the context");
+        let e = r
+            .plan(&req(4000, 200), &[], &none)
+            .expect_err("over the context");
         assert!(e.why.contains("exceed the context"), "{}", e.why);
         // Within the context but more pages than any decode pool holds.
         {
@@ -1210,7 +1266,9 @@ mod tests {
                 }
             }
         }
-        let e = r.plan(&req(200, 16), &[], &none).err().expect("over every pool");
+        let e = r
+            .plan(&req(200, 16), &[], &none)
+            .expect_err("over every pool");
         assert!(e.why.contains("every decode pool"), "{}", e.why);
     }
 
@@ -1223,11 +1281,14 @@ mod tests {
         let none = Excluded::default();
         {
             let mut st = r.lock();
-            let d = st.workers.get_mut(&(WorkerRole::Decode, 2)).expect("decode 2");
+            let d = st
+                .workers
+                .get_mut(&(WorkerRole::Decode, 2))
+                .expect("decode 2");
             d.report.as_mut().expect("report").epoch = 777;
         }
         for _ in 0..32 {
-            let p = r.plan(&req(40, 8), &[], &none).ok().expect("routed");
+            let p = r.plan(&req(40, 8), &[], &none).expect("routed");
             assert_eq!(p.decode, 3, "only the decode node at the linked epoch");
         }
         let pairs = routable_pairs(&r.lock(), r.now_ms());
@@ -1242,8 +1303,8 @@ mod tests {
         let none = Excluded::default();
         let mut per = BTreeMap::new();
         for _ in 0..20 {
-            let p = r.plan(&req(1000, 24), &[], &none).ok().expect("routed");
-            *per.entry(p.decode).or_insert(0) += 1;
+            let p = r.plan(&req(1000, 24), &[], &none).expect("routed");
+            *per.entry(p.decode).or_insert(0u32) += 1;
         }
         assert_eq!(per.len(), 2, "{per:?}");
         let (a, b) = (per[&2], per[&3]);
@@ -1259,7 +1320,7 @@ mod tests {
             decode: vec![3],
         };
         for _ in 0..10 {
-            let p = r.plan(&req(40, 8), &[], &ex).ok().expect("routed");
+            let p = r.plan(&req(40, 8), &[], &ex).expect("routed");
             assert_eq!((p.prefill, p.decode), (2, 4));
         }
         let all = Excluded {
@@ -1274,7 +1335,9 @@ mod tests {
     #[test]
     fn only_failures_before_any_write_are_retried() {
         let r = Router::offline(1, 1);
-        let plan = r.plan(&req(40, 8), &[], &Excluded::default()).ok().expect("plan");
+        let plan = r
+            .plan(&req(40, 8), &[], &Excluded::default())
+            .expect("plan");
         let marked = custody_runtime::disagg::nothing_posted(tonic::Status::unavailable(
             "decode node 2 is at epoch 5, the route names epoch 4",
         ));
@@ -1296,11 +1359,17 @@ mod tests {
             }
         ));
         let after_writes = tonic::Status::unavailable("KV transfer failed: connection lost");
-        assert!(matches!(r.classify(&after_writes, &plan), Failure::Closed { .. }));
-        let client_error = custody_runtime::disagg::nothing_posted(tonic::Status::invalid_argument(
-            "prompt exceeds the context length",
+        assert!(matches!(
+            r.classify(&after_writes, &plan),
+            Failure::Closed { .. }
         ));
-        assert!(matches!(r.classify(&client_error, &plan), Failure::Closed { .. }));
+        let client_error = custody_runtime::disagg::nothing_posted(
+            tonic::Status::invalid_argument("prompt exceeds the context length"),
+        );
+        assert!(matches!(
+            r.classify(&client_error, &plan),
+            Failure::Closed { .. }
+        ));
     }
 
     /// A node stating another geometry than the fleet's never becomes ready.

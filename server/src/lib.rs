@@ -368,14 +368,18 @@ pub async fn serve_fleet(
         prepared.gauges.clone(),
         prepared.check,
     )
-        .map_err(|e| ServeError::Startup(e.to_string()))?;
+    .map_err(|e| ServeError::Startup(e.to_string()))?;
     // Wait (bounded) for the first reports, so that the context length below is the fleet's.
     let t0 = std::time::Instant::now();
     while router.ready().is_err() && t0.elapsed() < FLEET_READY_WAIT {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let context_length = router.context_length().unwrap_or(0);
-    tracing::info!(context_length, ready = router.ready().is_ok(), "routing a fleet");
+    tracing::info!(
+        context_length,
+        ready = router.ready().is_ok(),
+        "routing a fleet"
+    );
     let front = Front {
         backend: Backend::Fleet(router),
         tokenizer: prepared.tokenizer,

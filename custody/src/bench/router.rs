@@ -28,7 +28,12 @@ pub(crate) fn bench_router(a: BenchRouterArgs) -> Result<()> {
             let c = custody_server::fleet::bench_routing(p, d, pages, a.decisions);
             println!(
                 "| {} × {} | {} | {} | {:.0} | {:.0} |",
-                c.prefill_nodes, c.decode_nodes, c.prompt_pages, c.decisions, c.ns_per_decision, c.decisions_per_s
+                c.prefill_nodes,
+                c.decode_nodes,
+                c.prompt_pages,
+                c.decisions,
+                c.ns_per_decision,
+                c.decisions_per_s
             );
         }
     }

@@ -24,7 +24,11 @@ pub async fn serve_decode(
     security: Security,
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(), ServeError> {
-    let fleet = fleet_service(FleetNode::Decode(h.clone()), &security);
+    // The load report, to its router (a front identity) only.
+    let fleet = proto::fleet_server::FleetServer::with_interceptor(
+        FleetService::new(FleetNode::Decode(Box::new(h.clone()))),
+        security.interceptor(&[Role::Front]),
+    );
     let svc = proto::decode_server::DecodeServer::with_interceptor(
         h.service(),
         security.interceptor(&[Role::Prefill]),
@@ -46,7 +50,11 @@ pub async fn serve_prefill(
     security: Security,
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(), ServeError> {
-    let fleet = fleet_service(FleetNode::Prefill(h.clone()), &security);
+    // The load report, to its router (a front identity) only.
+    let fleet = proto::fleet_server::FleetServer::with_interceptor(
+        FleetService::new(FleetNode::Prefill(Box::new(h.clone()))),
+        security.interceptor(&[Role::Front]),
+    );
     let svc = proto::prefill_server::PrefillServer::with_interceptor(
         h.service(),
         security.interceptor(&[Role::Front]),
@@ -58,20 +66,6 @@ pub async fn serve_prefill(
         shutdown,
     )
     .await
-}
-
-/// The load report, served on the node's control port to its router (a front identity) only.
-fn fleet_service(
-    node: FleetNode,
-    security: &Security,
-) -> tonic::service::interceptor::InterceptedService<
-    proto::fleet_server::FleetServer<FleetService>,
-    impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, Status> + Clone + Send + 'static,
-> {
-    proto::fleet_server::FleetServer::with_interceptor(
-        FleetService::new(node),
-        security.interceptor(&[Role::Front]),
-    )
 }
 
 /// Run `router` on `listener`: TLS streams from this process's own acceptor

@@ -275,7 +275,7 @@ impl Node {
 
     fn reserve(&mut self, req: proto::ReserveRequest) -> Result<proto::ReserveReply, Status> {
         self.check_route(&req)?;
-        let route = req.route.clone();
+        let route = req.route;
         let sampling = super::sampling_from_proto(req.sampling.as_ref());
         let prompt_len = req.prompt.len();
         let greq = GenerateRequest {

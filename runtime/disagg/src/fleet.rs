@@ -10,8 +10,9 @@ use super::proto::{self, fleet_server};
 /// The node a [`FleetService`] reports on.
 #[derive(Clone, Debug)]
 pub enum FleetNode {
-    Prefill(PrefillHandle),
-    Decode(DecodeHandle),
+    /// Boxed: the handles carry their handshake statements (hundreds of bytes).
+    Prefill(Box<PrefillHandle>),
+    Decode(Box<DecodeHandle>),
 }
 
 /// The `Fleet` gRPC service.
@@ -91,9 +92,7 @@ impl FleetNode {
     pub fn live_blocking(&self) -> Option<usize> {
         match self {
             FleetNode::Prefill(h) => h.stats_blocking().map(|s| s.live_requests),
-            FleetNode::Decode(h) => h
-                .stats_blocking()
-                .map(|s| s.live_requests + s.reservations),
+            FleetNode::Decode(h) => h.stats_blocking().map(|s| s.live_requests + s.reservations),
         }
     }
 }

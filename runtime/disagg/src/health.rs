@@ -74,7 +74,10 @@ fn route(line: &str, ready: &Readiness) -> (&'static str, String) {
             Ok(()) => ("200 OK", "ready\n".into()),
             Err(why) => ("503 Service Unavailable", format!("not ready: {why}\n")),
         },
-        _ => ("404 Not Found", "try /health/live or /health/ready\n".into()),
+        _ => (
+            "404 Not Found",
+            "try /health/live or /health/ready\n".into(),
+        ),
     }
 }
 
@@ -109,7 +112,10 @@ mod tests {
         assert!(get(addr, "/health/ready").starts_with("HTTP/1.1 200"));
         flag.store(true, std::sync::atomic::Ordering::SeqCst);
         let r = get(addr, "/health/ready");
-        assert!(r.starts_with("HTTP/1.1 503") && r.contains("draining"), "{r}");
+        assert!(
+            r.starts_with("HTTP/1.1 503") && r.contains("draining"),
+            "{r}"
+        );
         assert!(get(addr, "/health/live").starts_with("HTTP/1.1 200"));
         assert!(get(addr, "/nope").starts_with("HTTP/1.1 404"));
     }

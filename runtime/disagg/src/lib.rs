@@ -217,8 +217,10 @@ pub const NOTHING_POSTED_KEY: &str = "custody-nothing-posted";
 
 /// `s`, marked as failing before any KV write was posted ([`NOTHING_POSTED_KEY`]).
 pub fn nothing_posted(mut s: tonic::Status) -> tonic::Status {
-    s.metadata_mut()
-        .insert(NOTHING_POSTED_KEY, tonic::metadata::MetadataValue::from_static("1"));
+    s.metadata_mut().insert(
+        NOTHING_POSTED_KEY,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
     s
 }
 

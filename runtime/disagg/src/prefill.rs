@@ -383,7 +383,10 @@ impl Node {
             .and_then(|p| p.paired.as_ref())
             .map(|i| i.node_id);
         let (Some(r), Some(decode_node)) = (self.reqs.get_mut(&id), decode_node) else {
-            let _ = done.send(Err(format!("prefill request {id} or its decode peer is gone").into()));
+            let _ = done.send(Err(format!(
+                "prefill request {id} or its decode peer is gone"
+            )
+            .into()));
             return;
         };
         r.peer = peer;
@@ -526,12 +529,7 @@ impl Node {
             if let Some(x) = extra
                 && (first..end).contains(&x.page_index)
             {
-                faults::post_unrecorded_copy(
-                    &mut **transport,
-                    &chains[x.page_index],
-                    x,
-                    res.rkey,
-                );
+                faults::post_unrecorded_copy(&mut **transport, &chains[x.page_index], x, res.rkey);
             }
             // SAFETY: every SGE points into this node's pool pages (held, not written until
             // released after the completion) or into the page's header slot (see
@@ -781,11 +779,12 @@ impl Node {
             let mut decode = p.decode.clone();
             let tx = self.handshakes.0.clone();
             self.rt.spawn(async move {
-                let result = match tokio::time::timeout(HANDSHAKE_TIMEOUT, decode.handshake(hello)).await {
-                    Err(_) => Err(ReconnectError::Timeout),
-                    Ok(Err(s)) => Err(ReconnectError::of_status(&s)),
-                    Ok(Ok(r)) => Ok(r.into_inner()),
-                };
+                let result =
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, decode.handshake(hello)).await {
+                        Err(_) => Err(ReconnectError::Timeout),
+                        Ok(Err(s)) => Err(ReconnectError::of_status(&s)),
+                        Ok(Ok(r)) => Ok(r.into_inner()),
+                    };
                 let _ = tx.send(HandshakeDone { peer: idx, result });
             });
         }
@@ -1024,7 +1023,13 @@ impl PrefillHandle {
             identity,
             kv_encryption: opts.kv_encryption.clone(),
         };
-        Self::start_with(engine, opts, vec![(target, DecodeClient::new(channel))], true).await
+        Self::start_with(
+            engine,
+            opts,
+            vec![(target, DecodeClient::new(channel))],
+            true,
+        )
+        .await
     }
 
     /// A fleet's prefill node: every decode node in `targets`, each verified by its own
@@ -1111,7 +1116,8 @@ impl PrefillHandle {
             }
             peers.push(p);
         }
-        let decodes: Arc<[DecodeClient<Channel>]> = peers.iter().map(|p| p.decode.clone()).collect();
+        let decodes: Arc<[DecodeClient<Channel>]> =
+            peers.iter().map(|p| p.decode.clone()).collect();
         let table: PeerTable = Arc::new(std::sync::RwLock::new(
             peers.iter().map(Peer::link).collect(),
         ));
@@ -1182,10 +1188,11 @@ impl PrefillHandle {
     fn choose_peer(&self, route: Option<&proto::Route>) -> Result<usize, Status> {
         let links = self.peer_links();
         let Some(route) = route else {
-            return links
-                .iter()
-                .position(|l| l.connected)
-                .ok_or_else(|| super::nothing_posted(Status::unavailable("no decode node is paired with this prefill node")));
+            return links.iter().position(|l| l.connected).ok_or_else(|| {
+                super::nothing_posted(Status::unavailable(
+                    "no decode node is paired with this prefill node",
+                ))
+            });
         };
         if route.prefill_node != self.opts.node_id {
             return Err(Status::invalid_argument(format!(
@@ -1270,11 +1277,7 @@ impl PrefillHandle {
         // 1. Admission on prefill (over-length: rejected here, nothing allocated anywhere).
         let (tx, rx) = oneshot::channel();
         let (ptx, prx) = oneshot::channel();
-        let sub = Submission {
-            req,
-            front,
-            route: route.clone(),
-        };
+        let sub = Submission { req, front, route };
         self.send(Cmd::Submit(Box::new(sub), tx, ptx))
             .map_err(super::nothing_posted)?;
         let (id, _truncated) = rx
@@ -1437,7 +1440,12 @@ impl PrefillHandle {
             finish_reason: e.finish_reason,
             delivered_tokens: e.delivered_tokens,
         };
-        Ok(self.decodes[peer].clone().abort(ended).await?.into_inner().existed)
+        Ok(self.decodes[peer]
+            .clone()
+            .abort(ended)
+            .await?
+            .into_inner()
+            .existed)
     }
 
     /// The gRPC front-door service over this handle.

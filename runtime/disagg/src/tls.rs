@@ -627,11 +627,7 @@ impl Security {
 
     /// The KV transport's encryption for a prefill node writing to decode node `peer` (one of
     /// a fleet's), when `on`; refused in the insecure mode.
-    pub fn kv_encryption_to(
-        &self,
-        peer: NodeIdentity,
-        on: bool,
-    ) -> Result<KvEncryption, TlsError> {
+    pub fn kv_encryption_to(&self, peer: NodeIdentity, on: bool) -> Result<KvEncryption, TlsError> {
         if !on {
             return Ok(KvEncryption::Off);
         }

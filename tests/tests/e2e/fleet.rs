@@ -74,7 +74,14 @@ impl Net {
             tag,
         };
         must(&["ip", "link", "add", &net.bridge, "type", "bridge"]);
-        must(&["ip", "addr", "add", &format!("{ROUTER_IP}/24"), "dev", &net.bridge]);
+        must(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{ROUTER_IP}/24"),
+            "dev",
+            &net.bridge,
+        ]);
         must(&["ip", "link", "set", &net.bridge, "up"]);
         for (node, _, ip) in HOSTS {
             let (ns, outer) = (net.ns(node), net.outer(node));
@@ -84,7 +91,16 @@ impl Net {
             ]);
             must(&["ip", "link", "set", &outer, "master", &net.bridge]);
             must(&["ip", "link", "set", &outer, "up"]);
-            must(&["ip", "-n", &ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+            must(&[
+                "ip",
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{ip}/24"),
+                "dev",
+                "eth0",
+            ]);
             must(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
             must(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
         }
@@ -157,7 +173,10 @@ impl Files {
             .iter()
             .map(|&(n, r, ip)| (NodeIdentity::new(r, n), ip.to_owned()))
             .collect();
-        ids.push((NodeIdentity::new(Role::Front, ROUTER_NODE), ROUTER_IP.into()));
+        ids.push((
+            NodeIdentity::new(Role::Front, ROUTER_NODE),
+            ROUTER_IP.into(),
+        ));
         for (id, ip) in ids {
             let issued = ca.issue(id, &[ip], Validity::Days(1)).expect("issue");
             std::fs::write(f.path(&format!("n{}.pem", id.node)), issued.cert_pem).expect("cert");
@@ -166,7 +185,11 @@ impl Files {
         // One prefix-cache secret for the prefill nodes and the router (cache affinity).
         std::fs::write(f.path("cache.secret"), "7".repeat(64)).expect("secret");
         let o = custody(&["audit", "keygen", "--out", &f.s("audit.key")]);
-        assert!(o.status.success(), "keygen: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "keygen: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         for (n, role, ip) in HOSTS {
             let text = match role {
                 Role::Prefill => prefill_config(&f, n, ip),
@@ -341,7 +364,8 @@ fn spawn(net: Option<&Net>, f: &Files, node: u32, role: &str, log: &str) -> Proc
 fn wait_ready(url: &str, path: &str, bound: Duration, f: &Files) {
     let t0 = Instant::now();
     loop {
-        let r = custody_server::client::request(url, "GET", path, None, None, Duration::from_secs(2));
+        let r =
+            custody_server::client::request(url, "GET", path, None, None, Duration::from_secs(2));
         if r.as_ref().is_ok_and(|r| r.status == 200) {
             return;
         }
@@ -367,7 +391,15 @@ fn dump_logs(f: &Files) {
 
 /// The router's `/metrics` line for a node's health state, e.g. `ready`.
 fn node_state(router: &str, role: &str, node: u32) -> Option<String> {
-    let r = custody_server::client::request(router, "GET", "/metrics", None, None, Duration::from_secs(5)).ok()?;
+    let r = custody_server::client::request(
+        router,
+        "GET",
+        "/metrics",
+        None,
+        None,
+        Duration::from_secs(5),
+    )
+    .ok()?;
     let text = String::from_utf8_lossy(&r.body).into_owned();
     let key = format!("custody_fleet_node_state{{role=\"{role}\",node=\"{node}\",state=\"");
     text.lines()
@@ -401,8 +433,14 @@ struct Job {
 
 #[derive(Clone, Debug)]
 enum Outcome {
-    Ok { tokens: Vec<u32>, request_id: String },
-    Error { http: Option<u64>, error: String },
+    Ok {
+        tokens: Vec<u32>,
+        request_id: String,
+    },
+    Error {
+        http: Option<u64>,
+        error: String,
+    },
 }
 
 /// A running load (the python client), its results arriving line by line.
@@ -450,7 +488,8 @@ impl Load {
     }
 
     fn take(&mut self, line: &str) {
-        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
         let job = v["job"].as_u64().expect("job") as usize;
         let o = if v["status"] == "ok" {
             Outcome::Ok {
@@ -478,7 +517,10 @@ impl Load {
             let left = bound.saturating_sub(t0.elapsed());
             match self.lines.recv_timeout(left) {
                 Ok(l) => self.take(&l),
-                Err(_) => panic!("only {} of {n} jobs finished within {bound:?}", self.results.len()),
+                Err(_) => panic!(
+                    "only {} of {n} jobs finished within {bound:?}",
+                    self.results.len()
+                ),
             }
         }
     }
@@ -524,7 +566,10 @@ fn jobs(first: usize, n: usize, long: bool) -> Vec<Job> {
                 TENANTS[tenant]
             );
             if long {
-                text.push_str(&"The quarterly roadmap covers migration, on-call, budget and latency. ".repeat(6));
+                text.push_str(
+                    &"The quarterly roadmap covers migration, on-call, budget and latency. "
+                        .repeat(6),
+                );
             }
             text.push_str(&format!("Question {k}: what is {k} plus {}?", k * 3 + 1));
             Job {
@@ -547,10 +592,15 @@ fn check(phase: &str, res: &BTreeMap<usize, Outcome>, want: &BTreeMap<usize, Vec
                     tokens, &want[job],
                     "{phase}: job {job}'s answer differs from the colocated greedy output"
                 );
-                assert!(request_id.starts_with("req-"), "{phase}: job {job}: x-request-id {request_id:?}");
+                assert!(
+                    request_id.starts_with("req-"),
+                    "{phase}: job {job}: x-request-id {request_id:?}"
+                );
             }
             Outcome::Error { http, error } => {
-                let code = http.unwrap_or_else(|| panic!("{phase}: job {job} failed without an HTTP answer: {error}"));
+                let code = http.unwrap_or_else(|| {
+                    panic!("{phase}: job {job} failed without an HTTP answer: {error}")
+                });
                 assert!(
                     (400..600).contains(&code) && error.contains("message"),
                     "{phase}: job {job} is not a clean error: {code} {error}"
@@ -576,57 +626,131 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
             eprintln!("SKIPPED (CUSTODY_SKIP_NETNS=1): the fleet test needs root and iproute2");
             return;
         }
-        panic!("the fleet test needs root and iproute2 (scripts/setup.sh); set CUSTODY_SKIP_NETNS=1 to skip it explicitly");
+        panic!(
+            "the fleet test needs root and iproute2 (scripts/setup.sh); set CUSTODY_SKIP_NETNS=1 to skip it explicitly"
+        );
     }
     let f = Files::new();
     let net = Net::new();
     let router_url = format!("http://{ROUTER_IP}:{ROUTER_PORT}");
     let mut procs: BTreeMap<u32, Proc> = BTreeMap::new();
     for (n, role, _) in HOSTS.iter().rev() {
-        let r = if *role == Role::Prefill { "prefill" } else { "decode" };
+        let r = if *role == Role::Prefill {
+            "prefill"
+        } else {
+            "decode"
+        };
         procs.insert(*n, spawn(Some(&net), &f, *n, r, &format!("n{n}.log")));
     }
-    procs.insert(ROUTER_NODE, spawn(None, &f, ROUTER_NODE, "serve", &format!("n{ROUTER_NODE}.log")));
+    procs.insert(
+        ROUTER_NODE,
+        spawn(
+            None,
+            &f,
+            ROUTER_NODE,
+            "serve",
+            &format!("n{ROUTER_NODE}.log"),
+        ),
+    );
     // Meanwhile, the references.
-    let all: Vec<Job> = [jobs(0, 12, false), jobs(100, 16, false), jobs(200, 12, false), jobs(300, 16, true), jobs(400, 16, false), jobs(500, 16, false)].concat();
+    let all: Vec<Job> = [
+        jobs(0, 12, false),
+        jobs(100, 16, false),
+        jobs(200, 12, false),
+        jobs(300, 16, true),
+        jobs(400, 16, false),
+        jobs(500, 16, false),
+    ]
+    .concat();
     let want = references(&all);
     for (n, _, ip) in HOSTS {
-        wait_ready(&format!("http://{ip}:7073"), "/health/ready", Duration::from_secs(180), &f);
+        wait_ready(
+            &format!("http://{ip}:7073"),
+            "/health/ready",
+            Duration::from_secs(180),
+            &f,
+        );
         let _ = n;
     }
     wait_ready(&router_url, "/health/ready", Duration::from_secs(180), &f);
     for (n, role, _) in HOSTS {
-        let r = if role == Role::Prefill { "prefill" } else { "decode" };
+        let r = if role == Role::Prefill {
+            "prefill"
+        } else {
+            "decode"
+        };
         wait_state(&router_url, r, n, &["ready"], Duration::from_secs(30), &f);
     }
 
     // A. Steady state: three tenants, four at a time.
     let phase_a: Vec<Job> = all.iter().filter(|j| j.id < 100).cloned().collect();
     let res = Load::start(&f, "a", &phase_a).finish(phase_a.len(), Duration::from_secs(300));
-    assert_eq!(check("steady", &res, &want), 0, "steady state: every request served");
+    assert_eq!(
+        check("steady", &res, &want),
+        0,
+        "steady state: every request served"
+    );
 
     // B. kill -9 decode node 4 under load: in-flight requests on it fail cleanly, the rest are
     //    served by decode node 3.
-    let phase_b: Vec<Job> = all.iter().filter(|j| (100..200).contains(&j.id)).cloned().collect();
+    let phase_b: Vec<Job> = all
+        .iter()
+        .filter(|j| (100..200).contains(&j.id))
+        .cloned()
+        .collect();
     let mut load = Load::start(&f, "b", &phase_b);
     load.wait_done(3, Duration::from_secs(120));
     procs.remove(&4).expect("decode 4").kill9();
     let res = load.finish(phase_b.len(), Duration::from_secs(300));
     let failed_b = check("kill decode", &res, &want);
-    assert!(failed_b <= 4, "at most the requests in flight on decode 4 fail: {failed_b}");
-    wait_state(&router_url, "decode", 4, &["not_ready", "failed"], Duration::from_secs(10), &f);
+    eprintln!(
+        "kill -9 decode 4: {failed_b} of {} requests failed cleanly",
+        res.len()
+    );
+    assert!(
+        failed_b <= 4,
+        "at most the requests in flight on decode 4 fail: {failed_b}"
+    );
+    wait_state(
+        &router_url,
+        "decode",
+        4,
+        &["not_ready", "failed"],
+        Duration::from_secs(10),
+        &f,
+    );
 
     // C. Restart decode node 4 (a new epoch): the prefill nodes pair with it again, the router
     //    routes to it again; a route minted for its old epoch could not reserve anything.
     procs.insert(4, spawn(Some(&net), &f, 4, "decode", "n4.log"));
-    wait_ready("http://10.78.0.4:7073", "/health/ready", Duration::from_secs(120), &f);
-    wait_state(&router_url, "decode", 4, &["ready"], Duration::from_secs(60), &f);
-    let phase_c: Vec<Job> = all.iter().filter(|j| (200..300).contains(&j.id)).cloned().collect();
+    wait_ready(
+        "http://10.78.0.4:7073",
+        "/health/ready",
+        Duration::from_secs(120),
+        &f,
+    );
+    wait_state(
+        &router_url,
+        "decode",
+        4,
+        &["ready"],
+        Duration::from_secs(60),
+        &f,
+    );
+    let phase_c: Vec<Job> = all
+        .iter()
+        .filter(|j| (200..300).contains(&j.id))
+        .cloned()
+        .collect();
     let res = Load::start(&f, "c", &phase_c).finish(phase_c.len(), Duration::from_secs(300));
     assert_eq!(check("restarted decode", &res, &want), 0);
 
     // D. Cut decode node 3's link mid-transfer (long prompts), then restore it.
-    let phase_d: Vec<Job> = all.iter().filter(|j| (300..400).contains(&j.id)).cloned().collect();
+    let phase_d: Vec<Job> = all
+        .iter()
+        .filter(|j| (300..400).contains(&j.id))
+        .cloned()
+        .collect();
     let mut load = Load::start(&f, "d", &phase_d);
     load.wait_done(2, Duration::from_secs(120));
     must(&["ip", "link", "set", &net.outer(3), "down"]);
@@ -634,16 +758,41 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
     must(&["ip", "link", "set", &net.outer(3), "up"]);
     let res = load.finish(phase_d.len(), Duration::from_secs(300));
     let failed_d = check("link cut", &res, &want);
-    assert!(failed_d <= 4, "at most the requests in flight over the cut link fail: {failed_d}");
-    wait_state(&router_url, "decode", 3, &["ready"], Duration::from_secs(60), &f);
+    eprintln!(
+        "link cut: {failed_d} of {} requests failed cleanly",
+        res.len()
+    );
+    assert!(
+        failed_d <= 4,
+        "at most the requests in flight over the cut link fail: {failed_d}"
+    );
+    wait_state(
+        &router_url,
+        "decode",
+        3,
+        &["ready"],
+        Duration::from_secs(60),
+        &f,
+    );
 
     // E. Drain decode node 3 under load: nothing fails; it exits when its requests are done.
-    let phase_e: Vec<Job> = all.iter().filter(|j| (400..500).contains(&j.id)).cloned().collect();
+    let phase_e: Vec<Job> = all
+        .iter()
+        .filter(|j| (400..500).contains(&j.id))
+        .cloned()
+        .collect();
     let mut load = Load::start(&f, "e", &phase_e);
     load.wait_done(3, Duration::from_secs(120));
-    procs.remove(&3).expect("decode 3").terminate(Duration::from_secs(60));
+    procs
+        .remove(&3)
+        .expect("decode 3")
+        .terminate(Duration::from_secs(60));
     let res = load.finish(phase_e.len(), Duration::from_secs(300));
-    assert_eq!(check("drain decode", &res, &want), 0, "a drain fails nothing");
+    assert_eq!(
+        check("drain decode", &res, &want),
+        0,
+        "a drain fails nothing"
+    );
 
     // F. kill -9 prefill node 2 under load: the rest go through prefill node 1.
     let phase_f: Vec<Job> = all.iter().filter(|j| j.id >= 500).cloned().collect();
@@ -652,10 +801,20 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
     procs.remove(&2).expect("prefill 2").kill9();
     let res = load.finish(phase_f.len(), Duration::from_secs(300));
     let failed_f = check("kill prefill", &res, &want);
-    assert!(failed_f <= 4, "at most the requests in flight on prefill 2 fail: {failed_f}");
+    eprintln!(
+        "kill -9 prefill 2: {failed_f} of {} requests failed cleanly",
+        res.len()
+    );
+    assert!(
+        failed_f <= 4,
+        "at most the requests in flight on prefill 2 fail: {failed_f}"
+    );
     let last: Vec<usize> = res.keys().rev().take(6).copied().collect();
     for j in last {
-        assert!(matches!(res[&j], Outcome::Ok { .. }), "job {j}, started after the kill, was not served");
+        assert!(
+            matches!(res[&j], Outcome::Ok { .. }),
+            "job {j}, started after the kill, was not served"
+        );
     }
 
     // No page left allocated in a live pool once the dead prefill node's reservations' leases
@@ -671,14 +830,23 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
         if leaking.is_empty() {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(30), "pages still allocated on nodes {leaking:?}: {pools:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "pages still allocated on nodes {leaking:?}: {pools:?}"
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
 
     // Seal every log: the router first (its last route rows), then the nodes.
-    procs.remove(&ROUTER_NODE).expect("router").terminate(Duration::from_secs(60));
+    procs
+        .remove(&ROUTER_NODE)
+        .expect("router")
+        .terminate(Duration::from_secs(60));
     for n in [1, 4] {
-        procs.remove(&n).expect("node").terminate(Duration::from_secs(60));
+        procs
+            .remove(&n)
+            .expect("node")
+            .terminate(Duration::from_secs(60));
     }
     drop(net);
     audit_checks(&f);
@@ -697,20 +865,37 @@ struct PoolState {
 /// router's identity.
 fn live_pools(f: &Files) -> Vec<PoolState> {
     use custody_runtime::disagg::proto::{LoadRequest, fleet_client::FleetClient};
-    let sec = custody_runtime::disagg::tls::Security::from_section(&custody_runtime::disagg::config::TlsSection {
-        ca: Some(f.path("ca.pem")),
-        cert: Some(f.path(&format!("n{ROUTER_NODE}.pem"))),
-        key: Some(f.path(&format!("n{ROUTER_NODE}.key"))),
-        accept: vec!["custody-node:prefill:1".into(), "custody-node:decode:4".into()],
-        insecure_loopback: false,
-    })
+    let sec = custody_runtime::disagg::tls::Security::from_section(
+        &custody_runtime::disagg::config::TlsSection {
+            ca: Some(f.path("ca.pem")),
+            cert: Some(f.path(&format!("n{ROUTER_NODE}.pem"))),
+            key: Some(f.path(&format!("n{ROUTER_NODE}.key"))),
+            accept: vec![
+                "custody-node:prefill:1".into(),
+                "custody-node:decode:4".into(),
+            ],
+            insecure_loopback: false,
+        },
+    )
     .expect("security");
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
     rt.block_on(async {
         let mut out = Vec::new();
-        for (node, role, url) in [(1, Role::Prefill, "http://10.78.0.1:7070"), (4, Role::Decode, "http://10.78.0.4:7071")] {
-            let ch = sec.channel_lazy(url, NodeIdentity::new(role, node)).expect("channel");
-            let r = FleetClient::new(ch).load(LoadRequest {}).await.expect("load report").into_inner();
+        for (node, role, url) in [
+            (1, Role::Prefill, "http://10.78.0.1:7070"),
+            (4, Role::Decode, "http://10.78.0.4:7071"),
+        ] {
+            let ch = sec
+                .channel_lazy(url, NodeIdentity::new(role, node))
+                .expect("channel");
+            let r = FleetClient::new(ch)
+                .load(LoadRequest {})
+                .await
+                .expect("load report")
+                .into_inner();
             out.push(PoolState {
                 node,
                 pool: r.pool_pages,
@@ -737,39 +922,116 @@ fn audit_checks(f: &Files) {
         );
         out
     };
-    ok(custody(&["audit", "verify", &root, "--public-key", &pubkey]), "audit verify");
-    let exposure = ok(custody(&["forensics", "exposure", &root, "--public-key", &pubkey]), "exposure");
+    ok(
+        custody(&["audit", "verify", &root, "--public-key", &pubkey]),
+        "audit verify",
+    );
+    let exposure = ok(
+        custody(&["forensics", "exposure", &root, "--public-key", &pubkey]),
+        "exposure",
+    );
     assert!(
         exposure.contains("affected responses: 0\n"),
         "no response could have seen another request's data:\n{exposure}"
     );
-    let fleet = ok(custody(&["forensics", "fleet", &root, "--public-key", &pubkey, "--format", "csv"]), "fleet crosscheck");
+    let fleet = ok(
+        custody(&[
+            "forensics",
+            "fleet",
+            &root,
+            "--public-key",
+            &pubkey,
+            "--format",
+            "csv",
+        ]),
+        "fleet crosscheck",
+    );
     eprintln!("{fleet}");
     // The router's rows: decisions, retries (the killed and drained nodes), admissions.
     let routes = ok(
         custody(&[
-            "query", &root, "--public-key", &pubkey, "--format", "csv", "-c",
+            "query",
+            &root,
+            "--public-key",
+            &pubkey,
+            "--format",
+            "csv",
+            "-c",
             "SELECT node_id, detail FROM all_node_events WHERE event = 'route' ORDER BY node_id, seq",
         ]),
         "routes",
     );
-    let router_rows: Vec<&str> = routes.lines().filter(|l| l.starts_with(&format!("{ROUTER_NODE},"))).collect();
-    assert!(router_rows.iter().any(|l| l.contains("outcome=retry")), "a retry is on the record");
+    let router_rows: Vec<&str> = routes
+        .lines()
+        .filter(|l| l.starts_with(&format!("{ROUTER_NODE},")))
+        .collect();
+    for l in router_rows
+        .iter()
+        .filter(|l| l.contains("outcome=retry") || l.contains("outcome=failed"))
+    {
+        eprintln!("{l}");
+    }
+    let health = ok(
+        custody(&[
+            "query",
+            &root,
+            "--public-key",
+            &pubkey,
+            "--format",
+            "csv",
+            "-c",
+            "SELECT detail FROM all_node_events WHERE event = 'health' ORDER BY seq",
+        ]),
+        "health",
+    );
+    eprintln!("{health}");
+    assert!(health.contains("to=failed"), "a killed node went to failed");
+    assert!(
+        router_rows.iter().any(|l| l.contains("outcome=retry")),
+        "a retry is on the record"
+    );
     let decode_epochs: BTreeSet<&str> = router_rows
         .iter()
         .filter(|l| l.contains("decode=4 ") && l.contains("outcome=chosen"))
         .filter_map(|l| l.split("epoch=").nth(1)?.split(' ').next())
         .collect();
-    assert!(decode_epochs.len() >= 2, "decode 4 was routed to at two epochs: {decode_epochs:?}");
+    assert!(
+        decode_epochs.len() >= 2,
+        "decode 4 was routed to at two epochs: {decode_epochs:?}"
+    );
     for n in [1, 2] {
-        assert!(router_rows.iter().any(|l| l.contains(&format!("prefill={n} "))), "prefill {n} was used");
+        assert!(
+            router_rows
+                .iter()
+                .any(|l| l.contains(&format!("prefill={n} "))),
+            "prefill {n} was used"
+        );
     }
     // One request's path: router, prefill and decode rows.
     let admitted = router_rows
         .iter()
         .find(|l| l.contains("outcome=admitted") && l.contains("prefill=1 "))
         .expect("an admission through prefill 1");
-    let pr = admitted.split("prefill_request=").nth(1).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).expect("prefill_request");
-    let path = ok(custody(&["forensics", "request", &root, "--public-key", &pubkey, "--node", "1", pr]), "request path");
-    assert!(path.contains("router") && path.contains("prefill") && path.contains("decode side"), "{path}");
+    let pr = admitted
+        .split("prefill_request=")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+        .expect("prefill_request");
+    let path = ok(
+        custody(&[
+            "forensics",
+            "request",
+            &root,
+            "--public-key",
+            &pubkey,
+            "--node",
+            "1",
+            pr,
+        ]),
+        "request path",
+    );
+    assert!(
+        path.contains("router") && path.contains("prefill") && path.contains("decode side"),
+        "{path}"
+    );
 }
