@@ -1035,3 +1035,133 @@ fn audit_checks(f: &Files) {
         "{path}"
     );
 }
+
+/// The `node_events` rows of `kind` in a memory sink.
+fn node_rows(sink: &custody_audit::MemorySink, kind: &str) -> Vec<String> {
+    sink.events
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter_map(|e| match e {
+            custody_audit::Event::Node {
+                kind: k, detail, ..
+            } if k == kind => Some(detail.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A route binds (prefill, decode, the decode node's epoch): decode refuses one naming another
+/// epoch (a route minted before it restarted), another decode node or another prefill node —
+/// before a page is reserved or a key registered — and prefill refuses a route to a decode node
+/// it is not paired with at that epoch before admission, marked "nothing posted" (the only kind
+/// a router may retry). A current route is served, and both nodes record its transfer id beside
+/// their own request ids.
+#[test]
+fn a_route_binds_the_pair_and_the_decode_epoch() {
+    use custody_runtime::config::UnsafeReproduction;
+    use custody_runtime::disagg::proto;
+    let nodes = crate::disagg::start_pair(
+        crate::small_cfg(),
+        crate::small_cfg(),
+        UnsafeReproduction::default(),
+        Duration::from_secs(30),
+    );
+    let epoch = nodes.pair.decode.info.epoch;
+    let (p, d) = (
+        nodes.pair.prefill.info.node_id,
+        nodes.pair.decode.info.node_id,
+    );
+    assert_ne!(epoch, 0, "a decode node states its epoch");
+    let route = |decode_epoch, prefill_node, decode_node| proto::Route {
+        transfer_id: 0xfeed_0000_0000_0001,
+        router_node: ROUTER_NODE,
+        prefill_node,
+        decode_node,
+        decode_epoch,
+        attempt: 1,
+    };
+    let free = || {
+        nodes
+            .pair
+            .decode
+            .stats_blocking()
+            .expect("stats")
+            .free_pages
+    };
+    let free0 = free();
+    let addr = nodes.pair.decode_addr;
+    let reserve = |r: proto::Route| {
+        nodes.pair.block_on(async move {
+            let mut c = crate::disagg::decode_client(addr).await;
+            c.reserve(proto::ReserveRequest {
+                origin_request: 7,
+                origin_node: p,
+                tenant: "acme".into(),
+                prompt: (0..40).map(|i| 300 + i).collect(),
+                max_tokens: 4,
+                sampling: None,
+                stop_ids: vec![],
+                route: Some(r),
+            })
+            .await
+        })
+    };
+    for (r, what) in [
+        (route(epoch ^ 1, p, d), "stale epoch"),
+        (route(epoch, p, d + 10), "another decode node"),
+        (route(epoch, p + 10, d), "another prefill node"),
+    ] {
+        let s = reserve(r).expect_err(what);
+        assert_eq!(
+            s.code(),
+            custody_runtime::disagg::tonic::Code::FailedPrecondition,
+            "{what}: {s:?}"
+        );
+        assert_eq!(free(), free0, "{what}: nothing reserved");
+    }
+    // Through prefill: a route to a decode node it is not paired with at that epoch.
+    let generate = |r: proto::Route| {
+        let h = nodes.pair.prefill.clone();
+        nodes.pair.block_on(async move {
+            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+            let req = crate::disagg::req("acme", (0..40).map(|i| 300 + i).collect(), 4);
+            tokio::spawn(async move { h.generate(req, None, Some(r), tx).await });
+            let mut tokens = Vec::new();
+            while let Some(ev) = rx.recv().await {
+                let ev = ev?;
+                if ev.finish_reason.is_empty() && ev.error.is_empty() {
+                    tokens.push(ev.token);
+                } else {
+                    break;
+                }
+            }
+            Ok::<_, custody_runtime::disagg::tonic::Status>(tokens)
+        })
+    };
+    let s = generate(route(epoch ^ 1, p, d)).expect_err("stale route");
+    assert!(
+        custody_runtime::disagg::is_nothing_posted(&s),
+        "refused before anything was posted, and says so: {s:?}"
+    );
+    assert_eq!(free(), free0);
+    assert!(
+        node_rows(&nodes.prefill_audit, "route").is_empty(),
+        "never admitted"
+    );
+    // The current route is served; both logs bind its transfer id to their own request.
+    let tokens = generate(route(epoch, p, d)).expect("served");
+    assert!(!tokens.is_empty());
+    for (sink, who) in [
+        (&nodes.prefill_audit, "prefill"),
+        (&nodes.decode_audit, "decode"),
+    ] {
+        let rows = node_rows(sink, "route");
+        assert_eq!(rows.len(), 1, "{who}: {rows:?}");
+        assert!(
+            rows[0].contains(&format!("transfer={}", 0xfeed_0000_0000_0001u64))
+                && rows[0].contains(&format!("epoch={epoch}")),
+            "{who}: {rows:?}"
+        );
+    }
+}
