@@ -612,6 +612,17 @@ fn check(phase: &str, res: &BTreeMap<usize, Outcome>, want: &BTreeMap<usize, Vec
     failed
 }
 
+/// The load's last jobs start (four at a time, in order) after the fault hit at its third
+/// answer: every one of them is served by the remaining nodes.
+fn served_after_fault(phase: &str, res: &BTreeMap<usize, Outcome>) {
+    for (j, o) in res.iter().rev().take(6) {
+        assert!(
+            matches!(o, Outcome::Ok { .. }),
+            "{phase}: job {j}, started after the fault, was not served: {o:?}"
+        );
+    }
+}
+
 fn root_ok() -> bool {
     Command::new("id")
         .arg("-u")
@@ -745,7 +756,24 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
     let res = Load::start(&f, "c", &phase_c).finish(phase_c.len(), Duration::from_secs(300));
     assert_eq!(check("restarted decode", &res, &want), 0);
 
-    // D. Cut decode node 3's link mid-transfer (long prompts), then restore it.
+    // D. Cut decode node 3's link mid-transfer, then restore it: long prompts (~100 tokens,
+    //    ~2.3 MB of KV each) over a link rate-limited to 50 Mbit/s (`tc tbf`), so a transfer to
+    //    it takes ~0.4 s and the cut is likely to land inside one.
+    must(&[
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        &net.outer(3),
+        "root",
+        "tbf",
+        "rate",
+        "50mbit",
+        "burst",
+        "64kb",
+        "latency",
+        "400ms",
+    ]);
     let phase_d: Vec<Job> = all
         .iter()
         .filter(|j| (300..400).contains(&j.id))
@@ -758,6 +786,7 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
     must(&["ip", "link", "set", &net.outer(3), "up"]);
     let res = load.finish(phase_d.len(), Duration::from_secs(300));
     let failed_d = check("link cut", &res, &want);
+    must(&["tc", "qdisc", "del", "dev", &net.outer(3), "root"]);
     eprintln!(
         "link cut: {failed_d} of {} requests failed cleanly",
         res.len()
