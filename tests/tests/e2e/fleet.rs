@@ -1015,6 +1015,13 @@ fn audit_checks(f: &Files) {
     );
     eprintln!("{health}");
     assert!(health.contains("to=failed"), "a killed node went to failed");
+    // The long prompts of a tenant share their first pages: routed by cache affinity.
+    assert!(
+        router_rows
+            .iter()
+            .any(|l| l.contains("policy=cache_affinity")),
+        "no decision by prefix-cache affinity"
+    );
     assert!(
         router_rows.iter().any(|l| l.contains("outcome=retry")),
         "a retry is on the record"
