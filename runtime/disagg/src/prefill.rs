@@ -268,8 +268,12 @@ struct Peer {
     transport: Box<dyn KvTransport>,
     target: DecodeTarget,
     decode: DecodeClient<Channel>,
-    /// The last accepted handshake reply (node id, epoch); `None` until paired.
+    /// The last accepted handshake reply (node id, epoch); `None` until paired and while
+    /// re-pairing.
     paired: Option<proto::NodeInfo>,
+    /// Its node id from the first accepted handshake (0 before): kept while it re-pairs (a
+    /// peer's certificate, hence its node id, does not change).
+    node_id: u32,
     /// A handshake is in flight (its result comes through `Node::handshakes`).
     handshaking: bool,
     last_attempt: Instant,
@@ -377,22 +381,20 @@ impl Node {
         res: proto::ReserveReply,
         done: oneshot::Sender<TransferResult>,
     ) {
-        let decode_node = self
-            .peers
-            .get(peer)
-            .and_then(|p| p.paired.as_ref())
-            .map(|i| i.node_id);
-        let (Some(r), Some(decode_node)) = (self.reqs.get_mut(&id), decode_node) else {
-            let _ = done.send(Err(format!(
-                "prefill request {id} or its decode peer is gone"
-            )
-            .into()));
+        let decode_node = self.peers.get(peer).map_or(0, |p| p.node_id);
+        let Some(r) = self.reqs.get_mut(&id) else {
+            let _ = done.send(Err(format!("prefill request {id} is gone").into()));
             return;
         };
         r.peer = peer;
         r.decode_node = decode_node;
-        r.reservation = Some(res);
         r.done = Some(done);
+        if decode_node == 0 {
+            // Reserved through a peer never paired: nothing was posted; release and report.
+            self.finish(id, Err("its decode peer was never paired".into()));
+            return;
+        }
+        r.reservation = Some(res);
         // Decode's pages exist from here on; prefill starts the transfer phase for them.
         if let Err(e) = r
             .machine
@@ -893,6 +895,7 @@ fn pair_with(
     }
     p.transport
         .connect_peer(&reply.transport_addr, &super::pairing_of(&reply)?)?;
+    p.node_id = reply.node_id;
     p.paired = Some(reply);
     Ok(())
 }
@@ -1188,11 +1191,9 @@ impl PrefillHandle {
     fn choose_peer(&self, route: Option<&proto::Route>) -> Result<usize, Status> {
         let links = self.peer_links();
         let Some(route) = route else {
-            return links.iter().position(|l| l.connected).ok_or_else(|| {
-                super::nothing_posted(Status::unavailable(
-                    "no decode node is paired with this prefill node",
-                ))
-            });
+            // No router: the first connected peer, else the first (a peer re-pairing after a
+            // lost connection is back within a reconnect interval; a post before fails cleanly).
+            return Ok(links.iter().position(|l| l.connected).unwrap_or(0));
         };
         if route.prefill_node != self.opts.node_id {
             return Err(Status::invalid_argument(format!(
@@ -1488,6 +1489,7 @@ fn open_peer(
         target,
         decode,
         paired: None,
+        node_id: 0,
         handshaking: false,
         last_attempt: Instant::now(),
         backoff: RECONNECT_INTERVAL,
