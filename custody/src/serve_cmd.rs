@@ -159,11 +159,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         prefix_cache: cfg.prefix_cache.clone(),
         unsafe_shared_prefix_cache: unsafe_.shared_prefix_cache,
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let rt = http_runtime()?;
     let engine = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(&serve_cfg.listen)
             .await
@@ -180,6 +176,45 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// A front's or a router's own log (`--audit-dir`, which needs its own `--node`): only the
+/// explicit flags — the config's `[audit]` section belongs to the engine nodes.
+fn own_audit(a: &ServeArgs, what: &str) -> Result<Option<Arc<custody_audit::writer::AuditWriter>>> {
+    if a.audit.audit_dir.is_none() {
+        return Ok(None);
+    }
+    if a.audit.node == 0 {
+        bail!(
+            "{what}, --audit-dir needs this server's own --node id (not a prefill's or decode's)"
+        );
+    }
+    open_audit(&a.audit, None)
+}
+
+/// The serving options of a server that runs no engine (a pair's front, a router): its own log
+/// for its own events.
+fn front_options(
+    serve_cfg: &custody_server::config::ServeSection,
+    node: u32,
+    audit: Option<&Arc<custody_audit::writer::AuditWriter>>,
+) -> ServeOptions {
+    ServeOptions {
+        cfg: serve_cfg.clone(),
+        node,
+        audit: audit.map(|w| Arc::new(WriterStats(w.clone())) as Arc<dyn AuditStats>),
+        events: audit.map(|w| w.clone() as Arc<dyn custody_audit::AuditSink>),
+        prefix_cache: Default::default(),
+        unsafe_shared_prefix_cache: false,
+    }
+}
+
+fn http_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
 /// `custody serve` in front of a prefill/decode pair: the pair's nodes run the engines and
 /// keep the audit logs of every page; this process authenticates, limits, streams and
 /// validates. With `--audit-dir` (and `--audit-key`, and its own `--node`) it keeps its own log
@@ -191,40 +226,15 @@ fn serve_front(
 ) -> Result<()> {
     // The only role a prefill node takes a tenant from: this server's front certificate.
     let security = crate::common::fleet_security(tls)?;
-    // Only the explicit flag: the config's [audit] section belongs to the engine nodes.
-    let audit = if a.audit.audit_dir.is_some() {
-        if a.audit.node == 0 {
-            bail!(
-                "in front of a pair, --audit-dir needs this server's own --node id (not the prefill's or decode's)"
-            );
-        }
-        open_audit(&a.audit, None)?
-    } else {
-        None
-    };
+    let audit = own_audit(a, "in front of a pair")?;
     let Loaded {
         engine,
         tokenizer,
         pool,
     } = load(&a.common, None)?;
     let prepared = custody_server::prepare_front(engine, pool, tokenizer, &serve_cfg)?;
-    let opts = ServeOptions {
-        cfg: serve_cfg.clone(),
-        node: 0,
-        audit: audit
-            .clone()
-            .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
-        events: audit
-            .clone()
-            .map(|w| w as Arc<dyn custody_audit::AuditSink>),
-        prefix_cache: Default::default(),
-        unsafe_shared_prefix_cache: false,
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let opts = front_options(&serve_cfg, 0, audit.as_ref());
+    let rt = http_runtime()?;
     let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(&serve_cfg.listen)
             .await
@@ -257,14 +267,7 @@ fn serve_router(
     cfg: &Config,
 ) -> Result<()> {
     let security = crate::common::fleet_security(&cfg.tls)?;
-    let audit = if a.audit.audit_dir.is_some() {
-        if a.audit.node == 0 {
-            bail!("a router's --audit-dir needs its own --node id (not a prefill's or decode's)");
-        }
-        open_audit(&a.audit, None)?
-    } else {
-        None
-    };
+    let audit = own_audit(a, "a router")?;
     let Loaded {
         engine,
         tokenizer,
@@ -306,23 +309,8 @@ fn serve_router(
         namespaces,
         fingerprint,
     };
-    let opts = ServeOptions {
-        cfg: serve_cfg.clone(),
-        node: a.audit.node,
-        audit: audit
-            .clone()
-            .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
-        events: audit
-            .clone()
-            .map(|w| w as Arc<dyn custody_audit::AuditSink>),
-        prefix_cache: Default::default(),
-        unsafe_shared_prefix_cache: false,
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let opts = front_options(&serve_cfg, a.audit.node, audit.as_ref());
+    let rt = http_runtime()?;
     let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(&serve_cfg.listen)
             .await

@@ -228,7 +228,6 @@ impl Router {
         let random = custody_runtime::transport::pairing::random_u64()
             .map_err(|e| RouterError::Config(format!("no randomness: {e}")))?;
         let seed = if cfg.seed != 0 { cfg.seed } else { random };
-        let mut workers = BTreeMap::new();
         let mut probes = Vec::new();
         let mut prefill_clients = BTreeMap::new();
         for (role, list) in [
@@ -253,41 +252,19 @@ impl Router {
                     prefill_clients.insert(n.node, PrefillClient::new(channel.clone()));
                 }
                 probes.push((role, n.node, FleetClient::new(channel)));
-                workers.insert(
-                    (role, n.node),
-                    Worker {
-                        url: n.url.clone(),
-                        health: Health::new(),
-                        report: None,
-                        routed_since_report: 0,
-                        incompatible: None,
-                    },
-                );
             }
         }
-        let router = Arc::new(Self {
-            node: parts.node,
+        let router = Arc::new(Self::assemble(Assembly {
+            cfg,
             thresholds,
             policy,
-            state: Mutex::new(State {
-                workers,
-                geometry: None,
-                index: PrefixIndex::new(cfg.index_keys_per_node),
-                rng: SplitMix64::new(seed),
-            }),
+            parts,
             prefill_clients,
-            audit: parts.audit,
-            namespaces: parts.namespaces,
-            fingerprint: parts.fingerprint,
             gauges,
             check,
-            next_request: AtomicU64::new(1),
+            seed,
             transfer_base: random & !0xffff_ffff,
-            next_transfer: AtomicU64::new(1),
-            started: Instant::now(),
-            stats: RouterStats::default(),
-            cfg,
-        });
+        }));
         for (role, node, client) in probes {
             tokio::spawn(probe_loop(Arc::downgrade(&router), role, node, client));
         }
@@ -793,6 +770,64 @@ impl Router {
     }
 }
 
+/// What a router is made of besides its probe tasks.
+struct Assembly {
+    cfg: FleetSection,
+    thresholds: HealthThresholds,
+    policy: PolicyConfig,
+    parts: RouterParts,
+    prefill_clients: BTreeMap<NodeId, PrefillClient<Channel>>,
+    gauges: Arc<EngineGauges>,
+    check: PrefillCheck,
+    seed: u64,
+    transfer_base: u64,
+}
+
+impl Router {
+    /// The registry from `a.cfg`, every node pending.
+    fn assemble(a: Assembly) -> Self {
+        let mut workers = BTreeMap::new();
+        for (role, list) in [
+            (WorkerRole::Prefill, &a.cfg.prefill),
+            (WorkerRole::Decode, &a.cfg.decode),
+        ] {
+            for n in list {
+                let w = Worker {
+                    url: n.url.clone(),
+                    health: Health::new(),
+                    report: None,
+                    routed_since_report: 0,
+                    incompatible: None,
+                };
+                workers.insert((role, n.node), w);
+            }
+        }
+        Self {
+            node: a.parts.node,
+            thresholds: a.thresholds,
+            policy: a.policy,
+            state: Mutex::new(State {
+                workers,
+                geometry: None,
+                index: PrefixIndex::new(a.cfg.index_keys_per_node),
+                rng: SplitMix64::new(a.seed),
+            }),
+            prefill_clients: a.prefill_clients,
+            audit: a.parts.audit,
+            namespaces: a.parts.namespaces,
+            fingerprint: a.parts.fingerprint,
+            gauges: a.gauges,
+            check: a.check,
+            next_request: AtomicU64::new(1),
+            transfer_base: a.transfer_base,
+            next_transfer: AtomicU64::new(1),
+            started: Instant::now(),
+            stats: RouterStats::default(),
+            cfg: a.cfg,
+        }
+    }
+}
+
 /// Nodes an attempt's failure ruled out for the request's next attempts.
 #[derive(Debug, Default)]
 struct Excluded {
@@ -1099,51 +1134,26 @@ impl Router {
             seed: 1,
             ..FleetSection::default()
         };
-        let mut workers = BTreeMap::new();
-        for (role, list) in [
-            (WorkerRole::Prefill, &cfg.prefill),
-            (WorkerRole::Decode, &cfg.decode),
-        ] {
-            for n in list {
-                workers.insert(
-                    (role, n.node),
-                    Worker {
-                        url: n.url.clone(),
-                        health: Health::new(),
-                        report: None,
-                        routed_since_report: 0,
-                        incompatible: None,
-                    },
-                );
-            }
-        }
-        let router = Arc::new(Self {
-            node: 0,
+        let router = Arc::new(Self::assemble(Assembly {
+            cfg,
             thresholds: HealthThresholds::default(),
             policy: PolicyConfig::default(),
-            state: Mutex::new(State {
-                workers,
-                geometry: None,
-                index: PrefixIndex::new(cfg.index_keys_per_node),
-                rng: SplitMix64::new(1),
-            }),
+            parts: RouterParts {
+                node: 0,
+                audit: None,
+                namespaces: None,
+                fingerprint: String::new(),
+            },
             prefill_clients: BTreeMap::new(),
-            audit: None,
-            namespaces: None,
-            fingerprint: String::new(),
             gauges: Arc::default(),
             // Off: no first event is ever checked here.
             check: PrefillCheck {
                 max_plausible_tok_s: 0.0,
                 min_tokens: 0,
             },
-            next_request: AtomicU64::new(1),
+            seed: 1,
             transfer_base: 0,
-            next_transfer: AtomicU64::new(1),
-            started: Instant::now(),
-            stats: RouterStats::default(),
-            cfg,
-        });
+        }));
         router.report_all();
         router.report_all();
         router
