@@ -441,6 +441,30 @@ impl Router {
         });
     }
 
+    /// [`Self::record`], awaited: the row is in the writer's queue when this returns. A log
+    /// that cannot take it fails closed: the router stops routing (`audit_failed`, 503).
+    async fn record_ahead(&self, kind: &str, detail: String) -> Result<(), ApiError> {
+        let Some(sink) = self.audit.clone() else {
+            return Ok(());
+        };
+        let ev = audit::Event::Node {
+            ts_ns: audit::mono_now_ns(),
+            kind: kind.into(),
+            detail,
+        };
+        let failed = match tokio::task::spawn_blocking(move || sink.record(ev)).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::error!(error = %failed, "recording a route failed: the router stops routing");
+        self.gauges.audit_failed.store(true, Ordering::Relaxed);
+        Err(ApiError::unavailable(
+            format!("the router's audit log is unavailable: {failed}"),
+            "audit_unavailable",
+        ))
+    }
+
     /// Route `req` (its tenant authenticated by the HTTP side), retrying on another pair only
     /// while no KV write of an attempt was posted.
     pub(crate) async fn submit(
@@ -470,7 +494,10 @@ impl Router {
             };
             self.stats.decisions.fetch_add(1, Ordering::Relaxed);
             let route = self.mint(&plan, attempt);
-            self.record(ROUTE_EVENT, plan.detail(request, &req.tenant, &route));
+            // In the log's writer before the route leaves this process.
+            self.record_ahead(ROUTE_EVENT, plan.detail(request, &req.tenant, &route))
+                .await
+                .map_err(|e| (None, e))?;
             match self.attempt(&req, cache_salt, &plan, route).await {
                 Ok(admitted) => {
                     self.lock().index.record(plan.prefill, &keys);
