@@ -812,12 +812,16 @@ impl Node {
         }
     }
 
-    /// The peers' links as the gRPC side and the load report see them (written on change).
+    /// The peers' links as the gRPC side and the load report see them (written on change; a
+    /// read and no allocation otherwise — this runs at every unit of work).
     fn publish_links(&self) {
-        let links: Vec<PeerLink> = self.peers.iter().map(Peer::link).collect();
-        let mut t = self.table.write().unwrap_or_else(|p| p.into_inner());
-        if *t != links {
-            *t = links;
+        let changed = {
+            let t = self.table.read().unwrap_or_else(|p| p.into_inner());
+            t.len() != self.peers.len() || t.iter().zip(&self.peers).any(|(l, p)| *l != p.link())
+        };
+        if changed {
+            *self.table.write().unwrap_or_else(|p| p.into_inner()) =
+                self.peers.iter().map(Peer::link).collect();
         }
     }
 
