@@ -122,6 +122,50 @@ struct State {
     geometry: Option<Geometry>,
     index: PrefixIndex,
     rng: SplitMix64,
+    /// The routable pairs by prefill node, recomputed when a node's health, epoch or links
+    /// change, and at least every `PAIRS_TTL_MS` (a circuit's cooldown ends by the clock): not
+    /// per decision, which at 64 × 64 would walk 4,096 links each time.
+    pairs: Vec<PrefillLinks>,
+    pairs_at_ms: Option<u64>,
+}
+
+/// A routable prefill node and its routable decode peers, each at the epoch both agree on.
+#[derive(Clone, Debug)]
+struct PrefillLinks {
+    prefill: NodeId,
+    decodes: Vec<(NodeId, u64)>,
+}
+
+/// How long the routable pairs are reused at most.
+const PAIRS_TTL_MS: u64 = 100;
+
+impl State {
+    /// The routable pairs now (cached; see `pairs`).
+    fn routable(&mut self, now_ms: u64) -> &[PrefillLinks] {
+        let fresh = self
+            .pairs_at_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) < PAIRS_TTL_MS);
+        if !fresh {
+            let mut by_prefill: BTreeMap<NodeId, Vec<(NodeId, u64)>> = BTreeMap::new();
+            for p in routable_pairs(self, now_ms) {
+                by_prefill
+                    .entry(p.prefill)
+                    .or_default()
+                    .push((p.decode, p.epoch));
+            }
+            self.pairs = by_prefill
+                .into_iter()
+                .map(|(prefill, decodes)| PrefillLinks { prefill, decodes })
+                .collect();
+            self.pairs_at_ms = Some(now_ms);
+        }
+        &self.pairs
+    }
+
+    /// Something routing depends on changed: the next decision recomputes the pairs.
+    fn invalidate_pairs(&mut self) {
+        self.pairs_at_ms = None;
+    }
 }
 
 /// The router's counters (`/metrics`, the benchmark).
@@ -372,6 +416,14 @@ impl Router {
             let Some(w) = workers.get_mut(&(role, node)) else {
                 return;
             };
+            let links_changed = match (&r, &w.report) {
+                (Ok(new), Some(old)) => {
+                    new.epoch != old.epoch
+                        || new.decode_peers != old.decode_peers
+                        || new.draining != old.draining
+                }
+                _ => true,
+            };
             let obs = match &r {
                 Ok(rep) => {
                     let restarted = w.report.as_ref().is_some_and(|o| o.epoch != rep.epoch);
@@ -391,17 +443,25 @@ impl Router {
                 }
                 Err(_) => Observation::ProbeFailed,
             };
-            if let Some(t) = w.health.observe(obs, now, &self.thresholds) {
+            let transition = w.health.observe(obs, now, &self.thresholds);
+            if let Some(t) = &transition {
                 let why = match (&r, &w.incompatible) {
                     (_, Some(i)) => i.clone(),
                     (Err(e), _) => e.clone(),
                     (Ok(_), None) => String::new(),
                 };
-                events.push(health_detail(role, node, &w.url, &t, &why));
+                events.push((t.to, health_detail(role, node, &w.url, t, &why)));
+            }
+            if links_changed || transition.is_some() {
+                st.invalidate_pairs();
             }
         }
-        for d in events {
-            tracing::warn!(detail = %d, "fleet node health");
+        for (to, d) in events {
+            if to == HealthState::Ready {
+                tracing::info!(detail = %d, "fleet node health");
+            } else {
+                tracing::warn!(detail = %d, "fleet node health");
+            }
             self.record(HEALTH_EVENT, d);
         }
     }
@@ -410,6 +470,8 @@ impl Router {
         let now = self.now_ms();
         let t = {
             let mut st = self.lock();
+            // A failed request opens the node's circuit: routing changes.
+            st.invalidate_pairs();
             st.workers.get_mut(&(role, node)).and_then(|w| {
                 w.health
                     .observe(Observation::RequestFailed, now, &self.thresholds)
@@ -606,20 +668,28 @@ impl Router {
         check_length(req, &geometry, &st)?;
         let need_pages =
             (req.prompt.len() + req.max_tokens).div_ceil(geometry.page_size.max(1) as usize) as u32;
-        let pairs = routable_pairs(&st, now);
-        let prefills: Vec<PrefillCandidate> = st
-            .workers
+        let links: Vec<PrefillLinks> = st
+            .routable(now)
             .iter()
-            .filter(|((r, n), _)| *r == WorkerRole::Prefill && !excluded.prefill.contains(n))
-            .filter(|((_, n), _)| {
-                pairs
+            .filter(|l| !excluded.prefill.contains(&l.prefill))
+            .map(|l| PrefillLinks {
+                prefill: l.prefill,
+                decodes: l
+                    .decodes
                     .iter()
-                    .any(|p| p.prefill == *n && !excluded.decode.contains(&p.decode))
+                    .copied()
+                    .filter(|(d, _)| !excluded.decode.contains(d))
+                    .collect(),
             })
-            .filter_map(|((_, n), w)| {
+            .filter(|l| !l.decodes.is_empty())
+            .collect();
+        let prefills: Vec<PrefillCandidate> = links
+            .iter()
+            .filter_map(|l| {
+                let w = st.workers.get(&(WorkerRole::Prefill, l.prefill))?;
                 let rep = w.report.as_ref()?;
                 Some(PrefillCandidate {
-                    node: *n,
+                    node: l.prefill,
                     queued_requests: rep.live_requests + w.routed_since_report as u32,
                     free_pages: rep.free_pages as u32,
                 })
@@ -627,14 +697,17 @@ impl Router {
             .collect();
         let p = choose_prefill(&prefills, keys, &st.index, &self.policy)
             .ok_or_else(|| Refusal::unavailable("no routable prefill node"))?;
-        let decodes: Vec<DecodeCandidate> = pairs
+        let peers = links
             .iter()
-            .filter(|pr| pr.prefill == p.node && !excluded.decode.contains(&pr.decode))
-            .filter_map(|pr| {
-                let w = st.workers.get(&(WorkerRole::Decode, pr.decode))?;
+            .find(|l| l.prefill == p.node)
+            .map_or(&[][..], |l| &l.decodes[..]);
+        let decodes: Vec<DecodeCandidate> = peers
+            .iter()
+            .filter_map(|&(d, _)| {
+                let w = st.workers.get(&(WorkerRole::Decode, d))?;
                 let rep = w.report.as_ref()?;
                 Some(DecodeCandidate {
-                    node: pr.decode,
+                    node: d,
                     free_pages: (rep.free_pages.saturating_sub(w.routed_since_report)) as u32,
                     live_requests: rep.live_requests,
                 })
@@ -647,10 +720,10 @@ impl Router {
         .ok_or_else(|| {
             Refusal::busy("no decode node paired with the chosen prefill node has the pages free")
         })?;
-        let decode_epoch = pairs
+        let decode_epoch = peers
             .iter()
-            .find(|pr| pr.prefill == p.node && pr.decode == d.node)
-            .map_or(0, |pr| pr.epoch);
+            .find(|(n, _)| *n == d.node)
+            .map_or(0, |&(_, e)| e);
         // Count what this router sent until the next reports say it.
         if let Some(w) = st.workers.get_mut(&(WorkerRole::Prefill, p.node)) {
             w.routed_since_report += 1;
@@ -658,7 +731,7 @@ impl Router {
         if let Some(w) = st.workers.get_mut(&(WorkerRole::Decode, d.node)) {
             w.routed_since_report += u64::from(need_pages);
         }
-        let alternatives = alternatives(&prefills, &decodes);
+        let alternatives = alternatives(&prefills, &p, &decodes, &d);
         Ok(Plan {
             prefill: p.node,
             decode: d.node,
@@ -838,6 +911,8 @@ impl Router {
                 geometry: None,
                 index: PrefixIndex::new(a.cfg.index_keys_per_node),
                 rng: SplitMix64::new(a.seed),
+                pairs: Vec::new(),
+                pairs_at_ms: None,
             }),
             prefill_clients: a.prefill_clients,
             audit: a.parts.audit,
@@ -1026,17 +1101,45 @@ fn health_detail(role: WorkerRole, node: NodeId, url: &str, t: &Transition, why:
     )
 }
 
-/// The candidates' loads as the decision saw them (JSON, for the route's row).
-fn alternatives(prefills: &[PrefillCandidate], decodes: &[DecodeCandidate]) -> String {
-    let p: Vec<_> = prefills
+/// What the decision compared, for the route's row (JSON): how many candidates each side had,
+/// the chosen prefill node's queue against the least loaded one's, and the two decode nodes the
+/// power-of-two draw compared. (Not every candidate: at 64 × 64 that would be most of a
+/// decision's cost and of the log.)
+fn alternatives(
+    prefills: &[PrefillCandidate],
+    p: &custody_router::policy::PrefillChoice,
+    decodes: &[DecodeCandidate],
+    d: &custody_router::policy::DecodeChoice,
+) -> String {
+    let queued = |n: NodeId| {
+        prefills
+            .iter()
+            .find(|c| c.node == n)
+            .map_or(0, |c| c.queued_requests)
+    };
+    let least = prefills
         .iter()
-        .map(|c| serde_json::json!({"node": c.node, "queued": c.queued_requests, "free_pages": c.free_pages}))
-        .collect();
-    let d: Vec<_> = decodes
-        .iter()
-        .map(|c| serde_json::json!({"node": c.node, "free_pages": c.free_pages, "live": c.live_requests}))
-        .collect();
-    serde_json::json!({"prefill": p, "decode": d}).to_string()
+        .min_by_key(|c| (c.queued_requests, std::cmp::Reverse(c.free_pages), c.node));
+    let free = |n: NodeId| {
+        decodes
+            .iter()
+            .find(|c| c.node == n)
+            .map_or(0, |c| c.free_pages)
+    };
+    let other = d.other.map_or("null".to_owned(), |o| {
+        format!("{{\"node\":{o},\"free_pages\":{}}}", free(o))
+    });
+    format!(
+        "{{\"prefill\":{{\"candidates\":{},\"chosen\":{{\"node\":{},\"queued\":{}}},\"least_loaded\":{{\"node\":{},\"queued\":{}}}}},\"decode\":{{\"candidates\":{},\"chosen\":{{\"node\":{},\"free_pages\":{}}},\"other\":{other}}}}}",
+        prefills.len(),
+        p.node,
+        queued(p.node),
+        least.map_or(0, |c| c.node),
+        least.map_or(0, |c| c.queued_requests),
+        decodes.len(),
+        d.node,
+        free(d.node),
+    )
 }
 
 /// Whether a failed call never reached the node: the connection could not be made, so the node
