@@ -308,6 +308,8 @@ fn serve_router(
             .map(|w| w as Arc<dyn custody_audit::AuditSink>),
         namespaces,
         fingerprint,
+        // Set by `serve_fleet` from the router's own engine.
+        context_length: 0,
     };
     let opts = front_options(&serve_cfg, a.audit.node, audit.as_ref());
     let rt = http_runtime()?;

@@ -689,25 +689,49 @@ chosen AS (SELECT * FROM router WHERE outcome = 'chosen')"#;
 
 /// The fleet's logs against each other: one row per disagreement between the router's record
 /// of its routes and the prefill and decode nodes' records (empty: they tell the same story).
-/// Kinds:
-/// - `admitted_without_prefill_record`: the router says a prefill node admitted the request
-///   under a transfer id; that node's log has no route row binding it;
+/// A node's request ids restart with its process, so each node-side route row is scoped to its
+/// incarnation: from the row to the node's next `start` row (sequence numbers continue across
+/// restarts). Kinds:
+/// - `admitted_without_prefill_record` / `admitted_without_decode_record`: the router says a
+///   prefill node admitted the request under a transfer id (its first event came back, after the
+///   transfer); that prefill node's, or any decode node's, log has no route row for it;
 /// - `prefill_route_not_minted` / `decode_route_not_minted`: a node acted on a route (transfer
 ///   id, prefill, decode, epoch) the router never chose — a forged or replayed route;
 /// - `decode_route_without_prefill`: a decode node reserved for a route no prefill node
 ///   recorded;
+/// - `retried_after_write`: the router retried an attempt although the prefill node recorded a
+///   KV write of it (a retry is allowed only before the first write was posted);
 /// - `transfer_off_route`: a routed prefill request wrote KV into another decode node than its
 ///   route names;
-/// - `finished_not_on_decode`: the router saw the request finish, the decode node's log has no
-///   `finished` row for the request it reserved under that route.
+/// - `unrouted_transfer`: a prefill node that takes routes wrote KV for a request no route bound;
+/// - `finished_not_on_decode`: the router saw the request finish; the decode node has no
+///   `finished` row for the request it reserved under that route (in that incarnation).
 pub fn fleet_crosscheck_sql() -> String {
     format!(
-        r#"WITH {ROUTES_CTE}
+        r#"WITH {ROUTES_CTE},
+starts AS (SELECT node_id, seq FROM all_node_events WHERE event = 'start'),
+pwin AS (SELECT p.node_id, p.seq, p.transfer, p.prefill, p.decode, p.request,
+                COALESCE(MIN(s.seq), 9223372036854775807) AS until_seq
+           FROM pnode p LEFT JOIN starts s ON s.node_id = p.node_id AND s.seq > p.seq
+          GROUP BY p.node_id, p.seq, p.transfer, p.prefill, p.decode, p.request),
+dwin AS (SELECT d.node_id, d.seq, d.transfer, d.decode, d.request,
+                COALESCE(MIN(s.seq), 9223372036854775807) AS until_seq
+           FROM dnode d LEFT JOIN starts s ON s.node_id = d.node_id AND s.seq > d.seq
+          GROUP BY d.node_id, d.seq, d.transfer, d.decode, d.request),
+routed_prefills AS (SELECT DISTINCT node_id FROM pnode),
+ptransfers AS (SELECT t.node_id, t.seq, t.request_id, t.dst_node FROM all_transfers t
+                WHERE t.node_id IN (SELECT node_id FROM routed_prefills)
+                  AND t.src_node = t.node_id)
 SELECT 'admitted_without_prefill_record' AS kind, a.transfer, a.prefill AS node, a.prefill_request AS request,
        CONCAT('router node ', CAST(a.node_id AS VARCHAR), ' request ', a.request) AS detail
   FROM router a LEFT JOIN pnode p
     ON p.transfer = a.transfer AND p.prefill = a.prefill AND p.request = a.prefill_request
  WHERE a.outcome = 'admitted' AND p.transfer IS NULL
+UNION ALL
+SELECT 'admitted_without_decode_record', a.transfer, a.decode, a.prefill_request,
+       CONCAT('router node ', CAST(a.node_id AS VARCHAR), ' request ', a.request)
+  FROM router a LEFT JOIN dnode d ON d.transfer = a.transfer AND d.decode = a.decode
+ WHERE a.outcome = 'admitted' AND d.transfer IS NULL
 UNION ALL
 SELECT 'prefill_route_not_minted', p.transfer, CAST(p.node_id AS VARCHAR), p.request, p.detail
   FROM pnode p LEFT JOIN chosen c
@@ -723,17 +747,33 @@ SELECT 'decode_route_without_prefill', d.transfer, CAST(d.node_id AS VARCHAR), d
   FROM dnode d LEFT JOIN pnode p ON p.transfer = d.transfer
  WHERE p.transfer IS NULL
 UNION ALL
+SELECT DISTINCT 'retried_after_write', r.transfer, p.prefill, p.request,
+       CONCAT('router request ', r.request, ' retried; prefill node ', p.prefill, ' recorded a KV write of it')
+  FROM router r JOIN pwin p ON p.transfer = r.transfer
+  JOIN ptransfers t ON t.node_id = p.node_id AND CAST(t.request_id AS VARCHAR) = p.request
+                   AND t.seq > p.seq AND t.seq < p.until_seq
+ WHERE r.outcome = 'retry'
+UNION ALL
 SELECT DISTINCT 'transfer_off_route', p.transfer, CAST(t.node_id AS VARCHAR), CAST(t.request_id AS VARCHAR),
        CONCAT('wrote into decode node ', CAST(t.dst_node AS VARCHAR), ', the route names ', p.decode)
-  FROM all_transfers t JOIN pnode p
-    ON CAST(t.node_id AS VARCHAR) = p.prefill AND CAST(t.request_id AS VARCHAR) = p.request
+  FROM ptransfers t JOIN pwin p
+    ON t.node_id = p.node_id AND CAST(t.request_id AS VARCHAR) = p.request
+   AND t.seq > p.seq AND t.seq < p.until_seq
  WHERE CAST(t.dst_node AS VARCHAR) <> p.decode
+UNION ALL
+SELECT DISTINCT 'unrouted_transfer', CAST(NULL AS VARCHAR), CAST(t.node_id AS VARCHAR), CAST(t.request_id AS VARCHAR),
+       CONCAT('wrote into decode node ', CAST(t.dst_node AS VARCHAR), ' under no route')
+  FROM ptransfers t LEFT JOIN pwin p
+    ON t.node_id = p.node_id AND CAST(t.request_id AS VARCHAR) = p.request
+   AND t.seq > p.seq AND t.seq < p.until_seq
+ WHERE p.transfer IS NULL
 UNION ALL
 SELECT 'finished_not_on_decode', f.transfer, d.decode, d.request,
        CONCAT('router request ', f.request, ' finished; decode request ', d.request, ' has no finished row')
-  FROM router f JOIN dnode d ON d.transfer = f.transfer
-  LEFT JOIN (SELECT DISTINCT node_id, request_id FROM all_requests WHERE event = 'finished') q
-    ON CAST(q.node_id AS VARCHAR) = d.decode AND CAST(q.request_id AS VARCHAR) = d.request
+  FROM router f JOIN dwin d ON d.transfer = f.transfer
+  LEFT JOIN (SELECT node_id, request_id, seq FROM all_requests WHERE event = 'finished') q
+    ON q.node_id = d.node_id AND CAST(q.request_id AS VARCHAR) = d.request
+   AND q.seq > d.seq AND q.seq < d.until_seq
  WHERE f.outcome = 'finished' AND q.request_id IS NULL
 ORDER BY kind, transfer"#
     )

@@ -103,6 +103,17 @@ impl ServeSection {
         }
         let mut seen = std::collections::BTreeSet::new();
         for t in &self.tenants {
+            // Tenant ids are written into `key=value` audit rows (`front_request`, `route`):
+            // no whitespace, quote or '=' that could forge another field.
+            if t.id
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || c == '"' || c == '=')
+            {
+                return bad(format!(
+                    "serve.tenants: tenant id {:?} must not contain whitespace, control characters, '\"' or '='",
+                    t.id
+                ));
+            }
             if t.id.is_empty() || t.id.starts_with('_') {
                 return bad(format!(
                     "serve.tenants: tenant id {:?} must be non-empty and must not start with '_' (reserved for the server's own requests, e.g. _canary)",
@@ -246,6 +257,7 @@ mod tests {
             ok.replace(&"a".repeat(64), "not-a-hash"),
             ok.replace(&"a".repeat(64), &"A".repeat(64)),
             ok.replace("acme", "_canary"),
+            ok.replace("acme", "a transfer=1"),
             format!("{ok}{}", ok.replace("acme", "other")),
         ] {
             let c: File = toml::from_str(&bad).expect("parse");

@@ -92,6 +92,13 @@ struct Worker {
     incompatible: Option<String>,
 }
 
+/// What the router itself requires of every node.
+#[derive(Clone, Debug)]
+struct Expected {
+    fingerprint: String,
+    context_length: u64,
+}
+
 /// Fleet-wide geometry every node must state (the first compatible report sets it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Geometry {
@@ -187,8 +194,9 @@ pub struct Router {
     prefill_clients: BTreeMap<NodeId, PrefillClient<Channel>>,
     audit: Option<Arc<dyn audit::AuditSink>>,
     namespaces: Option<Arc<Namespaces>>,
-    /// The model file's fingerprint: a node stating another is never routed to.
-    fingerprint: String,
+    /// The model file's fingerprint and the router's context: a node stating others is never
+    /// routed to.
+    expected: Expected,
     gauges: Arc<EngineGauges>,
     check: PrefillCheck,
     next_request: AtomicU64,
@@ -231,6 +239,8 @@ pub struct RouterParts {
     /// load only.
     pub namespaces: Option<Arc<Namespaces>>,
     pub fingerprint: String,
+    /// The context every node must state (the router's own; 0: the first report's).
+    pub context_length: u64,
 }
 
 impl std::fmt::Debug for RouterParts {
@@ -431,7 +441,7 @@ impl Router {
                         // Its cache is gone with its process.
                         index.forget_node(node);
                     }
-                    w.incompatible = compatibility(&self.fingerprint, geometry, rep, node);
+                    w.incompatible = compatibility(&self.expected, geometry, rep, node);
                     w.report = Some(rep.clone());
                     w.routed_since_report = 0;
                     match &w.incompatible {
@@ -547,7 +557,7 @@ impl Router {
                     self.record(
                         ROUTE_EVENT,
                         format!(
-                            "request={request} tenant={} attempt={attempt} outcome=refused why={why:?}",
+                            "request={request} tenant={:?} attempt={attempt} outcome=refused why={why:?}",
                             req.tenant
                         ),
                     );
@@ -572,7 +582,7 @@ impl Router {
                     self.record(
                         ROUTE_EVENT,
                         format!(
-                            "request={request} tenant={} transfer={} attempt={attempt} prefill={} decode={} outcome=retry why={why:?}",
+                            "request={request} tenant={:?} transfer={} attempt={attempt} prefill={} decode={} outcome=retry why={why:?}",
                             req.tenant, route.transfer_id, plan.prefill, plan.decode
                         ),
                     );
@@ -587,7 +597,7 @@ impl Router {
                     self.record(
                         ROUTE_EVENT,
                         format!(
-                            "request={request} tenant={} transfer={} attempt={attempt} prefill={} decode={} outcome=failed why={why:?}",
+                            "request={request} tenant={:?} transfer={} attempt={attempt} prefill={} decode={} outcome=failed why={why:?}",
                             req.tenant, route.transfer_id, plan.prefill, plan.decode
                         ),
                     );
@@ -600,7 +610,7 @@ impl Router {
         self.record(
             ROUTE_EVENT,
             format!(
-                "request={request} tenant={} outcome=failed why={:?}",
+                "request={request} tenant={:?} outcome=failed why={:?}",
                 req.tenant,
                 format!("{} attempts: {why}", self.cfg.max_attempts)
             ),
@@ -817,7 +827,7 @@ impl Router {
         self.record(
             ROUTE_EVENT,
             format!(
-                "request={request} tenant={} transfer={} attempt={} prefill={} decode={} epoch={} outcome=admitted prefill_request={id}",
+                "request={request} tenant={:?} transfer={} attempt={} prefill={} decode={} epoch={} outcome=admitted prefill_request={id}",
                 req.tenant, route.transfer_id, route.attempt, plan.prefill, plan.decode, plan.decode_epoch
             ),
         );
@@ -844,7 +854,7 @@ impl Router {
             router.record(
                 ROUTE_EVENT,
                 format!(
-                    "request={request} tenant={tenant} transfer={transfer} prefill={prefill} decode={decode} outcome={outcome} prefill_request={id} why={why:?}"
+                    "request={request} tenant={tenant:?} transfer={transfer} prefill={prefill} decode={decode} outcome={outcome} prefill_request={id} why={why:?}"
                 ),
             );
         });
@@ -917,7 +927,10 @@ impl Router {
             prefill_clients: a.prefill_clients,
             audit: a.parts.audit,
             namespaces: a.parts.namespaces,
-            fingerprint: a.parts.fingerprint,
+            expected: Expected {
+                fingerprint: a.parts.fingerprint,
+                context_length: a.parts.context_length,
+            },
             gauges: a.gauges,
             check: a.check,
             next_request: AtomicU64::new(1),
@@ -952,7 +965,7 @@ struct Plan {
 impl Plan {
     fn detail(&self, request: u64, tenant: &str, r: &proto::Route) -> String {
         format!(
-            "request={request} tenant={tenant} transfer={} attempt={} prefill={} decode={} epoch={} outcome=chosen policy={} matched_pages={} prompt_pages={} alternatives={}",
+            "request={request} tenant={tenant:?} transfer={} attempt={} prefill={} decode={} epoch={} outcome=chosen policy={} matched_pages={} prompt_pages={} alternatives={}",
             r.transfer_id,
             r.attempt,
             self.prefill,
@@ -1047,10 +1060,11 @@ fn check_length(req: &GenerateRequest, g: &Geometry, st: &State) -> Result<(), R
         });
     }
     let pages = total.div_ceil(g.page_size.max(1) as usize) as u64;
+    // Compatible decode nodes only (a failed one still counts: it may come back).
     let largest = st
         .workers
         .iter()
-        .filter(|((r, _), _)| *r == WorkerRole::Decode)
+        .filter(|((r, _), w)| *r == WorkerRole::Decode && w.incompatible.is_none())
         .filter_map(|(_, w)| w.report.as_ref().map(|r| r.pool_pages))
         .max()
         .unwrap_or(0);
@@ -1069,15 +1083,22 @@ fn check_length(req: &GenerateRequest, g: &Geometry, st: &State) -> Result<(), R
 /// Why a node's report keeps it out of the fleet, if it does: another model than the router's,
 /// or another geometry than the fleet's (the first compatible report sets the fleet's).
 fn compatibility(
-    fingerprint: &str,
+    expected: &Expected,
     geometry: &mut Option<Geometry>,
     rep: &proto::LoadReport,
     node: NodeId,
 ) -> Option<String> {
-    if !fingerprint.is_empty() && rep.model_fingerprint != fingerprint {
+    let fingerprint = &expected.fingerprint;
+    if !fingerprint.is_empty() && rep.model_fingerprint != *fingerprint {
         return Some(format!(
             "node {node} serves model {} but the router's is {fingerprint}",
             rep.model_fingerprint
+        ));
+    }
+    if expected.context_length != 0 && rep.context_length != expected.context_length {
+        return Some(format!(
+            "node {node} states a context of {} tokens, the router's is {}",
+            rep.context_length, expected.context_length
         ));
     }
     let g = Geometry::of(rep);
@@ -1273,6 +1294,7 @@ impl Router {
                 audit: None,
                 namespaces: None,
                 fingerprint: String::new(),
+                context_length: 0,
             },
             prefill_clients: BTreeMap::new(),
             gauges: Arc::default(),

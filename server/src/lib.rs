@@ -258,6 +258,8 @@ pub struct PreparedFront {
     model_name: String,
     check: PrefillCheck,
     gauges: Arc<EngineGauges>,
+    /// The reference engine's context: a router requires every node to state it.
+    context_length: usize,
 }
 
 pub fn prepare_front(
@@ -287,6 +289,7 @@ pub fn prepare_front(
         cfg.model_name.clone()
     };
     Ok(PreparedFront {
+        context_length: reference.context_length(),
         tokenizer: Arc::new(tokenizer),
         golden,
         model_name,
@@ -361,6 +364,13 @@ pub async fn serve_fleet(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let node = parts.node;
+    // The router's own context (its `[engine]`): every node must state the same, so the HTTP
+    // side's length checks hold before any node has reported.
+    let context_length = prepared.context_length;
+    let parts = fleet::RouterParts {
+        context_length: context_length as u64,
+        ..parts
+    };
     let router = fleet::Router::start(
         fleet,
         security,
@@ -369,17 +379,8 @@ pub async fn serve_fleet(
         prepared.check,
     )
     .map_err(|e| ServeError::Startup(e.to_string()))?;
-    // Wait (bounded) for the first reports, so that the context length below is the fleet's.
-    let t0 = std::time::Instant::now();
-    while router.ready().is_err() && t0.elapsed() < FLEET_READY_WAIT {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let context_length = router.context_length().unwrap_or(0);
-    tracing::info!(
-        context_length,
-        ready = router.ready().is_ok(),
-        "routing a fleet"
-    );
+    // Requests before a pair is routable are refused (503), and `/health/ready` says so.
+    tracing::info!(context_length, "routing a fleet");
     let front = Front {
         backend: Backend::Fleet(router),
         tokenizer: prepared.tokenizer,
@@ -392,10 +393,6 @@ pub async fn serve_fleet(
     };
     serve_front(listener, front, &opts, shutdown).await
 }
-
-/// How long a router waits at start for a routable pair before it serves anyway (refusing
-/// requests with 503 until one is ready).
-const FLEET_READY_WAIT: Duration = Duration::from_secs(30);
 
 /// What the HTTP front needs, whatever runs the generations.
 struct Front {

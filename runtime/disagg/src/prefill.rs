@@ -105,18 +105,35 @@ impl Drop for RelayEntry {
 /// Why a request's transfer (or its prefill) failed, as prefill saw it: the reason recorded in
 /// its `requests` row and told to the client.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct TransferFailed(pub String);
+#[error("{reason}")]
+pub struct TransferFailed {
+    pub reason: String,
+    /// It failed before any write of it was posted (a router may retry it elsewhere).
+    pub nothing_posted: bool,
+}
+
+impl TransferFailed {
+    /// A failure before any write was posted.
+    fn before_posting(reason: String) -> Self {
+        Self {
+            reason,
+            nothing_posted: true,
+        }
+    }
+}
 
 impl From<String> for TransferFailed {
-    fn from(s: String) -> Self {
-        Self(s)
+    fn from(reason: String) -> Self {
+        Self {
+            reason,
+            nothing_posted: false,
+        }
     }
 }
 
 impl From<&str> for TransferFailed {
     fn from(s: &str) -> Self {
-        Self(s.to_owned())
+        s.to_owned().into()
     }
 }
 
@@ -175,6 +192,15 @@ pub fn route_detail(request: u64, r: &proto::Route) -> String {
     )
 }
 
+/// Decode's reservation for a submitted request, on peer `peer`, made while that peer was at
+/// `epoch`.
+struct Attachment {
+    id: RequestId,
+    peer: usize,
+    epoch: u64,
+    reservation: proto::ReserveReply,
+}
+
 /// A prompt to admit, from an authenticated front (and, in a fleet, its router's route).
 struct Submission {
     req: GenerateRequest,
@@ -192,12 +218,7 @@ enum Cmd {
     ),
     /// Decode's reservation (on peer `peer`) for a submitted request; the reply fires when the
     /// transfer is over.
-    Attach(
-        RequestId,
-        usize,
-        proto::ReserveReply,
-        oneshot::Sender<TransferResult>,
-    ),
+    Attach(Box<Attachment>, oneshot::Sender<TransferResult>),
     Abort(RequestId, String),
     #[cfg(feature = "fault-injection")]
     Fault(PrefillFault),
@@ -374,14 +395,16 @@ impl Node {
         Ok((id, truncated))
     }
 
-    fn attach(
-        &mut self,
-        id: RequestId,
-        peer: usize,
-        res: proto::ReserveReply,
-        done: oneshot::Sender<TransferResult>,
-    ) {
-        let decode_node = self.peers.get(peer).map_or(0, |p| p.node_id);
+    fn attach(&mut self, a: Attachment, done: oneshot::Sender<TransferResult>) {
+        let Attachment {
+            id,
+            peer,
+            epoch,
+            reservation,
+        } = a;
+        let (decode_node, paired_epoch) = self.peers.get(peer).map_or((0, None), |p| {
+            (p.node_id, p.paired.as_ref().map(|i| i.epoch))
+        });
         let Some(r) = self.reqs.get_mut(&id) else {
             let _ = done.send(Err(format!("prefill request {id} is gone").into()));
             return;
@@ -389,12 +412,20 @@ impl Node {
         r.peer = peer;
         r.decode_node = decode_node;
         r.done = Some(done);
-        if decode_node == 0 {
-            // Reserved through a peer never paired: nothing was posted; release and report.
-            self.finish(id, Err("its decode peer was never paired".into()));
+        if decode_node == 0 || paired_epoch != Some(epoch) {
+            // The reservation was made at another epoch of the peer (it restarted, or is being
+            // re-paired): its key belongs to a pairing this node no longer holds. Nothing is
+            // posted under it; release and report (retryable).
+            let why = format!(
+                "decode node {decode_node} is at epoch {paired_epoch:?} now, the reservation was made at epoch {epoch}"
+            );
+            self.finish(id, Err(TransferFailed::before_posting(why)));
             return;
         }
-        r.reservation = Some(res);
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        r.reservation = Some(reservation);
         // Decode's pages exist from here on; prefill starts the transfer phase for them.
         if let Err(e) = r
             .machine
@@ -639,7 +670,7 @@ impl Node {
             },
             Err(e) => {
                 let reason = if r.machine.is_terminal() {
-                    e.0.clone() // already failed on an illegal transition: its reason as it is
+                    e.reason.clone() // already failed on an illegal transition: its reason as it is
                 } else {
                     let _ = r.machine.end(ReqEvent::Fail);
                     format!("transfer: {e}")
@@ -753,19 +784,35 @@ impl Node {
         busy
     }
 
-    /// A peer whose transport connection was lost (its outstanding writes were flushed in
-    /// error, so nothing is "in flight" on the old one), or that was never paired, gets a fresh
-    /// handshake — in the background, so that a dead or unreachable decode node never stalls
-    /// this thread (and every other peer's transfers) — with doubling pauses.
+    /// A peer whose transport connection was lost, or that was never paired, gets a fresh
+    /// handshake once none of its writes is outstanding (their error completions are polled
+    /// first), with doubling pauses. The handshake runs in the background, so a dead or
+    /// unreachable decode node does not stall this thread (and every other peer's transfers);
+    /// the KV connect that follows an answered handshake runs here, bounded by the transport's
+    /// connect and proof timeout (5 s) — a node whose control plane answers but whose KV port
+    /// does not costs up to that per attempt.
     fn maybe_reconnect(&mut self) {
         while let Ok(done) = self.handshakes.1.try_recv() {
             self.handshake_done(done);
         }
         let now = Instant::now();
+        // A peer with writes still outstanding is not reset: their (error) completions must be
+        // polled first, or the requests would wait for them forever (verbs discards what a reset
+        // queue pair has not completed; tcp completes them at the loss).
+        let mut writing = vec![false; self.peers.len()];
+        for r in self.reqs.values().filter(|r| r.outstanding > 0) {
+            if let Some(w) = writing.get_mut(r.peer) {
+                *w = true;
+            }
+        }
         for idx in 0..self.peers.len() {
             let p = &mut self.peers[idx];
             let down = p.paired.is_none() || !p.transport.connected();
-            if !down || p.handshaking || now.duration_since(p.last_attempt) < p.backoff {
+            if !down
+                || writing[idx]
+                || p.handshaking
+                || now.duration_since(p.last_attempt) < p.backoff
+            {
                 continue;
             }
             p.last_attempt = now;
@@ -844,7 +891,7 @@ impl Node {
             Cmd::Submit(sub, tx, prefilled) => {
                 let _ = tx.send(self.submit(*sub, prefilled));
             }
-            Cmd::Attach(id, peer, res, tx) => self.attach(id, peer, res, tx),
+            Cmd::Attach(a, tx) => self.attach(*a, tx),
             Cmd::Abort(id, reason) => self.abort(id, &reason),
             #[cfg(feature = "fault-injection")]
             Cmd::Fault(f) => {
@@ -1192,12 +1239,13 @@ impl PrefillHandle {
 
     /// The peer a request is written into: the route's decode node, if this node is paired
     /// with it at the route's epoch; without a route, the only (or the first connected) peer.
-    fn choose_peer(&self, route: Option<&proto::Route>) -> Result<usize, Status> {
+    fn choose_peer(&self, route: Option<&proto::Route>) -> Result<(usize, u64), Status> {
         let links = self.peer_links();
         let Some(route) = route else {
             // No router: the first connected peer, else the first (a peer re-pairing after a
             // lost connection is back within a reconnect interval; a post before fails cleanly).
-            return Ok(links.iter().position(|l| l.connected).unwrap_or(0));
+            let i = links.iter().position(|l| l.connected).unwrap_or(0);
+            return Ok((i, links.get(i).map_or(0, |l| l.epoch)));
         };
         if route.prefill_node != self.opts.node_id {
             return Err(Status::invalid_argument(format!(
@@ -1206,7 +1254,9 @@ impl PrefillHandle {
             )));
         }
         match links.iter().position(|l| l.node == route.decode_node) {
-            Some(i) if links[i].epoch == route.decode_epoch && links[i].connected => Ok(i),
+            Some(i) if links[i].epoch == route.decode_epoch && links[i].connected => {
+                Ok((i, route.decode_epoch))
+            }
             Some(i) => Err(super::nothing_posted(Status::unavailable(format!(
                 "decode node {} is at epoch {} (connected: {}), the route names epoch {}",
                 route.decode_node, links[i].epoch, links[i].connected, route.decode_epoch
@@ -1277,7 +1327,7 @@ impl PrefillHandle {
                 "this prefill node is draining",
             )));
         }
-        let peer = self.choose_peer(route.as_ref())?;
+        let (peer, epoch) = self.choose_peer(route.as_ref())?;
         let original = req.clone();
         // 1. Admission on prefill (over-length: rejected here, nothing allocated anywhere).
         let (tx, rx) = oneshot::channel();
@@ -1343,7 +1393,13 @@ impl PrefillHandle {
         };
         // 4. Transfer; wait for every write to complete.
         let (tx, rx) = oneshot::channel();
-        if let Err(s) = self.send(Cmd::Attach(id, peer, res, tx)) {
+        let attachment = Attachment {
+            id,
+            peer,
+            epoch,
+            reservation: res,
+        };
+        if let Err(s) = self.send(Cmd::Attach(Box::new(attachment), tx)) {
             let _ = decode
                 .abort(abort_req(decode_id, "prefill queue full"))
                 .await;
@@ -1352,8 +1408,13 @@ impl PrefillHandle {
         let first = match rx.await {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => {
-                let _ = decode.abort(abort_req(decode_id, &e.0)).await;
-                return Err(Status::unavailable(format!("KV transfer failed: {e}")));
+                let _ = decode.abort(abort_req(decode_id, &e.reason)).await;
+                let s = Status::unavailable(format!("KV transfer failed: {e}"));
+                return Err(if e.nothing_posted {
+                    super::nothing_posted(s)
+                } else {
+                    s
+                });
             }
             Err(_) => {
                 let _ = decode

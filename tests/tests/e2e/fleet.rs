@@ -881,6 +881,13 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
     audit_checks(&f);
 }
 
+/// A copy of the fleet's audit root (to add to it without touching the original).
+fn tempdir_copy(f: &Files, name: &str) -> PathBuf {
+    let dst = f.path(name);
+    must(&["cp", "-r", &f.root(), &dst.display().to_string()]);
+    dst
+}
+
 #[derive(Debug)]
 struct PoolState {
     node: u32,
@@ -1041,6 +1048,39 @@ fn audit_checks(f: &Files) {
                 .iter()
                 .any(|l| l.contains(&format!("prefill={n} "))),
             "prefill {n} was used"
+        );
+    }
+    // The crosscheck can fail: a node (signed with the fleet's key, as a compromised prefill node
+    // could) records a route the router never chose — it is named, and the command fails.
+    {
+        use custody_audit::writer::{AuditWriter, WriterConfig};
+        let key = custody_audit::digest::read_signing_key(&f.path("audit.key")).expect("key");
+        let forged = tempdir_copy(&f, "forged");
+        let w = AuditWriter::open(WriterConfig::new(&forged, 7, key)).expect("writer");
+        custody_audit::AuditSink::record(
+            &w,
+            custody_audit::Event::Node {
+                ts_ns: custody_audit::mono_now_ns(),
+                kind: "route".into(),
+                detail: "request=1 transfer=4242 router=9 prefill=7 decode=3 epoch=1 attempt=1"
+                    .into(),
+            },
+        )
+        .expect("record");
+        w.close().expect("seal");
+        let o = custody(&[
+            "forensics",
+            "fleet",
+            &forged.display().to_string(),
+            "--public-key",
+            &pubkey,
+            "--format",
+            "csv",
+        ]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            !o.status.success() && out.contains("prefill_route_not_minted,4242,7"),
+            "the forged route is named: {out}"
         );
     }
     // One request's path: router, prefill and decode rows.
