@@ -678,25 +678,23 @@ impl Router {
         check_length(req, &geometry, &st)?;
         let need_pages =
             (req.prompt.len() + req.max_tokens).div_ceil(geometry.page_size.max(1) as usize) as u32;
-        let links: Vec<PrefillLinks> = st
-            .routable(now)
+        st.routable(now);
+        let State {
+            workers,
+            index,
+            rng,
+            pairs,
+            ..
+        } = &mut *st;
+        let usable = |l: &&PrefillLinks| {
+            !excluded.prefill.contains(&l.prefill)
+                && l.decodes.iter().any(|(d, _)| !excluded.decode.contains(d))
+        };
+        let prefills: Vec<PrefillCandidate> = pairs
             .iter()
-            .filter(|l| !excluded.prefill.contains(&l.prefill))
-            .map(|l| PrefillLinks {
-                prefill: l.prefill,
-                decodes: l
-                    .decodes
-                    .iter()
-                    .copied()
-                    .filter(|(d, _)| !excluded.decode.contains(d))
-                    .collect(),
-            })
-            .filter(|l| !l.decodes.is_empty())
-            .collect();
-        let prefills: Vec<PrefillCandidate> = links
-            .iter()
+            .filter(usable)
             .filter_map(|l| {
-                let w = st.workers.get(&(WorkerRole::Prefill, l.prefill))?;
+                let w = workers.get(&(WorkerRole::Prefill, l.prefill))?;
                 let rep = w.report.as_ref()?;
                 Some(PrefillCandidate {
                     node: l.prefill,
@@ -705,16 +703,17 @@ impl Router {
                 })
             })
             .collect();
-        let p = choose_prefill(&prefills, keys, &st.index, &self.policy)
+        let p = choose_prefill(&prefills, keys, index, &self.policy)
             .ok_or_else(|| Refusal::unavailable("no routable prefill node"))?;
-        let peers = links
+        let peers = pairs
             .iter()
             .find(|l| l.prefill == p.node)
             .map_or(&[][..], |l| &l.decodes[..]);
         let decodes: Vec<DecodeCandidate> = peers
             .iter()
+            .filter(|(d, _)| !excluded.decode.contains(d))
             .filter_map(|&(d, _)| {
-                let w = st.workers.get(&(WorkerRole::Decode, d))?;
+                let w = workers.get(&(WorkerRole::Decode, d))?;
                 let rep = w.report.as_ref()?;
                 Some(DecodeCandidate {
                     node: d,
@@ -723,11 +722,7 @@ impl Router {
                 })
             })
             .collect();
-        let d = {
-            let State { rng, .. } = &mut *st;
-            choose_decode(&decodes, need_pages, rng)
-        }
-        .ok_or_else(|| {
+        let d = choose_decode(&decodes, need_pages, rng).ok_or_else(|| {
             Refusal::busy("no decode node paired with the chosen prefill node has the pages free")
         })?;
         let decode_epoch = peers
@@ -735,10 +730,10 @@ impl Router {
             .find(|(n, _)| *n == d.node)
             .map_or(0, |&(_, e)| e);
         // Count what this router sent until the next reports say it.
-        if let Some(w) = st.workers.get_mut(&(WorkerRole::Prefill, p.node)) {
+        if let Some(w) = workers.get_mut(&(WorkerRole::Prefill, p.node)) {
             w.routed_since_report += 1;
         }
-        if let Some(w) = st.workers.get_mut(&(WorkerRole::Decode, d.node)) {
+        if let Some(w) = workers.get_mut(&(WorkerRole::Decode, d.node)) {
             w.routed_since_report += u64::from(need_pages);
         }
         let alternatives = alternatives(&prefills, &p, &decodes, &d);
