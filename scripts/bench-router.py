@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-front-audit", action="store_true",
+                    help="the two fronts keep no log of their own (the nodes still do)")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="custody-bench-router-")
     eng = ENGINE.format(threads=a.threads)
@@ -95,8 +97,9 @@ def main():
     try:
         procs.append(spawn(a.bin, work, "decode", ["decode", "--config", f"{work}/decode.toml", *audit, "--node", "2"]))
         procs.append(spawn(a.bin, work, "prefill", ["prefill", "--config", f"{work}/prefill.toml", *audit, "--node", "1"]))
-        procs.append(spawn(a.bin, work, "front", ["serve", "--config", f"{work}/front.toml", *audit, "--node", "8"]))
-        procs.append(spawn(a.bin, work, "router", ["serve", "--config", f"{work}/router.toml", *audit, "--node", "9"]))
+        own = [] if a.no_front_audit else audit
+        procs.append(spawn(a.bin, work, "front", ["serve", "--config", f"{work}/front.toml", *own, "--node", "8"]))
+        procs.append(spawn(a.bin, work, "router", ["serve", "--config", f"{work}/router.toml", *own, "--node", "9"]))
         fronts = {"pair front (no routing)": "http://127.0.0.1:17180", "router (1 x 1 fleet)": "http://127.0.0.1:17181"}
         for (name, url), (p, _) in zip(fronts.items(), procs[2:]):
             wait_http(url + "/health/ready", p, name.split()[0], work)
@@ -113,7 +116,8 @@ def main():
                 texts[name].add(text)
         if texts[list(fronts)[0]] != texts[list(fronts)[1]]:
             sys.exit(f"the two fronts answered differently: {texts}")
-        out = {"machine": machine(), "n": a.n, "max_tokens": a.max_tokens, "threads_per_node": a.threads}
+        out = {"machine": machine(), "n": a.n, "max_tokens": a.max_tokens, "threads_per_node": a.threads,
+               "front_audit": not a.no_front_audit}
         for name, xs in lat.items():
             out[name] = {"p50_ms": round(1e3 * pct(xs, 50), 2), "p99_ms": round(1e3 * pct(xs, 99), 2),
                          "mean_ms": round(1e3 * statistics.mean(xs), 2)}

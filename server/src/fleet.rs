@@ -549,6 +549,7 @@ impl Router {
         let mut excluded = Excluded::default();
         let mut last_error = None;
         for attempt in 1..=self.cfg.max_attempts {
+            let t_plan = Instant::now();
             let plan = match self.plan(&req, &keys, &excluded) {
                 Ok(p) => p,
                 Err(e) => {
@@ -570,7 +571,14 @@ impl Router {
             self.record_ahead(ROUTE_EVENT, plan.detail(request, &req.tenant, &route))
                 .await
                 .map_err(|e| (None, e))?;
-            match self.attempt(&req, cache_salt, &plan, route).await {
+            let t_attempt = Instant::now();
+            let attempted = self.attempt(&req, cache_salt, &plan, route).await;
+            tracing::debug!(
+                plan_us = (t_attempt - t_plan).as_micros() as u64,
+                attempt_us = t_attempt.elapsed().as_micros() as u64,
+                "routed"
+            );
+            match attempted {
                 Ok(admitted) => {
                     self.lock().index.record(plan.prefill, &keys);
                     self.check_anomaly(plan.prefill, &req.tenant, req.prompt.len(), &admitted.1)

@@ -1328,6 +1328,7 @@ impl PrefillHandle {
             )));
         }
         let (peer, epoch) = self.choose_peer(route.as_ref())?;
+        let routed = route.is_some();
         let original = req.clone();
         // 1. Admission on prefill (over-length: rejected here, nothing allocated anywhere).
         let (tx, rx) = oneshot::channel();
@@ -1423,6 +1424,12 @@ impl PrefillHandle {
                 return Err(Status::unavailable("prefill engine stopped"));
             }
         };
+        tracing::debug!(
+            request = id,
+            routed,
+            to_first_token_us = t0.elapsed().as_micros() as u64,
+            "transferred"
+        );
         // 5. The first token is prefill's. If it ends the request, decode never starts.
         let stop = original.stop_ids.contains(&first);
         if stop || original.max_tokens <= 1 {
