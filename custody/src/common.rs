@@ -308,3 +308,18 @@ pub(crate) fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded
         pool,
     })
 }
+
+/// Seal a node's log after a clean shutdown: a `node_events` row `stop` first, so that an
+/// incarnation without one is known to have ended otherwise (killed, crashed) — and the rows it
+/// had not yet written are known to be lost, not absent (`custody forensics fleet`).
+pub(crate) fn stop_and_seal(w: &custody_audit::writer::AuditWriter) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let ev = custody_audit::Event::Node {
+        ts_ns: custody_audit::mono_now_ns(),
+        kind: "stop".into(),
+        detail: "clean shutdown".into(),
+    };
+    custody_audit::AuditSink::record(w, ev).context("recording the stop")?;
+    w.close().context("sealing the audit log")?;
+    Ok(())
+}

@@ -336,7 +336,7 @@ pub(crate) fn decode(a: RoleArgs) -> Result<()> {
             .context("control plane")
     })?;
     if let Some(w) = r.audit {
-        w.close().context("sealing the audit log")?;
+        crate::common::stop_and_seal(&w)?;
     }
     Ok(())
 }
@@ -438,7 +438,7 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
             .context("front door")
     })?;
     if let Some(w) = r.audit {
-        w.close().context("sealing the audit log")?;
+        crate::common::stop_and_seal(&w)?;
     }
     Ok(())
 }

@@ -170,7 +170,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     })?;
     drop(engine);
     if let Some(w) = audit {
-        w.close().context("sealing the audit log")?;
+        crate::common::stop_and_seal(&w)?;
         tracing::info!("audit log sealed");
     }
     Ok(())
@@ -251,7 +251,7 @@ fn serve_front(
         .map_err(anyhow::Error::from)
     });
     if let Some(w) = audit {
-        w.close().context("sealing the audit log")?;
+        crate::common::stop_and_seal(&w)?;
         tracing::info!("audit log sealed");
     }
     served
@@ -331,7 +331,7 @@ fn serve_router(
     });
     drop(rt);
     if let Some(w) = audit {
-        w.close().context("sealing the audit log")?;
+        crate::common::stop_and_seal(&w)?;
         tracing::info!("audit log sealed");
     }
     served

@@ -706,10 +706,17 @@ chosen AS (SELECT * FROM router WHERE outcome = 'chosen')"#;
 /// - `unrouted_transfer`: a prefill node that takes routes wrote KV for a request no route bound;
 /// - `finished_not_on_decode`: the router saw the request finish; the decode node has no
 ///   `finished` row for the request it reserved under that route (in that incarnation).
+///
+/// A row missing because its node was killed is not a disagreement about what happened: each
+/// row says, in `explained_by_crash`, when the node whose row is missing has an incarnation that
+/// ended without a `stop` row (written at every clean shutdown) within a second after the event
+/// — its writer had not written its last rows. Evidence of a violation (`retried_after_write`,
+/// `transfer_off_route`, `unrouted_transfer`) is never explained so.
 pub fn fleet_crosscheck_sql() -> String {
     format!(
         r#"WITH {ROUTES_CTE},
-starts AS (SELECT node_id, seq FROM all_node_events WHERE event = 'start'),
+starts AS (SELECT node_id, seq, wall_ns FROM all_node_events WHERE event = 'start'),
+stops AS (SELECT node_id, seq FROM all_node_events WHERE event = 'stop'),
 pwin AS (SELECT p.node_id, p.seq, p.transfer, p.prefill, p.decode, p.request,
                 COALESCE(MIN(s.seq), 9223372036854775807) AS until_seq
            FROM pnode p LEFT JOIN starts s ON s.node_id = p.node_id AND s.seq > p.seq
@@ -721,63 +728,101 @@ dwin AS (SELECT d.node_id, d.seq, d.transfer, d.decode, d.request,
 routed_prefills AS (SELECT DISTINCT node_id FROM pnode),
 ptransfers AS (SELECT t.node_id, t.seq, t.request_id, t.dst_node FROM all_transfers t
                 WHERE t.node_id IN (SELECT node_id FROM routed_prefills)
-                  AND t.src_node = t.node_id)
+                  AND t.src_node = t.node_id),
+dis AS (
 SELECT 'admitted_without_prefill_record' AS kind, a.transfer, a.prefill AS node, a.prefill_request AS request,
-       CONCAT('router node ', CAST(a.node_id AS VARCHAR), ' request ', a.request) AS detail
+       CONCAT('router node ', CAST(a.node_id AS VARCHAR), ' request ', a.request) AS detail,
+       a.prefill AS missing_node, a.wall_ns AS t_wall
   FROM router a LEFT JOIN pnode p
     ON p.transfer = a.transfer AND p.prefill = a.prefill AND p.request = a.prefill_request
  WHERE a.outcome = 'admitted' AND p.transfer IS NULL
 UNION ALL
 SELECT 'admitted_without_decode_record', a.transfer, a.decode, a.prefill_request,
-       CONCAT('router node ', CAST(a.node_id AS VARCHAR), ' request ', a.request)
+       CONCAT('router node ', CAST(a.node_id AS VARCHAR), ' request ', a.request), a.decode AS missing_node, a.wall_ns AS t_wall
   FROM router a LEFT JOIN dnode d ON d.transfer = a.transfer AND d.decode = a.decode
  WHERE a.outcome = 'admitted' AND d.transfer IS NULL
 UNION ALL
-SELECT 'prefill_route_not_minted', p.transfer, CAST(p.node_id AS VARCHAR), p.request, p.detail
+SELECT 'prefill_route_not_minted', p.transfer, CAST(p.node_id AS VARCHAR), p.request, p.detail,
+       regexp_match(p.detail, '(?:^| )router=([0-9]+)')[1] AS missing_node, p.wall_ns AS t_wall
   FROM pnode p LEFT JOIN chosen c
     ON c.transfer = p.transfer AND c.prefill = p.prefill AND c.decode = p.decode AND c.epoch = p.epoch
  WHERE c.transfer IS NULL
 UNION ALL
-SELECT 'decode_route_not_minted', d.transfer, CAST(d.node_id AS VARCHAR), d.request, d.detail
+SELECT 'decode_route_not_minted', d.transfer, CAST(d.node_id AS VARCHAR), d.request, d.detail,
+       regexp_match(d.detail, '(?:^| )router=([0-9]+)')[1] AS missing_node, d.wall_ns AS t_wall
   FROM dnode d LEFT JOIN chosen c
     ON c.transfer = d.transfer AND c.prefill = d.prefill AND c.decode = d.decode AND c.epoch = d.epoch
  WHERE c.transfer IS NULL
 UNION ALL
-SELECT 'decode_route_without_prefill', d.transfer, CAST(d.node_id AS VARCHAR), d.request, d.detail
+SELECT 'decode_route_without_prefill', d.transfer, CAST(d.node_id AS VARCHAR), d.request, d.detail,
+       d.prefill AS missing_node, d.wall_ns AS t_wall
   FROM dnode d LEFT JOIN pnode p ON p.transfer = d.transfer
  WHERE p.transfer IS NULL
 UNION ALL
 SELECT DISTINCT 'retried_after_write', r.transfer, p.prefill, p.request,
-       CONCAT('router request ', r.request, ' retried; prefill node ', p.prefill, ' recorded a KV write of it')
+       CONCAT('router request ', r.request, ' retried; prefill node ', p.prefill, ' recorded a KV write of it'),
+       CAST(NULL AS VARCHAR) AS missing_node, CAST(NULL AS BIGINT) AS t_wall
   FROM router r JOIN pwin p ON p.transfer = r.transfer
   JOIN ptransfers t ON t.node_id = p.node_id AND CAST(t.request_id AS VARCHAR) = p.request
                    AND t.seq > p.seq AND t.seq < p.until_seq
  WHERE r.outcome = 'retry'
 UNION ALL
 SELECT DISTINCT 'transfer_off_route', p.transfer, CAST(t.node_id AS VARCHAR), CAST(t.request_id AS VARCHAR),
-       CONCAT('wrote into decode node ', CAST(t.dst_node AS VARCHAR), ', the route names ', p.decode)
+       CONCAT('wrote into decode node ', CAST(t.dst_node AS VARCHAR), ', the route names ', p.decode),
+       CAST(NULL AS VARCHAR) AS missing_node, CAST(NULL AS BIGINT) AS t_wall
   FROM ptransfers t JOIN pwin p
     ON t.node_id = p.node_id AND CAST(t.request_id AS VARCHAR) = p.request
    AND t.seq > p.seq AND t.seq < p.until_seq
  WHERE CAST(t.dst_node AS VARCHAR) <> p.decode
 UNION ALL
-SELECT DISTINCT 'unrouted_transfer', CAST(NULL AS VARCHAR), CAST(t.node_id AS VARCHAR), CAST(t.request_id AS VARCHAR),
-       CONCAT('wrote into decode node ', CAST(t.dst_node AS VARCHAR), ' under no route')
+SELECT DISTINCT 'unrouted_transfer', CAST(NULL AS VARCHAR) AS transfer, CAST(t.node_id AS VARCHAR), CAST(t.request_id AS VARCHAR),
+       CONCAT('wrote into decode node ', CAST(t.dst_node AS VARCHAR), ' under no route'),
+       CAST(NULL AS VARCHAR) AS missing_node, CAST(NULL AS BIGINT) AS t_wall
   FROM ptransfers t LEFT JOIN pwin p
     ON t.node_id = p.node_id AND CAST(t.request_id AS VARCHAR) = p.request
    AND t.seq > p.seq AND t.seq < p.until_seq
  WHERE p.transfer IS NULL
 UNION ALL
 SELECT 'finished_not_on_decode', f.transfer, d.decode, d.request,
-       CONCAT('router request ', f.request, ' finished; decode request ', d.request, ' has no finished row')
+       CONCAT('router request ', f.request, ' finished; decode request ', d.request, ' has no finished row'),
+       d.decode AS missing_node, f.wall_ns AS t_wall
   FROM router f JOIN dwin d ON d.transfer = f.transfer
   LEFT JOIN (SELECT node_id, request_id, seq FROM all_requests WHERE event = 'finished') q
     ON q.node_id = d.node_id AND CAST(q.request_id AS VARCHAR) = d.request
    AND q.seq > d.seq AND q.seq < d.until_seq
  WHERE f.outcome = 'finished' AND q.request_id IS NULL
+),
+inc AS (SELECT s.node_id, s.seq AS start_seq, s.wall_ns AS start_wall,
+               COALESCE(MIN(n.seq), 9223372036854775807) AS until_seq
+          FROM starts s LEFT JOIN starts n ON n.node_id = s.node_id AND n.seq > s.seq
+         GROUP BY s.node_id, s.seq, s.wall_ns),
+rows_all AS (SELECT node_id, seq, wall_ns FROM all_requests
+             UNION ALL SELECT node_id, seq, wall_ns FROM all_node_events
+             UNION ALL SELECT node_id, seq, wall_ns FROM all_page_events),
+tails AS (SELECT i.node_id, i.start_seq, i.start_wall, i.until_seq, MAX(r.wall_ns) AS last_wall
+            FROM inc i JOIN rows_all r ON r.node_id = i.node_id AND r.seq >= i.start_seq AND r.seq < i.until_seq
+           GROUP BY i.node_id, i.start_seq, i.start_wall, i.until_seq),
+clean AS (SELECT DISTINCT i.node_id, i.start_seq FROM inc i JOIN stops st
+            ON st.node_id = i.node_id AND st.seq > i.start_seq AND st.seq < i.until_seq),
+crashed AS (SELECT t.node_id, t.start_wall, t.last_wall FROM tails t
+              LEFT JOIN clean c ON c.node_id = t.node_id AND c.start_seq = t.start_seq
+             WHERE c.node_id IS NULL)
+SELECT DISTINCT d.kind, d.transfer, d.node, d.request, d.detail,
+       CASE WHEN k.node_id IS NULL THEN '' ELSE CONCAT(
+         'node ', CAST(k.node_id AS VARCHAR), ' was killed: its log (no stop row) ends ',
+         CAST((k.last_wall - d.t_wall) / 1000000 AS VARCHAR), ' ms after this, so the missing row was in its unwritten tail')
+       END AS explained_by_crash
+  FROM dis d LEFT JOIN crashed k
+    ON CAST(k.node_id AS VARCHAR) = d.missing_node AND k.start_wall <= d.t_wall
+   AND k.last_wall < d.t_wall + {CRASH_TAIL_NS}
 ORDER BY kind, transfer"#
     )
 }
+
+/// How long before a killed incarnation's last written row an event may be whose row that
+/// node lost with its unwritten tail (its writer flushes every 50 ms; a second covers a loaded
+/// machine and clocks a little apart).
+const CRASH_TAIL_NS: i64 = 1_000_000_000;
 
 /// What the fleet crosscheck compared: route rows by node role and the router's outcomes.
 pub fn fleet_counts_sql() -> String {
