@@ -810,7 +810,8 @@ crashed AS (SELECT t.node_id, t.start_wall, t.last_wall FROM tails t
 SELECT DISTINCT d.kind, d.transfer, d.node, d.request, d.detail,
        CASE WHEN k.node_id IS NULL THEN '' ELSE CONCAT(
          'node ', CAST(k.node_id AS VARCHAR), ' was killed: its log (no stop row) ends ',
-         CAST((k.last_wall - d.t_wall) / 1000000 AS VARCHAR), ' ms after this, so the missing row was in its unwritten tail')
+         CAST((k.last_wall - d.t_wall) / 1000000 AS VARCHAR),
+         ' ms from this event (negative: before it); the missing row was in its unwritten tail')
        END AS explained_by_crash
   FROM dis d LEFT JOIN crashed k
     ON CAST(k.node_id AS VARCHAR) = d.missing_node AND k.start_wall <= d.t_wall
