@@ -127,17 +127,7 @@ impl PrefixIndex {
 mod tests {
     use super::*;
 
-    /// A distinct key per (prompt, page).
-    fn key(prompt: u8, page: u8) -> ChainKey {
-        let mut k = [0u8; 32];
-        k[0] = prompt;
-        k[1] = page;
-        k
-    }
-
-    fn prompt(id: u8, pages: u8) -> Vec<ChainKey> {
-        (0..pages).map(|page| key(id, page)).collect()
-    }
+    use crate::test_keys::{key, prompt};
 
     #[test]
     fn matched_is_the_longest_fully_held_prefix() {

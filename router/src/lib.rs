@@ -34,3 +34,20 @@ pub type NodeId = u32;
 /// One page of a prompt, as an opaque chained hash (see the crate docs): equal keys mean an
 /// equal prefix up to and including that page, within one namespace.
 pub type ChainKey = [u8; 32];
+
+/// Chain keys for the tests: a distinct key per (prompt, page).
+#[cfg(test)]
+pub(crate) mod test_keys {
+    use crate::ChainKey;
+
+    pub(crate) fn key(prompt: u8, page: u8) -> ChainKey {
+        let mut k = [0u8; 32];
+        k[0] = prompt;
+        k[1] = page;
+        k
+    }
+
+    pub(crate) fn prompt(id: u8, pages: u8) -> Vec<ChainKey> {
+        (0..pages).map(|page| key(id, page)).collect()
+    }
+}

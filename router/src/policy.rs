@@ -344,16 +344,7 @@ fn two_distinct_below(n: usize, rng: &mut SplitMix64) -> Option<[usize; 2]> {
 mod tests {
     use super::*;
 
-    fn key(prompt: u8, page: u8) -> ChainKey {
-        let mut k = [0u8; 32];
-        k[0] = prompt;
-        k[1] = page;
-        k
-    }
-
-    fn prompt(id: u8, pages: u8) -> Vec<ChainKey> {
-        (0..pages).map(|page| key(id, page)).collect()
-    }
+    use crate::test_keys::prompt;
 
     fn prefill(node: NodeId, queued_requests: u32, free_pages: u32) -> PrefillCandidate {
         PrefillCandidate {

@@ -612,6 +612,37 @@ fn check(phase: &str, res: &BTreeMap<usize, Outcome>, want: &BTreeMap<usize, Vec
     failed
 }
 
+/// The jobs of one phase (by job id).
+fn phase(all: &[Job], ids: std::ops::Range<usize>) -> Vec<Job> {
+    all.iter()
+        .filter(|j| ids.contains(&j.id))
+        .cloned()
+        .collect()
+}
+
+/// Run `jobs`, kill -9 `victim` at the third answer, and check: every answer right, every
+/// failure a clean error and at most the four in flight, every job started after it served.
+fn kill_under_load(
+    f: &Files,
+    name: &str,
+    jobs: &[Job],
+    victim: Proc,
+    want: &BTreeMap<usize, Vec<u32>>,
+) {
+    let what = format!("kill -9 {}", victim.name);
+    let mut load = Load::start(f, name, jobs);
+    load.wait_done(3, Duration::from_secs(120));
+    victim.kill9();
+    let res = load.finish(jobs.len(), Duration::from_secs(300));
+    let failed = check(&what, &res, want);
+    eprintln!("{what}: {failed} of {} requests failed cleanly", res.len());
+    assert!(
+        failed <= 4,
+        "{what}: at most the requests in flight fail: {failed}"
+    );
+    served_after_fault(&what, &res);
+}
+
 /// The load's last jobs start (four at a time, in order) after the fault hit at its third
 /// answer: every one of them is served by the remaining nodes.
 fn served_after_fault(phase: &str, res: &BTreeMap<usize, Outcome>) {
@@ -694,7 +725,7 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
     }
 
     // A. Steady state: three tenants, four at a time.
-    let phase_a: Vec<Job> = all.iter().filter(|j| j.id < 100).cloned().collect();
+    let phase_a = phase(&all, 0..100);
     let res = Load::start(&f, "a", &phase_a).finish(phase_a.len(), Duration::from_secs(300));
     assert_eq!(
         check("steady", &res, &want),
@@ -704,25 +735,14 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
 
     // B. kill -9 decode node 4 under load: in-flight requests on it fail cleanly, the rest are
     //    served by decode node 3.
-    let phase_b: Vec<Job> = all
-        .iter()
-        .filter(|j| (100..200).contains(&j.id))
-        .cloned()
-        .collect();
-    let mut load = Load::start(&f, "b", &phase_b);
-    load.wait_done(3, Duration::from_secs(120));
-    procs.remove(&4).expect("decode 4").kill9();
-    let res = load.finish(phase_b.len(), Duration::from_secs(300));
-    let failed_b = check("kill decode", &res, &want);
-    eprintln!(
-        "kill -9 decode 4: {failed_b} of {} requests failed cleanly",
-        res.len()
+    let phase_b = phase(&all, 100..200);
+    kill_under_load(
+        &f,
+        "b",
+        &phase_b,
+        procs.remove(&4).expect("decode 4"),
+        &want,
     );
-    assert!(
-        failed_b <= 4,
-        "at most the requests in flight on decode 4 fail: {failed_b}"
-    );
-    served_after_fault("kill decode", &res);
     wait_state(
         &router_url,
         "decode",
@@ -749,11 +769,7 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
         Duration::from_secs(60),
         &f,
     );
-    let phase_c: Vec<Job> = all
-        .iter()
-        .filter(|j| (200..300).contains(&j.id))
-        .cloned()
-        .collect();
+    let phase_c = phase(&all, 200..300);
     let res = Load::start(&f, "c", &phase_c).finish(phase_c.len(), Duration::from_secs(300));
     assert_eq!(check("restarted decode", &res, &want), 0);
 
@@ -775,11 +791,7 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
         "latency",
         "400ms",
     ]);
-    let phase_d: Vec<Job> = all
-        .iter()
-        .filter(|j| (300..400).contains(&j.id))
-        .cloned()
-        .collect();
+    let phase_d = phase(&all, 300..400);
     let mut load = Load::start(&f, "d", &phase_d);
     load.wait_done(2, Duration::from_secs(120));
     must(&["ip", "link", "set", &net.outer(3), "down"]);
@@ -806,11 +818,7 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
     );
 
     // E. Drain decode node 3 under load: nothing fails; it exits when its requests are done.
-    let phase_e: Vec<Job> = all
-        .iter()
-        .filter(|j| (400..500).contains(&j.id))
-        .cloned()
-        .collect();
+    let phase_e = phase(&all, 400..500);
     let mut load = Load::start(&f, "e", &phase_e);
     load.wait_done(3, Duration::from_secs(120));
     procs
@@ -825,21 +833,14 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
     );
 
     // F. kill -9 prefill node 2 under load: the rest go through prefill node 1.
-    let phase_f: Vec<Job> = all.iter().filter(|j| j.id >= 500).cloned().collect();
-    let mut load = Load::start(&f, "f", &phase_f);
-    load.wait_done(3, Duration::from_secs(120));
-    procs.remove(&2).expect("prefill 2").kill9();
-    let res = load.finish(phase_f.len(), Duration::from_secs(300));
-    let failed_f = check("kill prefill", &res, &want);
-    eprintln!(
-        "kill -9 prefill 2: {failed_f} of {} requests failed cleanly",
-        res.len()
+    let phase_f = phase(&all, 500..600);
+    kill_under_load(
+        &f,
+        "f",
+        &phase_f,
+        procs.remove(&2).expect("prefill 2"),
+        &want,
     );
-    assert!(
-        failed_f <= 4,
-        "at most the requests in flight on prefill 2 fail: {failed_f}"
-    );
-    served_after_fault("kill prefill", &res);
 
     // No page left allocated in a live pool once the dead prefill node's reservations' leases
     // ran out (its held decode pages are quarantined, then freed after the key is invalidated).
