@@ -704,6 +704,8 @@ chosen AS (SELECT * FROM router WHERE outcome = 'chosen')"#;
 /// - `transfer_off_route`: a routed prefill request wrote KV into another decode node than its
 ///   route names;
 /// - `unrouted_transfer`: a prefill node that takes routes wrote KV for a request no route bound;
+/// - `tenant_mismatch`: a node admitted a routed request for another tenant than the one the
+///   router routed it for (the route's tenant binding, checked across the logs);
 /// - `finished_not_on_decode`: the router saw the request finish; the decode node has no
 ///   `finished` row for the request it reserved under that route (in that incarnation).
 ///
@@ -711,7 +713,7 @@ chosen AS (SELECT * FROM router WHERE outcome = 'chosen')"#;
 /// row says, in `explained_by_crash`, when the node whose row is missing has an incarnation that
 /// ended without a `stop` row (written at every clean shutdown) within a second after the event
 /// — its writer had not written its last rows. Evidence of a violation (`retried_after_write`,
-/// `transfer_off_route`, `unrouted_transfer`) is never explained so.
+/// `transfer_off_route`, `unrouted_transfer`, `tenant_mismatch`) is never explained so.
 pub fn fleet_crosscheck_sql() -> String {
     format!(
         r#"WITH {ROUTES_CTE},
@@ -729,6 +731,18 @@ routed_prefills AS (SELECT DISTINCT node_id FROM pnode),
 ptransfers AS (SELECT t.node_id, t.seq, t.request_id, t.dst_node FROM all_transfers t
                 WHERE t.node_id IN (SELECT node_id FROM routed_prefills)
                   AND t.src_node = t.node_id),
+-- The tenant each node admitted a routed request for: its latest `admitted` row of that request
+-- id before the route row (prefill records the route right after admission, decode right after
+-- reserving).
+noderoutes AS (SELECT node_id, seq, transfer, request FROM pnode
+               UNION ALL SELECT node_id, seq, transfer, request FROM dnode),
+nadm AS (SELECT n.transfer, n.node_id, MAX(q.seq) AS adm_seq
+           FROM noderoutes n JOIN all_requests q
+             ON q.node_id = n.node_id AND CAST(q.request_id AS VARCHAR) = n.request
+            AND q.event = 'admitted' AND q.seq < n.seq
+          GROUP BY n.transfer, n.node_id),
+ntenant AS (SELECT a.transfer, a.node_id, q.tenant
+              FROM nadm a JOIN all_requests q ON q.node_id = a.node_id AND q.seq = a.adm_seq),
 dis AS (
 SELECT 'admitted_without_prefill_record' AS kind, a.transfer, a.prefill AS node, a.prefill_request AS request,
        CONCAT('router node ', CAST(a.node_id AS VARCHAR), ' request ', a.request) AS detail,
@@ -782,6 +796,13 @@ SELECT DISTINCT 'unrouted_transfer', CAST(NULL AS VARCHAR) AS transfer, CAST(t.n
     ON t.node_id = p.node_id AND CAST(t.request_id AS VARCHAR) = p.request
    AND t.seq > p.seq AND t.seq < p.until_seq
  WHERE p.transfer IS NULL
+UNION ALL
+SELECT DISTINCT 'tenant_mismatch', c.transfer, CAST(t.node_id AS VARCHAR), CAST(NULL AS VARCHAR) AS request,
+       CONCAT('the router routed it for tenant ', regexp_match(c.detail, '(?:^| )tenant="([^"]*)"')[1],
+              ', node ', CAST(t.node_id AS VARCHAR), ' admitted it for ', t.tenant),
+       CAST(NULL AS VARCHAR) AS missing_node, CAST(NULL AS BIGINT) AS t_wall
+  FROM chosen c JOIN ntenant t ON t.transfer = c.transfer
+ WHERE regexp_match(c.detail, '(?:^| )tenant="([^"]*)"')[1] <> t.tenant
 UNION ALL
 SELECT 'finished_not_on_decode', f.transfer, d.decode, d.request,
        CONCAT('router request ', f.request, ' finished; decode request ', d.request, ' has no finished row'),

@@ -13,7 +13,9 @@
 //! 3. **Mints a route** — a transfer id unique in this router's log, bound to (tenant, request,
 //!    prefill, decode, the decode node's epoch) — and sends it with the request. The decode node
 //!    refuses a route naming another epoch (a restarted node), so a stale route never reserves
-//!    a page and no write of it can land.
+//!    a page and no write of it can land. (The nodes check the pair and the epoch; the tenant
+//!    binding is the logs': this router's row names the tenant, each node's its own request,
+//!    and `custody forensics fleet` reports any `tenant_mismatch`.)
 //! 4. **Retries** on another pair only when the failed attempt says no KV write of it was
 //!    posted (`NOTHING_POSTED_KEY`, set by the prefill node before its writes), or when the call
 //!    never reached the prefill node. Anything else fails closed: the nodes abort and quarantine

@@ -1047,7 +1047,14 @@ fn audit_checks(f: &Files) {
         );
     }
     // The crosscheck can fail: a node (signed with the fleet's key, as a compromised prefill node
-    // could) records a route the router never chose — it is named, and the command fails.
+    // could) records a route the router never chose, and admits a request under a route the
+    // router chose for another tenant — both are named, and the command fails.
+    let chosen_transfer = router_rows
+        .iter()
+        .find(|l| l.contains("outcome=chosen"))
+        .and_then(|l| l.split("transfer=").nth(1)?.split(' ').next())
+        .expect("a chosen route")
+        .to_owned();
     {
         use custody_audit::writer::{AuditWriter, WriterConfig};
         let key = custody_audit::digest::read_signing_key(&f.path("audit.key")).expect("key");
@@ -1063,6 +1070,25 @@ fn audit_checks(f: &Files) {
             },
         )
         .expect("record");
+        for ev in [
+            custody_audit::Event::Request {
+                ts_ns: custody_audit::mono_now_ns(),
+                request: 2,
+                tenant: "mallory".into(),
+                kind: custody_audit::RequestKind::Admitted,
+                prompt_tokens: 8,
+                output_tokens: 0,
+            },
+            custody_audit::Event::Node {
+                ts_ns: custody_audit::mono_now_ns(),
+                kind: "route".into(),
+                detail: format!(
+                    "request=2 transfer={chosen_transfer} router=9 prefill=7 decode=3 epoch=1 attempt=1"
+                ),
+            },
+        ] {
+            custody_audit::AuditSink::record(&w, ev).expect("record");
+        }
         w.close().expect("seal");
         let o = custody(&[
             "forensics",
@@ -1075,8 +1101,11 @@ fn audit_checks(f: &Files) {
         ]);
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(
-            !o.status.success() && out.contains("prefill_route_not_minted,4242,7"),
-            "the forged route is named: {out}"
+            !o.status.success()
+                && out.contains("prefill_route_not_minted,4242,7")
+                && out.contains(&format!("tenant_mismatch,{chosen_transfer},7"))
+                && out.contains("admitted it for mallory"),
+            "the forged route and the foreign tenant are named: {out}"
         );
     }
     // One request's path: router, prefill and decode rows.
