@@ -11,6 +11,8 @@ use clap::{Parser, Subcommand};
 mod audit_cmd;
 mod bench;
 mod certs_cmd;
+#[cfg(feature = "cluster")]
+mod cluster_cmd;
 mod common;
 mod config;
 #[cfg(feature = "forensics")]
@@ -154,6 +156,14 @@ enum Cmd {
     /// log's own verification, and the exposure summary.
     #[cfg(feature = "forensics")]
     Report(query_cmd::ReportArgs),
+    /// A Ballista cluster for `custody query|forensics … --cluster df://HOST:PORT`
+    ///
+    /// One scheduler (port 50050) and any number of executors (ports 50051-50053 by default;
+    /// a second one on the same host moves all three). The querying process verifies the digest
+    /// chain itself and hands the cluster only the verified files, by name.
+    #[cfg(feature = "cluster")]
+    #[command(subcommand)]
+    Cluster(cluster_cmd::ClusterCmd),
     /// The main job: the incident, prevented and then reproduced, and its forensics
     ///
     /// A prefill/decode pair on loopback serves a multi-tenant workload with every protection
@@ -186,7 +196,7 @@ fn init_logging(cli: &Cli) {
     let daemon = matches!(
         cli.cmd,
         Cmd::Serve(_) | Cmd::Prefill(_) | Cmd::Decode(_) | Cmd::Probe(_)
-    );
+    ) || is_cluster_process(&cli.cmd);
     let base = if daemon { 2 } else { 1 };
     let level = LEVELS[(base + usize::from(cli.verbose)).min(LEVELS.len() - 1)];
     let filter = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
@@ -197,6 +207,16 @@ fn init_logging(cli: &Cli) {
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(filter)
         .init();
+}
+
+#[cfg(feature = "cluster")]
+fn is_cluster_process(cmd: &Cmd) -> bool {
+    matches!(cmd, Cmd::Cluster(_))
+}
+
+#[cfg(not(feature = "cluster"))]
+fn is_cluster_process(_: &Cmd) -> bool {
+    false
 }
 
 fn try_main(cli: Cli) -> Result<()> {
@@ -221,5 +241,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Report(a) => query_cmd::report_cmd(a, common::parse_utc),
         #[cfg(feature = "forensics")]
         Cmd::Demo(a) => demo_cmd::demo(a),
+        #[cfg(feature = "cluster")]
+        Cmd::Cluster(c) => cluster_cmd::cluster(c),
     }
 }

@@ -34,6 +34,17 @@ pub(crate) struct Source {
     include_unverified: bool,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
+    /// Run the SQL on an Apache DataFusion Ballista cluster (`custody cluster`) instead of in
+    /// this process: the digest chain is verified here first, and the cluster is handed only
+    /// the verified files, each by name (never a directory to list).
+    #[arg(long, value_name = "df://HOST:PORT")]
+    cluster: Option<String>,
+    /// With --cluster: where the cluster writes intermediate tables and this process the live
+    /// segments' rows — a directory every executor can read and write, or s3://bucket/prefix
+    /// (never inside the audit root). Default: <temp dir>/custody-scratch (executors on this
+    /// host only). Removed when the command ends.
+    #[arg(long, requires = "cluster")]
+    scratch: Option<AuditRoot>,
 }
 
 #[derive(Args, Debug)]
@@ -141,10 +152,23 @@ async fn verified_session(src: &Source) -> Result<custody_query::VerifiedSession
         ),
         None => None,
     };
+    let cluster = cluster_session(src).await?;
+    let on_cluster = cluster.is_some();
     let shown = crate::progress::Progress::spinner("verifying the digest chain");
-    let vs = custody_query::open_session(&src.root, key.as_ref(), src.include_unverified)
-        .await
-        .with_context(|| format!("opening audit root {}", src.root));
+    let vs = match cluster {
+        Some(ctx) => {
+            custody_query::open_session_in(
+                ctx,
+                &src.root,
+                None,
+                key.as_ref(),
+                src.include_unverified,
+            )
+            .await
+        }
+        None => custody_query::open_session(&src.root, key.as_ref(), src.include_unverified).await,
+    }
+    .with_context(|| format!("opening audit root {}", src.root));
     shown.finish(0);
     let vs = vs?;
     let r = &vs.report;
@@ -153,10 +177,13 @@ async fn verified_session(src: &Source) -> Result<custody_query::VerifiedSession
     } else {
         ""
     };
-    let through = if src.root.is_local() {
-        ""
-    } else {
-        " (digests read and every object hashed through the object store)"
+    let through = match (src.root.is_local(), on_cluster) {
+        (true, false) => "",
+        (false, false) => " (digests read and every object hashed through the object store)",
+        (true, true) => " (handed to the cluster by name)",
+        (false, true) => {
+            " (digests read and every object hashed through the object store; handed to the cluster by name)"
+        }
     };
     if vs.unverified_included {
         let unverified = r.parquet_files.len().saturating_sub(r.verified_files.len());
@@ -204,6 +231,36 @@ async fn verified_session(src: &Source) -> Result<custody_query::VerifiedSession
     Ok(vs)
 }
 
+/// A session on the Ballista cluster `--cluster` names, with its scratch directory; `None`
+/// without `--cluster`.
+#[cfg(feature = "cluster")]
+async fn cluster_session(src: &Source) -> Result<Option<SessionContext>> {
+    let Some(url) = &src.cluster else {
+        return Ok(None);
+    };
+    let url = custody_cluster::SchedulerUrl::parse(url)?;
+    let scratch = src
+        .scratch
+        .clone()
+        .unwrap_or_else(|| AuditRoot::Local(std::env::temp_dir().join("custody-scratch")));
+    let distributed = custody_query::distributed::Distributed::new(&scratch, &src.root, None)
+        .context("the cluster's scratch location")?;
+    eprintln!(
+        "-- on the Ballista cluster at {url}; intermediate tables under {}",
+        distributed.url()
+    );
+    Ok(Some(custody_cluster::connect(&url, distributed).await?))
+}
+
+#[cfg(not(feature = "cluster"))]
+async fn cluster_session(src: &Source) -> Result<Option<SessionContext>> {
+    anyhow::ensure!(
+        src.cluster.is_none(),
+        "--cluster: this custody was built without the `cluster` feature"
+    );
+    Ok(None)
+}
+
 #[derive(Args, Debug)]
 pub(crate) struct ReportArgs {
     /// Audit root: a directory or `s3://bucket/prefix` (as for `custody query`). The report reads
@@ -239,6 +296,8 @@ pub(crate) fn report_cmd(a: ReportArgs, parse_utc: fn(&str) -> Result<i64>) -> R
         public_key: a.public_key,
         include_unverified: false,
         format: Format::Table,
+        cluster: None,
+        scratch: None,
     };
     let html = runtime()?.block_on(async {
         let vs = verified_session(&src).await?;

@@ -12,10 +12,14 @@
 //!   (`s3://bucket/prefix`, verified and read through the store: [`source`]) — optionally over
 //!   every file, verified or not.
 //!
+//! - [`open_session_in`]: the same into a given context — a Ballista cluster's (`custody-cluster`),
+//!   whose in-memory tables go to a scratch location instead ([`distributed`]).
+//!
 //! - [`forensics`]: the canned forensic questions as documented SQL; [`prepare_forensics`] adds
 //!   the `all_<table>` views (sealed ∪ live) they run over.
 
 pub mod checkpoints;
+pub mod distributed;
 pub mod forensics;
 pub mod report;
 pub mod source;
@@ -160,7 +164,24 @@ pub async fn open_session_with(
     key: Option<&ed25519_dalek::VerifyingKey>,
     include_unverified: bool,
 ) -> Result<VerifiedSession, QueryError> {
-    let ctx = new_context();
+    open_session_in(new_context(), root, client, key, include_unverified).await
+}
+
+/// [`open_session_with`] into `ctx` (which must have `information_schema` on). With a
+/// [`distributed::Distributed`] marker on `ctx`, the live segments' rows are written to its
+/// scratch location rather than held in memory: the cluster reads every table by URL.
+pub async fn open_session_in(
+    ctx: SessionContext,
+    root: &AuditRoot,
+    client: Option<Arc<dyn datafusion::object_store::ObjectStore>>,
+    key: Option<&ed25519_dalek::VerifyingKey>,
+    include_unverified: bool,
+) -> Result<VerifiedSession, QueryError> {
+    let distributed = distributed::Distributed::of(&ctx);
+    if let Some(d) = &distributed {
+        let (url, store) = d.store();
+        ctx.register_object_store(url.as_ref(), store);
+    }
     // `base`: what the report's paths start with (`LogStore::locate("")`).
     let (store, base): (Arc<dyn LogStore + Send + Sync>, PathBuf) = match root {
         AuditRoot::Local(dir) => {
@@ -229,8 +250,17 @@ pub async fn open_session_with(
             ctx.register_table(table.name(), Arc::new(ListingTable::try_new(cfg)?))?;
         }
         if !live.is_empty() {
-            let mem = MemTable::try_new(table.schema(), vec![live])?;
-            ctx.register_table(format!("{}_live", table.name()), Arc::new(mem))?;
+            let name = format!("{}_live", table.name());
+            match &distributed {
+                Some(d) => {
+                    let t = d.write_table(&name, table.schema(), &live).await?;
+                    ctx.register_table(name, t)?;
+                }
+                None => {
+                    let mem = MemTable::try_new(table.schema(), vec![live])?;
+                    ctx.register_table(name, Arc::new(mem))?;
+                }
+            }
         }
     }
     Ok(VerifiedSession {
@@ -283,19 +313,28 @@ fn read_live(store: &dyn LogStore, base: &Path, report: &Report) -> Vec<Vec<Reco
 /// Run every statement of `sql` in order — `;`-separated, `--` comments allowed, `SET`
 /// statements applied to `ctx` — and return the result of each statement that yields rows
 /// (`SET` and other statements without rows yield none). What `--show-sql` prints runs here as
-/// printed.
+/// printed. On a distributed session, `CREATE TABLE … AS SELECT` is materialised on the cluster
+/// ([`distributed::Distributed::materialize`]).
 pub async fn run_script(
     ctx: &SessionContext,
     sql: &str,
 ) -> Result<Vec<Vec<RecordBatch>>, QueryError> {
-    use datafusion::logical_expr::LogicalPlan;
+    use datafusion::logical_expr::{DdlStatement, LogicalPlan};
     let statements = datafusion::sql::parser::DFParser::parse_sql(sql)?;
     if statements.is_empty() {
         return Err(QueryError::NoStatement);
     }
     let mut results = Vec::new();
+    let distributed = distributed::Distributed::of(ctx);
     for statement in statements {
         let plan = ctx.state().statement_to_plan(statement).await?;
+        if let (Some(d), LogicalPlan::Ddl(DdlStatement::CreateMemoryTable(create))) =
+            (&distributed, &plan)
+        {
+            d.materialize(ctx, &create.name.to_string(), &create.input)
+                .await?;
+            continue;
+        }
         let rows = !matches!(plan, LogicalPlan::Statement(_) | LogicalPlan::Ddl(_));
         let batches = ctx.execute_logical_plan(plan).await?.collect().await?;
         if rows {
@@ -312,7 +351,9 @@ pub async fn prepare_forensics(ctx: &SessionContext) -> Result<(), QueryError> {
     for table in Table::ALL {
         for name in [table.name().to_owned(), format!("{}_live", table.name())] {
             if !ctx.table_exist(name.as_str())? {
-                let empty = MemTable::try_new(table.schema(), vec![vec![]])?;
+                // An `EmptyTable`, not an empty `MemTable`: a distributed session's plans
+                // serialise it.
+                let empty = datafusion::datasource::empty::EmptyTable::new(table.schema());
                 ctx.register_table(name.as_str(), Arc::new(empty))?;
             }
         }

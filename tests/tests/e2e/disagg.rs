@@ -805,6 +805,49 @@ fn incident_reproduces_with_the_unsafe_switches_and_the_audit_log_and_an_oracle_
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// The incident's audit root, sealed, at `root` (nodes 1 and 2): tenant A's confidential
+/// prompts, then tenant B's over-length prompt served by the pair with every unsafe switch on —
+/// B reads A's slots unchecked. Returns the log's signing key. For the forensic tools' tests
+/// (the test above checks this workload's leak against an independent oracle).
+pub(crate) fn incident_audit_root(root: &std::path::Path) -> custody_audit::digest::SigningKey {
+    let (pc, dc) = incident_cfgs();
+    let key = custody_audit::digest::generate_key().expect("key");
+    let open = |node| {
+        Arc::new(
+            custody_audit::writer::AuditWriter::open(custody_audit::writer::WriterConfig::new(
+                root,
+                node,
+                key.clone(),
+            ))
+            .expect("writer"),
+        )
+    };
+    let (pw, dw) = (open(1), open(2));
+    let nodes = start_pair_with(
+        pc,
+        dc,
+        all_unsafe(),
+        Duration::from_secs(30),
+        Some((pw.clone(), dw.clone())),
+    );
+    let a_reqs: Vec<_> = tenant_a_prompts()
+        .into_iter()
+        .map(|p| req("tenant-a", p, 8))
+        .collect();
+    for r in nodes.pair.generate_many(&a_reqs) {
+        r.expect("tenant A served");
+    }
+    let b_prompt: Vec<u32> = (0..400u32).map(|i| 1000 + (i * 37) % 5000).collect();
+    nodes
+        .pair
+        .generate(&req("tenant-b", b_prompt, 8))
+        .expect("the legacy path serves B");
+    drop(nodes);
+    pw.close().expect("seal prefill log");
+    dw.close().expect("seal decode log");
+    key
+}
+
 /// Slots each decode request read that were, per the audit log, last written by another
 /// request (any tenant): 0 means no stale read. Also: reads that were not tag-verified.
 fn audit_stale_slots(events: &[AEv]) -> (usize, usize) {

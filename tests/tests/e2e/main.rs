@@ -4,6 +4,7 @@ mod arch_models;
 mod audit;
 mod checkpoint;
 mod cli;
+mod cluster;
 mod cuda_compile;
 mod cuda_forward;
 mod cuda_kernels;

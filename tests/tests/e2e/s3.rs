@@ -20,13 +20,13 @@ use custody_query::{AuditRoot, VerifiedSession, forensics, source};
 
 use crate::audit::{copy_dir, count_one, tmp_dir};
 
-const BUCKET: &str = "custody-audit";
+pub(crate) const BUCKET: &str = "custody-audit";
 const PREFIX: &str = "fleet/prod";
 
 /// A moto S3 server on 127.0.0.1, killed (and reaped) when dropped, also when a test panics.
-struct Moto {
+pub(crate) struct Moto {
     child: Child,
-    endpoint: String,
+    pub(crate) endpoint: String,
 }
 
 impl Drop for Moto {
@@ -37,7 +37,7 @@ impl Drop for Moto {
 }
 
 /// The S3 client needs the I/O and timer drivers; two workers, as on the CLI's 2-core machines.
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -51,7 +51,7 @@ fn free_port() -> u16 {
 }
 
 impl Moto {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let ok = Command::new("python3")
             .args(["-c", "import moto.server, boto3"])
             .stderr(Stdio::null())
@@ -100,10 +100,15 @@ impl Moto {
         }
         // Its log is not needed; a full pipe must not block it.
         drop(m.child.stderr.take());
+        m.create_bucket(BUCKET);
+        m
+    }
+
+    pub(crate) fn create_bucket(&self, bucket: &str) {
         let py = format!(
             "import boto3; boto3.client('s3', endpoint_url='{}', aws_access_key_id='test', \
-             aws_secret_access_key='test', region_name='us-east-1').create_bucket(Bucket='{BUCKET}')",
-            m.endpoint
+             aws_secret_access_key='test', region_name='us-east-1').create_bucket(Bucket='{bucket}')",
+            self.endpoint
         );
         let out = Command::new("python3")
             .args(["-c", &py])
@@ -114,12 +119,26 @@ impl Moto {
             "create bucket: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        m
+    }
+
+    /// The `AWS_*` variables a `custody` process reads this server's buckets with.
+    pub(crate) fn env(&self) -> [(&'static str, String); 5] {
+        [
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ACCESS_KEY_ID", "test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "test".into()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+        ]
     }
 
     /// A client configured explicitly (the CLI's comes from the `AWS_*` environment; see
     /// [`s3_session_from_the_environment_child`]).
-    fn client(&self) -> Arc<dyn ObjectStore> {
+    pub(crate) fn client(&self) -> Arc<dyn ObjectStore> {
+        self.client_for(BUCKET)
+    }
+
+    pub(crate) fn client_for(&self, bucket: &str) -> Arc<dyn ObjectStore> {
         source::s3_store_with(
             AmazonS3Builder::new()
                 .with_endpoint(&self.endpoint)
@@ -127,7 +146,7 @@ impl Moto {
                 .with_access_key_id("test")
                 .with_secret_access_key("test")
                 .with_region("us-east-1"),
-            BUCKET,
+            bucket,
         )
         .expect("s3 client")
     }
@@ -208,7 +227,7 @@ fn build_root(dir: &Path, key: &ed25519_dalek::SigningKey) -> std::path::PathBuf
 }
 
 /// Every file under `local` into the bucket under `prefix`, through the object store client.
-async fn upload(client: &dyn ObjectStore, local: &Path, prefix: &str) -> usize {
+pub(crate) async fn upload(client: &dyn ObjectStore, local: &Path, prefix: &str) -> usize {
     let mut n = 0;
     let mut stack = vec![local.to_path_buf()];
     while let Some(d) = stack.pop() {
