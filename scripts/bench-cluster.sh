@@ -57,20 +57,7 @@ if cmp -s "$work/local.csv" "$work/cluster.csv"; then
 else
   echo "answers: DIFFERENT"; diff "$work/local.csv" "$work/cluster.csv" | head; exit 1
 fi
-python3 - "$root/synth-truth.json" "$work/cluster.csv" <<'PY'
-import json, sys
-truth = json.load(open(sys.argv[1]))
-want = {(e["node"], e["request"]): (e["recipient_tenant"], sorted(map(tuple, e["sources"])))
-        for e in truth["exposures"]}
-got = {}
-for line in open(sys.argv[2]):
-    p = line.strip().split(",")
-    if len(p) == 8 and p[0].isdigit():
-        got.setdefault((int(p[0]), int(p[1])), (p[2], []))[1].append((p[3], int(p[4])))
-got = {k: (v[0], sorted(v[1])) for k, v in got.items()}
-print(f"ground truth: {len(want)} exposures, {len(got)} found: {'EQUAL' if got == want else 'DIFFERENT'}")
-sys.exit(0 if got == want else 1)
-PY
+python3 scripts/check-exposure-truth.py "$root/synth-truth.json" "$work/cluster.csv"
 echo "# jobs and stages (scheduler log: $work/scheduler.log)"
 grep -E "planning took|Job .* (completed|success|finished)" "$work/scheduler.log" | head -20 || true
 grep -cE "Execute task" "$work/executor-1.log" "$work/executor-2.log" | sed 's/^/tasks run: /'

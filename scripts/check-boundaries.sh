@@ -5,8 +5,8 @@
 # - custody-engine depends (transitively) on no tokio, tonic, hyper or axum: it knows no network;
 # - custody-transport depends on no engine and no async runtime;
 # - custody-router (the routing policy) depends on no async runtime, network or runtime crate;
-# - DataFusion is a direct dependency of custody-query only, aya of custody-ebpf only, axum of
-#   custody-server only (tonic's server links axum internally, so the check is on direct
+# - DataFusion is a direct dependency of custody-query only, Ballista of custody-cluster only,
+#   aya of custody-ebpf only, axum of custody-server only (tonic's server links axum internally, so the check is on direct
 #   dependencies: no other crate of ours uses it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,7 @@ check_only() { # $1 = dependency, $2 = the one crate allowed to use it directly
   [ -z "$users" ] || fail "$1 used directly by: $(echo $users)"
 }
 check_only datafusion custody-query
+for b in ballista-core ballista-scheduler ballista-executor; do check_only "$b" custody-cluster; done
 check_only aya custody-ebpf
 check_only axum custody-server
 if [ "$bad" -ne 0 ]; then exit 1; fi

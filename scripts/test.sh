@@ -23,5 +23,7 @@ cargo test -p custody-transport --features rdma --lib verbs
 # without a GPU (these) answer `engine.backend = "cuda"` with a typed error naming libcuda.
 cargo clippy -p custody-cuda --features cuda --all-targets --quiet -- -D warnings
 cargo test -p custody-cuda --features cuda --lib
+# The forensics without the Ballista cluster (`--no-default-features --features forensics`).
+cargo clippy -p custody --no-default-features --features forensics --all-targets --quiet -- -D warnings
 # The GPU check's binary (scripts/gpu-check.sh --build: release, no DataFusion) must compile.
 cargo clippy -p custody --no-default-features --features cuda --all-targets --quiet -- -D warnings

@@ -268,6 +268,8 @@ pub async fn run_scheduler(opts: SchedulerOptions) -> Result<(), ClusterError> {
 #[derive(Clone, Debug)]
 pub struct ExecutorOptions {
     pub bind_host: String,
+    /// The host the scheduler and other executors reach this one at (default: `bind_host`).
+    pub external_host: Option<String>,
     /// Arrow Flight (shuffle data served to other executors and the client).
     pub flight_port: u16,
     /// The executor's gRPC service (tasks pushed by the scheduler).
@@ -292,7 +294,11 @@ pub async fn run_executor(opts: ExecutorOptions) -> Result<(), ClusterError> {
         })?;
     let mut config = ExecutorProcessConfig {
         bind_host: opts.bind_host.clone(),
-        external_host: Some(opts.bind_host.clone()),
+        external_host: Some(
+            opts.external_host
+                .clone()
+                .unwrap_or_else(|| opts.bind_host.clone()),
+        ),
         port: opts.flight_port,
         grpc_port: opts.grpc_port,
         scheduler_host: opts.scheduler.host.clone(),

@@ -1,5 +1,9 @@
 //! `custody cluster scheduler|executor`: the processes of an Apache DataFusion Ballista cluster
 //! that `custody query|forensics … --cluster df://HOST:PORT` runs its SQL on.
+//!
+//! Ballista's services have no authentication here: whoever reaches the scheduler's port can run
+//! SQL with the executors' file and S3 access. Both bind to 127.0.0.1 unless told otherwise; a
+//! cluster across hosts belongs on a private network.
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
@@ -40,6 +44,10 @@ pub(crate) struct ExecutorArgs {
     scheduler: SchedulerUrl,
     #[arg(long, default_value = "127.0.0.1")]
     bind_host: String,
+    /// The host name the scheduler and the other executors use for this one (default: the
+    /// bind host; set it when binding 0.0.0.0).
+    #[arg(long)]
+    external_host: Option<String>,
     /// Arrow Flight port (shuffle data).
     #[arg(long, default_value_t = 50051)]
     port: u16,
@@ -86,6 +94,7 @@ pub(crate) fn cluster(c: ClusterCmd) -> Result<()> {
             anyhow::ensure!(a.heartbeat_s > 0, "--heartbeat-s must be at least 1 second");
             let opts = ExecutorOptions {
                 bind_host: a.bind_host,
+                external_host: a.external_host,
                 flight_port: a.port,
                 grpc_port: a.grpc_port,
                 health_port: a.health_port,

@@ -166,8 +166,35 @@ fn forensics(
     c
 }
 
+/// How long one `custody` command may take here (debug build, 2 cores): a query that hangs on
+/// the cluster fails the test instead of stalling the suite.
+const COMMAND_LIMIT: Duration = Duration::from_secs(300);
+
+/// `c`'s output, killed (and the test failed) past [`COMMAND_LIMIT`].
+fn output_within_limit(c: &mut Command, what: &str) -> Output {
+    let mut child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run custody");
+    let t0 = Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if t0.elapsed() > COMMAND_LIMIT {
+            let _ = child.kill();
+            let o = child.wait_with_output().expect("reap");
+            panic!(
+                "{what}: no answer within {} s\n{}",
+                COMMAND_LIMIT.as_secs(),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("output")
+}
+
 fn run(mut c: Command, what: &str) -> Output {
-    let o = c.output().expect("run custody");
+    let o = output_within_limit(&mut c, what);
     assert!(
         o.status.success(),
         "{what}: {:?}\n{}\n{}",
@@ -176,6 +203,27 @@ fn run(mut c: Command, what: &str) -> Output {
         String::from_utf8_lossy(&o.stderr)
     );
     o
+}
+
+/// `forensics exposure` on `local_root` in this process's tool and on `remote_root` through the
+/// cluster: the same standard output, byte for byte. Returns the cluster's run.
+fn same_as_local(
+    local_root: &str,
+    remote_root: &str,
+    key: &Path,
+    on: (&Cluster, &str),
+    env: Env<'_>,
+) -> Output {
+    let local = run(
+        forensics(&["exposure"], local_root, key, None, &[]),
+        "local",
+    );
+    let remote = run(
+        forensics(&["exposure"], remote_root, key, Some(on), env),
+        "cluster",
+    );
+    assert_eq!(text(&remote.stdout), text(&local.stdout), "{remote_root}");
+    remote
 }
 
 fn text(b: &[u8]) -> String {
@@ -295,15 +343,8 @@ fn a_ballista_cluster_answers_as_the_local_tool_and_never_reads_an_unverified_fi
     );
     let key = synth.join("synth-key.pub");
     let on = Some((&cluster, scratch));
-    let local = run(
-        forensics(&["exposure"], s, &key, None, &[]),
-        "local exposure",
-    );
-    let remote = run(
-        forensics(&["exposure"], s, &key, on, &[]),
-        "cluster exposure",
-    );
-    assert_eq!(text(&remote.stdout), text(&local.stdout));
+    let remote = same_as_local(s, s, &key, (&cluster, scratch), &[]);
+    let synth_answer = text(&remote.stdout);
     let answer = exposure_rows(&text(&remote.stdout));
     assert!(!answer.is_empty());
     assert_eq!(
@@ -344,9 +385,7 @@ fn a_ballista_cluster_answers_as_the_local_tool_and_never_reads_an_unverified_fi
     )
     .expect("key");
     let i = incident.to_str().expect("utf-8");
-    let local = run(forensics(&["exposure"], i, &ikey_path, None, &[]), "local");
-    let remote = run(forensics(&["exposure"], i, &ikey_path, on, &[]), "cluster");
-    assert_eq!(text(&remote.stdout), text(&local.stdout));
+    let remote = same_as_local(i, i, &ikey_path, (&cluster, scratch), &[]);
     let answer = exposure_rows(&text(&remote.stdout));
     assert_eq!(answer.len(), 1, "{answer:?}");
     let (recipient, sources) = answer.values().next().expect("one");
@@ -367,15 +406,7 @@ fn a_ballista_cluster_answers_as_the_local_tool_and_never_reads_an_unverified_fi
     std::fs::copy(damaged.join(&victim), damaged.join(&planted)).expect("plant");
     let d = damaged.to_str().expect("utf-8");
     let before = cluster.scheduler_log().len();
-    let local = run(
-        forensics(&["exposure"], d, &key, None, &[]),
-        "local damaged",
-    );
-    let remote = run(
-        forensics(&["exposure"], d, &key, on, &[]),
-        "cluster damaged",
-    );
-    assert_eq!(text(&remote.stdout), text(&local.stdout));
+    let remote = same_as_local(d, d, &key, (&cluster, scratch), &[]);
     let err = text(&remote.stderr);
     assert!(
         err.contains("verification problems") && err.contains("EXCLUDED"),
@@ -400,18 +431,13 @@ fn a_ballista_cluster_answers_as_the_local_tool_and_never_reads_an_unverified_fi
     let rt = runtime();
     rt.block_on(upload(moto.client().as_ref(), &synth, "synth"));
     let s3_root = format!("s3://{BUCKET}/synth");
-    let local = run(forensics(&["exposure"], s, &key, None, &[]), "local");
-    let remote = run(
-        forensics(
-            &["exposure"],
-            &s3_root,
-            &key,
-            Some((&cluster, "s3://custody-scratch/tmp")),
-            &env,
-        ),
-        "cluster over s3",
+    same_as_local(
+        s,
+        &s3_root,
+        &key,
+        (&cluster, "s3://custody-scratch/tmp"),
+        &env,
     );
-    assert_eq!(text(&remote.stdout), text(&local.stdout));
     let left: Vec<_> = rt
         .block_on(
             moto.client_for("custody-scratch")
@@ -423,27 +449,27 @@ fn a_ballista_cluster_answers_as_the_local_tool_and_never_reads_an_unverified_fi
 
     // An executor killed (SIGKILL) while the exposure query runs: Ballista either completes on
     // the survivor or fails the job; either way never a wrong answer.
-    let local = run(forensics(&["exposure"], s, &key, None, &[]), "local");
     let mut query = forensics(&["exposure"], s, &key, on, &[]);
-    let mut query = query
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn query");
-    std::thread::sleep(Duration::from_millis(2500));
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(2500));
+        let victim = cluster.executors[1].take();
+        let at = Instant::now();
+        drop(victim); // kill -9 and reap
+        (at, cluster)
+    });
+    let out = output_within_limit(&mut query, "exposure with an executor killed");
+    let finished = Instant::now();
+    let (t0, _cluster) = killer.join().expect("killer");
     assert!(
-        query.try_wait().expect("query").is_none(),
-        "the query is still running when the executor is killed"
+        finished > t0,
+        "the query was still running when the executor was killed"
     );
-    drop(cluster.executors[1].take()); // kill -9 and reap
-    let t0 = Instant::now();
-    let out = query.wait_with_output().expect("query");
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     if out.status.success() {
-        assert_eq!(stdout, text(&local.stdout), "completed: the same answer");
+        assert_eq!(stdout, synth_answer, "completed: the same answer");
         eprintln!(
             "executor killed mid-query: completed correctly on the survivor ({:.1} s after the kill)",
-            t0.elapsed().as_secs_f64()
+            finished.duration_since(t0).as_secs_f64()
         );
     } else {
         assert!(
@@ -453,7 +479,7 @@ fn a_ballista_cluster_answers_as_the_local_tool_and_never_reads_an_unverified_fi
         assert!(stderr.contains("error:"), "a clear error: {stderr}");
         eprintln!(
             "executor killed mid-query: failed after {:.1} s with: {}",
-            t0.elapsed().as_secs_f64(),
+            finished.duration_since(t0).as_secs_f64(),
             stderr.lines().last().unwrap_or_default()
         );
     }
