@@ -14,6 +14,7 @@
 //! that a session may be distributed, never by what.
 
 mod engine;
+mod store;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -52,8 +53,8 @@ pub enum ClusterError {
     DataFusion(#[from] datafusion::error::DataFusionError),
     #[error("ballista: {0}")]
     Ballista(#[from] ballista_core::error::BallistaError),
-    #[error("address {0}: {1}")]
-    Address(String, std::net::AddrParseError),
+    #[error("address {addr}: {why}")]
+    Address { addr: String, why: String },
 }
 
 /// A scheduler's address as a user names it: `df://HOST[:PORT]` (port default 50050).
@@ -122,21 +123,20 @@ pub async fn connect(
             });
         }
     }
+    // Ballista 55's adaptive planner loses track of stages on the forensic queries (the
+    // scheduler refuses the finished tasks' outputs — "Can't find active stage" — and the job
+    // never ends); the static planner plans each job once, before it runs.
+    const ADAPTIVE: &str = ballista_core::config::BALLISTA_ADAPTIVE_PLANNER_ENABLED;
+    // Dynamic filters (TopK, join and aggregate bounds pushed into scans at run time) are shared
+    // state of one process's plan; a Ballista task runs a plan cut down to its partitions, where
+    // a join's bounds would come from part of its build side. Off: the cluster runs the plan as
+    // planned.
+    const DYNAMIC_FILTERS: &str = "datafusion.optimizer.enable_dynamic_filter_pushdown";
+    let distributed = distributed.pin(ADAPTIVE).pin(DYNAMIC_FILTERS);
     let config = SessionConfig::new_with_ballista()
         .with_information_schema(true)
-        // Ballista 55's adaptive planner loses track of stages on the forensic queries (the
-        // scheduler refuses the finished tasks' outputs — "Can't find active stage" — and the
-        // job never ends); the static planner plans each job once, before it runs.
-        .set_bool(
-            ballista_core::config::BALLISTA_ADAPTIVE_PLANNER_ENABLED,
-            false,
-        )
-        // Dynamic filters (TopK, join and aggregate bounds pushed into scans at run time) are
-        // shared state of one process's plan; a Ballista task runs a plan cut down to its
-        // partitions, where a TopK's filter has no emitter at all (DataFusion asserts on it)
-        // and a join's bounds would come from part of its build side. Off: the cluster runs
-        // the plan as planned.
-        .set_bool("datafusion.optimizer.enable_dynamic_filter_pushdown", false)
+        .set_bool(ADAPTIVE, false)
+        .set_bool(DYNAMIC_FILTERS, false)
         .with_extension(Arc::new(distributed));
     let state = SessionStateBuilder::new()
         .with_config(config)
@@ -149,11 +149,21 @@ pub async fn connect(
 
 /// The object stores a cluster process opens by URL: local files, and `s3://BUCKET` through
 /// [`custody_query::source::s3_store`] (endpoint and credentials from the process's environment:
-/// never shipped in a plan), one client per bucket.
-#[derive(Debug, Default)]
+/// never shipped in a plan), one client per bucket — each behind [`store::NamedOnly`]: objects
+/// by name, no listing.
+#[derive(Debug)]
 struct EnvObjectStores {
-    local: Arc<object_store::local::LocalFileSystem>,
+    local: Arc<dyn ObjectStore>,
     s3: Mutex<HashMap<String, Arc<dyn ObjectStore>>>,
+}
+
+impl Default for EnvObjectStores {
+    fn default() -> Self {
+        Self {
+            local: store::NamedOnly::wrap(Arc::new(object_store::local::LocalFileSystem::new())),
+            s3: Mutex::default(),
+        }
+    }
 }
 
 impl ObjectStoreRegistry for EnvObjectStores {
@@ -166,7 +176,7 @@ impl ObjectStoreRegistry for EnvObjectStores {
         self.s3
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(bucket, store)
+            .insert(bucket, store::NamedOnly::wrap(store))
     }
 
     fn get_store(&self, url: &Url) -> datafusion::error::Result<Arc<dyn ObjectStore>> {
@@ -180,6 +190,7 @@ impl ObjectStoreRegistry for EnvObjectStores {
                 }
                 let store = custody_query::source::s3_store(bucket)
                     .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
+                let store = store::NamedOnly::wrap(store);
                 s3.insert(bucket.to_owned(), store.clone());
                 Ok(store)
             }
@@ -230,6 +241,21 @@ fn function_registry() -> ballista_core::registry::BallistaFunctionRegistry {
     registry
 }
 
+/// `host:port` as a socket address (`host` a name or an IP literal, IPv6 with or without
+/// brackets).
+async fn socket_addr(host: &str, port: u16) -> Result<SocketAddr, ClusterError> {
+    let bad = |why: String| ClusterError::Address {
+        addr: format!("{host}:{port}"),
+        why,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|e| bad(e.to_string()))?
+        .next()
+        .ok_or_else(|| bad("resolves to no address".to_owned()))
+}
+
 /// `custody cluster scheduler`.
 #[derive(Clone, Debug)]
 pub struct SchedulerOptions {
@@ -241,13 +267,19 @@ pub struct SchedulerOptions {
     pub executor_timeout_s: u64,
 }
 
+/// The IP of `addr` as Ballista's `format!("{host}:{port}")` needs it (IPv6 in brackets).
+fn ip_literal(addr: SocketAddr) -> String {
+    match addr {
+        SocketAddr::V4(a) => a.ip().to_string(),
+        SocketAddr::V6(a) => format!("[{}]", a.ip()),
+    }
+}
+
 /// Run a scheduler until the process is stopped.
 pub async fn run_scheduler(opts: SchedulerOptions) -> Result<(), ClusterError> {
-    let addr: SocketAddr = format!("{}:{}", opts.bind_host, opts.port)
-        .parse()
-        .map_err(|e| ClusterError::Address(format!("{}:{}", opts.bind_host, opts.port), e))?;
+    let addr = socket_addr(&opts.bind_host, opts.port).await?;
     let config = SchedulerConfig {
-        bind_host: opts.bind_host.clone(),
+        bind_host: ip_literal(addr),
         bind_port: opts.port,
         external_host: opts.external_host.clone(),
         executor_timeout_seconds: opts.executor_timeout_s,
@@ -287,13 +319,10 @@ pub struct ExecutorOptions {
 
 /// Run an executor until the process is stopped.
 pub async fn run_executor(opts: ExecutorOptions) -> Result<(), ClusterError> {
-    let health_addr: SocketAddr = format!("{}:{}", opts.bind_host, opts.health_port)
-        .parse()
-        .map_err(|e| {
-            ClusterError::Address(format!("{}:{}", opts.bind_host, opts.health_port), e)
-        })?;
+    let health_addr = socket_addr(&opts.bind_host, opts.health_port).await?;
     let mut config = ExecutorProcessConfig {
-        bind_host: opts.bind_host.clone(),
+        // Ballista formats `host:port` and parses it as a socket address: an IP literal.
+        bind_host: ip_literal(health_addr),
         external_host: Some(
             opts.external_host
                 .clone()

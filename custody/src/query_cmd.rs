@@ -41,8 +41,9 @@ pub(crate) struct Source {
     cluster: Option<String>,
     /// With --cluster: where the cluster writes intermediate tables and this process the live
     /// segments' rows — a directory every executor can read and write, or s3://bucket/prefix
-    /// (never inside the audit root). Default: <temp dir>/custody-scratch (executors on this
-    /// host only). Removed when the command ends.
+    /// (never inside the audit root). Default: <temp dir>/custody-scratch-<uid>, private to this
+    /// user (executors on this host, as this user, only). Each command's directory in it is
+    /// removed when the command ends.
     #[arg(long, requires = "cluster")]
     scratch: Option<AuditRoot>,
 }
@@ -239,10 +240,10 @@ async fn cluster_session(src: &Source) -> Result<Option<SessionContext>> {
         return Ok(None);
     };
     let url = custody_cluster::SchedulerUrl::parse(url)?;
-    let scratch = src
-        .scratch
-        .clone()
-        .unwrap_or_else(|| AuditRoot::Local(std::env::temp_dir().join("custody-scratch")));
+    let scratch = match &src.scratch {
+        Some(s) => s.clone(),
+        None => default_scratch()?,
+    };
     let distributed = custody_query::distributed::Distributed::new(&scratch, &src.root, None)
         .context("the cluster's scratch location")?;
     eprintln!(
@@ -250,6 +251,29 @@ async fn cluster_session(src: &Source) -> Result<Option<SessionContext>> {
         distributed.url()
     );
     Ok(Some(custody_cluster::connect(&url, distributed).await?))
+}
+
+/// `<temp dir>/custody-scratch-<uid>`: this user's own directory (mode 0700), so that no other
+/// user can replace what the cluster writes there.
+#[cfg(feature = "cluster")]
+fn default_scratch() -> Result<AuditRoot> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let uid = std::fs::metadata("/proc/self")
+        .context("this process's user id (/proc/self)")?
+        .uid();
+    let dir = std::env::temp_dir().join(format!("custody-scratch-{uid}"));
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e).with_context(|| format!("creating {}", dir.display())),
+    }
+    let m = std::fs::symlink_metadata(&dir).with_context(|| format!("{}", dir.display()))?;
+    anyhow::ensure!(
+        m.is_dir() && m.uid() == uid && m.permissions().mode() & 0o077 == 0,
+        "{} is not a private directory of this user (a directory, owned by uid {uid}, mode 0700): pass --scratch",
+        dir.display()
+    );
+    Ok(AuditRoot::Local(dir))
 }
 
 #[cfg(not(feature = "cluster"))]

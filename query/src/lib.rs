@@ -67,6 +67,9 @@ pub enum QueryError {
     Verification(String),
     #[error("no SQL statement given")]
     NoStatement,
+    /// The cluster's scratch location (`--scratch`) or what the session put there.
+    #[error("scratch location {0}")]
+    Scratch(String),
 }
 
 impl From<StoreError> for QueryError {
@@ -235,10 +238,7 @@ pub async fn open_session_in(
         let mut urls = Vec::new();
         for f in files {
             if table_of(&base, f) == Some(table.name()) {
-                let s = f
-                    .to_str()
-                    .ok_or_else(|| QueryError::Path(f.display().to_string()))?;
-                urls.push(ListingTableUrl::parse(s)?);
+                urls.push(verified_file_url(root, f)?);
             }
         }
         if !urls.is_empty() {
@@ -268,6 +268,18 @@ pub async fn open_session_in(
         report,
         unverified_included: include_unverified,
     })
+}
+
+/// The URL of one verified file: a local path as the OS resolves it (symbolic links, `..`),
+/// percent-encoded; an object's URL as the store names it. Never a pattern or a directory.
+fn verified_file_url(root: &AuditRoot, f: &Path) -> Result<ListingTableUrl, QueryError> {
+    let bad = || QueryError::Path(f.display().to_string());
+    if root.is_local() {
+        let abs = std::fs::canonicalize(f).map_err(|_| bad())?;
+        let url = url::Url::from_file_path(&abs).map_err(|()| bad())?;
+        return Ok(ListingTableUrl::try_new(url, None)?);
+    }
+    distributed::file_url(f.to_str().ok_or_else(bad)?)
 }
 
 /// The first path component below `base` (the table directory), if `f` is under `base`.
@@ -319,7 +331,7 @@ pub async fn run_script(
     ctx: &SessionContext,
     sql: &str,
 ) -> Result<Vec<Vec<RecordBatch>>, QueryError> {
-    use datafusion::logical_expr::{DdlStatement, LogicalPlan};
+    use datafusion::logical_expr::{DdlStatement, LogicalPlan, Statement};
     let statements = datafusion::sql::parser::DFParser::parse_sql(sql)?;
     if statements.is_empty() {
         return Err(QueryError::NoStatement);
@@ -328,12 +340,15 @@ pub async fn run_script(
     let distributed = distributed::Distributed::of(ctx);
     for statement in statements {
         let plan = ctx.state().statement_to_plan(statement).await?;
-        if let (Some(d), LogicalPlan::Ddl(DdlStatement::CreateMemoryTable(create))) =
-            (&distributed, &plan)
-        {
-            d.materialize(ctx, &create.name.to_string(), &create.input)
-                .await?;
-            continue;
+        if let Some(d) = &distributed {
+            match &plan {
+                LogicalPlan::Ddl(DdlStatement::CreateMemoryTable(create)) => {
+                    d.materialize(ctx, create).await?;
+                    continue;
+                }
+                LogicalPlan::Statement(Statement::SetVariable(set)) => d.check_set(set)?,
+                _ => {}
+            }
         }
         let rows = !matches!(plan, LogicalPlan::Statement(_) | LogicalPlan::Ddl(_));
         let batches = ctx.execute_logical_plan(plan).await?.collect().await?;

@@ -28,9 +28,12 @@ impl Drop for Proc {
     }
 }
 
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+/// `N` distinct free ports: every listener is held until all are chosen.
+fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().expect("addr").port())
 }
 
 /// `env` applied to a `custody` command (the S3 server's variables, or none).
@@ -75,7 +78,7 @@ struct Cluster {
 
 impl Cluster {
     fn start(dir: &Path, env: Env<'_>) -> Self {
-        let port = free_port();
+        let [port, f0, g0, h0, f1, g1, h1] = free_ports::<7>();
         let scheduler_log = dir.join("scheduler.log");
         let scheduler = spawn(
             &[
@@ -92,8 +95,7 @@ impl Cluster {
         let url = format!("df://127.0.0.1:{port}");
         let mut executors = Vec::new();
         let mut health = Vec::new();
-        for i in 0..2 {
-            let [flight, grpc, h] = [free_port(), free_port(), free_port()];
+        for (i, [flight, grpc, h]) in [[f0, g0, h0], [f1, g1, h1]].into_iter().enumerate() {
             let work = dir.join(format!("executor-{i}"));
             std::fs::create_dir_all(&work).expect("work dir");
             executors.push(Some(spawn(
@@ -166,31 +168,64 @@ fn forensics(
     c
 }
 
+/// What the scheduler logs for each job it accepts.
+const SUBMITTED: &str = "Submitting execution graph";
+
 /// How long one `custody` command may take here (debug build, 2 cores): a query that hangs on
 /// the cluster fails the test instead of stalling the suite.
 const COMMAND_LIMIT: Duration = Duration::from_secs(300);
 
-/// `c`'s output, killed (and the test failed) past [`COMMAND_LIMIT`].
+/// `c`'s output, killed (and the test failed) past [`COMMAND_LIMIT`]. Its pipes are drained
+/// while it runs (a full pipe would stall it).
 fn output_within_limit(c: &mut Command, what: &str) -> Output {
     let mut child = c
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("run custody");
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
     let t0 = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st;
+        }
         if t0.elapsed() > COMMAND_LIMIT {
             let _ = child.kill();
-            let o = child.wait_with_output().expect("reap");
+            let _ = child.wait();
+            let err = err.join().expect("stderr");
             panic!(
                 "{what}: no answer within {} s\n{}",
                 COMMAND_LIMIT.as_secs(),
-                String::from_utf8_lossy(&o.stderr)
+                String::from_utf8_lossy(&err)
             );
         }
         std::thread::sleep(Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: out.join().expect("stdout"),
+        stderr: err.join().expect("stderr"),
     }
-    child.wait_with_output().expect("output")
 }
 
 fn run(mut c: Command, what: &str) -> Output {
@@ -407,6 +442,15 @@ fn a_ballista_cluster_answers_as_the_local_tool_and_never_reads_an_unverified_fi
     let d = damaged.to_str().expect("utf-8");
     let before = cluster.scheduler_log().len();
     let remote = same_as_local(d, d, &key, (&cluster, scratch), &[]);
+    // Reading the unverified files would change the answer (a test that can fail).
+    let mut all = forensics(&["exposure"], d, &key, None, &[]);
+    all.arg("--include-unverified");
+    let all = run(all, "local, unverified included");
+    assert_ne!(
+        exposure_rows(&text(&all.stdout)),
+        exposure_rows(&text(&remote.stdout)),
+        "the planted and tampered files must matter to the answer"
+    );
     let err = text(&remote.stderr);
     assert!(
         err.contains("verification problems") && err.contains("EXCLUDED"),
@@ -450,8 +494,15 @@ fn a_ballista_cluster_answers_as_the_local_tool_and_never_reads_an_unverified_fi
     // An executor killed (SIGKILL) while the exposure query runs: Ballista either completes on
     // the survivor or fails the job; either way never a wrong answer.
     let mut query = forensics(&["exposure"], s, &key, on, &[]);
+    let jobs_before = cluster.scheduler_log().matches(SUBMITTED).count();
     let killer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(2500));
+        // Once the query's first job is on the cluster (verification done), and running.
+        let t0 = Instant::now();
+        while cluster.scheduler_log().matches(SUBMITTED).count() == jobs_before {
+            assert!(t0.elapsed() < COMMAND_LIMIT, "no job reached the scheduler");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(500));
         let victim = cluster.executors[1].take();
         let at = Instant::now();
         drop(victim); // kill -9 and reap
