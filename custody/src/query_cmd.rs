@@ -46,6 +46,11 @@ pub(crate) struct Source {
     /// removed when the command ends.
     #[arg(long, requires = "cluster")]
     scratch: Option<AuditRoot>,
+    /// With --cluster: give up (exit 1, a clear error) when the command has no answer after
+    /// this many seconds. A Ballista 55 job that loses an executor while it runs can wait
+    /// forever (docs/forensics.md, *On a cluster*).
+    #[arg(long, requires = "cluster", default_value_t = 3600)]
+    cluster_timeout_s: u64,
 }
 
 #[derive(Args, Debug)]
@@ -322,6 +327,7 @@ pub(crate) fn report_cmd(a: ReportArgs, parse_utc: fn(&str) -> Result<i64>) -> R
         format: Format::Table,
         cluster: None,
         scratch: None,
+        cluster_timeout_s: 3600,
     };
     let html = runtime()?.block_on(async {
         let vs = verified_session(&src).await?;
@@ -420,9 +426,33 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-pub(crate) fn query(a: QueryArgs) -> Result<()> {
+/// Run a command's work; on a cluster, bounded by `--cluster-timeout-s`.
+fn block_on<T>(src: &Source, work: impl std::future::Future<Output = Result<T>>) -> Result<T> {
     let rt = runtime()?;
+    if src.cluster.is_none() {
+        return rt.block_on(work);
+    }
+    let limit = std::time::Duration::from_secs(src.cluster_timeout_s);
     rt.block_on(async {
+        match tokio::time::timeout(limit, work).await {
+            Ok(r) => r,
+            Err(_) => Err(anyhow::anyhow!(
+                "no answer from the cluster within {} s (--cluster-timeout-s): a Ballista job that lost an executor while it ran can wait forever; check the executors and run the command again",
+                limit.as_secs()
+            )),
+        }
+    })
+}
+
+pub(crate) fn query(a: QueryArgs) -> Result<()> {
+    if a.command.is_none() && a.file.is_none() {
+        // The prompt: no bound on a session someone is typing into (Ctrl-C ends a statement).
+        return runtime()?.block_on(async {
+            let ctx = session(&a.src).await?;
+            interactive(&ctx, a.src.format).await
+        });
+    }
+    block_on(&a.src, async {
         let ctx = session(&a.src).await?;
         if let Some(sql) = &a.command {
             return run_sql(&ctx, sql, a.src.format).await;
@@ -432,7 +462,7 @@ pub(crate) fn query(a: QueryArgs) -> Result<()> {
                 std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
             return run_sql(&ctx, &sql, a.src.format).await;
         }
-        interactive(&ctx, a.src.format).await
+        Ok(())
     })
 }
 
@@ -635,7 +665,7 @@ fn canned(src: &Source, sql: String, show_sql: bool) -> Result<()> {
         print!("{}", forensics::script(&sql));
         return Ok(());
     }
-    runtime()?.block_on(async {
+    block_on(src, async {
         let ctx = forensics::tuned(&session(src).await?)?;
         run_sql(&ctx, &sql, src.format).await
     })
@@ -658,8 +688,7 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                 println!("{};", forensics::CROSSCHECK_COUNTS_SQL.trim());
                 return Ok(());
             }
-            let rt = runtime()?;
-            let cc = rt.block_on(async {
+            let cc = block_on(&src, async {
                 let ctx = session(&src).await?;
                 println!("# discrepancies (engine side, witness side)");
                 run_sql(&ctx, forensics::CROSSCHECK_SQL, src.format).await?;
@@ -703,7 +732,7 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                 );
                 return Ok(());
             }
-            runtime()?.block_on(request_across_fleet(&src, node, request))
+            block_on(&src, request_across_fleet(&src, node, request))
         }
         ForensicsCmd::Fleet { src, show_sql } => {
             if show_sql {
@@ -713,7 +742,7 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                 println!("{};", forensics::fleet_counts_sql());
                 return Ok(());
             }
-            runtime()?.block_on(async {
+            block_on(&src, async {
                 let ctx = forensics::tuned(&session(&src).await?)?;
                 println!("# disagreements (router vs prefill vs decode)");
                 let rows =
@@ -747,8 +776,7 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                 print!("{}", forensics::exposure_script(from_ns, to_ns));
                 return Ok(());
             }
-            let rt = runtime()?;
-            rt.block_on(async {
+            block_on(&src, async {
                 let ctx = session(&src).await?;
                 // The exposure query runs once: its rows are printed and summarised.
                 let shown = crate::progress::Progress::spinner("running the exposure query");
