@@ -72,7 +72,7 @@ impl SchedulerUrl {
         }
         let url = Url::parse(s).map_err(|_| bad())?;
         let host = url.host_str().filter(|h| !h.is_empty()).ok_or_else(bad)?;
-        if url.path().trim_matches('/') != "" || url.query().is_some() {
+        if !url.path().trim_matches('/').is_empty() || url.query().is_some() {
             return Err(bad());
         }
         Ok(Self {
