@@ -6,6 +6,8 @@
 //! - `custody-disagg` (`runtime/disagg`): the disaggregated nodes (gRPC proto, prefill,
 //!   decode, client);
 //! - `custody-probe-abi` (`runtime/probe-abi`): the probe ABI the eBPF witness observes.
+// Every result in runtime/ is handled or dropped with its reason (`Discard`), never `let _ =`.
+#![deny(clippy::let_underscore_must_use)]
 
 pub use custody_disagg as disagg;
 pub use custody_engine::{

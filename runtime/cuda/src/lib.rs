@@ -9,6 +9,8 @@
 //!   never a panic (`cudarc` panics when its libraries are absent, so they are checked first).
 //! - [`KERNEL_SOURCES`] are the kernels of `kernels/cuda`, embedded: the same text the compile
 //!   tier (`scripts/nvrtc-check.py`) and the CPU execution tier (the shim) test.
+// Every result in runtime/ is handled or dropped with its reason (`Discard`), never `let _ =`.
+#![deny(clippy::let_underscore_must_use)]
 
 pub mod device;
 #[cfg(feature = "cuda")]

@@ -1,15 +1,16 @@
 //! Benchmarks of the transfer path, each measured against a reference in the same run: the tcp
 //! transport on loopback vs a plain memcpy of the same bytes, with and without the checksum.
 
+use crate::transport::Discard;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use custody_kernels::attention::PageGeometry;
+use custody_kernels::attention::{PageGeometry, Reader};
 
-use crate::kv::{PagePool, TransferHeader};
+use crate::kv::{LandGrant, PagePool, SendGrant, TransferHeader};
 use crate::transport::abi::Wc;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{AccessError, KvTransport};
@@ -127,7 +128,8 @@ pub struct RigTls {
 pub struct TransferRig {
     geom: PageGeometry,
     src: PagePool,
-    pages: Vec<custody_kernels::attention::PageRef>,
+    /// The source pages, as the capability to read them for a transfer.
+    grant: SendGrant,
     stride: usize,
     bytes: u64,
     connect_s: f64,
@@ -156,10 +158,12 @@ impl TransferRig {
             }
         }
         let stride = src.region_page_stride();
+        let grant = src
+            .grant_send(&Reader::private(owner), &pages, n_pages * geom.page_size)
+            .expect("grant");
         let mut bytes = 0u64;
-        src.for_each_transfer_chunk(pages[0].page, geom.page_size, |_, b| {
-            bytes += b.len() as u64
-        });
+        src.transfer_chunks(&grant, 0, |_, b| bytes += b.len() as u64)
+            .expect("granted");
         bytes *= n_pages as u64;
 
         // Transport: target thread lands into `dst`, verifying when asked.
@@ -184,29 +188,28 @@ impl TransferRig {
         let n = n_pages;
         let worker = std::thread::spawn(move || {
             let mut dst = PagePool::new(geom, n_layers, n);
-            let mut regions: HashMap<u32, Vec<custody_kernels::attention::PageRef>> =
-                HashMap::new();
+            let mut regions: HashMap<u32, LandGrant> = HashMap::new();
             while let Ok((verify, reply)) = rx_reg.recv() {
                 let dpages = dst.alloc(9, n).expect("alloc");
                 let region = target
                     .register((stride * n) as u64, pairing)
                     .expect("register");
-                regions.insert(region.rkey, dpages.clone());
+                regions.insert(region.rkey, dst.grant_land(9, &dpages).expect("grant"));
                 let gens: Vec<u32> = dpages.iter().map(|p| p.generation).collect();
-                let _ = reply.send((region.rkey, region.base, gens));
+                reply
+                    .send((region.rkey, region.base, gens))
+                    .discard("the benchmark's sender stopped waiting: the run is over");
                 let mut landed = 0;
                 let mut wcs = Vec::new();
                 while landed < n && !stop2.load(Ordering::Relaxed) {
                     wcs.clear();
                     let regions = &regions;
                     let mut mem = super::PoolLanding {
-                        pool: &mut dst,
+                        landing: dst.landing(),
                         stride,
-                        page_of: |rkey: u32, idx: usize| {
+                        grant_of: |rkey: u32| {
                             regions
                                 .get(&rkey)
-                                .and_then(|p| p.get(idx))
-                                .copied()
                                 .ok_or_else(|| AccessError("no region".into()))
                         },
                     };
@@ -230,7 +233,7 @@ impl TransferRig {
         Self {
             geom,
             src,
-            pages,
+            grant,
             stride,
             bytes,
             connect_s,
@@ -257,8 +260,8 @@ impl TransferRig {
     /// node does, at prefill completion), otherwise inside it, right before each page's post.
     pub fn transfer(&mut self, verify: bool, precompute: bool) -> f64 {
         let geom = self.geom;
-        let (src, pages, stride) = (&self.src, &self.pages, self.stride);
-        let n_pages = pages.len();
+        let (src, grant, stride) = (&self.src, &self.grant, self.stride);
+        let n_pages = grant.pages().len();
         let (rtx, rrx) = std::sync::mpsc::channel();
         self.tx_reg
             .as_ref()
@@ -267,9 +270,8 @@ impl TransferRig {
             .expect("worker");
         let (rkey, base, gens) = rrx.recv().expect("region");
         let pre: Vec<u64> = if verify && precompute {
-            pages
-                .iter()
-                .map(|pr| src.page_checksum(pr.page, geom.page_size))
+            (0..n_pages)
+                .map(|i| src.transfer_checksum(grant, i).expect("granted"))
                 .collect()
         } else {
             Vec::new()
@@ -277,12 +279,12 @@ impl TransferRig {
         let t0 = Instant::now();
         let mut headers: Vec<[u8; crate::kv::TRANSFER_HDR_BYTES]> = Vec::with_capacity(n_pages);
         let mut chains = Vec::with_capacity(n_pages);
-        for (i, pr) in pages.iter().enumerate() {
+        for i in 0..n_pages {
             let checksum = match (verify, pre.get(i)) {
                 (false, _) => 0,
                 (true, Some(&c)) => c,
                 // Inline: each page's checksum inside the timed transfer, before its post.
-                (true, None) => src.page_checksum(pr.page, geom.page_size),
+                (true, None) => src.transfer_checksum(grant, i).expect("granted"),
             };
             headers.push(
                 TransferHeader {
@@ -294,16 +296,19 @@ impl TransferRig {
                 .encode(),
             );
             let pb = base + (i * stride) as u64;
-            chains.push(super::page_write_chain(
-                src,
-                pr.page,
-                geom.page_size,
-                pb,
-                rkey,
-                i as u64,
-                i as u32,
-                &headers[i],
-            ));
+            chains.push(
+                super::page_write_chain(
+                    src.view(),
+                    grant,
+                    i,
+                    pb,
+                    rkey,
+                    i as u64,
+                    i as u32,
+                    &headers[i],
+                )
+                .expect("granted"),
+            );
         }
         // Posted as the prefill node posts: consecutive pages' chains linked into posts of at
         // most POST_WRS_MAX requests (the transport still writes page-sized pieces, so the
@@ -337,7 +342,7 @@ impl TransferRig {
 impl std::fmt::Debug for TransferRig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransferRig")
-            .field("pages", &self.pages.len())
+            .field("pages", &self.grant.pages().len())
             .field("bytes", &self.bytes)
             .finish_non_exhaustive()
     }
@@ -347,8 +352,10 @@ impl Drop for TransferRig {
     fn drop(&mut self) {
         drop(self.tx_reg.take());
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
+        if let Some(w) = self.worker.take()
+            && w.join().is_err()
+        {
+            tracing::error!("the transfer benchmark's landing thread panicked");
         }
     }
 }
@@ -371,11 +378,12 @@ pub fn transfer_bench(
     let mut memcpy = Vec::new();
     for _ in 0..reps {
         let t0 = Instant::now();
-        for (i, pr) in rig.pages.iter().enumerate() {
+        for i in 0..rig.grant.pages().len() {
             rig.src
-                .for_each_transfer_chunk(pr.page, geom.page_size, |off, b| {
+                .transfer_chunks(&rig.grant, i, |off, b| {
                     dst_mem[i * stride + off..i * stride + off + b.len()].copy_from_slice(b);
-                });
+                })
+                .expect("granted");
         }
         std::hint::black_box(&dst_mem);
         memcpy.push(t0.elapsed().as_secs_f64());
@@ -384,8 +392,8 @@ pub fn transfer_bench(
     for _ in 0..reps {
         let t0 = Instant::now();
         let mut x = 0u64;
-        for pr in &rig.pages {
-            x ^= rig.src.page_checksum(pr.page, geom.page_size);
+        for i in 0..rig.grant.pages().len() {
+            x ^= rig.src.transfer_checksum(&rig.grant, i).expect("granted");
         }
         std::hint::black_box(x);
         checksum_only.push(t0.elapsed().as_secs_f64());

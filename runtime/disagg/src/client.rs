@@ -1,6 +1,7 @@
 //! Serving the two roles, a blocking client of the front door, and an in-process pair (both
 //! roles in one process, talking real gRPC and the real KV transport over loopback) for tests.
 
+use crate::transport::Discard;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -78,7 +79,10 @@ async fn serve_secured(
 ) -> Result<(), ServeError> {
     security.check_addr(listener.local_addr()?)?;
     let stop = async {
-        let _ = shutdown.await;
+        // Sent or dropped, the sender's end means stop: both are the signal.
+        shutdown
+            .await
+            .discard("a dropped shutdown sender stops the server too");
     };
     match security {
         Security::Tls(t) => {
@@ -366,7 +370,8 @@ impl Pair {
 impl Drop for Pair {
     fn drop(&mut self) {
         for s in self.stops.drain(..) {
-            let _ = s.send(());
+            s.send(())
+                .discard("the server task already stopped: nothing to signal");
         }
     }
 }

@@ -4,14 +4,15 @@
 //! handlers talk to it through a bounded command queue. Nothing else touches the pool, so bytes
 //! land (in [`KvTransport::poll_recv`]) on the thread that reads them.
 
+use crate::transport::Discard;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::kv::LandGrant;
 use custody_audit::{self as audit, RequestKind};
-use custody_kernels::attention::PageRef;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -143,7 +144,8 @@ struct DReq {
     /// The region's base address (the transport's): page `idx` is at `base + idx * stride`.
     base: u64,
     slot: u32,
-    pages: Vec<PageRef>,
+    /// The reservation's pages, as the capability that lands transfers in them.
+    land: LandGrant,
     prompt_len: usize,
     origin: u64,
     origin_node: u32,
@@ -302,14 +304,14 @@ impl Node {
         let Some(slot) = self.alloc_slot() else {
             return Err(Status::resource_exhausted("too many live reservations"));
         };
-        let (id, pages) = match self.engine.reserve_import(greq) {
+        let (id, land) = match self.engine.reserve_import(greq) {
             Ok(x) => x,
             Err(e) => {
                 self.free_slots.push(slot);
                 return Err(admission_status(&e));
             }
         };
-        let len = (pages.len() * self.stride) as u64;
+        let len = (land.pages().len() * self.stride) as u64;
         let region = match self.transport.register(len, pairing) {
             Ok(r) => r,
             Err(e) => {
@@ -333,11 +335,19 @@ impl Node {
         #[cfg(feature = "fault-injection")]
         if self.hold_next {
             self.hold_next = false;
-            let _ = self
+            self
                 .transport
-                .fault_inject(FaultInjection::HoldKey(region.rkey));
+                .fault_inject(FaultInjection::HoldKey(region.rkey)).discard("fault injection on a transport without that fault leaves the test's control path");
         }
-        let n_pages = pages.len();
+        let n_pages = land.pages().len();
+        let reply_pages = land
+            .pages()
+            .iter()
+            .map(|p| proto::Page {
+                page: p.page,
+                generation: p.generation,
+            })
+            .collect();
         let mut machine = ReqMachine::new();
         machine
             .on(ReqEvent::Reserve)
@@ -349,7 +359,7 @@ impl Node {
                 rkey: region.rkey,
                 base: region.base,
                 slot,
-                pages: pages.clone(),
+                land,
                 prompt_len,
                 origin: req.origin_request,
                 origin_node: req.origin_node,
@@ -375,13 +385,7 @@ impl Node {
             rkey: region.rkey,
             base: region.base,
             page_stride: self.stride as u64,
-            pages: pages
-                .iter()
-                .map(|p| proto::Page {
-                    page: p.page,
-                    generation: p.generation,
-                })
-                .collect(),
+            pages: reply_pages,
             imm_slot: slot,
         })
     }
@@ -396,34 +400,33 @@ impl Node {
         let mut wcs = Vec::new();
         while total < WRITES_PER_CALL {
             wcs.clear();
-            let n =
-                {
-                    let (reqs, by_key) = (&self.reqs, &self.by_key);
-                    let mut mem =
-                        super::PoolLanding {
-                            pool: self.engine.landing_pool(),
-                            stride: self.stride,
-                            // Region → reservation → its page `idx`.
-                            page_of: |rkey: u32, idx: usize| {
-                                let r = by_key.get(&rkey).and_then(|id| reqs.get(id)).ok_or_else(
-                                    || AccessError(format!("key {rkey} maps to no reservation")),
-                                )?;
-                                r.pages.get(idx).copied().ok_or_else(|| {
-                                    AccessError(format!("page index {idx} outside the region"))
-                                })
-                            },
-                        };
-                    match self
-                        .transport
-                        .poll_recv(&mut mem, &mut wcs, WRITES_PER_POLL)
-                    {
-                        Ok(n) => n,
-                        Err(e) => {
-                            tracing::error!(error = %e, "KV transport poll failed");
-                            0
-                        }
-                    }
+            let n = {
+                let (reqs, by_key) = (&self.reqs, &self.by_key);
+                let mut mem = super::PoolLanding {
+                    landing: self.engine.landing(),
+                    stride: self.stride,
+                    // Region → its reservation's landing grant.
+                    grant_of: |rkey: u32| {
+                        by_key
+                            .get(&rkey)
+                            .and_then(|id| reqs.get(id))
+                            .map(|r| &r.land)
+                            .ok_or_else(|| {
+                                AccessError(format!("key {rkey} maps to no reservation"))
+                            })
+                    },
                 };
+                match self
+                    .transport
+                    .poll_recv(&mut mem, &mut wcs, WRITES_PER_POLL)
+                {
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::error!(error = %e, "KV transport poll failed");
+                        0
+                    }
+                }
+            };
             for wc in &wcs {
                 let (slot, idx) = imm_split(wc.imm());
                 let Some(&id) = self.by_slot.get(&slot) else {
@@ -448,25 +451,29 @@ impl Node {
         };
         // Progress renews the lease: only a stalled transfer expires.
         r.reserved_at = Instant::now();
-        if idx >= r.pages.len() {
+        if idx >= r.land.pages().len() {
             return; // the landing refused it (outside the region): nothing landed
         }
         // A landed page proves that prefill started and posted; after `AllVerified` (or from
         // any state but `Reserved`/`Transferring`) a landing is an illegal transition.
         if let Err(e) = r.machine.observe_posted() {
-            let _ = self.fail_illegal(id, e);
+            // The request is failed and recorded; the landing has no caller to give the status.
+            drop(self.fail_illegal(id, e));
             return;
         }
         let n_prompt_pages = r.prompt_len.div_ceil(ps);
         let slots = if legacy {
             // The legacy path believes whatever the header says.
-            self.engine.core().pool().landed_slots(r.pages[idx].page) as usize
+            self.engine
+                .core()
+                .pool()
+                .landed_slots(r.land.pages()[idx].page) as usize
         } else if idx < n_prompt_pages {
             (r.prompt_len - idx * ps).min(ps)
         } else {
             usize::MAX // a write beyond the prompt: refused below
         };
-        let (origin, tenant, pr) = (r.origin, r.tenant.clone(), r.pages[idx]);
+        let (origin, tenant, pr) = (r.origin, r.tenant.clone(), r.land.pages()[idx]);
         let (origin_node, rkey) = (r.origin_node, r.rkey);
         let remote_addr = r.base + (idx * self.stride) as u64;
         let result = if slots == usize::MAX {
@@ -514,7 +521,9 @@ impl Node {
                     .iter()
                     .all(|&v| v)
                 {
-                    let _ = self.transition(id, &[ReqEvent::AllVerified]);
+                    self.transition(id, &[ReqEvent::AllVerified]).discard(
+                        "an illegal transition already failed the request inside `transition`",
+                    );
                 }
             }
             Err(e) => {
@@ -558,7 +567,16 @@ impl Node {
             }
             self.transition(id, &[ReqEvent::AllVerified])?;
         }
-        self.transition(id, &[ReqEvent::Handoff])?;
+        let handed_off = {
+            let r = self
+                .reqs
+                .get_mut(&id)
+                .ok_or_else(|| Status::not_found(format!("no request {id} on this decode node")))?;
+            match r.machine.handoff() {
+                Ok(h) => h,
+                Err(e) => return Err(self.fail_illegal(id, e)),
+            }
+        };
         // No further write is expected: invalidate the key now, so nothing can land in pages that
         // decode is about to read and append to.
         let rkey = self.reqs.get(&id).map(|r| r.rkey).unwrap_or(0);
@@ -579,7 +597,7 @@ impl Node {
         };
         let activated = self
             .engine
-            .activate_import(id, c.first_token, !legacy, &proof);
+            .activate_import(id, c.first_token, !legacy, &proof, handed_off);
         let (tokens, rx) = mpsc::channel(super::token_relay_capacity_events(
             self.reqs.get(&id).map_or(0, |r| r.max_tokens),
         ));
@@ -636,7 +654,7 @@ impl Node {
         self.by_slot.remove(&r.slot);
         self.by_key.remove(&r.rkey);
         if let (Some(tx), Some(e)) = (&r.tokens, &error) {
-            let _ = tx.try_send(Err(Status::aborted(e.clone())));
+            tx.try_send(Err(Status::aborted(e.clone()))).discard("the relay holds every event of a request (never full); closed: the client went away");
         }
         self.engine.quarantine(id, kind, delivered_tokens);
         let proof = match r.invalidated.take() {
@@ -665,10 +683,10 @@ impl Node {
             match ev {
                 Event::Token { id, token } => {
                     if let Some(tx) = self.reqs.get(&id).and_then(|r| r.tokens.as_ref()) {
-                        let _ = tx.try_send(Ok(proto::TokenEvent {
+                        tx.try_send(Ok(proto::TokenEvent {
                             token,
                             ..Default::default()
-                        }));
+                        })).discard("the relay holds every event of a request (never full); closed: the client went away");
                     }
                 }
                 Event::Finished {
@@ -687,7 +705,7 @@ impl Node {
                             tracing::error!(request = id, error = %e, "engine finished a request the protocol did not let decode");
                         }
                         if let Some(tx) = r.tokens {
-                            let _ = tx.try_send(Ok(proto::TokenEvent {
+                            tx.try_send(Ok(proto::TokenEvent {
                                 finish_reason: match reason {
                                     crate::engine::FinishReason::Stop => "stop".into(),
                                     crate::engine::FinishReason::Length => "length".into(),
@@ -695,7 +713,7 @@ impl Node {
                                 prompt_tokens: prompt_tokens as u32,
                                 generated_tokens: generated_tokens as u32,
                                 ..Default::default()
-                            }));
+                            })).discard("the relay holds every event of a request (never full); closed: the client went away");
                         }
                     }
                 }
@@ -709,9 +727,9 @@ impl Node {
                         self.by_key.remove(&r.rkey);
                         self.free_slots.push(r.slot);
                         if let Some(tx) = r.tokens {
-                            let _ = tx.try_send(Err(Status::data_loss(format!(
+                            tx.try_send(Err(Status::data_loss(format!(
                                 "integrity check failed: {error}"
-                            ))));
+                            )))).discard("the relay holds every event of a request (never full); closed: the client went away");
                         }
                     }
                 }
@@ -723,7 +741,7 @@ impl Node {
                         self.by_slot.remove(&r.slot);
                         self.by_key.remove(&r.rkey);
                         if let Some(tx) = r.tokens {
-                            let _ = tx.try_send(Err(Status::unavailable(reason)));
+                            tx.try_send(Err(Status::unavailable(reason))).discard("the relay holds every event of a request (never full); closed: the client went away");
                         }
                     }
                 }
@@ -779,13 +797,16 @@ impl Node {
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Handshake(peer, tx) => {
-                let _ = tx.send(self.handshake(peer));
+                tx.send(self.handshake(peer))
+                    .discard("the asker went away before its answer");
             }
             Cmd::Reserve(req, tx) => {
-                let _ = tx.send(self.reserve(req));
+                tx.send(self.reserve(req))
+                    .discard("the asker went away before its answer");
             }
             Cmd::Commit(c, tx) => {
-                let _ = tx.send(self.commit(c));
+                tx.send(self.commit(c))
+                    .discard("the asker went away before its answer");
             }
             Cmd::Abort(id, end, tx) => {
                 let existed = self.reqs.contains_key(&id);
@@ -797,10 +818,12 @@ impl Node {
                     };
                     self.end_with(id, ReqEvent::Abort, end, Some(note));
                 }
-                let _ = tx.send(existed);
+                tx.send(existed)
+                    .discard("the asker went away before its answer");
             }
             Cmd::Stats(tx) => {
-                let _ = tx.send(self.stats());
+                tx.send(self.stats())
+                    .discard("the asker went away before its answer");
             }
             #[cfg(feature = "test-oracle")]
             Cmd::Inspect(layer, pages, tx) => {
@@ -809,7 +832,8 @@ impl Node {
                     .iter()
                     .map(|&p| pool.test_oracle_k_page_bytes(layer, p))
                     .collect();
-                let _ = tx.send(out);
+                tx.send(out)
+                    .discard("the asker went away before its answer");
             }
             #[cfg(feature = "fault-injection")]
             Cmd::Fault(f) => match f {
@@ -1010,7 +1034,8 @@ impl DecodeHandle {
     /// Fault injection (feature `fault-injection`, tests only).
     #[cfg(feature = "fault-injection")]
     pub fn fault_inject(&self, f: DecodeFault) {
-        let _ = self.send(Cmd::Fault(f));
+        self.send(Cmd::Fault(f))
+            .discard("fault injection on a stopped engine has nothing to inject into");
     }
 
     /// Whether the node is draining (refusing new reservations).

@@ -4,6 +4,7 @@
 //! (`[disagg] health_listen`), answered by one thread: a probe must work when the gRPC side is
 //! wedged, and it reads nothing but the node's own flags.
 
+use crate::transport::Discard;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
@@ -36,7 +37,8 @@ pub fn spawn(listener: TcpListener, ready: Readiness) -> std::io::Result<()> {
 }
 
 fn answer(mut s: TcpStream, ready: &Readiness) {
-    let _ = s.set_read_timeout(Some(READ_TIMEOUT));
+    s.set_read_timeout(Some(READ_TIMEOUT))
+        .discard("without the timeout a silent client only holds this probe thread longer");
     let mut buf = [0u8; REQUEST_MAX_BYTES];
     let mut n = 0;
     // Bounded: at most REQUEST_MAX_BYTES bytes, each read within READ_TIMEOUT.
@@ -59,7 +61,8 @@ fn answer(mut s: TcpStream, ready: &Readiness) {
         "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
-    let _ = s.write_all(reply.as_bytes());
+    s.write_all(reply.as_bytes())
+        .discard("the prober may hang up before reading the answer");
 }
 
 fn route(line: &str, ready: &Readiness) -> (&'static str, String) {

@@ -21,6 +21,8 @@
 //!
 //! Any failure or abort ends the request: decode quarantines its pages, invalidates the key, and
 //! only then frees them (safety property 2).
+// Every result in runtime/ is handled or dropped with its reason (`Discard`), never `let _ =`.
+#![deny(clippy::let_underscore_must_use)]
 
 pub mod bench;
 pub mod checkpoints;
@@ -77,34 +79,46 @@ pub fn transfer_id(origin: u64, idx: usize) -> u64 {
 }
 
 /// Lands a region's writes in a pool (the decode node's landing, and the transfer benchmark's):
-/// region offset `o` of key `k` is page `page_of(k, o / stride)` at `o % stride`, in the page's
-/// region layout (in-band header, then K/V of every layer). Supports direct landing.
+/// region offset `o` of key `k` is page `o / stride` of the reservation `grant_of(k)` at
+/// `o % stride`, in the page's region layout (in-band header, then K/V of every layer). Every
+/// landing presents the reservation's [`LandGrant`], which the pool checks against the page's
+/// tag (owner and generation) before a byte lands. Supports direct landing.
+///
+/// [`LandGrant`]: crate::kv::LandGrant
 pub(crate) struct PoolLanding<'a, F> {
-    pub pool: &'a mut crate::kv::PagePool,
+    pub landing: crate::kv::Landing<'a>,
     pub stride: usize,
-    pub page_of: F,
+    pub grant_of: F,
 }
 
-impl<F> PoolLanding<'_, F>
+/// Where a region offset lands: the reservation's grant, the page index in it, the offset in
+/// the page's region layout.
+struct Located<'g> {
+    grant: &'g crate::kv::LandGrant,
+    idx: usize,
+    within: usize,
+}
+
+fn access(e: crate::kv::LandError) -> crate::transport::AccessError {
+    crate::transport::AccessError(e.0)
+}
+
+impl<'g, F> PoolLanding<'_, F>
 where
-    F: Fn(u32, usize) -> Result<custody_kernels::attention::PageRef, crate::transport::AccessError>,
+    F: Fn(u32) -> Result<&'g crate::kv::LandGrant, crate::transport::AccessError>,
 {
-    fn locate(
-        &self,
-        rkey: u32,
-        offset: u64,
-    ) -> Result<(u32, usize), crate::transport::AccessError> {
-        let pr = (self.page_of)(rkey, offset as usize / self.stride)?;
-        // A key is valid only while its pages belong to its reservation (keys are invalidated
-        // before pages are freed), so the page still carries the reserved generation.
-        debug_assert_eq!(self.pool.tag(pr.page).0, pr.generation);
-        Ok((pr.page, offset as usize % self.stride))
+    fn locate(&self, rkey: u32, offset: u64) -> Result<Located<'g>, crate::transport::AccessError> {
+        Ok(Located {
+            grant: (self.grant_of)(rkey)?,
+            idx: offset as usize / self.stride,
+            within: offset as usize % self.stride,
+        })
     }
 }
 
-impl<F> crate::transport::TargetMemory for PoolLanding<'_, F>
+impl<'g, F> crate::transport::TargetMemory for PoolLanding<'_, F>
 where
-    F: Fn(u32, usize) -> Result<custody_kernels::attention::PageRef, crate::transport::AccessError>,
+    F: Fn(u32) -> Result<&'g crate::kv::LandGrant, crate::transport::AccessError>,
 {
     fn write(
         &mut self,
@@ -112,10 +126,10 @@ where
         offset: u64,
         bytes: &[u8],
     ) -> Result<(), crate::transport::AccessError> {
-        let (page, within) = self.locate(rkey, offset)?;
-        self.pool
-            .land(page, within, bytes)
-            .map_err(|e| crate::transport::AccessError(e.0))
+        let at = self.locate(rkey, offset)?;
+        self.landing
+            .land(at.grant, at.idx, at.within, bytes)
+            .map_err(access)
     }
 
     fn direct(&self) -> bool {
@@ -128,12 +142,12 @@ where
         offset: u64,
         max_len: usize,
     ) -> Result<&mut [u8], crate::transport::AccessError> {
-        let (page, within) = self.locate(rkey, offset)?;
+        let at = self.locate(rkey, offset)?;
         // Never past this page's part of the region: the next page is elsewhere in the pool.
-        let max_len = max_len.min(self.stride - within);
-        self.pool
-            .land_dest(page, within, max_len)
-            .map_err(|e| crate::transport::AccessError(e.0))
+        let max_len = max_len.min(self.stride - at.within);
+        self.landing
+            .land_dest(at.grant, at.idx, at.within, max_len)
+            .map_err(access)
     }
 
     fn dests<'a>(
@@ -143,11 +157,11 @@ where
         max_len: usize,
         out: &mut Vec<&'a mut [u8]>,
     ) -> Result<(), crate::transport::AccessError> {
-        let (page, within) = self.locate(rkey, offset)?;
-        let max_len = max_len.min(self.stride - within);
-        self.pool
-            .land_dests(page, within, max_len, out)
-            .map_err(|e| crate::transport::AccessError(e.0))
+        let at = self.locate(rkey, offset)?;
+        let max_len = max_len.min(self.stride - at.within);
+        self.landing
+            .land_dests(at.grant, at.idx, at.within, max_len, out)
+            .map_err(access)
     }
 
     fn dest_done(
@@ -160,11 +174,11 @@ where
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
-            let (page, within) = self.locate(rkey, pos)?;
-            let n = ((self.stride - within) as u64).min(end - pos);
-            self.pool
-                .land_done(page, within, n as usize)
-                .map_err(|e| crate::transport::AccessError(e.0))?;
+            let at = self.locate(rkey, pos)?;
+            let n = ((self.stride - at.within) as u64).min(end - pos);
+            self.landing
+                .land_done(at.grant, at.idx, at.within, n as usize)
+                .map_err(access)?;
             pos += n;
         }
         Ok(())
@@ -378,33 +392,37 @@ pub const MAX_SGE: usize = 30;
 /// witness's walk of it inside its chain bound (4,096).
 pub const POST_WRS_MAX: usize = 256;
 
-/// The work requests that write `slots` slots of `page` (from `pool`) into page `idx` of a
-/// remote region, then its in-band `header` with immediate data `imm`: chunks that are
-/// contiguous in the remote layout are gathered into one request (up to [`MAX_SGE`] entries),
-/// so a full page is a few large writes instead of one per layer.
+/// The work requests that write granted page `idx` (its granted slots, from `pool`) into a
+/// remote region's page at `page_base`, then its in-band `header` with immediate data `imm`:
+/// chunks that are contiguous in the remote layout are gathered into one request (up to
+/// [`MAX_SGE`] entries), so a full page is a few large writes instead of one per layer. The pool
+/// refuses a grant whose page no longer carries the granted tag.
 ///
 /// Returns the SGE storage and the chain (linked through `next`; post `&chain[0]`). Both must
 /// stay alive and unmoved until the post returns; the bytes they point to until completion.
 #[allow(clippy::too_many_arguments)]
 pub fn page_write_chain(
-    pool: &crate::kv::PagePool,
-    page: u32,
-    slots: usize,
+    pool: crate::kv::PoolView<'_>,
+    grant: &crate::kv::SendGrant,
+    idx: usize,
     page_base: u64,
     rkey: u32,
     wr_id: u64,
     imm: u32,
     header: &[u8],
-) -> (
-    Vec<crate::transport::abi::Sge>,
-    Vec<crate::transport::abi::SendWr>,
-) {
+) -> Result<
+    (
+        Vec<crate::transport::abi::Sge>,
+        Vec<crate::transport::abi::SendWr>,
+    ),
+    crate::kv::GrantError,
+> {
     use crate::transport::abi::{SendWr, Sge};
     let mut sges: Vec<Sge> = Vec::new();
     // (remote offset, first sge, n sges) per work request.
     let mut groups: Vec<(u64, usize, usize)> = Vec::new();
     let mut next_off = u64::MAX;
-    pool.for_each_transfer_chunk(page, slots, |off, b| {
+    pool.transfer_chunks(grant, idx, |off, b| {
         let off = off as u64;
         match groups.last_mut() {
             Some(g) if off == next_off && g.2 < MAX_SGE => g.2 += 1,
@@ -416,7 +434,7 @@ pub fn page_write_chain(
             lkey: 0,
         });
         next_off = off + b.len() as u64;
-    });
+    })?;
     sges.push(Sge {
         addr: header.as_ptr() as u64,
         length: header.len() as u32,
@@ -436,7 +454,7 @@ pub fn page_write_chain(
         let next: *const SendWr = &wrs[i + 1];
         wrs[i].next = next;
     }
-    (sges, wrs)
+    Ok((sges, wrs))
 }
 
 /// Link the page chains `chains[first..end]` into one chain of at most [`POST_WRS_MAX`] work

@@ -4,6 +4,7 @@
 //! One engine thread owns the engine, its pool and the transport's initiator side; per-request
 //! async tasks (gRPC `Generate`) drive the protocol against the decode node's gRPC service.
 
+use crate::transport::Discard;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -406,7 +407,8 @@ impl Node {
             (p.node_id, p.paired.as_ref().map(|i| i.epoch))
         });
         let Some(r) = self.reqs.get_mut(&id) else {
-            let _ = done.send(Err(format!("prefill request {id} is gone").into()));
+            done.send(Err(format!("prefill request {id} is gone").into()))
+                .discard("the asker went away before its answer");
             return;
         };
         r.peer = peer;
@@ -441,28 +443,39 @@ impl Node {
 
     /// The transfer checksum of every prompt page `id` holds: (page, slots, checksum).
     fn checksums(&self, id: RequestId) -> Vec<(u32, usize, u64)> {
-        let Some((pages, n_cached)) = self.engine.held(id) else {
+        // No grant (not held, or its tags moved): nothing precomputed; `post` mints its own
+        // grant and fails the request with the reason.
+        let Some(Ok(grant)) = self.engine.send_grant(id) else {
             return Vec::new();
         };
         let pool = self.engine.core().pool();
-        let ps = pool.page_size();
-        pages
-            .iter()
-            .take(n_cached.div_ceil(ps))
-            .enumerate()
-            .map(|(idx, pr)| {
-                let slots = (n_cached - idx * ps).min(ps);
-                (pr.page, slots, pool.page_checksum(pr.page, slots))
-            })
-            .collect()
+        let mut out = Vec::with_capacity(grant.pages().len());
+        for (idx, g) in grant.pages().iter().enumerate() {
+            match pool.transfer_checksum(&grant, idx) {
+                Ok(sum) => out.push((g.page().page, g.slots(), sum)),
+                // The same grant is minted again at the post, which then fails the request.
+                Err(_) => return Vec::new(),
+            }
+        }
+        out
     }
 
     /// Post the writes of every prompt page of `id` (called when both the KV and the
     /// reservation are there).
     fn post(&mut self, id: RequestId) {
-        let Some((pages, n_cached)) = self.engine.held(id).map(|(p, n)| (p.to_vec(), n)) else {
-            self.finish(id, Err("prefill pages are gone".into()));
-            return;
+        let grant = match self.engine.send_grant(id) {
+            Some(Ok(g)) => g,
+            Some(Err(e)) => {
+                self.finish(
+                    id,
+                    Err(format!("the prompt's pages cannot be sent: {e}").into()),
+                );
+                return;
+            }
+            None => {
+                self.finish(id, Err("prefill pages are gone".into()));
+                return;
+            }
         };
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
@@ -483,8 +496,7 @@ impl Node {
             return;
         }
         let pool = self.engine.core().pool();
-        let ps = pool.page_size();
-        let n_pages = n_cached.div_ceil(ps);
+        let n_pages = grant.pages().len();
         if n_pages > res.pages.len() {
             self.finish(
                 id,
@@ -512,13 +524,21 @@ impl Node {
         // A group is all or nothing; a failed post stops the rest.
         let mut chains: Vec<(Vec<abi::Sge>, Vec<SendWr>)> = Vec::with_capacity(n_pages);
         let mut sent: Vec<SentPage> = Vec::with_capacity(n_pages);
-        for (idx, pr) in pages.iter().enumerate().take(n_pages) {
-            let slots = (n_cached - idx * ps).min(ps);
+        for (idx, g) in grant.pages().iter().enumerate() {
+            let (pr, slots) = (g.page(), g.slots());
             let mut bytes = 0u64;
-            pool.for_each_transfer_chunk(pr.page, slots, |_, b| bytes += b.len() as u64);
-            let checksum = match r.checksums.get(idx) {
-                Some(&(page, s, c)) if page == pr.page && s == slots => c,
-                _ => pool.page_checksum(pr.page, slots),
+            let checksum = pool
+                .transfer_chunks(&grant, idx, |_, b| bytes += b.len() as u64)
+                .and_then(|()| match r.checksums.get(idx) {
+                    Some(&(page, s, c)) if page == pr.page && s == slots => Ok(c),
+                    _ => pool.transfer_checksum(&grant, idx),
+                });
+            let checksum = match checksum {
+                Ok(c) => c,
+                Err(e) => {
+                    error = Some(format!("page {idx} of the prompt cannot be sent: {e}"));
+                    break;
+                }
             };
             let dst = res.pages[idx];
             let header = &mut self.headers.0[pr.page as usize];
@@ -530,16 +550,23 @@ impl Node {
             }
             .encode();
             let page_base = res.base + idx as u64 * stride;
-            let (sges, wrs) = super::page_write_chain(
+            let chain = super::page_write_chain(
                 pool,
-                pr.page,
-                slots,
+                &grant,
+                idx,
                 page_base,
                 res.rkey,
                 transfer_id(id, idx),
                 imm_of(res.imm_slot, idx),
                 &header[..],
             );
+            let (sges, wrs) = match chain {
+                Ok(c) => c,
+                Err(e) => {
+                    error = Some(format!("page {idx} of the prompt cannot be sent: {e}"));
+                    break;
+                }
+            };
             sent.push(SentPage {
                 page: pr.page,
                 generation: pr.generation,
@@ -553,9 +580,11 @@ impl Node {
             });
             chains.push((sges, wrs));
         }
-        debug_assert_eq!(chains.len(), n_pages);
+        // A page that could not be gathered stops the transfer before anything is posted.
+        debug_assert!(error.is_some() || chains.len() == n_pages);
+        let n_ready = if error.is_some() { 0 } else { chains.len() };
         let mut first = 0;
-        while first < n_pages {
+        while first < n_ready {
             // The group: pages first..end, at least one, at most POST_WRS_MAX requests.
             let end = super::link_post_group(&mut chains, first);
             #[cfg(feature = "fault-injection")]
@@ -663,7 +692,7 @@ impl Node {
                     },
                 ),
                 Err(e) => {
-                    let _ = r.machine.end(ReqEvent::Fail);
+                    r.machine.fail();
                     let reason = format!("request {id}: {e}");
                     (Err(reason.as_str().into()), RequestKind::Failed { reason })
                 }
@@ -672,7 +701,7 @@ impl Node {
                 let reason = if r.machine.is_terminal() {
                     e.reason.clone() // already failed on an illegal transition: its reason as it is
                 } else {
-                    let _ = r.machine.end(ReqEvent::Fail);
+                    r.machine.fail();
                     format!("transfer: {e}")
                 };
                 (Err(e), RequestKind::Failed { reason })
@@ -680,7 +709,8 @@ impl Node {
         };
         self.engine.release_held(id, kind);
         if let Some(done) = r.done.take() {
-            let _ = done.send(result);
+            done.send(result)
+                .discard("the asker went away before its answer");
         }
     }
 
@@ -693,7 +723,7 @@ impl Node {
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
-        let _ = r.machine.end(ReqEvent::Fail);
+        r.machine.fail();
         r.failed.get_or_insert(reason.clone());
         if r.outstanding == 0 {
             self.finish(id, Err(reason.into()));
@@ -734,7 +764,9 @@ impl Node {
                         if let Some(r) = self.reqs.get_mut(&id) {
                             r.first_token = Some(first_token);
                             if let Some(tx) = r.prefilled.take() {
-                                let _ = tx.send(Ok(Prefilled { cached_tokens }));
+                                tx.send(Ok(Prefilled { cached_tokens })).discard(
+                                    "the front went away; its request ends through the abort path",
+                                );
                             }
                             r.checksums = checksums;
                             if r.reservation.is_some() {
@@ -751,20 +783,26 @@ impl Node {
                         if let Some(mut r) = self.reqs.remove(&id) {
                             let e = format!("integrity check failed in prefill: {error}");
                             if let Some(tx) = r.prefilled.take() {
-                                let _ = tx.send(Err(e.as_str().into()));
+                                tx.send(Err(e.as_str().into())).discard(
+                                    "the front went away; its request ends through the abort path",
+                                );
                             }
                             if let Some(done) = r.done.take() {
-                                let _ = done.send(Err(e.into()));
+                                done.send(Err(e.into()))
+                                    .discard("the asker went away before its answer");
                             }
                         }
                     }
                     Event::Aborted { id, reason } => {
                         if let Some(mut r) = self.reqs.remove(&id) {
                             if let Some(tx) = r.prefilled.take() {
-                                let _ = tx.send(Err(reason.as_str().into()));
+                                tx.send(Err(reason.as_str().into())).discard(
+                                    "the front went away; its request ends through the abort path",
+                                );
                             }
                             if let Some(done) = r.done.take() {
-                                let _ = done.send(Err(reason.into()));
+                                done.send(Err(reason.into()))
+                                    .discard("the asker went away before its answer");
                             }
                         }
                     }
@@ -775,7 +813,14 @@ impl Node {
         let mut wcs = Vec::new();
         for peer in &mut self.peers {
             // wr_ids are this node's (request << 16 | page index): unique across peers.
-            let _ = peer.transport.poll_send(&mut wcs, 1024);
+            match peer.transport.poll_send(&mut wcs, 1024) {
+                // Not connected (yet, or any more): `maybe_reconnect` pairs it again, and a lost
+                // connection's writes complete with errors through the retired queues above.
+                Ok(_) | Err(TransportError::NotConnected) => {}
+                Err(e) => {
+                    tracing::error!(peer = peer.node_id, error = %e, "polling KV write completions failed")
+                }
+            }
         }
         busy |= !wcs.is_empty();
         for wc in wcs {
@@ -834,7 +879,8 @@ impl Node {
                         Ok(Err(s)) => Err(ReconnectError::of_status(&s)),
                         Ok(Ok(r)) => Ok(r.into_inner()),
                     };
-                let _ = tx.send(HandshakeDone { peer: idx, result });
+                tx.send(HandshakeDone { peer: idx, result })
+                    .discard("the engine thread stopped: nothing is left to pair");
             });
         }
         self.publish_links();
@@ -875,7 +921,7 @@ impl Node {
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Stats(tx) => {
-                let _ = tx.send(PrefillStats {
+                tx.send(PrefillStats {
                     pool_pages: self.engine.core().pool().n_pages(),
                     free_pages: self.engine.core().pool().n_free(),
                     live_requests: self.engine.n_live(),
@@ -886,10 +932,12 @@ impl Node {
                         .core()
                         .prefix_cache_stats()
                         .map_or(0, |c| c.entries),
-                });
+                })
+                .discard("the asker went away before its answer");
             }
             Cmd::Submit(sub, tx, prefilled) => {
-                let _ = tx.send(self.submit(*sub, prefilled));
+                tx.send(self.submit(*sub, prefilled))
+                    .discard("the asker went away before its answer");
             }
             Cmd::Attach(a, tx) => self.attach(*a, tx),
             Cmd::Abort(id, reason) => self.abort(id, &reason),
@@ -1295,7 +1343,8 @@ impl PrefillHandle {
     /// Fault injection (feature `fault-injection`, tests only).
     #[cfg(feature = "fault-injection")]
     pub fn fault_inject(&self, f: PrefillFault) {
-        let _ = self.send(Cmd::Fault(f));
+        self.send(Cmd::Fault(f))
+            .discard("fault injection on a stopped engine has nothing to inject into");
     }
 
     /// Run one request through the pair. Tokens (the first from prefill, then decode's) are sent
@@ -1308,7 +1357,9 @@ impl PrefillHandle {
         out: mpsc::Sender<Result<proto::TokenEvent, Status>>,
     ) {
         if let Err(s) = self.generate_inner(req, front, route, &out).await {
-            let _ = out.send(Err(s)).await;
+            out.send(Err(s))
+                .await
+                .discard("the client went away before the error reached it");
         }
     }
 
@@ -1351,7 +1402,8 @@ impl PrefillHandle {
                 ))));
             }
             Err(_) => {
-                let _ = self.send(Cmd::Abort(id, "prefill engine stopped".into()));
+                self.send(Cmd::Abort(id, "prefill engine stopped".into()))
+                    .discard("a stopped engine has aborted every request already");
                 return Err(super::nothing_posted(Status::unavailable(
                     "prefill engine stopped",
                 )));
@@ -1381,7 +1433,8 @@ impl PrefillHandle {
                 }
                 Err(s) => {
                     let reason = format!("decode reservation failed: {}", s.message());
-                    let _ = self.send(Cmd::Abort(id, reason));
+                    self.send(Cmd::Abort(id, reason))
+                        .discard("a stopped engine has aborted every request already");
                     return Err(super::nothing_posted(s));
                 }
             }
@@ -1401,15 +1454,15 @@ impl PrefillHandle {
             reservation: res,
         };
         if let Err(s) = self.send(Cmd::Attach(Box::new(attachment), tx)) {
-            let _ = decode
+            decode
                 .abort(abort_req(decode_id, "prefill queue full"))
-                .await;
+                .await.discard("decode ends an unanswered reservation by its lease; the abort only shortens it");
             return Err(s);
         }
         let first = match rx.await {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => {
-                let _ = decode.abort(abort_req(decode_id, &e.reason)).await;
+                decode.abort(abort_req(decode_id, &e.reason)).await.discard("decode ends an unanswered reservation by its lease; the abort only shortens it");
                 let s = Status::unavailable(format!("KV transfer failed: {e}"));
                 return Err(if e.nothing_posted {
                     super::nothing_posted(s)
@@ -1418,9 +1471,9 @@ impl PrefillHandle {
                 });
             }
             Err(_) => {
-                let _ = decode
+                decode
                     .abort(abort_req(decode_id, "prefill engine stopped"))
-                    .await;
+                    .await.discard("decode ends an unanswered reservation by its lease; the abort only shortens it");
                 return Err(Status::unavailable("prefill engine stopped"));
             }
         };
@@ -1440,18 +1493,20 @@ impl PrefillHandle {
                 finish_reason: if stop { "stop".into() } else { "length".into() },
                 delivered_tokens: Some(u32::from(!stop)),
             };
-            let _ = decode.abort(ended).await;
-            let _ = out
-                .send(Ok(proto::TokenEvent {
-                    finish_reason: if stop { "stop".into() } else { "length".into() },
-                    prompt_tokens: original.prompt.len() as u32,
-                    generated_tokens: u32::from(!stop),
-                    token: if stop { 0 } else { first },
-                    request: id,
-                    cached_tokens,
-                    ..Default::default()
-                }))
-                .await;
+            decode.abort(ended).await.discard(
+                "decode ends an unanswered reservation by its lease; the abort only shortens it",
+            );
+            out.send(Ok(proto::TokenEvent {
+                finish_reason: if stop { "stop".into() } else { "length".into() },
+                prompt_tokens: original.prompt.len() as u32,
+                generated_tokens: u32::from(!stop),
+                token: if stop { 0 } else { first },
+                request: id,
+                cached_tokens,
+                ..Default::default()
+            }))
+            .await
+            .discard("the client went away before the error reached it");
             return Ok(());
         }
         if out
@@ -1464,7 +1519,7 @@ impl PrefillHandle {
             .await
             .is_err()
         {
-            let _ = decode.abort(abort_req(decode_id, "client went away")).await;
+            decode.abort(abort_req(decode_id, "client went away")).await.discard("decode ends an unanswered reservation by its lease; the abort only shortens it");
             return Ok(());
         }
         // 6. Hand off and relay.

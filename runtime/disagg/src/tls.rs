@@ -12,6 +12,7 @@
 //! Plaintext only with an explicit `[tls] insecure_loopback = true`, which refuses every
 //! address but loopback ([`Security::check_addr`]).
 
+use crate::transport::Discard;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -237,7 +238,9 @@ impl NodeTls {
                 tokio::spawn(async move {
                     match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                         Ok(Ok(tls)) => {
-                            let _ = tx.send(Ok(tls)).await;
+                            tx.send(Ok(tls)).await.discard(
+                                "the listener stopped accepting: the server is shutting down",
+                            );
                         }
                         // Closed before saying anything (a reachability probe): not a refusal.
                         Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {

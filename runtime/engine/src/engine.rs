@@ -22,7 +22,7 @@ use custody_kernels::attention::{PageRef, Reader, ReduceOrder, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
 use crate::cuda_forward::{CudaForward, CudaForwardError};
-use crate::kv::{PagePool, PoolError};
+use crate::kv::{PagePool, PoolError, PoolView};
 use crate::model::{Logits, Model, Scratch, Segment};
 use crate::prefix_cache::{BlockKey, CacheScope, CachedPage, PrefixCache, ScopeKind};
 use crate::sampling::{Sampler, SamplingParams};
@@ -687,8 +687,12 @@ impl Engine {
     pub fn model(&self) -> &Model {
         &self.model
     }
-    pub fn pool(&self) -> &PagePool {
-        &self.pool
+    /// The pool, read-only: geometry, counts and tags, and reads through a [`SendGrant`]
+    /// only. Never a `&PagePool` (whose owner may mint grants) nor a `&mut`.
+    ///
+    /// [`SendGrant`]: crate::kv::SendGrant
+    pub fn pool(&self) -> PoolView<'_> {
+        self.pool.view()
     }
     pub fn context_length(&self) -> usize {
         self.context_length
@@ -1424,10 +1428,10 @@ impl FaultInjector<'_> {
     /// generation moves on, as if released and handed out again).
     pub fn reallocate_page(&mut self, id: RequestId, idx: usize) {
         let pr = self.seq(id).pages[idx];
-        let (generation, owner, _) = self.engine.pool.tag(pr.page);
+        let tag = self.engine.pool.tag(pr.page);
         self.engine
             .pool
-            .fault_inject_set_tag(pr.page, generation.wrapping_add(1), owner);
+            .fault_inject_set_tag(pr.page, tag.generation.wrapping_add(1), tag.owner);
     }
 
     /// Every later cache lookup uses `scope` instead of the request's own: an index that hands a

@@ -529,6 +529,7 @@ impl Gguf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use custody_transport::Discard;
 
     /// Write a small valid GGUF (v3) with a few metadata kinds and two tensors.
     pub(crate) fn tiny_gguf() -> Vec<u8> {
@@ -587,7 +588,7 @@ mod tests {
         ));
         std::fs::write(&path, bytes).expect("write temp file");
         let r = Gguf::open(&path);
-        let _ = std::fs::remove_file(&path);
+        std::fs::remove_file(&path).discard("a leftover temporary file is harmless");
         r
     }
 
@@ -670,7 +671,12 @@ mod tests {
             let i = (seed % b.len() as u64) as usize;
             b[i] ^= 1 << ((seed >> 32) % 8);
             // Either a valid parse or a typed error; a panic fails the test.
-            let _ = parse_bytes(&b);
+            if let Err(e) = parse_bytes(&b) {
+                assert!(
+                    !e.to_string().is_empty(),
+                    "a typed error says what is wrong"
+                );
+            }
         }
     }
 

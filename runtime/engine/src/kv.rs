@@ -15,9 +15,12 @@
 //! - Reads go through [`PagePool::attend`], the only read of K/V this crate offers: it hands
 //!   `custody_kernels::attention::paged_attention` the pool's *own* tags and memory, and the
 //!   kernel checks every page's tag before it reads a slot. The K/V arrays are private; nothing
-//!   else can reach them except the transfer path's gather (raw pointers for a NIC to read:
-//!   [`PagePool::source_regions`], [`PagePool::for_each_transfer_chunk`]) and, only with the
-//!   `test-oracle` feature, the tests' oracle.
+//!   else can reach them except the transfer path, through capabilities the pool mints from its
+//!   own tags and re-checks at every use (a [`SendGrant`] to read a held, written page's bytes,
+//!   a [`LandGrant`] to land bytes in a reservation's pages: see "Capabilities" below), the raw
+//!   addresses a NIC registers ([`PagePool::source_regions`]: reading through them is `unsafe`)
+//!   and, only with the `test-oracle` feature, the tests' oracle.
+//! - An engine lends its pool out only as a [`PoolView`] (tags and counts, granted reads).
 //! - Release requires the caller's generation and owner to match, and clears the owner.
 //!
 //! Safety property 2 ("no early reuse") for local writers: a page is on the free list only after
@@ -25,9 +28,10 @@
 //! add quarantine on top of this in the transport layer.
 
 use custody_kernels::attention::{
-    self, AttentionArgs, AttnScratch, IntegrityError, PageGeometry, PageRef, Reader, ReduceOrder,
-    TagCheck, TagView,
+    self, AttentionArgs, AttnScratch, IntegrityError, ReduceOrder, TagCheck, TagView,
 };
+/// The kernel's page geometry, page references and readers, as the pool's API names them.
+pub use custody_kernels::attention::{PageGeometry, PageRef, Reader};
 use half::f16;
 
 /// Most destinations [`PagePool::land_dests`] hands out at once (the transport's bound).
@@ -63,9 +67,15 @@ pub enum PoolError {
     },
 }
 
+/// Source of [`PagePool::id`]s.
+static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// The paged KV cache of all layers plus the page tags.
 #[derive(Debug)]
 pub struct PagePool {
+    /// This pool's identity (unique in the process): a [`SendGrant`] or [`LandGrant`] minted by
+    /// one pool is refused by every other.
+    id: u64,
     geom: PageGeometry,
     n_pages: usize,
     k: Vec<Vec<f16>>,
@@ -95,6 +105,7 @@ impl PagePool {
         assert!(n_pages > 0 && n_pages < u32::MAX as usize);
         let elems = n_pages * geom.page_elems();
         Self {
+            id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             geom,
             n_pages,
             k: (0..n_layers).map(|_| zeroed_f16(elems)).collect(),
@@ -134,12 +145,9 @@ impl PagePool {
     /// The chunks a transfer of `slots` filled slots of `page` consists of, in transfer (and
     /// checksum) order: `f(offset_in_region_page, bytes)`. Full pages go as one chunk per layer
     /// and K/V; a partial page as one chunk per KV head (only the filled slots travel).
-    pub fn for_each_transfer_chunk(
-        &self,
-        page: u32,
-        slots: usize,
-        mut f: impl FnMut(usize, &[u8]),
-    ) {
+    /// Private: outside this module page bytes are reached only through a [`SendGrant`]
+    /// ([`PagePool::transfer_chunks`]).
+    fn for_each_transfer_chunk(&self, page: u32, slots: usize, mut f: impl FnMut(usize, &[u8])) {
         let g = self.geom;
         assert!(slots <= g.page_size && (page as usize) < self.n_pages);
         let p = page as usize;
@@ -166,7 +174,7 @@ impl PagePool {
     }
 
     /// The checksum of `slots` slots of `page` as they are in this pool.
-    pub fn page_checksum(&self, page: u32, slots: usize) -> u64 {
+    fn page_checksum(&self, page: u32, slots: usize) -> u64 {
         let mut h = custody_kernels::checksum::Checksummer::new();
         self.for_each_transfer_chunk(page, slots, |_, b| h.update(b));
         h.digest()
@@ -175,7 +183,7 @@ impl PagePool {
     /// A transfer landed `bytes` at `offset` of page `page`'s region layout (the NIC's DMA). No
     /// tag changes: the slots count as written only after [`PagePool::verify_landed`]. The
     /// header area must be written whole; data must not straddle a layer's K/V chunk.
-    pub fn land(&mut self, page: u32, offset: usize, bytes: &[u8]) -> Result<(), LandError> {
+    fn land(&mut self, page: u32, offset: usize, bytes: &[u8]) -> Result<(), LandError> {
         let p = page as usize;
         if p >= self.n_pages {
             return Err(LandError(format!("page {page} outside the pool")));
@@ -224,7 +232,7 @@ impl PagePool {
     /// contiguous destination of at most `max_len` bytes at `offset` of page `page`'s region
     /// layout — the header area, or part of one layer's K or V chunk. Bytes written there are
     /// data (never tags); a header takes effect only in [`PagePool::land_done`].
-    pub fn land_dest(
+    fn land_dest(
         &mut self,
         page: u32,
         offset: usize,
@@ -260,7 +268,7 @@ impl PagePool {
     /// Direct landing, gathered: the destinations (at most [`MAX_LAND_DESTS`]) of up to
     /// `max_len` bytes at `offset` of page `page`'s region layout, in order, appended to `out`
     /// — so that a transport can fill them with one vectored read.
-    pub fn land_dests<'a>(
+    fn land_dests<'a>(
         &'a mut self,
         page: u32,
         offset: usize,
@@ -313,7 +321,7 @@ impl PagePool {
     /// Direct landing finished `len` bytes at `offset` of page `page`'s region layout: a header
     /// area written whole is decoded now (exactly as [`PagePool::land`] does); a partly written
     /// header area is an error.
-    pub fn land_done(&mut self, page: u32, offset: usize, len: usize) -> Result<(), LandError> {
+    fn land_done(&mut self, page: u32, offset: usize, len: usize) -> Result<(), LandError> {
         let p = page as usize;
         if p >= self.n_pages {
             return Err(LandError(format!("page {page} outside the pool")));
@@ -620,7 +628,7 @@ impl PagePool {
     }
 
     /// Tag arrays of `layer` for the attention kernel.
-    pub fn tags(&self, layer: usize) -> TagView<'_> {
+    pub(crate) fn tags(&self, layer: usize) -> TagView<'_> {
         TagView {
             generation: &self.generation,
             owner: &self.owner,
@@ -685,10 +693,14 @@ impl PagePool {
             .collect()
     }
 
-    /// The current tag of `page`: (generation, owner, filled on layer 0).
-    pub fn tag(&self, page: u32) -> (u32, u64, u32) {
+    /// The current tag of `page`.
+    pub fn tag(&self, page: u32) -> PageTag {
         let p = page as usize;
-        (self.generation[p], self.owner[p], self.filled[0][p])
+        PageTag {
+            generation: self.generation[p],
+            owner: self.owner[p],
+            filled: self.filled[0][p],
+        }
     }
 
     /// Fault injection (feature `fault-injection`, tests only): overwrite a page's tag fields
@@ -698,6 +710,400 @@ impl PagePool {
         self.generation[page as usize] = generation;
         self.owner[page as usize] = owner;
     }
+}
+
+/// # Capabilities: the only ways page bytes leave or enter the pool
+///
+/// Outside this module, page bytes are read for a transfer only with a [`SendGrant`] and
+/// written by a transfer only with a [`LandGrant`] (through a [`Landing`]). Both are minted by
+/// the pool from its own tags — a send grant only for pages a reader holds in their current
+/// generation, written whole up to the slots it names and last written for their holder; a land
+/// grant only for pages an owner holds, unwritten — and both are re-checked against the tags in
+/// release builds at every use, so a grant outliving its pages (released, reallocated) reads
+/// and writes nothing. Their fields are private: no code outside this module can forge one.
+/// An engine's pool is never lent out as `&PagePool` or `&mut PagePool` (see
+/// [`crate::engine::Engine::pool`], [`PoolView`]), so for an engine's pool the grants are minted
+/// only by the engine's own roles: [`crate::PrefillEngine::send_grant`] for a held (prefilled)
+/// sequence, [`crate::DecodeEngine::reserve_import`] for a reservation.
+impl PagePool {
+    /// Mint the capability to read, for a transfer, the first `n_written` slots of `pages` (a
+    /// block table `reader` holds). Every page that holds any of those slots must be in its
+    /// generation, owned by a tag `reader` admits, last written for that tag, and written on
+    /// every layer at least up to the slots it holds.
+    pub fn grant_send(
+        &self,
+        reader: &Reader,
+        pages: &[PageRef],
+        n_written: usize,
+    ) -> Result<SendGrant, GrantError> {
+        let ps = self.geom.page_size;
+        let n = n_written.div_ceil(ps);
+        if n > pages.len() {
+            return Err(GrantError::TooFewPages {
+                needed: n,
+                held: pages.len(),
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        for (idx, &pr) in pages.iter().enumerate().take(n) {
+            let slots = (n_written - idx * ps).min(ps) as u32;
+            let p = pr.page as usize;
+            self.check_generation(pr)?;
+            let owner = self.owner[p];
+            if !reader.admits(owner) {
+                return Err(GrantError::NotHeld {
+                    page: pr.page,
+                    owner,
+                });
+            }
+            if self.stamp_owner[p] != owner || self.stamp_generation[p] != pr.generation {
+                return Err(GrantError::NotWrittenForHolder { page: pr.page });
+            }
+            if let Some(filled) = self.filled.iter().map(|f| f[p]).find(|&f| f < slots) {
+                return Err(GrantError::Unwritten {
+                    page: pr.page,
+                    slots,
+                    filled,
+                });
+            }
+            out.push(GrantedPage { pr, slots, owner });
+        }
+        Ok(SendGrant {
+            pool: self.id,
+            pages: out,
+        })
+    }
+
+    /// Mint the capability to land transfers in `pages`, which `owner` holds (freshly
+    /// allocated: nothing written on any layer).
+    pub fn grant_land(&self, owner: u64, pages: &[PageRef]) -> Result<LandGrant, GrantError> {
+        for &pr in pages {
+            self.check_generation(pr)?;
+            let p = pr.page as usize;
+            if self.owner[p] != owner {
+                return Err(GrantError::NotHeld {
+                    page: pr.page,
+                    owner: self.owner[p],
+                });
+            }
+            if self.filled.iter().any(|f| f[p] != 0) {
+                return Err(GrantError::AlreadyWritten { page: pr.page });
+            }
+        }
+        Ok(LandGrant {
+            pool: self.id,
+            owner,
+            pages: pages.to_vec(),
+        })
+    }
+
+    fn check_generation(&self, pr: PageRef) -> Result<(), GrantError> {
+        let p = pr.page as usize;
+        if p >= self.n_pages {
+            return Err(GrantError::OutOfRange { page: pr.page });
+        }
+        if self.generation[p] != pr.generation {
+            return Err(GrantError::Stale {
+                page: pr.page,
+                generation: pr.generation,
+                found: self.generation[p],
+            });
+        }
+        Ok(())
+    }
+
+    /// Page `idx` of `grant`, if the grant is this pool's and the page still carries the tag it
+    /// was granted under (checked in every build: this is the read's only gate).
+    fn check_send(&self, grant: &SendGrant, idx: usize) -> Result<GrantedPage, GrantError> {
+        if grant.pool != self.id {
+            return Err(GrantError::OtherPool);
+        }
+        let g = *grant.pages.get(idx).ok_or(GrantError::Index {
+            idx,
+            len: grant.pages.len(),
+        })?;
+        self.check_generation(g.pr)?;
+        let owner = self.owner[g.pr.page as usize];
+        if owner != g.owner {
+            return Err(GrantError::NotHeld {
+                page: g.pr.page,
+                owner,
+            });
+        }
+        Ok(g)
+    }
+
+    /// The chunks of granted page `idx`, in transfer (and checksum) order:
+    /// `f(offset_in_region_page, bytes)` (see [`TransferHeader`] for the region layout).
+    pub fn transfer_chunks(
+        &self,
+        grant: &SendGrant,
+        idx: usize,
+        f: impl FnMut(usize, &[u8]),
+    ) -> Result<(), GrantError> {
+        let g = self.check_send(grant, idx)?;
+        self.for_each_transfer_chunk(g.pr.page, g.slots as usize, f);
+        Ok(())
+    }
+
+    /// The transfer checksum of granted page `idx` as it is in this pool.
+    pub fn transfer_checksum(&self, grant: &SendGrant, idx: usize) -> Result<u64, GrantError> {
+        let g = self.check_send(grant, idx)?;
+        Ok(self.page_checksum(g.pr.page, g.slots as usize))
+    }
+
+    /// Page `idx` of `grant` for a landing, if the grant is this pool's and its owner still
+    /// holds the page in the granted generation (checked in every build).
+    fn check_land(&self, grant: &LandGrant, idx: usize) -> Result<u32, LandError> {
+        let refuse = |why: String| Err(LandError(why));
+        if grant.pool != self.id {
+            return refuse("the reservation is another pool's".into());
+        }
+        let Some(&pr) = grant.pages.get(idx) else {
+            return refuse(format!(
+                "page index {idx} outside the reservation ({} pages)",
+                grant.pages.len()
+            ));
+        };
+        let p = pr.page as usize;
+        if self.generation[p] != pr.generation || self.owner[p] != grant.owner {
+            return refuse(format!(
+                "page {} no longer belongs to the reservation (generation {} owner {:#x}, \
+                 reserved {} for {:#x})",
+                pr.page, self.generation[p], self.owner[p], pr.generation, grant.owner
+            ));
+        }
+        Ok(pr.page)
+    }
+
+    /// The landing side of this pool: transfers land only through it, each with its
+    /// reservation's [`LandGrant`].
+    pub fn landing(&mut self) -> Landing<'_> {
+        Landing { pool: self }
+    }
+
+    /// A read-only view of the tags and counts (what an engine lends out).
+    pub fn view(&self) -> PoolView<'_> {
+        PoolView { pool: self }
+    }
+}
+
+/// The capability to read granted pages' bytes for a transfer (see the capabilities section of
+/// [`PagePool`]'s docs). Not `Clone`: one per transfer.
+#[derive(Debug)]
+pub struct SendGrant {
+    pool: u64,
+    pages: Vec<GrantedPage>,
+}
+
+impl SendGrant {
+    /// The granted pages in block-table order.
+    pub fn pages(&self) -> &[GrantedPage] {
+        &self.pages
+    }
+}
+
+/// One page of a [`SendGrant`]: which page, in which generation, and how many slots may be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrantedPage {
+    pr: PageRef,
+    slots: u32,
+    /// The tag owner it was granted under (the reader or one of its namespaces).
+    owner: u64,
+}
+
+impl GrantedPage {
+    pub fn page(&self) -> PageRef {
+        self.pr
+    }
+    pub fn slots(&self) -> usize {
+        self.slots as usize
+    }
+}
+
+/// The capability to land transfers in a reservation's pages. Not `Clone`.
+#[derive(Debug)]
+pub struct LandGrant {
+    pool: u64,
+    owner: u64,
+    pages: Vec<PageRef>,
+}
+
+impl LandGrant {
+    /// The reserved pages in block-table order.
+    pub fn pages(&self) -> &[PageRef] {
+        &self.pages
+    }
+    /// The request the reservation is for.
+    pub fn owner(&self) -> u64 {
+        self.owner
+    }
+}
+
+/// Why a grant was not minted, or not honoured.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GrantError {
+    #[error("page {page} is outside the pool")]
+    OutOfRange { page: u32 },
+    #[error("page {page}: granted for generation {generation}, the page is in {found}")]
+    Stale {
+        page: u32,
+        generation: u32,
+        found: u32,
+    },
+    #[error("page {page} is held by {owner:#x}, not by the grant's holder")]
+    NotHeld { page: u32, owner: u64 },
+    #[error("page {page}: its data was last written for someone else")]
+    NotWrittenForHolder { page: u32 },
+    #[error("page {page}: {slots} slots asked, {filled} written on some layer")]
+    Unwritten { page: u32, slots: u32, filled: u32 },
+    #[error("page {page}: already written in this generation")]
+    AlreadyWritten { page: u32 },
+    #[error("{needed} pages needed for the slots, {held} held")]
+    TooFewPages { needed: usize, held: usize },
+    #[error("page index {idx} outside the grant ({len} pages)")]
+    Index { idx: usize, len: usize },
+    #[error("the grant was minted by another pool")]
+    OtherPool,
+}
+
+/// The landing side of a pool (a transport's target memory writes through it). Every method
+/// takes the reservation's [`LandGrant`] and a page index in it, and refuses a page the
+/// reservation no longer holds. Landing writes only bytes and the per-page landed header; a
+/// page's slots count as written only after [`PagePool::verify_landed`].
+#[derive(Debug)]
+pub struct Landing<'a> {
+    pool: &'a mut PagePool,
+}
+
+impl<'a> Landing<'a> {
+    /// Bytes of a page's part of a transfer region.
+    pub fn region_page_stride(&self) -> usize {
+        self.pool.region_page_stride()
+    }
+
+    /// A transfer landed `bytes` at `offset` of reserved page `idx`'s region layout (the NIC's
+    /// DMA). The header area must be written whole; data may span layers' K/V chunks.
+    pub fn land(
+        &mut self,
+        grant: &LandGrant,
+        idx: usize,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<(), LandError> {
+        let page = self.pool.check_land(grant, idx)?;
+        self.pool.land(page, offset, bytes)
+    }
+
+    /// Direct landing: the longest contiguous destination of at most `max_len` bytes at
+    /// `offset` of reserved page `idx`'s region layout. Bytes written there are data; a header
+    /// takes effect only in [`Landing::land_done`].
+    pub fn land_dest(
+        &mut self,
+        grant: &LandGrant,
+        idx: usize,
+        offset: usize,
+        max_len: usize,
+    ) -> Result<&mut [u8], LandError> {
+        let page = self.pool.check_land(grant, idx)?;
+        self.pool.land_dest(page, offset, max_len)
+    }
+
+    /// Direct landing, gathered: up to [`MAX_LAND_DESTS`] destinations of up to `max_len`
+    /// bytes at `offset` of reserved page `idx`'s region layout, appended to `out`.
+    pub fn land_dests<'b>(
+        &'b mut self,
+        grant: &LandGrant,
+        idx: usize,
+        offset: usize,
+        max_len: usize,
+        out: &mut Vec<&'b mut [u8]>,
+    ) -> Result<(), LandError> {
+        let page = self.pool.check_land(grant, idx)?;
+        self.pool.land_dests(page, offset, max_len, out)
+    }
+
+    /// Direct landing finished `len` bytes at `offset` of reserved page `idx`: a header area
+    /// written whole is decoded now; a partly written one is an error.
+    pub fn land_done(
+        &mut self,
+        grant: &LandGrant,
+        idx: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), LandError> {
+        let page = self.pool.check_land(grant, idx)?;
+        self.pool.land_done(page, offset, len)
+    }
+}
+
+/// A read-only view of a pool: its geometry, counts and tags, the headers that landed, and the
+/// granted transfer reads. No page bytes without a [`SendGrant`]; no `&PagePool`.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolView<'a> {
+    pool: &'a PagePool,
+}
+
+impl<'a> PoolView<'a> {
+    pub fn geometry(&self) -> PageGeometry {
+        self.pool.geom
+    }
+    pub fn n_pages(&self) -> usize {
+        self.pool.n_pages
+    }
+    pub fn n_free(&self) -> usize {
+        self.pool.free.len()
+    }
+    pub fn page_size(&self) -> usize {
+        self.pool.geom.page_size
+    }
+    /// Bytes a page takes in a transfer region.
+    pub fn region_page_stride(&self) -> usize {
+        self.pool.region_page_stride()
+    }
+    /// The current tag of `page`.
+    pub fn tag(&self, page: u32) -> PageTag {
+        self.pool.tag(page)
+    }
+    /// Slot count of the last transfer header that landed in `page`.
+    pub fn landed_slots(&self, page: u32) -> u32 {
+        self.pool.landed_slots(page)
+    }
+    /// Checksum of the last transfer header that landed in `page`.
+    pub fn landed_checksum(&self, page: u32) -> u64 {
+        self.pool.landed_checksum(page)
+    }
+    /// See [`PagePool::transfer_chunks`].
+    pub fn transfer_chunks(
+        &self,
+        grant: &SendGrant,
+        idx: usize,
+        f: impl FnMut(usize, &[u8]),
+    ) -> Result<(), GrantError> {
+        self.pool.transfer_chunks(grant, idx, f)
+    }
+    /// See [`PagePool::transfer_checksum`].
+    pub fn transfer_checksum(&self, grant: &SendGrant, idx: usize) -> Result<u64, GrantError> {
+        self.pool.transfer_checksum(grant, idx)
+    }
+    /// See [`PagePool::source_regions`].
+    pub fn source_regions(&self) -> Vec<SourceRegion> {
+        self.pool.source_regions()
+    }
+    /// Test oracle: see [`PagePool::test_oracle_k_page_bytes`].
+    #[cfg(feature = "test-oracle")]
+    pub fn test_oracle_k_page_bytes(&self, layer: usize, page: u32) -> Vec<u8> {
+        self.pool.test_oracle_k_page_bytes(layer, page)
+    }
+}
+
+/// A page's tag as a view shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageTag {
+    pub generation: u32,
+    pub owner: u64,
+    /// Slots written on layer 0.
+    pub filled: u32,
 }
 
 /// One read of [`PagePool::attend`]: a sequence's queries and the pages it claims.
@@ -900,7 +1306,14 @@ mod tests {
             Err(PoolError::BadShare { .. })
         ));
         pool.share(7, &a[..1], ns).expect("share");
-        assert_eq!(pool.tag(a[0].page), (a[0].generation, ns.get(), 2));
+        assert_eq!(
+            pool.tag(a[0].page),
+            PageTag {
+                generation: a[0].generation,
+                owner: ns.get(),
+                filled: 2
+            }
+        );
         // Read-only: its writer's write is refused by the write's own owner check.
         assert!(matches!(
             pool.write_slot(0, a[0], 1, 7, &kv, &kv),
@@ -941,6 +1354,110 @@ mod tests {
         assert_eq!(pool.n_free(), 2);
     }
 
+    /// Fill `slots` slots of every layer of `pages` for `owner`.
+    fn fill(pool: &mut PagePool, owner: u64, pages: &[PageRef], slots: usize) {
+        let kv = [1.0, 2.0];
+        for layer in 0..pool.n_layers() {
+            for (i, &pr) in pages.iter().enumerate() {
+                let n = slots.saturating_sub(i * G.page_size).min(G.page_size);
+                for slot in 0..n {
+                    pool.write_slot(layer, pr, slot, owner, &kv, &kv)
+                        .expect("write");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn send_grants_name_held_written_pages_and_die_with_them() {
+        let mut pool = PagePool::new(G, 2, 4);
+        let a = pool.alloc(7, 2).expect("alloc");
+        fill(&mut pool, 7, &a, 6);
+        let reader = Reader::private(7);
+        // Not the holder, more slots than written, more pages than held: refused at the mint.
+        assert!(matches!(
+            pool.grant_send(&Reader::private(8), &a, 6),
+            Err(GrantError::NotHeld { .. })
+        ));
+        assert!(matches!(
+            pool.grant_send(&reader, &a, 7),
+            Err(GrantError::Unwritten { .. })
+        ));
+        assert!(matches!(
+            pool.grant_send(&reader, &a, 9),
+            Err(GrantError::TooFewPages { .. })
+        ));
+        let grant = pool.grant_send(&reader, &a, 6).expect("grant");
+        assert_eq!(grant.pages().len(), 2);
+        assert_eq!((grant.pages()[0].slots(), grant.pages()[1].slots()), (4, 2));
+        let mut bytes = 0;
+        pool.transfer_chunks(&grant, 1, |_, b| bytes += b.len())
+            .expect("granted");
+        assert_eq!(
+            bytes,
+            2 * 2 * 2 * G.head_dim * 2,
+            "2 slots × K,V × 2 layers × f16"
+        );
+        assert_eq!(
+            pool.transfer_checksum(&grant, 0),
+            Ok(pool.page_checksum(a[0].page, 4))
+        );
+        // Another pool refuses it, even for the same page numbers and generations.
+        let mut other = PagePool::new(G, 2, 4);
+        let b = other.alloc(7, 2).expect("alloc");
+        fill(&mut other, 7, &b, 6);
+        assert_eq!(
+            other.transfer_chunks(&grant, 0, |_, _| {}),
+            Err(GrantError::OtherPool)
+        );
+        // Released and reallocated: the grant reads nothing (a plain check, in every build).
+        pool.release(7, &a).expect("release");
+        assert!(matches!(
+            pool.transfer_chunks(&grant, 0, |_, _| panic!("read after release")),
+            Err(GrantError::NotHeld { .. })
+        ));
+        let c = pool.alloc(9, 2).expect("alloc");
+        fill(&mut pool, 9, &c, 8);
+        assert!(matches!(
+            pool.transfer_chunks(&grant, 1, |_, _| panic!("read after reuse")),
+            Err(GrantError::Stale { .. })
+        ));
+        assert!(pool.transfer_checksum(&grant, 5).is_err());
+    }
+
+    #[test]
+    fn land_grants_land_only_in_the_reservations_pages() {
+        let mut pool = PagePool::new(G, 1, 4);
+        let a = pool.alloc(7, 2).expect("alloc");
+        let grant = pool.grant_land(7, &a).expect("grant");
+        assert!(matches!(
+            pool.grant_land(8, &a),
+            Err(GrantError::NotHeld { .. })
+        ));
+        let data = [0u8; 8];
+        let at = TRANSFER_HDR_BYTES;
+        pool.landing().land(&grant, 1, at, &data).expect("lands");
+        assert!(
+            pool.landing().land(&grant, 2, at, &data).is_err(),
+            "index outside"
+        );
+        let mut other = PagePool::new(G, 1, 4);
+        let b = other.alloc(7, 2).expect("alloc");
+        assert_eq!(b, a, "same pages and generations in another pool");
+        assert!(other.landing().land(&grant, 0, at, &data).is_err());
+        // The reservation ended and its pages went to someone else: nothing lands, in any build.
+        pool.release(7, &a).expect("release");
+        let c = pool.alloc(9, 2).expect("alloc");
+        assert_eq!(c[0].page, a[1].page);
+        let mut landing = pool.landing();
+        assert!(landing.land(&grant, 1, at, &data).is_err());
+        assert!(landing.land_dest(&grant, 1, at, 8).is_err());
+        assert!(landing.land_done(&grant, 1, 0, TRANSFER_HDR_BYTES).is_err());
+        let mut out = Vec::new();
+        assert!(landing.land_dests(&grant, 0, at, 8, &mut out).is_err());
+        assert!(out.is_empty());
+    }
+
     #[test]
     fn writes_are_append_only_and_tag_checked() {
         let mut pool = PagePool::new(G, 1, 2);
@@ -967,6 +1484,13 @@ mod tests {
             pool.write_slot(0, stale, 1, 7, &kv, &kv),
             Err(IntegrityError::StaleGeneration { .. })
         ));
-        assert_eq!(pool.tag(a[0].page), (a[0].generation, 7, 1));
+        assert_eq!(
+            pool.tag(a[0].page),
+            PageTag {
+                generation: a[0].generation,
+                owner: 7,
+                filled: 1
+            }
+        );
     }
 }

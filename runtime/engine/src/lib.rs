@@ -9,11 +9,14 @@
 //! `custody-cuda`'s `Device`) the only read is the device attention kernel, which checks the
 //! same tags first. It depends on `custody-transport` only for the `KeyInvalidated` proof that
 //! lets quarantined pages go (the transports' code is never called from here).
+// Every result in runtime/ is handled or dropped with its reason (`Discard`), never `let _ =`.
+#![deny(clippy::let_underscore_must_use)]
 
 pub mod actor;
 pub mod config;
 pub mod cuda_check;
 pub mod cuda_forward;
+pub mod doors;
 pub mod engine;
 pub mod gguf;
 pub mod kv;

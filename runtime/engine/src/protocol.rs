@@ -107,8 +107,9 @@ impl ReqState {
         )
     }
 
-    /// The one transition function. Everything not listed is illegal.
-    pub const fn on(self, event: ReqEvent) -> Result<ReqState, IllegalTransition> {
+    /// The one transition function. Everything not listed is illegal. Private: a state moves
+    /// only inside a [`ReqMachine`] (see its docs for the doors this shuts).
+    const fn next(self, event: ReqEvent) -> Result<ReqState, IllegalTransition> {
         use ReqEvent as E;
         use ReqState as S;
         let next = match (self, event) {
@@ -133,12 +134,57 @@ impl ReqState {
 }
 
 /// One request's place in the protocol, as a node holds it. The state is private to this
-/// module: a node (or the model checker) changes it only through [`ReqMachine::on`], the one
-/// transition function, which refuses every edge the protocol does not have with a typed
+/// module: a node (or the model checker) changes it only through [`ReqMachine::on`] and the
+/// methods built on it, which refuse every edge the protocol does not have with a typed
 /// [`IllegalTransition`]. There is no way to build a machine in any state but `Received` other
 /// than by a sequence of legal events — so the machine the nodes run is the machine that
 /// `tests/tests/e2e/model_check.rs` checks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Not `Copy`: a node cannot step a copy and keep the original by accident. (It is `Clone`
+/// because the model checker's states are cloned; a clone is a second record, and nothing a
+/// node does with one changes the record it holds.) The doors this shuts, each checked by the
+/// compiler:
+///
+/// A state is not moved by hand — the transition function is private:
+/// ```compile_fail
+/// use custody_engine::protocol::{ReqEvent, ReqState};
+/// let _ = ReqState::Received.next(ReqEvent::Reserve);
+/// ```
+/// ```compile_fail
+/// use custody_engine::protocol::{ReqEvent, ReqState};
+/// let _ = ReqState::Received.on(ReqEvent::Reserve);
+/// ```
+/// A machine is not built in a chosen state:
+/// ```compile_fail
+/// use custody_engine::protocol::{ReqMachine, ReqState};
+/// let m = ReqMachine { state: ReqState::Prefilled };
+/// ```
+/// A machine is not copied implicitly (stepping a copy would leave the record behind):
+/// ```compile_fail
+/// use custody_engine::protocol::{ReqEvent, ReqMachine};
+/// let mut m = ReqMachine::new();
+/// let mut copy = m;
+/// copy.on(ReqEvent::Reserve).unwrap();
+/// assert_eq!(m.state(), copy.state());
+/// ```
+/// A transition's result is not dropped silently (`#[must_use]`; the workspace denies
+/// `unused_must_use`):
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// use custody_engine::protocol::{ReqEvent, ReqMachine};
+/// let mut m = ReqMachine::new();
+/// m.on(ReqEvent::Reserve);
+/// ```
+/// What the nodes do instead (the control: this compiles and runs):
+/// ```
+/// use custody_engine::protocol::{ReqEvent, ReqMachine, ReqState};
+/// let mut m = ReqMachine::new();
+/// assert!(m.allows(ReqEvent::Reserve));
+/// assert_eq!(m.on(ReqEvent::Reserve), Ok(ReqState::Reserved));
+/// assert!(m.on(ReqEvent::Handoff).is_err());
+/// assert_eq!(m.state(), ReqState::Reserved);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ReqMachine {
     state: ReqState,
 }
@@ -163,13 +209,30 @@ impl ReqMachine {
 
     /// Apply `event`. On an illegal transition the state is left as it was and the error says
     /// which edge was asked for; the caller must fail the request (never ignore the error).
+    #[must_use = "an illegal transition must fail the request"]
     pub fn on(&mut self, event: ReqEvent) -> Result<ReqState, IllegalTransition> {
-        let next = self.state.on(event)?;
+        let next = self.state.next(event)?;
         self.state = next;
         Ok(next)
     }
 
+    /// Hand a `Prefilled` request to decode (`Handoff`): the returned [`HandedOff`] is the only
+    /// value the decode engine's activation accepts, so no request reaches decoding but through
+    /// this edge of this machine.
+    #[must_use = "an illegal transition must fail the request"]
+    pub fn handoff(&mut self) -> Result<HandedOff, IllegalTransition> {
+        self.on(ReqEvent::Handoff)?;
+        debug_assert_eq!(self.state, ReqState::Decoding);
+        Ok(HandedOff { _private: () })
+    }
+
+    /// Whether `event` is a legal edge from the current state (nothing changes).
+    pub const fn allows(&self, event: ReqEvent) -> bool {
+        self.state.next(event).is_ok()
+    }
+
     /// Apply several events in order, stopping at the first illegal one.
+    #[must_use = "an illegal transition must fail the request"]
     pub fn on_all(&mut self, events: &[ReqEvent]) -> Result<ReqState, IllegalTransition> {
         for &e in events {
             self.on(e)?;
@@ -180,6 +243,7 @@ impl ReqMachine {
     /// The decode node's view of prefill's progress: the first write that lands proves that
     /// prefill started and posted (`StartPrefill`, `PostWrites`), which decode cannot observe
     /// otherwise. A no-op once the request is `Transferring`; illegal from any other state.
+    #[must_use = "an illegal transition must fail the request"]
     pub fn observe_posted(&mut self) -> Result<ReqState, IllegalTransition> {
         match self.state {
             ReqState::Transferring => Ok(self.state),
@@ -190,6 +254,7 @@ impl ReqMachine {
     /// End the request with `event` (`Finish`, `Abort` or `Fail`). If that edge is illegal the
     /// request is failed instead when it can be (the error is returned for the record); a
     /// terminal request stays as it is.
+    #[must_use = "the illegal edge, if any, belongs in the request's record"]
     pub fn end(&mut self, event: ReqEvent) -> Result<ReqState, IllegalTransition> {
         debug_assert!(matches!(
             event,
@@ -198,12 +263,35 @@ impl ReqMachine {
         match self.on(event) {
             Ok(s) => Ok(s),
             Err(e) => {
-                let _ = self
-                    .on(ReqEvent::Fail)
-                    .or_else(|_| self.on(ReqEvent::Abort));
+                // The asked edge was illegal: fail the request if it can fail, else abort it;
+                // a terminal request refuses both and stays as it is (which is the point).
+                if !self.state.is_terminal() {
+                    let fallback = if self.allows(ReqEvent::Fail) {
+                        ReqEvent::Fail
+                    } else {
+                        ReqEvent::Abort
+                    };
+                    self.state = match self.state.next(fallback) {
+                        Ok(s) => s,
+                        Err(_) => unreachable!("a non-terminal state can fail or abort"),
+                    };
+                }
                 Err(e)
             }
         }
+    }
+
+    /// Fail the request: `Fail` where that edge exists, else `Abort` (a request never admitted
+    /// cannot fail, only be aborted); a terminal request stays as it is. Infallible by design —
+    /// every non-terminal state has one of the two edges — so there is no result to drop.
+    pub fn fail(&mut self) -> ReqState {
+        if let Err(e) = self.end(ReqEvent::Fail) {
+            debug_assert!(
+                self.state.is_terminal(),
+                "end() falls back to a terminal state after {e}"
+            );
+        }
+        self.state
     }
 
     pub const fn is_terminal(&self) -> bool {
@@ -214,6 +302,17 @@ impl ReqMachine {
     pub const fn may_read(&self) -> bool {
         self.state.may_read()
     }
+}
+
+/// Proof that a request's machine took the `Handoff` edge (`Prefilled` → `Decoding`): only
+/// [`ReqMachine::handoff`] makes one (its field is private), and the decode engine's activation
+/// takes it by value.
+/// ```compile_fail
+/// let forged = custody_engine::protocol::HandedOff { _private: () };
+/// ```
+#[derive(Debug)]
+pub struct HandedOff {
+    _private: (),
 }
 
 /// Whether writes carrying a region key can still land.
@@ -274,11 +373,11 @@ mod tests {
                 ReqEvent::Abort,
                 ReqEvent::Fail,
             ] {
-                if let Ok(ReqState::Decoding) = s.on(e) {
+                if let Ok(ReqState::Decoding) = s.next(e) {
                     assert_eq!((s, e), (ReqState::Prefilled, ReqEvent::Handoff));
                 }
                 if s.is_terminal() {
-                    assert!(s.on(e).is_err(), "{s:?} is terminal");
+                    assert!(s.next(e).is_err(), "{s:?} is terminal");
                 }
             }
         }
@@ -286,9 +385,9 @@ mod tests {
 
     #[test]
     fn rejected_cannot_be_handed_off() {
-        let s = ReqState::Received.on(ReqEvent::Reject).expect("reject");
-        assert!(s.on(ReqEvent::Handoff).is_err());
-        assert!(s.on(ReqEvent::Reserve).is_err());
+        let s = ReqState::Received.next(ReqEvent::Reject).expect("reject");
+        assert!(s.next(ReqEvent::Handoff).is_err());
+        assert!(s.next(ReqEvent::Reserve).is_err());
     }
 
     #[test]

@@ -45,6 +45,8 @@
 //! | `custody_kv_invalidate`  | `ctx: u64`, `rkey: u32`                             |
 //!
 //! `ctx` identifies the transport instance: `(node_id << 32) | instance`.
+// Every result in runtime/ is handled or dropped with its reason (`Discard`), never `let _ =`.
+#![deny(clippy::let_underscore_must_use)]
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -15,6 +15,8 @@
 //!   through the [`TargetMemory`] the caller lends — the software analogue of a NIC's DMA into a
 //!   registered region, done by the thread that owns the memory (no shared mutable pool).
 //! - Every transport calls the probe points of [`abi`] with the exact structures it uses.
+// Every result in runtime/ is handled or dropped with its reason (`Discard`), never `let _ =`.
+#![deny(clippy::let_underscore_must_use)]
 
 /// The probe ABI (its own dependency-free crate, which the eBPF witness compiles against too).
 pub use custody_probe_abi as abi;
@@ -370,5 +372,23 @@ pub trait KvTransport: Send + std::fmt::Debug {
             transport: self.kind(),
             what: "fault injection",
         })
+    }
+}
+
+/// Dropping a result on purpose, with the reason in the code: for the results whose failure
+/// has nothing left to act on (an asker that went away before its answer, a best-effort
+/// shutdown of a socket already lost). The crates of `runtime/` deny
+/// `clippy::let_underscore_must_use`, so a result is either handled or dropped through this,
+/// which says why and leaves a trace-level record.
+pub trait Discard {
+    /// Drop `self`, an outcome whose failure needs no action, for the reason `why`.
+    fn discard(self, why: &'static str);
+}
+
+impl<T, E> Discard for Result<T, E> {
+    fn discard(self, why: &'static str) {
+        if self.is_err() {
+            tracing::trace!(why, "failed result dropped");
+        }
     }
 }

@@ -30,8 +30,10 @@
 //! writes back to deliver them late, cutting the connection.
 
 mod auth;
+mod keys;
 mod wire;
 
+use crate::Discard;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{IoSlice, IoSliceMut, Read};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -87,8 +89,9 @@ pub const MAX_CONNS_PER_PAIRING: usize = 4;
 const ACKS_PENDING_MAX: usize = 1 << 20;
 /// Live pairings a target holds at most (one per paired initiator; a re-pairing replaces).
 pub const MAX_PAIRINGS: usize = 256;
-/// Tries at drawing a key never issued before (a collision among 2^32 is already rare).
-const KEY_DRAWS_MAX: usize = 64;
+/// Region keys live at once on a target at most (each is a reservation of a decode node, whose
+/// own bound is far lower): the live-key map never grows past it.
+pub const MAX_LIVE_KEYS: usize = 1 << 16;
 /// How long the acceptor pauses after a failed `accept` (e.g. out of file descriptors).
 const ACCEPT_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
@@ -106,10 +109,12 @@ struct Frame {
     payload: Vec<u8>,
 }
 
+/// A live (registered, not invalidated) region key: writes with it land if in range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum KeyEntry {
-    Valid { len: u64, base: u64, pairing: u64 },
-    Invalidated,
+struct KeyEntry {
+    len: u64,
+    base: u64,
+    pairing: u64,
 }
 
 #[derive(Debug, Default)]
@@ -167,8 +172,10 @@ struct Conn {
 #[derive(Debug)]
 struct TargetState {
     new_conns: Receiver<Accepted>,
-    /// Every key ever issued (invalidated ones stay: a key is never reused).
+    /// The live keys only (at most [`MAX_LIVE_KEYS`]): an invalidated key leaves the map, and
+    /// `key_seq` guarantees it is never issued again.
     keys: HashMap<u32, KeyEntry>,
+    key_seq: keys::KeySequence,
     pairings: Arc<Mutex<HashMap<u64, Pairing>>>,
     refused: Arc<AtomicU64>,
     /// Set when the transport is dropped: the acceptor stops.
@@ -287,6 +294,7 @@ impl TcpTransport {
             st: TargetState {
                 new_conns: rx,
                 keys: HashMap::new(),
+                key_seq: keys::KeySequence::new(),
                 pairings: gate.pairings,
                 refused: gate.refused,
                 gone: gate.gone,
@@ -577,7 +585,9 @@ fn accept_loop(listener: TcpListener, tx: SyncSender<Accepted>, gate: Gate) {
                 ?peer,
                 "KV transport: refused, too many connections authenticating"
             );
-            let _ = stream.shutdown(Shutdown::Both);
+            stream
+                .shutdown(Shutdown::Both)
+                .discard("shutting down a refused connection that may already be gone");
             continue;
         };
         let (tx, g) = (tx.clone(), gate.clone());
@@ -760,14 +770,11 @@ fn check_range(
     len: u64,
     pairing: u64,
 ) -> Option<u64> {
-    let Some(&KeyEntry::Valid {
+    let &KeyEntry {
         len: region_len,
         base,
         pairing: owner,
-    }) = st.keys.get(&rkey)
-    else {
-        return None;
-    };
+    } = st.keys.get(&rkey)?;
     if owner != pairing {
         tracing::warn!(rkey, "KV write refused: the key belongs to another pairing");
         return None;
@@ -860,9 +867,7 @@ fn read_step(
     debug_assert!(f.got < f.len);
     let rem = ((f.len - f.got) as usize).min(max_read);
     // Invalidation takes effect between any two pieces: not one more byte of the key lands.
-    if matches!(f.mode, Mode::Direct { .. })
-        && !matches!(st.keys.get(&f.rkey), Some(KeyEntry::Valid { .. }))
-    {
+    if matches!(f.mode, Mode::Direct { .. }) && !st.keys.contains_key(&f.rkey) {
         f.mode = Mode::Refused;
     }
     let io = match &mut f.mode {
@@ -910,7 +915,7 @@ fn finish(c: &mut Conn, st: &mut TargetState, mem: &mut dyn TargetMemory) -> Opt
     let f = c.cur.take()?;
     let status = match f.mode {
         Mode::Direct { offset } => {
-            if !matches!(st.keys.get(&f.rkey), Some(KeyEntry::Valid { .. })) {
+            if !st.keys.contains_key(&f.rkey) {
                 st.stats.rejected_writes += 1;
                 wc_status::REM_ACCESS_ERR
             } else {
@@ -1114,11 +1119,7 @@ impl KvTransport for TcpTransport {
             .remove(&pairing_id);
         // Its keys refuse every write from now on, whatever path a frame takes (a held or
         // replayed one included). No proof is issued: the engine still asks `invalidate`.
-        for e in t.st.keys.values_mut() {
-            if matches!(*e, KeyEntry::Valid { pairing, .. } if pairing == pairing_id) {
-                *e = KeyEntry::Invalidated;
-            }
-        }
+        t.st.keys.retain(|_, e| e.pairing != pairing_id);
     }
 
     fn register(&mut self, len: u64, pairing_id: u64) -> Result<Region, TransportError> {
@@ -1139,13 +1140,21 @@ impl KvTransport for TcpTransport {
             )));
         }
         let st = &mut t.st;
-        let rkey = draw_key(&st.keys)?;
+        if st.keys.len() >= MAX_LIVE_KEYS {
+            return Err(TransportError::InvalidWr(format!(
+                "{MAX_LIVE_KEYS} region keys are live: invalidate one first"
+            )));
+        }
+        let rkey = st
+            .key_seq
+            .issue()
+            .map_err(|e| TransportError::InvalidWr(e.to_string()))?;
         // 32 more random bits in the base (`hi << 32`, `len` < 4 GiB: `base + len` never
         // overflows): a write must name both, so a key is 64 unguessable bits.
         let base = u64::from(random_u32()?) << 32;
         st.keys.insert(
             rkey,
-            KeyEntry::Valid {
+            KeyEntry {
                 len,
                 base,
                 pairing: pairing_id,
@@ -1158,9 +1167,10 @@ impl KvTransport for TcpTransport {
 
     fn invalidate(&mut self, rkey: u32) -> Result<KeyInvalidated, TransportError> {
         let t = self.target.as_mut().ok_or(TransportError::NotConnected)?;
-        match t.st.keys.get_mut(&rkey) {
-            Some(e) => *e = KeyEntry::Invalidated,
-            None => return Err(TransportError::UnknownKey(rkey)),
+        // A key already invalidated (or dropped with its pairing) is no longer in the map but
+        // was issued: invalidating it again proves the same thing.
+        if t.st.keys.remove(&rkey).is_none() && !t.st.key_seq.was_issued(rkey) {
+            return Err(TransportError::UnknownKey(rkey));
         }
         abi::custody_kv_invalidate(self.ctx, rkey);
         // Frames are read only on this thread (`poll_recv`), which re-checks the key before
@@ -1341,19 +1351,6 @@ impl KvTransport for TcpTransport {
     }
 }
 
-/// A key never issued by this transport (nonzero: 0 is no key).
-fn draw_key(keys: &HashMap<u32, KeyEntry>) -> Result<u32, TransportError> {
-    for _ in 0..KEY_DRAWS_MAX {
-        let k = random_u32()?;
-        if k != 0 && !keys.contains_key(&k) {
-            return Ok(k);
-        }
-    }
-    Err(TransportError::InvalidWr(
-        "no fresh key after many draws".into(),
-    ))
-}
-
 /// Key and range checks, then the staged bytes land. Returns the `ibv_wc_status`.
 fn land(t: &mut TargetState, mem: &mut dyn TargetMemory, f: &Frame) -> u32 {
     let Some(offset) = check_range(t, f.rkey, f.remote_addr, f.payload.len() as u64, f.pairing)
@@ -1464,6 +1461,41 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         (s, r)
+    }
+
+    /// Safety property 2's key half at scale: a million regions registered and invalidated on
+    /// one target get a million distinct keys, the target's key memory stays at the live keys
+    /// (here one), and an invalidated key stays known (a second invalidate proves it again)
+    /// while a key never issued does not.
+    #[test]
+    fn a_million_keys_are_distinct_and_the_registry_stays_bounded() {
+        const N: usize = 1_000_000;
+        let (_init, mut target, p) = pair();
+        let mut seen = HashSet::with_capacity(N);
+        let mut last = 0;
+        for _ in 0..N {
+            let region = target.register(64, p).expect("register");
+            assert!(seen.insert(region.rkey), "key {:#x} reused", region.rkey);
+            let live = target.target.as_ref().map_or(0, |t| t.st.keys.len());
+            assert_eq!(live, 1, "only the live key is held");
+            let _proof = target.invalidate(region.rkey).expect("invalidate");
+            last = region.rkey;
+        }
+        let st = &target.target.as_ref().expect("target").st;
+        assert!(st.keys.is_empty());
+        assert!(
+            st.keys.capacity() <= 16,
+            "the key map never grew: capacity {}",
+            st.keys.capacity()
+        );
+        let _proof = target.invalidate(last).expect("an issued key stays known");
+        let never = (1..=u32::MAX)
+            .find(|k| !seen.contains(k))
+            .expect("a key not issued");
+        assert!(matches!(
+            target.invalidate(never),
+            Err(TransportError::UnknownKey(_))
+        ));
     }
 
     #[test]
@@ -1846,7 +1878,8 @@ mod tests {
         proof.extend_from_slice(&1u32.to_le_bytes());
         proof.extend_from_slice(&[0u8; 32]);
         raw.write_all(&proof).expect("proof");
-        let _ = raw.write_all(&raw_frame(region.rkey, region.base, &[0xAB; 256]));
+        raw.write_all(&raw_frame(region.rkey, region.base, &[0xAB; 256]))
+            .discard("the target may close the connection before the whole frame is written");
         let mut mem = Mem::default();
         poll_until_refused(&mut target, &mut mem, 1);
         for _ in 0..50 {

@@ -5,6 +5,7 @@
 
 use custody_audit::RequestKind;
 use custody_runtime::engine::{DecodeEngine, Event, ImportError, PrefillEngine, ReleaseRefused};
+use custody_runtime::protocol::{ReqEvent, ReqMachine};
 use custody_runtime::transport::{self, TransportKind};
 
 use crate::disagg::req;
@@ -78,9 +79,10 @@ fn decode_engine_frees_quarantined_pages_only_with_the_keys_own_proof() {
     )
     .expect("tcp target");
     let pairing = t.pair().expect("pair").id();
-    let (id, pages) = e
+    let (id, land) = e
         .reserve_import(req("acme", PROMPT.to_vec(), 12))
         .expect("reserved");
+    let pages = land.pages();
     let stride = e.core().pool().region_page_stride() as u64;
     let region = t
         .register(pages.len() as u64 * stride, pairing)
@@ -90,8 +92,13 @@ fn decode_engine_frees_quarantined_pages_only_with_the_keys_own_proof() {
     // A proof of another key opens neither the reservation nor, later, its quarantine.
     let other = t.register(stride, pairing).expect("register another");
     let other_proof = t.invalidate(other.rkey).expect("invalidate the other");
+    let mut machine = ReqMachine::new();
+    machine.on(ReqEvent::Reserve).expect("reserve");
+    machine.observe_posted().expect("posted");
+    machine.on(ReqEvent::AllVerified).expect("verified");
+    let handed_off = machine.handoff().expect("handoff");
     assert!(matches!(
-        e.activate_import(id, 7, false, &other_proof),
+        e.activate_import(id, 7, false, &other_proof, handed_off),
         Err(ImportError::WrongKey { .. })
     ));
 

@@ -5,6 +5,7 @@
 use super::super::protocol::ReqEvent;
 use super::super::transfer_id;
 use super::{RequestId, abi, proto};
+use crate::transport::Discard;
 use crate::transport::abi::SendWr;
 use crate::transport::{FaultInjection, KvTransport};
 
@@ -138,5 +139,6 @@ pub(super) fn post_unrecorded_copy(
     );
     // SAFETY: as for the page's own chain: the SGEs are the page's, in registered memory,
     // alive for the call; unsignaled, so no completion refers to it.
-    let _ = unsafe { transport.post_write(&copy) };
+    let posted = unsafe { transport.post_write(&copy) };
+    posted.discard("the injected write is unsignaled: a refused post is the fault's own outcome");
 }

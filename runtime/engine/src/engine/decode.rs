@@ -15,12 +15,11 @@
 use std::collections::BTreeMap;
 
 use custody_audit::{self as audit, PageKind, RequestKind};
-use custody_kernels::attention::PageRef;
 use custody_transport::KeyInvalidated;
 
 use super::{AdmissionError, Engine, Event, GenerateRequest, Goal, Phase, RequestId, Seq, now_ns};
-use crate::kv::{PagePool, VerifyError};
-use crate::protocol::{KeyState, release_allowed};
+use crate::kv::{LandGrant, Landing, VerifyError};
+use crate::protocol::{HandedOff, KeyState, release_allowed};
 
 /// Why an imported (disaggregated) request cannot start decoding.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -138,20 +137,22 @@ impl DecodeEngine {
         }
     }
 
-    /// Mutable pool access for the transport's landing — the engine thread lends it between
-    /// steps; nothing reads the pool concurrently. Landing writes only bytes and the per-page
-    /// landed state; tags and the written-slot counts move only through `verify_import`.
-    pub fn landing_pool(&mut self) -> &mut PagePool {
-        &mut self.core.pool
+    /// The pool's landing side, for the transport — the engine thread lends it between steps;
+    /// nothing reads the pool concurrently. Each landing needs its reservation's [`LandGrant`]
+    /// (from [`DecodeEngine::reserve_import`]) and writes only bytes and the per-page landed
+    /// header; tags and the written-slot counts move only through `verify_import`.
+    pub fn landing(&mut self) -> Landing<'_> {
+        self.core.pool.landing()
     }
 
     /// Admit a request whose prompt KV will arrive by transfer, and allocate its whole
-    /// reservation (`prompt + max_tokens`) now — the pages the transfer writes into. Fails fast
-    /// with [`AdmissionError::Busy`] when the pages are not free (the caller retries).
+    /// reservation (`prompt + max_tokens`) now — the pages the transfer writes into, named by
+    /// the returned [`LandGrant`], the only value a landing in them accepts. Fails fast with
+    /// [`AdmissionError::Busy`] when the pages are not free (the caller retries).
     pub fn reserve_import(
         &mut self,
         req: GenerateRequest,
-    ) -> Result<(RequestId, Vec<PageRef>), AdmissionError> {
+    ) -> Result<(RequestId, LandGrant), AdmissionError> {
         let core = &mut self.core;
         if let Some(e) = &core.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
@@ -186,8 +187,11 @@ impl DecodeEngine {
             Err(e) => unreachable!("free pages checked above: {e}"),
         }
         seq.reads = vec![None; seq.pages.len()];
-        let pages = seq.pages.clone();
-        core.emit_pages(id, &seq.tenant, &pages, PageKind::Alloc);
+        let grant = match core.pool.grant_land(id, &seq.pages) {
+            Ok(g) => g,
+            Err(e) => unreachable!("pages just allocated to {id}: {e}"),
+        };
+        core.emit_pages(id, &seq.tenant, grant.pages(), PageKind::Alloc);
         self.importing.push(Import {
             verified_slots: vec![0; seq.pages.len()],
             seq,
@@ -196,7 +200,7 @@ impl DecodeEngine {
         if let Some(e) = &self.core.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
         }
-        Ok((id, pages))
+        Ok((id, grant))
     }
 
     fn import_index(&self, id: RequestId) -> Result<usize, ImportError> {
@@ -270,13 +274,16 @@ impl DecodeEngine {
     /// exactly the slots the prompt fills.
     ///
     /// `invalidated` proves that the transfer key is dead: nothing can land in pages that decode
-    /// is about to read and append to.
+    /// is about to read and append to; `handed_off`, that the request's protocol machine took
+    /// the `Handoff` edge (only a `Prefilled` request can).
     pub fn activate_import(
         &mut self,
         id: RequestId,
         first_token: u32,
         require_verified: bool,
         invalidated: &KeyInvalidated,
+        // Taken by value: one activation per handoff.
+        _handed_off: HandedOff,
     ) -> Result<(), ImportError> {
         let i = self.import_index(id)?;
         let im = &mut self.importing[i];

@@ -9,6 +9,7 @@ use custody_audit::{self as audit, RequestKind};
 use custody_kernels::attention::PageRef;
 
 use super::{AdmissionError, Engine, Event, GenerateRequest, Goal, RequestId, Seq};
+use crate::kv::{GrantError, SendGrant};
 
 /// The engine of a prefill node (see the module docs).
 #[derive(Debug)]
@@ -49,6 +50,14 @@ impl PrefillEngine {
             .iter()
             .find(|s| s.id == id)
             .map(|s| (&s.pages[..], s.n_cached))
+    }
+
+    /// The capability to read a held (prefilled) request's prompt pages for its transfer: the
+    /// pages holding its `n_cached` written slots, in their current generations. `None` if `id`
+    /// is not held; an error if the pool's tags no longer back the grant.
+    pub fn send_grant(&self, id: RequestId) -> Option<Result<SendGrant, GrantError>> {
+        let s = self.held.iter().find(|s| s.id == id)?;
+        Some(self.core.pool.grant_send(&s.reader(), &s.pages, s.n_cached))
     }
 
     /// The transfer of a held request is over (every write completed or failed): release its

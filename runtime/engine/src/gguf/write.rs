@@ -361,6 +361,7 @@ mod tests {
     use super::*;
     use crate::gguf::Gguf;
     use crate::model::{Model, ModelConfig};
+    use custody_transport::Discard;
 
     fn read_back(w: &GgufWriter) -> Gguf {
         let dir = std::env::temp_dir().join(format!("custody-gguf-write-{}", std::process::id()));
@@ -368,7 +369,7 @@ mod tests {
         let path = dir.join(format!("{:p}.gguf", w));
         w.write(&path).expect("write");
         let g = Gguf::open(&path).expect("read back");
-        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::remove_dir_all(&dir).discard("a leftover temporary directory is harmless");
         g
     }
 

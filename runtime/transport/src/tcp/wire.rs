@@ -9,6 +9,7 @@
 //! decrypt): neither holds the lock while it waits for the other's progress, so the pair cannot
 //! deadlock on TCP flow control.
 
+use crate::Discard;
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
@@ -144,7 +145,8 @@ impl Wire {
             Self::Plain(s) => s,
             Self::Tls(t) => &t.sock,
         };
-        let _ = s.shutdown(Shutdown::Both);
+        s.shutdown(Shutdown::Both)
+            .discard("shutting down a socket that may already be gone");
     }
 }
 
@@ -173,7 +175,9 @@ impl TlsServerWire {
             }
             if let Err(e) = self.conn.process_new_packets() {
                 tracing::warn!(error = %e, "KV transport TLS: bad record, closing");
-                let _ = self.conn.write_tls(&mut self.sock); // the alert, best effort
+                self.conn
+                    .write_tls(&mut self.sock)
+                    .discard("the TLS close alert is best effort: the peer may be gone");
                 return Io::Closed;
             }
         }
@@ -230,7 +234,8 @@ impl SendWire {
         let s = match self {
             Self::Plain(s) | Self::Tls { sock: s, .. } => s,
         };
-        let _ = s.shutdown(Shutdown::Both);
+        s.shutdown(Shutdown::Both)
+            .discard("shutting down a socket that may already be gone");
     }
 }
 
