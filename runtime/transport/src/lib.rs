@@ -392,3 +392,56 @@ impl<T, E> Discard for Result<T, E> {
         }
     }
 }
+
+/// A post's work-request chain, validated before anything is built, sent or posted (a post is
+/// all or nothing) — the one validation every transport shares: at most `max_chain` requests,
+/// each an RDMA write (with or without immediate data) with a well-formed scatter/gather list
+/// of at most `max_sge` entries. Returns the requests in chain order.
+///
+/// # Safety
+/// As [`KvTransport::post_write`]: every `next` and `sg_list` pointer of the chain valid for
+/// the lifetime `'a`.
+pub(crate) unsafe fn validated_chain<'a>(
+    first: &'a SendWr,
+    max_chain: usize,
+    max_sge: usize,
+) -> Result<Vec<&'a SendWr>, TransportError> {
+    let mut chain: Vec<&'a SendWr> = Vec::new();
+    let mut wr: *const SendWr = first;
+    while !wr.is_null() {
+        if chain.len() >= max_chain {
+            return Err(TransportError::InvalidWr(format!(
+                "chain longer than {max_chain} work requests"
+            )));
+        }
+        // SAFETY: the caller guarantees the chain's pointers are valid for 'a.
+        let w: &'a SendWr = unsafe { &*wr };
+        if w.opcode != abi::WR_RDMA_WRITE && w.opcode != abi::WR_RDMA_WRITE_WITH_IMM {
+            return Err(TransportError::InvalidWr(format!("opcode {}", w.opcode)));
+        }
+        if w.num_sge < 0 || (w.num_sge > 0 && w.sg_list.is_null()) {
+            return Err(TransportError::InvalidWr("bad scatter/gather list".into()));
+        }
+        if w.num_sge as usize > max_sge {
+            return Err(TransportError::InvalidWr(format!(
+                "{} scatter/gather entries, at most {max_sge}",
+                w.num_sge
+            )));
+        }
+        chain.push(w);
+        wr = w.next;
+    }
+    Ok(chain)
+}
+
+/// The scatter/gather entries of a request of a [`validated_chain`].
+///
+/// # Safety
+/// `w` comes from [`validated_chain`], whose caller guaranteed its `sg_list` valid as long as `w`.
+pub(crate) unsafe fn sges_of(w: &SendWr) -> &[abi::Sge] {
+    if w.num_sge == 0 {
+        return &[];
+    }
+    // SAFETY: `num_sge` (validated non-negative) entries at `sg_list` (validated non-null).
+    unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) }
+}

@@ -49,9 +49,7 @@ pub use super::TargetStats;
 
 #[cfg(feature = "fault-injection")]
 use super::FaultInjection;
-use super::abi::{
-    self, SEND_SIGNALED, SendWr, WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, Wc, wc_opcode, wc_status,
-};
+use super::abi::{self, SEND_SIGNALED, SendWr, WR_RDMA_WRITE_WITH_IMM, Wc, wc_opcode, wc_status};
 use super::pairing::random_u32;
 use super::{KeyInvalidated, KvTransport, Pairing, Region, TargetMemory, TransportError};
 
@@ -436,40 +434,15 @@ impl TcpTransport {
         if !self.init.alive.load(Ordering::Acquire) {
             return Err(TransportError::Disconnected);
         }
-        // Validate the whole chain before anything goes on the wire: a post is all or nothing.
-        let mut wr: *const SendWr = first;
-        let mut n = 0;
-        while !wr.is_null() {
-            n += 1;
-            if n > MAX_CHAIN {
-                return Err(TransportError::InvalidWr(format!(
-                    "chain longer than {MAX_CHAIN}"
-                )));
-            }
-            // SAFETY: the caller of `post_write` guarantees the chain's pointers are valid.
-            let w = unsafe { &*wr };
-            if w.opcode != WR_RDMA_WRITE && w.opcode != WR_RDMA_WRITE_WITH_IMM {
-                return Err(TransportError::InvalidWr(format!("opcode {}", w.opcode)));
-            }
-            if w.num_sge < 0 || (w.num_sge > 0 && w.sg_list.is_null()) {
-                return Err(TransportError::InvalidWr("bad scatter/gather list".into()));
-            }
-            wr = w.next;
-        }
+        // SAFETY: the caller of `post_write` guarantees the chain's pointers are valid.
+        let chain = unsafe { crate::validated_chain(first, MAX_CHAIN, usize::MAX) }?;
         // The whole chain goes out in one vectored write (few syscalls per page): first every
         // frame header, then the gather list interleaving headers and payloads.
-        let mut hdrs: Vec<[u8; WR_HDR]> = Vec::new();
-        let mut lists: Vec<&[abi::Sge]> = Vec::new();
-        let mut wr: *const SendWr = first;
-        while !wr.is_null() {
-            // SAFETY: validated above; see `post_write`.
-            let w = unsafe { &*wr };
-            let sges: &[abi::Sge] = if w.num_sge == 0 {
-                &[]
-            } else {
-                // SAFETY: `num_sge` entries at `sg_list` (validated non-null when num_sge > 0).
-                unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) }
-            };
+        let mut hdrs: Vec<[u8; WR_HDR]> = Vec::with_capacity(chain.len());
+        let mut lists: Vec<&[abi::Sge]> = Vec::with_capacity(chain.len());
+        for &w in &chain {
+            // SAFETY: `w` is of the validated chain.
+            let sges = unsafe { crate::sges_of(w) };
             let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
             if total > u64::from(MAX_WRITE_BYTES) {
                 return Err(TransportError::InvalidWr(format!(
@@ -487,19 +460,14 @@ impl TcpTransport {
             hdr[36..40].copy_from_slice(&(total as u32).to_le_bytes());
             hdrs.push(hdr);
             lists.push(sges);
-            wr = w.next;
         }
         // Outstanding before the bytes go: an acknowledgement can arrive before this returns.
-        let mut wr: *const SendWr = first;
-        while !wr.is_null() {
-            // SAFETY: validated above.
-            let w = unsafe { &*wr };
+        for w in &chain {
             if w.send_flags & SEND_SIGNALED != 0
                 && let Ok(mut o) = self.init.outstanding.lock()
             {
                 o.insert(w.wr_id);
             }
-            wr = w.next;
         }
         // The frames go out in vectored writes of about WRITE_BYTES_GROUP each (whole frames):
         // a long chain (several pages) streams as the receiver drains it, page by page, instead

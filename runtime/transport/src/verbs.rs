@@ -970,42 +970,14 @@ unsafe fn translate_chain(
     lkey_for: impl Fn(u64, u64) -> Option<u32>,
 ) -> Result<PostBatch, TransportError> {
     // Pass 1: validate everything before anything is built or posted.
-    let mut chain: Vec<&SendWr> = Vec::new();
-    let mut total_sges = 0usize;
-    let mut wr: *const SendWr = first;
-    while !wr.is_null() {
-        if chain.len() >= max_chain {
-            return Err(TransportError::InvalidWr(format!(
-                "chain longer than the send queue ({max_chain})"
-            )));
-        }
-        // SAFETY: the caller guarantees the chain's pointers are valid.
-        let w = unsafe { &*wr };
-        if w.opcode != WR_RDMA_WRITE && w.opcode != WR_RDMA_WRITE_WITH_IMM {
-            return Err(TransportError::InvalidWr(format!("opcode {}", w.opcode)));
-        }
-        if w.num_sge < 0 || (w.num_sge > 0 && w.sg_list.is_null()) {
-            return Err(TransportError::InvalidWr("bad scatter/gather list".into()));
-        }
-        if w.num_sge as usize > max_sge {
-            return Err(TransportError::InvalidWr(format!(
-                "{} scatter/gather entries, at most {max_sge}",
-                w.num_sge
-            )));
-        }
-        total_sges += w.num_sge as usize;
-        chain.push(w);
-        wr = w.next;
-    }
+    // SAFETY: the caller guarantees the chain's pointers are valid.
+    let chain = unsafe { crate::validated_chain(first, max_chain, max_sge) }?;
+    let total_sges: usize = chain.iter().map(|w| w.num_sge as usize).sum();
     // Pass 2: the SGEs (resolving lkey 0), then the work requests pointing into them.
     let mut sges: Vec<ibv_sge> = Vec::with_capacity(total_sges);
     for w in &chain {
-        if w.num_sge == 0 {
-            continue;
-        }
-        // SAFETY: `num_sge` entries at `sg_list` (validated non-null above).
-        let list = unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) };
-        for s in list {
+        // SAFETY: `w` is of the validated chain.
+        for s in unsafe { crate::sges_of(w) } {
             let lkey = if s.lkey != 0 || s.length == 0 {
                 s.lkey
             } else {
