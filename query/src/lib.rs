@@ -22,6 +22,8 @@ pub mod checkpoints;
 pub mod distributed;
 pub mod forensics;
 pub mod report;
+#[cfg(feature = "repl")]
+pub mod repl;
 pub mod source;
 
 pub use source::AuditRoot;
