@@ -21,9 +21,9 @@
 pub mod checkpoints;
 pub mod distributed;
 pub mod forensics;
-pub mod report;
 #[cfg(feature = "repl")]
 pub mod repl;
+pub mod report;
 pub mod source;
 
 pub use source::AuditRoot;

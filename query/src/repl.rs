@@ -286,4 +286,3 @@ pub fn count_unexplained(results: &[Vec<RecordBatch>]) -> Result<(usize, usize),
     }
     Ok((bad, explained))
 }
-
