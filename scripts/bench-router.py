@@ -86,8 +86,10 @@ def main():
           'decode_transport = "127.0.0.1:17172"\n[audit]\nnode = 2\n')
     write(f"{work}/prefill.toml", eng + TLS + '[disagg]\nprefill_listen = "127.0.0.1:17170"\n'
           '[[disagg.decode]]\nnode = 2\ncontrol = "127.0.0.1:17171"\n[audit]\nnode = 1\n')
-    write(f"{work}/front.toml", eng + TLS + serve_section(17180, 'prefill = "http://127.0.0.1:17170"\n'))
-    write(f"{work}/router.toml", eng + TLS + serve_section(17181) +
+    # Without their own logs, the fronts run with --no-audit, which their configs must allow.
+    consent = "[audit]\nallow_no_audit = true\n" if a.no_front_audit else ""
+    write(f"{work}/front.toml", eng + TLS + consent + serve_section(17180, 'prefill = "http://127.0.0.1:17170"\n'))
+    write(f"{work}/router.toml", eng + TLS + consent + serve_section(17181) +
           '[fleet]\nprobe_interval_ms = 250\n[[fleet.prefill]]\nnode = 1\nurl = "http://127.0.0.1:17170"\n'
           '[[fleet.decode]]\nnode = 2\nurl = "http://127.0.0.1:17171"\n')
     key = f"{work}/audit.key"
@@ -97,7 +99,7 @@ def main():
     try:
         procs.append(spawn(a.bin, work, "decode", ["decode", "--config", f"{work}/decode.toml", *audit, "--node", "2"]))
         procs.append(spawn(a.bin, work, "prefill", ["prefill", "--config", f"{work}/prefill.toml", *audit, "--node", "1"]))
-        own = [] if a.no_front_audit else audit
+        own = ["--no-audit"] if a.no_front_audit else audit
         procs.append(spawn(a.bin, work, "front", ["serve", "--config", f"{work}/front.toml", *own, "--node", "8"]))
         procs.append(spawn(a.bin, work, "router", ["serve", "--config", f"{work}/router.toml", *own, "--node", "9"]))
         fronts = {"pair front (no routing)": "http://127.0.0.1:17180", "router (1 x 1 fleet)": "http://127.0.0.1:17181"}

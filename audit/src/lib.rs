@@ -16,6 +16,8 @@ pub mod checkpoint;
 #[cfg(feature = "writer")]
 pub mod config;
 #[cfg(feature = "writer")]
+pub mod defaults;
+#[cfg(feature = "writer")]
 pub mod digest;
 #[cfg(feature = "writer")]
 pub mod schema;

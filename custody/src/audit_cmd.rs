@@ -140,6 +140,50 @@ fn read_checkpoints(place: &str) -> Result<Vec<(custody_audit::checkpoint::Check
     Ok(out)
 }
 
+/// `custody audit verify`'s arguments.
+#[derive(clap::Args, Debug)]
+pub(crate) struct VerifyArgs {
+    root: PathBuf,
+    /// Expected public key (hex file from `keygen`). Without it, each chain is checked against
+    /// the key named in its own first digest (trust on first use): the verdict says
+    /// UNAUTHENTICATED and the exit code is 3 (unless --allow-tofu).
+    #[arg(long)]
+    public_key: Option<PathBuf>,
+    /// Accept a verification without --public-key (trust on first use): exit 0 when nothing
+    /// else is wrong; the verdict line still says UNAUTHENTICATED.
+    #[arg(long)]
+    allow_tofu: bool,
+    /// Only digests sealed at or after this UTC time (`YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ`).
+    #[arg(long)]
+    from: Option<String>,
+    /// Only digests sealed before this UTC time.
+    #[arg(long)]
+    to: Option<String>,
+    /// A checkpoint kept outside the root — a file (a checkpoint place's `node=<n>.json`,
+    /// or a log collector's lines) or `s3://bucket/prefix`; repeatable. Those inside the
+    /// root (`_checkpoints/`, other nodes' logs) are always read.
+    #[arg(long)]
+    expect_checkpoint: Vec<String>,
+    /// A node whose log must be in the root; repeatable.
+    #[arg(long)]
+    expect_node: Vec<u32>,
+    /// Every node's newest sealing or checkpoint must be at most this many seconds old at
+    /// `--now` (report a stale log).
+    #[arg(long)]
+    max_age_s: Option<u64>,
+    /// The time `--max-age-s` is measured at (UTC; default: now).
+    #[arg(long)]
+    now: Option<String>,
+    /// `N=FILE`: the expected public key of node N, over `--public-key` — for a root that
+    /// holds other nodes' logs (a peer's, the witness's), whose kept checkpoints then count.
+    /// Repeatable.
+    #[arg(long)]
+    node_key: Vec<String>,
+}
+
+/// `audit verify`'s exit code when nothing is wrong but no key was pinned (trust on first use).
+const EXIT_UNAUTHENTICATED: u8 = 3;
+
 #[derive(Subcommand, Debug)]
 pub(crate) enum AuditCmd {
     /// Create an Ed25519 signing key (hex seed, mode 0600) and its public key (`<out>.pub`).
@@ -147,40 +191,15 @@ pub(crate) enum AuditCmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Verify the digest chain and every sealed file under an audit root. Exit code 1 on any
-    /// problem.
-    Verify {
-        root: PathBuf,
-        /// Expected public key (hex file from `keygen`); default: trust the key in the first digest.
-        #[arg(long)]
-        public_key: Option<PathBuf>,
-        /// Only digests sealed at or after this UTC time (`YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ`).
-        #[arg(long)]
-        from: Option<String>,
-        /// Only digests sealed before this UTC time.
-        #[arg(long)]
-        to: Option<String>,
-        /// A checkpoint kept outside the root — a file (a checkpoint place's `node=<n>.json`,
-        /// or a log collector's lines) or `s3://bucket/prefix`; repeatable. Those inside the
-        /// root (`_checkpoints/`, other nodes' logs) are always read.
-        #[arg(long)]
-        expect_checkpoint: Vec<String>,
-        /// A node whose log must be in the root; repeatable.
-        #[arg(long)]
-        expect_node: Vec<u32>,
-        /// Every node's newest sealing or checkpoint must be at most this many seconds old at
-        /// `--now` (report a stale log).
-        #[arg(long)]
-        max_age_s: Option<u64>,
-        /// The time `--max-age-s` is measured at (UTC; default: now).
-        #[arg(long)]
-        now: Option<String>,
-        /// `N=FILE`: the expected public key of node N, over `--public-key` — for a root that
-        /// holds other nodes' logs (a peer's, the witness's), whose kept checkpoints then count.
-        /// Repeatable.
-        #[arg(long)]
-        node_key: Vec<String>,
-    },
+    /// Verify the digest chain and every sealed file under an audit root
+    ///
+    /// Exit codes: 0 verified against a pinned key (`--public-key`); 1 any problem;
+    /// 3 no problem found but UNAUTHENTICATED — no `--public-key` was given, so each chain was
+    /// checked only against the key named in its own first digest (trust on first use: whoever
+    /// rewrote the whole log with a key of their own would pass). `--allow-tofu` accepts that
+    /// (exit 0; the verdict still says UNAUTHENTICATED).
+    #[command(verbatim_doc_comment)]
+    Verify(VerifyArgs),
     /// Generate a realistic synthetic log (many tenants, long contexts, page reuse) through the
     /// real writers, with injected exposures whose answers go to `<out>/synth-truth.json`.
     Synth(crate::synth_cmd::SynthArgs),
@@ -211,72 +230,90 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             );
             Ok(())
         }
-        AuditCmd::Verify {
-            root,
-            public_key,
-            from,
-            to,
-            expect_checkpoint,
-            expect_node,
-            max_age_s,
-            now,
-            node_key,
-        } => {
-            let key = public_key
-                .as_deref()
-                .map(digest::read_verifying_key)
-                .transpose()
-                .map_err(anyhow::Error::msg)?;
-            let from = from.as_deref().map(parse_utc).transpose()?;
-            let to = to.as_deref().map(parse_utc).transpose()?;
-            if !root.is_dir() {
-                bail!("audit root {} is not a directory", root.display());
-            }
-            let mut expect =
-                expectations(&expect_checkpoint, expect_node, max_age_s, now.as_deref())?;
-            expect.node_keys = node_keys(&node_key)?;
-            let r = verify_showing_progress(&root, key.as_ref(), from, to, &expect);
-            if key.is_none() {
-                eprintln!(
-                    "note: no --public-key given; signatures were checked against the key named in each node's first digest"
-                );
-            }
-            println!("valid digests: {}", r.valid_digests);
-            println!("valid files:   {}", r.valid_files);
-            println!("checkpoints:   {}", r.checkpoints);
-            for (node, place) in &r.newest_checkpoints {
-                println!("  node {node}: newest checkpoint from {place}");
-            }
-            if r.checkpoints == 0 {
-                println!(
-                    "note: no checkpoint found: a deletion of the newest sealings cannot be seen (keep checkpoints outside the root and pass --expect-checkpoint)"
-                );
-            }
-            for p in &r.live_segments {
-                println!(
-                    "unsealed live segment (recoverable, not yet covered by a digest): {}",
-                    p.display()
-                );
-            }
-            for p in &r.problems {
-                println!("FAIL: {p}");
-            }
-            if r.ok() {
-                println!("audit log verified: OK");
-                Ok(())
-            } else {
-                println!(
-                    "audit log verification FAILED: {} problem(s)",
-                    r.problems.len()
-                );
-                std::process::exit(1);
-            }
-        }
+        AuditCmd::Verify(v) => verify(v),
         AuditCmd::Bench {
             events,
             dir,
             witness,
-        } => crate::bench::audit::audit_bench(events, dir, witness),
+        } => Ok(custody_bench::audit::audit_bench(events, dir, witness)?),
         AuditCmd::Synth(a) => crate::synth_cmd::synth(a),
     }
+}
+
+/// `custody audit verify`: the report, then the verdict line and its exit code.
+fn verify(v: VerifyArgs) -> Result<()> {
+    let key = v
+        .public_key
+        .as_deref()
+        .map(digest::read_verifying_key)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let from = v.from.as_deref().map(parse_utc).transpose()?;
+    let to = v.to.as_deref().map(parse_utc).transpose()?;
+    if !v.root.is_dir() {
+        bail!("audit root {} is not a directory", v.root.display());
+    }
+    let mut expect = expectations(
+        &v.expect_checkpoint,
+        v.expect_node,
+        v.max_age_s,
+        v.now.as_deref(),
+    )?;
+    expect.node_keys = node_keys(&v.node_key)?;
+    let r = verify_showing_progress(&v.root, key.as_ref(), from, to, &expect);
+    print_report(&r);
+    let code = verdict(&r, key.is_some(), v.allow_tofu);
+    if code == 0 {
+        return Ok(());
+    }
+    std::process::exit(i32::from(code));
+}
+
+/// What the verification found, before its verdict.
+fn print_report(r: &digest::Report) {
+    println!("valid digests: {}", r.valid_digests);
+    println!("valid files:   {}", r.valid_files);
+    println!("checkpoints:   {}", r.checkpoints);
+    for (node, place) in &r.newest_checkpoints {
+        println!("  node {node}: newest checkpoint from {place}");
+    }
+    if r.checkpoints == 0 {
+        println!(
+            "note: no checkpoint found: a deletion of the newest sealings cannot be seen (keep checkpoints outside the root and pass --expect-checkpoint)"
+        );
+    }
+    for p in &r.live_segments {
+        println!(
+            "unsealed live segment (recoverable, not yet covered by a digest): {}",
+            p.display()
+        );
+    }
+    for p in &r.problems {
+        println!("FAIL: {p}");
+    }
+}
+
+/// The verdict line and the exit code: 1 on any problem; without a pinned key, UNAUTHENTICATED
+/// and [`EXIT_UNAUTHENTICATED`] (0 with `--allow-tofu`); else OK and 0.
+fn verdict(r: &digest::Report, pinned: bool, allow_tofu: bool) -> u8 {
+    if !r.ok() {
+        println!(
+            "audit log verification FAILED: {} problem(s)",
+            r.problems.len()
+        );
+        return 1;
+    }
+    if pinned {
+        println!("audit log verified: OK");
+        return 0;
+    }
+    let accepted = if allow_tofu {
+        "accepted with --allow-tofu"
+    } else {
+        "pass --public-key to authenticate it, or --allow-tofu to accept this"
+    };
+    println!(
+        "audit log verified: UNAUTHENTICATED (consistent, but no --public-key: each chain was checked against the key in its own first digest; {accepted})"
+    );
+    if allow_tofu { 0 } else { EXIT_UNAUTHENTICATED }
 }

@@ -79,6 +79,16 @@ impl Config {
         }
     }
 
+    /// [`Config::unsafe_switches`] without its log lines: for a caller that says so in its own
+    /// output (the demo).
+    pub(crate) fn armed_switches(&self, armed: bool) -> UnsafeReproduction {
+        if armed {
+            self.unsafe_reproduction.clone()
+        } else {
+            UnsafeReproduction::default()
+        }
+    }
+
     /// Read, parse (unknown fields are errors) and validate the sections that validate.
     pub(crate) fn load(path: &Path) -> Result<Self, LoadError> {
         let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {

@@ -13,14 +13,12 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use custody_runtime::config::UnsafeReproduction;
 use custody_runtime::disagg::client::{Pair, PairOptions};
-use custody_runtime::disagg::decode::DecodeOptions;
-use custody_runtime::disagg::prefill::PrefillOptions;
 use custody_runtime::{Engine, GenerateRequest, Model, SamplingParams, Tokenizer};
 
 use crate::config::Config;
@@ -96,6 +94,24 @@ fn workload(tok: &Tokenizer) -> Result<Vec<Job>> {
     Ok(jobs)
 }
 
+/// The demo's log file in `--out`: the nodes' log lines go there, not between its progress lines
+/// (unless `RUST_LOG` or `CUSTODY_LOG` asks for them on stderr).
+pub(crate) const LOG_FILE: &str = "demo.log";
+
+/// The log file for `custody demo` (`<out>/demo.log`, created), or `None` when it cannot be made
+/// (the logs then stay on stderr).
+pub(crate) fn log_file(a: &DemoArgs) -> Option<std::fs::File> {
+    std::fs::create_dir_all(&a.out).ok()?;
+    std::fs::File::create(a.out.join(LOG_FILE)).ok()
+}
+
+/// What the incident run arms, said once in the demo's own output (the nodes' ERROR lines about
+/// it go to the log file).
+const UNSAFE_WORDS: &str = "      UNSAFE on purpose: this run recreates the incident. The nodes' KV pools are too small \
+for one context, an over-length prompt is truncated instead of rejected, and the page tag check \
+and transfer checksum are off, so one tenant's response can be computed from another's pages. \
+Never run a real node with --unsafe-reproduction.";
+
 struct Run {
     name: &'static str,
     prefill_cfg: &'static str,
@@ -147,6 +163,7 @@ pub(crate) fn demo(a: DemoArgs) -> Result<()> {
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
         &fingerprint[..12]
     );
+    println!("(the nodes' logs: {})\n", a.out.join(LOG_FILE).display());
     let mut summaries = Vec::new();
     for (i, run) in RUNS.iter().enumerate() {
         println!(
@@ -161,6 +178,9 @@ pub(crate) fn demo(a: DemoArgs) -> Result<()> {
                 ", every protection on"
             }
         );
+        if run.armed {
+            println!("{UNSAFE_WORDS}");
+        }
         let root = a.out.join(run.name).join("audit");
         serve(run, &root, &a, &jobs, &fingerprint, load)?;
         let (summary, report) = forensics(&root, &a.out.join(format!("report-{}.html", run.name)))?;
@@ -203,7 +223,7 @@ fn serve(
     {
         let path = a.configs.join(file);
         let cfg = Config::load(&path).with_context(|| format!("loading {}", path.display()))?;
-        let unsafe_ = cfg.unsafe_switches(run.armed);
+        let unsafe_ = cfg.armed_switches(run.armed);
         let mut engine = Engine::new_with_unsafe(load()?, cfg.engine.clone(), &unsafe_)
             .with_context(|| format!("starting the {role} engine from {}", path.display()))?;
         engine.set_release_fill(cfg.disagg.release_fill);
@@ -211,7 +231,7 @@ fn serve(
             custody_audit::writer::WriterConfig::new(root, node as u32 + 1, key.clone()),
         )?);
         engine = engine.with_audit(w.clone());
-        crate::disagg_cmd::record_start(&mut engine, role, fingerprint, &unsafe_);
+        custody_runtime::disagg::node::record_start(&mut engine, role, fingerprint, &unsafe_);
         println!(
             "      {role} node {}: context {} tokens, pool {} tokens{}",
             node + 1,
@@ -229,35 +249,8 @@ fn serve(
     }
     let de = engines.pop().context("decode engine")?;
     let pe = engines.pop().context("prefill engine")?;
-    let opts = PairOptions {
-        prefill: PrefillOptions {
-            node_id: 1,
-            unsafe_: unsafe_all.clone(),
-            fingerprint: fingerprint.to_owned(),
-            reserve_wait: Duration::from_secs(30),
-            transport_kind: Default::default(),
-            kv_encryption: Default::default(),
-            checkpoints: None,
-            namespaces: None,
-            drain: Default::default(),
-        },
-        decode: DecodeOptions {
-            node_id: 2,
-            transport_listen: "127.0.0.1:0".parse()?,
-            transport_kind: Default::default(),
-            kv_encryption: Default::default(),
-            checksum: true,
-            reservation_lease: Duration::from_secs(30),
-            unsafe_: unsafe_all,
-            fingerprint: fingerprint.to_owned(),
-            checkpoints: None,
-            drain: Default::default(),
-        },
-        fleet: Some(std::sync::Arc::new(
-            custody_runtime::disagg::tls::Fleet::new("custody demo fleet", 2)?,
-        )),
-        transport_encryption: false,
-    };
+    let fleet = custody_runtime::disagg::tls::Fleet::new("custody demo fleet", 2)?;
+    let opts = PairOptions::loopback(fingerprint, unsafe_all, Some(Arc::new(fleet)));
     let pair = Pair::start(pe, de, opts).context("starting the prefill/decode pair")?;
     for (n, job) in jobs.iter().enumerate() {
         let t0 = Instant::now();

@@ -9,7 +9,8 @@ use custody_runtime::SamplingParams;
 use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::tokenizer::StreamDecoder;
 
-use crate::common::{AuditArgs, Common, Loaded, load, open_audit};
+use crate::audit_open::{AuditArgs, open_audit};
+use crate::common::{Common, Loaded, load};
 
 #[derive(Args, Debug)]
 pub(crate) struct GenerateArgs {

@@ -6,7 +6,6 @@
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
-use custody_kernels::DType;
 use custody_runtime::cuda_check::{self, Agreement};
 use custody_runtime::gguf::write::Synthetic;
 
@@ -72,13 +71,7 @@ fn report(a: &Agreement) {
 
 fn forward(ordinal: usize) -> Result<()> {
     let mut failed = 0;
-    for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-    ] {
+    for dtype in cuda_check::FORWARD_DTYPES {
         let model = cuda_check::load(&Synthetic::tiny(dtype, 7))?;
         let first = cuda_check::compare_with_cpu(open(ordinal)?, &model, dtype, 6)?;
         let again = cuda_check::compare_with_cpu(open(ordinal)?, &model, dtype, 6)?;
@@ -100,19 +93,7 @@ fn forward(ordinal: usize) -> Result<()> {
 }
 
 fn speed(ordinal: usize) -> Result<()> {
-    // ~110 M weights: big enough for the device to matter, small enough to build here quickly.
-    let s = Synthetic {
-        n_layers: 8,
-        dim: 1024,
-        ffn_dim: 2816,
-        n_heads: 16,
-        n_kv_heads: 4,
-        vocab: 8192,
-        context_length: 2048,
-        dtype: DType::Q8_0,
-        untied_output: true,
-        seed: 1,
-    };
+    let s = cuda_check::speed_model();
     let model = cuda_check::load(&s)?;
     let a = cuda_check::compare_with_cpu(open(ordinal)?, &model, s.dtype, 16)?;
     report(&a);

@@ -1,7 +1,8 @@
 //! `custody`: a thin binary over the Custody crates — argument parsing and dispatch only; each
-//! subcommand lives in its own file (`*_cmd.rs`), the benchmarks in `bench/`, what several
-//! share in `common.rs`. `main → try_main`; exit code 0 on success, 1 on any error (printed as
-//! a chain to stderr), 2 on usage errors (clap).
+//! subcommand lives in its own file (`*_cmd.rs`), the benchmarks in `custody-bench`, what
+//! several share in `common.rs`, the audit writer in `audit_open.rs`. `main → try_main`; exit code 0 on success, 1 on any error (printed as
+//! a chain to stderr), 2 on usage errors (clap), 3 from `audit verify` when the log is consistent
+//! but unauthenticated (no `--public-key`; `--allow-tofu` accepts it).
 
 use std::process::ExitCode;
 
@@ -9,7 +10,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod audit_cmd;
-mod bench;
+mod audit_open;
+mod bench_cmd;
 mod certs_cmd;
 #[cfg(feature = "cluster")]
 mod cluster_cmd;
@@ -88,7 +90,7 @@ enum Cmd {
     #[command(verbatim_doc_comment)]
     Validate(serve_cmd::ValidateArgs),
     /// Measure prefill and decode throughput (tokens/s) and the cost of the tag check.
-    Bench(bench::engine::BenchArgs),
+    Bench(bench_cmd::BenchCmd),
     /// Check the CUDA backend on this machine's GPU against the CPU backend
     ///
     /// Stages: `device` (open it, compile the kernels with NVRTC), `forward` (synthetic models
@@ -116,13 +118,13 @@ enum Cmd {
     ///
     /// KV transfer on loopback vs memcpy (with and without checksum), time to first token and
     /// decode tok/s disaggregated vs colocated, and the cost of zero/canary fill on release.
-    BenchDisagg(bench::disagg::BenchDisaggArgs),
+    BenchDisagg(custody_bench::disagg::BenchDisaggArgs),
     /// Benchmark the router's decision: ns per routing decision at 1×1 to 64×64 nodes
     ///
     /// The router's own code (registry lock, checks, cache-aware prefill choice, power of two
     /// choices for decode) on synthetic ready nodes; see BENCHMARKS.md for the latency a
     /// request gains through it and the policy's simulated balance at 64×64.
-    BenchRouter(bench::router::BenchRouterArgs),
+    BenchRouter(custody_bench::router::BenchRouterArgs),
     /// A fleet's CA and node certificates for mutual TLS between its processes
     ///
     /// Creates (or reuses) `<out>/ca.pem` and `ca.key`, and for each `--node ROLE:ID` a
@@ -199,14 +201,39 @@ fn init_logging(cli: &Cli) {
     ) || is_cluster_process(&cli.cmd);
     let base = if daemon { 2 } else { 1 };
     let level = LEVELS[(base + usize::from(cli.verbose)).min(LEVELS.len() - 1)];
-    let filter = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
-        .or_else(|_| tracing_subscriber::EnvFilter::try_from_env("CUSTODY_LOG"))
-        .unwrap_or_else(|_| level.into());
+    let explicit = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_env("CUSTODY_LOG"));
+    if explicit.is_err()
+        && let Some(file) = own_log_file(&cli.cmd)
+    {
+        // The demo's progress lines alone on the terminal; its nodes' logs (info) in a file.
+        tracing_subscriber::fmt()
+            .with_writer(std::sync::Mutex::new(file))
+            .with_ansi(false)
+            .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+            .init();
+        return;
+    }
+    let filter = explicit.unwrap_or_else(|_| level.into());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(filter)
         .init();
+}
+
+/// A command whose logs go to a file of its own (the demo's), not between its output's lines.
+#[cfg(feature = "forensics")]
+fn own_log_file(cmd: &Cmd) -> Option<std::fs::File> {
+    match cmd {
+        Cmd::Demo(a) => demo_cmd::log_file(a),
+        _ => None,
+    }
+}
+
+#[cfg(not(feature = "forensics"))]
+fn own_log_file(_: &Cmd) -> Option<std::fs::File> {
+    None
 }
 
 #[cfg(feature = "cluster")]
@@ -224,13 +251,13 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => generate_cmd::generate(a),
         Cmd::Serve(a) => serve_cmd::serve(a),
         Cmd::Validate(a) => serve_cmd::validate(a),
-        Cmd::Bench(a) => bench::engine::bench(a),
+        Cmd::Bench(a) => bench_cmd::bench(a),
         Cmd::GpuCheck(a) => gpu_check_cmd::gpu_check(a),
         Cmd::Audit(a) => audit_cmd::audit_cmd(a),
         Cmd::Prefill(a) => disagg_cmd::prefill(a),
         Cmd::Decode(a) => disagg_cmd::decode(a),
-        Cmd::BenchDisagg(a) => bench::disagg::bench_disagg(a),
-        Cmd::BenchRouter(a) => bench::router::bench_router(a),
+        Cmd::BenchDisagg(a) => Ok(custody_bench::disagg::bench_disagg(a)?),
+        Cmd::BenchRouter(a) => Ok(custody_bench::router::bench_router(a)?),
         Cmd::Certs(a) => certs_cmd::certs(a),
         Cmd::Probe(a) => probe_cmd::probe(a),
         #[cfg(feature = "forensics")]

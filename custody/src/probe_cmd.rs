@@ -138,7 +138,7 @@ pub(crate) fn probe(a: ProbeArgs) -> Result<()> {
             })?;
     }
     for dir in &a.checkpoints_from {
-        crate::common::relay_checkpoints(dir.clone(), writer.clone(), Some(stop.clone()))?;
+        crate::audit_open::relay_checkpoints(dir.clone(), writer.clone(), Some(stop.clone()))?;
     }
     eprintln!(
         "recording into {} as node {node}; Ctrl-C to stop",

@@ -11,7 +11,8 @@ use custody_audit::writer::AuditWriter;
 use custody_server::tenants::{generate_key, hash_key};
 use custody_server::{AuditStats, ServeOptions};
 
-use crate::common::{AuditArgs, Common, Loaded, load, open_audit};
+use crate::audit_open::{AuditArgs, Serving, open_serving_audit};
+use crate::common::{Common, Loaded, load};
 
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -36,6 +37,11 @@ pub(crate) struct ServeArgs {
     /// log's `node_events`.
     #[arg(long)]
     unsafe_reproduction: bool,
+    /// Serve WITHOUT an audit log (the default records into the default root): logged at
+    /// ERROR, `custody_audit_disabled 1` in /metrics, `degraded` in /health/ready. Refused in
+    /// front of a pair or as a fleet's router unless the config has `[audit] allow_no_audit = true`.
+    #[arg(long, conflicts_with_all = ["audit_dir", "audit_key"])]
+    no_audit: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -114,7 +120,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         return serve_router(&a, serve_cfg, &cfg);
     }
     if !serve_cfg.prefill.is_empty() {
-        return serve_front(&a, serve_cfg, &cfg.tls);
+        return serve_front(&a, serve_cfg, &cfg);
     }
     let unsafe_ = cfg.unsafe_switches(a.unsafe_reproduction);
     let others: Vec<&str> = unsafe_
@@ -138,15 +144,12 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     } else {
         cfg.audit.node
     };
-    let audit = open_audit(&a.audit, Some(&cfg_path))?;
+    let audit =
+        open_serving_audit(&a.audit, a.no_audit, &cfg.audit, Serving::Colocated)?.map(|n| n.writer);
     if let Some(w) = &audit {
         engine = engine.with_audit(w.clone());
         let fingerprint = engine.model().gguf().sha256_hex();
-        crate::disagg_cmd::record_start(&mut engine, "serve", &fingerprint, &unsafe_);
-    } else {
-        tracing::warn!(
-            "audit is OFF ([audit] dir unset and no --audit-dir): page events are not recorded"
-        );
+        custody_runtime::disagg::node::record_start(&mut engine, "serve", &fingerprint, &unsafe_);
     }
     let prepared = custody_server::prepare(engine, pool, tokenizer, &serve_cfg)?;
     let opts = ServeOptions {
@@ -158,6 +161,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         events: None,
         prefix_cache: cfg.prefix_cache.clone(),
         unsafe_shared_prefix_cache: unsafe_.shared_prefix_cache,
+        audit_disabled: audit.is_none(),
     };
     let rt = http_runtime()?;
     let engine = rt.block_on(async {
@@ -170,24 +174,27 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     })?;
     drop(engine);
     if let Some(w) = audit {
-        crate::common::stop_and_seal(&w)?;
+        crate::audit_open::stop_and_seal(&w)?;
         tracing::info!("audit log sealed");
     }
     Ok(())
 }
 
-/// A front's or a router's own log (`--audit-dir`, which needs its own `--node`): only the
-/// explicit flags — the config's `[audit]` section belongs to the engine nodes.
-fn own_audit(a: &ServeArgs, what: &str) -> Result<Option<Arc<custody_audit::writer::AuditWriter>>> {
-    if a.audit.audit_dir.is_none() {
-        return Ok(None);
-    }
-    if a.audit.node == 0 {
+/// A front's or a router's own log: `--audit-dir` (which needs its own `--node`), else the
+/// default root; none only with `--no-audit`, which its config must allow. Of the config's
+/// `[audit]` only `allow_no_audit` applies: the rest belongs to the engine nodes.
+fn own_audit(a: &ServeArgs, cfg: &Config, role: &'static str) -> Result<Option<Arc<AuditWriter>>> {
+    if a.audit.audit_dir.is_some() && a.audit.node == 0 {
         bail!(
-            "{what}, --audit-dir needs this server's own --node id (not a prefill's or decode's)"
+            "as {role}, --audit-dir needs this server's own --node id (not a prefill's or decode's)"
         );
     }
-    open_audit(&a.audit, None)
+    let conf = custody_audit::config::AuditSection {
+        allow_no_audit: cfg.audit.allow_no_audit,
+        ..Default::default()
+    };
+    let opened = open_serving_audit(&a.audit, a.no_audit, &conf, Serving::Fleet(role))?;
+    Ok(opened.map(|n| n.writer))
 }
 
 /// The serving options of a server that runs no engine (a pair's front, a router): its own log
@@ -204,6 +211,7 @@ fn front_options(
         events: audit.map(|w| w.clone() as Arc<dyn custody_audit::AuditSink>),
         prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
+        audit_disabled: audit.is_none(),
     }
 }
 
@@ -217,16 +225,16 @@ fn http_runtime() -> Result<tokio::runtime::Runtime> {
 
 /// `custody serve` in front of a prefill/decode pair: the pair's nodes run the engines and
 /// keep the audit logs of every page; this process authenticates, limits, streams and
-/// validates. With `--audit-dir` (and `--audit-key`, and its own `--node`) it keeps its own log
-/// of what only it sees: canary results and prefill anomalies (`node_events`).
+/// validates. It keeps its own log of what only it sees — canary results and prefill anomalies
+/// (`node_events`) — in `--audit-dir` (with `--audit-key` and its own `--node`) or the default root.
 fn serve_front(
     a: &ServeArgs,
     serve_cfg: custody_server::config::ServeSection,
-    tls: &custody_runtime::disagg::config::TlsSection,
+    cfg: &Config,
 ) -> Result<()> {
+    let audit = own_audit(a, cfg, "pair's front")?;
     // The only role a prefill node takes a tenant from: this server's front certificate.
-    let security = crate::common::fleet_security(tls)?;
-    let audit = own_audit(a, "in front of a pair")?;
+    let security = crate::common::fleet_security(&cfg.tls)?;
     let Loaded {
         engine,
         tokenizer,
@@ -251,23 +259,23 @@ fn serve_front(
         .map_err(anyhow::Error::from)
     });
     if let Some(w) = audit {
-        crate::common::stop_and_seal(&w)?;
+        crate::audit_open::stop_and_seal(&w)?;
         tracing::info!("audit log sealed");
     }
     served
 }
 
 /// `custody serve` as the router of a fleet (`[fleet]`): N prefill × M decode nodes, each
-/// request routed to a pair (`custody_server::fleet`). The router is a node of its own: with
-/// `--audit-dir` (and `--audit-key`, and its own `--node`) it keeps a signed log of every
-/// routing decision, retry and health transition.
+/// request routed to a pair (`custody_server::fleet`). The router is a node of its own: it keeps
+/// a signed log of every routing decision, retry and health transition (in `--audit-dir`, with
+/// `--audit-key` and its own `--node`, or the default root).
 fn serve_router(
     a: &ServeArgs,
     serve_cfg: custody_server::config::ServeSection,
     cfg: &Config,
 ) -> Result<()> {
+    let audit = own_audit(a, cfg, "fleet's router")?;
     let security = crate::common::fleet_security(&cfg.tls)?;
-    let audit = own_audit(a, "a router")?;
     let Loaded {
         engine,
         tokenizer,
@@ -331,7 +339,7 @@ fn serve_router(
     });
     drop(rt);
     if let Some(w) = audit {
-        crate::common::stop_and_seal(&w)?;
+        crate::audit_open::stop_and_seal(&w)?;
         tracing::info!("audit log sealed");
     }
     served

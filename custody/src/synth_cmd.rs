@@ -87,7 +87,7 @@ pub(crate) fn synth(a: SynthArgs) -> Result<()> {
         std::fs::write(&pub_path, digest::hex(key.verifying_key().as_bytes()))
             .with_context(|| format!("writing {}", pub_path.display()))?;
     }
-    let parquet_bytes = parquet_bytes(&a.out)?;
+    let parquet_bytes = custody_bench::parquet_bytes(&a.out)?;
     let summary = serde_json::json!({
         "events": truth.events,
         "requests": truth.requests,
@@ -103,21 +103,4 @@ pub(crate) fn synth(a: SynthArgs) -> Result<()> {
     });
     println!("{summary}");
     Ok(())
-}
-
-/// Bytes of sealed Parquet under `root`.
-pub(crate) fn parquet_bytes(root: &std::path::Path) -> Result<u64> {
-    let mut bytes = 0u64;
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).with_context(|| format!("listing {}", d.display()))? {
-            let p = e?.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "parquet") {
-                bytes += std::fs::metadata(&p)?.len();
-            }
-        }
-    }
-    Ok(bytes)
 }

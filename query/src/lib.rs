@@ -21,6 +21,8 @@
 pub mod checkpoints;
 pub mod distributed;
 pub mod forensics;
+#[cfg(feature = "repl")]
+pub mod repl;
 pub mod report;
 pub mod source;
 

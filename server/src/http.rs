@@ -119,29 +119,39 @@ async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response
 
 /// Readiness (`/health`, `/health/ready`): 200 while serving, 503 while draining, when the
 /// audit log failed (the node serves nothing then), or — a router — while no prefill/decode
-/// pair is routable.
+/// pair is routable. A server run without an audit log (`--no-audit`) is ready but says
+/// `"status": "degraded"`, `"degraded": ["audit_disabled"]`.
 async fn health(State(st): State<Arc<AppState>>) -> Response {
-    let audit_failed = st.backend.gauges().audit_failed.load(Ordering::Relaxed);
-    let draining = st.draining.load(Ordering::Relaxed);
-    let no_pair = match &st.backend {
-        crate::backend::Backend::Fleet(r) => r.ready().is_err(),
-        _ => false,
-    };
-    let status = if audit_failed {
-        "audit_failed"
-    } else if draining {
-        "draining"
-    } else if no_pair {
-        "no_routable_pair"
-    } else {
-        "ok"
-    };
-    let code = if status == "ok" {
+    let status = readiness(&st);
+    let code = if matches!(status, "ok" | "degraded") {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    json_response(code, &json!({ "status": status, "model": st.model_name }))
+    let mut body = json!({ "status": status, "model": st.model_name });
+    if status == "degraded" {
+        body["degraded"] = json!(["audit_disabled"]);
+    }
+    json_response(code, &body)
+}
+
+/// The readiness status: what stops the server serving first, then what it serves without.
+fn readiness(st: &AppState) -> &'static str {
+    let no_pair = match &st.backend {
+        crate::backend::Backend::Fleet(r) => r.ready().is_err(),
+        _ => false,
+    };
+    if st.backend.gauges().audit_failed.load(Ordering::Relaxed) {
+        "audit_failed"
+    } else if st.draining.load(Ordering::Relaxed) {
+        "draining"
+    } else if no_pair {
+        "no_routable_pair"
+    } else if st.metrics.audit_disabled.load(Ordering::Relaxed) {
+        "degraded"
+    } else {
+        "ok"
+    }
 }
 
 /// Liveness: the process answers HTTP (Kubernetes restarts it when this fails).

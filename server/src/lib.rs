@@ -161,6 +161,9 @@ pub struct ServeOptions {
     pub prefix_cache: custody_runtime::config::PrefixCacheSection,
     /// `[unsafe_reproduction] shared_prefix_cache`, armed: every request in one cache namespace.
     pub unsafe_shared_prefix_cache: bool,
+    /// Started without an audit log (`--no-audit`): `/metrics` says `custody_audit_disabled 1`
+    /// and `/health/ready` answers `degraded` (still 200: it serves).
+    pub audit_disabled: bool,
 }
 
 /// The namespaces of the engine's prefix cache, when it has one; each public scope (and the
@@ -422,6 +425,9 @@ async fn serve_front(
         prefix,
     } = front;
     let metrics = Arc::new(Metrics::new());
+    metrics
+        .audit_disabled
+        .store(opts.audit_disabled, Ordering::Relaxed);
     let st = Arc::new(http::AppState {
         backend: backend.clone(),
         tokenizer: tokenizer.clone(),

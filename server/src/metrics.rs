@@ -84,6 +84,8 @@ pub struct Metrics {
     pub canary_fail_total: AtomicU64,
     /// 1 pass, 0 fail, -1 not run yet.
     pub canary_ok: AtomicI64,
+    /// The server was started without an audit log (`--no-audit`): `custody_audit_disabled 1`.
+    pub audit_disabled: std::sync::atomic::AtomicBool,
 }
 
 impl Metrics {
@@ -278,6 +280,12 @@ impl Metrics {
             "custody_audit_failed",
             "1 when the engine's audit sink failed and it serves nothing (fail-closed).",
             u8::from(g.audit_failed.load(Ordering::Relaxed)) as f64,
+        );
+        gauge(
+            &mut o,
+            "custody_audit_disabled",
+            "1 when this server runs without an audit log (--no-audit): nothing it serves is recorded.",
+            u8::from(self.audit_disabled.load(Ordering::Relaxed)) as f64,
         );
         if let Some(a) = audit {
             gauge(

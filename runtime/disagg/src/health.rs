@@ -20,12 +20,22 @@ const READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Serve the two endpoints on `listener` until the process exits (a detached thread).
 pub fn spawn(listener: TcpListener, ready: Readiness) -> std::io::Result<()> {
+    spawn_degraded(listener, ready, None)
+}
+
+/// [`spawn`], with what the node serves without (`Some`: a ready answer says
+/// `ready, degraded: <it>` — a node run with `--no-audit` says `audit disabled`).
+pub fn spawn_degraded(
+    listener: TcpListener,
+    ready: Readiness,
+    degraded: Option<&'static str>,
+) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("health".into())
         .spawn(move || {
             for conn in listener.incoming() {
                 match conn {
-                    Ok(s) => answer(s, &ready),
+                    Ok(s) => answer(s, &ready, degraded),
                     Err(e) => {
                         tracing::warn!(error = %e, "health endpoint: accept failed");
                         std::thread::sleep(Duration::from_millis(50));
@@ -36,7 +46,7 @@ pub fn spawn(listener: TcpListener, ready: Readiness) -> std::io::Result<()> {
     Ok(())
 }
 
-fn answer(mut s: TcpStream, ready: &Readiness) {
+fn answer(mut s: TcpStream, ready: &Readiness, degraded: Option<&str>) {
     s.set_read_timeout(Some(READ_TIMEOUT))
         .discard("without the timeout a silent client only holds this probe thread longer");
     let mut buf = [0u8; REQUEST_MAX_BYTES];
@@ -56,7 +66,7 @@ fn answer(mut s: TcpStream, ready: &Readiness) {
         .lines()
         .next()
         .unwrap_or("");
-    let (status, body) = route(line, ready);
+    let (status, body) = route(line, ready, degraded);
     let reply = format!(
         "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
@@ -65,7 +75,7 @@ fn answer(mut s: TcpStream, ready: &Readiness) {
         .discard("the prober may hang up before reading the answer");
 }
 
-fn route(line: &str, ready: &Readiness) -> (&'static str, String) {
+fn route(line: &str, ready: &Readiness, degraded: Option<&str>) -> (&'static str, String) {
     let mut parts = line.split_whitespace();
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     if method != "GET" {
@@ -74,7 +84,10 @@ fn route(line: &str, ready: &Readiness) -> (&'static str, String) {
     match path {
         "/health/live" => ("200 OK", "live\n".into()),
         "/health/ready" => match ready() {
-            Ok(()) => ("200 OK", "ready\n".into()),
+            Ok(()) => match degraded {
+                None => ("200 OK", "ready\n".into()),
+                Some(d) => ("200 OK", format!("ready, degraded: {d}\n")),
+            },
             Err(why) => ("503 Service Unavailable", format!("not ready: {why}\n")),
         },
         _ => (
@@ -121,5 +134,18 @@ mod tests {
         );
         assert!(get(addr, "/health/live").starts_with("HTTP/1.1 200"));
         assert!(get(addr, "/nope").starts_with("HTTP/1.1 404"));
+    }
+
+    /// A node serving without its audit log is ready, and says what it lacks.
+    #[test]
+    fn a_degraded_node_is_ready_and_says_so() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        spawn_degraded(l, Arc::new(|| Ok(())), Some("audit disabled")).expect("spawn");
+        let r = get(addr, "/health/ready");
+        assert!(
+            r.starts_with("HTTP/1.1 200") && r.contains("ready, degraded: audit disabled"),
+            "{r}"
+        );
     }
 }

@@ -31,6 +31,7 @@ pub mod config;
 pub mod decode;
 pub mod fleet;
 pub mod health;
+pub mod node;
 pub mod prefill;
 pub mod tls;
 /// The request protocol's state machine (in the engine crate: the engine applies its page rule).

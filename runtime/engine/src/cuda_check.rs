@@ -38,6 +38,32 @@ pub enum CheckError {
     },
 }
 
+/// The weight types `custody gpu-check forward` compares, each on a [`Synthetic::tiny`] model.
+pub const FORWARD_DTYPES: [DType; 5] = [
+    DType::F32,
+    DType::F16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+];
+
+/// `custody gpu-check speed`'s model: ~110 M weights, big enough for the device to matter,
+/// small enough to build quickly.
+pub fn speed_model() -> Synthetic {
+    Synthetic {
+        n_layers: 8,
+        dim: 1024,
+        ffn_dim: 2816,
+        n_heads: 16,
+        n_kv_heads: 4,
+        vocab: 8192,
+        context_length: 2048,
+        dtype: DType::Q8_0,
+        untied_output: true,
+        seed: 1,
+    }
+}
+
 /// `synthetic` as a loaded model (written to a temporary file, mapped, and unlinked).
 pub fn load(synthetic: &Synthetic) -> Result<Model, CheckError> {
     // One name per call: concurrent loads (parallel tests) never share a file.

@@ -239,33 +239,14 @@ pub fn start_engines_ns(
     transport_encryption: bool,
     namespaces: Option<Arc<custody_runtime::prefix_cache::Namespaces>>,
 ) -> Pair {
-    let opts = PairOptions {
-        prefill: PrefillOptions {
-            node_id: 1,
-            unsafe_: unsafe_.clone(),
-            fingerprint: fp.clone(),
-            reserve_wait: Duration::from_secs(30),
-            transport_kind: transport_under_test(),
-            kv_encryption: Default::default(),
-            checkpoints: prefill_peer,
-            namespaces,
-            drain: Default::default(),
-        },
-        decode: DecodeOptions {
-            node_id: 2,
-            transport_listen: "127.0.0.1:0".parse().expect("addr"),
-            transport_kind: transport_under_test(),
-            kv_encryption: Default::default(),
-            checksum: true,
-            reservation_lease: lease,
-            unsafe_,
-            fingerprint: fp,
-            checkpoints: decode_peer,
-            drain: Default::default(),
-        },
-        fleet: Some(fleet()),
-        transport_encryption,
-    };
+    let mut opts = PairOptions::loopback(&fp, unsafe_, Some(fleet()));
+    opts.prefill.transport_kind = transport_under_test();
+    opts.prefill.checkpoints = prefill_peer;
+    opts.prefill.namespaces = namespaces;
+    opts.decode.transport_kind = transport_under_test();
+    opts.decode.reservation_lease = lease;
+    opts.decode.checkpoints = decode_peer;
+    opts.transport_encryption = transport_encryption;
     Pair::start(pe, de, opts).expect("pair starts")
 }
 

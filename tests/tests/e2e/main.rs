@@ -8,6 +8,7 @@ mod cluster;
 mod cuda_compile;
 mod cuda_forward;
 mod cuda_kernels;
+mod default_audit;
 mod disagg;
 mod fleet;
 mod gguf_corruption;

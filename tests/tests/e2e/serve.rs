@@ -177,6 +177,7 @@ impl TestServer {
             events: None,
             prefix_cache,
             unsafe_shared_prefix_cache: unsafe_shared,
+            audit_disabled: false,
         };
         let done = rt.spawn(custody_server::serve(
             listener,
@@ -661,6 +662,7 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         events: Some(front_log.clone() as Arc<dyn custody_audit::AuditSink>),
         prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
+        audit_disabled: false,
     };
     // This server is the pair's front 0, with a certificate from the suite's fleet.
     let front = custody_runtime::disagg::tls::Security::Tls(

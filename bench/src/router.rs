@@ -5,11 +5,11 @@
 //! The latency a request gains through the router on real nodes is `scripts/bench-router.py`;
 //! the policy's balance at 64×64 is `cargo run --release -p custody-router --example sim`.
 
-use anyhow::Result;
+use crate::Result;
 use clap::Args;
 
 #[derive(Args, Debug)]
-pub(crate) struct BenchRouterArgs {
+pub struct BenchRouterArgs {
     /// Decisions timed per fleet size.
     #[arg(long, default_value_t = 100_000)]
     decisions: u32,
@@ -18,7 +18,7 @@ pub(crate) struct BenchRouterArgs {
     prompt_pages: usize,
 }
 
-pub(crate) fn bench_router(a: BenchRouterArgs) -> Result<()> {
+pub fn bench_router(a: BenchRouterArgs) -> Result<()> {
     println!(
         "| prefill × decode | prompt pages (chain keys) | decisions | ns / decision | decisions / s |"
     );

@@ -1,13 +1,13 @@
 //! The benchmarks' statistics: the one `median` and its confidence interval.
 
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
 /// Median of `v` with a distribution-free 95 % confidence interval (order statistics of the
 /// binomial sign test): (median, low, high). With fewer than 6 values the interval is the range.
-pub(crate) fn median_ci(v: &[f64]) -> (f64, f64, f64) {
+pub fn median_ci(v: &[f64]) -> (f64, f64, f64) {
     assert!(!v.is_empty());
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -34,7 +34,7 @@ pub(crate) fn median_ci(v: &[f64]) -> (f64, f64, f64) {
 }
 
 /// The `q` quantile (nearest rank) of a non-empty sample.
-pub(crate) fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
+pub fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
     assert!(!v.is_empty() && (0.0..=1.0).contains(&q));
     v.sort_by(f64::total_cmp);
     v[((v.len() - 1) as f64 * q).round() as usize]

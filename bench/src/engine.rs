@@ -4,45 +4,42 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use crate::{Context, Result, bail};
 use clap::Args;
 use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::{Engine, SamplingParams};
 
-use super::stats::{median, median_ci};
-use crate::common::{Common, Loaded, load};
+use crate::stats::{median, median_ci};
 
 #[derive(Args, Debug)]
-pub(crate) struct BenchArgs {
-    #[command(flatten)]
-    pub(crate) common: Common,
+pub struct BenchArgs {
     /// Prompt length (tokens) for the prefill measurement.
     #[arg(long, default_value_t = 512)]
-    pub(crate) prompt_tokens: usize,
+    pub prompt_tokens: usize,
     /// Decode steps measured after the prefill.
     #[arg(long, default_value_t = 128)]
-    pub(crate) gen_tokens: usize,
+    pub gen_tokens: usize,
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
-    pub(crate) reps: usize,
+    pub reps: usize,
     /// JSON file with the prompt ids (a list, or an object with `all_ids`); default: a built-in
     /// text repeated to length.
     #[arg(long)]
-    pub(crate) prompt_ids: Option<PathBuf>,
+    pub prompt_ids: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
-    pub(crate) json: bool,
+    pub json: bool,
     /// Also run every repetition with the audit writer recording (to a temporary directory) and
     /// report the throughput ratio, audit on vs off, measured in the same run.
     #[arg(long)]
-    pub(crate) audit_cost: bool,
+    pub audit_cost: bool,
     /// With --audit-cost: fsync the live segment at most this often (0 = after every batch).
     #[arg(long, default_value_t = 0)]
-    pub(crate) audit_fsync_interval_ms: u64,
+    pub audit_fsync_interval_ms: u64,
     /// Concurrent sequences: each gets the prompt, all decode together (continuous batching);
     /// decode tok/s is then the aggregate over the sequences.
     #[arg(long, default_value_t = 1)]
-    pub(crate) batch: usize,
+    pub batch: usize,
 }
 
 /// One repetition's timings.
@@ -120,15 +117,38 @@ fn read_prompt_ids(path: &Path) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-pub(crate) fn bench(a: BenchArgs) -> Result<()> {
-    if a.reps == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 || a.batch == 0 {
-        bail!("--reps, --prompt-tokens, --gen-tokens and --batch must be positive");
+/// What the engine benchmark runs on (the binary loads it from its flags and config, with a
+/// context of at least [`BenchArgs::context_needed`]).
+#[derive(Debug)]
+pub struct Loaded {
+    pub engine: Engine,
+    pub tokenizer: custody_runtime::Tokenizer,
+    pub pool: custody_runtime::par::ThreadPool,
+}
+
+impl BenchArgs {
+    /// The context the benchmark's sequences need.
+    pub fn context_needed(&self) -> usize {
+        self.prompt_tokens + self.gen_tokens + 1
     }
+
+    /// Refuse a measurement of nothing (before anything is loaded).
+    pub fn validate(&self) -> Result<()> {
+        if self.reps == 0 || self.prompt_tokens == 0 || self.gen_tokens == 0 || self.batch == 0 {
+            bail!("--reps, --prompt-tokens, --gen-tokens and --batch must be positive");
+        }
+        Ok(())
+    }
+}
+
+/// `custody bench`: `progress` is told each repetition started (and, at the end, `reps`).
+pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> Result<()> {
+    a.validate()?;
     let Loaded {
         mut engine,
         tokenizer,
         pool,
-    } = load(&a.common, Some(a.prompt_tokens + a.gen_tokens + 1))?;
+    } = loaded;
     let mut ids = match &a.prompt_ids {
         Some(p) => read_prompt_ids(p)?,
         None => {
@@ -155,10 +175,9 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
     let mut audited_runs: Vec<(u64, f64, f64, f64)> = Vec::new();
     let audit_dir =
         std::env::temp_dir().join(format!("custody-bench-audit-{}", std::process::id()));
-    let shown = crate::progress::Progress::counted("bench", a.reps as u64, "reps");
     pool.install(|| -> Result<()> {
         for rep in 0..a.reps {
-            shown.set(rep as u64);
+            progress(rep as u64);
             // Alternate which configuration runs first, so that order effects (cache warmth,
             // frequency drift) do not bias the on-vs-off ratio.
             let order = if rep % 2 == 0 {
@@ -225,7 +244,7 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
         }
         Ok(())
     })?;
-    shown.finish(a.reps as u64);
+    progress(a.reps as u64);
     let _ = std::fs::remove_dir_all(&audit_dir);
     let audit = (!prefill_audit.is_empty()).then(|| (median(prefill_audit), median(decode_audit)));
     let cpu_bound = if a.audit_cost {
@@ -313,18 +332,15 @@ pub(crate) fn bench(a: BenchArgs) -> Result<()> {
 /// SHA-256, Ed25519 digest) happens once per segment rotation, not per run; the benchmark seals
 /// one segment per run and reports that cost separately.
 #[derive(Debug)]
-pub(crate) struct AuditCpuBound {
-    pub(crate) events_per_run: f64,
-    pub(crate) producer_ns_per_event: f64,
-    pub(crate) writer_cpu_ms_per_run: f64,
-    pub(crate) seal_cpu_ms_per_segment: f64,
-    pub(crate) fraction_of_wall: f64,
+pub struct AuditCpuBound {
+    pub events_per_run: f64,
+    pub producer_ns_per_event: f64,
+    pub writer_cpu_ms_per_run: f64,
+    pub seal_cpu_ms_per_segment: f64,
+    pub fraction_of_wall: f64,
 }
 
-pub(crate) fn audit_cpu_bound(
-    runs: &[(u64, f64, f64, f64)],
-    scratch: &Path,
-) -> Result<AuditCpuBound> {
+pub fn audit_cpu_bound(runs: &[(u64, f64, f64, f64)], scratch: &Path) -> Result<AuditCpuBound> {
     assert!(!runs.is_empty());
     let n = runs.len() as f64;
     let events_per_run = runs.iter().map(|r| r.0 as f64).sum::<f64>() / n;
@@ -337,7 +353,7 @@ pub(crate) fn audit_cpu_bound(
         scratch, 0, key,
     ))?;
     let t0 = Instant::now();
-    let recorded = super::audit::record_mix(&w, 200_000)?;
+    let recorded = crate::audit::record_mix(&w, 200_000)?;
     let producer_s = t0.elapsed().as_secs_f64() / recorded as f64;
     w.close()?;
     let _ = std::fs::remove_dir_all(scratch);

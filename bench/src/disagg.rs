@@ -5,17 +5,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use crate::{Context, Result, bail};
 use clap::Args;
 use custody_runtime::config::UnsafeReproduction;
-use custody_runtime::disagg::decode::DecodeOptions;
-use custody_runtime::disagg::prefill::PrefillOptions;
 use custody_runtime::{Engine, Model, SamplingParams};
 
-use super::stats::{median, quantile};
+use crate::stats::{median, quantile};
 
 #[derive(Args, Debug)]
-pub(crate) struct BenchDisaggArgs {
+pub struct BenchDisaggArgs {
     /// GGUF model; default: the embedded one.
     #[arg(long)]
     model: Option<std::path::PathBuf>,
@@ -383,7 +381,7 @@ fn with_witness(
     stop.store(true, Ordering::Release);
     let (r, progs) = h
         .join()
-        .map_err(|_| anyhow::anyhow!("collector thread panicked"))?;
+        .map_err(|_| crate::BenchError::Invalid("collector thread panicked".into()))?;
     Ok((r?, progs))
 }
 
@@ -407,7 +405,7 @@ fn witness_pair_bench(
         let t0 = Instant::now();
         let g = pair
             .generate(req)
-            .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+            .map_err(|s| crate::BenchError::Invalid(s.message().to_owned()))?;
         let total = t0.elapsed().as_secs_f64();
         let tps = (g.tokens.len() - 1) as f64 / (g.total - g.ttft).as_secs_f64();
         Ok((g.ttft.as_secs_f64(), tps, total))
@@ -450,9 +448,9 @@ fn witness_pair_bench(
     Ok(())
 }
 
-pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
+pub fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
     // The engines here step on threads of their own: one pool of every core for all of them.
-    crate::common::set_default_pool(0)?;
+    crate::set_default_pool(0)?;
     use custody_runtime::disagg::bench::transfer_bench;
     use custody_runtime::disagg::client::{Pair, PairOptions};
     use custody_runtime::engine::Event;
@@ -532,33 +530,11 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         "custody bench fleet",
         2,
     )?);
-    let opts = PairOptions {
-        prefill: PrefillOptions {
-            node_id: 1,
-            unsafe_: UnsafeReproduction::default(),
-            fingerprint: fingerprint.clone(),
-            reserve_wait: Duration::from_secs(30),
-            transport_kind: Default::default(),
-            kv_encryption: Default::default(),
-            checkpoints: None,
-            namespaces: None,
-            drain: Default::default(),
-        },
-        decode: DecodeOptions {
-            node_id: 2,
-            transport_listen: "127.0.0.1:0".parse()?,
-            transport_kind: Default::default(),
-            kv_encryption: Default::default(),
-            checksum: true,
-            reservation_lease: Duration::from_secs(30),
-            unsafe_: UnsafeReproduction::default(),
-            fingerprint,
-            checkpoints: None,
-            drain: Default::default(),
-        },
-        fleet: Some(fleet.clone()),
-        transport_encryption: false,
-    };
+    let opts = PairOptions::loopback(
+        &fingerprint,
+        UnsafeReproduction::default(),
+        Some(fleet.clone()),
+    );
     let start = |o: PairOptions| -> Result<Pair> {
         Ok(Pair::start(
             Engine::new(load()?, ecfg.clone())?,
@@ -605,7 +581,7 @@ pub(crate) fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
     let through = |p: &Pair| -> Result<(f64, f64)> {
         let g = p
             .generate(&req)
-            .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+            .map_err(|s| crate::BenchError::Invalid(s.message().to_owned()))?;
         Ok((
             g.ttft.as_secs_f64(),
             (g.tokens.len() - 1) as f64 / (g.total - g.ttft).as_secs_f64(),

@@ -3,14 +3,11 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Result;
+use crate::{Context, Result};
 
 /// Record `events` (at least; whole batches) of the eBPF witness's rows for 16-page transfers:
 /// per page three posted work requests and two completions, in `record_all` batches of 256.
-pub(crate) fn record_witness_mix(
-    w: &custody_audit::writer::AuditWriter,
-    events: u64,
-) -> Result<u64> {
+pub fn record_witness_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result<u64> {
     use custody_audit::{AuditSink, RdmaOp, RdmaOpRows};
     const BATCH: usize = 256;
     let mut n = 0u64;
@@ -74,7 +71,7 @@ pub(crate) fn record_witness_mix(
 /// Record `events` (at least; whole requests) of the realistic per-request mix the audit
 /// benchmarks use: lifecycle, 8 page allocs, 28 write-ahead page writes, 8 run-length reads,
 /// 8 releases. Returns the number recorded.
-pub(crate) fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result<u64> {
+pub fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result<u64> {
     use custody_audit::{AuditSink, Event, PageKind, RequestKind, Writer};
     let mut n = 0u64;
     let mut req = 0u64;
@@ -85,7 +82,7 @@ pub(crate) fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) ->
         let ts = custody_audit::mono_now_ns();
         let pages: Vec<u32> = (0..8).map(|i| ((req * 8 + i) % 4096) as u32).collect();
         let rec = |ev: Event, n: &mut u64| -> Result<()> {
-            w.record(ev).map_err(anyhow::Error::msg)?;
+            w.record(ev).context("recording")?;
             *n += 1;
             Ok(())
         };
@@ -179,7 +176,7 @@ pub(crate) fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) ->
 
 /// Writer throughput and bytes per event: a realistic mix (per request: lifecycle, page allocs,
 /// write-ahead records per step, run-length reads, releases), recorded from one producer thread.
-pub(crate) fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<()> {
+pub fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<()> {
     use custody_audit::writer::{AuditWriter, FsyncPolicy, WriterConfig};
     let dir = dir.unwrap_or_else(|| {
         std::env::temp_dir().join(format!("custody-audit-bench-{}", std::process::id()))
@@ -208,7 +205,7 @@ pub(crate) fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> R
     w.close()?;
     let total = t0.elapsed();
     let writer_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
-    let bytes = crate::synth_cmd::parquet_bytes(&dir)?;
+    let bytes = crate::parquet_bytes(&dir)?;
     let json = serde_json::json!({
         "events": n,
         "record_events_per_s": n as f64 / recorded.as_secs_f64(),
