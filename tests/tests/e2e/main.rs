@@ -4,6 +4,7 @@ mod arch_models;
 mod audit;
 mod checkpoint;
 mod cli;
+mod configs;
 mod cluster;
 mod cuda_compile;
 mod cuda_forward;
