@@ -652,9 +652,7 @@ pub async fn crosscheck(ctx: &SessionContext) -> Result<Crosscheck, QueryError> 
 /// its one result is the answer).
 pub fn tenant_sql(tenant: &str, from_ns: Option<i64>, to_ns: Option<i64>) -> String {
     let exposure = with_window(EXPOSURE_SQL, from_ns, to_ns);
-    let exposure = exposure
-        .trim()
-        .replace(EXPOSURE_ORDER, "");
+    let exposure = exposure.trim().replace(EXPOSURE_ORDER, "");
     let question = TENANT_SQL
         .replace("{exposure}", &exposure)
         .replace("{tenant}", &tenant.replace('\'', "''"));

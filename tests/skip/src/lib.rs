@@ -55,7 +55,10 @@ fn record(path: &std::path::Path, test: &str, reason: &str, need: Need) {
     let reason_line = reason.replace(['\n', '\t'], " ");
     // Straight to stderr, not through `eprintln!`, which the harness captures for a passing test.
     // Best effort: a closed stderr must not turn a skip into a different failure.
-    let _ = writeln!(std::io::stderr(), "\nSKIPPED {test}: {reason_line} ({kind} on CI)\n");
+    let _ = writeln!(
+        std::io::stderr(),
+        "\nSKIPPED {test}: {reason_line} ({kind} on CI)\n"
+    );
     if let Some(dir) = path.parent() {
         // Best effort, as the open below reports what matters.
         let _ = std::fs::create_dir_all(dir);

@@ -203,13 +203,15 @@ fn bring_up(d: &Deployment, dir: &Path, key: &Path, secret: &Path) -> Result<(),
                 .arg(&cfg)
                 .args(&n.args[1..]);
             if n.args[0] != "generate" {
-                cmd.arg("--audit-dir").arg(&root).arg("--audit-key").arg(key);
+                cmd.arg("--audit-dir")
+                    .arg(&root)
+                    .arg("--audit-key")
+                    .arg(key);
             }
             if serve {
                 // The operator's listener: a free port too (the shipped one where it is named).
-                let m = value(&text, "metrics_listen").unwrap_or_else(|| {
-                    format!("127.0.0.1:{}", free_port())
-                });
+                let m = value(&text, "metrics_listen")
+                    .unwrap_or_else(|| format!("127.0.0.1:{}", free_port()));
                 cmd.arg("--metrics-listen").arg(m);
             }
             let child = cmd
@@ -317,11 +319,8 @@ fn every_shipped_config_starts() {
         String::from_utf8_lossy(&out.stderr)
     );
     let key = dir.join("audit.key");
-    custody_audit::digest::write_key(
-        &custody_audit::digest::generate_key().expect("key"),
-        &key,
-    )
-    .expect("audit key");
+    custody_audit::digest::write_key(&custody_audit::digest::generate_key().expect("key"), &key)
+        .expect("audit key");
     let secret = dir.join("prefix-cache.secret");
     std::fs::write(&secret, format!("{}\n", "5a".repeat(32))).expect("secret");
 

@@ -1550,8 +1550,10 @@ fn no_endpoint_on_the_api_port_tells_one_tenant_of_another() {
     let r = srv.post(
         "/v1/completions",
         KEY,
-        format!(r#"{{"model": "{MODEL_ID}", "prompt": "Hello", "max_tokens": 2, "temperature": 0}}"#)
-            .as_bytes(),
+        format!(
+            r#"{{"model": "{MODEL_ID}", "prompt": "Hello", "max_tokens": 2, "temperature": 0}}"#
+        )
+        .as_bytes(),
     );
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     let paths = [
