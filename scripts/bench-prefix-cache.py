@@ -66,13 +66,16 @@ def config(path, cache, system_prompt):
 class Server:
     def __init__(self, binary, work, cache, system_prompt, threads, port):
         self.url = f"http://127.0.0.1:{port}"
+        # /metrics is served on the operator's listener only, never on the API's port.
+        self.metrics_url = f"http://127.0.0.1:{port + 100}"
         cfg = os.path.join(work, f"serve-{cache}.toml")
         config(cfg, cache, system_prompt)
         key = os.path.join(work, f"node-{cache}.key")
         subprocess.run([binary, "audit", "keygen", "--out", key], check=True, capture_output=True)
         self.log = open(os.path.join(work, f"serve-{cache}.log"), "w")
         self.p = subprocess.Popen(
-            [binary, "serve", "--config", cfg, "--listen", f"127.0.0.1:{port}", "--threads",
+            [binary, "serve", "--config", cfg, "--listen", f"127.0.0.1:{port}",
+             "--metrics-listen", f"127.0.0.1:{port + 100}", "--threads",
              str(threads), "--audit-dir", os.path.join(work, f"audit-{cache}"), "--audit-key", key],
             stderr=self.log,
         )
@@ -87,7 +90,7 @@ class Server:
         sys.exit("custody serve did not come up")
 
     def metrics(self):
-        return urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        return urllib.request.urlopen(self.metrics_url + "/metrics", timeout=10).read().decode()
 
     def stop(self):
         self.p.terminate()

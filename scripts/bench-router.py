@@ -42,7 +42,8 @@ def tenant():
 
 
 def serve_section(port, extra=""):
-    return (f'[serve]\nlisten = "127.0.0.1:{port}"\nmodel_name = "bench"\ncanary_interval_s = 0\n'
+    # /metrics: the operator's own listener (never the API port), one per server.
+    return (f'[serve]\nlisten = "127.0.0.1:{port}"\nmetrics_listen = "127.0.0.1:{port + 100}"\nmodel_name = "bench"\ncanary_interval_s = 0\n'
             f"prefill_anomaly_factor = 0.0\n{extra}{tenant()}")
 
 

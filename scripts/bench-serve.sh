@@ -28,7 +28,7 @@ wait_up() { for _ in $(seq 1200); do curl -sf "$1" >/dev/null 2>&1 && return 0; 
 
 # custody: demo tenants (published keys, loopback only), audit on, canary on (as deployed).
 "$BIN" audit keygen --out "$work/node.key" >/dev/null
-"$BIN" serve --config configs/serve-demo.toml --listen 127.0.0.1:18080 --threads "$THREADS" \
+"$BIN" serve --config configs/serve-demo.toml --listen 127.0.0.1:18080 --metrics-listen 127.0.0.1:18081 --threads "$THREADS" \
   --audit-dir "$work/audit" --audit-key "$work/node.key" 2>"$work/custody.log" &
 pids+=($!); cpid=$!
 wait_up http://127.0.0.1:18080/health

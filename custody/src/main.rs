@@ -60,7 +60,8 @@ enum Cmd {
     ///
     /// Endpoints: POST /v1/chat/completions and /v1/completions (streaming over SSE or whole;
     /// usage, finish_reason, stop, max_tokens, temperature, top_p, seed), GET /v1/models,
-    /// GET /health, GET /metrics (Prometheus text).
+    /// GET /health. GET /metrics (Prometheus text: every tenant's counts) only on the
+    /// operator's listener, `--metrics-listen` / `[serve] metrics_listen` (127.0.0.1:9464).
     ///
     /// Tenants are configured in `[[serve.tenants]]` with the SHA-256 of each API key
     /// (`custody serve hash-key`), a concurrency limit and a token budget per minute. The

@@ -26,6 +26,11 @@ pub(crate) struct ServeArgs {
     /// Listen address (host:port); default: the config's `[serve] listen`.
     #[arg(long)]
     listen: Option<String>,
+    /// The operator's listener for `/metrics` (every tenant's counts: never the tenants' port)
+    /// and health (host:port, "" = off); default: the config's `[serve] metrics_listen`, else
+    /// 127.0.0.1:9464.
+    #[arg(long)]
+    metrics_listen: Option<String>,
     /// Front a disaggregated pair: the prefill node's front door (`http://host:port`);
     /// default: the config's `[serve] prefill`, else a colocated engine in this process.
     /// The model is still loaded here, for the tokenizer and the canary's colocated reference.
@@ -113,6 +118,10 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     if let Some(l) = &a.listen {
         serve_cfg.listen = l.clone();
     }
+    if let Some(l) = &a.metrics_listen {
+        serve_cfg.metrics_listen = l.clone();
+    }
+    serve_cfg.validate()?;
     if let Some(p) = &a.prefill {
         serve_cfg.prefill = p.clone();
     }
@@ -153,6 +162,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     }
     let prepared = custody_server::prepare(engine, pool, tokenizer, &serve_cfg)?;
     let opts = ServeOptions {
+        metrics: None,
         cfg: serve_cfg.clone(),
         node,
         audit: audit
@@ -205,6 +215,7 @@ fn front_options(
     audit: Option<&Arc<custody_audit::writer::AuditWriter>>,
 ) -> ServeOptions {
     ServeOptions {
+        metrics: None,
         cfg: serve_cfg.clone(),
         node,
         audit: audit.map(|w| Arc::new(WriterStats(w.clone())) as Arc<dyn AuditStats>),

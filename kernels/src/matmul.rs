@@ -783,7 +783,11 @@ mod tests {
     #[test]
     fn packed_matrices_give_the_unpacked_bits_at_any_thread_and_token_count() {
         if !crate::pack::available() {
-            eprintln!("skipped: no AVX-512 VNNI on this machine");
+            custody_test_skip::skip(
+                "kernels::matmul::packed_matrices_give_the_unpacked_bits_at_any_thread_and_token_count",
+                "no AVX-512 F/BW/VL/VNNI on this machine",
+                custody_test_skip::Need::OnCi,
+            );
             return;
         }
         let mut seed = 31;

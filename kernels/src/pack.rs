@@ -251,7 +251,11 @@ mod tests {
     #[test]
     fn packed_kernels_give_the_one_row_kernels_bits_for_every_token_count() {
         if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this machine");
+            custody_test_skip::skip(
+                "kernels::pack::packed_kernels_give_the_one_row_kernels_bits_for_every_token_count",
+                "no AVX-512 F/BW/VL/VNNI on this machine",
+                custody_test_skip::Need::OnCi,
+            );
             return;
         }
         for dtype in [

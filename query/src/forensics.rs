@@ -274,8 +274,13 @@ SELECT node_id, request_id, tenant AS recipient_tenant, source_tenant,
 FROM sourced
 WHERE source_tenant <> tenant
 GROUP BY node_id, request_id, tenant, source_tenant
-ORDER BY node_id, request_id, source_tenant
+ORDER BY node_id, request_id, recipient_tenant, source_tenant
 "#;
+
+/// [`EXPOSURE_SQL`]'s order: every column of its group key, so the order is total — a node's
+/// request ids restart with its process, and two incarnations' responses of one id (each its own
+/// row: another recipient) would otherwise tie.
+const EXPOSURE_ORDER: &str = "ORDER BY node_id, request_id, recipient_tenant, source_tenant";
 
 /// DataFusion settings under which the forensic SQL runs at scale (10⁸ events in about 20 s on 2
 /// cores, `BENCHMARKS.md`): evaluate filters inside the Parquet reader (only matching rows are
@@ -380,7 +385,7 @@ SELECT node_id, tenant AS reader_tenant, writer_tenant, scope_kind, scope,
 FROM all_prefix_cache
 WHERE event = 'hit'
 GROUP BY node_id, tenant, writer_tenant, scope_kind, scope
-ORDER BY node_id, reader_tenant, writer_tenant, scope
+ORDER BY node_id, reader_tenant, writer_tenant, scope_kind, scope
 "#;
 
 /// The timeline of request `{request}` on node `{node}`: admission, every page it held (and who
@@ -456,7 +461,7 @@ UNION ALL
 SELECT 'sequence_gap', node_id, CAST(NULL AS BIGINT UNSIGNED),
        CONCAT(CAST(MAX(seq) - MIN(seq) + 1 - COUNT(*) AS VARCHAR), ' rows missing between seq ', CAST(MIN(seq) AS VARCHAR), ' and ', CAST(MAX(seq) AS VARCHAR))
   FROM seqs GROUP BY node_id HAVING MAX(seq) - MIN(seq) + 1 <> COUNT(*)
-ORDER BY kind, node_id, request_id
+ORDER BY kind, node_id, request_id, detail
 "#;
 
 /// The eBPF witness's observed writes (`rdma_ops`, `op = 'post_write'`) against the engine's
@@ -532,7 +537,7 @@ SELECT CASE WHEN e.transfer_id IS NULL THEN 'unrecorded_write'
   LEFT JOIN landing l ON l.l_rkey = o.rkey AND o.remote_addr >= l.l_addr AND o.remote_addr < l.l_addr + l.l_len
   WHERE e.transfer_id IS NULL OR o.rkey <> e.rkey OR o.remote_addr < e.remote_addr
      OR o.remote_addr + o.bytes > e.remote_addr + e.remote_len
-ORDER BY kind, src_node, wr_id
+ORDER BY kind, src_node, wr_id, engine, witness
 "#;
 
 /// What the cross-check compared.
@@ -647,9 +652,7 @@ pub async fn crosscheck(ctx: &SessionContext) -> Result<Crosscheck, QueryError> 
 /// its one result is the answer).
 pub fn tenant_sql(tenant: &str, from_ns: Option<i64>, to_ns: Option<i64>) -> String {
     let exposure = with_window(EXPOSURE_SQL, from_ns, to_ns);
-    let exposure = exposure
-        .trim()
-        .replace("ORDER BY node_id, request_id, source_tenant", "");
+    let exposure = exposure.trim().replace(EXPOSURE_ORDER, "");
     let question = TENANT_SQL
         .replace("{exposure}", &exposure)
         .replace("{tenant}", &tenant.replace('\'', "''"));
@@ -837,7 +840,7 @@ SELECT DISTINCT d.kind, d.transfer, d.node, d.request, d.detail,
   FROM dis d LEFT JOIN crashed k
     ON CAST(k.node_id AS VARCHAR) = d.missing_node AND k.start_wall <= d.t_wall
    AND k.last_wall < d.t_wall + {CRASH_TAIL_NS}
-ORDER BY kind, transfer"#
+ORDER BY kind, transfer, node, request, detail, explained_by_crash"#
     )
 }
 
@@ -874,7 +877,7 @@ SELECT CASE WHEN x.outcome IS NOT NULL THEN 'router'
   FROM routes x
  WHERE x.transfer IN (SELECT transfer FROM attempts)
     OR (x.outcome IS NOT NULL AND EXISTS (SELECT 1 FROM rreq q WHERE q.node_id = x.node_id AND q.request = x.request))
- ORDER BY x.wall_ns"#
+ ORDER BY x.wall_ns, role, x.node_id, x.seq"#
     )
 }
 
@@ -885,7 +888,8 @@ pub fn fleet_decode_sides_sql(node: u32, request: u64) -> String {
         r#"WITH {ROUTES_CTE}
 SELECT DISTINCT CAST(d.node_id AS BIGINT) AS node, CAST(d.request AS BIGINT) AS request
   FROM pnode p JOIN dnode d ON d.transfer = p.transfer
- WHERE p.node_id = {node} AND p.request = '{request}'"#
+ WHERE p.node_id = {node} AND p.request = '{request}'
+ ORDER BY node, request"#
     )
 }
 
@@ -1009,7 +1013,7 @@ pub async fn exposure_with_rows(
             let (nd, rq) = (node.value(i), req.value(i));
             let slots = n.value(i) as u64;
             match out.last_mut() {
-                Some(a) if a.node == nd && a.request == rq => {
+                Some(a) if a.node == nd && a.request == rq && a.recipient_tenant == rt.value(i) => {
                     a.sources.push((st.value(i).to_owned(), slots));
                     a.foreign_slots += slots;
                     a.first_wall_ns = a.first_wall_ns.min(wall.value(i));
@@ -1061,6 +1065,15 @@ mod tests {
             last_wall_ns,
             unchecked: false,
         }
+    }
+
+    /// The exposure answer is ordered by its whole group key (the tenant question strips that
+    /// very clause).
+    #[test]
+    fn exposure_order_is_its_group_key() {
+        assert!(EXPOSURE_SQL.trim_end().ends_with(EXPOSURE_ORDER));
+        assert!(EXPOSURE_SQL.contains("GROUP BY node_id, request_id, tenant, source_tenant"));
+        assert!(!tenant_sql("acme", None, None).contains(EXPOSURE_ORDER));
     }
 
     /// The summary's last occurrence is the latest foreign read of any response — not the

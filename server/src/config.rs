@@ -13,8 +13,14 @@ pub struct ServeConfigError(String);
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeSection {
-    /// HTTP listen address.
+    /// HTTP listen address: the tenants' API (`/v1/…`, `/health…`). Nothing served here
+    /// tells one tenant anything of another's.
     pub listen: String,
+    /// The operator's listener: `/metrics` (every tenant's counts, the prefix cache's hits, the
+    /// fleet's nodes) and the health endpoints. Loopback by default — never on the tenants'
+    /// port, and never reachable by them: put it where only the operator's scraper reaches.
+    /// Empty = off.
+    pub metrics_listen: String,
     /// Model id served in `/v1/models` and answered in `model`; empty = the GGUF's name.
     pub model_name: String,
     /// `max_tokens` when a request does not say (lowered to what the context leaves). Every
@@ -52,6 +58,7 @@ impl Default for ServeSection {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:8080".into(),
+            metrics_listen: DEFAULT_METRICS_LISTEN.into(),
             model_name: String::new(),
             default_max_tokens: 256,
             max_body_bytes: 1 << 20,
@@ -85,6 +92,9 @@ pub struct TenantSection {
     pub tokens_per_minute: u64,
 }
 
+/// `[serve] metrics_listen`'s default (Prometheus' conventional exporter range, loopback).
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
+
 fn default_max_concurrent() -> usize {
     8
 }
@@ -97,6 +107,12 @@ impl ServeSection {
                 "serve.default_max_tokens, serve.max_body_bytes and serve.queue_capacity must be positive"
                     .into(),
             );
+        }
+        if !self.metrics_listen.is_empty() && self.metrics_listen == self.listen {
+            return bad(format!(
+                "serve.metrics_listen {:?} is the API's own address: /metrics shows every tenant's traffic and must not be served to tenants",
+                self.metrics_listen
+            ));
         }
         if !(self.audit_high_water > 0.0 && self.audit_high_water <= 1.0) {
             return bad("serve.audit_high_water must be in (0, 1]".into());

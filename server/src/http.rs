@@ -60,10 +60,23 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/health/live", get(live))
         .route("/health/ready", get(health))
-        .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(limit))
+        .with_state(st)
+}
+
+/// The operator's listener (`[serve] metrics_listen`): `/metrics` — every tenant's request and
+/// token counts and prefix-cache hits, a side channel were it on the tenants' port — and the
+/// health endpoints.
+pub(crate) fn operator_router(st: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/health", get(health))
+        .route("/health/live", get(live))
+        .route("/health/ready", get(health))
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .with_state(st)
 }
 

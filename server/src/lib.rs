@@ -146,8 +146,11 @@ fn calibrate(
 }
 
 /// What `serve` needs besides the prepared engine.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ServeOptions {
+    /// The operator's listener (`/metrics`, health), already bound; `None`: bind
+    /// `cfg.metrics_listen` (empty: no operator listener).
+    pub metrics: Option<tokio::net::TcpListener>,
     pub cfg: ServeSection,
     /// Node id (in request ids, as in the audit log).
     pub node: u32,
@@ -239,7 +242,7 @@ pub async fn serve(
         node: opts.node,
         prefix,
     };
-    let served = serve_front(listener, front, &opts, shutdown).await;
+    let served = serve_front(listener, front, opts, shutdown).await;
     handle.shutdown().await;
     drop(handle);
     let engine = tokio::task::spawn_blocking(move || join.join())
@@ -350,7 +353,7 @@ pub async fn serve_prefill(
         context_length: info.context_length as usize,
         node: info.node_id,
     };
-    serve_front(listener, front, &opts, shutdown).await
+    serve_front(listener, front, opts, shutdown).await
 }
 
 /// Serve on `listener` as the router of a fleet (`[fleet]`): every generation goes to a
@@ -394,7 +397,7 @@ pub async fn serve_fleet(
         context_length,
         node,
     };
-    serve_front(listener, front, &opts, shutdown).await
+    serve_front(listener, front, opts, shutdown).await
 }
 
 /// What the HTTP front needs, whatever runs the generations.
@@ -412,9 +415,23 @@ struct Front {
 async fn serve_front(
     listener: tokio::net::TcpListener,
     front: Front,
-    opts: &ServeOptions,
+    opts: ServeOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let operator = match opts.metrics {
+        Some(l) => Some(l),
+        None if opts.cfg.metrics_listen.is_empty() => None,
+        None => Some(
+            tokio::net::TcpListener::bind(&opts.cfg.metrics_listen)
+                .await
+                .map_err(|e| {
+                    ServeError::Startup(format!(
+                        "binding [serve] metrics_listen {}: {e}",
+                        opts.cfg.metrics_listen
+                    ))
+                })?,
+        ),
+    };
     let Front {
         backend,
         tokenizer,
@@ -459,6 +476,22 @@ async fn serve_front(
     tracing::info!(%addr, model = %st.model_name, tenants = opts.cfg.tenants.len(), "serving");
     let (sig_tx, sig_rx) = tokio::sync::oneshot::channel::<()>();
     let app = http::router(st.clone());
+    // The operator's endpoints on their own listener: never on the tenants' port.
+    let operator = match operator {
+        Some(l) => {
+            let addr = l.local_addr()?;
+            if !addr.ip().is_loopback() {
+                tracing::warn!(%addr, "/metrics (every tenant's traffic) is served beyond loopback: keep this address from tenants");
+            }
+            tracing::info!(%addr, "operator endpoints (/metrics, /health)");
+            let app = http::operator_router(st.clone());
+            Some(tokio::spawn(async move { axum::serve(l, app).await }))
+        }
+        None => {
+            tracing::info!("no operator listener ([serve] metrics_listen empty): /metrics is off");
+            None
+        }
+    };
     let mut server = tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
@@ -505,6 +538,10 @@ async fn serve_front(
         Ok(Err(e)) => tracing::error!(error = %e, "HTTP server error"),
         Err(e) if e.is_cancelled() => {}
         Err(e) => tracing::error!(error = %e, "HTTP server task failed"),
+    }
+    if let Some(o) = operator {
+        // Stopped with the server: a scrape in flight is cut (its next one finds the port shut).
+        o.abort();
     }
     if let Some(c) = canary {
         let _ = c.await;

@@ -5,6 +5,10 @@ use std::path::PathBuf;
 
 pub mod cuda_shim;
 
+/// A test whose input is missing says so through this (counted in the suite's skip log, a
+/// failure under `CI=true` when CI has the input): see [`custody_test_skip`].
+pub use custody_test_skip::{Need, skip};
+
 /// The embedded default model. The README's test command fetches it first; a missing model is a
 /// test failure with instructions, never a silent skip.
 pub fn model_path() -> PathBuf {

@@ -128,7 +128,11 @@ mod tests {
     #[test]
     fn without_a_gpu_open_says_what_is_missing() {
         if std::path::Path::new("/dev/nvidia0").exists() {
-            eprintln!("SKIPPED: this machine has a GPU (the GPU verification runs there)");
+            custody_test_skip::skip(
+                "custody_cuda::without_a_gpu_open_says_what_is_missing",
+                "this machine has a GPU (the GPU verification runs there)",
+                custody_test_skip::Need::Optional,
+            );
             return;
         }
         let e = open(0).expect_err("no device here");

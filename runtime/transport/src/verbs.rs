@@ -1421,7 +1421,11 @@ mod tests {
         let mut init = match VerbsTransport::open(1, None) {
             Ok(t) => t,
             Err(TransportError::NoDevice(msg)) => {
-                eprintln!("SKIPPED loopback_write_with_imm_lands_then_invalidate_refuses: {msg}");
+                custody_test_skip::skip(
+                    "custody_transport::verbs::loopback_write_with_imm_lands_then_invalidate_refuses",
+                    &format!("no RDMA device: {msg}"),
+                    custody_test_skip::Need::Optional,
+                );
                 return;
             }
             Err(e) => panic!("open: {e}"),

@@ -552,3 +552,98 @@ fn the_probe_binary_keeps_a_nodes_checkpoints_in_the_witness_log() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// Every path under `root` that belongs to `node` (`…/node=<n>/…` partitions and digests, the
+/// root's own checkpoint copy `node=<n>.json`): its whole log.
+fn delete_node_log(root: &Path, node: u32) -> usize {
+    fn walk(dir: &Path, name: &str, json: &str, n: &mut usize) {
+        for e in std::fs::read_dir(dir).expect("read_dir") {
+            let p = e.expect("entry").path();
+            let f = p.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+            if f == name {
+                std::fs::remove_dir_all(&p).expect("rm node dir");
+                *n += 1;
+            } else if f == json {
+                std::fs::remove_file(&p).expect("rm checkpoint copy");
+                *n += 1;
+            } else if p.is_dir() {
+                walk(&p, name, json, n);
+            }
+        }
+    }
+    let mut n = 0;
+    walk(
+        root,
+        &format!("node={node}"),
+        &format!("node={node}.json"),
+        &mut n,
+    );
+    n
+}
+
+/// A pair's root with one key for both nodes: the peer's log keeps the decode node's start-up
+/// checkpoint (issued before its first seal: `digest_seq` null). The decode node's whole log
+/// deleted, `--expect-node` must report it missing — that checkpoint vouches for no sealed data
+/// (and with a shared key any node could have signed it).
+#[test]
+fn a_deleted_node_is_missing_though_a_peer_kept_its_start_up_checkpoint() {
+    const DECODE: u32 = 3;
+    let key = digest::generate_key().expect("key");
+    let root = tmp_dir("cp-deleted-node");
+    let peer = other_log(&root, PEER, &key);
+    // What the exchange at start hands the peer: the decode node's checkpoint before any seal.
+    let start_up = Checkpoint::sign(&digest::ChainHead::default(), DECODE, 1, &key);
+    assert_eq!(start_up.body.digest_seq, None);
+    LogSink::new(peer.clone(), "peer")
+        .publish(&start_up)
+        .expect("kept in the peer's log");
+    // The decode node's own log: sealed segments and checkpoints of its own.
+    let w = AuditWriter::open(WriterConfig::new(&*root, DECODE, key.clone())).expect("writer");
+    for i in 0..20u64 {
+        w.record(Event::Page {
+            ts_ns: custody_audit::mono_now_ns(),
+            request: i,
+            tenant: "acme".into(),
+            page: (i % 4) as u32,
+            generation: 1,
+            kind: PageKind::Alloc,
+        })
+        .expect("record");
+    }
+    w.close().expect("seal");
+    peer.close().expect("seal the peer's log");
+    let expect = Expect {
+        nodes: vec![PEER, DECODE],
+        ..Expect::default()
+    };
+    let r = verify(&root, &key, &expect);
+    assert!(r.ok(), "both logs there: {:?}", r.problems);
+
+    assert!(delete_node_log(&root, DECODE) >= 2, "a log to delete");
+    let r = verify(&root, &key, &expect);
+    assert_eq!(
+        r.problems,
+        [Problem::NodeMissing { node: DECODE }],
+        "{:?}",
+        r.problems
+    );
+
+    // The command says so, naming the node, and exits non-zero.
+    let keys = tmp_dir("cp-deleted-node-key");
+    let public = digest::write_key(&key, &keys.join("audit.key")).expect("key file");
+    let out = std::process::Command::new(crate::symbols::default_features_binary())
+        .args(["audit", "verify"])
+        .arg(&*root)
+        .arg("--public-key")
+        .arg(&public)
+        .args(["--expect-node", &PEER.to_string()])
+        .args(["--expect-node", &DECODE.to_string()])
+        .output()
+        .expect("run custody (scripts/test.sh builds target/default-features/custody)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains(&format!("node {DECODE} is MISSING")),
+        "{stdout}"
+    );
+}

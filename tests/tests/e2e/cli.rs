@@ -227,7 +227,11 @@ fn certs_makes_a_ca_once_and_node_certificates_without_overwriting() {
 #[test]
 fn the_gpu_check_fails_cleanly_without_a_gpu() {
     if Path::new("/dev/nvidia0").exists() {
-        eprintln!("SKIPPED: this machine has a GPU (scripts/gpu-check.sh runs there)");
+        custody_tests::skip(
+            "e2e::cli::the_gpu_check_fails_cleanly_without_a_gpu",
+            "this machine has a GPU (scripts/gpu-check.sh runs there)",
+            custody_tests::Need::Optional,
+        );
         return;
     }
     let o = custody(&["gpu-check", "device"]);

@@ -5,6 +5,7 @@ mod audit;
 mod checkpoint;
 mod cli;
 mod cluster;
+mod configs;
 mod cuda_compile;
 mod cuda_forward;
 mod cuda_kernels;

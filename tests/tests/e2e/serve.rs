@@ -69,6 +69,8 @@ fn serve_cfg() -> ServeSection {
 /// A server in this process on a loopback port, auditing into a temporary root.
 struct TestServer {
     url: String,
+    /// The operator's listener (`/metrics`): never the tenants' port.
+    metrics_url: String,
     root: crate::audit::TmpDir,
     writer: Arc<AuditWriter>,
     rt: tokio::runtime::Runtime,
@@ -169,8 +171,13 @@ impl TestServer {
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .expect("bind");
         let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let metrics = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind");
+        let metrics_url = format!("http://{}", metrics.local_addr().expect("addr"));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let opts = ServeOptions {
+            metrics: Some(metrics),
             cfg,
             node: NODE,
             audit: Some(stats.unwrap_or_else(|| Arc::new(Stats(writer.clone())))),
@@ -189,6 +196,7 @@ impl TestServer {
         ));
         Self {
             url,
+            metrics_url,
             root,
             writer,
             rt,
@@ -214,7 +222,15 @@ impl TestServer {
     }
 
     fn metric(&self, name: &str) -> f64 {
-        let r = self.get("/metrics");
+        let r = client::request(
+            &self.metrics_url,
+            "GET",
+            "/metrics",
+            None,
+            None,
+            Duration::from_secs(60),
+        )
+        .expect("/metrics");
         let text = String::from_utf8(r.body).expect("utf8");
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
@@ -651,11 +667,16 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let metrics_listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let metrics_url = format!("http://{}", metrics_listener.local_addr().expect("addr"));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let prefill = format!("http://{}", nodes.pair.prefill_addr);
     // The front's own log (node events: prefill anomalies, canary results).
     let front_log = Arc::new(custody_audit::MemorySink::default());
     let opts = ServeOptions {
+        metrics: Some(metrics_listener),
         cfg,
         node: 0,
         audit: None,
@@ -727,8 +748,15 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         recorded,
         "request {id} of tenant acme is not in the prefill node's audit log"
     );
-    let metrics = client::request(&url, "GET", "/metrics", None, None, Duration::from_secs(30))
-        .expect("metrics");
+    let metrics = client::request(
+        &metrics_url,
+        "GET",
+        "/metrics",
+        None,
+        None,
+        Duration::from_secs(30),
+    )
+    .expect("metrics");
     let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
     let anomalies: f64 = metrics
         .lines()
@@ -1511,6 +1539,65 @@ fn timing_audit_finds_no_cross_tenant_cache_signal_and_finds_the_same_tenant_one
     assert!(
         p_other > 1e-3,
         "a cross-tenant timing signal (p = {p_other:.3e})"
+    );
+    srv.stop();
+}
+
+/// `/metrics` names every tenant with its request and token counts and prefix-cache hits: the
+/// operator's, on a listener of its own. On the tenants' port no endpoint — asked with another
+/// tenant's key or with none, by GET or POST — answers anything of acme's, nor any metric.
+#[test]
+fn no_endpoint_on_the_api_port_tells_one_tenant_of_another() {
+    let srv = TestServer::start("side-channel");
+    let r = srv.post(
+        "/v1/completions",
+        KEY,
+        format!(
+            r#"{{"model": "{MODEL_ID}", "prompt": "Hello", "max_tokens": 2, "temperature": 0}}"#
+        )
+        .as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let paths = [
+        "/metrics",
+        "/metrics/",
+        "/v1/metrics",
+        "/health",
+        "/health/ready",
+        "/health/live",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/",
+    ];
+    for path in paths {
+        for key in [Some(KEY_TINY), None] {
+            for method in ["GET", "POST"] {
+                let r = client::request(
+                    &srv.url,
+                    method,
+                    path,
+                    key,
+                    (method == "POST").then_some(&b"{}"[..]),
+                    Duration::from_secs(30),
+                )
+                .expect(path);
+                let body = String::from_utf8_lossy(&r.body);
+                for leak in ["acme", "custody_", "tenant="] {
+                    assert!(
+                        !body.contains(leak),
+                        "{method} {path} with key {key:?} ({}) tells of {leak:?}: {body}",
+                        r.status
+                    );
+                }
+            }
+        }
+    }
+    // The operator still sees everything, on its own listener.
+    assert!(
+        srv.metric(
+            "custody_requests_total{tenant=\"acme\",endpoint=\"completions\",status=\"200\"}"
+        ) >= 1.0
     );
     srv.stop();
 }

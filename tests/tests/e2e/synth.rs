@@ -406,6 +406,30 @@ fn exposure_sql_equals_the_definition_on_scripted_page_histories() {
     }
 }
 
+/// A node's request ids restart with its process: request 5 of its first incarnation (tenant
+/// t1) and request 5 of its second (tenant t2) both read tenant t0's data. They are two affected
+/// responses, in one total order (node, request, recipient, source) — not one response whose
+/// recipient is whichever row came first.
+#[test]
+fn restarted_request_ids_are_separate_responses_in_a_total_order() {
+    let key = custody_audit::digest::generate_key().expect("key");
+    let root = tmp_dir("synth-restart");
+    let mut oracle: Oracle = BTreeMap::new();
+    for (page, reader) in [(0u32, 1u32), (1, 2)] {
+        // One incarnation: a writer of t0, then request 5 of `reader` attends its slots.
+        let mut rec = Recorder::open(&root, &key, 1);
+        rec.write(4, 0, page, (0, 4));
+        rec.read(&mut oracle, (5, reader), page, (0, 4), false);
+        rec.close();
+    }
+    let want = oracle_answer(oracle);
+    assert_eq!(want.len(), 2, "{want:?}");
+    for _ in 0..3 {
+        assert_eq!(answer(&exposure_of(&root, &key)), want);
+    }
+    let _ = std::fs::remove_dir_all(&*root);
+}
+
 #[test]
 fn exposure_sql_equals_the_definition_on_adversarial_logs() {
     let key = custody_audit::digest::generate_key().expect("key");
