@@ -35,9 +35,16 @@ fn custody_in(state: &Path) -> Command {
     c
 }
 
-/// `custody serve --config configs/serve-demo.toml` on a free port, stderr into `state/serve.log`.
-fn serve(state: &Path, extra: &[&str]) -> (Child, String) {
-    let port = free_port();
+/// A served node's two listeners: the tenants' API and the operator's (`/metrics`).
+struct Urls {
+    api: String,
+    operator: String,
+}
+
+/// `custody serve --config configs/serve-demo.toml` on free ports (API and operator listener),
+/// stderr into `state/serve.log`.
+fn serve(state: &Path, extra: &[&str]) -> (Child, Urls) {
+    let (port, metrics_port) = (free_port(), free_port());
     let log = std::fs::File::create(state.join("serve.log")).expect("log");
     let child = custody_in(state)
         .arg("serve")
@@ -46,12 +53,17 @@ fn serve(state: &Path, extra: &[&str]) -> (Child, String) {
         .arg("--model")
         .arg(custody_tests::model_path())
         .args(["--listen", &format!("127.0.0.1:{port}"), "--threads", "2"])
+        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
         .args(extra)
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
         .expect("spawn custody serve");
-    (child, format!("http://127.0.0.1:{port}"))
+    let urls = Urls {
+        api: format!("http://127.0.0.1:{port}"),
+        operator: format!("http://127.0.0.1:{metrics_port}"),
+    };
+    (child, urls)
 }
 
 fn get(url: &str, path: &str) -> Option<(u16, String)> {
@@ -117,10 +129,10 @@ fn text(o: &Output) -> String {
 #[test]
 fn serve_without_audit_dir_records_a_verifiable_log_in_the_default_root() {
     let state = tmp_dir("default-root");
-    let (mut child, url) = serve(&state, &[]);
-    let ready = wait_ready(&mut child, &url, &state);
+    let (mut child, urls) = serve(&state, &[]);
+    let ready = wait_ready(&mut child, &urls.api, &state);
     assert!(ready.contains("\"ok\""), "{ready}");
-    let (_, metrics) = get(&url, "/metrics").expect("metrics");
+    let (_, metrics) = get(&urls.operator, "/metrics").expect("metrics");
     assert!(metrics.contains("custody_audit_disabled 0"), "{metrics}");
     terminate(child, &state);
 
@@ -166,13 +178,13 @@ fn serve_without_audit_dir_records_a_verifiable_log_in_the_default_root() {
 #[test]
 fn no_audit_serves_degraded_and_says_so_everywhere() {
     let state = tmp_dir("no-audit");
-    let (mut child, url) = serve(&state, &["--no-audit"]);
-    let ready = wait_ready(&mut child, &url, &state);
+    let (mut child, urls) = serve(&state, &["--no-audit"]);
+    let ready = wait_ready(&mut child, &urls.api, &state);
     assert!(
         ready.contains("\"degraded\"") && ready.contains("audit_disabled"),
         "{ready}"
     );
-    let (_, metrics) = get(&url, "/metrics").expect("metrics");
+    let (_, metrics) = get(&urls.operator, "/metrics").expect("metrics");
     assert!(metrics.contains("custody_audit_disabled 1"), "{metrics}");
     terminate(child, &state);
     let logged = log(&state);

@@ -10,8 +10,6 @@ use std::time::Duration;
 use custody_audit::{Event as AEv, MemorySink, PageKind, Writer};
 use custody_runtime::config::UnsafeReproduction;
 use custody_runtime::disagg::client::{Pair, PairOptions};
-use custody_runtime::disagg::decode::DecodeOptions;
-use custody_runtime::disagg::prefill::PrefillOptions;
 use custody_runtime::engine::GenerateRequest;
 use custody_runtime::{Engine, EngineConfig, Model, SamplingParams};
 
@@ -1107,33 +1105,12 @@ fn verbs_transport_where_unavailable_is_a_clear_error_and_the_pair_does_not_star
         return; // a device is under test
     }
     let verbs = TransportKind::Verbs { device: None };
-    let opts = PairOptions {
-        prefill: PrefillOptions {
-            node_id: 1,
-            unsafe_: UnsafeReproduction::default(),
-            fingerprint: fingerprint(),
-            reserve_wait: Duration::from_secs(1),
-            transport_kind: verbs.clone(),
-            kv_encryption: Default::default(),
-            checkpoints: None,
-            namespaces: None,
-            drain: Default::default(),
-        },
-        decode: DecodeOptions {
-            node_id: 2,
-            transport_listen: "127.0.0.1:0".parse().expect("addr"),
-            transport_kind: verbs,
-            kv_encryption: Default::default(),
-            checksum: true,
-            reservation_lease: Duration::from_secs(1),
-            unsafe_: UnsafeReproduction::default(),
-            fingerprint: fingerprint(),
-            checkpoints: None,
-            drain: Default::default(),
-        },
-        fleet: Some(fleet()),
-        transport_encryption: false,
-    };
+    let mut opts =
+        PairOptions::loopback(&fingerprint(), UnsafeReproduction::default(), Some(fleet()));
+    opts.prefill.reserve_wait = Duration::from_secs(1);
+    opts.prefill.transport_kind = verbs.clone();
+    opts.decode.transport_kind = verbs;
+    opts.decode.reservation_lease = Duration::from_secs(1);
     let (pe, de) = (
         Engine::new(model(), cfg(2048, 64)).expect("prefill"),
         Engine::new(model(), cfg(2048, 64)).expect("decode"),
@@ -1162,33 +1139,10 @@ fn handshake_refuses_a_mismatched_pair() {
         )
         .expect("decode"),
     );
-    let opts = PairOptions {
-        prefill: PrefillOptions {
-            node_id: 1,
-            unsafe_: UnsafeReproduction::default(),
-            fingerprint: fingerprint(),
-            reserve_wait: Duration::from_secs(1),
-            transport_kind: Default::default(),
-            kv_encryption: Default::default(),
-            checkpoints: None,
-            namespaces: None,
-            drain: Default::default(),
-        },
-        decode: DecodeOptions {
-            node_id: 2,
-            transport_listen: "127.0.0.1:0".parse().expect("addr"),
-            transport_kind: Default::default(),
-            kv_encryption: Default::default(),
-            checksum: true,
-            reservation_lease: Duration::from_secs(1),
-            unsafe_: UnsafeReproduction::default(),
-            fingerprint: fingerprint(),
-            checkpoints: None,
-            drain: Default::default(),
-        },
-        fleet: Some(fleet()),
-        transport_encryption: false,
-    };
+    let mut opts =
+        PairOptions::loopback(&fingerprint(), UnsafeReproduction::default(), Some(fleet()));
+    opts.prefill.reserve_wait = Duration::from_secs(1);
+    opts.decode.reservation_lease = Duration::from_secs(1);
     let err = Pair::start(pe, de, opts).expect_err("mismatched pair must not start");
     let msg = err.to_string();
     assert!(

@@ -20,8 +20,7 @@ use custody_query::forensics::{Crosscheck, crosscheck};
 use custody_runtime::Engine;
 use custody_runtime::config::UnsafeReproduction;
 use custody_runtime::disagg::client::{Pair, PairOptions};
-use custody_runtime::disagg::decode::DecodeOptions;
-use custody_runtime::disagg::prefill::{PrefillFault, PrefillOptions};
+use custody_runtime::disagg::prefill::PrefillFault;
 use custody_runtime::transport::TransportKind;
 
 use crate::disagg::{Tee, cfg, fingerprint, model, req};
@@ -74,33 +73,15 @@ impl Rig {
         let de = Engine::new(model(), cfg(2048, 64))
             .expect("decode engine")
             .with_audit(Arc::new(Tee(da, Some(dw.clone() as Arc<dyn AuditSink>))));
-        let opts = PairOptions {
-            prefill: PrefillOptions {
-                node_id: node,
-                unsafe_: UnsafeReproduction::default(),
-                fingerprint: fingerprint(),
-                reserve_wait: Duration::from_secs(30),
-                transport_kind: TransportKind::Tcp,
-                kv_encryption: Default::default(),
-                checkpoints: None,
-                namespaces: None,
-                drain: Default::default(),
-            },
-            decode: DecodeOptions {
-                node_id: node + 1,
-                transport_listen: "127.0.0.1:0".parse().expect("addr"),
-                transport_kind: TransportKind::Tcp,
-                kv_encryption: Default::default(),
-                checksum: true,
-                reservation_lease: Duration::from_secs(30),
-                unsafe_: UnsafeReproduction::default(),
-                fingerprint: fingerprint(),
-                checkpoints: None,
-                drain: Default::default(),
-            },
-            fleet: Some(crate::disagg::fleet()),
-            transport_encryption: false,
-        };
+        let mut opts = PairOptions::loopback(
+            &fingerprint(),
+            UnsafeReproduction::default(),
+            Some(crate::disagg::fleet()),
+        );
+        opts.prefill.node_id = node;
+        opts.decode.node_id = node + 1;
+        opts.prefill.transport_kind = TransportKind::Tcp;
+        opts.decode.transport_kind = TransportKind::Tcp;
         let pair = Pair::start(pe, de, opts).expect("pair starts");
         Self {
             pair: Some(pair),
