@@ -68,15 +68,36 @@ pub fn load_or_create_key(path: &Path) -> Result<(SigningKey, bool), DefaultsErr
     if let Some(dir) = path.parent() {
         create_private_dir(dir)?;
     }
-    let key = digest::generate_key().map_err(|source| DefaultsError::Create {
+    let create = |source| DefaultsError::Create {
         path: path.to_owned(),
         source,
-    })?;
-    digest::write_key(&key, path).map_err(|source| DefaultsError::Create {
-        path: path.to_owned(),
-        source,
-    })?;
-    Ok((key, true))
+    };
+    let key = digest::generate_key().map_err(create)?;
+    // Two nodes started together on one host (a prefill and a decode node) may both find no
+    // key: each writes its own under a private name and links it into place, which is atomic
+    // and fails if the name exists — so exactly one key wins, whole, and the loser reads it.
+    let mut tmp = path.as_os_str().to_owned();
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tmp.push(format!(".new-{}-{n}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let written = digest::write_key(&key, &tmp).map_err(create)?;
+    let linked = std::fs::hard_link(&tmp, path);
+    for stale in [tmp.as_path(), written.as_path()] {
+        if let Err(e) = std::fs::remove_file(stale) {
+            tracing::warn!(path = %stale.display(), error = %e, "a temporary key file stays");
+        }
+    }
+    match linked {
+        Ok(()) => {
+            digest::write_public_key(&key, path).map_err(create)?;
+            Ok((key, true))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            Ok((digest::read_signing_key(path)?, false))
+        }
+        Err(e) => Err(create(e)),
+    }
 }
 
 /// `dir` and its parents; `dir` itself mode 0700 when made here.
@@ -112,6 +133,30 @@ mod tests {
             Some(PathBuf::from("/home/u/.local/state/custody"))
         );
         assert_eq!(state_dir_from(None, None), None);
+    }
+
+    /// A prefill and a decode node started together both find no key: one key is made, whole,
+    /// and every racer gets that one.
+    #[test]
+    fn racing_first_uses_agree_on_one_key() {
+        let dir = std::env::temp_dir().join(format!("custody-race-{}", std::process::id()));
+        let path = dir.join("node.key");
+        let keys: Vec<SigningKey> = std::thread::scope(|s| {
+            let racers: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| load_or_create_key(&path).expect("key").0))
+                .collect();
+            racers
+                .into_iter()
+                .map(|r| r.join().expect("racer"))
+                .collect()
+        });
+        assert!(keys.iter().all(|k| k.to_bytes() == keys[0].to_bytes()));
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(left.len(), 2, "the key and its .pub only: {left:?}");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]

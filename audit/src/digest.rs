@@ -251,6 +251,11 @@ pub fn write_key(key: &SigningKey, path: &Path) -> std::io::Result<PathBuf> {
         .open(path)?;
     std::io::Write::write_all(&mut f, hex(&key.to_bytes()).as_bytes())?;
     f.sync_all()?;
+    write_public_key(key, path)
+}
+
+/// `key`'s public half in `<path>.pub`; returns that path.
+pub fn write_public_key(key: &SigningKey, path: &Path) -> std::io::Result<PathBuf> {
     let mut pub_name = path.as_os_str().to_owned();
     pub_name.push(".pub");
     let pub_path = PathBuf::from(pub_name);
