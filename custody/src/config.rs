@@ -80,7 +80,8 @@ impl Config {
     }
 
     /// [`Config::unsafe_switches`] without its log lines: for a caller that says so in its own
-    /// output (the demo).
+    /// output (the demo, which only exists with `forensics`).
+    #[cfg(feature = "forensics")]
     pub(crate) fn armed_switches(&self, armed: bool) -> UnsafeReproduction {
         if armed {
             self.unsafe_reproduction.clone()
