@@ -97,18 +97,16 @@ pub fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result
             },
             &mut n,
         )?;
+        let page_event = |page: u32, ts_ns: u64, kind: PageKind| Event::Page {
+            ts_ns,
+            request: req,
+            tenant: tenant.clone(),
+            page,
+            generation: (req % 1000) as u32,
+            kind,
+        };
         for &p in &pages {
-            rec(
-                Event::Page {
-                    ts_ns: ts,
-                    request: req,
-                    tenant: tenant.clone(),
-                    page: p,
-                    generation: (req % 1000) as u32,
-                    kind: PageKind::Alloc,
-                },
-                &mut n,
-            )?;
+            rec(page_event(p, ts, PageKind::Alloc), &mut n)?;
         }
         for step in 0..28u32 {
             let p = pages[(step as usize * 8 / 28).min(7)];
@@ -117,17 +115,7 @@ pub fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result
                 slot_end: step % 16 + 1,
                 writer: Writer::Local,
             };
-            rec(
-                Event::Page {
-                    ts_ns: ts + u64::from(step) * 1000,
-                    request: req,
-                    tenant: tenant.clone(),
-                    page: p,
-                    generation: (req % 1000) as u32,
-                    kind,
-                },
-                &mut n,
-            )?;
+            rec(page_event(p, ts + u64::from(step) * 1000, kind), &mut n)?;
         }
         for &p in &pages {
             rec(
@@ -145,17 +133,7 @@ pub fn record_mix(w: &custody_audit::writer::AuditWriter, events: u64) -> Result
                 },
                 &mut n,
             )?;
-            rec(
-                Event::Page {
-                    ts_ns: ts,
-                    request: req,
-                    tenant: tenant.clone(),
-                    page: p,
-                    generation: (req % 1000) as u32,
-                    kind: PageKind::Release,
-                },
-                &mut n,
-            )?;
+            rec(page_event(p, ts, PageKind::Release), &mut n)?;
         }
         rec(
             Event::Request {

@@ -27,6 +27,8 @@ mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_bf16;
 #[cfg(target_arch = "x86_64")]
+mod x86_kpack;
+#[cfg(target_arch = "x86_64")]
 mod x86_kquant;
 #[cfg(target_arch = "x86_64")]
 mod x86_pack;

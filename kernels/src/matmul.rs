@@ -539,10 +539,60 @@ fn run_rows_bf16(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usi
 }
 
 /// Groups `g0..g1` of a packed matrix for every token, four tokens at a time: a group's weights
-/// (2.9 KB of Q4_1 at 576 columns) stay in L1 while every token passes over them.
+/// (2.9 KB of Q4_1 at 576 columns, 9 KB of Q4_K at 2,048) stay in L1 while every token passes
+/// over them.
 fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize) {
-    let (rows, n_tok, per_row) = (pk.rows(), x.n_tok, pk.cols() / QK);
-    let act = |t: usize| &x.q8[t * per_row..(t + 1) * per_row];
+    if pk.dtype().activations() == Activations::Q8K {
+        let per_row = pk.cols() / QK_K;
+        let act = |t: usize| &x.q8k[t * per_row..(t + 1) * per_row];
+        run_groups_with(pk, x.n_tok, act, &Q8KGroups, p, (g0, g1));
+    } else {
+        let per_row = pk.cols() / QK;
+        let act = |t: usize| &x.q8[t * per_row..(t + 1) * per_row];
+        run_groups_with(pk, x.n_tok, act, &Q8Groups, p, (g0, g1));
+    }
+}
+
+/// A packed group kernel over one to four tokens' activations of type `A`.
+trait GroupKernel<A: ?Sized> {
+    fn dot<const T: usize>(pk: &PackedRows, g: usize, a: [&A; T]) -> [[f32; GROUP_ROWS]; T];
+}
+
+/// [`PackedRows::dot_group`]: Q8_0 / Q8_1 activations.
+struct Q8Groups;
+
+impl GroupKernel<[BlockQ8]> for Q8Groups {
+    fn dot<const T: usize>(
+        pk: &PackedRows,
+        g: usize,
+        a: [&[BlockQ8]; T],
+    ) -> [[f32; GROUP_ROWS]; T] {
+        pk.dot_group::<T>(g, a)
+    }
+}
+
+/// [`PackedRows::dot_group_q8k`]: Q8_K activations (the K-quants).
+struct Q8KGroups;
+
+impl GroupKernel<[BlockQ8K]> for Q8KGroups {
+    fn dot<const T: usize>(
+        pk: &PackedRows,
+        g: usize,
+        a: [&[BlockQ8K]; T],
+    ) -> [[f32; GROUP_ROWS]; T] {
+        pk.dot_group_q8k::<T>(g, a)
+    }
+}
+
+fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
+    pk: &PackedRows,
+    n_tok: usize,
+    act: impl Fn(usize) -> &'x A,
+    _kernel: &K,
+    p: OutPtr<f32>,
+    (g0, g1): (usize, usize),
+) {
+    let rows = pk.rows();
     let store = |g: usize, t0: usize, out: &[[f32; GROUP_ROWS]]| {
         for (j, vals) in out.iter().enumerate() {
             for (i, v) in vals.iter().enumerate() {
@@ -555,17 +605,13 @@ fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize)
     for g in g0..g1 {
         for t in (0..n_tok).step_by(4) {
             match n_tok - t {
-                1 => store(g, t, &pk.dot_group::<1>(g, [act(t)])),
-                2 => store(g, t, &pk.dot_group::<2>(g, [act(t), act(t + 1)])),
-                3 => store(
-                    g,
-                    t,
-                    &pk.dot_group::<3>(g, [act(t), act(t + 1), act(t + 2)]),
-                ),
+                1 => store(g, t, &K::dot::<1>(pk, g, [act(t)])),
+                2 => store(g, t, &K::dot::<2>(pk, g, [act(t), act(t + 1)])),
+                3 => store(g, t, &K::dot::<3>(pk, g, [act(t), act(t + 1), act(t + 2)])),
                 _ => store(
                     g,
                     t,
-                    &pk.dot_group::<4>(g, [act(t), act(t + 1), act(t + 2), act(t + 3)]),
+                    &K::dot::<4>(pk, g, [act(t), act(t + 1), act(t + 2), act(t + 3)]),
                 ),
             }
         }

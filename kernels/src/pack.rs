@@ -15,24 +15,29 @@
 //! - Q5_0 / Q5_1: `d[8]` (and `m[8]`) f16, each row's 32 fifth bits (`qh`, u32), then each row's
 //!   16 nibble bytes: 176 / 192 bytes.
 //! - Q4_0: `d[8]` f16, then each row's 16 nibble bytes: 144 bytes.
+//! - Q4_K, Q5_K, Q6_K (block `b` = columns `256b .. 256b + 256`): scales unpacked to bytes,
+//!   nibbles reordered so one 64-byte load holds 64 consecutive elements: 1,184 / 1,440 / 1,680
+//!   bytes (`x86_kpack.rs` documents each byte).
 //!
 //! # Invariants
-//! - Packing is a permutation of the GGUF bytes (and, for Q8_0, a fixed relabelling of each
-//!   quant): nothing is rounded, so the packed kernels compute every output with the one-row
-//!   kernel's arithmetic, bit for bit (tested for every token count).
+//! - Packing moves values, it never computes new ones: the 32-element types' blocks are a
+//!   permutation of the GGUF bytes (and, for Q8_0, a fixed relabelling of each quant); the
+//!   K-quants' are their nibbles, bit pairs and 6-bit scales, unpacked. Nothing is rounded, so
+//!   the packed kernels compute every output with the one-row kernel's arithmetic, bit for bit
+//!   (tested for every token count; every value read back in `kquant_layouts_keep_every_value`).
 //! - A [`PackedRows`] exists only where its kernel can run: x86-64 with AVX-512 F/BW/VL/VNNI, a
-//!   Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix whose rows are a multiple of eight. Elsewhere
-//!   [`PackedRows::new`] says
-//!   `None` and the GGUF-layout kernels run, as before.
+//!   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K matrix whose rows are a multiple of eight.
+//!   Elsewhere [`PackedRows::new`] says `None` and the GGUF-layout kernels run, as before.
 
 use crate::matmul::QMatrix;
-use crate::quant::{BlockQ8, DType, QK};
+use crate::q8k::BlockQ8K;
+use crate::quant::{BlockQ8, DType};
 
 /// Rows per interleaved group.
 pub const GROUP_ROWS: usize = 8;
 
 /// A weight matrix repacked into groups of [`GROUP_ROWS`] interleaved rows (see the module
-/// documentation). Owned: a copy of the matrix, the same size.
+/// documentation). Owned: a copy of the matrix, the same size (Q4_K: 2.8 %, Q5_K: 2.3 % larger).
 #[derive(Debug)]
 pub struct PackedRows {
     dtype: DType,
@@ -47,6 +52,111 @@ pub fn available() -> bool {
     crate::simd::has_vnni512()
 }
 
+/// Bytes of one block of [`GROUP_ROWS`] interleaved rows of `dtype`, for the packed types.
+fn group_block_bytes(dtype: DType) -> Option<usize> {
+    match dtype {
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {
+            Some(GROUP_ROWS * dtype.block_bytes())
+        }
+        // The sub-block scales unpacked to bytes: 32 bytes more than the GGUF blocks.
+        DType::Q4_K => Some(GROUP_ROWS * 144 + 32),
+        DType::Q5_K => Some(GROUP_ROWS * 176 + 32),
+        DType::Q6_K => Some(GROUP_ROWS * 210),
+        _ => None,
+    }
+}
+
+/// Element `e` (0..256) of a GGUF Q4_K block's nibbles (`qs`: its 128 quant bytes): sub-blocks
+/// `2i`, `2i+1` are the low and high nibbles of bytes `32i..32i+32`.
+fn q4_k_nibble(qs: &[u8], e: usize) -> u8 {
+    let (i, l) = (e / 64, e % 64);
+    if l < 32 {
+        qs[32 * i + l] & 0x0f
+    } else {
+        qs[32 * i + l - 32] >> 4
+    }
+}
+
+/// One super-block of eight Q4_K rows in the packed layout (`x86_kpack::Q4_K_GROUP_BLOCK`):
+/// `d[8]`, `dmin[8]`, scales `[row][8]`, mins `[pair][row][2]`, nibbles `[row][128]` with byte
+/// `64h + k` holding element `128h + k` (low) and `128h + 64 + k` (high).
+fn pack_q4_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
+    pack_q45_k(blocks, |k| &k[16..144], data);
+}
+
+/// One super-block of eight Q5_K rows: the Q4_K layout of their low four bits, then each row's
+/// fifth bits in element order (`x86_kpack::Q5_K_GROUP_BLOCK`).
+fn pack_q5_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
+    pack_q45_k(blocks, |k| &k[48..176], data);
+    for k in blocks {
+        let qh = &k[16..48];
+        // Element e = 64i + l: bit 2i of qh[l] for l < 32 (sub-block 2i), bit 2i+1 of qh[l-32].
+        let bit = |e: usize| {
+            let (i, l) = (e / 64, e % 64);
+            if l < 32 {
+                (qh[l] >> (2 * i)) & 1
+            } else {
+                (qh[l - 32] >> (2 * i + 1)) & 1
+            }
+        };
+        data.extend((0..32).map(|byte| (0..8).fold(0u8, |acc, j| acc | bit(8 * byte + j) << j)));
+    }
+}
+
+/// The Q4_K layout of eight Q4_K or Q5_K blocks (`qs_of`: a block's 128 nibble bytes).
+fn pack_q45_k(blocks: &[&[u8]; GROUP_ROWS], qs_of: impl Fn(&[u8]) -> &[u8], data: &mut Vec<u8>) {
+    blocks.iter().for_each(|k| data.extend_from_slice(&k[0..2]));
+    blocks.iter().for_each(|k| data.extend_from_slice(&k[2..4]));
+    let pairs = blocks.map(|k| -> [(u8, u8); 8] {
+        std::array::from_fn(|j| crate::kquant::scale_min_k4(j, &k[4..16]))
+    });
+    for p in &pairs {
+        data.extend(p.iter().map(|&(sc, _)| sc));
+    }
+    for pair in 0..4 {
+        for p in &pairs {
+            data.extend([p[2 * pair].1, p[2 * pair + 1].1]);
+        }
+    }
+    for k in blocks {
+        let qs = qs_of(k);
+        for h in 0..2 {
+            data.extend(
+                (0..64)
+                    .map(|l| q4_k_nibble(qs, 128 * h + l) | q4_k_nibble(qs, 128 * h + 64 + l) << 4),
+            );
+        }
+    }
+}
+
+/// Element `e` (0..256) of a GGUF Q6_K block as an unsigned 6-bit value (before the −32).
+fn q6_k_value(b: &[u8], e: usize) -> u8 {
+    let (half, k, l) = (e / 128, (e % 128) / 32, e % 32);
+    let byte = b[64 * half + l + 32 * (k & 1)];
+    let lo = if k < 2 { byte & 0x0f } else { byte >> 4 };
+    let hi = (b[128 + 32 * half + l] >> (2 * k)) & 3;
+    lo | hi << 4
+}
+
+/// One super-block of eight Q6_K rows in the packed layout (`x86_kpack::Q6_K_GROUP_BLOCK`):
+/// `d[8]`, scales `[row][16]`, then per row 128 low-nibble bytes (byte `k`: element `k` low,
+/// `128 + k` high) and 64 high-pair bytes (bits `2j..2j+2` of byte `k`: element `64j + k`).
+fn pack_q6_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
+    blocks
+        .iter()
+        .for_each(|k| data.extend_from_slice(&k[208..210]));
+    blocks
+        .iter()
+        .for_each(|k| data.extend_from_slice(&k[192..208]));
+    for b in blocks {
+        let q: [u8; 256] = std::array::from_fn(|e| q6_k_value(b, e));
+        data.extend((0..128).map(|k| (q[k] & 0x0f) | (q[128 + k] & 0x0f) << 4));
+        data.extend(
+            (0..64).map(|k| (0..4).fold(0u8, |acc, j| acc | (q[64 * j + k] >> 4) << (2 * j))),
+        );
+    }
+}
+
 impl PackedRows {
     /// The repacked copy of `w`, or `None` where no packed kernel runs it (type, shape or CPU).
     pub fn new(w: &QMatrix<'_>) -> Option<Self> {
@@ -55,11 +165,12 @@ impl PackedRows {
 
     /// The repacking itself, whatever the CPU (tests compare layouts on any machine).
     fn pack(w: &QMatrix<'_>) -> Option<Self> {
-        if !w.rows.is_multiple_of(GROUP_ROWS) || !w.cols.is_multiple_of(QK) {
+        if !w.rows.is_multiple_of(GROUP_ROWS) || !w.cols.is_multiple_of(w.dtype.block_elems()) {
             return None;
         }
-        let nb = w.cols / QK;
-        let mut data = Vec::with_capacity(w.data.len());
+        let nb = w.cols / w.dtype.block_elems();
+        let packed_bytes = w.rows / GROUP_ROWS * nb * group_block_bytes(w.dtype)?;
+        let mut data = Vec::with_capacity(packed_bytes);
         for g in 0..w.rows / GROUP_ROWS {
             let rows: [&[u8]; GROUP_ROWS] = std::array::from_fn(|i| w.row(g * GROUP_ROWS + i));
             for b in 0..nb {
@@ -111,11 +222,23 @@ impl PackedRows {
                             data.extend(k[2..34].iter().map(|q| q ^ 0x80));
                         }
                     }
+                    DType::Q4_K => {
+                        let blocks = rows.map(|r| &r[b * 144..b * 144 + 144]);
+                        pack_q4_k(&blocks, &mut data);
+                    }
+                    DType::Q5_K => {
+                        let blocks = rows.map(|r| &r[b * 176..b * 176 + 176]);
+                        pack_q5_k(&blocks, &mut data);
+                    }
+                    DType::Q6_K => {
+                        let blocks = rows.map(|r| &r[b * 210..b * 210 + 210]);
+                        pack_q6_k(&blocks, &mut data);
+                    }
                     _ => return None,
                 }
             }
         }
-        debug_assert_eq!(data.len(), w.data.len(), "packing is a permutation");
+        assert_eq!(data.len(), packed_bytes, "the layout's size");
         Some(Self {
             dtype: w.dtype,
             rows: w.rows,
@@ -165,7 +288,38 @@ impl PackedRows {
                     DType::Q5_0 => crate::x86_pack::dot8_q5_packed::<T, false, true>(gd, a),
                     DType::Q5_1 => crate::x86_pack::dot8_q5_packed::<T, true, true>(gd, a),
                     DType::Q4_0 => crate::x86_pack::dot8_q5_packed::<T, false, false>(gd, a),
-                    _ => unreachable!("only Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are packed"),
+                    _ => unreachable!("{:?} is not packed over Q8 activations", self.dtype),
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (g, a);
+            unreachable!("packed kernels are x86-64 only")
+        }
+    }
+
+    /// As [`PackedRows::dot_group`], for the K-quants over Q8_K activations: each result the
+    /// bits of `q8k::scalar_dot(dtype)`.
+    pub(crate) fn dot_group_q8k<const T: usize>(
+        &self,
+        g: usize,
+        a: [&[BlockQ8K]; T],
+    ) -> [[f32; GROUP_ROWS]; T] {
+        assert!(
+            available(),
+            "packed kernels need AVX-512 VNNI (checked at pack)"
+        );
+        #[cfg(target_arch = "x86_64")]
+        {
+            let gd = self.group(g);
+            // SAFETY: as in `dot_group`: packed matrices exist only where `available()`.
+            unsafe {
+                match self.dtype {
+                    DType::Q4_K => crate::x86_kpack::dot8_q45_k_packed::<T, false>(gd, a),
+                    DType::Q5_K => crate::x86_kpack::dot8_q45_k_packed::<T, true>(gd, a),
+                    DType::Q6_K => crate::x86_kpack::dot8_q6_k_packed::<T>(gd, a),
+                    _ => unreachable!("{:?} is not packed over Q8_K activations", self.dtype),
                 }
             }
         }
@@ -180,7 +334,7 @@ impl PackedRows {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::quantize_row_q8;
+    use crate::quant::{QK, QK_K, quantize_row_q8};
 
     fn rand_bytes(n: usize, seed: &mut u64) -> Vec<u8> {
         (0..n)
@@ -270,6 +424,133 @@ mod tests {
                 check_bits::<2>(dtype, seed);
                 check_bits::<3>(dtype, seed);
                 check_bits::<4>(dtype, seed);
+            }
+        }
+    }
+
+    /// Random GGUF K-quant blocks (Q4_K, Q5_K or Q6_K) with finite f16 scales of both signs.
+    fn rand_kquant(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+        let bb = dtype.block_bytes();
+        let mut data = rand_bytes(rows * cols / QK_K * bb, seed);
+        let f16_offsets: &[usize] = if dtype != DType::Q6_K {
+            &[0, 2]
+        } else {
+            &[208]
+        };
+        for blk in data.chunks_mut(bb) {
+            for &o in f16_offsets {
+                let v = (f32::from(blk[o]) - 128.0) / 8192.0 + 1e-4;
+                blk[o..o + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+        }
+        data
+    }
+
+    fn rand_act_q8k(cols: usize, seed: &mut u64) -> Vec<BlockQ8K> {
+        let x: Vec<f32> = rand_bytes(cols, seed)
+            .into_iter()
+            .map(|b| (f32::from(b) - 128.0) / 37.0)
+            .collect();
+        let mut q = vec![BlockQ8K::default(); cols / QK_K];
+        crate::q8k::quantize_row_q8_k(&x, &mut q);
+        q
+    }
+
+    fn check_kquant_bits<const T: usize>(dtype: DType, seed: u64) {
+        let (rows, cols) = (16, 768);
+        let mut seed = seed;
+        let data = rand_kquant(dtype, rows, cols, &mut seed);
+        let w = QMatrix::new(dtype, rows, cols, &data).expect("shape");
+        let p = PackedRows::new(&w).expect("packable here");
+        let acts: Vec<Vec<BlockQ8K>> = (0..T).map(|_| rand_act_q8k(cols, &mut seed)).collect();
+        let a: [&[BlockQ8K]; T] = std::array::from_fn(|t| acts[t].as_slice());
+        let reference = crate::q8k::scalar_dot(dtype);
+        for g in 0..rows / GROUP_ROWS {
+            let out = p.dot_group_q8k::<T>(g, a);
+            for t in 0..T {
+                for i in 0..GROUP_ROWS {
+                    let want = reference(w.row(g * GROUP_ROWS + i), a[t]);
+                    assert_eq!(
+                        out[t][i].to_bits(),
+                        want.to_bits(),
+                        "{dtype:?} T={T} group {g} row {i} token {t}: {} vs {want}",
+                        out[t][i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// The packed K-quant kernels against the scalar reference of `crate::q8k`'s spec, bit for
+    /// bit, for every token count (and so against every other kernel of that spec).
+    #[test]
+    fn packed_kquant_kernels_give_the_references_bits_for_every_token_count() {
+        if !available() {
+            custody_test_skip::skip(
+                "kernels::pack::packed_kquant_kernels_give_the_references_bits_for_every_token_count",
+                "no AVX-512 F/BW/VL/VNNI on this machine",
+                custody_test_skip::Need::OnCi,
+            );
+            return;
+        }
+        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+            for seed in [1, 2, 3] {
+                check_kquant_bits::<1>(dtype, seed);
+                check_kquant_bits::<2>(dtype, seed);
+                check_kquant_bits::<3>(dtype, seed);
+                check_kquant_bits::<4>(dtype, seed);
+            }
+        }
+    }
+
+    /// The K-quant layouts hold every value of the GGUF blocks: each packed row dequantizes
+    /// (through the layout's own definition, read back here) to the GGUF row's values.
+    #[test]
+    fn kquant_layouts_keep_every_value() {
+        let mut seed = 5;
+        for dtype in [DType::Q4_K, DType::Q6_K] {
+            let data = rand_kquant(dtype, 8, 512, &mut seed);
+            let w = QMatrix::new(dtype, 8, 512, &data).expect("shape");
+            let p = PackedRows::pack(&w).expect("K-quants pack");
+            let gb = group_block_bytes(dtype).expect("packed type");
+            assert_eq!(p.data.len(), 2 * gb);
+            for b in 0..2 {
+                let blk = &p.data[b * gb..(b + 1) * gb];
+                for r in 0..GROUP_ROWS {
+                    let src = &w.row(r)[b * dtype.block_bytes()..(b + 1) * dtype.block_bytes()];
+                    for e in 0..QK_K {
+                        let (want, got) = if dtype == DType::Q4_K {
+                            let (h, k) = (e / 128, e % 64);
+                            let byte = blk[160 + 128 * r + 64 * h + k];
+                            let got = if e % 128 < 64 { byte & 0x0f } else { byte >> 4 };
+                            (q4_k_nibble(&src[16..144], e), got)
+                        } else {
+                            let row = &blk[144 + 192 * r..144 + 192 * (r + 1)];
+                            let lo = if e < 128 {
+                                row[e] & 0x0f
+                            } else {
+                                row[e - 128] >> 4
+                            };
+                            let hi = (row[128 + e % 64] >> (2 * (e / 64))) & 3;
+                            (q6_k_value(src, e), lo | hi << 4)
+                        };
+                        assert_eq!(got, want, "{dtype:?} block {b} row {r} element {e}");
+                    }
+                    let (sc, d) = if dtype == DType::Q4_K {
+                        let (sc, m) = crate::kquant::scale_min_k4(5, &src[4..16]);
+                        assert_eq!(blk[96 + 16 * 2 + 2 * r + 1], m, "min of sub-block 5");
+                        (
+                            blk[32 + 8 * r + 5] == sc,
+                            blk[2 * r..2 * r + 2] == src[0..2],
+                        )
+                    } else {
+                        (
+                            blk[16 + 16 * r + 5] == src[192 + 5],
+                            blk[2 * r..2 * r + 2] == src[208..210],
+                        )
+                    };
+                    assert!(sc && d, "{dtype:?} block {b} row {r}: scales");
+                }
             }
         }
     }

@@ -183,6 +183,20 @@ fn transport_kind(d: &DisaggSection) -> Result<TransportKind, NodeError> {
     TransportKind::parse(&d.transport, device).map_err(NodeError::Transport)
 }
 
+/// This node's KV-transfer encryption for its pair's `role` (a fleet's prefill node asks per
+/// decode node instead: `kv_encryption_to`).
+fn own_kv_encryption(
+    s: &NodeSetup,
+    role: Role,
+) -> Result<crate::transport::KvEncryption, NodeError> {
+    s.security
+        .kv_encryption(role, s.disagg.transport_encryption)
+        .map_err(|source| NodeError::Encryption {
+            peer: String::new(),
+            source,
+        })
+}
+
 async fn bind(a: SocketAddr, what: &'static str) -> Result<tokio::net::TcpListener, NodeError> {
     tokio::net::TcpListener::bind(a)
         .await
@@ -297,13 +311,7 @@ pub fn run_decode(s: NodeSetup, reservation_lease: Duration) -> Result<(), NodeE
         node_id: s.node,
         transport_listen: addr(&s.disagg.decode_transport, "disagg.decode_transport")?,
         transport_kind: transport_kind(&s.disagg)?,
-        kv_encryption: s
-            .security
-            .kv_encryption(Role::Decode, s.disagg.transport_encryption)
-            .map_err(|source| NodeError::Encryption {
-                peer: String::new(),
-                source,
-            })?,
+        kv_encryption: own_kv_encryption(&s, Role::Decode)?,
         checksum: s.disagg.checksum,
         reservation_lease,
         unsafe_: s.unsafe_,
@@ -407,13 +415,7 @@ pub fn run_prefill(mut s: NodeSetup, namespaces: Option<Arc<Namespaces>>) -> Res
         fingerprint: std::mem::take(&mut s.fingerprint),
         reserve_wait: Duration::from_secs(30),
         transport_kind: transport_kind(&s.disagg)?,
-        kv_encryption: s
-            .security
-            .kv_encryption(Role::Prefill, s.disagg.transport_encryption)
-            .map_err(|source| NodeError::Encryption {
-                peer: String::new(),
-                source,
-            })?,
+        kv_encryption: own_kv_encryption(&s, Role::Prefill)?,
         checkpoints: s.checkpoints.take(),
         namespaces,
         drain: Drain::default(),

@@ -465,6 +465,37 @@ impl Gguf {
         Ok((info, &self.mmap[info.start..info.start + info.len]))
     }
 
+    /// Drop the resident pages of tensor `name` from this process (`MADV_DONTNEED`): for a
+    /// tensor the engine has copied (repacked) and no longer reads, so the copy replaces the
+    /// mapped original in memory instead of doubling it. A later read of the tensor is still
+    /// correct: the map is a read-only shared file mapping, so its pages fault back in from the
+    /// file. Pages shared with a neighbouring tensor are dropped too (and fault back the same way).
+    pub fn release_tensor_pages(&self, name: &str) -> Result<()> {
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| GgufError::MissingTensor(name.to_owned()))?;
+        #[cfg(unix)]
+        {
+            // SAFETY: DONTNEED on a read-only MAP_SHARED file mapping only unmaps pages from this
+            // process; every byte reads the same afterwards (refaulted from the page cache or
+            // the file), so no reference into the map observes a change. The range is in
+            // bounds (checked in `parse`).
+            let dropped = unsafe {
+                self.mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    info.start,
+                    info.len,
+                )
+            };
+            if let Err(e) = dropped {
+                // Only memory is at stake: the tensor stays resident, as before the repack.
+                tracing::warn!(tensor = name, error = %e, "could not release a repacked tensor's mapped pages");
+            }
+        }
+        Ok(())
+    }
+
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.metadata.get(key)
     }

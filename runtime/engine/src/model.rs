@@ -420,9 +420,17 @@ impl Model {
     }
 
     /// Repack every matrix the forward pass multiplies by, where this CPU has the packed
-    /// kernels (a copy of the weights; the embedding lookups keep reading the mapped bytes).
+    /// kernels, and release the mapped originals' pages: the packed copy replaces the original
+    /// in memory rather than doubling it (the embedding lookups of a tied output head fault
+    /// back in only the rows they read).
     fn pack_weights(&mut self) {
-        let pack = |model: &Self, m: &Mat| PackedRows::new(&model.qm(m)).map(Arc::new);
+        let pack = |model: &Self, m: &Mat| {
+            let packed = PackedRows::new(&model.qm(m)).map(Arc::new)?;
+            if let Err(e) = model.gguf.release_tensor_pages(&m.name) {
+                unreachable!("validated at load: {e}")
+            }
+            Some(packed)
+        };
         self.output.packed = pack(self, &self.output);
         for i in 0..self.layers.len() {
             let l = &self.layers[i];
