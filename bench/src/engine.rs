@@ -253,6 +253,7 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
         None
     };
     let (p, d, c) = (median(prefill), median(decode), median(check_frac));
+    let bound = pool.install(|| DecodeBound::measure(&engine, a));
     let machinery = custody_runtime::prefix_cache::bench_machinery(
         a.prompt_tokens.max(16),
         engine.pool().page_size(),
@@ -268,6 +269,9 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
                 "prefix_cache_scope_chain_lookup_us": machinery.scope_chain_lookup.as_secs_f64() * 1e6,
                 "prefix_cache_shared_tag_check_ratio": machinery.shared_tag_check_ratio,
                 "simd": format!("{:?}", custody_kernels::simd::level()),
+                "decode_weight_bytes": bound.weight_bytes, "decode_kv_bytes_at_mid_context": bound.kv_bytes,
+                "read_bandwidth_gb_s": bound.read_gb_s, "decode_bound_tok_s": bound.tok_s(a.batch),
+                "decode_fraction_of_bound": d / bound.tok_s(a.batch),
                 "audited_prefill_tok_s": audit.map(|x| x.0), "audited_decode_tok_s": audit.map(|x| x.1),
                 "audit_paired_prefill_ratio": (!paired_prefill.is_empty()).then(|| median_ci(&paired_prefill)),
                 "audit_paired_decode_ratio": (!paired_decode.is_empty()).then(|| median_ci(&paired_decode)),
@@ -284,6 +288,14 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
         );
         println!("prefill  {p:8.1} tok/s");
         println!("decode   {d:8.1} tok/s");
+        println!(
+            "memory bound: {:.1} MB weights + {:.1} MB K/V per step, read at {:.1} GB/s ({threads} threads, measured now) = {:.1} tok/s; decode reaches {:.0} % of it",
+            bound.weight_bytes as f64 / 1e6,
+            bound.kv_bytes as f64 / 1e6,
+            bound.read_gb_s,
+            bound.tok_s(a.batch),
+            d / bound.tok_s(a.batch) * 100.0
+        );
         println!("tag check: {:.3} % of a decode step", c * 100.0);
         println!(
             "prefix cache on a miss: namespace + chain + lookup {:.1} us for the {}-token prompt ({:.4} % of its prefill); tag checks over shared pages {:.2}x those over own pages",
@@ -321,6 +333,61 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
         }
     }
     Ok(())
+}
+
+/// A decode step's memory-bandwidth bound, from figures measured in the same run: every weight
+/// byte is read once per step (for all the batch's sequences together) and every sequence reads
+/// its own K/V (f16, both, every layer) up to its position (taken at the middle of the measured
+/// decode); the machine streams reads at `read_gb_s` with the benchmark's threads (measured
+/// over the weights themselves).
+#[derive(Debug)]
+pub struct DecodeBound {
+    pub weight_bytes: u64,
+    /// Per sequence, at the middle of the measured decode.
+    pub kv_bytes: u64,
+    pub read_gb_s: f64,
+}
+
+impl DecodeBound {
+    fn measure(engine: &Engine, a: &BenchArgs) -> Self {
+        let m = engine.model();
+        let geom = m.page_geometry(engine.pool().page_size());
+        let per_token = custody_runtime::kv::PagePool::bytes_per_token(geom, m.config.n_layers);
+        Self {
+            weight_bytes: m.decode_weight_bytes(),
+            kv_bytes: (per_token * (a.prompt_tokens + a.gen_tokens / 2)) as u64,
+            read_gb_s: read_bandwidth_gb_s(engine),
+        }
+    }
+
+    /// Decode tok/s (all sequences together) if every step only waited for its bytes.
+    pub fn tok_s(&self, batch: usize) -> f64 {
+        let step_bytes = self.weight_bytes as f64 + batch as f64 * self.kv_bytes as f64;
+        batch as f64 * self.read_gb_s * 1e9 / step_bytes
+    }
+}
+
+/// Streaming read bandwidth with the installed pool's threads, GB/s: the best of five passes
+/// over the weights a decode step reads (hundreds of MB for served sizes: beyond any cache),
+/// each thread summing its share of every matrix — the step's reads without its compute. (Over
+/// the model's own resident bytes, so the probe adds nothing to the process's peak memory.)
+fn read_bandwidth_gb_s(engine: &Engine) -> f64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let model = engine.model();
+    let mut best = f64::INFINITY;
+    let (bytes, sink) = (AtomicU64::new(0), AtomicU64::new(0));
+    for _ in 0..5 {
+        bytes.store(0, Ordering::Relaxed);
+        let t0 = Instant::now();
+        custody_runtime::par::run(&|part, parts| {
+            let (n, sum) = model.stream_decode_weights(part, parts);
+            bytes.fetch_add(n, Ordering::Relaxed);
+            sink.fetch_add(sum, Ordering::Relaxed);
+        });
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink.load(Ordering::Relaxed));
+    bytes.load(Ordering::Relaxed) as f64 / best / 1e9
 }
 
 /// CPU that auditing adds to a generation, counted rather than inferred from a noisy

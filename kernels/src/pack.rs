@@ -259,6 +259,11 @@ impl PackedRows {
         self.cols
     }
 
+    /// The packed copy's bytes (what a pass over the matrix reads).
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
     /// The bytes of group `g` (rows `8g .. 8g + 8`).
     fn group(&self, g: usize) -> &[u8] {
         let gb = self.data.len() / (self.rows / GROUP_ROWS);

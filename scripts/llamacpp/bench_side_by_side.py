@@ -23,6 +23,8 @@ from llama_cpp import Llama, _internals as internals
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = os.environ.get("CUSTODY_MODEL", str(Path.home() / ".cache/custody/SmolLM2-135M-Instruct.Q4_1.gguf"))
+MODEL_LABEL = Path(MODEL).name
+SHAPES_DIR = Path.home() / ".cache/custody/shapes"  # scripts/llamacpp/gen_shapes.py
 PROMPT = ROOT / "tests/fixtures/llamacpp-smollm2/bench_prompt.json"
 N_BATCH = 512
 SCENARIOS = {"short": (512, 1), "long": (2048, 1), "batched": (512, 8)}
@@ -94,14 +96,41 @@ def run_llama_cpp(threads, ids, n_gen, reps, fa, n_seq):
     return statistics.median(pre), statistics.median(dec)
 
 
+def in_child(f, *args):
+    """`f(*args)` in a forked child: its result and the child's peak resident set (MiB)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            payload = json.dumps({"ok": f(*args)})
+        except BaseException as e:  # reported to the parent, which raises it
+            payload = json.dumps({"error": repr(e)})
+        with os.fdopen(w, "w") as out:
+            out.write(payload)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as inp:
+        data = json.loads(inp.read() or '{"error": "child died"}')
+    _, _, usage = os.wait4(pid, 0)
+    if "error" in data:
+        raise RuntimeError(f"llama.cpp run failed: {data['error']}")
+    return data["ok"], usage.ru_maxrss / 1024
+
+
 def custody(threads, n_prompt, n_gen, reps, n_seq):
+    """`custody bench`'s JSON and its peak resident set (MiB)."""
     exe = ROOT / "target/release/custody"
-    out = subprocess.run(
+    p = subprocess.Popen(
         [str(exe), "bench", "--model", MODEL, "--threads", str(threads), "--prompt-tokens", str(n_prompt),
          "--gen-tokens", str(n_gen), "--reps", str(reps), "--prompt-ids", str(PROMPT), "--batch", str(n_seq),
          "--audit-cost", "--json"],
-        check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+        stdout=subprocess.PIPE, text=True)
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    if status != 0:
+        raise RuntimeError(f"custody bench exited with status {status}")
+    return json.loads(out.strip().splitlines()[-1]), usage.ru_maxrss / 1024
 
 
 def main():
@@ -112,9 +141,18 @@ def main():
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--no-build", action="store_true", help="use target/release/custody as it is")
     ap.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    ap.add_argument("--shape", help="a model of scripts/llamacpp/gen_shapes.py (e.g. llama-1b); with --type")
+    ap.add_argument("--type", default="Q4_K_M", help="with --shape: the file's type (Q4_K_M, Q4_0, ...)")
+    ap.add_argument("--marker", default="side-by-side",
+                    help="the BENCHMARKS.md section to write: between <!-- BEGIN MARKER --> and <!-- END MARKER -->")
     a = ap.parse_args()
+    if a.shape:
+        global MODEL, MODEL_LABEL
+        MODEL = str(SHAPES_DIR / f"{a.shape}.{a.type}.gguf")
+        MODEL_LABEL = f"{a.shape}.{a.type}.gguf (scripts/llamacpp/gen_shapes.py)"
+        assert Path(MODEL).exists(), f"{MODEL}: run scripts/llamacpp/gen_shapes.py --shape {a.shape} --types {a.type}"
     if not a.no_build:
-        subprocess.run(["cargo", "build", "--release", "--quiet", "-p", "custody"], cwd=ROOT, check=True)
+        subprocess.run(["cargo", "build", "--release", "--quiet", "-p", "custody", "--no-default-features"], cwd=ROOT, check=True)
     all_ids = json.loads(PROMPT.read_text())["all_ids"]
     rows = []
     for name in a.scenarios:
@@ -122,26 +160,34 @@ def main():
         ids = all_ids[:n_prompt]
         assert len(ids) == n_prompt, f"{PROMPT} has only {len(all_ids)} ids"
         for t in a.threads:
-            c = custody(t, n_prompt, a.gen_tokens, a.reps, n_seq)
+            c, c_rss = custody(t, n_prompt, a.gen_tokens, a.reps, n_seq)
             cp, cd = c["audited_prefill_tok_s"], c["audited_decode_tok_s"]
-            ref = {fa: run_llama_cpp(t, ids, a.gen_tokens, a.reps, fa, n_seq) for fa in (False, True)}
+            runs = {fa: in_child(run_llama_cpp, t, ids, a.gen_tokens, a.reps, fa, n_seq) for fa in (False, True)}
+            ref = {fa: tuple(v[0]) for fa, v in runs.items()}
+            l_rss = max(v[1] for v in runs.values())
             fa_p = max(ref, key=lambda fa: ref[fa][0])
             fa_d = max(ref, key=lambda fa: ref[fa][1])
             row = dict(name=name, threads=t, n_prompt=n_prompt, n_seq=n_seq, ref=ref, fa_p=fa_p, fa_d=fa_d,
-                       cp=cp, cd=cd, check=c["tag_check_fraction_of_decode_step"])
+                       cp=cp, cd=cd, check=c["tag_check_fraction_of_decode_step"], c_rss=c_rss, l_rss=l_rss,
+                       bound=c["decode_bound_tok_s"], bw=c["read_bandwidth_gb_s"])
             rows.append(row)
             print(f"{name} threads {t}: llama.cpp prefill {ref[False][0]:.1f}/{ref[True][0]:.1f} (fa off/on) "
                   f"decode {ref[False][1]:.1f}/{ref[True][1]:.1f} | custody prefill {cp:.1f} decode {cd:.1f} | "
-                  f"ratio vs best {cp / ref[fa_p][0]:.2f} / {cd / ref[fa_d][1]:.2f}", flush=True)
+                  f"ratio vs best {cp / ref[fa_p][0]:.2f} / {cd / ref[fa_d][1]:.2f} | bound {row['bound']:.1f} tok/s "
+                  f"({row['bw']:.1f} GB/s) | peak RSS custody {c_rss:.0f} MiB, llama.cpp {l_rss:.0f} MiB", flush=True)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
     table = [f"Measured {time.strftime('%Y-%m-%d')} on {cpu}, {os.cpu_count()} cores; prompt ids from "
              f"`tests/fixtures/llamacpp-smollm2/bench_prompt.json`, then {a.gen_tokens} greedy decode steps, median of "
              f"{a.reps}; llama.cpp = llama-cpp-python {llama_cpp.__version__}, flash attention off and on, each ratio "
              f"against the faster (its setting in brackets); custody with the tag check and the audit log on. Batched: "
              f"aggregate tok/s over the sequences.", "",
+             f"Model: `{MODEL_LABEL}`. Bound: decode tok/s if each step only waited for its weight and K/V bytes, at the "
+             f"read bandwidth `custody bench` measured in the same run (1 GiB streamed, same threads). Peak RSS: each "
+             f"engine's process (llama.cpp: the larger of its two runs).", "",
              "| scenario | threads | llama.cpp prefill tok/s (fa off / on) | custody prefill tok/s | ratio vs best | "
-             "llama.cpp decode tok/s (fa off / on) | custody decode tok/s | ratio vs best | tag check (% of decode step) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "llama.cpp decode tok/s (fa off / on) | custody decode tok/s | ratio vs best | bound tok/s (GB/s) | custody of bound | "
+             "peak RSS MiB custody / llama.cpp | tag check (% of decode step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = r["ref"]
         label = f"{r['name']} ({r['n_prompt']} prompt{', ' + str(r['n_seq']) + ' sequences' if r['n_seq'] > 1 else ''})"
@@ -149,13 +195,14 @@ def main():
             f"| {label} | {r['threads']} | {ref[False][0]:.1f} / {ref[True][0]:.1f} | {r['cp']:.1f} | "
             f"**{r['cp'] / ref[r['fa_p']][0]:.2f}×** ({'on' if r['fa_p'] else 'off'}) | {ref[False][1]:.1f} / {ref[True][1]:.1f} | "
             f"{r['cd']:.1f} | **{r['cd'] / ref[r['fa_d']][1]:.2f}×** ({'on' if r['fa_d'] else 'off'}) | "
+            f"{r['bound']:.1f} ({r['bw']:.1f}) | {100 * r['cd'] / r['bound']:.0f} % | {r['c_rss']:.0f} / {r['l_rss']:.0f} | "
             f"{100 * r['check']:.3f} % |")
     print("\n".join(table))
     if a.no_write:
         return
     bm = ROOT / "BENCHMARKS.md"
     text = bm.read_text()
-    begin, end = "<!-- BEGIN side-by-side -->", "<!-- END side-by-side -->"
+    begin, end = f"<!-- BEGIN {a.marker} -->", f"<!-- END {a.marker} -->"
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     bm.write_text(head + begin + "\n" + "\n".join(table) + "\n" + end + tail)

@@ -443,6 +443,50 @@ impl Model {
         }
     }
 
+    /// Weight bytes one decode step reads per sequence's batch (every matrix the forward pass
+    /// multiplies by, once: packed copies where packed; the embedding row and the norms are
+    /// negligible): the numerator of a decode step's memory-bandwidth bound.
+    pub fn decode_weight_bytes(&self) -> u64 {
+        self.decode_weights().map(|w| w.len() as u64).sum()
+    }
+
+    /// The bytes of every matrix a decode step reads (packed copies where packed).
+    fn decode_weights(&self) -> impl Iterator<Item = &[u8]> {
+        fn bytes<'a>(model: &'a Model, m: &'a Mat) -> &'a [u8] {
+            match &m.packed {
+                Some(p) => p.data(),
+                None => model.tensor_bytes(m),
+            }
+        }
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain(std::iter::once(&self.output))
+            .map(|m| bytes(self, m))
+    }
+
+    /// Part `part` of `parts` of every matrix a decode step reads, read once with no compute
+    /// but a running sum (returned, so the reads cannot be elided): a benchmark's probe of the
+    /// read bandwidth a decode step is bounded by, over the very bytes it reads. Returns the
+    /// bytes read and the sum.
+    pub fn stream_decode_weights(&self, part: usize, parts: usize) -> (u64, u64) {
+        let (mut bytes, mut sum) = (0u64, 0u64);
+        for w in self.decode_weights() {
+            let n = w.len() / parts / 64 * 64;
+            let mine = &w[part * n..(part + 1) * n];
+            let mut lanes = [0u64; 8];
+            for c in mine.chunks_exact(64) {
+                for (i, l) in lanes.iter_mut().enumerate() {
+                    let v = u64::from_le_bytes(c[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+                    *l = l.wrapping_add(v);
+                }
+            }
+            bytes += n as u64;
+            sum = lanes.iter().fold(sum, |acc, l| acc.wrapping_add(*l));
+        }
+        (bytes, sum)
+    }
+
     /// KV page geometry for a given page size.
     pub fn page_geometry(&self, page_size: usize) -> PageGeometry {
         PageGeometry {
