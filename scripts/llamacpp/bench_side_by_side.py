@@ -182,7 +182,7 @@ def main():
              f"against the faster (its setting in brackets); custody with the tag check and the audit log on. Batched: "
              f"aggregate tok/s over the sequences.", "",
              f"Model: `{MODEL_LABEL}`. Bound: decode tok/s if each step only waited for its weight and K/V bytes, at the "
-             f"read bandwidth `custody bench` measured in the same run (1 GiB streamed, same threads). Peak RSS: each "
+             f"read bandwidth `custody bench` measured in the same run (its weights streamed, same threads). Peak RSS: each "
              f"engine's process (llama.cpp: the larger of its two runs).", "",
              "| scenario | threads | llama.cpp prefill tok/s (fa off / on) | custody prefill tok/s | ratio vs best | "
              "llama.cpp decode tok/s (fa off / on) | custody decode tok/s | ratio vs best | bound tok/s (GB/s) | custody of bound | "
