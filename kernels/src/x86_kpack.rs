@@ -15,6 +15,8 @@ use core::arch::x86_64::*;
 use core::mem::MaybeUninit;
 
 use crate::q8k::BlockQ8K;
+// Chunk c of a packed Q6_K row is elements 64c..64c+64, as in the GGUF-layout kernel's decode.
+use crate::x86_kquant::Q6_GROUP_OF_PAIR;
 
 /// Bytes of one super-block of eight interleaved Q4_K rows: `d[8]`, `dmin[8]` (f16), each
 /// row's 8 sub-block scales (u8), the mins as `[pair p][row][k]` (sub-block `2p + k`, u8),
@@ -102,22 +104,6 @@ static MIN_PAIR_LANES: [[i16; 32]; 2] = {
             lane += 1;
         }
         h += 1;
-    }
-    t
-};
-
-/// For chunk `c` (elements `64c..64c+64`) of a Q6_K row: the 16-element group of each `maddubs`
-/// pair (pairs `8k..8k+8` are group `4c + k`).
-static Q6_GROUP_OF_PAIR: [[i16; 32]; 4] = {
-    let mut t = [[0i16; 32]; 4];
-    let mut c = 0;
-    while c < 4 {
-        let mut p = 0;
-        while p < 32 {
-            t[c][p] = (4 * c + p / 8) as i16;
-            p += 1;
-        }
-        c += 1;
     }
     t
 };
