@@ -380,9 +380,9 @@ fn read_bandwidth_gb_s(engine: &Engine) -> f64 {
         bytes.store(0, Ordering::Relaxed);
         let t0 = Instant::now();
         custody_runtime::par::run(&|part, parts| {
-            let (n, sum) = model.stream_decode_weights(part, parts);
-            bytes.fetch_add(n, Ordering::Relaxed);
-            sink.fetch_add(sum, Ordering::Relaxed);
+            let read = model.stream_decode_weights(part, parts);
+            bytes.fetch_add(read.bytes, Ordering::Relaxed);
+            sink.fetch_add(read.sum, Ordering::Relaxed);
         });
         best = best.min(t0.elapsed().as_secs_f64());
     }

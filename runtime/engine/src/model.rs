@@ -147,6 +147,14 @@ impl ModelConfig {
     }
 }
 
+/// What [`Model::stream_decode_weights`] read: how many bytes, and their wrapping u64 sum (kept
+/// so that the reads cannot be optimised away).
+#[derive(Clone, Copy, Debug)]
+pub struct StreamedWeights {
+    pub bytes: u64,
+    pub sum: u64,
+}
+
 /// A weight matrix located in the GGUF map.
 #[derive(Clone, Debug)]
 pub(crate) struct Mat {
@@ -467,9 +475,8 @@ impl Model {
 
     /// Part `part` of `parts` of every matrix a decode step reads, read once with no compute
     /// but a running sum (returned, so the reads cannot be elided): a benchmark's probe of the
-    /// read bandwidth a decode step is bounded by, over the very bytes it reads. Returns the
-    /// bytes read and the sum.
-    pub fn stream_decode_weights(&self, part: usize, parts: usize) -> (u64, u64) {
+    /// read bandwidth a decode step is bounded by, over the very bytes it reads.
+    pub fn stream_decode_weights(&self, part: usize, parts: usize) -> StreamedWeights {
         let (mut bytes, mut sum) = (0u64, 0u64);
         for w in self.decode_weights() {
             let n = w.len() / parts / 64 * 64;
@@ -484,7 +491,7 @@ impl Model {
             bytes += n as u64;
             sum = lanes.iter().fold(sum, |acc, l| acc.wrapping_add(*l));
         }
-        (bytes, sum)
+        StreamedWeights { bytes, sum }
     }
 
     /// KV page geometry for a given page size.
