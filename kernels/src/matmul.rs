@@ -8,7 +8,7 @@
 //! reading the same weights. Each part walks a tile of rows for every token so the tile's weights
 //! stay in L1/L2 (weight reuse is what makes prefill faster per token than decode).
 
-use crate::pack::{GROUP_ROWS, PackedRows};
+use crate::pack::{GROUP_ROWS, PackedRows, Q8KLanes};
 use crate::q8k::{self, BlockQ8K};
 use crate::quant::{self, Activations, BlockQ8, DType, QK, QK_K};
 use crate::simd::{self, Level};
@@ -73,6 +73,8 @@ pub struct QInput {
     cols: usize,
     q8: Vec<BlockQ8>,
     q8k: Vec<BlockQ8K>,
+    /// `q8k` in the packed K-quant kernels' lane order, where those kernels run.
+    q8k_lanes: Vec<Q8KLanes>,
     bf: Vec<u16>,
     f: Vec<f32>,
 }
@@ -97,6 +99,10 @@ impl QInput {
             );
             self.q8k.resize(n_tok * cols / QK_K, BlockQ8K::default());
             quantize_rows(x, cols, &mut self.q8k, &q8k::quantize_row_q8_k);
+            self.q8k_lanes.clear();
+            if crate::pack::available() {
+                self.q8k_lanes.extend(self.q8k.iter().map(Q8KLanes::from));
+            }
             self.q8.clear();
             self.f.clear();
         } else if dtype.uses_q8_activations() {
@@ -544,7 +550,9 @@ fn run_rows_bf16(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usi
 fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize) {
     if pk.dtype().activations() == Activations::Q8K {
         let per_row = pk.cols() / QK_K;
-        let act = |t: usize| &x.q8k[t * per_row..(t + 1) * per_row];
+        // Made by `prepare` wherever a `PackedRows` can exist (`pack::available`).
+        assert_eq!(x.q8k_lanes.len(), x.q8k.len(), "lane-order activations");
+        let act = |t: usize| &x.q8k_lanes[t * per_row..(t + 1) * per_row];
         run_groups_with(pk, x.n_tok, act, &Q8KGroups, p, (g0, g1));
     } else {
         let per_row = pk.cols() / QK;
@@ -555,7 +563,14 @@ fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize)
 
 /// A packed group kernel over one to four tokens' activations of type `A`.
 trait GroupKernel<A: ?Sized> {
-    fn dot<const T: usize>(pk: &PackedRows, g: usize, a: [&A; T]) -> [[f32; GROUP_ROWS]; T];
+    /// `first_pass`: the first token batch over group `g` in this matmul (its weights come from
+    /// memory; later batches find them in cache).
+    fn dot<const T: usize>(
+        pk: &PackedRows,
+        g: usize,
+        a: [&A; T],
+        first_pass: bool,
+    ) -> [[f32; GROUP_ROWS]; T];
 }
 
 /// [`PackedRows::dot_group`]: Q8_0 / Q8_1 activations.
@@ -566,21 +581,25 @@ impl GroupKernel<[BlockQ8]> for Q8Groups {
         pk: &PackedRows,
         g: usize,
         a: [&[BlockQ8]; T],
+        // The 32-element types' kernels load in ascending order: the hardware prefetcher keeps
+        // up without hints.
+        _first_pass: bool,
     ) -> [[f32; GROUP_ROWS]; T] {
         pk.dot_group::<T>(g, a)
     }
 }
 
-/// [`PackedRows::dot_group_q8k`]: Q8_K activations (the K-quants).
+/// [`PackedRows::dot_group_q8k`]: Q8_K activations in lane order (the K-quants).
 struct Q8KGroups;
 
-impl GroupKernel<[BlockQ8K]> for Q8KGroups {
+impl GroupKernel<[Q8KLanes]> for Q8KGroups {
     fn dot<const T: usize>(
         pk: &PackedRows,
         g: usize,
-        a: [&[BlockQ8K]; T],
+        a: [&[Q8KLanes]; T],
+        first_pass: bool,
     ) -> [[f32; GROUP_ROWS]; T] {
-        pk.dot_group_q8k::<T>(g, a)
+        pk.dot_group_q8k::<T>(g, a, first_pass)
     }
 }
 
@@ -604,14 +623,19 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
     };
     for g in g0..g1 {
         for t in (0..n_tok).step_by(4) {
+            let first = t == 0;
             match n_tok - t {
-                1 => store(g, t, &K::dot::<1>(pk, g, [act(t)])),
-                2 => store(g, t, &K::dot::<2>(pk, g, [act(t), act(t + 1)])),
-                3 => store(g, t, &K::dot::<3>(pk, g, [act(t), act(t + 1), act(t + 2)])),
+                1 => store(g, t, &K::dot::<1>(pk, g, [act(t)], first)),
+                2 => store(g, t, &K::dot::<2>(pk, g, [act(t), act(t + 1)], first)),
+                3 => store(
+                    g,
+                    t,
+                    &K::dot::<3>(pk, g, [act(t), act(t + 1), act(t + 2)], first),
+                ),
                 _ => store(
                     g,
                     t,
-                    &K::dot::<4>(pk, g, [act(t), act(t + 1), act(t + 2), act(t + 3)]),
+                    &K::dot::<4>(pk, g, [act(t), act(t + 1), act(t + 2), act(t + 3)], first),
                 ),
             }
         }

@@ -16,8 +16,12 @@
 //!   16 nibble bytes: 176 / 192 bytes.
 //! - Q4_0: `d[8]` f16, then each row's 16 nibble bytes: 144 bytes.
 //! - Q4_K, Q5_K, Q6_K (block `b` = columns `256b .. 256b + 256`): scales unpacked to bytes,
-//!   nibbles reordered so one 64-byte load holds 64 consecutive elements: 1,184 / 1,440 / 1,680
-//!   bytes (`x86_kpack.rs` documents each byte).
+//!   values in *lane order* ([`lane_element`]: one 64-byte chunk holds four consecutive values
+//!   of each of the super-block's sixteen 16-element groups): 1,184 / 1,440 / 1,680 bytes
+//!   (`x86_kpack.rs` documents each byte). Their activations are reordered the same way
+//!   ([`Q8KLanes`]), so a `dpbusd` over a chunk leaves group `j`'s partial sum in lane `j` and
+//!   the four chunks add before one multiply by the scales: half the instructions of the
+//!   `maddubs` + `dpwssd` pair that consecutive elements need.
 //!
 //! # Invariants
 //! - Packing moves values, it never computes new ones: the 32-element types' blocks are a
@@ -31,7 +35,7 @@
 
 use crate::matmul::QMatrix;
 use crate::q8k::BlockQ8K;
-use crate::quant::{BlockQ8, DType};
+use crate::quant::{BlockQ8, DType, QK_K};
 
 /// Rows per interleaved group.
 pub const GROUP_ROWS: usize = 8;
@@ -66,6 +70,42 @@ fn group_block_bytes(dtype: DType) -> Option<usize> {
     }
 }
 
+/// The element (0..256) of a K-quant super-block at position `pos` of the packed kernels' lane
+/// order: position `64k + 4j + i` holds element `16j + 4k + i` (chunk `k` < 4, group `j` < 16,
+/// `i` < 4). A 32-bit lane `j` of any chunk thus holds four values of 16-element group `j` —
+/// one Q6_K sub-block, half of Q4_K/Q5_K sub-block `j / 2` — so integer sums per lane are sums
+/// per group, whichever chunks they came from.
+pub(crate) const fn lane_element(pos: usize) -> usize {
+    let (k, j, i) = (pos / 64, (pos % 64) / 4, pos % 4);
+    16 * j + 4 * k + i
+}
+
+/// A Q8_K activation block with its quants in lane order ([`lane_element`]), for the packed
+/// K-quant kernels; `d` and `bsums` (sums over the natural 16-element groups) as the block's.
+/// Only made from a [`BlockQ8K`], so a packed kernel cannot be handed natural-order quants.
+#[derive(Clone, Copy, Debug)]
+pub struct Q8KLanes {
+    pub(crate) d: f32,
+    pub(crate) qs: [i8; QK_K],
+    pub(crate) bsums: [i16; QK_K / 16],
+}
+
+impl Default for Q8KLanes {
+    fn default() -> Self {
+        Self::from(&BlockQ8K::default())
+    }
+}
+
+impl From<&BlockQ8K> for Q8KLanes {
+    fn from(b: &BlockQ8K) -> Self {
+        Self {
+            d: b.d,
+            qs: std::array::from_fn(|pos| b.qs[lane_element(pos)]),
+            bsums: b.bsums,
+        }
+    }
+}
+
 /// Element `e` (0..256) of a GGUF Q4_K block's nibbles (`qs`: its 128 quant bytes): sub-blocks
 /// `2i`, `2i+1` are the low and high nibbles of bytes `32i..32i+32`.
 fn q4_k_nibble(qs: &[u8], e: usize) -> u8 {
@@ -79,13 +119,13 @@ fn q4_k_nibble(qs: &[u8], e: usize) -> u8 {
 
 /// One super-block of eight Q4_K rows in the packed layout (`x86_kpack::Q4_K_GROUP_BLOCK`):
 /// `d[8]`, `dmin[8]`, scales `[row][8]`, mins `[pair][row][2]`, nibbles `[row][128]` with byte
-/// `64h + k` holding element `128h + k` (low) and `128h + 64 + k` (high).
+/// `64h + k` holding lane-order position `128h + k` (low) and `128h + 64 + k` (high).
 fn pack_q4_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
     pack_q45_k(blocks, |k| &k[16..144], data);
 }
 
 /// One super-block of eight Q5_K rows: the Q4_K layout of their low four bits, then each row's
-/// fifth bits in element order (`x86_kpack::Q5_K_GROUP_BLOCK`).
+/// fifth bits in lane order (`x86_kpack::Q5_K_GROUP_BLOCK`).
 fn pack_q5_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
     pack_q45_k(blocks, |k| &k[48..176], data);
     for k in blocks {
@@ -99,7 +139,10 @@ fn pack_q5_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
                 (qh[l - 32] >> (2 * i + 1)) & 1
             }
         };
-        data.extend((0..32).map(|byte| (0..8).fold(0u8, |acc, j| acc | bit(8 * byte + j) << j)));
+        data.extend(
+            (0..32)
+                .map(|byte| (0..8).fold(0u8, |acc, j| acc | bit(lane_element(8 * byte + j)) << j)),
+        );
     }
 }
 
@@ -120,11 +163,9 @@ fn pack_q45_k(blocks: &[&[u8]; GROUP_ROWS], qs_of: impl Fn(&[u8]) -> &[u8], data
     }
     for k in blocks {
         let qs = qs_of(k);
+        let nibble = |pos: usize| q4_k_nibble(qs, lane_element(pos));
         for h in 0..2 {
-            data.extend(
-                (0..64)
-                    .map(|l| q4_k_nibble(qs, 128 * h + l) | q4_k_nibble(qs, 128 * h + 64 + l) << 4),
-            );
+            data.extend((0..64).map(|l| nibble(128 * h + l) | nibble(128 * h + 64 + l) << 4));
         }
     }
 }
@@ -139,8 +180,9 @@ fn q6_k_value(b: &[u8], e: usize) -> u8 {
 }
 
 /// One super-block of eight Q6_K rows in the packed layout (`x86_kpack::Q6_K_GROUP_BLOCK`):
-/// `d[8]`, scales `[row][16]`, then per row 128 low-nibble bytes (byte `k`: element `k` low,
-/// `128 + k` high) and 64 high-pair bytes (bits `2j..2j+2` of byte `k`: element `64j + k`).
+/// `d[8]`, scales `[row][16]`, then per row 128 low-nibble bytes (byte `k`: lane-order
+/// position `k` low, `128 + k` high) and 64 high-pair bytes (bits `2j..2j+2` of byte `k`:
+/// position `64j + k`).
 fn pack_q6_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
     blocks
         .iter()
@@ -149,7 +191,7 @@ fn pack_q6_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
         .iter()
         .for_each(|k| data.extend_from_slice(&k[192..208]));
     for b in blocks {
-        let q: [u8; 256] = std::array::from_fn(|e| q6_k_value(b, e));
+        let q: [u8; 256] = std::array::from_fn(|pos| q6_k_value(b, lane_element(pos)));
         data.extend((0..128).map(|k| (q[k] & 0x0f) | (q[128 + k] & 0x0f) << 4));
         data.extend(
             (0..64).map(|k| (0..4).fold(0u8, |acc, j| acc | (q[64 * j + k] >> 4) << (2 * j))),
@@ -304,12 +346,14 @@ impl PackedRows {
         }
     }
 
-    /// As [`PackedRows::dot_group`], for the K-quants over Q8_K activations: each result the
-    /// bits of `q8k::scalar_dot(dtype)`.
+    /// As [`PackedRows::dot_group`], for the K-quants over Q8_K activations in lane order: each
+    /// result the bits of `q8k::scalar_dot(dtype)`. `first_pass`: the group's first token batch
+    /// of this matmul, whose weights come from memory (the kernel prefetches ahead then).
     pub(crate) fn dot_group_q8k<const T: usize>(
         &self,
         g: usize,
-        a: [&[BlockQ8K]; T],
+        a: [&[Q8KLanes]; T],
+        first_pass: bool,
     ) -> [[f32; GROUP_ROWS]; T] {
         assert!(
             available(),
@@ -317,20 +361,26 @@ impl PackedRows {
         );
         #[cfg(target_arch = "x86_64")]
         {
+            use crate::x86_kpack::{Stream, dot8_q6_k_packed, dot8_q45_k_packed};
             let gd = self.group(g);
+            let s = if first_pass {
+                Stream::FromMemory
+            } else {
+                Stream::Cached
+            };
             // SAFETY: as in `dot_group`: packed matrices exist only where `available()`.
             unsafe {
                 match self.dtype {
-                    DType::Q4_K => crate::x86_kpack::dot8_q45_k_packed::<T, false>(gd, a),
-                    DType::Q5_K => crate::x86_kpack::dot8_q45_k_packed::<T, true>(gd, a),
-                    DType::Q6_K => crate::x86_kpack::dot8_q6_k_packed::<T>(gd, a),
+                    DType::Q4_K => dot8_q45_k_packed::<T, false>(gd, a, s),
+                    DType::Q5_K => dot8_q45_k_packed::<T, true>(gd, a, s),
+                    DType::Q6_K => dot8_q6_k_packed::<T>(gd, a, s),
                     _ => unreachable!("{:?} is not packed over Q8_K activations", self.dtype),
                 }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (g, a);
+            let _ = (g, a, first_pass);
             unreachable!("packed kernels are x86-64 only")
         }
     }
@@ -468,10 +518,15 @@ mod tests {
         let w = QMatrix::new(dtype, rows, cols, &data).expect("shape");
         let p = PackedRows::new(&w).expect("packable here");
         let acts: Vec<Vec<BlockQ8K>> = (0..T).map(|_| rand_act_q8k(cols, &mut seed)).collect();
+        let lanes: Vec<Vec<Q8KLanes>> = acts
+            .iter()
+            .map(|a| a.iter().map(Q8KLanes::from).collect())
+            .collect();
         let a: [&[BlockQ8K]; T] = std::array::from_fn(|t| acts[t].as_slice());
         let reference = crate::q8k::scalar_dot(dtype);
         for g in 0..rows / GROUP_ROWS {
-            let out = p.dot_group_q8k::<T>(g, a);
+            let lanes_t = std::array::from_fn(|t| lanes[t].as_slice());
+            let out = p.dot_group_q8k::<T>(g, lanes_t, g % 2 == 0);
             for t in 0..T {
                 for i in 0..GROUP_ROWS {
                     let want = reference(w.row(g * GROUP_ROWS + i), a[t]);
@@ -523,23 +578,27 @@ mod tests {
                 let blk = &p.data[b * gb..(b + 1) * gb];
                 for r in 0..GROUP_ROWS {
                     let src = &w.row(r)[b * dtype.block_bytes()..(b + 1) * dtype.block_bytes()];
-                    for e in 0..QK_K {
+                    for pos in 0..QK_K {
                         let (want, got) = if dtype == DType::Q4_K {
-                            let (h, k) = (e / 128, e % 64);
+                            let (h, k) = (pos / 128, pos % 64);
                             let byte = blk[160 + 128 * r + 64 * h + k];
-                            let got = if e % 128 < 64 { byte & 0x0f } else { byte >> 4 };
-                            (q4_k_nibble(&src[16..144], e), got)
+                            let got = if pos % 128 < 64 {
+                                byte & 0x0f
+                            } else {
+                                byte >> 4
+                            };
+                            (q4_k_nibble(&src[16..144], lane_element(pos)), got)
                         } else {
                             let row = &blk[144 + 192 * r..144 + 192 * (r + 1)];
-                            let lo = if e < 128 {
-                                row[e] & 0x0f
+                            let lo = if pos < 128 {
+                                row[pos] & 0x0f
                             } else {
-                                row[e - 128] >> 4
+                                row[pos - 128] >> 4
                             };
-                            let hi = (row[128 + e % 64] >> (2 * (e / 64))) & 3;
-                            (q6_k_value(src, e), lo | hi << 4)
+                            let hi = (row[128 + pos % 64] >> (2 * (pos / 64))) & 3;
+                            (q6_k_value(src, lane_element(pos)), lo | hi << 4)
                         };
-                        assert_eq!(got, want, "{dtype:?} block {b} row {r} element {e}");
+                        assert_eq!(got, want, "{dtype:?} block {b} row {r} position {pos}");
                     }
                     let (sc, d) = if dtype == DType::Q4_K {
                         let (sc, m) = crate::kquant::scale_min_k4(5, &src[4..16]);
@@ -558,6 +617,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Lane order is a permutation of a super-block whose lane `j` (bytes `4j..4j+4` of each
+    /// 64-byte chunk) holds only 16-element group `j`, and `Q8KLanes` moves quants by it.
+    #[test]
+    fn lane_order_is_a_permutation_grouping_each_lane() {
+        let mut seen = [false; QK_K];
+        for pos in 0..QK_K {
+            let e = lane_element(pos);
+            assert!(!seen[e], "element {e} twice");
+            seen[e] = true;
+            assert_eq!(e / 16, (pos % 64) / 4, "position {pos}: lane and group");
+        }
+        let mut b = BlockQ8K::default();
+        for (i, q) in b.qs.iter_mut().enumerate() {
+            *q = (i % 251) as i8;
+        }
+        let l = Q8KLanes::from(&b);
+        assert_eq!(l.qs[4], b.qs[16], "position 4 is group 1's first element");
+        assert_eq!(
+            l.qs[64], b.qs[4],
+            "chunk 1 starts at group 0's fifth element"
+        );
     }
 
     #[test]

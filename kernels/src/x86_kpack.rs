@@ -7,30 +7,28 @@
 //! spent more time decoding each super-block's packed 6-bit scales, converting its f16 scales
 //! and reducing each row's 512-bit sum to a scalar than multiplying. Repacked at load, eight
 //! rows' `d`/`dmin` are one f16x8 load each, each row's scales and mins are plain bytes, the
-//! nibbles are ordered so that a 64-byte load's low nibbles are 64 consecutive elements and its
-//! high nibbles the next 64 (no activation shuffles), and eight rows' integer sums are reduced
-//! together (one transposing tree, [`sum8`]) before one FMA for all eight.
+//! values are in lane order (`pack::lane_element`, the activations too: `pack::Q8KLanes`) so
+//! one `dpbusd` per 64 values accumulates per-group sums that one `vpmulld` scales, and eight
+//! rows' integer sums are reduced together (one transposing tree, [`sum8`]) before one FMA for
+//! all eight.
 
 use core::arch::x86_64::*;
-use core::mem::MaybeUninit;
 
-use crate::q8k::BlockQ8K;
-// Chunk c of a packed Q6_K row is elements 64c..64c+64, as in the GGUF-layout kernel's decode.
-use crate::x86_kquant::Q6_GROUP_OF_PAIR;
+use crate::pack::Q8KLanes;
 
 /// Bytes of one super-block of eight interleaved Q4_K rows: `d[8]`, `dmin[8]` (f16), each
 /// row's 8 sub-block scales (u8), the mins as `[pair p][row][k]` (sub-block `2p + k`, u8),
-/// then each row's 128 nibble bytes (byte `64h + k`: element `128h + k` low, `128h + 64 + k`
+/// then each row's 128 nibble bytes (byte `64h + k`: lane-order position `128h + k` low, `128h + 64 + k`
 /// high). 32 bytes more than eight GGUF blocks (1,152): the scales unpacked.
 pub(crate) const Q4_K_GROUP_BLOCK: usize = 1184;
 /// Bytes of one super-block of eight interleaved Q6_K rows: `d[8]` (f16), each row's 16 i8
-/// scales, then each row's 192 quant bytes: 128 of low nibbles (byte `k`: element `k` low,
-/// `128 + k` high) and 64 of high bit pairs (bits `2j..2j+2` of byte `k`: element `64j + k`).
+/// scales, then each row's 192 quant bytes: 128 of low nibbles (byte `k`: position `k` low,
+/// `128 + k` high) and 64 of high bit pairs (bits `2j..2j+2` of byte `k`: position `64j + k`).
 /// The same size as eight GGUF blocks.
 pub(crate) const Q6_K_GROUP_BLOCK: usize = 1680;
 
 /// Bytes of one super-block of eight interleaved Q5_K rows: the Q4_K layout, then each row's
-/// 32 bytes of fifth bits in element order (bit `e % 8` of byte `e / 8`). 32 bytes more than
+/// 32 bytes of fifth bits in lane order (bit `p % 8` of byte `p / 8`: position `p`). 32 bytes more than
 /// eight GGUF blocks (1,408).
 pub(crate) const Q5_K_GROUP_BLOCK: usize = Q4_K_GROUP_BLOCK + 8 * 32;
 
@@ -54,22 +52,23 @@ pub(crate) mod q6k_at {
     pub(crate) const ROW: usize = 192;
 }
 
-/// `out[r] = Σ lanes of v[r]` for eight vectors of 16 i32: pairs interleaved, then quads, then
-/// the 128-bit quarters folded (24 instructions where eight separate reductions take ~64).
+/// Four vectors of 16 i32 reduced halfway: in each 128-bit quarter, lane `i` holds a partial
+/// sum of `v[i]` (pairs interleaved, then quads). [`fold`] finishes two of them.
 #[inline]
 #[target_feature(enable = "avx2,avx512f")]
-fn sum8(v: [__m512i; 8]) -> __m256i {
+fn sum4(v: [__m512i; 4]) -> __m512i {
     // Per quarter: [a0+a2, b0+b2, a1+a3, b1+b3].
     let pair = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-    let p = [
-        pair(v[0], v[1]),
-        pair(v[2], v[3]),
-        pair(v[4], v[5]),
-        pair(v[6], v[7]),
-    ];
-    // Per quarter: rows (0, 1, 2, 3) of the four, partially summed.
-    let quad = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
-    let (q0, q1) = (quad(p[0], p[1]), quad(p[2], p[3]));
+    let (p0, p1) = (pair(v[0], v[1]), pair(v[2], v[3]));
+    _mm512_add_epi32(_mm512_unpacklo_epi64(p0, p1), _mm512_unpackhi_epi64(p0, p1))
+}
+
+/// `out[r] = Σ lanes of rows r` from [`sum4`] of rows 0–3 (`q0`) and 4–7 (`q1`): the 128-bit
+/// quarters folded. With `sum4`, 24 instructions for eight rows where eight separate
+/// reductions take ~64.
+#[inline]
+#[target_feature(enable = "avx2,avx512f")]
+fn fold(q0: __m512i, q1: __m512i) -> __m256i {
     // [q0 quarters 0+1, q0 2+3, q1 0+1, q1 2+3].
     let z = _mm512_add_epi32(
         _mm512_shuffle_i64x2::<0b10_00_10_00>(q0, q1),
@@ -77,13 +76,6 @@ fn sum8(v: [__m512i; 8]) -> __m256i {
     );
     let w = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
     _mm256_add_epi32(_mm512_castsi512_si256(w), _mm512_extracti64x4_epi64::<1>(w))
-}
-
-/// A block's eight row sums, each written by the row loop.
-#[inline(always)]
-fn written(v: [MaybeUninit<__m512i>; 8]) -> [__m512i; 8] {
-    // SAFETY: the callers' row loops write every row `0..8` of every token before this read.
-    v.map(|x| unsafe { x.assume_init() })
 }
 
 /// The i16 lane of `_mm256_hadd_epi16(bsums, bsums)` holding `bsums[2j] + bsums[2j+1]`.
@@ -135,13 +127,65 @@ fn store8<const T: usize>(v: [__m256; T]) -> [[f32; 8]; T] {
     out
 }
 
+/// Bytes ahead of the super-block in hand that [`prefetch_block`] asks for: ~8 KB, what one
+/// core's ~25 GB/s needs in flight to cover ~300 ns of memory latency and queueing (6–16
+/// blocks of Q4_K measured alike; 2 or 4 fewer, or into L1, slower).
+const PREFETCH_BYTES: usize = 8 * 1024;
+
+/// Asks (into L2) for the cache lines of the super-block [`PREFETCH_BYTES`] after the one at
+/// `blk`. The compiler orders a block's loads as it likes — it reversed them, and without
+/// these hints a decode step ran at a quarter of the memory's pace, every block's first load
+/// stalled; with them, at the old kernel's ~85 % of the bandwidth bound.
+#[inline(always)]
+fn prefetch_block(blk: *const u8, block_bytes: usize) {
+    let ahead = blk.wrapping_add(PREFETCH_BYTES.next_multiple_of(block_bytes));
+    for line in (0..block_bytes).step_by(64) {
+        // SAFETY: a prefetch is a hint that never faults, whatever the address (`wrapping_add`
+        // keeps the pointer arithmetic defined past the slice's end).
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast()) };
+    }
+}
+
+/// Where a kernel call's weights come from: the first pass over a group streams them from
+/// memory (prefetched ahead); later token batches over the same group find them in cache, and
+/// prefetching the next group there would only spend instructions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stream {
+    FromMemory,
+    Cached,
+}
+
+/// Rows per register tile: a tile's `4 × T` accumulators (16 at four tokens), two chunks of each
+/// token's activations and one row's weights fit the 32 vector registers, so the inner loop
+/// reads each weight and activation byte once per tile, never spilling a partial sum.
+const TILE_ROWS: usize = 4;
+
+/// Loads 64 bytes of each token's lane-order quants at `off` (a chunk's start).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn load_chunk<const T: usize>(x: &[&Q8KLanes; T], off: usize) -> [__m512i; T] {
+    std::array::from_fn(|t| load512(x[t].qs[off..off + 64].as_ptr().cast()))
+}
+
+/// `acc[t] += dpbusd(q, x[t])` for every token: u8 weights · i8 activations, four products per
+/// i32 lane (lane `j`: group `j`), exact (no saturation).
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+fn dpbusd_tokens<const T: usize>(acc: &mut [__m512i; T], q: __m512i, x: &[__m512i; T]) {
+    for t in 0..T {
+        acc[t] = _mm512_dpbusd_epi32(acc[t], q, x[t]);
+    }
+}
+
 /// Eight interleaved Q4_K rows (`FIFTH` = false; `g`: `nb` blocks of [`Q4_K_GROUP_BLOCK`]
-/// bytes) or Q5_K rows (`FIFTH`; [`Q5_K_GROUP_BLOCK`]) · `T` Q8_K activation rows: `out[t][r]`
-/// is the bits of `q8k::scalar_dot(Q4_K or Q5_K)(row r, a[t])`.
+/// bytes) or Q5_K rows (`FIFTH`; [`Q5_K_GROUP_BLOCK`]) · `T` Q8_K activation rows in lane order:
+/// `out[t][r]` is the bits of `q8k::scalar_dot(Q4_K or Q5_K)(row r, a[t])` — each row's
+/// integer `Σ_j scale_j · Σ q·a` is the same exact integer, reached in another order.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
     g: &[u8],
-    a: [&[BlockQ8K]; T],
+    a: [&[Q8KLanes]; T],
+    stream: Stream,
 ) -> [[f32; 8]; T] {
     use q4k_at::*;
     let block = if FIFTH {
@@ -153,19 +197,52 @@ pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
     assert_eq!(g.len(), nb * block);
     assert!(a.iter().all(|t| t.len() == nb));
     let m4 = _mm512_set1_epi8(0x0f);
-    // Chunk k (elements 64k..64k+64): maddubs lanes 0–15 are sub-block 2k, 16–31 sub-block 2k+1.
-    let sc_lanes: [__m512i; 4] = std::array::from_fn(|k| {
-        let (lo, hi) = (2 * k as i16, 2 * k as i16 + 1);
-        _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
-            _mm256_set1_epi16(hi),
-        )
-    });
+    let sixteen = _mm512_set1_epi8(16);
     let min_lanes = MIN_PAIR_LANES.each_ref().map(|t| load_i16x32(t));
     let (mut acc, mut accm) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     for b in 0..nb {
         let blk = &g[b * block..(b + 1) * block];
+        if stream == Stream::FromMemory {
+            prefetch_block(blk.as_ptr(), block);
+        }
         let at = |off: usize| blk[off..].as_ptr();
+        let x: [&Q8KLanes; T] = std::array::from_fn(|t| &a[t][b]);
+        // Per tile, per token: the tile's four row sums, half reduced (`sum4`).
+        let mut halves = [[_mm512_setzero_si512(); T]; 2];
+        for (tile, half) in halves.iter_mut().enumerate() {
+            let mut sums = [[_mm512_setzero_si512(); T]; TILE_ROWS];
+            // Pass h: chunks 2h (the low nibbles) and 2h + 1 (the high ones).
+            for h in 0..2 {
+                let (x_lo, x_hi) = (load_chunk(&x, 128 * h), load_chunk(&x, 128 * h + 64));
+                for (i, s) in sums.iter_mut().enumerate() {
+                    let r = TILE_ROWS * tile + i;
+                    let z = load512(at(QS + 128 * r + 64 * h));
+                    let mut q = [
+                        _mm512_and_si512(z, m4),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(z), m4),
+                    ];
+                    if FIFTH {
+                        for (c, qc) in q.iter_mut().enumerate() {
+                            let k = 2 * h + c;
+                            let bits = &blk[HBITS + 32 * r + 8 * k..HBITS + 32 * r + 8 * k + 8];
+                            let mask = u64::from_le_bytes(bits.try_into().expect("8 bytes"));
+                            *qc = _mm512_mask_add_epi8(*qc, mask, *qc, sixteen);
+                        }
+                    }
+                    dpbusd_tokens(s, q[0], &x_lo);
+                    dpbusd_tokens(s, q[1], &x_hi);
+                }
+            }
+            for (i, s) in sums.iter_mut().enumerate() {
+                let r = TILE_ROWS * tile + i;
+                // Lane j (group j) takes sub-block j / 2's scale: the 8 bytes doubled, widened.
+                // SAFETY: 8 scale bytes of row r inside `blk`.
+                let sc8 = unsafe { _mm_loadl_epi64(at(SCALES + 8 * r).cast()) };
+                let sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc8, sc8));
+                s.iter_mut().for_each(|v| *v = _mm512_mullo_epi32(*v, sc));
+            }
+            *half = std::array::from_fn(|t| sum4(std::array::from_fn(|i| sums[i][t])));
+        }
         // SAFETY: every load below lies inside `blk` (offsets from the layout, asserted size).
         let (d8, dmin8, mins) = unsafe {
             (
@@ -174,44 +251,9 @@ pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
                 [0, 32].map(|h| _mm512_cvtepu8_epi16(_mm256_loadu_si256(at(MINS + h).cast()))),
             )
         };
-        // Every (token, row) is written below before it is read; uninitialised, not zeroed
-        // (zeroing T × 8 registers' worth of stack per block was a memset of 10 % of a prefill).
-        let mut s = [[MaybeUninit::<__m512i>::uninit(); 8]; T];
-        for r in 0..8 {
-            let row = QS + 128 * r;
-            let (z0, z1) = (load512(at(row)), load512(at(row + 64)));
-            let mut q = [
-                _mm512_and_si512(z0, m4),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(z0), m4),
-                _mm512_and_si512(z1, m4),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(z1), m4),
-            ];
-            if FIFTH {
-                let sixteen = _mm512_set1_epi8(16);
-                for (k, qk) in q.iter_mut().enumerate() {
-                    let bits = &blk[HBITS + 32 * r + 8 * k..HBITS + 32 * r + 8 * k + 8];
-                    let mask = u64::from_le_bytes(bits.try_into().expect("8 bytes"));
-                    *qk = _mm512_mask_add_epi8(*qk, mask, *qk, sixteen);
-                }
-            }
-            // SAFETY: 8 scale bytes of row r inside `blk`.
-            let sc8 = unsafe { _mm_loadl_epi64(at(SCALES + 8 * r).cast()) };
-            let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
-            let scv = sc_lanes.map(|l| _mm512_permutexvar_epi16(l, sc));
-            for t in 0..T {
-                let x = &a[t][b];
-                let mut v = _mm512_setzero_si512();
-                for k in 0..4 {
-                    let ak = load512(x.qs[64 * k..].as_ptr().cast());
-                    v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[k], ak), scv[k]);
-                }
-                s[t][r].write(v);
-            }
-        }
         for t in 0..T {
-            let x = &a[t][b];
             // SAFETY: `bsums` is 16 i16 = 32 bytes.
-            let bs = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
+            let bs = unsafe { _mm256_loadu_si256(x[t].bsums.as_ptr().cast()) };
             let pairs = _mm512_castsi256_si512(_mm256_hadd_epi16(bs, bs));
             // Lanes (p % 2)·8 + r: row r's Σ over pairs p of its two mins · pair sums.
             let m = _mm512_add_epi32(
@@ -219,8 +261,8 @@ pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
                 _mm512_madd_epi16(mins[1], _mm512_permutexvar_epi16(min_lanes[1], pairs)),
             );
             let m8 = _mm256_add_epi32(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64::<1>(m));
-            let da = _mm256_set1_ps(x.d);
-            let s8 = _mm256_cvtepi32_ps(sum8(written(s[t])));
+            let da = _mm256_set1_ps(x[t].d);
+            let s8 = _mm256_cvtepi32_ps(fold(halves[0][t], halves[1][t]));
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, da), s8, acc[t]);
             accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmin8, da), _mm256_cvtepi32_ps(m8), accm[t]);
         }
@@ -229,66 +271,75 @@ pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
 }
 
 /// Eight interleaved Q6_K rows (`g`: `nb` blocks of [`Q6_K_GROUP_BLOCK`] bytes) · `T` Q8_K
-/// activation rows: `out[t][r]` is the bits of `q8k::scalar_dot(Q6_K)(row r, a[t])`. The
-/// unsigned 6-bit values go through `maddubs`; the −32 offset enters once per 16-element group
-/// through the activations' `bsums`.
+/// activation rows in lane order: `out[t][r]` is the bits of `q8k::scalar_dot(Q6_K)(row r,
+/// a[t])`. The unsigned 6-bit values go through `dpbusd`; the −32 offset enters once per
+/// 16-element group through the activations' `bsums`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) fn dot8_q6_k_packed<const T: usize>(g: &[u8], a: [&[BlockQ8K]; T]) -> [[f32; 8]; T] {
+pub(crate) fn dot8_q6_k_packed<const T: usize>(
+    g: &[u8],
+    a: [&[Q8KLanes]; T],
+    stream: Stream,
+) -> [[f32; 8]; T] {
     use q6k_at::*;
     let nb = g.len() / Q6_K_GROUP_BLOCK;
     assert_eq!(g.len(), nb * Q6_K_GROUP_BLOCK);
     assert!(a.iter().all(|t| t.len() == nb));
     let (m4, m30) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
-    let group_lanes = Q6_GROUP_OF_PAIR.each_ref().map(|t| load_i16x32(t));
+    // `c ? a : b` bitwise (ternary-logic table 0xE4) with c = 0x0f: the low nibble from the
+    // quant bytes, bits 4–5 from the high pairs (masked to 0x30).
+    let blend = |lo, hi| _mm512_ternarylogic_epi32::<0xE4>(lo, hi, m4);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let blk = &g[b * Q6_K_GROUP_BLOCK..(b + 1) * Q6_K_GROUP_BLOCK];
+        if stream == Stream::FromMemory {
+            prefetch_block(blk.as_ptr(), Q6_K_GROUP_BLOCK);
+        }
         let at = |off: usize| blk[off..].as_ptr();
+        let x: [&Q8KLanes; T] = std::array::from_fn(|t| &a[t][b]);
+        let mut halves = [[_mm512_setzero_si512(); T]; 2];
+        for (tile, half) in halves.iter_mut().enumerate() {
+            let mut sums = [[_mm512_setzero_si512(); T]; TILE_ROWS];
+            // Pass p: chunks p (low nibbles of quant bytes 64p..) and p + 2 (their high ones),
+            // bits 4–5 of both from the high-pair bytes.
+            for p in 0..2 {
+                let (x_lo, x_hi) = (load_chunk(&x, 64 * p), load_chunk(&x, 64 * p + 128));
+                for (i, s) in sums.iter_mut().enumerate() {
+                    let row = QS + ROW * (TILE_ROWS * tile + i);
+                    let (l, h) = (load512(at(row + 64 * p)), load512(at(row + 128)));
+                    let (h_lo, h_hi) = if p == 0 {
+                        (_mm512_slli_epi16::<4>(h), h)
+                    } else {
+                        (_mm512_slli_epi16::<2>(h), _mm512_srli_epi16::<2>(h))
+                    };
+                    let q_lo = blend(l, _mm512_and_si512(h_lo, m30));
+                    let q_hi = blend(_mm512_srli_epi16::<4>(l), _mm512_and_si512(h_hi, m30));
+                    dpbusd_tokens(s, q_lo, &x_lo);
+                    dpbusd_tokens(s, q_hi, &x_hi);
+                }
+            }
+            for (i, s) in sums.iter_mut().enumerate() {
+                let r = TILE_ROWS * tile + i;
+                // SAFETY: 16 scale bytes of row r inside `blk`.
+                let sc16x8 = unsafe { _mm_loadu_si128(at(SCALES + 16 * r).cast()) };
+                // Lane j (group j) takes sub-block j's signed scale.
+                let sc = _mm512_cvtepi8_epi32(sc16x8);
+                // |scale| ≤ 128, so −32 · scale fits an i16.
+                let offset =
+                    _mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc16x8), _mm256_set1_epi16(-32));
+                for (t, v) in s.iter_mut().enumerate() {
+                    // SAFETY: `bsums` is 16 i16 = 32 bytes.
+                    let bs = unsafe { _mm256_loadu_si256(x[t].bsums.as_ptr().cast()) };
+                    let off = _mm512_zextsi256_si512(_mm256_madd_epi16(bs, offset));
+                    *v = _mm512_add_epi32(_mm512_mullo_epi32(*v, sc), off);
+                }
+            }
+            *half = std::array::from_fn(|t| sum4(std::array::from_fn(|i| sums[i][t])));
+        }
         // SAFETY: 8 f16 inside `blk`.
         let d8 = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(at(D).cast())) };
-        // Every (token, row) is written below before it is read; uninitialised, not zeroed
-        // (zeroing T × 8 registers' worth of stack per block was a memset of 10 % of a prefill).
-        let mut s = [[MaybeUninit::<__m512i>::uninit(); 8]; T];
-        for r in 0..8 {
-            let row = QS + ROW * r;
-            let (l0, l1, h) = (
-                load512(at(row)),
-                load512(at(row + 64)),
-                load512(at(row + 128)),
-            );
-            // `c ? a : b` bitwise (ternary-logic table 0xE4) with c = 0x0f: the low nibble
-            // from the quant bytes, bits 4–5 from the high pairs (masked to 0x30).
-            let blend = |lo, hi| _mm512_ternarylogic_epi32::<0xE4>(lo, hi, m4);
-            let q = [
-                blend(l0, _mm512_and_si512(_mm512_slli_epi16::<4>(h), m30)),
-                blend(l1, _mm512_and_si512(_mm512_slli_epi16::<2>(h), m30)),
-                blend(_mm512_srli_epi16::<4>(l0), _mm512_and_si512(h, m30)),
-                blend(
-                    _mm512_srli_epi16::<4>(l1),
-                    _mm512_and_si512(_mm512_srli_epi16::<2>(h), m30),
-                ),
-            ];
-            // SAFETY: 16 scale bytes of row r inside `blk`.
-            let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(at(SCALES + 16 * r).cast()) });
-            // |scale| ≤ 128, so −32 · scale fits an i16.
-            let offset = _mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32));
-            let sc = _mm512_castsi256_si512(sc16);
-            let scv = group_lanes.map(|l| _mm512_permutexvar_epi16(l, sc));
-            for t in 0..T {
-                let x = &a[t][b];
-                // SAFETY: `bsums` is 16 i16 = 32 bytes.
-                let bs = unsafe { _mm256_loadu_si256(x.bsums.as_ptr().cast()) };
-                let mut v = _mm512_zextsi256_si512(_mm256_madd_epi16(bs, offset));
-                for c in 0..4 {
-                    let ac = load512(x.qs[64 * c..].as_ptr().cast());
-                    v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[c], ac), scv[c]);
-                }
-                s[t][r].write(v);
-            }
-        }
         for t in 0..T {
-            let da = _mm256_set1_ps(a[t][b].d);
-            let s8 = _mm256_cvtepi32_ps(sum8(written(s[t])));
+            let da = _mm256_set1_ps(x[t].d);
+            let s8 = _mm256_cvtepi32_ps(fold(halves[0][t], halves[1][t]));
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, da), s8, acc[t]);
         }
     }

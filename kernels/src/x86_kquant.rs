@@ -203,7 +203,7 @@ fn decode_qk45(scales: &[u8], qh: Option<&[u8]>, qs: &[u8]) -> Decoded {
 
 /// For chunk `c` of a Q6_K block, the group (of 16 elements) of each `maddubs` pair: pairs
 /// `8k .. 8k+8` are elements `16k .. 16k+16` of the chunk, group `4c + k`.
-pub(crate) static Q6_GROUP_OF_PAIR: [[i16; 32]; 4] = {
+static Q6_GROUP_OF_PAIR: [[i16; 32]; 4] = {
     let mut t = [[0i16; 32]; 4];
     let mut c = 0;
     while c < 4 {
