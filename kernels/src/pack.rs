@@ -162,11 +162,18 @@ fn pack_q45_k(blocks: &[&[u8]; GROUP_ROWS], qs_of: impl Fn(&[u8]) -> &[u8], data
         }
     }
     for k in blocks {
-        let qs = qs_of(k);
-        let nibble = |pos: usize| q4_k_nibble(qs, lane_element(pos));
-        for h in 0..2 {
-            data.extend((0..64).map(|l| nibble(128 * h + l) | nibble(128 * h + 64 + l) << 4));
+        // Through a fixed array, not a per-byte `extend`: packing is the whole of a model's
+        // load time past the mapping.
+        let mut nibbles = [0u8; 256];
+        for (pos, n) in nibbles.iter_mut().enumerate() {
+            *n = q4_k_nibble(qs_of(k), lane_element(pos));
         }
+        let mut out = [0u8; 128];
+        for (i, o) in out.iter_mut().enumerate() {
+            let (h, l) = (i / 64, i % 64);
+            *o = nibbles[128 * h + l] | nibbles[128 * h + 64 + l] << 4;
+        }
+        data.extend_from_slice(&out);
     }
 }
 
@@ -192,10 +199,14 @@ fn pack_q6_k(blocks: &[&[u8]; GROUP_ROWS], data: &mut Vec<u8>) {
         .for_each(|k| data.extend_from_slice(&k[192..208]));
     for b in blocks {
         let q: [u8; 256] = std::array::from_fn(|pos| q6_k_value(b, lane_element(pos)));
-        data.extend((0..128).map(|k| (q[k] & 0x0f) | (q[128 + k] & 0x0f) << 4));
-        data.extend(
-            (0..64).map(|k| (0..4).fold(0u8, |acc, j| acc | (q[64 * j + k] >> 4) << (2 * j))),
-        );
+        let mut out = [0u8; 192];
+        for k in 0..128 {
+            out[k] = (q[k] & 0x0f) | (q[128 + k] & 0x0f) << 4;
+        }
+        for k in 0..64 {
+            out[128 + k] = (0..4).fold(0u8, |acc, j| acc | (q[64 * j + k] >> 4) << (2 * j));
+        }
+        data.extend_from_slice(&out);
     }
 }
 

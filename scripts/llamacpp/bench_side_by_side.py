@@ -9,12 +9,13 @@ Scenarios (each at every thread count):
   short    512 prompt ids, then 128 greedy decode steps, one sequence;
   long     2,048 prompt ids, then 128 steps (attention dominates decode there);
   batched  8 sequences, each the 512 prompt ids then 128 steps, decoding together
-           (llama.cpp: one `llama_batch` of 8 sequences per step, per-sequence KV streams).
+           (llama.cpp: one `llama_batch` of 8 sequences per step, per-sequence KV streams);
+  deep     8,192 prompt ids (the fixture's 2,888 repeated), then the steps: decode at depth.
 llama.cpp runs with flash attention off (the arithmetic custody reproduces) and on; each
 figure's ratio is against the faster of the two. custody runs with the tag check (always on)
 and the audit writer recording every event (`--audit-cost`: its audited figures).
 """
-import argparse, ctypes, json, os, platform, statistics, subprocess, time
+import argparse, ctypes, json, os, platform, statistics, subprocess, tempfile, time
 from pathlib import Path
 
 import llama_cpp
@@ -27,7 +28,7 @@ MODEL_LABEL = Path(MODEL).name
 SHAPES_DIR = Path.home() / ".cache/custody/shapes"  # scripts/llamacpp/gen_shapes.py
 PROMPT = ROOT / "tests/fixtures/llamacpp-smollm2/bench_prompt.json"
 N_BATCH = 512
-SCENARIOS = {"short": (512, 1), "long": (2048, 1), "batched": (512, 8)}
+SCENARIOS = {"short": (512, 1), "long": (2048, 1), "batched": (512, 8), "deep": (8192, 1)}
 
 
 def argmax_ith(ctx, i, vocab):
@@ -118,16 +119,19 @@ def in_child(f, *args):
     return data["ok"], usage.ru_maxrss / 1024
 
 
-def custody(threads, n_prompt, n_gen, reps, n_seq):
+def custody(threads, ids, n_gen, reps, n_seq):
     """`custody bench`'s JSON and its peak resident set (MiB)."""
     exe = ROOT / "target/release/custody"
+    prompt = Path(tempfile.mkstemp(suffix=".json")[1])
+    prompt.write_text(json.dumps({"all_ids": ids}))
     p = subprocess.Popen(
-        [str(exe), "bench", "--model", MODEL, "--threads", str(threads), "--prompt-tokens", str(n_prompt),
-         "--gen-tokens", str(n_gen), "--reps", str(reps), "--prompt-ids", str(PROMPT), "--batch", str(n_seq),
+        [str(exe), "bench", "--model", MODEL, "--threads", str(threads), "--prompt-tokens", str(len(ids)),
+         "--gen-tokens", str(n_gen), "--reps", str(reps), "--prompt-ids", str(prompt), "--batch", str(n_seq),
          "--audit-cost", "--json"],
         stdout=subprocess.PIPE, text=True)
     out = p.stdout.read()
     _, status, usage = os.wait4(p.pid, 0)
+    prompt.unlink()
     if status != 0:
         raise RuntimeError(f"custody bench exited with status {status}")
     return json.loads(out.strip().splitlines()[-1]), usage.ru_maxrss / 1024
@@ -157,10 +161,9 @@ def main():
     rows = []
     for name in a.scenarios:
         n_prompt, n_seq = SCENARIOS[name]
-        ids = all_ids[:n_prompt]
-        assert len(ids) == n_prompt, f"{PROMPT} has only {len(all_ids)} ids"
+        ids = (all_ids * -(-n_prompt // len(all_ids)))[:n_prompt]
         for t in a.threads:
-            c, c_rss = custody(t, n_prompt, a.gen_tokens, a.reps, n_seq)
+            c, c_rss = custody(t, ids, a.gen_tokens, a.reps, n_seq)
             cp, cd = c["audited_prefill_tok_s"], c["audited_decode_tok_s"]
             runs = {fa: in_child(run_llama_cpp, t, ids, a.gen_tokens, a.reps, fa, n_seq) for fa in (False, True)}
             ref = {fa: tuple(v[0]) for fa, v in runs.items()}
