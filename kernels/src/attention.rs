@@ -505,12 +505,12 @@ pub fn paged_attention(
     let scale = 1.0 / (d as f32).sqrt();
     let order = args.order;
     assert!(d <= 256, "head_dim above 256 is not supported");
-    // One (query row, head) → writes `out[i][head]`.
-    let attend_one = |i: usize, head: usize, o: &mut [f32], ws: &mut Workspace| {
-        let h = head / group;
+    // One (query row, kv head) → writes `out[i][heads of h]`: the `group` query heads of kv
+    // head `h` are adjacent in `q` and `out`, and share every K and V read.
+    let attend_group = |i: usize, h: usize, o: &mut [f32], ws: &mut Workspace| {
         let n_att = args.start_pos + i + 1;
-        let qoff = (i * args.n_heads + head) * d;
-        let q = &args.q[qoff..qoff + d];
+        let qoff = (i * args.n_heads + h * group) * d;
+        let q = &args.q[qoff..qoff + group * d];
         let kh = &kf[h * per_head..(h + 1) * per_head];
         let vh = &vf[h * per_head..(h + 1) * per_head];
         #[cfg(target_arch = "x86_64")]
@@ -522,27 +522,33 @@ pub fn paged_attention(
             return unsafe { attend_gemm_avx512(q, kt, n_pad, vh, d, n_att, scale, o, ws) };
         }
         let _ = (ktf, n_pad, transposed);
-        attend_compat(order, q, kh, vh, d, n_att, scale, o, ws);
+        for (qg, og) in q.chunks_exact(d).zip(o.chunks_exact_mut(d)) {
+            attend_compat(order, qg, kh, vh, d, n_att, scale, og, ws);
+        }
     };
+    let item_len = group * d;
     if big {
-        // (query row, head) items dealt round-robin to the parts: causal rows grow in cost, so
-        // dealing (not contiguous ranges) keeps the parts even; each item writes its own `d`
-        // outputs.
-        let n_items = n_q * args.n_heads;
+        // (query row, kv head) items dealt round-robin to the parts: causal rows grow in cost,
+        // so dealing (not contiguous ranges) keeps the parts even; each item writes its own
+        // `group × d` outputs.
+        let n_items = n_q * g.n_kv_heads;
         let optr = SharedMut(out.as_mut_ptr());
         crate::par::run(&|part, parts| {
             let mut ws = Workspace::default();
             for item in (part..n_items).step_by(parts) {
-                // SAFETY: item `item` writes only `out[item·d .. (item+1)·d]` (`out` holds
-                // `n_q × n_heads × d` values); items are disjoint and `out` outlives the section.
-                let o = unsafe { std::slice::from_raw_parts_mut(optr.get().add(item * d), d) };
-                attend_one(item / args.n_heads, item % args.n_heads, o, &mut ws);
+                // SAFETY: item `item` writes only `out[item·len .. (item+1)·len]` (`out` holds
+                // `n_q × n_kv_heads × len` values); items are disjoint and `out` outlives the
+                // section.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(optr.get().add(item * item_len), item_len)
+                };
+                attend_group(item / g.n_kv_heads, item % g.n_kv_heads, o, &mut ws);
             }
         });
     } else {
         let ws = &mut scratch.ws;
-        for (item, o) in out.chunks_mut(d).enumerate() {
-            attend_one(item / args.n_heads, item % args.n_heads, o, ws);
+        for (item, o) in out.chunks_mut(item_len).enumerate() {
+            attend_group(item / g.n_kv_heads, item % g.n_kv_heads, o, ws);
         }
     }
     Ok(())
@@ -1029,8 +1035,12 @@ fn transpose_k(k: &[f32], kt: &mut Vec<f32>, n_kv: usize, n_ctx: usize, n_pad: u
 /// - `out[j]` = `reduce16` over lanes `l` of the chain `fma(V[t][j], p[t], ·)` over
 ///   `t ≡ l (mod 16)` ascending — here register `A_l` holds that chain for 16 dims `j`.
 ///
-/// Every value sees the same IEEE operations in the same order, so the bits are the portable
-/// body's (tested against it).
+/// `q` and `o` hold the query heads that share this kv head at one position (`d` each, up to
+/// [`MAX_HEADS_PER_PASS`] per pass): each 16-slot block of K and each run of V rows is read once
+/// for all of them while it is in L1 — one head at a time streamed a whole kv head's K and V
+/// (2 MB at 4,096 slots, d = 64) from L2/L3 per head and position, and an 8,192-token prompt
+/// prefilled at half llama.cpp's speed. Every value sees the same IEEE operations in the same
+/// order as with one head, so the bits are the portable body's (tested against it).
 /// Safety: AVX-512 F/VL present; `d` a multiple of 16 (≤ 256); `kt` holds `d × n_pad` floats
 /// with `n_pad >= n_att` a multiple of 16 (padding zero); `vh` holds `n_att × d` floats at least.
 #[cfg(target_arch = "x86_64")]
@@ -1047,66 +1057,119 @@ unsafe fn attend_gemm_avx512(
     o: &mut [f32],
     ws: &mut Workspace,
 ) {
-    use core::arch::x86_64::*;
     debug_assert!(d.is_multiple_of(LANES) && d <= 256 && n_pad >= n_att);
-    assert!(kt.len() >= d * n_pad && vh.len() >= n_att * d && o.len() == d);
-    let nc = d / LANES;
-    let mut qh = [0.0f32; 256];
-    for j in 0..d {
-        qh[j] = f16::from_f32(q[j]).to_f32();
+    assert!(kt.len() >= d * n_pad && vh.len() >= n_att * d);
+    assert!(q.len().is_multiple_of(d) && o.len() == q.len() && !q.is_empty());
+    let per_pass = MAX_HEADS_PER_PASS * d;
+    for (qp, op) in q.chunks(per_pass).zip(o.chunks_mut(per_pass)) {
+        let n_att_pad = n_att.div_ceil(LANES) * LANES;
+        let sc = &mut ws.scores;
+        sc.clear();
+        sc.resize(qp.len() / d * n_att_pad, f32::NEG_INFINITY);
+        gemm_scores(qp, kt, d, n_att, scale, sc);
+        gemm_pv(vh, d, n_att, sc, op);
     }
-    let n_att_pad = n_att.div_ceil(LANES) * LANES;
-    let sc = &mut ws.scores;
-    sc.clear();
-    sc.resize(n_att_pad, f32::NEG_INFINITY);
+}
+
+/// Heads per pass of [`attend_gemm_avx512`]: its V accumulators (16 registers' worth per head)
+/// stay on the stack, 8 KB at eight heads.
+const MAX_HEADS_PER_PASS: usize = 8;
+
+/// The softmaxed scores of each head of `q` over slots `0..n_att`, into `sc` (`n_att` rounded
+/// up to 16 per head, the padding `-inf` on entry and 0 on return). `d` a multiple of 16 (≤ 256);
+/// `kt` as [`attend_gemm_avx512`]'s (its length asserted).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+fn gemm_scores(q: &[f32], kt: &[f32], d: usize, n_att: usize, scale: f32, sc: &mut [f32]) {
+    use core::arch::x86_64::*;
+    let (nc, n_heads) = (d / LANES, q.len() / d);
+    let n_att_pad = sc.len() / n_heads;
+    assert!(n_heads <= MAX_HEADS_PER_PASS && kt.len() >= d * n_att_pad);
+    let mut qh = [[0.0f32; 256]; MAX_HEADS_PER_PASS];
+    for (g, qg) in q.chunks_exact(d).enumerate() {
+        for j in 0..d {
+            qh[g][j] = f16::from_f32(qg[j]).to_f32();
+        }
+    }
     let vscale = _mm512_set1_ps(scale);
     for t0 in (0..n_att_pad).step_by(LANES) {
-        let mut p = [_mm512_setzero_ps(); LANES];
         let blk = kt.as_ptr().wrapping_add(t0 * d);
-        for c in 0..nc {
-            for l in 0..LANES {
-                // SAFETY: block t0/16 spans kt[t0·d .. (t0 + 16)·d] (t0 + 16 <= n_pad); dim
-                // 16c + l < d is the 16 floats at (16c + l)·16 inside it.
-                let k = unsafe { _mm512_loadu_ps(blk.add((c * LANES + l) * LANES)) };
-                p[l] = _mm512_fmadd_ps(k, _mm512_set1_ps(qh[c * LANES + l]), p[l]);
+        for (g, qg) in qh[..n_heads].iter().enumerate() {
+            let mut p = [_mm512_setzero_ps(); LANES];
+            for c in 0..nc {
+                for l in 0..LANES {
+                    // SAFETY: block t0/16 spans kt[t0·d .. (t0 + 16)·d] (t0 + 16 <= n_att_pad
+                    // <= n_pad); dim 16c + l < d is the 16 floats at (16c + l)·16 inside it.
+                    let k = unsafe { _mm512_loadu_ps(blk.add((c * LANES + l) * LANES)) };
+                    p[l] = _mm512_fmadd_ps(k, _mm512_set1_ps(qg[c * LANES + l]), p[l]);
+                }
+            }
+            let s = _mm512_mul_ps(reduce16_x16(&p), vscale);
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: `lanes` is 16 floats.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), s) };
+            let n = (n_att - t0).min(LANES);
+            let row = g * n_att_pad + t0;
+            sc[row..row + n].copy_from_slice(&lanes[..n]);
+        }
+    }
+    for row in sc.chunks_exact_mut(n_att_pad) {
+        let mut max = f32::NEG_INFINITY;
+        for &x in &row[..n_att] {
+            if x > max {
+                max = x;
             }
         }
-        let s = _mm512_mul_ps(reduce16_x16(&p), vscale);
-        let mut lanes = [0.0f32; LANES];
-        // SAFETY: `lanes` is 16 floats.
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), s) };
-        let n = (n_att - t0).min(LANES);
-        sc[t0..t0 + n].copy_from_slice(&lanes[..n]);
+        softmax_compat_avx512(row, n_att, max);
     }
-    let mut max = f32::NEG_INFINITY;
-    for &x in &sc[..n_att] {
-        if x > max {
-            max = x;
-        }
-    }
-    softmax_compat(sc, n_att, max);
+}
+
+/// Slots per run of [`gemm_pv`]: a run's V rows for one 16-dim column (256 × 64 bytes) stay
+/// in L1 while every head passes over them.
+const PV_RUN_SLOTS: usize = 256;
+
+/// `o[g][j] = reduce16` over lanes `l` of the chain `fma(V[t][j], p_g[t], ·)` over
+/// `t ≡ l (mod 16)` ascending, for each head `g` of `sc` (probabilities, `n_att` rounded up to 16
+/// per head); `o` holds `d` per head of `sc`, `d` a multiple of 16 (lengths asserted).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+fn gemm_pv(vh: &[f32], d: usize, n_att: usize, sc: &[f32], o: &mut [f32]) {
+    use core::arch::x86_64::*;
+    let (nc, n_heads) = (d / LANES, o.len() / d);
+    let n_att_pad = sc.len() / n_heads;
+    assert!(n_heads <= MAX_HEADS_PER_PASS && vh.len() >= n_att * d);
     let full = n_att / LANES * LANES;
     for c in 0..nc {
-        let mut a = [_mm512_setzero_ps(); LANES];
+        let mut acc = [[_mm512_setzero_ps(); LANES]; MAX_HEADS_PER_PASS];
         let col = vh.as_ptr().wrapping_add(c * LANES);
-        for t0 in (0..full).step_by(LANES) {
+        // Ascending runs, each head's chains continued run after run: the same order per chain.
+        for r0 in (0..full).step_by(PV_RUN_SLOTS) {
+            let r1 = (r0 + PV_RUN_SLOTS).min(full);
+            for (g, a) in acc[..n_heads].iter_mut().enumerate() {
+                let p = &sc[g * n_att_pad..(g + 1) * n_att_pad];
+                for t0 in (r0..r1).step_by(LANES) {
+                    for l in 0..LANES {
+                        let t = t0 + l;
+                        // SAFETY: t < n_att: row t of `vh`, dims 16c..16c+16 < d.
+                        let v = unsafe { _mm512_loadu_ps(col.add(t * d)) };
+                        a[l] = _mm512_fmadd_ps(v, _mm512_set1_ps(p[t]), a[l]);
+                    }
+                }
+            }
+        }
+        for (g, a) in acc[..n_heads].iter_mut().enumerate() {
+            let p = &sc[g * n_att_pad..(g + 1) * n_att_pad];
             for l in 0..LANES {
-                let t = t0 + l;
-                // SAFETY: t < n_att: row t of `vh`, dims 16c..16c+16 < d.
-                let v = unsafe { _mm512_loadu_ps(col.add(t * d)) };
-                a[l] = _mm512_fmadd_ps(v, _mm512_set1_ps(sc[t]), a[l]);
+                let t = full + l;
+                if t < n_att {
+                    // SAFETY: as above.
+                    let v = unsafe { _mm512_loadu_ps(col.add(t * d)) };
+                    a[l] = _mm512_fmadd_ps(v, _mm512_set1_ps(p[t]), a[l]);
+                }
             }
+            // SAFETY: o[g·d + 16c .. + 16] is inside `o` (d per head).
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(g * d + c * LANES), reduce16_x16(a)) };
         }
-        for l in 0..LANES {
-            let t = full + l;
-            if t < n_att {
-                // SAFETY: as above.
-                let v = unsafe { _mm512_loadu_ps(col.add(t * d)) };
-                a[l] = _mm512_fmadd_ps(v, _mm512_set1_ps(sc[t]), a[l]);
-            }
-        }
-        // SAFETY: o[16c .. 16c + 16] is inside `o` (d long).
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * LANES), reduce16_x16(&a)) };
     }
 }
 
@@ -1633,28 +1696,35 @@ mod tests {
                     let kh = &k[h * n_ctx * d..(h + 1) * n_ctx * d];
                     let vh = &v[h * n_ctx * d..(h + 1) * n_ctx * d];
                     let kth = &kt[h * d * n_pad..(h + 1) * d * n_pad];
-                    for n_att in [1, n_ctx / 2 + 1, n_ctx] {
-                        let q = rnd(d, &mut seed);
-                        let (mut want, mut got) = (vec![0.0; d], vec![0.0; d]);
+                    // One head, a GQA group, and more heads than one pass takes.
+                    for (n_att, heads) in [(1, 1), (n_ctx / 2 + 1, 4), (n_ctx, 11)] {
+                        let q = rnd(heads * d, &mut seed);
+                        let (mut want, mut got) = (vec![0.0; heads * d], vec![0.0; heads * d]);
                         let mut ws = Workspace::default();
-                        attend_compat_body(
-                            ReduceOrder::Gemm,
-                            &q,
-                            kh,
-                            vh,
-                            d,
-                            n_att,
-                            scale,
-                            &mut want,
-                            &mut ws,
-                        );
+                        for (qg, wg) in q.chunks_exact(d).zip(want.chunks_exact_mut(d)) {
+                            attend_compat_body(
+                                ReduceOrder::Gemm,
+                                qg,
+                                kh,
+                                vh,
+                                d,
+                                n_att,
+                                scale,
+                                wg,
+                                &mut ws,
+                            );
+                        }
                         // SAFETY: has_avx512; d is a multiple of 16; kt is d × n_pad.
                         unsafe {
                             attend_gemm_avx512(
                                 &q, kth, n_pad, vh, d, n_att, scale, &mut got, &mut ws,
                             )
                         };
-                        assert_eq!(bits(&got), bits(&want), "d={d} n_ctx={n_ctx} n_att={n_att}");
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "d={d} n_ctx={n_ctx} n_att={n_att} heads={heads}"
+                        );
                     }
                 }
             }
