@@ -40,7 +40,29 @@ pub fn fixture(rel: &str) -> PathBuf {
 
 /// Read a little-endian f32 `.npy` (version 1/2/3, C order): (shape, data).
 pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
-    let b = std::fs::read(path).expect("read npy");
+    let (shape, body) = read_npy(path, "'<f4'");
+    let data: Vec<f32> = body
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(data.len(), shape.iter().product::<usize>());
+    (shape, data)
+}
+
+/// Read a little-endian i32 `.npy` (version 1/2/3, C order): (shape, data).
+pub fn read_npy_i32(path: &std::path::Path) -> (Vec<usize>, Vec<i32>) {
+    let (shape, body) = read_npy(path, "'<i4'");
+    let data: Vec<i32> = body
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(data.len(), shape.iter().product::<usize>());
+    (shape, data)
+}
+
+/// An `.npy` file's shape and raw body, its header checked to declare `descr` in C order.
+fn read_npy(path: &std::path::Path, descr: &str) -> (Vec<usize>, Vec<u8>) {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     assert_eq!(&b[..6], b"\x93NUMPY", "not an npy file");
     let (hlen, start) = if b[6] == 1 {
         (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
@@ -49,8 +71,9 @@ pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
     };
     let header = std::str::from_utf8(&b[start..start + hlen]).expect("header");
     assert!(
-        header.contains("'<f4'") && header.contains("'fortran_order': False"),
-        "{header}"
+        header.contains(descr) && header.contains("'fortran_order': False"),
+        "{}: {header}, expected {descr}",
+        path.display()
     );
     let shape_s = &header[header.find("'shape': (").expect("shape") + 10..];
     let shape: Vec<usize> = shape_s[..shape_s.find(')').expect(")")]
@@ -58,10 +81,5 @@ pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
         .filter(|s| !s.trim().is_empty())
         .map(|s| s.trim().parse().expect("dim"))
         .collect();
-    let data: Vec<f32> = b[start + hlen..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    assert_eq!(data.len(), shape.iter().product::<usize>());
-    (shape, data)
+    (shape, b[start + hlen..].to_vec())
 }
