@@ -40,7 +40,16 @@ pub struct BenchArgs {
     /// decode tok/s is then the aggregate over the sequences.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// Also measure what chunked prefill costs the running sequences: while `--batch`
+    /// sequences decode, a prompt of this many tokens arrives; the decode steps' wall time (each
+    /// running sequence's inter-token latency) is reported before and while it is prefilled in
+    /// `engine.max_batch_tokens` chunks, with its time to first token. 0: not measured.
+    #[arg(long, default_value_t = 0)]
+    pub long_prompt_tokens: usize,
 }
+
+/// Decode steps timed before the long prompt arrives (the undisturbed inter-token latency).
+const BASELINE_STEPS: usize = 8;
 
 /// One repetition's timings.
 #[derive(Clone, Copy, Debug)]
@@ -108,6 +117,121 @@ fn bench_once(
     })
 }
 
+/// The running sequences' inter-token latency while a long prompt is prefilled.
+#[derive(Debug)]
+struct Interference {
+    max_batch_tokens: usize,
+    /// Median decode step before the long prompt arrived, ms.
+    baseline_step_ms: f64,
+    /// Steps from its arrival to its first token (each also decoded every running sequence).
+    steps: usize,
+    step_p50_ms: f64,
+    step_max_ms: f64,
+    /// From its submission to its first token, s.
+    long_ttft_s: f64,
+}
+
+fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        tenant: "bench".into(),
+        cache: None,
+    }
+}
+
+/// One step's wall time (ms) and how many tokens it gave the sequences in `ids`, or whether it
+/// gave `long` its token.
+struct StepOutcome {
+    ms: f64,
+    decoded: usize,
+    long_token: bool,
+}
+
+fn timed_step(
+    engine: &mut Engine,
+    long: Option<custody_runtime::engine::RequestId>,
+) -> Result<StepOutcome> {
+    let t = Instant::now();
+    let events = engine.step();
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let (mut decoded, mut long_token) = (0, false);
+    for ev in events {
+        match ev {
+            Event::Token { id, .. } if Some(id) == long => long_token = true,
+            Event::Token { .. } => decoded += 1,
+            Event::Finished { .. } => {}
+            other => bail!("benchmark request ended early: {other:?}"),
+        }
+    }
+    Ok(StepOutcome {
+        ms,
+        decoded,
+        long_token,
+    })
+}
+
+/// `batch` sequences with the prompt `short` decode; after [`BASELINE_STEPS`] timed steps the
+/// prompt `long` arrives and every step until its first token is timed. The running sequences
+/// are then aborted (not part of any throughput figure).
+fn interference(
+    engine: &mut Engine,
+    short: &[u32],
+    long: &[u32],
+    batch: usize,
+) -> Result<Interference> {
+    let max_tokens = BASELINE_STEPS + long.len() + 2;
+    let running: Vec<_> = (0..batch)
+        .map(|_| engine.submit(request(short, max_tokens)))
+        .collect::<Result<_, _>>()?;
+    // Until every sequence has its first token: bounded by one step per prompt token.
+    let mut started = 0;
+    for _ in 0..batch * short.len() + 2 {
+        started += timed_step(engine, None)?.decoded;
+        if started >= batch {
+            break;
+        }
+    }
+    let mut baseline = Vec::with_capacity(BASELINE_STEPS);
+    for _ in 0..BASELINE_STEPS {
+        baseline.push(timed_step(engine, None)?.ms);
+    }
+    let t_long = Instant::now();
+    let long_id = engine.submit(request(long, 1))?;
+    let (mut during, mut ttft) = (Vec::new(), None);
+    // Each step prefills at least one of its tokens (max_batch_tokens > batch, checked below).
+    for _ in 0..long.len() + 2 {
+        let s = timed_step(engine, Some(long_id))?;
+        if s.decoded != batch {
+            bail!(
+                "a running sequence missed a decode step ({} of {batch})",
+                s.decoded
+            );
+        }
+        during.push(s.ms);
+        if s.long_token {
+            ttft = Some(t_long.elapsed().as_secs_f64());
+            break;
+        }
+    }
+    for id in running {
+        // Whether it still existed does not matter: the measurement is over.
+        let _ = engine.abort(id, "bench: interference measured");
+    }
+    let long_ttft_s = ttft.context("the long prompt never got its first token")?;
+    let steps = during.len();
+    Ok(Interference {
+        max_batch_tokens: engine.max_batch_tokens(),
+        baseline_step_ms: median(baseline),
+        steps,
+        step_p50_ms: median(during.clone()),
+        step_max_ms: during.iter().copied().fold(0.0, f64::max),
+        long_ttft_s,
+    })
+}
+
 fn read_prompt_ids(path: &Path) -> Result<Vec<u32>> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)
         .with_context(|| format!("parsing {}", path.display()))?;
@@ -129,7 +253,15 @@ pub struct Loaded {
 impl BenchArgs {
     /// The context the benchmark's sequences need.
     pub fn context_needed(&self) -> usize {
-        self.prompt_tokens + self.gen_tokens + 1
+        let interference = if self.long_prompt_tokens > 0 {
+            // The running sequences decode through the long prompt's prefill (≤ one step per
+            // prompt token) before they are stopped; the long prompt needs its own context.
+            (self.prompt_tokens + BASELINE_STEPS + self.long_prompt_tokens + 2)
+                .max(self.long_prompt_tokens + 1)
+        } else {
+            0
+        };
+        (self.prompt_tokens + self.gen_tokens + 1).max(interference)
     }
 
     /// Refuse a measurement of nothing (before anything is loaded).
@@ -164,7 +296,20 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
             a.prompt_tokens
         );
     }
+    let long_ids: Vec<u32> = ids
+        .iter()
+        .copied()
+        .cycle()
+        .take(a.long_prompt_tokens)
+        .collect();
     ids.truncate(a.prompt_tokens);
+    if a.long_prompt_tokens > 0 && engine.max_batch_tokens() <= a.batch {
+        bail!(
+            "--long-prompt-tokens: engine.max_batch_tokens ({}) leaves no room for a prefill chunk beside {} decode rows",
+            engine.max_batch_tokens(),
+            a.batch
+        );
+    }
     let threads = pool.current_num_threads();
     let (mut prefill, mut decode, mut check_frac) = (Vec::new(), Vec::new(), Vec::new());
     let (mut prefill_audit, mut decode_audit) = (Vec::new(), Vec::new());
@@ -245,6 +390,11 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
         Ok(())
     })?;
     progress(a.reps as u64);
+    let interfered = if a.long_prompt_tokens > 0 {
+        Some(pool.install(|| interference(&mut engine, &ids, &long_ids, a.batch))?)
+    } else {
+        None
+    };
     let _ = std::fs::remove_dir_all(&audit_dir);
     let audit = (!prefill_audit.is_empty()).then(|| (median(prefill_audit), median(decode_audit)));
     let cpu_bound = if a.audit_cost {
@@ -275,6 +425,12 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
                 "audited_prefill_tok_s": audit.map(|x| x.0), "audited_decode_tok_s": audit.map(|x| x.1),
                 "audit_paired_prefill_ratio": (!paired_prefill.is_empty()).then(|| median_ci(&paired_prefill)),
                 "audit_paired_decode_ratio": (!paired_decode.is_empty()).then(|| median_ci(&paired_decode)),
+                "long_prompt": interfered.as_ref().map(|i| serde_json::json!({
+                    "tokens": a.long_prompt_tokens, "max_batch_tokens": i.max_batch_tokens,
+                    "decode_step_ms_before": i.baseline_step_ms, "prefill_steps": i.steps,
+                    "decode_step_ms_p50_during": i.step_p50_ms, "decode_step_ms_max_during": i.step_max_ms,
+                    "time_to_first_token_s": i.long_ttft_s,
+                })),
                 "audit_cpu_bound": cpu_bound.as_ref().map(|b| serde_json::json!({
                     "events_per_run": b.events_per_run, "producer_ns_per_event": b.producer_ns_per_event,
                     "writer_cpu_ms_per_run": b.writer_cpu_ms_per_run, "seal_cpu_ms_per_segment": b.seal_cpu_ms_per_segment, "fraction_of_wall": b.fraction_of_wall,
@@ -320,6 +476,19 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
                     r.len()
                 );
             }
+        }
+        if let Some(i) = &interfered {
+            println!(
+                "chunked prefill: a {}-token prompt arriving beside {} decoding sequences (max_batch_tokens {}): decode step {:.1} ms before, {:.1} ms median / {:.1} ms max over its {} prefill steps; its first token after {:.2} s",
+                a.long_prompt_tokens,
+                a.batch,
+                i.max_batch_tokens,
+                i.baseline_step_ms,
+                i.step_p50_ms,
+                i.step_max_ms,
+                i.steps,
+                i.long_ttft_s
+            );
         }
         if let Some(b) = &cpu_bound {
             println!(

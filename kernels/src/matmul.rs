@@ -8,7 +8,7 @@
 //! reading the same weights. Each part walks a tile of rows for every token so the tile's weights
 //! stay in L1/L2 (weight reuse is what makes prefill faster per token than decode).
 
-use crate::pack::{GROUP_ROWS, PackedRows, Q8KLanes};
+use crate::pack::{GROUP_ROWS, PackedRows, Q8KLanes, Weights};
 use crate::q8k::{self, BlockQ8K};
 use crate::quant::{self, Activations, BlockQ8, DType, QK, QK_K};
 use crate::simd::{self, Level};
@@ -563,14 +563,23 @@ fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize)
 
 /// A packed group kernel over one to four tokens' activations of type `A`.
 trait GroupKernel<A: ?Sized> {
-    /// `first_pass`: the first token batch over group `g` in this matmul (its weights come from
-    /// memory; later batches find them in cache).
+    /// `w`: where group `g`'s weights come from on this call ([`Weights::FromMemory`] on the
+    /// first token batch over it in this matmul, cached later, or unpacked by
+    /// [`GroupKernel::unpack`]).
     fn dot<const T: usize>(
         pk: &PackedRows,
         g: usize,
         a: [&A; T],
-        first_pass: bool,
+        w: Weights,
     ) -> [[f32; GROUP_ROWS]; T];
+
+    /// Group `g`'s values unpacked into `scratch` for `n_tok` tokens' batches, where that pays.
+    fn unpack<'s>(
+        pk: &PackedRows,
+        g: usize,
+        n_tok: usize,
+        scratch: &'s mut Vec<u8>,
+    ) -> Option<&'s [u8]>;
 }
 
 /// [`PackedRows::dot_group`]: Q8_0 / Q8_1 activations.
@@ -582,25 +591,52 @@ impl GroupKernel<[BlockQ8]> for Q8Groups {
         g: usize,
         a: [&[BlockQ8]; T],
         // The 32-element types' kernels load in ascending order: the hardware prefetcher keeps
-        // up without hints.
-        _first_pass: bool,
+        // up without hints; their 4-bit values unpack in two instructions per 64.
+        _w: Weights,
     ) -> [[f32; GROUP_ROWS]; T] {
         pk.dot_group::<T>(g, a)
+    }
+
+    fn unpack<'s>(_: &PackedRows, _: usize, _: usize, _: &'s mut Vec<u8>) -> Option<&'s [u8]> {
+        None
     }
 }
 
 /// [`PackedRows::dot_group_q8k`]: Q8_K activations in lane order (the K-quants).
 struct Q8KGroups;
 
+/// Tokens from which a K-quant group is unpacked once per matmul rather than per batch of four:
+/// unpacking costs about one batch's worth of the kernel's unpacking work plus a 16 KB (2,048
+/// columns) store that stays in L1/L2; from the second batch on every batch saves it.
+const UNPACK_MIN_TOKENS: usize = 8;
+
 impl GroupKernel<[Q8KLanes]> for Q8KGroups {
     fn dot<const T: usize>(
         pk: &PackedRows,
         g: usize,
         a: [&[Q8KLanes]; T],
-        first_pass: bool,
+        w: Weights,
     ) -> [[f32; GROUP_ROWS]; T] {
-        pk.dot_group_q8k::<T>(g, a, first_pass)
+        pk.dot_group_q8k::<T>(g, a, w)
     }
+
+    fn unpack<'s>(
+        pk: &PackedRows,
+        g: usize,
+        n_tok: usize,
+        scratch: &'s mut Vec<u8>,
+    ) -> Option<&'s [u8]> {
+        (n_tok >= UNPACK_MIN_TOKENS && pk.has_codes()).then(|| {
+            pk.unpack_group(g, scratch);
+            &scratch[..]
+        })
+    }
+}
+
+std::thread_local! {
+    /// Each compute thread's unpacked group ([`GroupKernel::unpack`]): ≤ 64 KB at 8,192
+    /// columns, reused across groups and matmuls.
+    static GROUP_CODES: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
@@ -621,25 +657,32 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
             }
         }
     };
-    for g in g0..g1 {
-        for t in (0..n_tok).step_by(4) {
-            let first = t == 0;
-            match n_tok - t {
-                1 => store(g, t, &K::dot::<1>(pk, g, [act(t)], first)),
-                2 => store(g, t, &K::dot::<2>(pk, g, [act(t), act(t + 1)], first)),
-                3 => store(
-                    g,
-                    t,
-                    &K::dot::<3>(pk, g, [act(t), act(t + 1), act(t + 2)], first),
-                ),
-                _ => store(
-                    g,
-                    t,
-                    &K::dot::<4>(pk, g, [act(t), act(t + 1), act(t + 2), act(t + 3)], first),
-                ),
+    GROUP_CODES.with_borrow_mut(|scratch| {
+        for g in g0..g1 {
+            let codes = K::unpack(pk, g, n_tok, scratch);
+            for t in (0..n_tok).step_by(4) {
+                let w = match codes {
+                    Some(c) => Weights::Codes(c),
+                    None if t == 0 => Weights::FromMemory,
+                    None => Weights::Cached,
+                };
+                match n_tok - t {
+                    1 => store(g, t, &K::dot::<1>(pk, g, [act(t)], w)),
+                    2 => store(g, t, &K::dot::<2>(pk, g, [act(t), act(t + 1)], w)),
+                    3 => store(
+                        g,
+                        t,
+                        &K::dot::<3>(pk, g, [act(t), act(t + 1), act(t + 2)], w),
+                    ),
+                    _ => store(
+                        g,
+                        t,
+                        &K::dot::<4>(pk, g, [act(t), act(t + 1), act(t + 2), act(t + 3)], w),
+                    ),
+                }
             }
         }
-    }
+    });
 }
 
 /// The one-row kernel of `dtype` that a decode step runs where nothing is packed: what every
@@ -850,6 +893,23 @@ mod tests {
         }
     }
 
+    /// K-quant blocks of [`rand_weights`] with finite f16 super-block scales (`d`, and `dmin`
+    /// for Q4_K/Q5_K), so that results compare by their bits; other types unchanged.
+    fn finite_scales(dtype: DType, mut bytes: Vec<u8>) -> Vec<u8> {
+        let offsets: &[usize] = match dtype {
+            DType::Q4_K | DType::Q5_K => &[0, 2],
+            DType::Q6_K => &[208],
+            _ => &[],
+        };
+        for blk in bytes.chunks_mut(dtype.block_bytes()) {
+            for &o in offsets {
+                let v = (f32::from(blk[o]) - 128.0) / 8192.0 + 1e-4;
+                blk[o..o + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+            }
+        }
+        bytes
+    }
+
     #[test]
     fn packed_matrices_give_the_unpacked_bits_at_any_thread_and_token_count() {
         if !crate::pack::available() {
@@ -867,14 +927,22 @@ mod tests {
             DType::Q5_0,
             DType::Q5_1,
             DType::Q4_0,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
         ] {
-            for n_tok in [1, 2, 3, 4, 5, 7, 9, 17] {
-                let cols = 576;
+            // 8 and more tokens: K-quant groups unpacked once (`GroupKernel::unpack`).
+            for n_tok in [1, 2, 3, 4, 5, 7, 8, 9, 17] {
+                let cols = if dtype.block_elems() == QK_K {
+                    768
+                } else {
+                    576
+                };
                 // A packed job (64 rows), an unpacked one (13 rows) and another packed (24 rows)
                 // in one section, as a projection group is.
-                let wa = rand_weights(dtype, 64, cols, &mut seed);
-                let wb = rand_weights(dtype, 13, cols, &mut seed);
-                let wc = rand_weights(dtype, 24, cols, &mut seed);
+                let wa = finite_scales(dtype, rand_weights(dtype, 64, cols, &mut seed));
+                let wb = finite_scales(dtype, rand_weights(dtype, 13, cols, &mut seed));
+                let wc = finite_scales(dtype, rand_weights(dtype, 24, cols, &mut seed));
                 let a = QMatrix::new(dtype, 64, cols, &wa).expect("shape");
                 let b = QMatrix::new(dtype, 13, cols, &wb).expect("shape");
                 let c = QMatrix::new(dtype, 24, cols, &wc).expect("shape");

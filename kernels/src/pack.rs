@@ -37,6 +37,24 @@ use crate::matmul::QMatrix;
 use crate::q8k::BlockQ8K;
 use crate::quant::{BlockQ8, DType, QK_K};
 
+/// Where a kernel call's weights come from. The first pass over a group streams its packed
+/// blocks from memory (prefetched ahead); later token batches over the same group find them in
+/// cache, and prefetching the next group there would only spend instructions. A prompt's many
+/// token batches instead read the group's values unpacked once ([`PackedRows::unpack_group`]): one byte per
+/// value in lane order, so a batch spends no instruction on nibbles or high bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Weights<'c> {
+    FromMemory,
+    Cached,
+    /// The group's values, [`CODE_BLOCK`] bytes per super-block (the scales still come from the
+    /// packed group).
+    Codes(&'c [u8]),
+}
+
+/// Bytes of one super-block of eight rows' unpacked values: row `r`'s lane-order position `p`
+/// at `256 r + p`, the value 0..15 (Q4_K), 0..31 (Q5_K) or 0..63 (Q6_K, before its −32).
+pub(crate) const CODE_BLOCK: usize = 8 * 256;
+
 /// Rows per interleaved group.
 pub const GROUP_ROWS: usize = 8;
 
@@ -358,13 +376,13 @@ impl PackedRows {
     }
 
     /// As [`PackedRows::dot_group`], for the K-quants over Q8_K activations in lane order: each
-    /// result the bits of `q8k::scalar_dot(dtype)`. `first_pass`: the group's first token batch
-    /// of this matmul, whose weights come from memory (the kernel prefetches ahead then).
+    /// result the bits of `q8k::scalar_dot(dtype)`. `w`: where the group's weights come from on
+    /// this call (`Weights::Codes`: [`PackedRows::unpack_group`]'s output for group `g`).
     pub(crate) fn dot_group_q8k<const T: usize>(
         &self,
         g: usize,
         a: [&[Q8KLanes]; T],
-        first_pass: bool,
+        w: Weights,
     ) -> [[f32; GROUP_ROWS]; T] {
         assert!(
             available(),
@@ -372,28 +390,41 @@ impl PackedRows {
         );
         #[cfg(target_arch = "x86_64")]
         {
-            use crate::x86_kpack::{Stream, dot8_q6_k_packed, dot8_q45_k_packed};
+            use crate::x86_kpack::{dot8_q6_k_packed, dot8_q45_k_packed};
             let gd = self.group(g);
-            let s = if first_pass {
-                Stream::FromMemory
-            } else {
-                Stream::Cached
-            };
             // SAFETY: as in `dot_group`: packed matrices exist only where `available()`.
             unsafe {
                 match self.dtype {
-                    DType::Q4_K => dot8_q45_k_packed::<T, false>(gd, a, s),
-                    DType::Q5_K => dot8_q45_k_packed::<T, true>(gd, a, s),
-                    DType::Q6_K => dot8_q6_k_packed::<T>(gd, a, s),
+                    DType::Q4_K => dot8_q45_k_packed::<T, false>(gd, a, w),
+                    DType::Q5_K => dot8_q45_k_packed::<T, true>(gd, a, w),
+                    DType::Q6_K => dot8_q6_k_packed::<T>(gd, a, w),
                     _ => unreachable!("{:?} is not packed over Q8_K activations", self.dtype),
                 }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (g, a, first_pass);
+            let _ = (g, a, w);
             unreachable!("packed kernels are x86-64 only")
         }
+    }
+
+    /// Whether [`PackedRows::unpack_group`] applies (the K-quants' packed layouts).
+    pub(crate) fn has_codes(&self) -> bool {
+        matches!(self.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K)
+    }
+
+    /// Group `g`'s values unpacked to one byte each into `out` (resized to
+    /// `cols / 256 × CODE_BLOCK`), for `Weights::Codes`: a prompt's token batches then spend no
+    /// instruction unpacking them.
+    pub(crate) fn unpack_group(&self, g: usize, out: &mut Vec<u8>) {
+        assert!(self.has_codes() && available());
+        out.resize(self.cols() / QK_K * CODE_BLOCK, 0);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: packed matrices exist only where `available()` (AVX-512 VNNI and BW).
+        unsafe {
+            crate::x86_kpack::unpack_codes(self.dtype, self.group(g), out)
+        };
     }
 }
 
@@ -535,16 +566,26 @@ mod tests {
             .collect();
         let a: [&[BlockQ8K]; T] = std::array::from_fn(|t| acts[t].as_slice());
         let reference = crate::q8k::scalar_dot(dtype);
-        for g in 0..rows / GROUP_ROWS {
+        let mut codes = Vec::new();
+        for (g, source) in (0..rows / GROUP_ROWS).flat_map(|g| (0..3).map(move |s| (g, s))) {
             let lanes_t = std::array::from_fn(|t| lanes[t].as_slice());
-            let out = p.dot_group_q8k::<T>(g, lanes_t, g % 2 == 0);
+            // Every source of the same weights: packed from memory, cached, unpacked codes.
+            let from = match source {
+                0 => Weights::FromMemory,
+                1 => Weights::Cached,
+                _ => {
+                    p.unpack_group(g, &mut codes);
+                    Weights::Codes(&codes)
+                }
+            };
+            let out = p.dot_group_q8k::<T>(g, lanes_t, from);
             for t in 0..T {
                 for i in 0..GROUP_ROWS {
                     let want = reference(w.row(g * GROUP_ROWS + i), a[t]);
                     assert_eq!(
                         out[t][i].to_bits(),
                         want.to_bits(),
-                        "{dtype:?} T={T} group {g} row {i} token {t}: {} vs {want}",
+                        "{dtype:?} T={T} group {g} row {i} token {t} ({from:?}): {} vs {want}",
                         out[t][i]
                     );
                 }

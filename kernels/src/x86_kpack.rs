@@ -14,7 +14,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::pack::Q8KLanes;
+use crate::pack::{CODE_BLOCK, Q8KLanes, Weights};
 
 /// Bytes of one super-block of eight interleaved Q4_K rows: `d[8]`, `dmin[8]` (f16), each
 /// row's 8 sub-block scales (u8), the mins as `[pair p][row][k]` (sub-block `2p + k`, u8),
@@ -146,15 +146,6 @@ fn prefetch_block(blk: *const u8, block_bytes: usize) {
     }
 }
 
-/// Where a kernel call's weights come from: the first pass over a group streams them from
-/// memory (prefetched ahead); later token batches over the same group find them in cache, and
-/// prefetching the next group there would only spend instructions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Stream {
-    FromMemory,
-    Cached,
-}
-
 /// Rows per register tile: a tile's `4 × T` accumulators (16 at four tokens), two chunks of each
 /// token's activations and one row's weights fit the 32 vector registers, so the inner loop
 /// reads each weight and activation byte once per tile, never spilling a partial sum.
@@ -177,6 +168,108 @@ fn dpbusd_tokens<const T: usize>(acc: &mut [__m512i; T], q: __m512i, x: &[__m512
     }
 }
 
+/// Row `r`'s values at lane-order positions `128 h..128 h + 64` and `128 h + 64..128 h + 128` in
+/// a packed Q4_K (`FIFTH` = false) or Q5_K block: the low and the high nibbles of its quant
+/// bytes `64 h..64 h + 64`, each with its fifth bit for Q5_K.
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+fn q45_values<const FIFTH: bool>(blk: &[u8], r: usize, h: usize) -> [__m512i; 2] {
+    use q4k_at::*;
+    let m4 = _mm512_set1_epi8(0x0f);
+    let z = load512(blk[QS + 128 * r + 64 * h..QS + 128 * r + 64 * h + 64].as_ptr());
+    let mut q = [
+        _mm512_and_si512(z, m4),
+        _mm512_and_si512(_mm512_srli_epi16::<4>(z), m4),
+    ];
+    if FIFTH {
+        for (c, qc) in q.iter_mut().enumerate() {
+            let k = 2 * h + c;
+            let bits = &blk[HBITS + 32 * r + 8 * k..HBITS + 32 * r + 8 * k + 8];
+            let mask = u64::from_le_bytes(bits.try_into().expect("8 bytes"));
+            *qc = _mm512_mask_add_epi8(*qc, mask, *qc, _mm512_set1_epi8(16));
+        }
+    }
+    q
+}
+
+/// Row `r`'s unsigned 6-bit values at lane-order positions `64 p..64 p + 64` and
+/// `64 p + 128..64 p + 192` in a packed Q6_K block: the low and the high nibbles of its quant
+/// bytes `64 p..`, bits 4–5 of both from the high-pair bytes.
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+fn q6_values(blk: &[u8], r: usize, p: usize) -> [__m512i; 2] {
+    use q6k_at::*;
+    let (m4, m30) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
+    // `c ? a : b` bitwise (ternary-logic table 0xE4) with c = 0x0f: the low nibble from the
+    // quant bytes, bits 4–5 from the high pairs (masked to 0x30).
+    let blend = |lo, hi| _mm512_ternarylogic_epi32::<0xE4>(lo, hi, m4);
+    let row = QS + ROW * r;
+    let l = load512(blk[row + 64 * p..row + 64 * p + 64].as_ptr());
+    let h = load512(blk[row + 128..row + 192].as_ptr());
+    let (h_lo, h_hi) = if p == 0 {
+        (_mm512_slli_epi16::<4>(h), h)
+    } else {
+        (_mm512_slli_epi16::<2>(h), _mm512_srli_epi16::<2>(h))
+    };
+    [
+        blend(l, _mm512_and_si512(h_lo, m30)),
+        blend(_mm512_srli_epi16::<4>(l), _mm512_and_si512(h_hi, m30)),
+    ]
+}
+
+/// Row `r`'s two value vectors at lane-order positions `lo` and `hi` of block `b`'s codes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn code_values(codes: &[u8], b: usize, r: usize, lo: usize, hi: usize) -> [__m512i; 2] {
+    let row = &codes[b * CODE_BLOCK + 256 * r..b * CODE_BLOCK + 256 * (r + 1)];
+    [
+        load512(row[lo..lo + 64].as_ptr()),
+        load512(row[hi..hi + 64].as_ptr()),
+    ]
+}
+
+/// Unpacks a packed group (`nb` super-blocks of `dtype` Q4_K, Q5_K or Q6_K) into `out`
+/// (`nb` × [`CODE_BLOCK`] bytes): each value one byte, in the order the kernels read it.
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+pub(crate) fn unpack_codes(dtype: crate::quant::DType, g: &[u8], out: &mut [u8]) {
+    use crate::quant::DType;
+    let block = match dtype {
+        DType::Q4_K => Q4_K_GROUP_BLOCK,
+        DType::Q5_K => Q5_K_GROUP_BLOCK,
+        DType::Q6_K => Q6_K_GROUP_BLOCK,
+        other => unreachable!("{other:?} has no packed K-quant layout"),
+    };
+    let nb = g.len() / block;
+    assert_eq!(g.len(), nb * block);
+    assert_eq!(out.len(), nb * CODE_BLOCK);
+    for b in 0..nb {
+        let blk = &g[b * block..(b + 1) * block];
+        for r in 0..8 {
+            for pass in 0..2 {
+                // Positions (lo, hi) of this pass's two vectors, as the kernels pair them.
+                let (q, lo, hi) = match dtype {
+                    DType::Q4_K => (
+                        q45_values::<false>(blk, r, pass),
+                        128 * pass,
+                        128 * pass + 64,
+                    ),
+                    DType::Q5_K => (
+                        q45_values::<true>(blk, r, pass),
+                        128 * pass,
+                        128 * pass + 64,
+                    ),
+                    _ => (q6_values(blk, r, pass), 64 * pass, 64 * pass + 128),
+                };
+                let row = &mut out[b * CODE_BLOCK + 256 * r..b * CODE_BLOCK + 256 * (r + 1)];
+                for (v, at) in q.into_iter().zip([lo, hi]) {
+                    // SAFETY: 64 bytes at `at` ≤ 192 inside the row's 256.
+                    unsafe { _mm512_storeu_si512(row[at..at + 64].as_mut_ptr().cast(), v) };
+                }
+            }
+        }
+    }
+}
+
 /// Eight interleaved Q4_K rows (`FIFTH` = false; `g`: `nb` blocks of [`Q4_K_GROUP_BLOCK`]
 /// bytes) or Q5_K rows (`FIFTH`; [`Q5_K_GROUP_BLOCK`]) · `T` Q8_K activation rows in lane order:
 /// `out[t][r]` is the bits of `q8k::scalar_dot(Q4_K or Q5_K)(row r, a[t])` — each row's
@@ -185,7 +278,24 @@ fn dpbusd_tokens<const T: usize>(acc: &mut [__m512i; T], q: __m512i, x: &[__m512
 pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
     g: &[u8],
     a: [&[Q8KLanes]; T],
-    stream: Stream,
+    w: Weights,
+) -> [[f32; 8]; T] {
+    match w {
+        Weights::Codes(c) => q45_kernel::<T, FIFTH, true>(g, c, a, false),
+        Weights::FromMemory => q45_kernel::<T, FIFTH, false>(g, &[], a, true),
+        Weights::Cached => q45_kernel::<T, FIFTH, false>(g, &[], a, false),
+    }
+}
+
+/// [`dot8_q45_k_packed`]'s body: the values unpacked from `g` (`CODES` = false) or read from
+/// `codes` ([`unpack_codes`] of `g`); `prefetch`: hint the blocks ahead into L2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q45_kernel<const T: usize, const FIFTH: bool, const CODES: bool>(
+    g: &[u8],
+    codes: &[u8],
+    a: [&[Q8KLanes]; T],
+    prefetch: bool,
 ) -> [[f32; 8]; T] {
     use q4k_at::*;
     let block = if FIFTH {
@@ -196,13 +306,12 @@ pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
     let nb = g.len() / block;
     assert_eq!(g.len(), nb * block);
     assert!(a.iter().all(|t| t.len() == nb));
-    let m4 = _mm512_set1_epi8(0x0f);
-    let sixteen = _mm512_set1_epi8(16);
+    assert!(!CODES || codes.len() == nb * CODE_BLOCK);
     let min_lanes = MIN_PAIR_LANES.each_ref().map(|t| load_i16x32(t));
     let (mut acc, mut accm) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     for b in 0..nb {
         let blk = &g[b * block..(b + 1) * block];
-        if stream == Stream::FromMemory {
+        if prefetch {
             prefetch_block(blk.as_ptr(), block);
         }
         let at = |off: usize| blk[off..].as_ptr();
@@ -216,19 +325,11 @@ pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
                 let (x_lo, x_hi) = (load_chunk(&x, 128 * h), load_chunk(&x, 128 * h + 64));
                 for (i, s) in sums.iter_mut().enumerate() {
                     let r = TILE_ROWS * tile + i;
-                    let z = load512(at(QS + 128 * r + 64 * h));
-                    let mut q = [
-                        _mm512_and_si512(z, m4),
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(z), m4),
-                    ];
-                    if FIFTH {
-                        for (c, qc) in q.iter_mut().enumerate() {
-                            let k = 2 * h + c;
-                            let bits = &blk[HBITS + 32 * r + 8 * k..HBITS + 32 * r + 8 * k + 8];
-                            let mask = u64::from_le_bytes(bits.try_into().expect("8 bytes"));
-                            *qc = _mm512_mask_add_epi8(*qc, mask, *qc, sixteen);
-                        }
-                    }
+                    let q = if CODES {
+                        code_values(codes, b, r, 128 * h, 128 * h + 64)
+                    } else {
+                        q45_values::<FIFTH>(blk, r, h)
+                    };
                     dpbusd_tokens(s, q[0], &x_lo);
                     dpbusd_tokens(s, q[1], &x_hi);
                 }
@@ -278,20 +379,33 @@ pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
 pub(crate) fn dot8_q6_k_packed<const T: usize>(
     g: &[u8],
     a: [&[Q8KLanes]; T],
-    stream: Stream,
+    w: Weights,
+) -> [[f32; 8]; T] {
+    match w {
+        Weights::Codes(c) => q6_kernel::<T, true>(g, c, a, false),
+        Weights::FromMemory => q6_kernel::<T, false>(g, &[], a, true),
+        Weights::Cached => q6_kernel::<T, false>(g, &[], a, false),
+    }
+}
+
+/// [`dot8_q6_k_packed`]'s body, as [`q45_kernel`] is [`dot8_q45_k_packed`]'s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q6_kernel<const T: usize, const CODES: bool>(
+    g: &[u8],
+    codes: &[u8],
+    a: [&[Q8KLanes]; T],
+    prefetch: bool,
 ) -> [[f32; 8]; T] {
     use q6k_at::*;
     let nb = g.len() / Q6_K_GROUP_BLOCK;
     assert_eq!(g.len(), nb * Q6_K_GROUP_BLOCK);
     assert!(a.iter().all(|t| t.len() == nb));
-    let (m4, m30) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
-    // `c ? a : b` bitwise (ternary-logic table 0xE4) with c = 0x0f: the low nibble from the
-    // quant bytes, bits 4–5 from the high pairs (masked to 0x30).
-    let blend = |lo, hi| _mm512_ternarylogic_epi32::<0xE4>(lo, hi, m4);
+    assert!(!CODES || codes.len() == nb * CODE_BLOCK);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let blk = &g[b * Q6_K_GROUP_BLOCK..(b + 1) * Q6_K_GROUP_BLOCK];
-        if stream == Stream::FromMemory {
+        if prefetch {
             prefetch_block(blk.as_ptr(), Q6_K_GROUP_BLOCK);
         }
         let at = |off: usize| blk[off..].as_ptr();
@@ -299,22 +413,18 @@ pub(crate) fn dot8_q6_k_packed<const T: usize>(
         let mut halves = [[_mm512_setzero_si512(); T]; 2];
         for (tile, half) in halves.iter_mut().enumerate() {
             let mut sums = [[_mm512_setzero_si512(); T]; TILE_ROWS];
-            // Pass p: chunks p (low nibbles of quant bytes 64p..) and p + 2 (their high ones),
-            // bits 4–5 of both from the high-pair bytes.
+            // Pass p: chunks p (low nibbles of quant bytes 64p..) and p + 2 (their high ones).
             for p in 0..2 {
                 let (x_lo, x_hi) = (load_chunk(&x, 64 * p), load_chunk(&x, 64 * p + 128));
                 for (i, s) in sums.iter_mut().enumerate() {
-                    let row = QS + ROW * (TILE_ROWS * tile + i);
-                    let (l, h) = (load512(at(row + 64 * p)), load512(at(row + 128)));
-                    let (h_lo, h_hi) = if p == 0 {
-                        (_mm512_slli_epi16::<4>(h), h)
+                    let r = TILE_ROWS * tile + i;
+                    let q = if CODES {
+                        code_values(codes, b, r, 64 * p, 64 * p + 128)
                     } else {
-                        (_mm512_slli_epi16::<2>(h), _mm512_srli_epi16::<2>(h))
+                        q6_values(blk, r, p)
                     };
-                    let q_lo = blend(l, _mm512_and_si512(h_lo, m30));
-                    let q_hi = blend(_mm512_srli_epi16::<4>(l), _mm512_and_si512(h_hi, m30));
-                    dpbusd_tokens(s, q_lo, &x_lo);
-                    dpbusd_tokens(s, q_hi, &x_hi);
+                    dpbusd_tokens(s, q[0], &x_lo);
+                    dpbusd_tokens(s, q[1], &x_hi);
                 }
             }
             for (i, s) in sums.iter_mut().enumerate() {

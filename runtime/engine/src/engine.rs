@@ -697,6 +697,10 @@ impl Engine {
     pub fn context_length(&self) -> usize {
         self.context_length
     }
+    /// Tokens one step computes at most (decode rows plus prefill chunks).
+    pub fn max_batch_tokens(&self) -> usize {
+        self.cfg.max_batch_tokens
+    }
     /// The id the next `submit` will assign, accepted or rejected (a rejection is recorded under
     /// it too): the HTTP server returns it to the client before it knows the outcome.
     pub fn next_request_id(&self) -> RequestId {
