@@ -404,6 +404,7 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
     };
     let (p, d, c) = (median(prefill), median(decode), median(check_frac));
     let bound = pool.install(|| DecodeBound::measure(&engine, a));
+    let compute = pool.install(|| PrefillBound::measure(&engine, a));
     let machinery = custody_runtime::prefix_cache::bench_machinery(
         a.prompt_tokens.max(16),
         engine.pool().page_size(),
@@ -422,6 +423,8 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
                 "decode_weight_bytes": bound.weight_bytes, "decode_kv_bytes_at_mid_context": bound.kv_bytes,
                 "read_bandwidth_gb_s": bound.read_gb_s, "decode_bound_tok_s": bound.tok_s(a.batch),
                 "decode_fraction_of_bound": d / bound.tok_s(a.batch),
+                "prefill_macs_per_token": compute.macs_per_token, "int8_peak_gmac_s": compute.peak_macs_s.map(|m| m / 1e9),
+                "prefill_bound_tok_s": compute.tok_s(), "prefill_fraction_of_bound": compute.tok_s().map(|b| p / b),
                 "audited_prefill_tok_s": audit.map(|x| x.0), "audited_decode_tok_s": audit.map(|x| x.1),
                 "audit_paired_prefill_ratio": (!paired_prefill.is_empty()).then(|| median_ci(&paired_prefill)),
                 "audit_paired_decode_ratio": (!paired_decode.is_empty()).then(|| median_ci(&paired_decode)),
@@ -452,6 +455,14 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
             bound.tok_s(a.batch),
             d / bound.tok_s(a.batch) * 100.0
         );
+        if let Some(b) = compute.tok_s() {
+            println!(
+                "compute bound: {:.3} GMAC per prompt token, int8 dot products at {:.1} GMAC/s ({threads} threads, measured now) = {b:.1} tok/s; prefill reaches {:.0} % of it",
+                compute.macs_per_token as f64 / 1e9,
+                compute.peak_macs_s.unwrap_or_default() / 1e9,
+                p / b * 100.0
+            );
+        }
         println!("tag check: {:.3} % of a decode step", c * 100.0);
         println!(
             "prefix cache on a miss: namespace + chain + lookup {:.1} us for the {}-token prompt ({:.4} % of its prefill); tag checks over shared pages {:.2}x those over own pages",
@@ -557,6 +568,39 @@ fn read_bandwidth_gb_s(engine: &Engine) -> f64 {
     }
     std::hint::black_box(sink.load(Ordering::Relaxed));
     bytes.load(Ordering::Relaxed) as f64 / best / 1e9
+}
+
+/// A prompt's compute bound, from figures measured in the same run: every prompt token costs
+/// the layers' multiply-accumulates (at the prompt's mean depth for its attention), and the
+/// machine's threads together retire 8-bit multiply-accumulates at most at `peak_macs_s` (the
+/// widest dot instruction the kernels use, measured on every benchmark thread at once).
+#[derive(Debug)]
+pub struct PrefillBound {
+    pub macs_per_token: u64,
+    /// `None` where the int8 dot-product kernels do not run (no AVX-512 VNNI).
+    pub peak_macs_s: Option<f64>,
+}
+
+impl PrefillBound {
+    fn measure(engine: &Engine, a: &BenchArgs) -> Self {
+        let rates = std::sync::Mutex::new(Vec::new());
+        custody_runtime::par::run(&|_, _| {
+            let r = custody_kernels::simd::int8_dot_peak_macs_per_s(
+                std::time::Duration::from_millis(200),
+            );
+            rates.lock().expect("not poisoned").push(r);
+        });
+        let rates = rates.into_inner().expect("not poisoned");
+        Self {
+            macs_per_token: engine.model().prefill_macs_per_token(a.prompt_tokens / 2),
+            peak_macs_s: rates.iter().copied().sum::<Option<f64>>(),
+        }
+    }
+
+    /// Prefill tok/s (all sequences together) if every token only waited for its arithmetic.
+    pub fn tok_s(&self) -> Option<f64> {
+        self.peak_macs_s.map(|p| p / self.macs_per_token as f64)
+    }
 }
 
 /// CPU that auditing adds to a generation, counted rather than inferred from a noisy

@@ -146,6 +146,30 @@ fn prefetch_block(blk: *const u8, block_bytes: usize) {
     }
 }
 
+/// Multiply-accumulates per iteration of [`dpbusd_chains`]: 16 `vpdpbusd` of 64 products.
+pub(crate) const MACS_PER_CHAIN_ITER: u64 = 16 * 64;
+
+/// `iters` rounds of 16 independent `vpdpbusd` chains (enough in flight to cover the
+/// instruction's latency on every core this runs on): `crate::simd::int8_dot_peak_macs_per_s`'s
+/// probe. Returns a lane of the sums so the work cannot be elided.
+#[target_feature(enable = "avx512f,avx512vnni")]
+pub(crate) fn dpbusd_chains(iters: u64) -> i32 {
+    // Distinct starting values: sixteen equal chains would be computed once and copied.
+    let mut acc: [__m512i; 16] = std::array::from_fn(|i| _mm512_set1_epi32(i as i32));
+    let b = _mm512_set1_epi8(5);
+    for _ in 0..iters {
+        // Opaque each round, so no round can be folded into another.
+        let a = std::hint::black_box(_mm512_set1_epi8(3));
+        for v in acc.iter_mut() {
+            *v = _mm512_dpbusd_epi32(*v, a, b);
+        }
+    }
+    let total = acc
+        .iter()
+        .fold(_mm512_setzero_si512(), |s, v| _mm512_add_epi32(s, *v));
+    _mm512_reduce_add_epi32(total)
+}
+
 /// Rows per register tile: a tile's `4 × T` accumulators (16 at four tokens), two chunks of each
 /// token's activations and one row's weights fit the 32 vector registers, so the inner loop
 /// reads each weight and activation byte once per tile, never spilling a partial sum.

@@ -137,6 +137,14 @@ def custody(threads, ids, n_gen, reps, n_seq):
     return json.loads(out.strip().splitlines()[-1]), usage.ru_maxrss / 1024
 
 
+def pbound_cells(r):
+    """The prefill-bound cells of a row: where the machine has no int8 peak measured, '–'."""
+    if not r.get("pbound"):
+        return "– | –"
+    best = r["ref"][r["fa_p"]][0]
+    return f"{r['pbound']:.1f} ({r['peak']:.0f}) | {100 * best / r['pbound']:.0f} % / {100 * r['cp'] / r['pbound']:.0f} %"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -172,7 +180,8 @@ def main():
             fa_d = max(ref, key=lambda fa: ref[fa][1])
             row = dict(name=name, threads=t, n_prompt=n_prompt, n_seq=n_seq, ref=ref, fa_p=fa_p, fa_d=fa_d,
                        cp=cp, cd=cd, check=c["tag_check_fraction_of_decode_step"], c_rss=c_rss, l_rss=l_rss,
-                       bound=c["decode_bound_tok_s"], bw=c["read_bandwidth_gb_s"])
+                       bound=c["decode_bound_tok_s"], bw=c["read_bandwidth_gb_s"],
+                       pbound=c.get("prefill_bound_tok_s"), peak=c.get("int8_peak_gmac_s"))
             rows.append(row)
             print(f"{name} threads {t}: llama.cpp prefill {ref[False][0]:.1f}/{ref[True][0]:.1f} (fa off/on) "
                   f"decode {ref[False][1]:.1f}/{ref[True][1]:.1f} | custody prefill {cp:.1f} decode {cd:.1f} | "
@@ -186,11 +195,15 @@ def main():
              f"aggregate tok/s over the sequences.", "",
              f"Model: `{MODEL_LABEL}`. Bound: decode tok/s if each step only waited for its weight and K/V bytes, at the "
              f"read bandwidth `custody bench` measured in the same run (its weights streamed, same threads). Peak RSS: each "
-             f"engine's process (llama.cpp: the larger of its two runs).", "",
+             f"engine's process (llama.cpp: the larger of its two runs). Prefill bound: prompt tok/s if each token only "
+             f"waited for its multiply-accumulates (matrices + attention at mean depth) at the int8 dot-product peak "
+             f"(512-bit `vpdpbusd`, 16 chains per thread) `custody bench` measured in the same run; the share of it each "
+             f"engine reaches (llama.cpp's faster setting).", "",
              "| scenario | threads | llama.cpp prefill tok/s (fa off / on) | custody prefill tok/s | ratio vs best | "
              "llama.cpp decode tok/s (fa off / on) | custody decode tok/s | ratio vs best | bound tok/s (GB/s) | custody of bound | "
-             "peak RSS MiB custody / llama.cpp | tag check (% of decode step) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak RSS MiB custody / llama.cpp | tag check (% of decode step) | prefill bound tok/s (GMAC/s) | "
+             "llama.cpp / custody of it |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = r["ref"]
         label = f"{r['name']} ({r['n_prompt']} prompt{', ' + str(r['n_seq']) + ' sequences' if r['n_seq'] > 1 else ''})"
@@ -199,7 +212,7 @@ def main():
             f"**{r['cp'] / ref[r['fa_p']][0]:.2f}×** ({'on' if r['fa_p'] else 'off'}) | {ref[False][1]:.1f} / {ref[True][1]:.1f} | "
             f"{r['cd']:.1f} | **{r['cd'] / ref[r['fa_d']][1]:.2f}×** ({'on' if r['fa_d'] else 'off'}) | "
             f"{r['bound']:.1f} ({r['bw']:.1f}) | {100 * r['cd'] / r['bound']:.0f} % | {r['c_rss']:.0f} / {r['l_rss']:.0f} | "
-            f"{100 * r['check']:.3f} % |")
+            f"{100 * r['check']:.3f} % | {pbound_cells(r)} |")
     print("\n".join(table))
     if a.no_write:
         return

@@ -458,6 +458,22 @@ impl Model {
         self.decode_weights().map(|w| w.len() as u64).sum()
     }
 
+    /// Multiply-accumulates one prompt token costs in the layers' matrices (`rows × cols` each;
+    /// the output head is computed for the last prompt token only, so it is not counted), plus
+    /// its attention at depth `position` (Q·K and P·V over `position + 1` slots, every head):
+    /// the numerator of a prefill's compute bound.
+    pub fn prefill_macs_per_token(&self, position: usize) -> u64 {
+        let matrices: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(|m| m.rows * m.cols)
+            .sum();
+        let c = &self.config;
+        let attention = c.n_layers * c.n_heads * c.head_dim * 2 * (position + 1);
+        (matrices + attention) as u64
+    }
+
     /// The bytes of every matrix a decode step reads (packed copies where packed).
     fn decode_weights(&self) -> impl Iterator<Item = &[u8]> {
         fn bytes<'a>(model: &'a Model, m: &'a Mat) -> &'a [u8] {
