@@ -182,17 +182,28 @@ fn interference(
     long: &[u32],
     batch: usize,
 ) -> Result<Interference> {
-    let max_tokens = BASELINE_STEPS + long.len() + 2;
+    // Enough to decode through the long prompt's prefill (each step gives it at least
+    // `max_batch_tokens - batch` of its tokens) and no more: the pool reserves what a sequence
+    // may grow to.
+    let room = engine.max_batch_tokens() - batch;
+    let prefill_steps = long.len().div_ceil(room);
+    // The first sequence decodes while the others are prefilled.
+    let start_steps = batch * short.len().div_ceil(room) + 1;
+    let max_tokens = start_steps + BASELINE_STEPS + prefill_steps + 2;
     let running: Vec<_> = (0..batch)
         .map(|_| engine.submit(request(short, max_tokens)))
         .collect::<Result<_, _>>()?;
-    // Until every sequence has its first token: bounded by one step per prompt token.
-    let mut started = 0;
-    for _ in 0..batch * short.len() + 2 {
-        started += timed_step(engine, None)?.decoded;
-        if started >= batch {
+    // Until a step gives every sequence a token (all prefilled, all decoding): bounded by one
+    // step per prompt token.
+    let mut all_decoding = false;
+    for _ in 0..start_steps {
+        if timed_step(engine, None)?.decoded == batch {
+            all_decoding = true;
             break;
         }
+    }
+    if !all_decoding {
+        bail!("the {batch} sequences never decoded together");
     }
     let mut baseline = Vec::with_capacity(BASELINE_STEPS);
     for _ in 0..BASELINE_STEPS {
@@ -201,8 +212,7 @@ fn interference(
     let t_long = Instant::now();
     let long_id = engine.submit(request(long, 1))?;
     let (mut during, mut ttft) = (Vec::new(), None);
-    // Each step prefills at least one of its tokens (max_batch_tokens > batch, checked below).
-    for _ in 0..long.len() + 2 {
+    for _ in 0..prefill_steps + 2 {
         let s = timed_step(engine, Some(long_id))?;
         if s.decoded != batch {
             bail!(
