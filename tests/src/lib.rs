@@ -40,21 +40,24 @@ pub fn fixture(rel: &str) -> PathBuf {
 
 /// Read a little-endian f32 `.npy` (version 1/2/3, C order): (shape, data).
 pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
-    let (shape, body) = read_npy(path, "'<f4'");
-    let data: Vec<f32> = body
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    assert_eq!(data.len(), shape.iter().product::<usize>());
-    (shape, data)
+    read_npy_words(path, "'<f4'", f32::from_le_bytes)
 }
 
 /// Read a little-endian i32 `.npy` (version 1/2/3, C order): (shape, data).
 pub fn read_npy_i32(path: &std::path::Path) -> (Vec<usize>, Vec<i32>) {
-    let (shape, body) = read_npy(path, "'<i4'");
-    let data: Vec<i32> = body
+    read_npy_words(path, "'<i4'", i32::from_le_bytes)
+}
+
+/// An `.npy` of 4-byte elements of type `descr`, each decoded by `word`.
+fn read_npy_words<T>(
+    path: &std::path::Path,
+    descr: &str,
+    word: fn([u8; 4]) -> T,
+) -> (Vec<usize>, Vec<T>) {
+    let (shape, body) = read_npy(path, descr);
+    let data: Vec<T> = body
         .chunks_exact(4)
-        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .map(|c| word([c[0], c[1], c[2], c[3]]))
         .collect();
     assert_eq!(data.len(), shape.iter().product::<usize>());
     (shape, data)
