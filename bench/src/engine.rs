@@ -73,14 +73,7 @@ fn bench_once(
 ) -> Result<RunTimes> {
     let t0 = Instant::now();
     for _ in 0..batch {
-        engine.submit(GenerateRequest {
-            prompt: ids.to_vec(),
-            max_tokens: gen_tokens + 1,
-            sampling: SamplingParams::default(),
-            stop_ids: Vec::new(),
-            tenant: "bench".into(),
-            cache: None,
-        })?;
+        engine.submit(request(ids, gen_tokens + 1))?;
     }
     let mut tokens = std::collections::HashMap::new();
     // Bounded: each step either makes progress or the engine has no work left.
@@ -131,6 +124,7 @@ struct Interference {
     long_ttft_s: f64,
 }
 
+/// A benchmark request: greedy, no stop tokens, never cached.
 fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
         prompt: prompt.to_vec(),
@@ -142,8 +136,8 @@ fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
     }
 }
 
-/// One step's wall time (ms) and how many tokens it gave the sequences in `ids`, or whether it
-/// gave `long` its token.
+/// One step's wall time (ms), how many tokens it gave the running sequences, and whether it gave
+/// the long prompt (`long`) its token.
 struct StepOutcome {
     ms: f64,
     decoded: usize,
