@@ -850,9 +850,13 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
     );
     let text = v["choices"][0]["text"].as_str().expect("text").to_owned();
     let stop_text: String = text[text.len() / 2..].chars().take(2).collect();
+    // The stop is matched on the front and told to decode, which keeps generating until the
+    // message lands: with `max_tokens` 12 decode could reach its own length finish first (it
+    // then records `length`, 12 — what it did; seen once on a loaded CI machine). 200 leaves
+    // the message ~190 decode steps to arrive; greedy, the first 12 tokens are the ones above.
     let before = newest_decode_request();
     let v = completion(format!(
-        r#"{{"prompt": "{prompt}", "max_tokens": 12, "temperature": 0, "stop": [{stop_text:?}]}}"#
+        r#"{{"prompt": "{prompt}", "max_tokens": 200, "temperature": 0, "stop": [{stop_text:?}]}}"#
     ));
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     let usage = v["usage"]["completion_tokens"].as_u64().expect("usage") as u32;
