@@ -14,7 +14,10 @@
 //!   272 bytes, the same as eight GGUF blocks.
 //! - Q5_0 / Q5_1: `d[8]` (and `m[8]`) f16, each row's 32 fifth bits (`qh`, u32), then each row's
 //!   16 nibble bytes: 176 / 192 bytes.
-//! - Q4_0: `d[8]` f16, then each row's 16 nibble bytes: 144 bytes.
+//! - Q4_0: `d[8]` f16, then two 64-byte halves, half `h` every row's nibble bytes `8h..8h + 8`:
+//!   144 bytes. Its kernel runs llama.cpp's repacked-Q4_0 arithmetic (one f32 lane per row and
+//!   token, an FMA per block: [`crate::quant::dot_q4_0_q8_scalar`]) with a pair of tokens'
+//!   per-block terms ([`Q40PairTerms`]) prepared with the activations.
 //! - Q4_K, Q5_K, Q6_K (block `b` = columns `256b .. 256b + 256`): scales unpacked to bytes,
 //!   values in *lane order* ([`lane_element`]: one 64-byte chunk holds four consecutive values
 //!   of each of the super-block's sixteen 16-element groups): 1,184 / 1,440 / 1,680 bytes
@@ -120,6 +123,30 @@ impl From<&BlockQ8K> for Q8KLanes {
             d: b.d,
             qs: std::array::from_fn(|pos| b.qs[lane_element(pos)]),
             bsums: b.bsums,
+        }
+    }
+}
+
+/// What the packed Q4_0 kernel needs per block beyond a pair of tokens' Q8_0 blocks (tokens
+/// `2i`, `2i + 1` of a prompt, the second zero past its end), laid out for 64-bit broadcasts:
+/// `d` spreads the two scales over the (row, token) lanes, `start[j]` begins token `j`'s lane
+/// sums (its values are stored unsigned, `q = stored − 8`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C)]
+pub struct Q40PairTerms {
+    /// The tokens' activation scales (`BlockQ8::d`).
+    pub(crate) d: [f32; 2],
+    /// `−8 · Σ qs` of each token's block.
+    pub(crate) start: [i32; 2],
+}
+
+impl Q40PairTerms {
+    /// The terms of block `b` for tokens `first` and `second` (absent past a prompt's end).
+    pub(crate) fn new(first: &BlockQ8, second: Option<&BlockQ8>) -> Self {
+        let start = |x: &BlockQ8| -8 * x.qs.iter().map(|&q| i32::from(q)).sum::<i32>();
+        Self {
+            d: [first.d, second.map_or(0.0, |x| x.d)],
+            start: [start(first), second.map_or(0, start)],
         }
     }
 }
@@ -258,12 +285,14 @@ impl PackedRows {
                             .for_each(|k| data.extend_from_slice(&k[4..20]));
                     }
                     DType::Q4_0 => {
-                        // d, then every row's nibbles.
+                        // d, then every row's nibble bytes 0..8, then every row's 8..16.
                         let blocks = rows.map(|r| &r[b * 18..b * 18 + 18]);
                         blocks.iter().for_each(|k| data.extend_from_slice(&k[0..2]));
-                        blocks
-                            .iter()
-                            .for_each(|k| data.extend_from_slice(&k[2..18]));
+                        for half in [2..10, 10..18] {
+                            blocks
+                                .iter()
+                                .for_each(|k| data.extend_from_slice(&k[half.clone()]));
+                        }
                     }
                     DType::Q5_0 | DType::Q5_1 => {
                         // d (and m), then every row's qh, then every row's nibbles.
@@ -361,16 +390,44 @@ impl PackedRows {
                 match self.dtype {
                     DType::Q4_1 => crate::x86_pack::dot8_q4_1_packed::<T>(gd, a),
                     DType::Q8_0 => crate::x86_pack::dot8_q8_0_packed::<T>(gd, a),
-                    DType::Q5_0 => crate::x86_pack::dot8_q5_packed::<T, false, true>(gd, a),
-                    DType::Q5_1 => crate::x86_pack::dot8_q5_packed::<T, true, true>(gd, a),
-                    DType::Q4_0 => crate::x86_pack::dot8_q5_packed::<T, false, false>(gd, a),
-                    _ => unreachable!("{:?} is not packed over Q8 activations", self.dtype),
+                    DType::Q5_0 => crate::x86_pack::dot8_q5_packed::<T, false>(gd, a),
+                    DType::Q5_1 => crate::x86_pack::dot8_q5_packed::<T, true>(gd, a),
+                    _ => unreachable!(
+                        "{:?} is not packed over Q8 activations alone (Q4_0: dot_group_q4_0)",
+                        self.dtype
+                    ),
                 }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
             let _ = (g, a);
+            unreachable!("packed kernels are x86-64 only")
+        }
+    }
+
+    /// As [`PackedRows::dot_group`], for Q4_0: `pairs[i]` are the [`Q40PairTerms`] of tokens
+    /// `a[2i]`, `a[2i + 1]` (an empty slice past the last pair). Each result the bits of
+    /// [`crate::quant::dot_q4_0_q8_scalar`].
+    pub(crate) fn dot_group_q4_0<const T: usize>(
+        &self,
+        g: usize,
+        a: [&[BlockQ8]; T],
+        pairs: [&[Q40PairTerms]; 2],
+    ) -> [[f32; GROUP_ROWS]; T] {
+        assert!(
+            available(),
+            "packed kernels need AVX-512 VNNI (checked at pack)"
+        );
+        assert_eq!(self.dtype, DType::Q4_0);
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: as in `dot_group`: packed matrices exist only where `available()`.
+            unsafe { crate::x86_pack::dot8_q4_0_packed::<T>(self.group(g), a, pairs) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (g, a, pairs);
             unreachable!("packed kernels are x86-64 only")
         }
     }
@@ -483,11 +540,31 @@ mod tests {
         let acts: Vec<Vec<BlockQ8>> = (0..T).map(|_| rand_act(cols, &mut seed)).collect();
         let a: [&[BlockQ8]; T] = std::array::from_fn(|t| acts[t].as_slice());
         let one_row = crate::matmul::one_row_kernel(dtype);
+        // Q4_0: its pairs' terms, as `QInput::prepare` makes them.
+        let pairs: Vec<Vec<Q40PairTerms>> = (0..T.div_ceil(2))
+            .map(|i| {
+                let second = acts.get(2 * i + 1);
+                (acts[2 * i].iter().enumerate())
+                    .map(|(b, x)| Q40PairTerms::new(x, second.map(|s| &s[b])))
+                    .collect()
+            })
+            .collect();
+        let pair = |i: usize| pairs.get(i).map_or(&[][..], Vec::as_slice);
         for g in 0..rows / GROUP_ROWS {
-            let out = p.dot_group::<T>(g, a);
+            let out = if dtype == DType::Q4_0 {
+                p.dot_group_q4_0::<T>(g, a, [pair(0), pair(1)])
+            } else {
+                p.dot_group::<T>(g, a)
+            };
             for t in 0..T {
                 for i in 0..GROUP_ROWS {
                     let want = one_row(w.row(g * GROUP_ROWS + i), a[t]);
+                    if dtype == DType::Q4_0 {
+                        // The one-row kernel is the scalar reference's arithmetic, bit for bit.
+                        let scalar =
+                            crate::quant::dot_q4_0_q8_scalar(w.row(g * GROUP_ROWS + i), a[t]);
+                        assert_eq!(want.to_bits(), scalar.to_bits(), "Q4_0 one-row vs scalar");
+                    }
                     assert_eq!(
                         out[t][i].to_bits(),
                         want.to_bits(),

@@ -257,19 +257,24 @@ pub fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Scalar reference: Q4_0 weights · Q8_0 activations.
+/// Scalar reference: Q4_0 weights · Q8_0 activations, in the arithmetic llama.cpp runs for
+/// Q4_0 on x86 (its rows repacked eight at a time, `ggml_gemv_q4_0_8x8_q8_0` /
+/// `ggml_gemm_q4_0_8x8_q8_0`): each block's exact integer sum, then one f32 accumulator per
+/// output, `acc = fma(isum, d_w · d_x, acc)` block after block from 0. Every Q4_0 kernel here
+/// (one-row, packed, any token count) computes exactly this, so it is their bit-exact oracle.
 pub fn dot_q4_0_q8_scalar(w: &[u8], a: &[BlockQ8]) -> f32 {
     debug_assert_eq!(w.len(), a.len() * 18);
-    let mut sum = 0.0f32;
+    let mut acc = 0.0f32;
     for (b, x) in w.chunks_exact(18).zip(a) {
         let mut isum = 0i32;
         for j in 0..16 {
             isum += (i32::from(b[2 + j] & 0x0f) - 8) * i32::from(x.qs[j]);
             isum += (i32::from(b[2 + j] >> 4) - 8) * i32::from(x.qs[j + 16]);
         }
-        sum += f16_at(b, 0) * x.d * isum as f32;
+        // |isum| ≤ 32 · 8 · 127 < 2^24: exact in f32.
+        acc = (isum as f32).mul_add(f16_at(b, 0) * x.d, acc);
     }
-    sum
+    acc
 }
 
 /// Scalar reference: Q4_1 weights · Q8_1 activations.

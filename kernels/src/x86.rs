@@ -57,14 +57,16 @@ pub(crate) fn dot_q4_1_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
     hsum(acc) + summ
 }
 
-/// Q4_0 weights · Q8_0 activations.
+/// Q4_0 weights · Q8_0 activations, bit-identical to [`crate::quant::dot_q4_0_q8_scalar`]
+/// (llama.cpp's repacked-Q4_0 arithmetic: one f32 accumulator, an FMA per block). Where the
+/// packed kernels run this only serves matrices whose rows are not a multiple of eight.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn dot_q4_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
     assert_eq!(w.len(), a.len() * 18);
     let m4 = _mm_set1_epi8(0x0f);
     let eight = _mm256_set1_epi8(8);
     let ones = _mm256_set1_epi16(1);
-    let mut acc = _mm256_setzero_ps();
+    let mut acc = 0.0f32;
     for (b, x) in w.chunks_exact(18).zip(a) {
         let dw = f16_bits_to_f32(f16_le(b, 0));
         // SAFETY: `b` is 18 bytes, so bytes 2..18 are a valid 16-byte load; `x.qs` is 32 bytes.
@@ -80,9 +82,17 @@ pub(crate) fn dot_q4_0_q8(w: &[u8], a: &[BlockQ8]) -> f32 {
         let ax = _mm256_sign_epi8(wq, wq);
         let sy = _mm256_sign_epi8(aq, wq);
         let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d), _mm256_cvtepi32_ps(p32), acc);
+        // The block's exact integer sum (the order of integer adds does not matter).
+        let s = _mm_add_epi32(
+            _mm256_castsi256_si128(p32),
+            _mm256_extracti128_si256::<1>(p32),
+        );
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<1>(s));
+        let isum = _mm_cvtsi128_si32(s);
+        acc = (isum as f32).mul_add(dw * x.d, acc);
     }
-    hsum(acc)
+    acc
 }
 
 /// The 16 bytes at `p` as 32 nibbles, low nibbles (elements 0–15) then high (16–31).

@@ -15,6 +15,7 @@
 
 use core::arch::x86_64::*;
 
+use crate::pack::Q40PairTerms;
 use crate::quant::BlockQ8;
 
 /// Bytes of one block of eight interleaved Q4_1 rows: `d[8]`, `m[8]` (f16), then each row's
@@ -24,8 +25,9 @@ pub(crate) const Q4_1_GROUP_BLOCK: usize = 160;
 /// stored offset by 128 (`q ^ 0x80`, an unsigned byte), what `vpdpbusd` multiplies.
 pub(crate) const Q8_0_GROUP_BLOCK: usize = 272;
 
-/// Bytes of one block of eight interleaved Q4_0 rows: `d[8]` (f16), then each row's 16 nibble
-/// bytes.
+/// Bytes of one block of eight interleaved Q4_0 rows: `d[8]` (f16), then two 64-byte halves:
+/// half `h` holds every row's GGUF quant bytes `8h .. 8h + 8` (row `r` at `8r`). A half's low
+/// nibbles are elements `8h .. 8h + 8` of each row, its high nibbles elements `16 + 8h ..`.
 pub(crate) const Q4_0_GROUP_BLOCK: usize = 144;
 /// Bytes of one block of eight interleaved Q5_0 rows: `d[8]` (f16), `qh[8]` (u32), then each
 /// row's 16 nibble bytes.
@@ -210,36 +212,35 @@ pub(crate) fn dot8_q8_0_packed<const T: usize>(g: &[u8], a: [&[BlockQ8]; T]) -> 
     out
 }
 
-/// Eight interleaved Q5_0 (`MIN = false`), Q5_1 (`MIN = true`) or — without fifth bits
-/// (`FIFTH = false`) — Q4_0 rows · `T` Q8 activation rows. Returns `out[token][row]`, each
-/// bit-identical to `dot_q5_0_q8` / `dot_q5_1_q8` / `dot_q4_0_q8` of the row.
+/// Eight interleaved Q5_0 (`MIN = false`) or Q5_1 (`MIN = true`) rows · `T` Q8 activation
+/// rows. Returns `out[token][row]`, each bit-identical to `dot_q5_0_q8` / `dot_q5_1_q8` of the
+/// row.
 ///
 /// The register layout is the Q4_1 kernel's ([`dot8_q4_1_packed`]); each row's fifth bits are
-/// OR-ed in as 0x10 through a byte mask laid out like the pair register. Q5_0's `q − 16` (Q4_0's
-/// `q − 8`) is `vpdpbusd` of the unsigned values started from `−16 · Σ a` (`−8 · Σ a`) over each
-/// lane's four bytes: the same exact integer lane sums as the one-row kernel's signed products.
+/// OR-ed in as 0x10 through a byte mask laid out like the pair register. Q5_0's `q − 16` is
+/// `vpdpbusd` of the unsigned values started from `−16 · Σ a` over each lane's four bytes: the same exact integer lane sums as the one-row kernel's signed products.
+/// (Q4_0 has its own arithmetic, [`dot8_q4_0_packed`].)
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool, const FIFTH: bool>(
+pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
     g: &[u8],
     a: [&[BlockQ8]; T],
 ) -> [[f32; 8]; T] {
-    assert!(FIFTH || !MIN, "Q4_1 has its own kernel");
-    let gb = match (FIFTH, MIN) {
-        (true, true) => Q5_1_GROUP_BLOCK,
-        (true, false) => Q5_0_GROUP_BLOCK,
-        (false, _) => Q4_0_GROUP_BLOCK,
+    let gb = if MIN {
+        Q5_1_GROUP_BLOCK
+    } else {
+        Q5_0_GROUP_BLOCK
     };
     let hoff = if MIN { 32 } else { 16 };
-    // The rows' nibbles follow the scales, and the fifth bits where there are any.
-    let noff = if FIFTH { hoff + 32 } else { hoff };
+    // The rows' nibbles follow the scales and the fifth bits.
+    let noff = hoff + 32;
     let nb = g.len() / gb;
     assert_eq!(g.len(), nb * gb);
     for t in &a {
         assert_eq!(t.len(), nb);
     }
     let fifth = _mm512_set1_epi8(0x10);
-    // The offset the unsigned values carry: 16 for five bits, 8 for four.
-    let offset = _mm512_set1_epi8(if FIFTH { 16 } else { 8 });
+    // The offset the unsigned values carry.
+    let offset = _mm512_set1_epi8(16);
     let idx = [
         q4_pair_index(0),
         q4_pair_index(1),
@@ -250,14 +251,11 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool, const FIFTH: bool>
     let mut summ = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         // SAFETY: block b spans [gb·b, gb·b + gb) of `g` (length asserted): d at +0, m at +16
-        // (Q5_1), qh at +hoff (32 bytes, Q5 only), rows 0–3 at +noff and rows 4–7 at +noff+64.
+        // (Q5_1), qh at +hoff (32 bytes), rows 0–3 at +noff and rows 4–7 at +noff+64.
         let (d8, m8, qh, z0, z1) = unsafe {
             let blk = g.as_ptr().add(b * gb);
-            let qh: [u32; 8] = if FIFTH {
-                std::array::from_fn(|i| blk.add(hoff + 4 * i).cast::<u32>().read_unaligned())
-            } else {
-                [0; 8]
-            };
+            let qh: [u32; 8] =
+                std::array::from_fn(|i| blk.add(hoff + 4 * i).cast::<u32>().read_unaligned());
             (
                 _mm256_cvtph_ps(_mm_loadu_si128(blk.cast())),
                 if MIN {
@@ -272,9 +270,6 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool, const FIFTH: bool>
         };
         let nib = pair_nibbles(z0, z1);
         let w: [__m512i; 4] = std::array::from_fn(|p| {
-            if !FIFTH {
-                return nib[p];
-            }
             // Byte k of the pair register: quarter 0 = row 2p elements 0–15, 1 = row 2p+1's,
             // 2 = row 2p elements 16–31, 3 = row 2p+1's — their fifth bits in that order.
             let (r0, r1) = (u64::from(qh[2 * p]), u64::from(qh[2 * p + 1]));
@@ -319,4 +314,101 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool, const FIFTH: bool>
         }
     }
     out
+}
+
+/// Eight interleaved Q4_0 rows (`g`: `nb` blocks of [`Q4_0_GROUP_BLOCK`] bytes) · `T` Q8_0
+/// activation rows, with the tokens' [`Q40PairTerms`] (`pairs[i]`: tokens `2i`, `2i + 1` of
+/// `a`). Returns `out[token][row]`, each bit-identical to `dot_q4_0_q8_scalar` of the row:
+/// llama.cpp's repacked-Q4_0 arithmetic, a block's exact integer sum, then
+/// `acc = fma(isum, d_w · d_x, acc)` in one f32 lane per (row, token).
+///
+/// Registers: lane `2r + p` of a weight register is row `r`'s four values of chunk `2k + p`
+/// (elements `8k + 4p ..`); against the broadcast eight activation bytes `8k .. 8k + 8` one
+/// `vpdpbusd` gives every row both chunks' sums. After a block's four, lanes `2r` and `2r + 1`
+/// hold row `r`'s two halves; two permutes and an add fold two tokens' registers into lane
+/// `2r + j` = row `r`, token `j` of the pair, and one convert, multiply and FMA per pair finish
+/// the block for all eight rows — the per-block float work is shared by sixteen outputs instead
+/// of the two of the other kernels' eight-lane accumulators. The values are unsigned (0..15):
+/// each token's sums start from `−8 · Σ a` (its [`Q40PairTerms::start`]) in the even lane, so the
+/// folded sum is the block's `Σ (q − 8) · a` exactly (|sum| < 2^15).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) fn dot8_q4_0_packed<const T: usize>(
+    g: &[u8],
+    a: [&[BlockQ8]; T],
+    pairs: [&[Q40PairTerms]; 2],
+) -> [[f32; 8]; T] {
+    let nb = g.len() / Q4_0_GROUP_BLOCK;
+    assert_eq!(g.len(), nb * Q4_0_GROUP_BLOCK);
+    assert!((1..=4).contains(&T), "one or two token pairs");
+    for t in &a {
+        assert_eq!(t.len(), nb);
+    }
+    let n_pairs = T.div_ceil(2);
+    for p in &pairs[..n_pairs] {
+        assert_eq!(p.len(), nb);
+    }
+    let m4 = _mm512_set1_epi8(0x0f);
+    let dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    let even = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    let odd = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    let mut acc = [_mm512_setzero_ps(); 2];
+    for b in 0..nb {
+        // SAFETY: block b spans [144b, 144b + 144) of `g` (length asserted): d at +0 (16
+        // bytes), the halves at +16 and +80 (64 bytes each).
+        let (dw, z0, z1) = unsafe {
+            let blk = g.as_ptr().add(b * Q4_0_GROUP_BLOCK);
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.cast())),
+                _mm512_loadu_si512(blk.add(16).cast()),
+                _mm512_loadu_si512(blk.add(80).cast()),
+            )
+        };
+        // Row r's scale in lanes 2r, 2r + 1.
+        let dw = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(dw));
+        // w[k]: elements 8k .. 8k + 8 of every row.
+        let w = [
+            _mm512_and_si512(z0, m4),
+            _mm512_and_si512(z1, m4),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(z0), m4),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(z1), m4),
+        ];
+        for (i, acc) in acc.iter_mut().enumerate().take(n_pairs) {
+            let terms = &pairs[i][b];
+            let mut sums = [_mm512_setzero_si512(); 2];
+            for (j, sum) in sums.iter_mut().enumerate() {
+                let t = 2 * i + j;
+                if t >= T {
+                    break;
+                }
+                let x = &a[t][b];
+                let mut s = _mm512_set1_epi64(start_bits(terms.start[j]));
+                for (k, wk) in w.iter().enumerate() {
+                    // SAFETY: `x.qs` is 32 bytes: bytes 8k .. 8k + 8 (k < 4) are in bounds.
+                    let q = unsafe { x.qs.as_ptr().add(8 * k).cast::<i64>().read_unaligned() };
+                    s = _mm512_dpbusd_epi32(s, *wk, _mm512_set1_epi64(q));
+                }
+                *sum = s;
+            }
+            let isum = _mm512_add_epi32(
+                _mm512_permutex2var_epi32(sums[0], even, sums[1]),
+                _mm512_permutex2var_epi32(sums[0], odd, sums[1]),
+            );
+            let dx = _mm512_castpd_ps(_mm512_set1_pd(f64::from_bits(
+                u64::from(terms.d[0].to_bits()) | u64::from(terms.d[1].to_bits()) << 32,
+            )));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), *acc);
+        }
+    }
+    let mut lanes = [[0.0f32; 16]; 2];
+    for (l, v) in lanes.iter_mut().zip(acc) {
+        // SAFETY: `l` is 16 f32 = 64 bytes.
+        unsafe { _mm512_storeu_ps(l.as_mut_ptr(), v) };
+    }
+    std::array::from_fn(|t| std::array::from_fn(|r| lanes[t / 2][2 * r + t % 2]))
+}
+
+/// A token's `(−8 · Σ a, 0)` as one 64-bit broadcast: the first in the even lanes.
+#[inline]
+fn start_bits(start: i32) -> i64 {
+    i64::from(start as u32)
 }

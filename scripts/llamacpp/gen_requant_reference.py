@@ -3,11 +3,13 @@
 
 Run on demand, never in CI (it needs llama-cpp-python, ~10 min to compile here):
 
-    /opt/llamaref/venv/bin/python scripts/llamacpp/gen_requant_reference.py
+    /opt/llamaref/venv/bin/python scripts/llamacpp/gen_requant_reference.py [TYPE ...]
+
+(no TYPE: every one below; e.g. `Q4_0` regenerates that file's fixture alone.)
 
 1. Requantizes ~/.cache/custody/SmolLM2-135M-Instruct.Q4_1.gguf with `llama_model_quantize`
    (`allow_requantize`) into the types people download — Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q5_0, Q5_1,
-   BF16 — under ~/.cache/custody/requant/ (100–270 MB each: too large to commit). SmolLM2's
+   Q4_0, BF16 (and the K mixes below) — under ~/.cache/custody/requant/ (100–270 MB each: too large to commit). SmolLM2's
    576-wide rows are not a whole number of 256-element K-quant blocks, so llama.cpp's "K" mixes
    fall back to Q5_0/Q5_1/Q8_0 for those matrices and use Q4_K/Q5_K/Q6_K where the row allows
    (ffn_down): each file is a mix, as real downloads are.
@@ -19,7 +21,7 @@ Run on demand, never in CI (it needs llama-cpp-python, ~10 min to compile here):
 
 The e2e test `quant_types` compares custody on each file that is present (SHA-256 checked).
 """
-import ctypes, hashlib, json, os
+import ctypes, hashlib, json, os, sys
 from pathlib import Path
 
 import llama_cpp
@@ -32,7 +34,7 @@ CACHE = Path.home() / ".cache/custody"
 SRC = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DIR = CACHE / "requant"
 FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32,
-          "Q3_K_M": 12, "Q2_K": 10, "Q4_K_S": 14, "Q5_K_S": 16}
+          "Q3_K_M": 12, "Q2_K": 10, "Q4_K_S": 14, "Q5_K_S": 16, "Q4_0": 2}
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the lantern "
         "room he could see")
 N_GEN = 24
@@ -82,7 +84,12 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     files = {name: (lambda n=name, f=ftype: requantize(n, f)) for name, ftype in FTYPES.items()}
     files["ROPE_FREQS"] = with_rope_freqs
+    only = sys.argv[1:]
+    unknown = [n for n in only if n not in files]
+    assert not unknown, f"unknown types {unknown}: want some of {sorted(files)}"
     for name, make in files.items():
+        if only and name not in only:
+            continue
         ftype = FTYPES.get(name, 0)
         path = make()
         llm = Llama(str(path), n_ctx=256, n_batch=256, n_threads=2, logits_all=True,

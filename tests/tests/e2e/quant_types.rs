@@ -1,6 +1,6 @@
 //! The GGUF types people download, on the real model: llama.cpp's own requantizations of the
 //! embedded SmolLM2 (`scripts/llamacpp/gen_requant_reference.py`: Q2_K, Q3_K_M, Q4_K_S,
-//! Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, Q8_0, Q5_0, Q5_1, BF16 — each a mix, as real files are),
+//! Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, Q8_0, Q5_0, Q5_1, Q4_0, BF16 — each a mix, as real files are),
 //! against llama.cpp's logits on each.
 //! The files (100–270 MB) are not committed: their SHA-256 and llama.cpp's outputs are, and each
 //! file is tested where it is present (`CUSTODY_REQUANT_DIR`, default ~/.cache/custody/requant).
@@ -32,7 +32,9 @@ fn requant_dir() -> PathBuf {
 
 /// (file, top-1 agreement required on llama.cpp's greedy continuation, bound on the mean and on
 /// the max |Δlogit| over the saved rows). Q8_0, Q5_0 and Q5_1 run llama.cpp's arithmetic (int8
-/// activations, its AVX2 accumulation order): bit for bit. BF16 runs llama.cpp's too (bf16
+/// activations, its AVX2 accumulation order): bit for bit. Q4_0 runs the arithmetic of
+/// llama.cpp's repacked Q4_0 rows on this CPU (one f32 FMA per block and output,
+/// `quant::dot_q4_0_q8_scalar`): bit for bit. BF16 runs llama.cpp's too (bf16
 /// activations, tinyBLAS's `vdpbf16ps` accumulation, `custody_kernels::bf16`): bit for bit.
 /// The K-quants run on Q8_K activations with llama.cpp's integer sums (`custody_kernels::q8k`)
 /// but their own float order over a row's super-blocks (ffn_down here: six per row), and
@@ -46,12 +48,13 @@ fn requant_dir() -> PathBuf {
 /// The bounds leave room over ours; a wrong layout, scale or integer sum moves every logit and
 /// fails them (the tiny models of `arch_models`, one super-block per row, pin the K-quant
 /// kernels closer to llama.cpp's bits).
-const CASES: [(&str, f64, f64, f64); 12] = [
+const CASES: [(&str, f64, f64, f64); 13] = [
     ("Q8_0", 1.0, 0.0, 0.0),
     // The embedded model plus Llama 3 style RoPE frequency factors (`rope_freqs.weight`).
     ("ROPE_FREQS", 1.0, 0.0, 0.0),
     ("Q5_0", 1.0, 0.0, 0.0),
     ("Q5_1", 1.0, 0.0, 0.0),
+    ("Q4_0", 1.0, 0.0, 0.0),
     ("Q4_K_M", 0.9, 0.3, 1.2),
     ("Q5_K_M", 0.85, 0.45, 1.5),
     ("Q6_K", 0.95, 0.25, 1.2),
