@@ -610,6 +610,22 @@ trait GroupKernel<A: ?Sized> {
         w: Weights,
     ) -> [[f32; GROUP_ROWS]; T];
 
+    /// Tokens one call takes: four, or eight where [`GroupKernel::dot8`] exists.
+    const MAX_BATCH: usize = 4;
+
+    /// Eight tokens at once, where `MAX_BATCH` is eight (a separate method, so that the other
+    /// kernels are not instantiated for eight).
+    fn dot8(
+        &self,
+        _pk: &PackedRows,
+        _g: usize,
+        _t0: usize,
+        _a: [&A; 8],
+        _w: Weights,
+    ) -> [[f32; GROUP_ROWS]; 8] {
+        unreachable!("MAX_BATCH is four")
+    }
+
     /// Group `g`'s values unpacked into `scratch` for `n_tok` tokens' batches, where that pays.
     fn unpack<'s>(
         pk: &PackedRows,
@@ -667,7 +683,21 @@ impl GroupKernel<[BlockQ8]> for Q40Groups<'_> {
                 &[][..]
             }
         };
-        pk.dot_group_q4_0::<T>(g, a, [pair(0), pair(1)])
+        pk.dot_group_q4_0::<T>(g, a, [pair(0), pair(1), pair(2), pair(3)])
+    }
+
+    /// Eight: the block's weight registers (unpacked from nibbles) serve four pairs.
+    const MAX_BATCH: usize = 8;
+
+    fn dot8(
+        &self,
+        pk: &PackedRows,
+        g: usize,
+        t0: usize,
+        a: [&[BlockQ8]; 8],
+        w: Weights,
+    ) -> [[f32; GROUP_ROWS]; 8] {
+        self.dot::<8>(pk, g, t0, a, w)
     }
 
     fn unpack<'s>(_: &PackedRows, _: usize, _: usize, _: &'s mut Vec<u8>) -> Option<&'s [u8]> {
@@ -771,8 +801,8 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
         (!pk.has_codes()).then(|| std::mem::size_of_val(act(0))),
         pk.data().len() / (rows / GROUP_ROWS),
     );
-    // One token batch (one to four tokens) of group `g`.
-    let batch = |g: usize, t: usize, t_end: usize, w: Weights| match t_end - t {
+    // One call (one to four tokens) of group `g`.
+    let call = |g: usize, t: usize, t_end: usize, w: Weights| match t_end - t {
         1 => store(g, t, &kernel.dot::<1>(pk, g, t, [act(t)], w)),
         2 => store(g, t, &kernel.dot::<2>(pk, g, t, [act(t), act(t + 1)], w)),
         3 => store(
@@ -794,13 +824,21 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
                 let tt_end = (tt + tiles.tokens).min(n_tok);
                 for g in gt..(gt + tiles.groups).min(g1) {
                     let codes = K::unpack(pk, g, tt_end - tt, scratch);
-                    for t in (tt..tt_end).step_by(4) {
+                    for t in (tt..tt_end).step_by(K::MAX_BATCH) {
                         let w = match codes {
                             Some(c) => Weights::Codes(c),
                             None if t == 0 => Weights::FromMemory,
                             None => Weights::Cached,
                         };
-                        batch(g, t, (t + 4).min(tt_end), w);
+                        let t_end = (t + K::MAX_BATCH).min(tt_end);
+                        if t_end - t == 8 {
+                            let a = std::array::from_fn(|i| act(t + i));
+                            store(g, t, &kernel.dot8(pk, g, t, a, w));
+                        } else {
+                            for t in (t..t_end).step_by(4) {
+                                call(g, t, (t + 4).min(t_end), w);
+                            }
+                        }
                     }
                 }
             }

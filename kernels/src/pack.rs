@@ -413,7 +413,7 @@ impl PackedRows {
         &self,
         g: usize,
         a: [&[BlockQ8]; T],
-        pairs: [&[Q40PairTerms]; 2],
+        pairs: [&[Q40PairTerms]; 4],
     ) -> [[f32; GROUP_ROWS]; T] {
         assert!(
             available(),
@@ -552,7 +552,7 @@ mod tests {
         let pair = |i: usize| pairs.get(i).map_or(&[][..], Vec::as_slice);
         for g in 0..rows / GROUP_ROWS {
             let out = if dtype == DType::Q4_0 {
-                p.dot_group_q4_0::<T>(g, a, [pair(0), pair(1)])
+                p.dot_group_q4_0::<T>(g, a, [pair(0), pair(1), pair(2), pair(3)])
             } else {
                 p.dot_group::<T>(g, a)
             };
@@ -598,6 +598,11 @@ mod tests {
                 check_bits::<2>(dtype, seed);
                 check_bits::<3>(dtype, seed);
                 check_bits::<4>(dtype, seed);
+                if dtype == DType::Q4_0 {
+                    // Its kernel takes up to eight tokens (four pairs) a call.
+                    check_bits::<7>(dtype, seed);
+                    check_bits::<8>(dtype, seed);
+                }
             }
         }
     }

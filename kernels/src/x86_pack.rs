@@ -335,11 +335,11 @@ pub(crate) fn dot8_q5_packed<const T: usize, const MIN: bool>(
 pub(crate) fn dot8_q4_0_packed<const T: usize>(
     g: &[u8],
     a: [&[BlockQ8]; T],
-    pairs: [&[Q40PairTerms]; 2],
+    pairs: [&[Q40PairTerms]; 4],
 ) -> [[f32; 8]; T] {
     let nb = g.len() / Q4_0_GROUP_BLOCK;
     assert_eq!(g.len(), nb * Q4_0_GROUP_BLOCK);
-    assert!((1..=4).contains(&T), "one or two token pairs");
+    assert!((1..=8).contains(&T), "one to four token pairs");
     for t in &a {
         assert_eq!(t.len(), nb);
     }
@@ -351,7 +351,7 @@ pub(crate) fn dot8_q4_0_packed<const T: usize>(
     let dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     let even = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
     let odd = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut acc = [_mm512_setzero_ps(); 4];
     for b in 0..nb {
         // SAFETY: block b spans [144b, 144b + 144) of `g` (length asserted): d at +0 (16
         // bytes), the halves at +16 and +80 (64 bytes each).
@@ -399,7 +399,7 @@ pub(crate) fn dot8_q4_0_packed<const T: usize>(
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), *acc);
         }
     }
-    let mut lanes = [[0.0f32; 16]; 2];
+    let mut lanes = [[0.0f32; 16]; 4];
     for (l, v) in lanes.iter_mut().zip(acc) {
         // SAFETY: `l` is 16 f32 = 64 bytes.
         unsafe { _mm512_storeu_ps(l.as_mut_ptr(), v) };
