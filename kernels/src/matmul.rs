@@ -626,13 +626,17 @@ trait GroupKernel<A: ?Sized> {
         unreachable!("MAX_BATCH is four")
     }
 
-    /// Group `g`'s values unpacked into `scratch` for `n_tok` tokens' batches, where that pays.
+    /// Group `g`'s values unpacked into `scratch` for `n_tok` tokens' batches, where that pays
+    /// (by default nowhere: the 32-element types unpack 4-bit values in two instructions per
+    /// 64, and a pre-unpacked Q4_0 group measured 10–15 % slower, BENCHMARKS.md).
     fn unpack<'s>(
-        pk: &PackedRows,
-        g: usize,
-        n_tok: usize,
-        scratch: &'s mut Vec<u8>,
-    ) -> Option<&'s [u8]>;
+        _pk: &PackedRows,
+        _g: usize,
+        _n_tok: usize,
+        _scratch: &'s mut Vec<u8>,
+    ) -> Option<&'s [u8]> {
+        None
+    }
 }
 
 /// [`PackedRows::dot_group`]: Q8_0 / Q8_1 activations.
@@ -650,10 +654,6 @@ impl GroupKernel<[BlockQ8]> for Q8Groups {
         _w: Weights,
     ) -> [[f32; GROUP_ROWS]; T] {
         pk.dot_group::<T>(g, a)
-    }
-
-    fn unpack<'s>(_: &PackedRows, _: usize, _: usize, _: &'s mut Vec<u8>) -> Option<&'s [u8]> {
-        None
     }
 }
 
@@ -698,10 +698,6 @@ impl GroupKernel<[BlockQ8]> for Q40Groups<'_> {
         w: Weights,
     ) -> [[f32; GROUP_ROWS]; 8] {
         self.dot::<8>(pk, g, t0, a, w)
-    }
-
-    fn unpack<'s>(_: &PackedRows, _: usize, _: usize, _: &'s mut Vec<u8>) -> Option<&'s [u8]> {
-        None
     }
 }
 
