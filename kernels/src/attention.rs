@@ -1229,6 +1229,29 @@ fn cache_row(
     cache[off..off + geom.head_dim].as_ptr()
 }
 
+/// Slots ahead whose K (V) rows a decode step's attention asks for before it reads them: a
+/// kv head's rows are contiguous within a 16-slot page only, the pages scattered across the
+/// pool, so the hardware prefetcher loses the stream at every page boundary while a deep
+/// context's K/V come from DRAM (8 MB a layer at 8,192 tokens on the 1B shape).
+const PREFETCH_SLOTS: usize = 32;
+
+/// Ask for slot `t`'s row of `kv_head` into L2, when `t` is inside the table (a hint: no
+/// effect on results).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_row(cache: &[f16], geom: PageGeometry, kv_head: usize, bt: &[PageRef], t: usize) {
+    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+    let Some(page) = bt.get(t / geom.page_size) else {
+        return;
+    };
+    let off = geom.offset(page.page as usize, kv_head, t % geom.page_size);
+    let row = &cache[off.min(cache.len())..(off + geom.head_dim).min(cache.len())];
+    for line in (0..std::mem::size_of_val(row)).step_by(64) {
+        // SAFETY: a prefetch never faults; `line` lies inside `row`.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(row.as_ptr().cast::<i8>().wrapping_add(line)) };
+    }
+}
+
 /// Scores of `G` query heads of `kv_head` (`qs`: `G × d`, `d = 16·NC`) over slots `ts`, into
 /// `sc[g·n_pad + t]`: q rounded to f16, `dot_vec`'s lane assignment (chunk `c` into accumulator
 /// `c % 4`), its folds, then the scale — [`attend_compat_body`]'s arithmetic for each score.
@@ -1261,23 +1284,87 @@ unsafe fn scores_avx512<const NC: usize, const G: usize>(
         }
     }
     let scale = 1.0 / (d as f32).sqrt();
-    for t in ts {
+    // Each score's 16 lanes before the final reduction.
+    let lanes_of = |t: usize| -> [__m512; G] {
+        prefetch_row(k_cache, geom, kv_head, bt, t + PREFETCH_SLOTS);
         let kr = cache_row(k_cache, geom, kv_head, bt, t);
         let mut kc = [_mm512_setzero_ps(); NC];
         for (c, k) in kc.iter_mut().enumerate() {
             // SAFETY: `kr` starts `d = 16·NC` in-bounds values; chunk `c` reads 16 of them.
             *k = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kr.add(c * LANES).cast())) };
         }
-        for g in 0..G {
+        std::array::from_fn(|g| {
             let mut acc = [_mm512_setzero_ps(); 4];
             for c in 0..NC {
                 acc[c % 4] = _mm512_fmadd_ps(kc[c], qh[g][c], acc[c % 4]);
             }
-            let a0 = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+            _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]))
+        })
+    };
+    // Whole runs of 16 slots: their 16 reductions in one transposing tree (`reduce16_rows`,
+    // ~3 instructions a score instead of ~8), one multiply and one store per head.
+    let mut t = ts.start;
+    while t + LANES <= ts.end {
+        let mut rows = [[_mm512_setzero_ps(); LANES]; G];
+        for i in 0..LANES {
+            for (g, v) in lanes_of(t + i).into_iter().enumerate() {
+                rows[g][i] = v;
+            }
+        }
+        for (g, r) in rows.iter().enumerate() {
+            let v = _mm512_mul_ps(reduce16_rows(r), _mm512_set1_ps(scale));
+            // SAFETY: g < G, t + 16 ≤ ts.end ≤ n_pad: within the caller's `G × n_pad` scores.
+            unsafe { _mm512_storeu_ps(sc.add(g * n_pad + t), v) };
+        }
+        t += LANES;
+    }
+    for t in t..ts.end {
+        for (g, a0) in lanes_of(t).into_iter().enumerate() {
             // SAFETY: g < G, t < n_pad: within the caller's `G × n_pad` scores.
             unsafe { *sc.add(g * n_pad + t) = reduce16_zmm(a0) * scale };
         }
     }
+}
+
+/// [`reduce16`] of each of 16 registers at once: lane `j` of the result is `reduce16` of `p[j]`
+/// — each sum in the same order (halves, quarters, then (0+2) + (1+3)), sixteen at a time: two
+/// shuffles and one add per pair at every level of the tree, then one permute.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn reduce16_rows(p: &[core::arch::x86_64::__m512; LANES]) -> core::arch::x86_64::__m512 {
+    use core::arch::x86_64::*;
+    // Halves: w[m] lanes 0–7 are t of p[2m] (t[i] = a[i] + a[i + 8]), lanes 8–15 of p[2m + 1].
+    let w: [__m512; 8] = std::array::from_fn(|m| {
+        let (a, b) = (p[2 * m], p[2 * m + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        )
+    });
+    // Quarters: z[n] quarter k is u (u[i] = t[i] + t[i + 4]) of p[4n + k].
+    let z: [__m512; 4] = std::array::from_fn(|n| {
+        let (a, b) = (w[2 * n], w[2 * n + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    });
+    // (u0 + u2), (u1 + u3): s[q] quarter k lanes 0, 1 of p[8q + k], lanes 2, 3 of p[8q + 4 + k].
+    let s: [__m512; 2] = std::array::from_fn(|q| {
+        let (a, b) = (z[2 * q], z[2 * q + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+        )
+    });
+    // (s0 + s1): lane 4k + j is p[4j + k]'s sum; then into lane order.
+    let r = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b10_00_10_00>(s[0], s[1]),
+        _mm512_shuffle_ps::<0b11_01_11_01>(s[0], s[1]),
+    );
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(order, r)
 }
 
 /// The V sums of `G` heads of `kv_head` for accumulator slots `ss` (each < 64): slot `s` adds
@@ -1305,6 +1392,8 @@ unsafe fn pv_avx512<const NC: usize, const G: usize>(
     for s in ss {
         let mut acc = [[_mm512_setzero_ps(); NC]; G];
         for t in (s..n_att).step_by(slots) {
+            // Four rows ahead on this slot's stride (64 slots).
+            prefetch_row(v_cache, geom, kv_head, bt, t + 4 * slots);
             let vr = cache_row(v_cache, geom, kv_head, bt, t);
             let mut vc = [_mm512_setzero_ps(); NC];
             for (c, v) in vc.iter_mut().enumerate() {
