@@ -596,7 +596,8 @@ fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize)
     }
 }
 
-/// A packed group kernel over one to four tokens' activations of type `A`.
+/// A packed group kernel over one to four (eight, where `MAX_BATCH` says so) tokens'
+/// activations of type `A`.
 trait GroupKernel<A: ?Sized> {
     /// `a`: tokens `t0 .. t0 + T` (`t0` a multiple of four). `w`: where group `g`'s weights
     /// come from on this call ([`Weights::FromMemory`] on the first token batch over it in this
@@ -794,7 +795,8 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
     };
     let tiles = Tiles::new(
         n_tok,
-        (!pk.has_codes()).then(|| std::mem::size_of_val(act(0))),
+        // (`act(0)` exists only for a non-empty input.)
+        (!pk.has_codes() && n_tok > 0).then(|| std::mem::size_of_val(act(0))),
         pk.data().len() / (rows / GROUP_ROWS),
     );
     // One call (one to four tokens) of group `g`.
