@@ -1,15 +1,18 @@
 //! Quantized mat-vec / mat-mul: `out[t][r] = W[r] · x[t]` for a row-major weight matrix `W`
 //! (`rows × cols`, GGUF layout) and `n_tok` input rows.
 //!
-//! Every output element is computed by the same per-row dot kernel whether one token or many are
-//! in the batch, so batched results are bit-identical to unbatched ones (the engine's "batched ==
-//! alone" guarantee depends on this). Work is split statically over rows across the installed
+//! Every output element is computed by the same per-row arithmetic whatever other rows share
+//! the call, so a request's results are bit-identical whether it runs alone or batched with
+//! others (the engine's "batched == alone" guarantee depends on this). The K-quants follow
+//! llama.cpp's float order, which depends on the row's own batch — the rows of one request's
+//! prompt chunk, or its one decode token ([`QInput::prepare_batches`], `crate::q8k::KOrder`) —
+//! and never on another request's rows. Work is split statically over rows across the installed
 //! compute pool ([`crate::par`]): part `i` gets the same rows every call, so a worker keeps
 //! reading the same weights. Each part walks a tile of rows for every token so the tile's weights
 //! stay in L1/L2 (weight reuse is what makes prefill faster per token than decode).
 
 use crate::pack::{GROUP_ROWS, PackedRows, Q8KLanes, Q40PairTerms, Weights};
-use crate::q8k::{self, BlockQ8K};
+use crate::q8k::{self, BlockQ8K, KOrder, RowBatch};
 use crate::quant::{self, Activations, BlockQ8, DType, QK, QK_K};
 use crate::simd::{self, Level};
 
@@ -80,12 +83,73 @@ pub struct QInput {
     q4_0_pairs: Vec<Q40PairTerms>,
     bf: Vec<u16>,
     f: Vec<f32>,
+    /// Each row's place in its batch: what the K-quants' float order depends on.
+    batches: Vec<RowBatch>,
+    /// Q8_K activations: each row's [`KOrder`] over a matrix that llama.cpp runs through its
+    /// tiled path (`[0]`) or its repacked GEMM (`[1]`, `KOrder::repacked_gemm`), and the end of
+    /// its run of rows of one order.
+    k_orders: [KOrders; 2],
+}
+
+/// Rows' K-quant orders and runs (`QInput::k_orders`).
+#[derive(Debug, Default)]
+struct KOrders {
+    order: Vec<KOrder>,
+    /// `run_end[t]`: the first row after `t` in another order (or the end).
+    run_end: Vec<usize>,
+}
+
+impl KOrders {
+    fn compute(&mut self, repacked_gemm: bool, batches: &[RowBatch]) {
+        self.order.clear();
+        self.order.extend(
+            batches
+                .iter()
+                .map(|&at| KOrder::for_path(repacked_gemm, at)),
+        );
+        let n = batches.len();
+        self.run_end.clear();
+        self.run_end.resize(n, n);
+        for t in (0..n.saturating_sub(1)).rev() {
+            if self.order[t + 1] == self.order[t] {
+                self.run_end[t] = self.run_end[t + 1];
+            } else {
+                self.run_end[t] = t + 1;
+            }
+        }
+    }
 }
 
 impl QInput {
-    /// Prepare `x` (`n_tok × cols`, row-major) for weights of type `dtype`.
+    /// Prepare `x` (`n_tok × cols`, row-major) for weights of type `dtype`, its rows one batch.
     pub fn prepare(&mut self, x: &[f32], n_tok: usize, cols: usize, dtype: DType) {
+        self.prepare_batches(x, &[n_tok], cols, dtype);
+    }
+
+    /// As [`QInput::prepare`], the rows in consecutive batches of `batch_lens` rows (each
+    /// request's rows in this step: a prompt chunk, or one decode token), whose sum is the
+    /// number of rows.
+    pub fn prepare_batches(&mut self, x: &[f32], batch_lens: &[usize], cols: usize, dtype: DType) {
+        let n_tok: usize = batch_lens.iter().sum();
         assert_eq!(x.len(), n_tok * cols, "QInput::prepare: shape mismatch");
+        self.batches.clear();
+        for &len in batch_lens {
+            let len32 = u32::try_from(len).expect("a batch of fewer than 2^32 rows");
+            self.batches
+                .extend((0..len32).map(|index| RowBatch { len: len32, index }));
+        }
+        debug_assert_eq!(self.batches.len(), n_tok);
+        if dtype.activations() == Activations::Q8K {
+            for (gemm, k) in self.k_orders.iter_mut().enumerate() {
+                k.compute(gemm == 1, &self.batches);
+            }
+        } else {
+            // No K-quant matrix reads these rows (`k_orders_of` asserts).
+            for k in &mut self.k_orders {
+                k.order.clear();
+                k.run_end.clear();
+            }
+        }
         self.n_tok = n_tok;
         self.cols = cols;
         self.bf.clear();
@@ -137,6 +201,26 @@ impl QInput {
 
     pub fn n_tok(&self) -> usize {
         self.n_tok
+    }
+
+    /// The K-quant float order of row `t` over a `rows`-row `dtype` matrix.
+    fn k_order(&self, dtype: DType, rows: usize, t: usize) -> KOrder {
+        self.k_orders_of(dtype, rows).order[t]
+    }
+
+    /// The end of the run of rows from `t` (before `end`) that share row `t`'s K-quant order.
+    fn k_order_run_end(&self, dtype: DType, rows: usize, t: usize, end: usize) -> usize {
+        self.k_orders_of(dtype, rows).run_end[t].min(end)
+    }
+
+    fn k_orders_of(&self, dtype: DType, rows: usize) -> &KOrders {
+        let k = &self.k_orders[usize::from(KOrder::repacked_gemm(dtype, rows))];
+        assert_eq!(
+            k.order.len(),
+            self.n_tok,
+            "K-quant orders of Q8_K activations"
+        );
+        k
     }
 
     /// [`Q40PairTerms`] of every token pair and block, from `q8`.
@@ -257,19 +341,17 @@ fn q8_dot_fn(dtype: DType) -> Q8Dot {
     scalar_q8_dot_fn(dtype)
 }
 
-type Q8KDot = fn(&[u8], &[BlockQ8K]) -> f32;
-
 /// The K-quant · Q8_K kernel of `dtype` (bit-identical to its scalar reference, `crate::q8k`).
-fn q8k_dot_fn(dtype: DType) -> Q8KDot {
+fn q8k_dot_fn(dtype: DType) -> q8k::KDot {
     #[cfg(target_arch = "x86_64")]
     if simd::level() == Level::Avx2 {
         return match dtype {
             // SAFETY: the Avx2 level is only selected when avx2, fma and f16c were detected.
-            DType::Q4_K => |w, a| unsafe { crate::x86_kquant::dot_q4_k_q8k(w, a) },
+            DType::Q4_K => |w, a, o| unsafe { crate::x86_kquant::dot_q4_k_q8k(w, a, o) },
             // SAFETY: as above.
-            DType::Q5_K => |w, a| unsafe { crate::x86_kquant::dot_q5_k_q8k(w, a) },
+            DType::Q5_K => |w, a, o| unsafe { crate::x86_kquant::dot_q5_k_q8k(w, a, o) },
             // SAFETY: as above.
-            DType::Q6_K => |w, a| unsafe { crate::x86_kquant::dot_q6_k_q8k(w, a) },
+            DType::Q6_K => |w, a, o| unsafe { crate::x86_kquant::dot_q6_k_q8k(w, a, o) },
             // No 256-bit kernels for the rarer 2- and 3-bit types: the scalar reference (the
             // 512-bit kernels cover them where they run).
             DType::Q2_K | DType::Q3_K => q8k::scalar_dot(dtype),
@@ -454,38 +536,60 @@ fn run_rows(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
 /// A row kernel over one to four tokens' activations (of type `A`), each result the bits of
 /// the one-token kernel.
 trait TokensKernel<A: ?Sized> {
-    fn dot<const T: usize>(&self, w: &[u8], a: [&A; T]) -> [f32; T];
+    /// `a`: tokens `t0 .. t0 + T`, all in one run ([`TokensKernel::run_end`]).
+    fn dot<const T: usize>(&self, w: &[u8], t0: usize, a: [&A; T]) -> [f32; T];
+
+    /// The end of the run of tokens from `t` (before `end`) that one call may take together.
+    fn run_end(&self, _t: usize, end: usize) -> usize {
+        end
+    }
 }
 
 /// A one-token kernel, run token by token.
 struct OneToken<A: ?Sized>(fn(&[u8], &A) -> f32);
 
 impl<A: ?Sized> TokensKernel<A> for OneToken<A> {
-    fn dot<const T: usize>(&self, w: &[u8], a: [&A; T]) -> [f32; T] {
+    fn dot<const T: usize>(&self, w: &[u8], _t0: usize, a: [&A; T]) -> [f32; T] {
         std::array::from_fn(|t| (self.0)(w, a[t]))
     }
 }
 
-/// The AVX-512 VNNI K-quant kernel (`x86_kquant::dot_kquant_512`); only constructed where it
-/// runs.
-struct KQuantVnni {
+/// The K-quant row kernels over a matrix's tokens, each token in its [`KOrder`]: the AVX-512
+/// VNNI kernel (`x86_kquant::dot_kquant_512`, four tokens per super-block decode) where it runs,
+/// the one-row kernel elsewhere.
+struct KQuantRows<'x> {
     dtype: DType,
+    rows: usize,
+    x: &'x QInput,
+    vnni: bool,
 }
 
-impl KQuantVnni {
-    fn new(dtype: DType) -> Option<Self> {
-        (cfg!(target_arch = "x86_64") && simd::has_vnni512()).then_some(Self { dtype })
+impl<'x> KQuantRows<'x> {
+    fn new(w: &QMatrix<'_>, x: &'x QInput) -> Self {
+        Self {
+            dtype: w.dtype,
+            rows: w.rows,
+            x,
+            vnni: cfg!(target_arch = "x86_64") && simd::has_vnni512(),
+        }
     }
 }
 
-impl TokensKernel<[BlockQ8K]> for KQuantVnni {
-    fn dot<const T: usize>(&self, w: &[u8], a: [&[BlockQ8K]; T]) -> [f32; T] {
+impl TokensKernel<[BlockQ8K]> for KQuantRows<'_> {
+    fn dot<const T: usize>(&self, w: &[u8], t0: usize, a: [&[BlockQ8K]; T]) -> [f32; T] {
+        let order = self.x.k_order(self.dtype, self.rows, t0);
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a `KQuantVnni` exists only where `has_vnni512` found AVX2/FMA/F16C and
-        // AVX-512 F/BW/VL/VNNI at run time.
-        return unsafe { crate::x86_kquant::dot_kquant_512::<T>(self.dtype, w, a) };
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("{:?}: no 512-bit kernels here ({w:?}, {a:?})", self.dtype)
+        if self.vnni {
+            // SAFETY: `vnni` is set only where `has_vnni512` found AVX2/FMA/F16C and AVX-512
+            // F/BW/VL/VNNI at run time.
+            return unsafe { crate::x86_kquant::dot_kquant_512::<T>(self.dtype, order, w, a) };
+        }
+        let dot = q8k_dot_fn(self.dtype);
+        std::array::from_fn(|t| dot(w, a[t], order))
+    }
+
+    fn run_end(&self, t: usize, end: usize) -> usize {
+        self.x.k_order_run_end(self.dtype, self.rows, t, end)
     }
 }
 
@@ -499,7 +603,7 @@ impl Bf16Avx512 {
 }
 
 impl TokensKernel<[u16]> for Bf16Avx512 {
-    fn dot<const T: usize>(&self, w: &[u8], a: [&[u16]; T]) -> [f32; T] {
+    fn dot<const T: usize>(&self, w: &[u8], _t0: usize, a: [&[u16]; T]) -> [f32; T] {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a `Bf16Avx512` exists only where `has_avx512bf16` found AVX-512 F/BW/BF16.
         return unsafe { crate::x86_bf16::dot_bf16_512::<T>(w, a) };
@@ -523,19 +627,22 @@ fn run_rows_by_four<'x, A: ?Sized + 'x>(
     }
     for r in r0..r1 {
         let wr = w.row(r);
-        for t in (0..n_tok).step_by(4) {
-            let n = (n_tok - t).min(4);
+        let mut t = 0;
+        while t < n_tok {
+            let n = (k.run_end(t, n_tok) - t).min(4);
+            debug_assert!(n >= 1);
             let vals = match n {
-                1 => pad(k.dot::<1>(wr, [act(t)])),
-                2 => pad(k.dot::<2>(wr, [act(t), act(t + 1)])),
-                3 => pad(k.dot::<3>(wr, [act(t), act(t + 1), act(t + 2)])),
-                _ => k.dot::<4>(wr, [act(t), act(t + 1), act(t + 2), act(t + 3)]),
+                1 => pad(k.dot::<1>(wr, t, [act(t)])),
+                2 => pad(k.dot::<2>(wr, t, [act(t), act(t + 1)])),
+                3 => pad(k.dot::<3>(wr, t, [act(t), act(t + 1), act(t + 2)])),
+                _ => k.dot::<4>(wr, t, [act(t), act(t + 1), act(t + 2), act(t + 3)]),
             };
             for (j, v) in vals[..n].iter().enumerate() {
                 // SAFETY: t + j < n_tok, r < rows: in bounds of the output (n_tok × rows,
                 // asserted by `matmul_many`); parts' row ranges are disjoint.
                 unsafe { *p.get().add((t + j) * w.rows + r) = *v };
             }
+            t += n;
         }
     }
 }
@@ -545,10 +652,7 @@ fn run_rows_by_four<'x, A: ?Sized + 'x>(
 fn run_rows_q8k(w: &QMatrix<'_>, x: &QInput, p: OutPtr<f32>, r0: usize, r1: usize) {
     let per_row = w.cols / QK_K;
     let act = |t: usize| &x.q8k[t * per_row..(t + 1) * per_row];
-    match KQuantVnni::new(w.dtype) {
-        Some(k) => run_rows_by_four(w, x.n_tok, act, &k, p, (r0, r1)),
-        None => run_rows_by_four(w, x.n_tok, act, &OneToken(q8k_dot_fn(w.dtype)), p, (r0, r1)),
-    }
+    run_rows_by_four(w, x.n_tok, act, &KQuantRows::new(w, x), p, (r0, r1));
 }
 
 /// Rows `r0..r1` of a BF16 matrix for every token (`crate::bf16`): four tokens per weight load
@@ -574,7 +678,7 @@ fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize)
         // Made by `prepare` wherever a `PackedRows` can exist (`pack::available`).
         assert_eq!(x.q8k_lanes.len(), x.q8k.len(), "lane-order activations");
         let act = |t: usize| &x.q8k_lanes[t * per_row..(t + 1) * per_row];
-        run_groups_with(pk, x.n_tok, act, &Q8KGroups, p, (g0, g1));
+        run_groups_with(pk, x.n_tok, act, &Q8KGroups { x }, p, (g0, g1));
     } else if pk.dtype() == DType::Q4_0 {
         let per_row = pk.cols() / QK;
         // Made by `prepare` for Q4_0 wherever a `PackedRows` can exist (`pack::available`).
@@ -613,6 +717,11 @@ trait GroupKernel<A: ?Sized> {
 
     /// Tokens one call takes: four, or eight where [`GroupKernel::dot8`] exists.
     const MAX_BATCH: usize = 4;
+
+    /// The end of the run of tokens from `t` (before `end`) that one call may take together.
+    fn run_end(&self, _pk: &PackedRows, _t: usize, end: usize) -> usize {
+        end
+    }
 
     /// Eight tokens at once, where `MAX_BATCH` is eight (a separate method, so that the other
     /// kernels are not instantiated for eight).
@@ -702,24 +811,36 @@ impl GroupKernel<[BlockQ8]> for Q40Groups<'_> {
     }
 }
 
-/// [`PackedRows::dot_group_q8k`]: Q8_K activations in lane order (the K-quants).
-struct Q8KGroups;
+/// [`PackedRows::dot_group_q8k`]: Q8_K activations in lane order (the K-quants), each token in
+/// its [`KOrder`] (a call's tokens share one: [`GroupKernel::run_end`]).
+struct Q8KGroups<'x> {
+    x: &'x QInput,
+}
 
 /// Tokens from which a K-quant group is unpacked once per matmul rather than per batch of four:
 /// unpacking costs about one batch's worth of the kernel's unpacking work plus a 16 KB (2,048
 /// columns) store that stays in L1/L2; from the second batch on every batch saves it.
 const UNPACK_MIN_TOKENS: usize = 8;
 
-impl GroupKernel<[Q8KLanes]> for Q8KGroups {
+impl GroupKernel<[Q8KLanes]> for Q8KGroups<'_> {
     fn dot<const T: usize>(
         &self,
         pk: &PackedRows,
         g: usize,
-        _t0: usize,
+        t0: usize,
         a: [&[Q8KLanes]; T],
         w: Weights,
     ) -> [[f32; GROUP_ROWS]; T] {
-        pk.dot_group_q8k::<T>(g, a, w)
+        let order = self.x.k_order(pk.dtype(), pk.rows(), t0);
+        debug_assert_eq!(
+            self.x.k_order_run_end(pk.dtype(), pk.rows(), t0, t0 + T),
+            t0 + T
+        );
+        pk.dot_group_q8k::<T>(g, a, w, order)
+    }
+
+    fn run_end(&self, pk: &PackedRows, t: usize, end: usize) -> usize {
+        self.x.k_order_run_end(pk.dtype(), pk.rows(), t, end)
     }
 
     fn unpack<'s>(
@@ -822,13 +943,15 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
                 let tt_end = (tt + tiles.tokens).min(n_tok);
                 for g in gt..(gt + tiles.groups).min(g1) {
                     let codes = K::unpack(pk, g, tt_end - tt, scratch);
-                    for t in (tt..tt_end).step_by(K::MAX_BATCH) {
+                    let mut t = tt;
+                    while t < tt_end {
                         let w = match codes {
                             Some(c) => Weights::Codes(c),
                             None if t == 0 => Weights::FromMemory,
                             None => Weights::Cached,
                         };
-                        let t_end = (t + K::MAX_BATCH).min(tt_end);
+                        let t_end = (t + K::MAX_BATCH).min(kernel.run_end(pk, t, tt_end));
+                        debug_assert!(t_end > t);
                         if t_end - t == 8 {
                             let a = std::array::from_fn(|i| act(t + i));
                             store(g, t, &kernel.dot8(pk, g, t, a, w));
@@ -837,6 +960,7 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
                                 call(g, t, (t + 4).min(t_end), w);
                             }
                         }
+                        t = t_end;
                     }
                 }
             }
@@ -863,7 +987,8 @@ fn matmul_scalar(w: &QMatrix<'_>, x: &QInput, out: &mut [f32]) {
                 crate::bf16::dot_bf16_scalar(w.row(r), &x.bf[t * w.cols..(t + 1) * w.cols])
             } else if w.dtype.activations() == Activations::Q8K {
                 let per_row = w.cols / QK_K;
-                q8k::scalar_dot(w.dtype)(w.row(r), &x.q8k[t * per_row..(t + 1) * per_row])
+                let order = x.k_order(w.dtype, w.rows, t);
+                q8k::scalar_dot(w.dtype)(w.row(r), &x.q8k[t * per_row..(t + 1) * per_row], order)
             } else if w.dtype.uses_q8_activations() {
                 let per_row = w.cols / QK;
                 scalar_q8_dot_fn(w.dtype)(w.row(r), &x.q8[t * per_row..(t + 1) * per_row])
@@ -1234,35 +1359,55 @@ mod tests {
             DType::Q2_K,
             DType::Q3_K,
         ] {
-            for (rows, cols, n_tok) in [(1, 256, 1), (37, 512, 3), (70, 768, 9), (9, 256, 6)] {
+            // 16 rows: Q4_K in llama.cpp's repacked orders (pairs for rows in whole fours).
+            let shapes = [
+                (1, 256, 1),
+                (37, 512, 3),
+                (70, 768, 9),
+                (9, 256, 6),
+                (16, 512, 11),
+            ];
+            for (rows, cols, n_tok) in shapes {
                 let wb = crate::q8k::tests::weights(dtype, rows * cols / QK_K, &mut seed);
                 let w = QMatrix::new(dtype, rows, cols, &wb).expect("shape");
                 let mut x = rand_f32(n_tok * cols, &mut seed);
                 x[..cols / 2].iter_mut().for_each(|v| *v = v.signum() * 3.0);
+                // One batch of every row; two (a prompt chunk and a decode row, as a step
+                // that batches two requests).
+                let splits = [vec![n_tok], vec![n_tok - 1, 1]];
+                for lens in splits.iter().filter(|l| l.iter().all(|&n| n > 0)) {
+                    let mut qi = QInput::default();
+                    qi.prepare_batches(&x, lens, cols, dtype);
+                    let mut want = vec![0.0; n_tok * rows];
+                    matmul_scalar(&w, &qi, &mut want);
+                    let what = format!("{dtype:?} {rows}x{cols} batches {lens:?}");
+                    assert_bits_at_1_to_3_threads(&w, &qi, &want, &what);
+                }
                 let mut qi = QInput::default();
                 qi.prepare(&x, n_tok, cols, dtype);
-                let mut want = vec![0.0; n_tok * rows];
-                matmul_scalar(&w, &qi, &mut want);
-                // The one-row kernel (AVX2 where the 512-bit ones do not run) as well.
+                // The one-row kernel (AVX2 where the 512-bit ones do not run) in every order.
                 let per_row = cols / QK_K;
-                for t in 0..n_tok {
-                    for r in 0..rows {
-                        let a = &qi.q8k[t * per_row..(t + 1) * per_row];
-                        let one = q8k_dot_fn(dtype)(w.row(r), a);
-                        assert_eq!(one.to_bits(), want[t * rows + r].to_bits(), "{dtype:?}");
+                for order in crate::q8k::tests::orders_of(dtype) {
+                    for t in 0..n_tok {
+                        for r in 0..rows {
+                            let a = &qi.q8k[t * per_row..(t + 1) * per_row];
+                            let one = q8k_dot_fn(dtype)(w.row(r), a, order);
+                            let want = q8k::scalar_dot(dtype)(w.row(r), a, order);
+                            assert_eq!(one.to_bits(), want.to_bits(), "{dtype:?} {order:?}");
+                        }
                     }
                 }
-                assert_bits_at_1_to_3_threads(&w, &qi, &want, &format!("{dtype:?} {rows}x{cols}"));
+                // A row alone (a decode step) is its own batch: the block order.
                 for t in 0..n_tok {
                     let mut one = QInput::default();
                     one.prepare(&x[t * cols..(t + 1) * cols], 1, cols, dtype);
                     let mut o = vec![0.0; rows];
                     matmul(&w, &one, &mut o);
-                    assert_eq!(
-                        &want[t * rows..(t + 1) * rows],
-                        &o[..],
-                        "{dtype:?} token {t}"
-                    );
+                    let a = &one.q8k[..per_row];
+                    let want: Vec<f32> = (0..rows)
+                        .map(|r| q8k::scalar_dot(dtype)(w.row(r), a, KOrder::Block))
+                        .collect();
+                    assert_eq!(want, o, "{dtype:?} token {t}");
                 }
             }
         }

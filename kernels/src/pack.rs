@@ -37,7 +37,7 @@
 //!   Elsewhere [`PackedRows::new`] says `None` and the GGUF-layout kernels run, as before.
 
 use crate::matmul::QMatrix;
-use crate::q8k::BlockQ8K;
+use crate::q8k::{BlockQ8K, KOrder};
 use crate::quant::{BlockQ8, DType, QK_K};
 
 /// Where a kernel call's weights come from. The first pass over a group streams its packed
@@ -433,13 +433,15 @@ impl PackedRows {
     }
 
     /// As [`PackedRows::dot_group`], for the K-quants over Q8_K activations in lane order: each
-    /// result the bits of `q8k::scalar_dot(dtype)`. `w`: where the group's weights come from on
-    /// this call (`Weights::Codes`: [`PackedRows::unpack_group`]'s output for group `g`).
+    /// result the bits of `q8k::scalar_dot(dtype)` in `order` (every token's). `w`: where the
+    /// group's weights come from on this call (`Weights::Codes`: [`PackedRows::unpack_group`]'s
+    /// output for group `g`).
     pub(crate) fn dot_group_q8k<const T: usize>(
         &self,
         g: usize,
         a: [&[Q8KLanes]; T],
         w: Weights,
+        order: KOrder,
     ) -> [[f32; GROUP_ROWS]; T] {
         assert!(
             available(),
@@ -452,16 +454,16 @@ impl PackedRows {
             // SAFETY: as in `dot_group`: packed matrices exist only where `available()`.
             unsafe {
                 match self.dtype {
-                    DType::Q4_K => dot8_q45_k_packed::<T, false>(gd, a, w),
-                    DType::Q5_K => dot8_q45_k_packed::<T, true>(gd, a, w),
-                    DType::Q6_K => dot8_q6_k_packed::<T>(gd, a, w),
+                    DType::Q4_K => dot8_q45_k_packed::<T, false>(gd, a, w, order),
+                    DType::Q5_K => dot8_q45_k_packed::<T, true>(gd, a, w, order),
+                    DType::Q6_K => dot8_q6_k_packed::<T>(gd, a, w, order),
                     _ => unreachable!("{:?} is not packed over Q8_K activations", self.dtype),
                 }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (g, a, w);
+            let _ = (g, a, w, order);
             unreachable!("packed kernels are x86-64 only")
         }
     }
@@ -649,7 +651,12 @@ mod tests {
         let a: [&[BlockQ8K]; T] = std::array::from_fn(|t| acts[t].as_slice());
         let reference = crate::q8k::scalar_dot(dtype);
         let mut codes = Vec::new();
-        for (g, source) in (0..rows / GROUP_ROWS).flat_map(|g| (0..3).map(move |s| (g, s))) {
+        let cases = (0..rows / GROUP_ROWS).flat_map(|g| (0..3).map(move |s| (g, s)));
+        for ((g, source), order) in cases.flat_map(|c| {
+            crate::q8k::tests::orders_of(dtype)
+                .into_iter()
+                .map(move |o| (c, o))
+        }) {
             let lanes_t = std::array::from_fn(|t| lanes[t].as_slice());
             // Every source of the same weights: packed from memory, cached, unpacked codes.
             let from = match source {
@@ -660,14 +667,14 @@ mod tests {
                     Weights::Codes(&codes)
                 }
             };
-            let out = p.dot_group_q8k::<T>(g, lanes_t, from);
+            let out = p.dot_group_q8k::<T>(g, lanes_t, from, order);
             for t in 0..T {
                 for i in 0..GROUP_ROWS {
-                    let want = reference(w.row(g * GROUP_ROWS + i), a[t]);
+                    let want = reference(w.row(g * GROUP_ROWS + i), a[t], order);
                     assert_eq!(
                         out[t][i].to_bits(),
                         want.to_bits(),
-                        "{dtype:?} T={T} group {g} row {i} token {t} ({from:?}): {} vs {want}",
+                        "{dtype:?} {order:?} T={T} group {g} row {i} token {t} ({from:?}): {} vs {want}",
                         out[t][i]
                     );
                 }

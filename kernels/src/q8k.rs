@@ -14,15 +14,30 @@
 //!   - Q2_K: `S = Σ_g sc_g · Σ_{l<16} q_{16g+l} · a_{16g+l}`, `M = Σ_g m_g · bsums[g]` over the
 //!     sixteen 4-bit (scale, min) pairs;
 //!   - Q3_K: `S = Σ_g (sc_g − 32) · Σ_{l<16} q_{16g+l} · a_{16g+l}` (q in −4..=3).
-//! - The float part, in this order and no other: `acc ← fma(d_w · d_a, S as f32, acc)`, and for
-//!   Q4_K/Q5_K `accm ← fma(dmin_w · d_a, M as f32, accm)`, block by block; the dot product is
-//!   `acc − accm`. Every kernel — the scalar reference here, the SIMD ones in `x86_kquant.rs` —
-//!   computes exactly this, so all are bit-identical (tests), and a row's value never depends
-//!   on which kernel or batch produced it.
+//! - The float part follows the path llama.cpp's CPU backend takes for the row on this kind of
+//!   CPU (an AVX-512 build; `docs/llamacpp-kquant-arithmetic.md` reads it from the source
+//!   compiled here), chosen by [`KOrder::for_row`] from the weight type, the matrix's rows and
+//!   where the token row sits in the batch it was computed in ([`RowBatch`]). Super-block by
+//!   super-block, `d`/`dmin` the weights' f16 scales as f32, `da` the activations':
+//!   - [`KOrder::Block`] (its repacked Q4_K GEMV, and every small batch here):
+//!     `acc ← fma(d·da, S, acc)`, `accm ← fma(dmin·da, M, accm)`; the dot product `acc − accm`;
+//!   - [`KOrder::Slices`] (its repacked Q4_K and Q2_K GEMMs, rows in whole fours): the same two
+//!     steps once per slice of the super-block, in order, `S` and `M` split into the slices'
+//!     integer sums — Q4_K (and Q5_K, where asked) four slices of 64 values (pairs of
+//!     sub-blocks), Q2_K two of 128;
+//!   - [`KOrder::Tiled`] (its tiled VNNI path, batches of eight or more rows of a matrix it does
+//!     not repack): `r = S·d`, `r ← fma(−dmin, M, r)`, `acc ← fma(r, da, acc)`; the dot product
+//!     `acc`.
 //!
-//! llama.cpp computes the same integers but accumulates the float part in its own lane order
-//! (and repacks Q4_K on AVX2 machines, with another): its logits and ours differ by float
-//! rounding, not by the activations' quantization.
+//! Every kernel — the scalar reference here, the SIMD ones in `x86_kquant.rs` and
+//! `x86_kpack.rs` — computes exactly this for the order it is given, so all are bit-identical
+//! (tests), and a row's value depends on its request's batch, never on the rows of other
+//! requests it happens to share a matmul with.
+//!
+//! What is not followed yet: llama.cpp's small-batch `vec_dot` for Q5_K/Q6_K/Q3_K (and Q2_K/Q4_K
+//! matrices it does not repack): eight partial lanes per row, summed at the end. Those rows —
+//! prompts of fewer than eight tokens and decode steps — take [`KOrder::Block`] and differ from
+//! llama.cpp's in float rounding only.
 
 use crate::kquant::{q2_at, q3_high_at, scale_min_k4, scales_q3_k};
 use crate::quant::{DType, QK_K, f16_at};
@@ -89,35 +104,187 @@ fn nearest_int(v: f32) -> i32 {
     (bits & 0x007f_ffff) - 0x0040_0000
 }
 
+/// Where a token row sits in the batch of rows it was computed in: llama.cpp picks a K-quant
+/// matmul's path by the number of rows in the call (one request's prompt chunk, or its one
+/// decode token) and, for repacked Q4_K, by the row's index in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowBatch {
+    /// Rows in the batch (≥ 1).
+    pub len: u32,
+    /// This row's index in it (< `len`).
+    pub index: u32,
+}
+
+/// The float order of a K-quant dot product (the module's spec).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KOrder {
+    /// One FMA pair per super-block (llama.cpp's repacked Q4_K and Q2_K GEMVs).
+    Block,
+    /// One FMA pair per slice of a super-block (its repacked Q4_K and Q2_K GEMMs; Q4_K, Q5_K
+    /// and Q2_K only: [`slices_of`]).
+    Slices,
+    /// `r = S·d − dmin·M`, one FMA by `da` per super-block (its tiled VNNI path).
+    Tiled,
+}
+
+impl KOrder {
+    /// Batches from which llama.cpp runs its tiled path (`ggml_tiled_min_batch`).
+    pub const TILED_MIN_ROWS: u32 = 8;
+    /// Rows per repacked group (`ne[1] % 8 == 0` repacks Q4_K on AVX2+ machines).
+    const REPACK_ROWS: usize = 8;
+
+    /// The order llama.cpp's CPU backend follows for a row of a `rows`-row `dtype` matrix at
+    /// `at` in its batch (`docs/llamacpp-kquant-arithmetic.md` §5).
+    pub fn for_row(dtype: DType, rows: usize, at: RowBatch) -> Self {
+        Self::for_path(Self::repacked_gemm(dtype, rows), at)
+    }
+
+    /// Whether llama.cpp runs a `rows`-row `dtype` matrix through its repacked GEMM/GEMV
+    /// (Q4_K, and Q2_K on AVX-512 machines, in whole groups of eight rows) rather than its
+    /// tiled path and `vec_dot`.
+    pub(crate) fn repacked_gemm(dtype: DType, rows: usize) -> bool {
+        matches!(dtype, DType::Q4_K | DType::Q2_K) && rows.is_multiple_of(Self::REPACK_ROWS)
+    }
+
+    /// [`KOrder::for_row`] given [`KOrder::repacked_gemm`].
+    pub(crate) fn for_path(repacked_gemm: bool, at: RowBatch) -> Self {
+        debug_assert!(at.len >= 1 && at.index < at.len, "{at:?}");
+        if repacked_gemm {
+            // The GEMM for the rows in whole fours, the GEMV for the rest.
+            if at.index < at.len / 4 * 4 {
+                Self::Slices
+            } else {
+                Self::Block
+            }
+        } else if at.len >= Self::TILED_MIN_ROWS {
+            Self::Tiled
+        } else {
+            Self::Block
+        }
+    }
+}
+
+/// Slices of a super-block in [`KOrder::Slices`] (0: the type has no such order).
+pub(crate) const fn slices_of(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4_K | DType::Q5_K => 4,
+        DType::Q2_K => 2,
+        _ => 0,
+    }
+}
+
 /// A super-block's exact integer sums: `s` (quants × activations, scaled) and `m` (the mins'
-/// term; 0 for Q6_K).
+/// term; 0 for Q6_K/Q3_K); where computed, also by slice for [`KOrder::Slices`] (`slices`
+/// of them, [`slices_of`]: `slices_s[k]` covers values `k · 256 / slices ..`; they sum to `s`
+/// and `m`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct BlockSums {
     pub(crate) s: i32,
     pub(crate) m: i32,
+    pub(crate) slices: usize,
+    pub(crate) slices_s: [i32; 4],
+    pub(crate) slices_m: [i32; 4],
+}
+
+impl BlockSums {
+    /// Sums not split by slice.
+    pub(crate) const fn whole(s: i32, m: i32) -> Self {
+        Self {
+            s,
+            m,
+            slices: 0,
+            slices_s: [0; 4],
+            slices_m: [0; 4],
+        }
+    }
+
+    /// Sums split into `slices` slices (the first `slices` entries).
+    pub(crate) fn sliced(slices: usize, slices_s: [i32; 4], slices_m: [i32; 4]) -> Self {
+        debug_assert!(slices == 2 || slices == 4);
+        Self {
+            s: slices_s[..slices].iter().sum(),
+            m: slices_m[..slices].iter().sum(),
+            slices,
+            slices_s,
+            slices_m,
+        }
+    }
+}
+
+/// One row's float accumulators under an order (the module's spec), block by block.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Accumulator {
+    order: KOrder,
+    acc: f32,
+    accm: f32,
+}
+
+impl Accumulator {
+    pub(crate) const fn new(order: KOrder) -> Self {
+        Self {
+            order,
+            acc: 0.0,
+            accm: 0.0,
+        }
+    }
+
+    /// Adds one super-block: the weights' `d`, `dmin`, its sums, the activations' `da`.
+    #[inline(always)]
+    pub(crate) fn add(&mut self, d: f32, dmin: f32, sums: &BlockSums, da: f32) {
+        match self.order {
+            KOrder::Block => {
+                self.acc = (d * da).mul_add(sums.s as f32, self.acc);
+                self.accm = (dmin * da).mul_add(sums.m as f32, self.accm);
+            }
+            KOrder::Slices => {
+                assert!(sums.slices > 0, "sums not split by slice");
+                for (s, m) in sums.slices_s.iter().zip(&sums.slices_m).take(sums.slices) {
+                    self.acc = (d * da).mul_add(*s as f32, self.acc);
+                    self.accm = (dmin * da).mul_add(*m as f32, self.accm);
+                }
+            }
+            KOrder::Tiled => {
+                let r = (-dmin).mul_add(sums.m as f32, sums.s as f32 * d);
+                self.acc = r.mul_add(da, self.acc);
+            }
+        }
+    }
+
+    /// The dot product.
+    pub(crate) fn finish(self) -> f32 {
+        match self.order {
+            KOrder::Block | KOrder::Slices => self.acc - self.accm,
+            KOrder::Tiled => self.acc,
+        }
+    }
 }
 
 /// The spec's float part over a row's blocks: `blocks` yields each block's `(d_w, dmin_w)`
 /// with its [`BlockSums`] and the activation block's `d`.
 #[inline(always)]
-pub(crate) fn accumulate(blocks: impl Iterator<Item = (f32, f32, BlockSums, f32)>) -> f32 {
-    let (mut acc, mut accm) = (0.0f32, 0.0f32);
+pub(crate) fn accumulate(
+    order: KOrder,
+    blocks: impl Iterator<Item = (f32, f32, BlockSums, f32)>,
+) -> f32 {
+    let mut acc = Accumulator::new(order);
     for (d, dmin, sums, da) in blocks {
-        acc = (d * da).mul_add(sums.s as f32, acc);
-        accm = (dmin * da).mul_add(sums.m as f32, accm);
+        acc.add(d, dmin, &sums, da);
     }
-    acc - accm
+    acc.finish()
 }
 
-/// The mins' term of a Q4_K/Q5_K block: `Σ_j m_j · (bsums[2j] + bsums[2j+1])`.
+/// The mins' term of a Q4_K/Q5_K block by pair of sub-blocks: `[p] = Σ_{j ∈ {2p, 2p+1}} m_j ·
+/// (bsums[2j] + bsums[2j+1])`.
 #[inline(always)]
-pub(crate) fn mins_term(scales: &[u8], a: &BlockQ8K) -> i32 {
-    (0..8)
-        .map(|j| {
-            let (_, m) = scale_min_k4(j, scales);
-            i32::from(m) * (i32::from(a.bsums[2 * j]) + i32::from(a.bsums[2 * j + 1]))
-        })
-        .sum()
+pub(crate) fn mins_terms(scales: &[u8], a: &BlockQ8K) -> [i32; 4] {
+    std::array::from_fn(|p| {
+        (2 * p..2 * p + 2)
+            .map(|j| {
+                let (_, m) = scale_min_k4(j, scales);
+                i32::from(m) * (i32::from(a.bsums[2 * j]) + i32::from(a.bsums[2 * j + 1]))
+            })
+            .sum()
+    })
 }
 
 /// The Q6_K offset's term: `32 · Σ_g sc_g · bsums[g]` (subtracted from the unsigned sum).
@@ -133,8 +300,8 @@ pub(crate) fn q6_offset_term(scales: &[u8], a: &BlockQ8K) -> i32 {
 /// Q4_K (`qh` = None) or Q5_K (`qh`: its 32 fifth-bit bytes) block sums.
 fn qk45_sums(scales: &[u8], qh: Option<&[u8]>, qs: &[u8], a: &BlockQ8K) -> BlockSums {
     let fifth = |l: usize, sub: usize| qh.map_or(0, |h| ((h[l] >> sub) & 1) << 4);
-    let mut s = 0i32;
-    for c in 0..4 {
+    let mut slices_s = [0i32; 4];
+    for (c, pair) in slices_s.iter_mut().enumerate() {
         let (sc0, _) = scale_min_k4(2 * c, scales);
         let (sc1, _) = scale_min_k4(2 * c + 1, scales);
         let (mut s0, mut s1) = (0i32, 0i32);
@@ -143,12 +310,9 @@ fn qk45_sums(scales: &[u8], qh: Option<&[u8]>, qs: &[u8], a: &BlockQ8K) -> Block
             s0 += i32::from((q & 0x0f) | fifth(l, 2 * c)) * i32::from(a.qs[64 * c + l]);
             s1 += i32::from((q >> 4) | fifth(l, 2 * c + 1)) * i32::from(a.qs[64 * c + 32 + l]);
         }
-        s += i32::from(sc0) * s0 + i32::from(sc1) * s1;
+        *pair = i32::from(sc0) * s0 + i32::from(sc1) * s1;
     }
-    BlockSums {
-        s,
-        m: mins_term(scales, a),
-    }
+    BlockSums::sliced(4, slices_s, mins_terms(scales, a))
 }
 
 fn q6_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
@@ -169,20 +333,21 @@ fn q6_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
             }
         }
     }
-    BlockSums { s, m: 0 }
+    BlockSums::whole(s, 0)
 }
 
 fn q2_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
     let (sc, qs) = (&b[0..16], &b[16..80]);
-    let (mut s, mut m) = (0i32, 0i32);
+    // By half (128 values, groups 8h .. 8h + 8).
+    let (mut s, mut m) = ([0i32; 4], [0i32; 4]);
     for g in 0..16 {
         let sum: i32 = (16 * g..16 * g + 16)
             .map(|e| i32::from(q2_at(qs, e)) * i32::from(a.qs[e]))
             .sum();
-        s += i32::from(sc[g] & 0x0f) * sum;
-        m += i32::from(sc[g] >> 4) * i32::from(a.bsums[g]);
+        s[g / 8] += i32::from(sc[g] & 0x0f) * sum;
+        m[g / 8] += i32::from(sc[g] >> 4) * i32::from(a.bsums[g]);
     }
-    BlockSums { s, m }
+    BlockSums::sliced(2, s, m)
 }
 
 fn q3_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
@@ -198,7 +363,7 @@ fn q3_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
             .sum();
         s += (i32::from(sc) - 32) * sum;
     }
-    BlockSums { s, m: 0 }
+    BlockSums::whole(s, 0)
 }
 
 /// A block's `(d_w, dmin_w)` and integer sums (the module's spec), for a K-quant `dtype`.
@@ -221,24 +386,35 @@ fn block_terms(dtype: DType, b: &[u8], x: &BlockQ8K) -> (f32, f32, BlockSums) {
     }
 }
 
-/// Scalar reference: a row of K-quant `dtype` weights · its Q8_K activations (the spec).
-pub fn dot_scalar(dtype: DType, w: &[u8], a: &[BlockQ8K]) -> f32 {
+/// Scalar reference: a row of K-quant `dtype` weights · its Q8_K activations (the spec) in
+/// `order`.
+pub fn dot_scalar(dtype: DType, order: KOrder, w: &[u8], a: &[BlockQ8K]) -> f32 {
     let bb = dtype.block_bytes();
     debug_assert_eq!(w.len(), a.len() * bb);
-    accumulate(w.chunks_exact(bb).zip(a).map(|(b, x)| {
-        let (d, dmin, sums) = block_terms(dtype, b, x);
-        (d, dmin, sums, x.d)
-    }))
+    debug_assert!(
+        order != KOrder::Slices || slices_of(dtype) > 0,
+        "{dtype:?} has no slices order"
+    );
+    accumulate(
+        order,
+        w.chunks_exact(bb).zip(a).map(|(b, x)| {
+            let (d, dmin, sums) = block_terms(dtype, b, x);
+            (d, dmin, sums, x.d)
+        }),
+    )
 }
 
+/// A K-quant row · Q8_K activations kernel in a given order.
+pub type KDot = fn(&[u8], &[BlockQ8K], KOrder) -> f32;
+
 /// The scalar reference of `dtype` (a K-quant), as a function pointer.
-pub fn scalar_dot(dtype: DType) -> fn(&[u8], &[BlockQ8K]) -> f32 {
+pub fn scalar_dot(dtype: DType) -> KDot {
     match dtype {
-        DType::Q2_K => |w, a| dot_scalar(DType::Q2_K, w, a),
-        DType::Q3_K => |w, a| dot_scalar(DType::Q3_K, w, a),
-        DType::Q4_K => |w, a| dot_scalar(DType::Q4_K, w, a),
-        DType::Q5_K => |w, a| dot_scalar(DType::Q5_K, w, a),
-        DType::Q6_K => |w, a| dot_scalar(DType::Q6_K, w, a),
+        DType::Q2_K => |w, a, o| dot_scalar(DType::Q2_K, o, w, a),
+        DType::Q3_K => |w, a, o| dot_scalar(DType::Q3_K, o, w, a),
+        DType::Q4_K => |w, a, o| dot_scalar(DType::Q4_K, o, w, a),
+        DType::Q5_K => |w, a, o| dot_scalar(DType::Q5_K, o, w, a),
+        DType::Q6_K => |w, a, o| dot_scalar(DType::Q6_K, o, w, a),
         _ => unreachable!("{dtype:?} does not use Q8_K activations"),
     }
 }
@@ -283,6 +459,67 @@ pub(crate) mod tests {
             }
         }
         w
+    }
+
+    /// The orders a `dtype` row can be computed in.
+    pub(crate) fn orders_of(dtype: DType) -> Vec<KOrder> {
+        if slices_of(dtype) > 0 {
+            vec![KOrder::Block, KOrder::Slices, KOrder::Tiled]
+        } else {
+            vec![KOrder::Block, KOrder::Tiled]
+        }
+    }
+
+    /// llama.cpp's choice of path, case by case (docs/llamacpp-kquant-arithmetic.md §5).
+    #[test]
+    fn orders_follow_llama_cpps_choice_of_path() {
+        let at = |len, index| RowBatch { len, index };
+        // (type, matrix rows, batch length, row index, order)
+        let cases = [
+            (DType::Q4_K, 2048, 1, 0, KOrder::Block),
+            (DType::Q4_K, 2048, 3, 2, KOrder::Block),
+            (DType::Q4_K, 2048, 4, 3, KOrder::Slices),
+            (DType::Q4_K, 2048, 43, 39, KOrder::Slices),
+            (DType::Q4_K, 2048, 43, 40, KOrder::Block),
+            (DType::Q4_K, 2048, 43, 42, KOrder::Block),
+            (DType::Q4_K, 2044, 43, 0, KOrder::Tiled),
+            (DType::Q4_K, 2044, 7, 0, KOrder::Block),
+            (DType::Q5_K, 2048, 7, 6, KOrder::Block),
+            (DType::Q5_K, 2048, 8, 7, KOrder::Tiled),
+            (DType::Q6_K, 576, 512, 511, KOrder::Tiled),
+            (DType::Q6_K, 576, 1, 0, KOrder::Block),
+            (DType::Q3_K, 576, 9, 0, KOrder::Tiled),
+            (DType::Q2_K, 576, 9, 0, KOrder::Slices),
+            (DType::Q2_K, 576, 9, 8, KOrder::Block),
+            (DType::Q2_K, 570, 9, 0, KOrder::Tiled),
+        ];
+        for (dtype, rows, len, index, want) in cases {
+            assert_eq!(
+                KOrder::for_row(dtype, rows, at(len, index)),
+                want,
+                "{dtype:?} rows {rows} at {index} of {len}"
+            );
+        }
+    }
+
+    /// The three orders are different arithmetic (a test of the tests: a kernel that ignored
+    /// its order would pass the bit-for-bit comparisons only if they coincided).
+    #[test]
+    fn the_orders_round_differently() {
+        let mut seed = 11u64;
+        for dtype in [DType::Q4_K, DType::Q2_K] {
+            let w = weights(dtype, 8, &mut seed);
+            let mut differ = [false; 2];
+            for _ in 0..8 {
+                let x = rand(8 * QK_K, &mut seed);
+                let mut a = vec![BlockQ8K::default(); 8];
+                quantize_row_q8_k(&x, &mut a);
+                let block = scalar_dot(dtype)(&w, &a, KOrder::Block).to_bits();
+                differ[0] |= scalar_dot(dtype)(&w, &a, KOrder::Slices).to_bits() != block;
+                differ[1] |= scalar_dot(dtype)(&w, &a, KOrder::Tiled).to_bits() != block;
+            }
+            assert_eq!(differ, [true, true], "{dtype:?}");
+        }
     }
 
     #[test]
@@ -337,11 +574,13 @@ pub(crate) mod tests {
                 exact += f64::from(wv) * av;
                 scale += (f64::from(wv) * av).abs();
             }
-            let got = scalar_dot(dtype)(&w, &a);
-            assert!(
-                (f64::from(got) - exact).abs() <= scale * 1e-5 + 1e-6,
-                "{dtype:?}: {got} vs {exact}"
-            );
+            for order in orders_of(dtype) {
+                let got = scalar_dot(dtype)(&w, &a, order);
+                assert!(
+                    (f64::from(got) - exact).abs() <= scale * 1e-5 + 1e-6,
+                    "{dtype:?} {order:?}: {got} vs {exact}"
+                );
+            }
         }
     }
 }

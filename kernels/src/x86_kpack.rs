@@ -15,6 +15,7 @@
 use core::arch::x86_64::*;
 
 use crate::pack::{CODE_BLOCK, Q8KLanes, Weights};
+use crate::q8k::KOrder;
 
 /// Bytes of one super-block of eight interleaved Q4_K rows: `d[8]`, `dmin[8]` (f16), each
 /// row's 8 sub-block scales (u8), the mins as `[pair p][row][k]` (sub-block `2p + k`, u8),
@@ -296,26 +297,74 @@ pub(crate) fn unpack_codes(dtype: crate::quant::DType, g: &[u8], out: &mut [u8])
 
 /// Eight interleaved Q4_K rows (`FIFTH` = false; `g`: `nb` blocks of [`Q4_K_GROUP_BLOCK`]
 /// bytes) or Q5_K rows (`FIFTH`; [`Q5_K_GROUP_BLOCK`]) · `T` Q8_K activation rows in lane order:
-/// `out[t][r]` is the bits of `q8k::scalar_dot(Q4_K or Q5_K)(row r, a[t])` — each row's
+/// `out[t][r]` is the bits of `q8k::scalar_dot(Q4_K or Q5_K)(row r, a[t], order)` — each row's
 /// integer `Σ_j scale_j · Σ q·a` is the same exact integer, reached in another order.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
     g: &[u8],
     a: [&[Q8KLanes]; T],
     w: Weights,
+    order: KOrder,
 ) -> [[f32; 8]; T] {
-    match w {
-        Weights::Codes(c) => q45_kernel::<T, FIFTH, true>(g, c, a, false),
-        Weights::FromMemory => q45_kernel::<T, FIFTH, false>(g, &[], a, true),
-        Weights::Cached => q45_kernel::<T, FIFTH, false>(g, &[], a, false),
+    // The order a const parameter: each kernel's epilogue compiled for one order (a runtime
+    // choice inside the block loop cost decode ~8 %).
+    match order {
+        KOrder::Block => q45_weights::<T, FIFTH, ORDER_BLOCK>(g, a, w),
+        KOrder::Slices => q45_weights::<T, FIFTH, ORDER_SLICES>(g, a, w),
+        KOrder::Tiled => q45_weights::<T, FIFTH, ORDER_TILED>(g, a, w),
     }
 }
+
+/// [`KOrder`] as a const parameter.
+const ORDER_BLOCK: u8 = 0;
+const ORDER_SLICES: u8 = 1;
+const ORDER_TILED: u8 = 2;
+
+const fn order_of(order: u8) -> KOrder {
+    match order {
+        ORDER_BLOCK => KOrder::Block,
+        ORDER_SLICES => KOrder::Slices,
+        _ => KOrder::Tiled,
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q45_weights<const T: usize, const FIFTH: bool, const ORDER: u8>(
+    g: &[u8],
+    a: [&[Q8KLanes]; T],
+    w: Weights,
+) -> [[f32; 8]; T] {
+    match w {
+        Weights::Codes(c) => q45_kernel::<T, FIFTH, true, ORDER>(g, c, a, false),
+        Weights::FromMemory => q45_kernel::<T, FIFTH, false, ORDER>(g, &[], a, true),
+        Weights::Cached => q45_kernel::<T, FIFTH, false, ORDER>(g, &[], a, false),
+    }
+}
+
+/// `permutex2var` indices taking, from a tile pair's [`sum4`] outputs (rows 0–3, rows 4–7),
+/// pair `2k`'s eight row sums into lanes 0–7 and pair `2k + 1`'s into lanes 8–15 (pair `p` is
+/// quarter `p`; lane `i` of a quarter is the tile's row `i`).
+static PAIR_LANES: [[i32; 16]; 2] = {
+    let mut t = [[0i32; 16]; 2];
+    let mut k = 0;
+    while k < 2 {
+        let mut lane = 0;
+        while lane < 16 {
+            let (p, r) = (2 * k + lane / 8, lane % 8);
+            t[k][lane] = (if r < 4 { 4 * p + r } else { 16 + 4 * p + r - 4 }) as i32;
+            lane += 1;
+        }
+        k += 1;
+    }
+    t
+};
 
 /// [`dot8_q45_k_packed`]'s body: the values unpacked from `g` (`CODES` = false) or read from
 /// `codes` ([`unpack_codes`] of `g`); `prefetch`: hint the blocks ahead into L2.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn q45_kernel<const T: usize, const FIFTH: bool, const CODES: bool>(
+fn q45_kernel<const T: usize, const FIFTH: bool, const CODES: bool, const ORDER: u8>(
     g: &[u8],
     codes: &[u8],
     a: [&[Q8KLanes]; T],
@@ -332,6 +381,10 @@ fn q45_kernel<const T: usize, const FIFTH: bool, const CODES: bool>(
     assert!(a.iter().all(|t| t.len() == nb));
     assert!(!CODES || codes.len() == nb * CODE_BLOCK);
     let min_lanes = MIN_PAIR_LANES.each_ref().map(|t| load_i16x32(t));
+    // SAFETY: 16 i32 = 64 bytes each.
+    let pair_lanes = PAIR_LANES
+        .each_ref()
+        .map(|t| unsafe { _mm512_loadu_si512(t.as_ptr().cast()) });
     let (mut acc, mut accm) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
     for b in 0..nb {
         let blk = &g[b * block..(b + 1) * block];
@@ -380,16 +433,47 @@ fn q45_kernel<const T: usize, const FIFTH: bool, const CODES: bool>(
             // SAFETY: `bsums` is 16 i16 = 32 bytes.
             let bs = unsafe { _mm256_loadu_si256(x[t].bsums.as_ptr().cast()) };
             let pairs = _mm512_castsi256_si512(_mm256_hadd_epi16(bs, bs));
-            // Lanes (p % 2)·8 + r: row r's Σ over pairs p of its two mins · pair sums.
-            let m = _mm512_add_epi32(
-                _mm512_madd_epi16(mins[0], _mm512_permutexvar_epi16(min_lanes[0], pairs)),
-                _mm512_madd_epi16(mins[1], _mm512_permutexvar_epi16(min_lanes[1], pairs)),
-            );
-            let m8 = _mm256_add_epi32(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64::<1>(m));
+            // Lanes (p % 2)·8 + r of register p / 2: row r's two mins · pair sums of pair p.
+            let [m01, m23] = [0, 1]
+                .map(|h| _mm512_madd_epi16(mins[h], _mm512_permutexvar_epi16(min_lanes[h], pairs)));
             let da = _mm256_set1_ps(x[t].d);
-            let s8 = _mm256_cvtepi32_ps(fold(halves[0][t], halves[1][t]));
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, da), s8, acc[t]);
-            accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmin8, da), _mm256_cvtepi32_ps(m8), accm[t]);
+            match const { order_of(ORDER) } {
+                KOrder::Block | KOrder::Tiled => {
+                    let m = _mm512_add_epi32(m01, m23);
+                    let m8 = _mm256_cvtepi32_ps(_mm256_add_epi32(
+                        _mm512_castsi512_si256(m),
+                        _mm512_extracti64x4_epi64::<1>(m),
+                    ));
+                    let s8 = _mm256_cvtepi32_ps(fold(halves[0][t], halves[1][t]));
+                    if ORDER == ORDER_BLOCK {
+                        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, da), s8, acc[t]);
+                        accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmin8, da), m8, accm[t]);
+                    } else {
+                        let r = _mm256_fnmadd_ps(dmin8, m8, _mm256_mul_ps(s8, d8));
+                        acc[t] = _mm256_fmadd_ps(r, da, acc[t]);
+                    }
+                }
+                KOrder::Slices => {
+                    let (dd, dm) = (_mm256_mul_ps(d8, da), _mm256_mul_ps(dmin8, da));
+                    for (k, m) in [m01, m23].into_iter().enumerate() {
+                        let s =
+                            _mm512_permutex2var_epi32(halves[0][t], pair_lanes[k], halves[1][t]);
+                        // Pair 2k in the low half, 2k + 1 in the high one.
+                        let halves_f32 = |v: __m512i| {
+                            let f = _mm512_castps_pd(_mm512_cvtepi32_ps(v));
+                            (
+                                _mm256_castpd_ps(_mm512_castpd512_pd256(f)),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(f)),
+                            )
+                        };
+                        let ((s_lo, s_hi), (m_lo, m_hi)) = (halves_f32(s), halves_f32(m));
+                        acc[t] = _mm256_fmadd_ps(s_lo, dd, acc[t]);
+                        accm[t] = _mm256_fmadd_ps(m_lo, dm, accm[t]);
+                        acc[t] = _mm256_fmadd_ps(s_hi, dd, acc[t]);
+                        accm[t] = _mm256_fmadd_ps(m_hi, dm, accm[t]);
+                    }
+                }
+            }
         }
     }
     store8(std::array::from_fn(|t| _mm256_sub_ps(acc[t], accm[t])))
@@ -397,25 +481,40 @@ fn q45_kernel<const T: usize, const FIFTH: bool, const CODES: bool>(
 
 /// Eight interleaved Q6_K rows (`g`: `nb` blocks of [`Q6_K_GROUP_BLOCK`] bytes) · `T` Q8_K
 /// activation rows in lane order: `out[t][r]` is the bits of `q8k::scalar_dot(Q6_K)(row r,
-/// a[t])`. The unsigned 6-bit values go through `dpbusd`; the −32 offset enters once per
-/// 16-element group through the activations' `bsums`.
+/// a[t], order)` (`order` not [`KOrder::Slices`]). The unsigned 6-bit values go through
+/// `dpbusd`; the −32 offset enters once per 16-element group through the activations' `bsums`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) fn dot8_q6_k_packed<const T: usize>(
     g: &[u8],
     a: [&[Q8KLanes]; T],
     w: Weights,
+    order: KOrder,
+) -> [[f32; 8]; T] {
+    match order {
+        KOrder::Block => q6_weights::<T, false>(g, a, w),
+        KOrder::Tiled => q6_weights::<T, true>(g, a, w),
+        KOrder::Slices => unreachable!("Q6_K has no slices order"),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q6_weights<const T: usize, const TILED: bool>(
+    g: &[u8],
+    a: [&[Q8KLanes]; T],
+    w: Weights,
 ) -> [[f32; 8]; T] {
     match w {
-        Weights::Codes(c) => q6_kernel::<T, true>(g, c, a, false),
-        Weights::FromMemory => q6_kernel::<T, false>(g, &[], a, true),
-        Weights::Cached => q6_kernel::<T, false>(g, &[], a, false),
+        Weights::Codes(c) => q6_kernel::<T, true, TILED>(g, c, a, false),
+        Weights::FromMemory => q6_kernel::<T, false, TILED>(g, &[], a, true),
+        Weights::Cached => q6_kernel::<T, false, TILED>(g, &[], a, false),
     }
 }
 
 /// [`dot8_q6_k_packed`]'s body, as [`q45_kernel`] is [`dot8_q45_k_packed`]'s.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn q6_kernel<const T: usize, const CODES: bool>(
+fn q6_kernel<const T: usize, const CODES: bool, const TILED: bool>(
     g: &[u8],
     codes: &[u8],
     a: [&[Q8KLanes]; T],
@@ -474,9 +573,15 @@ fn q6_kernel<const T: usize, const CODES: bool>(
         for t in 0..T {
             let da = _mm256_set1_ps(x[t].d);
             let s8 = _mm256_cvtepi32_ps(fold(halves[0][t], halves[1][t]));
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, da), s8, acc[t]);
+            acc[t] = if TILED {
+                // `r = S·d` (`− dmin·M` is −0·0: no change), then `fma(r, da, acc)`.
+                _mm256_fmadd_ps(_mm256_mul_ps(s8, d8), da, acc[t])
+            } else {
+                _mm256_fmadd_ps(_mm256_mul_ps(d8, da), s8, acc[t])
+            };
         }
     }
-    // The spec's `acc − accm` with `accm` = +0 (Q6_K has no mins): `acc` itself.
+    // Block: the spec's `acc − accm` with `accm` = +0 (Q6_K has no mins), `acc` itself; Tiled:
+    // `acc`.
     store8(acc)
 }

@@ -6,7 +6,7 @@
 use core::arch::x86_64::*;
 
 use crate::kquant::{scale_min_k4, scales_q3_k};
-use crate::q8k::{BlockQ8K, BlockSums, accumulate, mins_term, q6_offset_term};
+use crate::q8k::{BlockQ8K, BlockSums, KOrder, accumulate, mins_terms, q6_offset_term};
 use crate::quant::{DType, f16_at};
 
 #[inline]
@@ -55,14 +55,21 @@ fn qk45_chunk(qs: &[u8], hbits: Option<__m256i>, c: usize) -> [__m256i; 2] {
     [lo, hi]
 }
 
-/// `Σ_c sc_lo(c) · Σ lo·a + sc_hi(c) · Σ hi·a` over a Q4_K/Q5_K block's four 64-element
-/// chunks, the 5-bit values' fifth bits from `qh` where given.
+/// A Q4_K/Q5_K block's [`BlockSums`]: `Σ_c sc_lo(c) · Σ lo·a + sc_hi(c) · Σ hi·a` over its four
+/// 64-element chunks (chunk `c` is sub-block pair `c`), the 5-bit values' fifth bits from `qh`
+/// where given; split by pair where `PAIRS` (one horizontal sum per chunk rather than one).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn qk45_scaled_sum(scales: &[u8], qh: Option<&[u8]>, qs: &[u8], a: &BlockQ8K) -> i32 {
+fn qk45_sums<const PAIRS: bool>(
+    scales: &[u8],
+    qh: Option<&[u8]>,
+    qs: &[u8],
+    a: &BlockQ8K,
+) -> BlockSums {
     let hbits = qh.map(|h| load32(h));
     let mut acc = _mm256_setzero_si256();
-    for c in 0..4 {
+    let mut slices_s = [0i32; 4];
+    for (c, pair) in slices_s.iter_mut().enumerate() {
         let [lo, hi] = qk45_chunk(qs, hbits, c);
         let (sc0, _) = scale_min_k4(2 * c, scales);
         let (sc1, _) = scale_min_k4(2 * c + 1, scales);
@@ -70,78 +77,97 @@ fn qk45_scaled_sum(scales: &[u8], qh: Option<&[u8]>, qs: &[u8], a: &BlockQ8K) ->
         let p1 = _mm256_maddubs_epi16(hi, load32_i8(&a.qs[64 * c + 32..]));
         let s0 = _mm256_madd_epi16(p0, _mm256_set1_epi16(i16::from(sc0)));
         let s1 = _mm256_madd_epi16(p1, _mm256_set1_epi16(i16::from(sc1)));
-        acc = _mm256_add_epi32(acc, _mm256_add_epi32(s0, s1));
+        if PAIRS {
+            *pair = hsum_i32(_mm256_add_epi32(s0, s1));
+        } else {
+            acc = _mm256_add_epi32(acc, _mm256_add_epi32(s0, s1));
+        }
     }
-    hsum_i32(acc)
+    let slices_m = mins_terms(scales, a);
+    if PAIRS {
+        BlockSums::sliced(4, slices_s, slices_m)
+    } else {
+        BlockSums::whole(hsum_i32(acc), slices_m.iter().sum())
+    }
+}
+
+/// Q4_K (`qh` = None: 144-byte blocks) or Q5_K (176) weights · Q8_K activations in `order`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_qk45_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder, fifth: bool) -> f32 {
+    let bb = if fifth { 176 } else { 144 };
+    assert_eq!(w.len(), a.len() * bb);
+    accumulate(
+        order,
+        w.chunks_exact(bb).zip(a).map(|(b, x)| {
+            let (scales, qh, qs) = if fifth {
+                (&b[4..16], Some(&b[16..48]), &b[48..176])
+            } else {
+                (&b[4..16], None, &b[16..144])
+            };
+            let sums = if order == KOrder::Slices {
+                qk45_sums::<true>(scales, qh, qs, x)
+            } else {
+                qk45_sums::<false>(scales, qh, qs, x)
+            };
+            (f16_at(b, 0), f16_at(b, 2), sums, x.d)
+        }),
+    )
 }
 
 /// Q4_K weights · Q8_K activations.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn dot_q4_k_q8k(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    assert_eq!(w.len(), a.len() * 144);
-    accumulate(w.chunks_exact(144).zip(a).map(|(b, x)| {
-        let (scales, qs) = (&b[4..16], &b[16..144]);
-        let sums = BlockSums {
-            s: qk45_scaled_sum(scales, None, qs, x),
-            m: mins_term(scales, x),
-        };
-        (f16_at(b, 0), f16_at(b, 2), sums, x.d)
-    }))
+pub(crate) fn dot_q4_k_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder) -> f32 {
+    dot_qk45_q8k(w, a, order, false)
 }
 
 /// Q5_K weights · Q8_K activations.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn dot_q5_k_q8k(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    assert_eq!(w.len(), a.len() * 176);
-    accumulate(w.chunks_exact(176).zip(a).map(|(b, x)| {
-        let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-        let sums = BlockSums {
-            s: qk45_scaled_sum(scales, Some(qh), qs, x),
-            m: mins_term(scales, x),
-        };
-        (f16_at(b, 0), f16_at(b, 2), sums, x.d)
-    }))
+pub(crate) fn dot_q5_k_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder) -> f32 {
+    dot_qk45_q8k(w, a, order, true)
 }
 
 /// Q6_K weights · Q8_K activations: the unsigned 6-bit values through `maddubs`, the −32
 /// offset applied once per 16-element group through the activations' `bsums`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn dot_q6_k_q8k(w: &[u8], a: &[BlockQ8K]) -> f32 {
+pub(crate) fn dot_q6_k_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder) -> f32 {
     assert_eq!(w.len(), a.len() * 210);
+    debug_assert_ne!(order, KOrder::Slices, "Q6_K has no slices order");
     let m4 = _mm256_set1_epi8(0x0f);
     let m2 = _mm256_set1_epi8(3);
-    accumulate(w.chunks_exact(210).zip(a).map(|(b, x)| {
-        let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-        let mut acc = _mm256_setzero_si256();
-        for half in 0..2 {
-            let ql0 = load32(&ql[64 * half..]);
-            let ql1 = load32(&ql[64 * half + 32..]);
-            let h = load32(&qh[32 * half..]);
-            let nibbles = [
-                _mm256_and_si256(ql0, m4),
-                _mm256_and_si256(ql1, m4),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
-            ];
-            for (k, lo) in nibbles.into_iter().enumerate() {
-                let hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * k as i32)), m2);
-                let q = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
-                let p = _mm256_maddubs_epi16(q, load32_i8(&x.qs[128 * half + 32 * k..]));
-                // Elements 0..16 take scale 8·half + 2k, elements 16..32 the next.
-                let g = 8 * half + 2 * k;
-                let scale = _mm256_set_m128i(
-                    _mm_set1_epi16(i16::from(sc[g + 1] as i8)),
-                    _mm_set1_epi16(i16::from(sc[g] as i8)),
-                );
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+    accumulate(
+        order,
+        w.chunks_exact(210).zip(a).map(|(b, x)| {
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            let mut acc = _mm256_setzero_si256();
+            for half in 0..2 {
+                let ql0 = load32(&ql[64 * half..]);
+                let ql1 = load32(&ql[64 * half + 32..]);
+                let h = load32(&qh[32 * half..]);
+                let nibbles = [
+                    _mm256_and_si256(ql0, m4),
+                    _mm256_and_si256(ql1, m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                ];
+                for (k, lo) in nibbles.into_iter().enumerate() {
+                    let hi =
+                        _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * k as i32)), m2);
+                    let q = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
+                    let p = _mm256_maddubs_epi16(q, load32_i8(&x.qs[128 * half + 32 * k..]));
+                    // Elements 0..16 take scale 8·half + 2k, elements 16..32 the next.
+                    let g = 8 * half + 2 * k;
+                    let scale = _mm256_set_m128i(
+                        _mm_set1_epi16(i16::from(sc[g + 1] as i8)),
+                        _mm_set1_epi16(i16::from(sc[g] as i8)),
+                    );
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+                }
             }
-        }
-        let sums = BlockSums {
-            s: hsum_i32(acc) - q6_offset_term(sc, x),
-            m: 0,
-        };
-        (f16_at(b, 208), 0.0, sums, x.d)
-    }))
+            let sums = BlockSums::whole(hsum_i32(acc) - q6_offset_term(sc, x), 0);
+            (f16_at(b, 208), 0.0, sums, x.d)
+        }),
+    )
 }
 
 // ---- AVX-512 (F, BW, VNNI): 64 elements per instruction, one to four tokens per weight decode.
@@ -308,81 +334,101 @@ fn decode_q23k(
 }
 
 /// Each token's [`BlockSums`]: `S = Σ_c Σ_pairs maddubs(q_c, a_c) · sc_c` (for Q6_K with
-/// `−32 · Σ sc_g · bsums[g]` folded in) and `M = Σ_g min_g · bsums[g]` (Q4_K/Q5_K).
+/// `−32 · Σ sc_g · bsums[g]` folded in) and `M = Σ_g min_g · bsums[g]` (Q4_K/Q5_K/Q2_K); split
+/// into `slices` slices where `slices` > 0 (`crate::q8k::slices_of`: chunk `c` of 64 values
+/// lies in slice `c · slices / 4`, and lane `l` of the mins' products — groups `2l`, `2l + 1` —
+/// in slice `l · slices / 8`).
 #[inline]
 #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vnni")]
-fn block_sums<const T: usize>(d: &Decoded, a: [&BlockQ8K; T]) -> [BlockSums; T] {
-    let mut out = [BlockSums { s: 0, m: 0 }; T];
+fn block_sums<const T: usize>(d: &Decoded, a: [&BlockQ8K; T], slices: usize) -> [BlockSums; T] {
+    debug_assert!(slices == 0 || (!d.fold_into_s && (slices == 2 || slices == 4)));
+    let mut out = [BlockSums::whole(0, 0); T];
     for t in 0..T {
         // SAFETY: `bsums` is 16 i16 = 32 bytes.
         let bsums = unsafe { _mm256_loadu_si256(a[t].bsums.as_ptr().cast()) };
-        let mut acc = _mm512_setzero_si512();
-        for c in 0..4 {
-            let p = _mm512_maddubs_epi16(d.q[c], load64_i8(&a[t].qs[64 * c..]));
-            acc = _mm512_dpwssd_epi32(acc, p, d.sc[c]);
-        }
         let weighted = _mm256_madd_epi16(bsums, d.bsum_weights);
-        out[t] = if d.fold_into_s {
-            let acc = _mm512_add_epi32(acc, _mm512_castsi256_si512(weighted));
-            BlockSums {
-                s: _mm512_reduce_add_epi32(acc),
-                m: 0,
+        let chunk = |c: usize, acc: __m512i| {
+            let p = _mm512_maddubs_epi16(d.q[c], load64_i8(&a[t].qs[64 * c..]));
+            _mm512_dpwssd_epi32(acc, p, d.sc[c])
+        };
+        out[t] = if slices > 0 {
+            let (mut s, mut m) = ([0i32; 4], [0i32; 4]);
+            for c in 0..4 {
+                s[c * slices / 4] += _mm512_reduce_add_epi32(chunk(c, _mm512_setzero_si512()));
             }
+            let mut lanes = [0i32; 8];
+            // SAFETY: 8 i32 = 32 bytes.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), weighted) };
+            for (l, v) in lanes.iter().enumerate() {
+                m[l * slices / 8] += v;
+            }
+            BlockSums::sliced(slices, s, m)
         } else {
-            BlockSums {
-                s: _mm512_reduce_add_epi32(acc),
-                m: hsum_i32(weighted),
+            let acc = (0..4).fold(_mm512_setzero_si512(), |acc, c| chunk(c, acc));
+            if d.fold_into_s {
+                let acc = _mm512_add_epi32(acc, _mm512_castsi256_si512(weighted));
+                BlockSums::whole(_mm512_reduce_add_epi32(acc), 0)
+            } else {
+                BlockSums::whole(_mm512_reduce_add_epi32(acc), hsum_i32(weighted))
             }
         };
     }
     out
 }
 
-/// One K-quant row · `T` tokens' Q8_K activations (1 ≤ T ≤ 4), each token's result the
-/// scalar reference's bits (`crate::q8k`: same integers, same float steps in the same order).
+/// One K-quant row · `T` tokens' Q8_K activations (1 ≤ T ≤ 4) in `order`, each token's result
+/// the scalar reference's bits (`crate::q8k`: same integers, same float steps in the same
+/// order).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
 pub(crate) fn dot_kquant_512<const T: usize>(
     dtype: DType,
+    order: KOrder,
     w: &[u8],
     a: [&[BlockQ8K]; T],
 ) -> [f32; T] {
     let bb = dtype.block_bytes();
     let n = w.len() / bb;
     assert!(w.len() == n * bb && a.iter().all(|x| x.len() == n));
-    let (mut acc, mut accm) = ([0.0f32; T], [0.0f32; T]);
+    let slices = if order == KOrder::Slices {
+        crate::q8k::slices_of(dtype)
+    } else {
+        0
+    };
+    assert!(
+        order != KOrder::Slices || slices > 0,
+        "{dtype:?} has no slices order"
+    );
+    let mut acc = [crate::q8k::Accumulator::new(order); T];
     for (i, b) in w.chunks_exact(bb).enumerate() {
         let x: [&BlockQ8K; T] = std::array::from_fn(|t| &a[t][i]);
         let (d, dmin, sums) = match dtype {
             DType::Q4_K => {
                 let dec = decode_qk45(&b[4..16], None, &b[16..144]);
-                (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x))
+                (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x, slices))
             }
             DType::Q5_K => {
                 let dec = decode_qk45(&b[4..16], Some(&b[16..48]), &b[48..176]);
-                (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x))
+                (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x, slices))
             }
-            DType::Q6_K => (f16_at(b, 208), 0.0, block_sums(&decode_q6k(b), x)),
+            DType::Q6_K => (f16_at(b, 208), 0.0, block_sums(&decode_q6k(b), x, slices)),
             DType::Q2_K => {
                 let sc: [i16; 16] = std::array::from_fn(|g| i16::from(b[g] & 0x0f));
                 let mins: [i16; 16] = std::array::from_fn(|g| i16::from(b[g] >> 4));
                 let dec = decode_q23k(&b[16..80], None, sc, mins);
-                (f16_at(b, 80), f16_at(b, 82), block_sums(&dec, x))
+                (f16_at(b, 80), f16_at(b, 82), block_sums(&dec, x, slices))
             }
             DType::Q3_K => {
                 let raw = scales_q3_k(&b[96..108]);
                 let sc: [i16; 16] = std::array::from_fn(|g| i16::from(raw[g]) - 32);
                 let offset: [i16; 16] = std::array::from_fn(|g| -4 * sc[g]);
                 let dec = decode_q23k(&b[32..96], Some(&b[0..32]), sc, offset);
-                (f16_at(b, 108), 0.0, block_sums(&dec, x))
+                (f16_at(b, 108), 0.0, block_sums(&dec, x, slices))
             }
             _ => unreachable!("{dtype:?} is not a K-quant"),
         };
         for t in 0..T {
-            let s = sums[t];
-            // `crate::q8k::accumulate`'s two steps, token by token.
-            acc[t] = (d * x[t].d).mul_add(s.s as f32, acc[t]);
-            accm[t] = (dmin * x[t].d).mul_add(s.m as f32, accm[t]);
+            acc[t].add(d, dmin, &sums[t], x[t].d);
         }
     }
-    std::array::from_fn(|t| acc[t] - accm[t])
+    acc.map(crate::q8k::Accumulator::finish)
 }

@@ -260,25 +260,53 @@ pub struct Scratch {
 /// Llama 3's RoPE frequency factors tensor.
 pub(crate) const ROPE_FREQS: &str = "rope_freqs.weight";
 
-/// A projection group (Q/K/V, gate/up) over the same input `x` (`n × cols`): one prepared input
-/// and one parallel section when the matrices share an activation format (int8 blocks or f32),
-/// one per format otherwise — GGUF mixes such as Q5_0 beside Q8_0 in one layer.
+/// A projection group (Q/K/V, gate/up) over the same input `x` (rows in consecutive batches of
+/// `batches` rows: each request's rows, `QInput::prepare_batches`; `cols` wide): one prepared
+/// input and one parallel section when the matrices share an activation format (int8 blocks or
+/// f32), one per format otherwise — GGUF mixes such as Q5_0 beside Q8_0 in one layer.
 fn project(
     qin: &mut QInput,
     x: &[f32],
-    n: usize,
+    batches: &[usize],
     cols: usize,
     jobs: &mut [(QMatrix<'_>, &mut [f32])],
 ) {
     let first = jobs[0].0.dtype.activations();
     if jobs.iter().all(|(w, _)| w.dtype.activations() == first) {
-        qin.prepare(x, n, cols, jobs[0].0.dtype);
+        qin.prepare_batches(x, batches, cols, jobs[0].0.dtype);
         matmul_many(jobs, qin);
         return;
     }
     for (w, out) in jobs.iter_mut() {
-        qin.prepare(x, n, cols, w.dtype);
+        qin.prepare_batches(x, batches, cols, w.dtype);
         custody_kernels::matmul::matmul(w, qin, out);
+    }
+}
+
+/// The rows whose logits a batch wants (segments that did not fail), in order, and how many
+/// each segment has (its batch for the matmuls after the selection).
+struct OutputRows {
+    rows: Vec<usize>,
+    per_segment: Vec<usize>,
+}
+
+impl OutputRows {
+    fn new(segments: &[Segment<'_>], row0: &[usize], failed: &[Option<IntegrityError>]) -> Self {
+        let mut out = Self {
+            rows: Vec::new(),
+            per_segment: Vec::with_capacity(segments.len()),
+        };
+        for ((sg, &r0), f) in segments.iter().zip(row0).zip(failed) {
+            let before = out.rows.len();
+            match (f, sg.logits) {
+                (Some(_), _) | (None, Logits::None) => {}
+                (None, Logits::Last) => out.rows.push(r0 + sg.tokens.len() - 1),
+                (None, Logits::All) => out.rows.extend(r0..r0 + sg.tokens.len()),
+            }
+            out.per_segment.push(out.rows.len() - before);
+        }
+        debug_assert!(out.rows.is_sorted());
+        out
     }
 }
 
@@ -526,6 +554,37 @@ impl Model {
             .map_or(self.output.dtype, |l| l.wq.dtype)
     }
 
+    /// Layer `l`'s feed-forward block over the first `rows` rows of `s.x` (in batches of
+    /// `batches` rows), added into them.
+    fn feed_forward(&self, l: &Layer, s: &mut Scratch, rows: usize, batches: &[usize]) {
+        let (c, dim) = (&self.config, self.config.dim);
+        debug_assert_eq!(batches.iter().sum::<usize>(), rows);
+        for r in 0..rows {
+            ops::rms_norm(
+                &s.x[r * dim..(r + 1) * dim],
+                &l.ffn_norm,
+                c.rms_eps,
+                &mut s.xn[r * dim..(r + 1) * dim],
+            );
+        }
+        let ffn = rows * c.ffn_dim;
+        project(
+            &mut s.qin,
+            &s.xn[..rows * dim],
+            batches,
+            dim,
+            &mut [
+                (self.qm(&l.w_gate), &mut s.gate[..ffn]),
+                (self.qm(&l.w_up), &mut s.up[..ffn]),
+            ],
+        );
+        ops::swiglu(&mut s.gate[..ffn], &s.up[..ffn]);
+        s.qin
+            .prepare_batches(&s.gate[..ffn], batches, c.ffn_dim, l.w_down.dtype);
+        custody_kernels::matmul::matmul(&self.qm(&l.w_down), &s.qin, &mut s.tmp[..rows * dim]);
+        ops::add_inplace(&mut s.x[..rows * dim], &s.tmp[..rows * dim]);
+    }
+
     /// Run a batch. Returns, per segment, its logits (`rows × vocab`, rows per [`Logits`]) or the
     /// integrity error that failed it.
     pub fn forward(
@@ -557,6 +616,11 @@ impl Model {
             positions.extend(sg.start_pos..sg.start_pos + sg.tokens.len());
         }
         let mut failed: Vec<Option<IntegrityError>> = vec![None; segments.len()];
+        // Each request's rows are one batch of the matmuls (the K-quants' float order depends
+        // on it, as llama.cpp's does on its batch).
+        let batches: Vec<usize> = segments.iter().map(|sg| sg.tokens.len()).collect();
+        // Set after the last layer's attention.
+        let mut output: Option<OutputRows> = None;
 
         // Embeddings.
         let embd = self.qm(&self.tok_embd);
@@ -587,7 +651,7 @@ impl Model {
             project(
                 &mut s.qin,
                 &s.xn,
-                n,
+                &batches,
                 dim,
                 &mut [
                     (self.qm(&l.wq), &mut s.q[..]),
@@ -656,60 +720,39 @@ impl Model {
                     failed[si] = Some(e);
                 }
             }
-            s.qin.prepare(&s.att, n, qd, l.wo.dtype);
+            s.qin.prepare_batches(&s.att, &batches, qd, l.wo.dtype);
             custody_kernels::matmul::matmul(&self.qm(&l.wo), &s.qin, &mut s.tmp);
             ops::add_inplace(&mut s.x, &s.tmp);
 
-            // --- feed-forward block
-            for r in 0..n {
-                ops::rms_norm(
-                    &s.x[r * dim..(r + 1) * dim],
-                    &l.ffn_norm,
-                    c.rms_eps,
-                    &mut s.xn[r * dim..(r + 1) * dim],
-                );
-            }
-            project(
-                &mut s.qin,
-                &s.xn,
-                n,
-                dim,
-                &mut [
-                    (self.qm(&l.w_gate), &mut s.gate[..]),
-                    (self.qm(&l.w_up), &mut s.up[..]),
-                ],
-            );
-            ops::swiglu(&mut s.gate, &s.up);
-            s.qin.prepare(&s.gate, n, c.ffn_dim, l.w_down.dtype);
-            custody_kernels::matmul::matmul(&self.qm(&l.w_down), &s.qin, &mut s.tmp);
-            ops::add_inplace(&mut s.x, &s.tmp);
-        }
-
-        // Output head, only for the rows whose logits are wanted.
-        let mut want_rows = Vec::new();
-        for (si, sg) in segments.iter().enumerate() {
-            if failed[si].is_some() {
+            // After the last layer's attention only the rows whose logits are wanted go on (as
+            // llama.cpp's graphs select `inp_out_ids` there): the others' K/V are written, and
+            // their feed-forward output would feed nothing.
+            let (rows, ffn_batches) = if li + 1 == self.layers.len() {
+                let out = OutputRows::new(segments, &row0, &failed);
+                for (i, &r) in out.rows.iter().enumerate() {
+                    // Rows ascend, so row `r ≥ i` moves down or stays.
+                    s.x.copy_within(r * dim..(r + 1) * dim, i * dim);
+                }
+                let rows = out.rows.len();
+                (rows, &output.insert(out).per_segment)
+            } else {
+                (n, &batches)
+            };
+            if rows == 0 {
                 continue;
             }
-            let r0 = row0[si];
-            match sg.logits {
-                Logits::None => {}
-                Logits::Last => want_rows.push(r0 + sg.tokens.len() - 1),
-                Logits::All => want_rows.extend(r0..r0 + sg.tokens.len()),
-            }
+            self.feed_forward(l, s, rows, ffn_batches);
         }
-        let mut logits_all = vec![0.0f32; want_rows.len() * c.vocab_size];
-        if !want_rows.is_empty() {
-            let mut h = vec![0.0f32; want_rows.len() * dim];
-            for (i, &r) in want_rows.iter().enumerate() {
-                ops::rms_norm(
-                    &s.x[r * dim..(r + 1) * dim],
-                    &self.output_norm,
-                    c.rms_eps,
-                    &mut h[i * dim..(i + 1) * dim],
-                );
+
+        // Output head, for the rows whose logits are wanted (now the first rows of `s.x`).
+        let want = output.map_or(0, |o| o.rows.len());
+        let mut logits_all = vec![0.0f32; want * c.vocab_size];
+        if want > 0 {
+            let mut h = vec![0.0f32; want * dim];
+            for (x, h) in s.x.chunks_exact(dim).zip(h.chunks_exact_mut(dim)) {
+                ops::rms_norm(x, &self.output_norm, c.rms_eps, h);
             }
-            s.qin.prepare(&h, want_rows.len(), dim, self.output.dtype);
+            s.qin.prepare(&h, want, dim, self.output.dtype);
             custody_kernels::matmul::matmul(&self.qm(&self.output), &s.qin, &mut logits_all);
         }
         let mut cursor = 0;
