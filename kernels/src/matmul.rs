@@ -12,7 +12,7 @@
 //! stay in L1/L2 (weight reuse is what makes prefill faster per token than decode).
 
 use crate::pack::{GROUP_ROWS, PackedRows, Q8KLanes, Q40PairTerms, Weights};
-use crate::q8k::{self, BlockQ8K, KOrder, RowBatch};
+use crate::q8k::{self, BlockQ8K, KOrder, KPath, RowBatch};
 use crate::quant::{self, Activations, BlockQ8, DType, QK, QK_K};
 use crate::simd::{self, Level};
 
@@ -85,10 +85,9 @@ pub struct QInput {
     f: Vec<f32>,
     /// Each row's place in its batch: what the K-quants' float order depends on.
     batches: Vec<RowBatch>,
-    /// Q8_K activations: each row's [`KOrder`] over a matrix that llama.cpp runs through its
-    /// tiled path (`[0]`) or its repacked GEMM (`[1]`, `KOrder::repacked_gemm`), and the end of
-    /// its run of rows of one order.
-    k_orders: [KOrders; 2],
+    /// Q8_K activations: each row's [`KOrder`] over a matrix of each `q8k::KPath` (in
+    /// `KPath::ALL`'s order), and the end of its run of rows of one order.
+    k_orders: [KOrders; 3],
 }
 
 /// Rows' K-quant orders and runs (`QInput::k_orders`).
@@ -100,13 +99,10 @@ struct KOrders {
 }
 
 impl KOrders {
-    fn compute(&mut self, repacked_gemm: bool, batches: &[RowBatch]) {
+    fn compute(&mut self, path: KPath, batches: &[RowBatch]) {
         self.order.clear();
-        self.order.extend(
-            batches
-                .iter()
-                .map(|&at| KOrder::for_path(repacked_gemm, at)),
-        );
+        self.order
+            .extend(batches.iter().map(|&at| KOrder::for_path(path, at)));
         let n = batches.len();
         self.run_end.clear();
         self.run_end.resize(n, n);
@@ -140,8 +136,8 @@ impl QInput {
         }
         debug_assert_eq!(self.batches.len(), n_tok);
         if dtype.activations() == Activations::Q8K {
-            for (gemm, k) in self.k_orders.iter_mut().enumerate() {
-                k.compute(gemm == 1, &self.batches);
+            for (k, path) in self.k_orders.iter_mut().zip(KPath::ALL) {
+                k.compute(path, &self.batches);
             }
         } else {
             // No K-quant matrix reads these rows (`k_orders_of` asserts).
@@ -214,7 +210,8 @@ impl QInput {
     }
 
     fn k_orders_of(&self, dtype: DType, rows: usize) -> &KOrders {
-        let k = &self.k_orders[usize::from(KOrder::repacked_gemm(dtype, rows))];
+        let path = KOrder::path(dtype, rows);
+        let k = &self.k_orders[KPath::ALL.iter().position(|&p| p == path).expect("a path")];
         assert_eq!(
             k.order.len(),
             self.n_tok,
@@ -1397,7 +1394,8 @@ mod tests {
                         }
                     }
                 }
-                // A row alone (a decode step) is its own batch: the block order.
+                // A row alone (a decode step) is its own batch: llama.cpp's GEMV or `vec_dot`.
+                let alone = KOrder::for_row(dtype, rows, RowBatch { len: 1, index: 0 });
                 for t in 0..n_tok {
                     let mut one = QInput::default();
                     one.prepare(&x[t * cols..(t + 1) * cols], 1, cols, dtype);
@@ -1405,7 +1403,7 @@ mod tests {
                     matmul(&w, &one, &mut o);
                     let a = &one.q8k[..per_row];
                     let want: Vec<f32> = (0..rows)
-                        .map(|r| q8k::scalar_dot(dtype)(w.row(r), a, KOrder::Block))
+                        .map(|r| q8k::scalar_dot(dtype)(w.row(r), a, alone))
                         .collect();
                     assert_eq!(want, o, "{dtype:?} token {t}");
                 }

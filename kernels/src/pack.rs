@@ -652,11 +652,12 @@ mod tests {
         let reference = crate::q8k::scalar_dot(dtype);
         let mut codes = Vec::new();
         let cases = (0..rows / GROUP_ROWS).flat_map(|g| (0..3).map(move |s| (g, s)));
-        for ((g, source), order) in cases.flat_map(|c| {
-            crate::q8k::tests::orders_of(dtype)
-                .into_iter()
-                .map(move |o| (c, o))
-        }) {
+        // Every order but Q4_K's lanes (llama.cpp repacks every Q4_K matrix that can be packed,
+        // so no packed Q4_K row takes its `vec_dot` order).
+        let orders = crate::q8k::tests::orders_of(dtype)
+            .into_iter()
+            .filter(move |&o| !(dtype == DType::Q4_K && o == KOrder::Lanes));
+        for ((g, source), order) in cases.flat_map(|c| orders.clone().map(move |o| (c, o))) {
             let lanes_t = std::array::from_fn(|t| lanes[t].as_slice());
             // Every source of the same weights: packed from memory, cached, unpacked codes.
             let from = match source {

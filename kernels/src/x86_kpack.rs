@@ -312,6 +312,15 @@ pub(crate) fn dot8_q45_k_packed<const T: usize, const FIFTH: bool>(
         KOrder::Block => q45_weights::<T, FIFTH, ORDER_BLOCK>(g, a, w),
         KOrder::Slices => q45_weights::<T, FIFTH, ORDER_SLICES>(g, a, w),
         KOrder::Tiled => q45_weights::<T, FIFTH, ORDER_TILED>(g, a, w),
+        KOrder::Lanes => {
+            // llama.cpp never runs a matrix it repacks (every packed Q4_K) through `vec_dot`.
+            assert!(FIFTH, "packed Q4_K has no lanes order");
+            match w {
+                Weights::Codes(c) => q5_lanes_kernel::<T, true>(g, c, a, false),
+                Weights::FromMemory => q5_lanes_kernel::<T, false>(g, &[], a, true),
+                Weights::Cached => q5_lanes_kernel::<T, false>(g, &[], a, false),
+            }
+        }
     }
 }
 
@@ -324,7 +333,8 @@ const fn order_of(order: u8) -> KOrder {
     match order {
         ORDER_BLOCK => KOrder::Block,
         ORDER_SLICES => KOrder::Slices,
-        _ => KOrder::Tiled,
+        ORDER_TILED => KOrder::Tiled,
+        _ => panic!("not an order the block kernels take"),
     }
 }
 
@@ -453,6 +463,7 @@ fn q45_kernel<const T: usize, const FIFTH: bool, const CODES: bool, const ORDER:
                         acc[t] = _mm256_fmadd_ps(r, da, acc[t]);
                     }
                 }
+                KOrder::Lanes => unreachable!("lanes: q5_lanes_kernel"),
                 KOrder::Slices => {
                     let (dd, dm) = (_mm256_mul_ps(d8, da), _mm256_mul_ps(dmin8, da));
                     for (k, m) in [m01, m23].into_iter().enumerate() {
@@ -490,10 +501,13 @@ pub(crate) fn dot8_q6_k_packed<const T: usize>(
     w: Weights,
     order: KOrder,
 ) -> [[f32; 8]; T] {
-    match order {
-        KOrder::Block => q6_weights::<T, false>(g, a, w),
-        KOrder::Tiled => q6_weights::<T, true>(g, a, w),
-        KOrder::Slices => unreachable!("Q6_K has no slices order"),
+    match (order, w) {
+        (KOrder::Block, w) => q6_weights::<T, false>(g, a, w),
+        (KOrder::Tiled, w) => q6_weights::<T, true>(g, a, w),
+        (KOrder::Lanes, Weights::Codes(c)) => q6_lanes_kernel::<T, true>(g, c, a, false),
+        (KOrder::Lanes, Weights::FromMemory) => q6_lanes_kernel::<T, false>(g, &[], a, true),
+        (KOrder::Lanes, Weights::Cached) => q6_lanes_kernel::<T, false>(g, &[], a, false),
+        (KOrder::Slices, _) => unreachable!("Q6_K has no slices order"),
     }
 }
 
@@ -584,4 +598,219 @@ fn q6_kernel<const T: usize, const CODES: bool, const TILED: bool>(
     // Block: the spec's `acc − accm` with `accm` = +0 (Q6_K has no mins), `acc` itself; Tiled:
     // `acc`.
     store8(acc)
+}
+
+// ---- llama.cpp's `vec_dot` order (`KOrder::Lanes`): eight partial lanes per row.
+//
+// Lane `l` of its AVX2 `vec_dot` sums values `4l .. 4l + 4` of every 32 (a 32-byte vector's i32
+// lanes after `maddubs`/`madd`). In the packed lane order (`pack::lane_element`) i32 lane `j` of
+// chunk `k` holds values `16j + 4k .. + 4`: its `vec_dot` lane is `4 (j % 2) + k`. So a row's
+// chunks are kept apart (four accumulators, each scaled by its groups' scales), and one
+// transposing tree ([`lanes8`]) sums each chunk's even and odd lanes: its eight outputs are
+// `vec_dot` lanes `[0, 1, 4, 5, 2, 3, 6, 7]` ([`LANES_AT`]), accumulated in that order and summed
+// at the end in `hsum_float_8`'s. One row at a time (with its chunks apart, four rows would not
+// fit the registers); the group's blocks are read once from memory for row 0, from L2 after.
+
+/// The `vec_dot` lane of each output of [`lanes8`] (its own inverse).
+const LANES_AT: [usize; 8] = [0, 1, 4, 5, 2, 3, 6, 7];
+
+/// `[a0+a2, b0+b2, a1+a3, b1+b3]` in each 128-bit quarter: the even and the odd lanes of two
+/// vectors, half summed.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn pair_sum(a: __m512i, b: __m512i) -> __m512i {
+    _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+}
+
+/// For one row's four scaled chunks `v[k]`: `[e0, e1, o0, o1, e2, e3, o2, o3]`, `ek`/`ok` the sums
+/// of chunk `k`'s even / odd lanes — `vec_dot` lanes `LANES_AT`.
+#[inline]
+#[target_feature(enable = "avx2,avx512f")]
+fn lanes8(v: [__m512i; 4]) -> __m256i {
+    fold(pair_sum(v[0], v[1]), pair_sum(v[2], v[3]))
+}
+
+/// `hsum_float_8` of a row's lane accumulator in [`lanes8`]'s order.
+fn hsum_lanes(acc: [f32; 8]) -> f32 {
+    crate::q8k::hsum_float_8(std::array::from_fn(|l| acc[LANES_AT[l]]))
+}
+
+/// Each token's four chunks of lane-order activations.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn chunks4<const T: usize>(x: &[&Q8KLanes; T]) -> [[__m512i; 4]; T] {
+    std::array::from_fn(|t| {
+        std::array::from_fn(|k| load512(x[t].qs[64 * k..64 * k + 64].as_ptr().cast()))
+    })
+}
+
+/// `mullo(dpbusd(0, q[k], x[t][k]), sc)` for every token and chunk: each chunk's per-group sums
+/// scaled by its groups' scales (lane `j`: group `j`), never summed across chunks.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+fn scaled_chunks<const T: usize>(
+    q: [__m512i; 4],
+    x: &[[__m512i; 4]; T],
+    sc: __m512i,
+) -> [[__m512i; 4]; T] {
+    std::array::from_fn(|t| {
+        std::array::from_fn(|k| {
+            _mm512_mullo_epi32(
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k], x[t][k]),
+                sc,
+            )
+        })
+    })
+}
+
+/// Eight packed Q5_K rows · `T` tokens in llama.cpp's `vec_dot` order (`q8k::scalar_dot(Q5_K)(row
+/// r, a[t], Lanes)`, bit for bit): per block `acc[l] ← fma(da·d, S_l, acc[l])` and
+/// `summs ← fma(−da·dmin, M, summs)`; the dot `hsum_float_8(acc) + summs`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q5_lanes_kernel<const T: usize, const CODES: bool>(
+    g: &[u8],
+    codes: &[u8],
+    a: [&[Q8KLanes]; T],
+    prefetch: bool,
+) -> [[f32; 8]; T] {
+    use q4k_at::*;
+    let nb = g.len() / Q5_K_GROUP_BLOCK;
+    assert_eq!(g.len(), nb * Q5_K_GROUP_BLOCK);
+    assert!(a.iter().all(|t| t.len() == nb));
+    assert!(!CODES || codes.len() == nb * CODE_BLOCK);
+    let min_lanes = MIN_PAIR_LANES.each_ref().map(|t| load_i16x32(t));
+    // `acc[r][t]`: row r's lanes for token t; `summs[t]`: lane r row r's mins' term.
+    let mut acc = [[_mm256_setzero_ps(); T]; 8];
+    let mut summs = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        let blk = &g[b * Q5_K_GROUP_BLOCK..(b + 1) * Q5_K_GROUP_BLOCK];
+        if prefetch {
+            prefetch_block(blk.as_ptr(), Q5_K_GROUP_BLOCK);
+        }
+        let at = |off: usize| blk[off..].as_ptr();
+        let x: [&Q8KLanes; T] = std::array::from_fn(|t| &a[t][b]);
+        let xc = chunks4(&x);
+        // SAFETY: every load below lies inside `blk` (offsets from the layout, asserted size).
+        let (d8, dmin8, mins) = unsafe {
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(at(D).cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(at(DMIN).cast())),
+                [0, 32].map(|h| _mm512_cvtepu8_epi16(_mm256_loadu_si256(at(MINS + h).cast()))),
+            )
+        };
+        // Per token, lane r: row r's `d = y.d · x.d` and `dmin = −y.d · x.dmin`.
+        let (dd, dm): ([__m256; T], [__m256; T]) = (
+            std::array::from_fn(|t| _mm256_mul_ps(_mm256_set1_ps(x[t].d), d8)),
+            std::array::from_fn(|t| _mm256_mul_ps(_mm256_set1_ps(-x[t].d), dmin8)),
+        );
+        for t in 0..T {
+            // SAFETY: `bsums` is 16 i16 = 32 bytes.
+            let bs = unsafe { _mm256_loadu_si256(x[t].bsums.as_ptr().cast()) };
+            let pairs = _mm512_castsi256_si512(_mm256_hadd_epi16(bs, bs));
+            let m = _mm512_add_epi32(
+                _mm512_madd_epi16(mins[0], _mm512_permutexvar_epi16(min_lanes[0], pairs)),
+                _mm512_madd_epi16(mins[1], _mm512_permutexvar_epi16(min_lanes[1], pairs)),
+            );
+            let m8 = _mm256_add_epi32(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64::<1>(m));
+            summs[t] = _mm256_fmadd_ps(dm[t], _mm256_cvtepi32_ps(m8), summs[t]);
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let q: [__m512i; 4] = {
+                let pass = |h: usize| {
+                    if CODES {
+                        code_values(codes, b, r, 128 * h, 128 * h + 64)
+                    } else {
+                        q45_values::<true>(blk, r, h)
+                    }
+                };
+                let ([q0, q1], [q2, q3]) = (pass(0), pass(1));
+                [q0, q1, q2, q3]
+            };
+            // Lane j (group j) takes sub-block j / 2's scale: the 8 bytes doubled, widened.
+            // SAFETY: 8 scale bytes of row r inside `blk`.
+            let sc8 = unsafe { _mm_loadl_epi64(at(SCALES + 8 * r).cast()) };
+            let v = scaled_chunks(q, &xc, _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc8, sc8)));
+            let row = _mm256_set1_epi32(r as i32);
+            for t in 0..T {
+                let d = _mm256_permutevar8x32_ps(dd[t], row);
+                acc_r[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes8(v[t])), acc_r[t]);
+            }
+        }
+    }
+    let summs = summs.map(|v| store_f32x8(v));
+    std::array::from_fn(|t| {
+        std::array::from_fn(|r| hsum_lanes(store_f32x8(acc[r][t])) + summs[t][r])
+    })
+}
+
+/// Eight packed Q6_K rows · `T` tokens in llama.cpp's `vec_dot` order (`q8k::scalar_dot(Q6_K)(row
+/// r, a[t], Lanes)`, bit for bit): lane `l` less its `32 · (bsums[2l]·sc[2l] +
+/// bsums[2l+1]·sc[2l+1])`, `acc[l] ← fma(da·d, S_l, acc[l])`; the dot `hsum_float_8(acc)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q6_lanes_kernel<const T: usize, const CODES: bool>(
+    g: &[u8],
+    codes: &[u8],
+    a: [&[Q8KLanes]; T],
+    prefetch: bool,
+) -> [[f32; 8]; T] {
+    use q6k_at::*;
+    let nb = g.len() / Q6_K_GROUP_BLOCK;
+    assert_eq!(g.len(), nb * Q6_K_GROUP_BLOCK);
+    assert!(a.iter().all(|t| t.len() == nb));
+    assert!(!CODES || codes.len() == nb * CODE_BLOCK);
+    // `vec_dot` lanes into `lanes8`'s order (the permutation is its own inverse).
+    let to_lanes8 = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    let mut acc = [[_mm256_setzero_ps(); T]; 8];
+    for b in 0..nb {
+        let blk = &g[b * Q6_K_GROUP_BLOCK..(b + 1) * Q6_K_GROUP_BLOCK];
+        if prefetch {
+            prefetch_block(blk.as_ptr(), Q6_K_GROUP_BLOCK);
+        }
+        let x: [&Q8KLanes; T] = std::array::from_fn(|t| &a[t][b]);
+        let xc = chunks4(&x);
+        // SAFETY: `bsums` is 16 i16 = 32 bytes.
+        let bs: [__m256i; T] =
+            std::array::from_fn(|t| unsafe { _mm256_loadu_si256(x[t].bsums.as_ptr().cast()) });
+        // SAFETY: 8 f16 inside `blk`.
+        let d8 = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk[D..].as_ptr().cast())) };
+        let dd: [__m256; T] = std::array::from_fn(|t| _mm256_mul_ps(_mm256_set1_ps(x[t].d), d8));
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // Pass p: chunks p and p + 2.
+            let q: [__m512i; 4] = {
+                let pass = |p: usize| {
+                    if CODES {
+                        code_values(codes, b, r, 64 * p, 64 * p + 128)
+                    } else {
+                        q6_values(blk, r, p)
+                    }
+                };
+                let ([q0, q2], [q1, q3]) = (pass(0), pass(1));
+                [q0, q1, q2, q3]
+            };
+            // SAFETY: 16 scale bytes of row r inside `blk`.
+            let sc16x8 = unsafe { _mm_loadu_si128(blk[SCALES + 16 * r..].as_ptr().cast()) };
+            let v = scaled_chunks(q, &xc, _mm512_cvtepi8_epi32(sc16x8));
+            let sc16 = _mm256_cvtepi8_epi16(sc16x8);
+            let row = _mm256_set1_epi32(r as i32);
+            for t in 0..T {
+                let offsets = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bs[t], sc16));
+                let offsets = _mm256_permutevar8x32_epi32(offsets, to_lanes8);
+                let lanes = _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes8(v[t]), offsets));
+                let d = _mm256_permutevar8x32_ps(dd[t], row);
+                acc_r[t] = _mm256_fmadd_ps(d, lanes, acc_r[t]);
+            }
+        }
+    }
+    std::array::from_fn(|t| std::array::from_fn(|r| hsum_lanes(store_f32x8(acc[r][t]))))
+}
+
+#[inline]
+#[target_feature(enable = "avx")]
+fn store_f32x8(v: __m256) -> [f32; 8] {
+    let mut out = [0.0f32; 8];
+    // SAFETY: 8 f32 = 32 bytes.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+    out
 }

@@ -19,6 +19,15 @@ fn hsum_i32(v: __m256i) -> i32 {
 }
 
 #[inline]
+#[target_feature(enable = "avx")]
+fn store_i32x8(v: __m256i) -> [i32; 8] {
+    let mut out = [0i32; 8];
+    // SAFETY: 8 i32 = 32 bytes.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
+    out
+}
+
+#[inline]
 #[target_feature(enable = "avx2")]
 fn load32(p: &[u8]) -> __m256i {
     assert!(p.len() >= 32);
@@ -65,6 +74,7 @@ fn qk45_sums<const PAIRS: bool>(
     qh: Option<&[u8]>,
     qs: &[u8],
     a: &BlockQ8K,
+    lanes: bool,
 ) -> BlockSums {
     let hbits = qh.map(|h| load32(h));
     let mut acc = _mm256_setzero_si256();
@@ -79,15 +89,27 @@ fn qk45_sums<const PAIRS: bool>(
         let s1 = _mm256_madd_epi16(p1, _mm256_set1_epi16(i16::from(sc1)));
         if PAIRS {
             *pair = hsum_i32(_mm256_add_epi32(s0, s1));
-        } else {
-            acc = _mm256_add_epi32(acc, _mm256_add_epi32(s0, s1));
         }
+        // i32 lane `l`: bytes `4l .. 4l + 4` of each 32 (`maddubs` then `madd` keep them in
+        // place): llama.cpp's `vec_dot` lanes.
+        acc = _mm256_add_epi32(acc, _mm256_add_epi32(s0, s1));
     }
     let slices_m = mins_terms(scales, a);
-    if PAIRS {
+    let sums = if PAIRS {
         BlockSums::sliced(4, slices_s, slices_m)
     } else {
         BlockSums::whole(hsum_i32(acc), slices_m.iter().sum())
+    };
+    if lanes {
+        // `slices_m` is what Q4_K's lanes order needs of the mins.
+        let by_lane = BlockSums {
+            slices: 4,
+            slices_m,
+            ..sums
+        };
+        by_lane.with_lanes(store_i32x8(acc))
+    } else {
+        sums
     }
 }
 
@@ -97,8 +119,11 @@ fn qk45_sums<const PAIRS: bool>(
 fn dot_qk45_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder, fifth: bool) -> f32 {
     let bb = if fifth { 176 } else { 144 };
     assert_eq!(w.len(), a.len() * bb);
+    let dtype = if fifth { DType::Q5_K } else { DType::Q4_K };
+    let lanes = order == KOrder::Lanes;
     accumulate(
         order,
+        dtype,
         w.chunks_exact(bb).zip(a).map(|(b, x)| {
             let (scales, qh, qs) = if fifth {
                 (&b[4..16], Some(&b[16..48]), &b[48..176])
@@ -106,9 +131,9 @@ fn dot_qk45_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder, fifth: bool) -> f32 {
                 (&b[4..16], None, &b[16..144])
             };
             let sums = if order == KOrder::Slices {
-                qk45_sums::<true>(scales, qh, qs, x)
+                qk45_sums::<true>(scales, qh, qs, x, lanes)
             } else {
-                qk45_sums::<false>(scales, qh, qs, x)
+                qk45_sums::<false>(scales, qh, qs, x, lanes)
             };
             (f16_at(b, 0), f16_at(b, 2), sums, x.d)
         }),
@@ -137,6 +162,7 @@ pub(crate) fn dot_q6_k_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder) -> f32 {
     let m2 = _mm256_set1_epi8(3);
     accumulate(
         order,
+        DType::Q6_K,
         w.chunks_exact(210).zip(a).map(|(b, x)| {
             let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
             let mut acc = _mm256_setzero_si256();
@@ -165,6 +191,20 @@ pub(crate) fn dot_q6_k_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder) -> f32 {
                 }
             }
             let sums = BlockSums::whole(hsum_i32(acc) - q6_offset_term(sc, x), 0);
+            let sums = if order == KOrder::Lanes {
+                // Lane `l` less `32 · (bsums[2l]·sc[2l] + bsums[2l+1]·sc[2l+1])` (its `q8sclsub`).
+                // SAFETY: `bsums` is 16 i16 = 32 bytes; 16 scale bytes inside the block.
+                let (bs, sc16) = unsafe {
+                    (
+                        _mm256_loadu_si256(x.bsums.as_ptr().cast()),
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr().cast())),
+                    )
+                };
+                let offsets = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bs, sc16));
+                sums.with_lanes(store_i32x8(_mm256_sub_epi32(acc, offsets)))
+            } else {
+                sums
+            };
             (f16_at(b, 208), 0.0, sums, x.d)
         }),
     )
@@ -340,7 +380,12 @@ fn decode_q23k(
 /// in slice `l · slices / 8`).
 #[inline]
 #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vnni")]
-fn block_sums<const T: usize>(d: &Decoded, a: [&BlockQ8K; T], slices: usize) -> [BlockSums; T] {
+fn block_sums<const T: usize>(
+    d: &Decoded,
+    a: [&BlockQ8K; T],
+    slices: usize,
+    lanes: bool,
+) -> [BlockSums; T] {
     debug_assert!(slices == 0 || (!d.fold_into_s && (slices == 2 || slices == 4)));
     let mut out = [BlockSums::whole(0, 0); T];
     for t in 0..T {
@@ -364,12 +409,29 @@ fn block_sums<const T: usize>(d: &Decoded, a: [&BlockQ8K; T], slices: usize) -> 
             }
             BlockSums::sliced(slices, s, m)
         } else {
-            let acc = (0..4).fold(_mm512_setzero_si512(), |acc, c| chunk(c, acc));
+            let mut acc = (0..4).fold(_mm512_setzero_si512(), |acc, c| chunk(c, acc));
             if d.fold_into_s {
-                let acc = _mm512_add_epi32(acc, _mm512_castsi256_si512(weighted));
-                BlockSums::whole(_mm512_reduce_add_epi32(acc), 0)
+                acc = _mm512_add_epi32(acc, _mm512_castsi256_si512(weighted));
+            }
+            let m = if d.fold_into_s { 0 } else { hsum_i32(weighted) };
+            let sums = BlockSums::whole(_mm512_reduce_add_epi32(acc), m);
+            if lanes {
+                // i32 lane `L` of a chunk holds values `4L .. 4L + 4` of its 64, so lanes `l` and
+                // `l + 8` hold `vec_dot` lane `l` (Q6_K's offsets, in lanes 0–7, are its too).
+                let by_lane = _mm256_add_epi32(
+                    _mm512_castsi512_si256(acc),
+                    _mm512_extracti64x4_epi64::<1>(acc),
+                );
+                let mut lanes_sums = sums.with_lanes(store_i32x8(by_lane));
+                if !d.fold_into_s {
+                    // Q4_K's mins by pair of sub-blocks: lanes `2p`, `2p + 1` of `weighted`.
+                    let w = store_i32x8(weighted);
+                    lanes_sums.slices = 4;
+                    lanes_sums.slices_m = std::array::from_fn(|p| w[2 * p] + w[2 * p + 1]);
+                }
+                lanes_sums
             } else {
-                BlockSums::whole(_mm512_reduce_add_epi32(acc), hsum_i32(weighted))
+                sums
             }
         };
     }
@@ -398,31 +460,48 @@ pub(crate) fn dot_kquant_512<const T: usize>(
         order != KOrder::Slices || slices > 0,
         "{dtype:?} has no slices order"
     );
-    let mut acc = [crate::q8k::Accumulator::new(order); T];
+    let mut acc = [crate::q8k::Accumulator::new(order, dtype); T];
+    let lanes = order == KOrder::Lanes;
     for (i, b) in w.chunks_exact(bb).enumerate() {
         let x: [&BlockQ8K; T] = std::array::from_fn(|t| &a[t][i]);
         let (d, dmin, sums) = match dtype {
             DType::Q4_K => {
                 let dec = decode_qk45(&b[4..16], None, &b[16..144]);
-                (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x, slices))
+                (
+                    f16_at(b, 0),
+                    f16_at(b, 2),
+                    block_sums(&dec, x, slices, lanes),
+                )
             }
             DType::Q5_K => {
                 let dec = decode_qk45(&b[4..16], Some(&b[16..48]), &b[48..176]);
-                (f16_at(b, 0), f16_at(b, 2), block_sums(&dec, x, slices))
+                (
+                    f16_at(b, 0),
+                    f16_at(b, 2),
+                    block_sums(&dec, x, slices, lanes),
+                )
             }
-            DType::Q6_K => (f16_at(b, 208), 0.0, block_sums(&decode_q6k(b), x, slices)),
+            DType::Q6_K => (
+                f16_at(b, 208),
+                0.0,
+                block_sums(&decode_q6k(b), x, slices, lanes),
+            ),
             DType::Q2_K => {
                 let sc: [i16; 16] = std::array::from_fn(|g| i16::from(b[g] & 0x0f));
                 let mins: [i16; 16] = std::array::from_fn(|g| i16::from(b[g] >> 4));
                 let dec = decode_q23k(&b[16..80], None, sc, mins);
-                (f16_at(b, 80), f16_at(b, 82), block_sums(&dec, x, slices))
+                (
+                    f16_at(b, 80),
+                    f16_at(b, 82),
+                    block_sums(&dec, x, slices, lanes),
+                )
             }
             DType::Q3_K => {
                 let raw = scales_q3_k(&b[96..108]);
                 let sc: [i16; 16] = std::array::from_fn(|g| i16::from(raw[g]) - 32);
                 let offset: [i16; 16] = std::array::from_fn(|g| -4 * sc[g]);
                 let dec = decode_q23k(&b[32..96], Some(&b[0..32]), sc, offset);
-                (f16_at(b, 108), 0.0, block_sums(&dec, x, slices))
+                (f16_at(b, 108), 0.0, block_sums(&dec, x, slices, lanes))
             }
             _ => unreachable!("{dtype:?} is not a K-quant"),
         };

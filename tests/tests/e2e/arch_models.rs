@@ -80,6 +80,19 @@ fn every_architecture_and_type_gives_llama_cpps_logits() {
         let model = load(&path, meta["sha256"].as_str().expect("sha"));
         let ids = ids(&meta["ids"]);
         let mut e = Engine::new(model, cfg()).expect("engine");
+        if max_bound == 0.0 {
+            // Bit for bit: served greedily (the prompt as one batch, then a decode step per
+            // token, as llama.cpp generated the continuation), the tokens are llama.cpp's.
+            let n_prompt = meta["n_prompt"].as_u64().expect("n_prompt") as usize;
+            let served =
+                crate::reference::greedy(&mut e, ids[..n_prompt].to_vec(), ids.len() - n_prompt);
+            if served[..] != ids[n_prompt..] {
+                failures.push(format!(
+                    "{name}: served {served:?}, llama.cpp generated {:?}",
+                    &ids[n_prompt..]
+                ));
+            }
+        }
         let ours = e.score(&ids).expect("score");
         let (shape, theirs) = read_npy_f32(&fixture(&format!("arch/{name}.npy")));
         assert_eq!(shape, [ids.len(), ours.len() / ids.len()], "{name}");
