@@ -5,7 +5,7 @@
 //! the call, so a request's results are bit-identical whether it runs alone or batched with
 //! others (the engine's "batched == alone" guarantee depends on this). The K-quants follow
 //! llama.cpp's float order, which depends on the row's own batch — the rows of one request's
-//! prompt chunk, or its one decode token ([`QInput::prepare_batches`], `crate::q8k::KOrder`) —
+//! prompt chunk, or its one decode token ([`QInput::prepare_rows`], `crate::q8k::KOrder`) —
 //! and never on another request's rows. Work is split statically over rows across the installed
 //! compute pool ([`crate::par`]): part `i` gets the same rows every call, so a worker keeps
 //! reading the same weights. Each part walks a tile of rows for every token so the tile's weights
@@ -119,21 +119,30 @@ impl KOrders {
 impl QInput {
     /// Prepare `x` (`n_tok × cols`, row-major) for weights of type `dtype`, its rows one batch.
     pub fn prepare(&mut self, x: &[f32], n_tok: usize, cols: usize, dtype: DType) {
-        self.prepare_batches(x, &[n_tok], cols, dtype);
+        let len = u32::try_from(n_tok).expect("fewer than 2^32 rows");
+        self.batches.clear();
+        self.batches
+            .extend((0..len).map(|index| RowBatch { len, index }));
+        self.prepare_with_batches(x, cols, dtype);
     }
 
-    /// As [`QInput::prepare`], the rows in consecutive batches of `batch_lens` rows (each
-    /// request's rows in this step: a prompt chunk, or one decode token), whose sum is the
-    /// number of rows.
-    pub fn prepare_batches(&mut self, x: &[f32], batch_lens: &[usize], cols: usize, dtype: DType) {
-        let n_tok: usize = batch_lens.iter().sum();
-        assert_eq!(x.len(), n_tok * cols, "QInput::prepare: shape mismatch");
+    /// As [`QInput::prepare`], row `t` at `rows[t]` in its batch (for the K-quants' float
+    /// order): a request's prompt rows in the batches llama.cpp would evaluate the prompt in,
+    /// a decode row a batch of its own.
+    pub fn prepare_rows(&mut self, x: &[f32], rows: &[RowBatch], cols: usize, dtype: DType) {
+        assert!(
+            rows.iter().all(|b| b.index < b.len),
+            "QInput::prepare_rows: a row outside its batch"
+        );
         self.batches.clear();
-        for &len in batch_lens {
-            let len32 = u32::try_from(len).expect("a batch of fewer than 2^32 rows");
-            self.batches
-                .extend((0..len32).map(|index| RowBatch { len: len32, index }));
-        }
+        self.batches.extend_from_slice(rows);
+        self.prepare_with_batches(x, cols, dtype);
+    }
+
+    /// [`QInput::prepare`]'s work, `self.batches` set.
+    fn prepare_with_batches(&mut self, x: &[f32], cols: usize, dtype: DType) {
+        let n_tok = self.batches.len();
+        assert_eq!(x.len(), n_tok * cols, "QInput::prepare: shape mismatch");
         debug_assert_eq!(self.batches.len(), n_tok);
         if dtype.activations() == Activations::Q8K {
             for (k, path) in self.k_orders.iter_mut().zip(KPath::ALL) {
@@ -1370,14 +1379,23 @@ mod tests {
                 let mut x = rand_f32(n_tok * cols, &mut seed);
                 x[..cols / 2].iter_mut().for_each(|v| *v = v.signum() * 3.0);
                 // One batch of every row; two (a prompt chunk and a decode row, as a step
-                // that batches two requests).
-                let splits = [vec![n_tok], vec![n_tok - 1, 1]];
-                for lens in splits.iter().filter(|l| l.iter().all(|&n| n > 0)) {
+                // that batches two requests); the last rows of a longer batch (a prompt whose
+                // first five rows came from the prefix cache).
+                let batch = |len: usize, from: usize| {
+                    let len32 = len as u32;
+                    (from as u32..len32).map(move |index| RowBatch { len: len32, index })
+                };
+                let mut splits: Vec<Vec<RowBatch>> =
+                    vec![batch(n_tok, 0).collect(), batch(n_tok + 5, 5).collect()];
+                if n_tok > 1 {
+                    splits.push(batch(n_tok - 1, 0).chain(batch(1, 0)).collect());
+                }
+                for at in &splits {
                     let mut qi = QInput::default();
-                    qi.prepare_batches(&x, lens, cols, dtype);
+                    qi.prepare_rows(&x, at, cols, dtype);
                     let mut want = vec![0.0; n_tok * rows];
                     matmul_scalar(&w, &qi, &mut want);
-                    let what = format!("{dtype:?} {rows}x{cols} batches {lens:?}");
+                    let what = format!("{dtype:?} {rows}x{cols} rows {at:?}");
                     assert_bits_at_1_to_3_threads(&w, &qi, &want, &what);
                 }
                 let mut qi = QInput::default();

@@ -14,7 +14,7 @@ use crate::cuda_forward::{CudaForward, CudaForwardError};
 use crate::gguf::write::Synthetic;
 use crate::gguf::{Gguf, GgufError};
 use crate::kv::{PagePool, PoolError};
-use crate::model::{Logits, Model, ModelError, Scratch, Segment};
+use crate::model::{Logits, Model, ModelError, Rows, Scratch, Segment};
 
 /// Page size of the check's pools.
 const PAGE_SIZE: usize = 8;
@@ -213,6 +213,14 @@ pub fn compare_with_cpu<D: Device>(
                     ReduceOrder::Gemm
                 } else {
                     ReduceOrder::Vec
+                },
+                rows: if s.tokens.len() - s.start >= 2 {
+                    Rows::Prompt {
+                        len: s.tokens.len(),
+                        chunk: s.tokens.len(),
+                    }
+                } else {
+                    Rows::Decode
                 },
                 check: TagCheck::Enforced,
             })

@@ -23,7 +23,7 @@ use custody_kernels::attention::{PageRef, Reader, ReduceOrder, TagCheck};
 use crate::config::{EngineConfig, UnsafeReproduction};
 use crate::cuda_forward::{CudaForward, CudaForwardError};
 use crate::kv::{PagePool, PoolError, PoolView};
-use crate::model::{Logits, Model, Scratch, Segment};
+use crate::model::{Logits, Model, Rows, Scratch, Segment};
 use crate::prefix_cache::{BlockKey, CacheScope, CachedPage, PrefixCache, ScopeKind};
 use crate::sampling::{Sampler, SamplingParams};
 use custody_cuda::{Device, DeviceError};
@@ -1126,6 +1126,13 @@ impl Engine {
                     Phase::Prefill if self.running[*i].prompt.len() >= 2 => ReduceOrder::Gemm,
                     Phase::Prefill | Phase::Decode { .. } => ReduceOrder::Vec,
                 },
+                rows: match self.running[*i].phase {
+                    Phase::Prefill => Rows::Prompt {
+                        len: self.running[*i].prompt.len(),
+                        chunk: self.cfg.max_batch_tokens,
+                    },
+                    Phase::Decode { .. } => Rows::Decode,
+                },
                 check: self.tag_check,
             })
             .collect();
@@ -1311,6 +1318,10 @@ impl Engine {
                 reader: Reader::private(owner),
                 logits: Logits::All,
                 order: ReduceOrder::Gemm,
+                rows: Rows::Prompt {
+                    len: tokens.len(),
+                    chunk: self.cfg.max_batch_tokens,
+                },
                 check: TagCheck::Enforced,
             };
             match run_forward(&mut self.compute, &self.model, &mut self.pool, &[seg])

@@ -19,6 +19,7 @@ use custody_kernels::attention::{
     AttnScratch, IntegrityError, PageGeometry, PageRef, Reader, ReduceOrder, TagCheck,
 };
 use custody_kernels::matmul::matmul_many;
+use custody_kernels::q8k::RowBatch;
 use custody_kernels::{DType, PackedRows, QInput, QMatrix, ops};
 
 pub use self::arch::ArchSpec;
@@ -236,8 +237,47 @@ pub struct Segment<'a> {
     /// Attention reduction order: a property of the request (prompt vs decode rows), so that a
     /// row's arithmetic never depends on what else shares its batch.
     pub order: ReduceOrder,
+    /// Which batch each row belongs to for the K-quants' float order (also a property of the
+    /// request).
+    pub rows: Rows,
     /// Always `Enforced` except in the incident reproduction.
     pub check: TagCheck,
+}
+
+/// The batch llama.cpp would compute a segment's rows in — what the K-quant matmuls' float order
+/// depends on (`custody_kernels::q8k::KOrder`). A property of the request, never of this step:
+/// a prompt's rows get the batches of the whole prompt evaluated from its start in chunks, so a
+/// prefix-cache hit, or a chunk cut short because other requests' rows share the step, gives
+/// every row the same arithmetic as computing the whole prompt alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// Rows of a prompt of `len` tokens evaluated in chunks of `chunk` (llama.cpp's `n_batch`):
+    /// position `p` is row `p mod chunk` of a batch of `min(chunk, len − chunk·⌊p/chunk⌋)`.
+    Prompt { len: usize, chunk: usize },
+    /// One token decoded (a batch of one).
+    Decode,
+}
+
+impl Rows {
+    /// The batch of the row at position `pos`.
+    pub fn at(self, pos: usize) -> RowBatch {
+        let one = RowBatch { len: 1, index: 0 };
+        match self {
+            Self::Decode => one,
+            Self::Prompt { len, chunk } => {
+                assert!(
+                    pos < len && chunk > 0,
+                    "position {pos} of a {len}-token prompt"
+                );
+                let start = pos / chunk * chunk;
+                let to_u32 = |v: usize| u32::try_from(v).expect("a batch under 2^32 rows");
+                RowBatch {
+                    len: to_u32((len - start).min(chunk)),
+                    index: to_u32(pos - start),
+                }
+            }
+        }
+    }
 }
 
 /// Reusable activation buffers (sized for the largest batch seen).
@@ -260,52 +300,63 @@ pub struct Scratch {
 /// Llama 3's RoPE frequency factors tensor.
 pub(crate) const ROPE_FREQS: &str = "rope_freqs.weight";
 
-/// A projection group (Q/K/V, gate/up) over the same input `x` (rows in consecutive batches of
-/// `batches` rows: each request's rows, `QInput::prepare_batches`; `cols` wide): one prepared
-/// input and one parallel section when the matrices share an activation format (int8 blocks or
-/// f32), one per format otherwise — GGUF mixes such as Q5_0 beside Q8_0 in one layer.
+/// A projection group (Q/K/V, gate/up) over the same input `x` (row `t` at `rows[t]` in its
+/// batch, [`Rows`]; `cols` wide): one prepared input and one parallel section when the matrices
+/// share an activation format (int8 blocks or f32), one per format otherwise — GGUF mixes such
+/// as Q5_0 beside Q8_0 in one layer.
 fn project(
     qin: &mut QInput,
     x: &[f32],
-    batches: &[usize],
+    rows: &[RowBatch],
     cols: usize,
     jobs: &mut [(QMatrix<'_>, &mut [f32])],
 ) {
     let first = jobs[0].0.dtype.activations();
     if jobs.iter().all(|(w, _)| w.dtype.activations() == first) {
-        qin.prepare_batches(x, batches, cols, jobs[0].0.dtype);
+        qin.prepare_rows(x, rows, cols, jobs[0].0.dtype);
         matmul_many(jobs, qin);
         return;
     }
     for (w, out) in jobs.iter_mut() {
-        qin.prepare_batches(x, batches, cols, w.dtype);
+        qin.prepare_rows(x, rows, cols, w.dtype);
         custody_kernels::matmul::matmul(w, qin, out);
     }
 }
 
-/// The rows whose logits a batch wants (segments that did not fail), in order, and how many
-/// each segment has (its batch for the matmuls after the selection).
+/// The rows whose logits a batch wants (segments that did not fail), in order, and the batch
+/// each is in after the selection (as llama.cpp's `n_outputs` rows: a lone last row is a batch
+/// of one; every row of a segment that wants them all keeps its batch).
 struct OutputRows {
     rows: Vec<usize>,
-    per_segment: Vec<usize>,
+    batches: Vec<RowBatch>,
 }
 
 impl OutputRows {
-    fn new(segments: &[Segment<'_>], row0: &[usize], failed: &[Option<IntegrityError>]) -> Self {
+    fn new(
+        segments: &[Segment<'_>],
+        row0: &[usize],
+        row_batches: &[RowBatch],
+        failed: &[Option<IntegrityError>],
+    ) -> Self {
         let mut out = Self {
             rows: Vec::new(),
-            per_segment: Vec::with_capacity(segments.len()),
+            batches: Vec::new(),
         };
         for ((sg, &r0), f) in segments.iter().zip(row0).zip(failed) {
-            let before = out.rows.len();
             match (f, sg.logits) {
                 (Some(_), _) | (None, Logits::None) => {}
-                (None, Logits::Last) => out.rows.push(r0 + sg.tokens.len() - 1),
-                (None, Logits::All) => out.rows.extend(r0..r0 + sg.tokens.len()),
+                (None, Logits::Last) => {
+                    out.rows.push(r0 + sg.tokens.len() - 1);
+                    out.batches.push(RowBatch { len: 1, index: 0 });
+                }
+                (None, Logits::All) => {
+                    out.rows.extend(r0..r0 + sg.tokens.len());
+                    out.batches
+                        .extend_from_slice(&row_batches[r0..r0 + sg.tokens.len()]);
+                }
             }
-            out.per_segment.push(out.rows.len() - before);
         }
-        debug_assert!(out.rows.is_sorted());
+        debug_assert!(out.rows.is_sorted() && out.rows.len() == out.batches.len());
         out
     }
 }
@@ -554,11 +605,10 @@ impl Model {
             .map_or(self.output.dtype, |l| l.wq.dtype)
     }
 
-    /// Layer `l`'s feed-forward block over the first `rows` rows of `s.x` (in batches of
-    /// `batches` rows), added into them.
-    fn feed_forward(&self, l: &Layer, s: &mut Scratch, rows: usize, batches: &[usize]) {
-        let (c, dim) = (&self.config, self.config.dim);
-        debug_assert_eq!(batches.iter().sum::<usize>(), rows);
+    /// Layer `l`'s feed-forward block over the first `batches.len()` rows of `s.x` (row `t` at
+    /// `batches[t]` in its batch), added into them.
+    fn feed_forward(&self, l: &Layer, s: &mut Scratch, batches: &[RowBatch]) {
+        let (c, dim, rows) = (&self.config, self.config.dim, batches.len());
         for r in 0..rows {
             ops::rms_norm(
                 &s.x[r * dim..(r + 1) * dim],
@@ -580,7 +630,7 @@ impl Model {
         );
         ops::swiglu(&mut s.gate[..ffn], &s.up[..ffn]);
         s.qin
-            .prepare_batches(&s.gate[..ffn], batches, c.ffn_dim, l.w_down.dtype);
+            .prepare_rows(&s.gate[..ffn], batches, c.ffn_dim, l.w_down.dtype);
         custody_kernels::matmul::matmul(&self.qm(&l.w_down), &s.qin, &mut s.tmp[..rows * dim]);
         ops::add_inplace(&mut s.x[..rows * dim], &s.tmp[..rows * dim]);
     }
@@ -616,9 +666,12 @@ impl Model {
             positions.extend(sg.start_pos..sg.start_pos + sg.tokens.len());
         }
         let mut failed: Vec<Option<IntegrityError>> = vec![None; segments.len()];
-        // Each request's rows are one batch of the matmuls (the K-quants' float order depends
-        // on it, as llama.cpp's does on its batch).
-        let batches: Vec<usize> = segments.iter().map(|sg| sg.tokens.len()).collect();
+        // Each row's batch, as its request says (the K-quants' float order depends on it, as
+        // llama.cpp's does on its batch).
+        let batches: Vec<RowBatch> = segments
+            .iter()
+            .flat_map(|sg| (sg.start_pos..sg.start_pos + sg.tokens.len()).map(|p| sg.rows.at(p)))
+            .collect();
         // Set after the last layer's attention.
         let mut output: Option<OutputRows> = None;
 
@@ -720,28 +773,27 @@ impl Model {
                     failed[si] = Some(e);
                 }
             }
-            s.qin.prepare_batches(&s.att, &batches, qd, l.wo.dtype);
+            s.qin.prepare_rows(&s.att, &batches, qd, l.wo.dtype);
             custody_kernels::matmul::matmul(&self.qm(&l.wo), &s.qin, &mut s.tmp);
             ops::add_inplace(&mut s.x, &s.tmp);
 
             // After the last layer's attention only the rows whose logits are wanted go on (as
             // llama.cpp's graphs select `inp_out_ids` there): the others' K/V are written, and
             // their feed-forward output would feed nothing.
-            let (rows, ffn_batches) = if li + 1 == self.layers.len() {
-                let out = OutputRows::new(segments, &row0, &failed);
+            let ffn_batches = if li + 1 == self.layers.len() {
+                let out = OutputRows::new(segments, &row0, &batches, &failed);
                 for (i, &r) in out.rows.iter().enumerate() {
                     // Rows ascend, so row `r ≥ i` moves down or stays.
                     s.x.copy_within(r * dim..(r + 1) * dim, i * dim);
                 }
-                let rows = out.rows.len();
-                (rows, &output.insert(out).per_segment)
+                &output.insert(out).batches
             } else {
-                (n, &batches)
+                &batches
             };
-            if rows == 0 {
+            if ffn_batches.is_empty() {
                 continue;
             }
-            self.feed_forward(l, s, rows, ffn_batches);
+            self.feed_forward(l, s, ffn_batches);
         }
 
         // Output head, for the rows whose logits are wanted (now the first rows of `s.x`).

@@ -13,7 +13,7 @@ use custody_runtime::cuda_check::{compare_with_cpu, tolerance};
 use custody_runtime::cuda_forward::CudaForward;
 use custody_runtime::gguf::write::Synthetic;
 use custody_runtime::kv::PagePool;
-use custody_runtime::model::{Logits, Model, Scratch, Segment};
+use custody_runtime::model::{Logits, Model, Rows, Scratch, Segment};
 use custody_tests::cuda_shim::ShimDevice;
 
 const SEEDS: [u64; 3] = [0, 0x9E37_79B9_7F4A_7C15, 0xD1B5_4A32_D192_ED03];
@@ -46,6 +46,14 @@ fn segment<'a>(s: &'a Seq, start: usize, logits: Logits) -> Segment<'a> {
             ReduceOrder::Gemm
         } else {
             ReduceOrder::Vec
+        },
+        rows: if s.tokens.len() - start >= 2 {
+            Rows::Prompt {
+                len: s.tokens.len(),
+                chunk: s.tokens.len(),
+            }
+        } else {
+            Rows::Decode
         },
         check: TagCheck::Enforced,
     }
