@@ -28,7 +28,7 @@
 //!   - [`KOrder::Tiled`] (its tiled VNNI path, batches of eight or more rows of a matrix it does
 //!     not repack): `r = S·d`, `r ← fma(−dmin, M, r)`, `acc ← fma(r, da, acc)`; the dot product
 //!     `acc`;
-//!   - [`KOrder::Lanes`] (its AVX2 `vec_dot`, smaller batches of Q4_K/Q5_K/Q6_K matrices it does
+//!   - [`KOrder::Lanes`] (its AVX2 `vec_dot`, smaller batches of Q3_K–Q6_K matrices it does
 //!     not repack — a decode step's): `S` in eight lanes (`S_l`: values `4l .. 4l + 4` of every
 //!     32; Q6_K's −32 offsets by lane), `acc[l] ← fma(da·d, S_l, acc[l])`; mins Q4_K
 //!     `accm[p] ← fma(−da·dmin, M_p, accm[p])` by pair, Q5_K `summs ← fma(−da·dmin, M,
@@ -40,9 +40,9 @@
 //! (tests), and a row's value depends on its request's batch, never on the rows of other
 //! requests it happens to share a matmul with.
 //!
-//! What is not followed yet: llama.cpp's small-batch `vec_dot` for Q3_K (and for Q2_K matrices it
-//! does not repack). Those rows — prompts of fewer than eight tokens and decode steps — take
-//! [`KOrder::Block`] and differ from llama.cpp's in float rounding only.
+//! What is not followed yet: llama.cpp's small-batch `vec_dot` for Q2_K matrices it does not
+//! repack (rows not a multiple of eight). Those rows — prompts of fewer than eight tokens and
+//! decode steps — take [`KOrder::Block`] and differ from llama.cpp's in float rounding only.
 
 use crate::kquant::{q2_at, q3_high_at, scale_min_k4, scales_q3_k};
 use crate::quant::{DType, QK_K, f16_at};
@@ -131,7 +131,7 @@ pub enum KOrder {
     /// `r = S·d − dmin·M`, one FMA by `da` per super-block (its tiled VNNI path).
     Tiled,
     /// Eight partial lanes per row, summed at the end (its AVX2 `vec_dot`, small batches of
-    /// Q4_K/Q5_K/Q6_K matrices it does not repack; [`has_lanes`]).
+    /// Q3_K–Q6_K matrices it does not repack; [`has_lanes`]).
     Lanes,
 }
 
@@ -187,8 +187,8 @@ pub(crate) enum KPath {
     Repacked,
     /// Its tiled path ([`KOrder::Tiled`]) and `vec_dot` ([`KOrder::Lanes`]).
     TiledOrLanes,
-    /// Its tiled path and a `vec_dot` whose order is not followed (Q3_K, and Q2_K it does not
-    /// repack): [`KOrder::Block`].
+    /// Its tiled path and a `vec_dot` whose order is not followed (Q2_K it does not repack:
+    /// [`KOrder::Block`]).
     TiledOrBlock,
 }
 
@@ -198,7 +198,7 @@ impl KPath {
 
 /// Whether [`KOrder::Lanes`] applies to `dtype`.
 pub(crate) const fn has_lanes(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K)
+    matches!(dtype, DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K)
 }
 
 /// Slices of a super-block in [`KOrder::Slices`] (0: the type has no such order).
@@ -480,16 +480,19 @@ fn q3_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
     let (hmask, qs) = (&b[0..32], &b[32..96]);
     let scales = scales_q3_k(&b[96..108]);
     let mut s = 0i32;
+    // `vec_dot` lane `l`: the signed values `4l .. 4l + 4` of each 32, scaled by their group's.
+    let mut lanes = [0i32; 8];
     for (g, &sc) in scales.iter().enumerate() {
-        let sum: i32 = (16 * g..16 * g + 16)
-            .map(|e| {
-                let q = i32::from(q2_at(qs, e)) - if q3_high_at(hmask, e) { 0 } else { 4 };
-                q * i32::from(a.qs[e])
-            })
-            .sum();
+        let mut sum = 0i32;
+        for e in 16 * g..16 * g + 16 {
+            let q = i32::from(q2_at(qs, e)) - if q3_high_at(hmask, e) { 0 } else { 4 };
+            let p = q * i32::from(a.qs[e]);
+            sum += p;
+            lanes[(e % 32) / 4] += (i32::from(sc) - 32) * p;
+        }
         s += (i32::from(sc) - 32) * sum;
     }
-    BlockSums::whole(s, 0)
+    BlockSums::whole(s, 0).with_lanes(lanes)
 }
 
 /// A block's `(d_w, dmin_w)` and integer sums (the module's spec), for a K-quant `dtype`.
@@ -619,7 +622,8 @@ pub(crate) mod tests {
             (DType::Q6_K, 576, 512, 511, KOrder::Tiled),
             (DType::Q6_K, 576, 1, 0, KOrder::Lanes),
             (DType::Q3_K, 576, 9, 0, KOrder::Tiled),
-            (DType::Q3_K, 576, 1, 0, KOrder::Block),
+            (DType::Q3_K, 576, 1, 0, KOrder::Lanes),
+            (DType::Q2_K, 570, 1, 0, KOrder::Block),
             (DType::Q2_K, 576, 9, 0, KOrder::Slices),
             (DType::Q2_K, 576, 9, 8, KOrder::Block),
             (DType::Q2_K, 570, 9, 0, KOrder::Tiled),
@@ -638,7 +642,13 @@ pub(crate) mod tests {
     #[test]
     fn the_orders_round_differently() {
         let mut seed = 11u64;
-        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q2_K] {
+        for dtype in [
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+            DType::Q3_K,
+            DType::Q2_K,
+        ] {
             let w = weights(dtype, 8, &mut seed);
             let orders = orders_of(dtype);
             let mut differ = vec![false; orders.len()];

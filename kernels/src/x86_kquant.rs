@@ -224,6 +224,8 @@ struct Decoded {
     bsum_weights: __m256i,
     /// Q6_K: `bsum_weights` belong to `S` (no `M`).
     fold_into_s: bool,
+    /// Q3_K: `q` holds `value + 4`; `bsum_weights` (`−4 · scale`) subtract the 4s per group.
+    plus4: bool,
 }
 
 #[inline]
@@ -254,6 +256,7 @@ fn decode_qk45(scales: &[u8], qh: Option<&[u8]>, qs: &[u8]) -> Decoded {
         // SAFETY: 16 i16 are 32 bytes.
         bsum_weights: unsafe { _mm256_loadu_si256(mins.as_ptr().cast()) },
         fold_into_s: false,
+        plus4: false,
     };
     for c in 0..4 {
         let [lo, hi] = qk45_chunk(qs, hbits, c);
@@ -299,6 +302,7 @@ fn decode_q6k(b: &[u8]) -> Decoded {
         // |scale| ≤ 128, so −32 · scale fits an i16.
         bsum_weights: _mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)),
         fold_into_s: true,
+        plus4: false,
     };
     let sc16 = _mm512_castsi256_si512(sc16);
     for half in 0..2 {
@@ -350,6 +354,7 @@ fn decode_q23k(
         // SAFETY: as above.
         bsum_weights: unsafe { _mm256_loadu_si256(bsum_weights.as_ptr().cast()) },
         fold_into_s: hmask.is_some(),
+        plus4: hmask.is_some(),
     };
     for c in 0..4 {
         let (n, j) = (c / 2, 2 * (c % 2));
@@ -392,8 +397,16 @@ fn block_sums<const T: usize>(
         // SAFETY: `bsums` is 16 i16 = 32 bytes.
         let bsums = unsafe { _mm256_loadu_si256(a[t].bsums.as_ptr().cast()) };
         let weighted = _mm256_madd_epi16(bsums, d.bsum_weights);
+        // Q3_K's lanes: llama.cpp's `vec_dot` subtracts the 4s per `maddubs` pair
+        // (`maddubs(q + 4, a) − maddubs(4, a)`, exact), so each lane holds its own values' signed
+        // products, not its 16-value groups' offsets.
+        let signed = lanes && d.plus4;
         let chunk = |c: usize, acc: __m512i| {
-            let p = _mm512_maddubs_epi16(d.q[c], load64_i8(&a[t].qs[64 * c..]));
+            let x = load64_i8(&a[t].qs[64 * c..]);
+            let mut p = _mm512_maddubs_epi16(d.q[c], x);
+            if signed {
+                p = _mm512_sub_epi16(p, _mm512_maddubs_epi16(_mm512_set1_epi8(4), x));
+            }
             _mm512_dpwssd_epi32(acc, p, d.sc[c])
         };
         out[t] = if slices > 0 {
@@ -410,7 +423,7 @@ fn block_sums<const T: usize>(
             BlockSums::sliced(slices, s, m)
         } else {
             let mut acc = (0..4).fold(_mm512_setzero_si512(), |acc, c| chunk(c, acc));
-            if d.fold_into_s {
+            if d.fold_into_s && !signed {
                 acc = _mm512_add_epi32(acc, _mm512_castsi256_si512(weighted));
             }
             let m = if d.fold_into_s { 0 } else { hsum_i32(weighted) };

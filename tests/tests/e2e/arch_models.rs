@@ -194,3 +194,89 @@ fn every_chat_template_renders_as_llama_cpp_python_does() {
         }
     }
 }
+
+/// The path a served request takes — its prompt in one batch (only the last row's logits), then
+/// one decode step per token — gives llama.cpp's logits on that path bit for bit
+/// (`scripts/llamacpp/gen_decode_reference.py`: SHA-256 of each row), on every quantized file:
+/// its single-token attention, its GEMV and `vec_dot` K-quant orders (`q8k::KOrder::{Block,
+/// Lanes}`), its last layer's feed-forward for the output row alone.
+#[test]
+fn the_decode_path_gives_llama_cpps_logits_bit_for_bit() {
+    use custody_kernels::attention::{Reader, ReduceOrder, TagCheck};
+    use custody_runtime::kv::PagePool;
+    use custody_runtime::model::{Logits, Rows, Scratch, Segment};
+    use sha2::{Digest, Sha256};
+
+    const PAGE: usize = 16;
+    let reference = json("arch/decode.json");
+    let files = reference["files"].as_object().expect("files");
+    assert!(files.len() >= 10, "every quantized fixture");
+    let mut failures = Vec::new();
+    for (name, r) in files {
+        let meta = json(&format!("arch/{name}.json"));
+        let model = load(
+            &fixture(&format!("arch/{name}.gguf")),
+            r["sha256"].as_str().expect("sha"),
+        );
+        let ids = ids(&meta["ids"]);
+        let n_prompt = r["n_prompt"].as_u64().expect("n_prompt") as usize;
+        let c = &model.config;
+        let n_pages = ids.len().div_ceil(PAGE);
+        let mut pool = PagePool::new(model.page_geometry(PAGE), c.n_layers, n_pages);
+        let table = pool.alloc(7, n_pages).expect("pages");
+        let mut s = Scratch::default();
+        let mut step = |tokens: &[u32], start_pos: usize, rows: Rows| {
+            let seg = Segment {
+                tokens,
+                start_pos,
+                block_table: &table,
+                reader: Reader::private(7),
+                logits: Logits::Last,
+                order: if rows == Rows::Decode {
+                    ReduceOrder::Vec
+                } else {
+                    ReduceOrder::Gemm
+                },
+                rows,
+                check: TagCheck::Enforced,
+            };
+            let row = model
+                .forward(&mut pool, &[seg], &mut s)
+                .remove(0)
+                .expect("tag check");
+            let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+            hex(&Sha256::digest(&bytes))
+        };
+        let prompt = Rows::Prompt {
+            len: n_prompt,
+            chunk: 512,
+        };
+        let mut ours = vec![step(&ids[..n_prompt], 0, prompt)];
+        for p in n_prompt..ids.len() - 1 {
+            ours.push(step(&ids[p..=p], p, Rows::Decode));
+        }
+        let theirs: Vec<&str> = r["rows_sha256"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .map(|h| h.as_str().expect("hash"))
+            .collect();
+        assert_eq!(ours.len(), theirs.len(), "{name}");
+        let differing: Vec<usize> = (0..ours.len()).filter(|&i| ours[i] != theirs[i]).collect();
+        eprintln!(
+            "{name}: {} decode-path rows, {} differ",
+            ours.len(),
+            differing.len()
+        );
+        if !differing.is_empty() {
+            failures.push(format!(
+                "{name}: rows {differing:?} differ from llama.cpp's"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
