@@ -646,6 +646,14 @@ fn lanes16(a: [__m512i; 4], b: [__m512i; 4]) -> __m512i {
     )
 }
 
+/// `permutexvar` indices taking row `2k`'s value into lanes 0–7 and row `2k + 1`'s into 8–15.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn pair_rows(k: usize) -> __m512i {
+    let r = 2 * k as i32;
+    _mm512_mask_set1_epi32(_mm512_set1_epi32(r), 0xff00, r + 1)
+}
+
 /// `hsum_float_8` of a row's lane accumulator in [`lanes16`]'s order.
 fn hsum_lanes(acc: [f32; 8]) -> f32 {
     crate::q8k::hsum_float_8(std::array::from_fn(|l| acc[LANES_AT[l]]))
@@ -751,25 +759,7 @@ fn q5_lanes_kernel<const T: usize, const CODES: bool>(
         };
         for (k, acc_k) in acc.iter_mut().enumerate() {
             let (va, vb) = (row_chunks(2 * k), row_chunks(2 * k + 1));
-            // Lanes 0–7 row 2k's `d`, 8–15 row 2k + 1's.
-            let rows = _mm512_setr_epi32(
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-            );
+            let rows = pair_rows(k);
             for t in 0..T {
                 let d = _mm512_permutexvar_ps(rows, _mm512_castps256_ps512(dd[t]));
                 let lanes = _mm512_cvtepi32_ps(lanes16(va[t], vb[t]));
@@ -840,24 +830,7 @@ fn q6_lanes_kernel<const T: usize, const CODES: bool>(
         };
         for (k, acc_k) in acc.iter_mut().enumerate() {
             let ((va, oa), (vb, ob)) = (row_chunks(2 * k), row_chunks(2 * k + 1));
-            let rows = _mm512_setr_epi32(
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-                2 * k as i32 + 1,
-            );
+            let rows = pair_rows(k);
             for t in 0..T {
                 let offsets = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(oa[t]), ob[t]);
                 let sums = _mm512_sub_epi32(lanes16(va[t], vb[t]), offsets);
