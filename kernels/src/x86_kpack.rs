@@ -659,31 +659,28 @@ fn hsum_lanes(acc: [f32; 8]) -> f32 {
     crate::q8k::hsum_float_8(std::array::from_fn(|l| acc[LANES_AT[l]]))
 }
 
-/// Each token's four chunks of lane-order activations.
+/// A token's four 64-byte chunks of lane-order activations.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn chunks4<const T: usize>(x: &[&Q8KLanes; T]) -> [[__m512i; 4]; T] {
-    std::array::from_fn(|t| {
-        std::array::from_fn(|k| load512(x[t].qs[64 * k..64 * k + 64].as_ptr().cast()))
-    })
+fn chunks4(x: &Q8KLanes) -> [__m512i; 4] {
+    std::array::from_fn(|k| load512(x.qs[64 * k..64 * k + 64].as_ptr().cast()))
 }
 
-/// `mullo(dpbusd(0, q[k], x[t][k]), sc)` for every token and chunk: each chunk's per-group sums
+/// Each token's chunks, loaded once per block where one or two tokens' fit the registers beside
+/// the rest (`None` for more: each row pair reloads them from L1, [`chunks4`]).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn preload_chunks<const T: usize>(x: &[&Q8KLanes; T]) -> Option<[[__m512i; 4]; T]> {
+    (T <= 2).then(|| std::array::from_fn(|t| chunks4(x[t])))
+}
+
+/// `mullo(dpbusd(0, q[k], x[k]), sc)` for one token's chunks `x`: each chunk's per-group sums
 /// scaled by its groups' scales (lane `j`: group `j`), never summed across chunks.
 #[inline]
 #[target_feature(enable = "avx512f,avx512vnni")]
-fn scaled_chunks<const T: usize>(
-    q: [__m512i; 4],
-    x: &[[__m512i; 4]; T],
-    sc: __m512i,
-) -> [[__m512i; 4]; T] {
-    std::array::from_fn(|t| {
-        std::array::from_fn(|k| {
-            _mm512_mullo_epi32(
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k], x[t][k]),
-                sc,
-            )
-        })
+fn scaled_chunks(q: &[__m512i; 4], x: &[__m512i; 4], sc: __m512i) -> [__m512i; 4] {
+    std::array::from_fn(|k| {
+        _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k], x[k]), sc)
     })
 }
 
@@ -715,7 +712,7 @@ fn q5_lanes_kernel<const T: usize, const CODES: bool>(
         }
         let at = |off: usize| blk[off..].as_ptr();
         let x: [&Q8KLanes; T] = std::array::from_fn(|t| &a[t][b]);
-        let xc = chunks4(&x);
+        let xc = preload_chunks(&x);
         // SAFETY: every load below lies inside `blk` (offsets from the layout, asserted size).
         let (d8, dmin8, mins) = unsafe {
             (
@@ -740,29 +737,31 @@ fn q5_lanes_kernel<const T: usize, const CODES: bool>(
             let m8 = _mm256_add_epi32(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64::<1>(m));
             summs[t] = _mm256_fmadd_ps(dm[t], _mm256_cvtepi32_ps(m8), summs[t]);
         }
-        let row_chunks = |r: usize| {
-            let q: [__m512i; 4] = {
-                let pass = |h: usize| {
-                    if CODES {
-                        code_values(codes, b, r, 128 * h, 128 * h + 64)
-                    } else {
-                        q45_values::<true>(blk, r, h)
-                    }
-                };
-                let ([q0, q1], [q2, q3]) = (pass(0), pass(1));
-                [q0, q1, q2, q3]
+        // Row r's four chunks of values and its groups' scales (lane j: sub-block j / 2's).
+        let row = |r: usize| {
+            let pass = |h: usize| {
+                if CODES {
+                    code_values(codes, b, r, 128 * h, 128 * h + 64)
+                } else {
+                    q45_values::<true>(blk, r, h)
+                }
             };
-            // Lane j (group j) takes sub-block j / 2's scale: the 8 bytes doubled, widened.
+            let ([q0, q1], [q2, q3]) = (pass(0), pass(1));
             // SAFETY: 8 scale bytes of row r inside `blk`.
             let sc8 = unsafe { _mm_loadl_epi64(at(SCALES + 8 * r).cast()) };
-            scaled_chunks(q, &xc, _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc8, sc8)))
+            (
+                [q0, q1, q2, q3],
+                _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc8, sc8)),
+            )
         };
         for (k, acc_k) in acc.iter_mut().enumerate() {
-            let (va, vb) = (row_chunks(2 * k), row_chunks(2 * k + 1));
+            let ((qa, sca), (qb, scb)) = (row(2 * k), row(2 * k + 1));
             let rows = pair_rows(k);
             for t in 0..T {
+                let xt = xc.map_or_else(|| chunks4(x[t]), |c| c[t]);
+                let (va, vb) = (scaled_chunks(&qa, &xt, sca), scaled_chunks(&qb, &xt, scb));
                 let d = _mm512_permutexvar_ps(rows, _mm512_castps256_ps512(dd[t]));
-                let lanes = _mm512_cvtepi32_ps(lanes16(va[t], vb[t]));
+                let lanes = _mm512_cvtepi32_ps(lanes16(va, vb));
                 acc_k[t] = _mm512_fmadd_ps(d, lanes, acc_k[t]);
             }
         }
@@ -797,43 +796,48 @@ fn q6_lanes_kernel<const T: usize, const CODES: bool>(
             prefetch_block(blk.as_ptr(), Q6_K_GROUP_BLOCK);
         }
         let x: [&Q8KLanes; T] = std::array::from_fn(|t| &a[t][b]);
-        let xc = chunks4(&x);
+        let xc = preload_chunks(&x);
         // SAFETY: `bsums` is 16 i16 = 32 bytes.
         let bs: [__m256i; T] =
             std::array::from_fn(|t| unsafe { _mm256_loadu_si256(x[t].bsums.as_ptr().cast()) });
         // SAFETY: 8 f16 inside `blk`.
         let d8 = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk[D..].as_ptr().cast())) };
         let dd: [__m256; T] = std::array::from_fn(|t| _mm256_mul_ps(_mm256_set1_ps(x[t].d), d8));
-        // Per row: its chunks scaled, and per token its lanes' −32 offsets in `lanes16`'s order.
-        let row_chunks = |r: usize| {
+        // Row r's four chunks of values, its groups' scales (lane j: group j's) and as i16.
+        let row = |r: usize| {
             // Pass p: chunks p and p + 2.
-            let q: [__m512i; 4] = {
-                let pass = |p: usize| {
-                    if CODES {
-                        code_values(codes, b, r, 64 * p, 64 * p + 128)
-                    } else {
-                        q6_values(blk, r, p)
-                    }
-                };
-                let ([q0, q2], [q1, q3]) = (pass(0), pass(1));
-                [q0, q1, q2, q3]
+            let pass = |p: usize| {
+                if CODES {
+                    code_values(codes, b, r, 64 * p, 64 * p + 128)
+                } else {
+                    q6_values(blk, r, p)
+                }
             };
+            let ([q0, q2], [q1, q3]) = (pass(0), pass(1));
             // SAFETY: 16 scale bytes of row r inside `blk`.
             let sc16x8 = unsafe { _mm_loadu_si128(blk[SCALES + 16 * r..].as_ptr().cast()) };
-            let v = scaled_chunks(q, &xc, _mm512_cvtepi8_epi32(sc16x8));
-            let sc16 = _mm256_cvtepi8_epi16(sc16x8);
-            let offsets: [__m256i; T] = std::array::from_fn(|t| {
-                let o = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bs[t], sc16));
-                _mm256_permutevar8x32_epi32(o, to_lanes8)
-            });
-            (v, offsets)
+            (
+                [q0, q1, q2, q3],
+                _mm512_cvtepi8_epi32(sc16x8),
+                _mm256_cvtepi8_epi16(sc16x8),
+            )
+        };
+        // A token's lanes' −32 offsets for a row, in `lanes16`'s order.
+        let offsets = |bs: __m256i, sc16: __m256i| {
+            let o = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bs, sc16));
+            _mm256_permutevar8x32_epi32(o, to_lanes8)
         };
         for (k, acc_k) in acc.iter_mut().enumerate() {
-            let ((va, oa), (vb, ob)) = (row_chunks(2 * k), row_chunks(2 * k + 1));
+            let ((qa, sca, sa), (qb, scb, sb)) = (row(2 * k), row(2 * k + 1));
             let rows = pair_rows(k);
             for t in 0..T {
-                let offsets = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(oa[t]), ob[t]);
-                let sums = _mm512_sub_epi32(lanes16(va[t], vb[t]), offsets);
+                let xt = xc.map_or_else(|| chunks4(x[t]), |c| c[t]);
+                let (va, vb) = (scaled_chunks(&qa, &xt, sca), scaled_chunks(&qb, &xt, scb));
+                let both = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(offsets(bs[t], sa)),
+                    offsets(bs[t], sb),
+                );
+                let sums = _mm512_sub_epi32(lanes16(va, vb), both);
                 let d = _mm512_permutexvar_ps(rows, _mm512_castps256_ps512(dd[t]));
                 acc_k[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sums), acc_k[t]);
             }
