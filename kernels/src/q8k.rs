@@ -221,10 +221,18 @@ pub(crate) struct BlockSums {
     pub(crate) slices: usize,
     pub(crate) slices_s: [i32; 4],
     pub(crate) slices_m: [i32; 4],
-    /// [`KOrder::Lanes`] (where computed): `S` by llama.cpp's `vec_dot` lane — lane `l` holds
-    /// values `4l .. 4l + 4` of every 32 (Q6_K: with the −32 offsets of 16-value groups `2l`,
-    /// `2l + 1`); they sum to `s`.
-    pub(crate) lanes: Option<[i32; 8]>,
+    /// [`KOrder::Lanes`] (where computed).
+    pub(crate) lanes: Option<LaneSums>,
+}
+
+/// A block's sums as llama.cpp's `vec_dot` holds them ([`KOrder::Lanes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LaneSums {
+    /// `S` by lane: lane `l` holds values `4l .. 4l + 4` of every 32 (Q6_K: with the −32 offsets
+    /// of 16-value groups `2l`, `2l + 1`); they sum to `s`.
+    pub(crate) s: [i32; 8],
+    /// Q4_K: `M` by pair of sub-blocks (its four mins' lanes); they sum to `m`. Zero elsewhere.
+    pub(crate) pair_mins: [i32; 4],
 }
 
 impl BlockSums {
@@ -240,11 +248,12 @@ impl BlockSums {
         }
     }
 
-    /// With `S` by `vec_dot` lane.
-    pub(crate) fn with_lanes(self, lanes: [i32; 8]) -> Self {
-        debug_assert_eq!(lanes.iter().sum::<i32>(), self.s);
+    /// With `S` by `vec_dot` lane, and (Q4_K; zeros elsewhere) `M` by pair of sub-blocks.
+    pub(crate) fn with_lanes(self, s: [i32; 8], pair_mins: [i32; 4]) -> Self {
+        debug_assert_eq!(s.iter().sum::<i32>(), self.s);
+        debug_assert!(pair_mins == [0; 4] || pair_mins.iter().sum::<i32>() == self.m);
         Self {
-            lanes: Some(lanes),
+            lanes: Some(LaneSums { s, pair_mins }),
             ..self
         }
     }
@@ -326,14 +335,13 @@ impl Accumulator {
                 let lanes = sums.lanes.expect("sums not split by lane");
                 // `d = y.d · x.d`, `dmin = −y.d · x.dmin`, as its source writes them.
                 let (dl, dm) = (da * d, -da * dmin);
-                for (acc, v) in self.lanes.iter_mut().zip(lanes) {
+                for (acc, v) in self.lanes.iter_mut().zip(lanes.s) {
                     *acc = dl.mul_add(v as f32, *acc);
                 }
                 match self.lane_mins {
                     LaneMins::None => {}
                     LaneMins::Pairs => {
-                        assert_eq!(sums.slices, 4, "Q4_K's mins by pair");
-                        for (acc, m) in self.mins.iter_mut().zip(sums.slices_m) {
+                        for (acc, m) in self.mins.iter_mut().zip(lanes.pair_mins) {
                             *acc = dm.mul_add(m as f32, *acc);
                         }
                     }
@@ -429,7 +437,8 @@ fn qk45_sums(scales: &[u8], qh: Option<&[u8]>, qs: &[u8], a: &BlockQ8K) -> Block
         }
         *pair = i32::from(sc0) * s0.iter().sum::<i32>() + i32::from(sc1) * s1.iter().sum::<i32>();
     }
-    BlockSums::sliced(4, slices_s, mins_terms(scales, a)).with_lanes(lanes)
+    let pair_mins = mins_terms(scales, a);
+    BlockSums::sliced(4, slices_s, pair_mins).with_lanes(lanes, pair_mins)
 }
 
 fn q6_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
@@ -459,7 +468,7 @@ fn q6_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
             }
         }
     }
-    BlockSums::whole(s, 0).with_lanes(lanes)
+    BlockSums::whole(s, 0).with_lanes(lanes, [0; 4])
 }
 
 fn q2_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
@@ -492,7 +501,7 @@ fn q3_k_sums(b: &[u8], a: &BlockQ8K) -> BlockSums {
         }
         s += (i32::from(sc) - 32) * sum;
     }
-    BlockSums::whole(s, 0).with_lanes(lanes)
+    BlockSums::whole(s, 0).with_lanes(lanes, [0; 4])
 }
 
 /// A block's `(d_w, dmin_w)` and integer sums (the module's spec), for a K-quant `dtype`.

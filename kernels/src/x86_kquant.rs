@@ -101,13 +101,7 @@ fn qk45_sums<const PAIRS: bool>(
         BlockSums::whole(hsum_i32(acc), slices_m.iter().sum())
     };
     if lanes {
-        // `slices_m` is what Q4_K's lanes order needs of the mins.
-        let by_lane = BlockSums {
-            slices: 4,
-            slices_m,
-            ..sums
-        };
-        by_lane.with_lanes(store_i32x8(acc))
+        sums.with_lanes(store_i32x8(acc), slices_m)
     } else {
         sums
     }
@@ -201,7 +195,7 @@ pub(crate) fn dot_q6_k_q8k(w: &[u8], a: &[BlockQ8K], order: KOrder) -> f32 {
                     )
                 };
                 let offsets = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bs, sc16));
-                sums.with_lanes(store_i32x8(_mm256_sub_epi32(acc, offsets)))
+                sums.with_lanes(store_i32x8(_mm256_sub_epi32(acc, offsets)), [0; 4])
             } else {
                 sums
             };
@@ -435,14 +429,14 @@ fn block_sums<const T: usize>(
                     _mm512_castsi512_si256(acc),
                     _mm512_extracti64x4_epi64::<1>(acc),
                 );
-                let mut lanes_sums = sums.with_lanes(store_i32x8(by_lane));
-                if !d.fold_into_s {
-                    // Q4_K's mins by pair of sub-blocks: lanes `2p`, `2p + 1` of `weighted`.
+                // Q4_K/Q5_K's mins by pair of sub-blocks: lanes `2p`, `2p + 1` of `weighted`.
+                let pair_mins = if d.fold_into_s {
+                    [0; 4]
+                } else {
                     let w = store_i32x8(weighted);
-                    lanes_sums.slices = 4;
-                    lanes_sums.slices_m = std::array::from_fn(|p| w[2 * p] + w[2 * p + 1]);
-                }
-                lanes_sums
+                    std::array::from_fn(|p| w[2 * p] + w[2 * p + 1])
+                };
+                sums.with_lanes(store_i32x8(by_lane), pair_mins)
             } else {
                 sums
             }

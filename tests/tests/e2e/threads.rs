@@ -20,6 +20,36 @@ fn prompt(n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// A segment of owner `owner`'s rows: a prompt's (`Rows::Prompt`) as llama.cpp multiplies them
+/// (`ReduceOrder::Gemm`), a decode token's one at a time.
+fn seg<'a>(
+    tokens: &'a [u32],
+    start_pos: usize,
+    table: &'a [PageRef],
+    owner: u64,
+    logits: Logits,
+    rows: Rows,
+) -> Segment<'a> {
+    Segment {
+        tokens,
+        start_pos,
+        block_table: table,
+        reader: Reader::private(owner),
+        logits,
+        order: match rows {
+            Rows::Prompt { .. } => ReduceOrder::Gemm,
+            Rows::Decode => ReduceOrder::Vec,
+        },
+        rows,
+        check: TagCheck::Enforced,
+    }
+}
+
+/// A whole prompt of `len` tokens computed in one batch.
+fn prompt_rows(len: usize) -> Rows {
+    Rows::Prompt { len, chunk: len }
+}
+
 /// Every logit of a prefill of `ids` (all rows) and of `steps` greedy decode steps after it.
 fn logits_of(model: &Model, ids: &[u32], steps: usize) -> Vec<f32> {
     const PAGE: usize = 16;
@@ -28,34 +58,10 @@ fn logits_of(model: &Model, ids: &[u32], steps: usize) -> Vec<f32> {
     let mut pool = PagePool::new(model.page_geometry(PAGE), c.n_layers, n_pages);
     let table = pool.alloc(7, n_pages).expect("pages");
     let mut s = Scratch::default();
-    fn seg<'a>(
-        tokens: &'a [u32],
-        start_pos: usize,
-        block_table: &'a [PageRef],
-        logits: Logits,
-        order: ReduceOrder,
-    ) -> Segment<'a> {
-        Segment {
-            tokens,
-            start_pos,
-            block_table,
-            reader: Reader::private(7),
-            logits,
-            order,
-            rows: match order {
-                ReduceOrder::Gemm => Rows::Prompt {
-                    len: tokens.len(),
-                    chunk: tokens.len(),
-                },
-                ReduceOrder::Vec => Rows::Decode,
-            },
-            check: TagCheck::Enforced,
-        }
-    }
     let mut all = model
         .forward(
             &mut pool,
-            &[seg(ids, 0, &table, Logits::All, ReduceOrder::Gemm)],
+            &[seg(ids, 0, &table, 7, Logits::All, prompt_rows(ids.len()))],
             &mut s,
         )
         .remove(0)
@@ -71,8 +77,9 @@ fn logits_of(model: &Model, ids: &[u32], steps: usize) -> Vec<f32> {
                     &next,
                     ids.len() + step,
                     &table,
+                    7,
                     Logits::Last,
-                    ReduceOrder::Vec,
+                    Rows::Decode,
                 )],
                 &mut s,
             )
@@ -129,25 +136,6 @@ fn a_k_quant_prompt_row_keeps_its_bits_however_the_prompt_is_split() {
         len: ids.len(),
         chunk: 512,
     };
-    fn seg<'a>(
-        tokens: &'a [u32],
-        start_pos: usize,
-        table: &'a [PageRef],
-        owner: u64,
-        logits: Logits,
-        rows: Rows,
-    ) -> Segment<'a> {
-        Segment {
-            tokens,
-            start_pos,
-            block_table: table,
-            reader: Reader::private(owner),
-            logits,
-            order: ReduceOrder::Gemm,
-            rows,
-            check: TagCheck::Enforced,
-        }
-    }
     let (ids, other) = (&ids[..], &other[..]);
     let run = |split: Option<Rows>| {
         let mut pool = PagePool::new(model.page_geometry(PAGE), c.n_layers, 8);
