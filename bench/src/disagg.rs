@@ -462,7 +462,10 @@ pub fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
     let load = || Model::load(&path).with_context(|| format!("loading {}", path.display()));
     let model = load()?;
     let fingerprint = model.gguf().sha256_hex();
-    let (geom, layers) = (model.page_geometry(16), model.config.n_layers);
+    let (geom, layers) = (
+        model.page_geometry(16, custody_runtime::kv::KvType::F16),
+        model.config.n_layers,
+    );
     let vocab = model.config.vocab_size as u32;
     println!("# custody bench-disagg (reps {}, medians)", a.reps);
     if a.witness || a.witness_only {

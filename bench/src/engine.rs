@@ -521,7 +521,7 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
 
 /// A decode step's memory-bandwidth bound, from figures measured in the same run: every weight
 /// byte is read once per step (for all the batch's sequences together) and every sequence reads
-/// its own K/V (f16, both, every layer) up to its position (taken at the middle of the measured
+/// its own K/V (both, every layer, in the pool's cache type) up to its position (taken at the middle of the measured
 /// decode); the machine streams reads at `read_gb_s` with the benchmark's threads (measured
 /// over the weights themselves).
 #[derive(Debug)]
@@ -535,7 +535,7 @@ pub struct DecodeBound {
 impl DecodeBound {
     fn measure(engine: &Engine, a: &BenchArgs) -> Self {
         let m = engine.model();
-        let geom = m.page_geometry(engine.pool().page_size());
+        let geom = engine.pool().geometry();
         let per_token = custody_runtime::kv::PagePool::bytes_per_token(geom, m.config.n_layers);
         Self {
             weight_bytes: m.decode_weight_bytes(),

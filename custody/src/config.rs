@@ -127,6 +127,13 @@ mod tests {
         assert_eq!(c.engine.page_size, 32);
         assert_eq!(c.engine.max_running, 16);
         assert!(toml::from_str::<Config>("[engine]\npage_sise = 32\n").is_err());
+        let q8: Config = toml::from_str("[engine]\nkv_cache_type = \"q8_0\"\n").expect("q8_0");
+        assert_eq!(q8.engine.kv_cache_type.name(), "q8_0");
+        assert_eq!(c.engine.kv_cache_type.name(), "f16", "the default");
+        let e = toml::from_str::<Config>("[engine]\nkv_cache_type = \"q4_0\"\n")
+            .expect_err("not a cache type")
+            .to_string();
+        assert!(e.contains("kv_cache_type \"q4_0\""), "{e}");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Paged attention over an f16 KV cache, with the integrity-tag check.
+//! Paged attention over an f16 or q8_0 KV cache, with the integrity-tag check.
 //!
 //! # Spec: the tag check (safety property 1, "no stale read")
 //!
@@ -32,32 +32,94 @@
 //! reproduce the incident on purpose and is only reachable through `--unsafe-reproduction`.
 //!
 //! # Numerics
-//! K and V are stored as f16 (llama.cpp's default cache type). As in llama.cpp's CPU path the
-//! query is rounded to f16 before `Q·K`, scores are scaled by `1/sqrt(head_dim)` and soft-maxed in
-//! f32, and the probabilities are rounded to f16 before the weighted sum of V.
+//! K and V are stored as f16 (llama.cpp's default cache type) or, if the pool is configured so,
+//! as q8_0 blocks ([`KvType::Q8_0`]: llama.cpp's `--cache-type-k/v q8_0` format, 32 values as
+//! int8 with one f16 scale, ~53 % of f16's bytes). As in llama.cpp's CPU path the query is
+//! rounded to f16 before `Q·K`, scores are scaled by `1/sqrt(head_dim)` and soft-maxed in f32,
+//! and the probabilities are rounded to f16 before the weighted sum of V. A q8_0 value is
+//! dequantized to `q · d` — exact in f32 (an 8-bit integer times an 11-bit mantissa) — and then
+//! takes exactly the f16 path's arithmetic, so every kernel (gathered or in place) gives the same
+//! bits for a given cache. (llama.cpp's own q8_0 cache runs only under flash attention, which
+//! quantizes the query to q8_0 too; its logits are therefore not ours bit for bit.)
 
 use half::f16;
 
 use crate::ops;
 
-/// Shape of one page of one layer's K (or V) cache: `n_kv_heads × page_size × head_dim` f16
-/// values, laid out `[kv_head][slot][dim]` so that a head's slots are contiguous.
+/// How a K or V row is stored in the cache. The cache is an array of 16-bit *words*
+/// (little-endian): an f16 row is `head_dim` words; a q8_0 row is `head_dim / 32` blocks of 17
+/// words — ggml's `block_q8_0` (an f16 scale `d`, then 32 int8 values; value `i` is
+/// `qs[i] · d`), byte for byte.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvType {
+    #[default]
+    F16,
+    Q8_0,
+}
+
+/// Values per q8_0 block.
+pub const Q8_0_BLOCK: usize = 32;
+/// Words per q8_0 block (2 bytes of scale + 32 bytes of values).
+const Q8_0_WORDS: usize = 17;
+
+impl KvType {
+    /// The name configuration files and the transfer handshake use (llama.cpp's `--cache-type`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
+        }
+    }
+
+    /// The type named `name` ([`KvType::name`]), if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [KvType::F16, KvType::Q8_0]
+            .into_iter()
+            .find(|t| t.name() == name)
+    }
+
+    /// Whether rows of `head_dim` values can be stored in this type (q8_0: whole blocks).
+    pub const fn supports(self, head_dim: usize) -> bool {
+        match self {
+            KvType::F16 => head_dim > 0,
+            KvType::Q8_0 => head_dim > 0 && head_dim.is_multiple_of(Q8_0_BLOCK),
+        }
+    }
+
+    /// Words of one row of `head_dim` values.
+    pub const fn row_words(self, head_dim: usize) -> usize {
+        match self {
+            KvType::F16 => head_dim,
+            KvType::Q8_0 => head_dim / Q8_0_BLOCK * Q8_0_WORDS,
+        }
+    }
+}
+
+/// Shape of one page of one layer's K (or V) cache: `n_kv_heads × page_size` rows of
+/// `head_dim` values stored as `kv`, laid out `[kv_head][slot][row]` so that a head's slots are
+/// contiguous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageGeometry {
     pub page_size: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    pub kv: KvType,
 }
 
 impl PageGeometry {
-    /// f16 elements per page (per layer, K or V).
-    pub const fn page_elems(&self) -> usize {
-        self.n_kv_heads * self.page_size * self.head_dim
+    /// Words of one row (one slot of one kv head).
+    pub const fn row_words(&self) -> usize {
+        self.kv.row_words(self.head_dim)
     }
 
-    /// Element offset of `(page, kv_head, slot)` in a layer's cache.
+    /// Words per page (per layer, K or V).
+    pub const fn page_words(&self) -> usize {
+        self.n_kv_heads * self.page_size * self.row_words()
+    }
+
+    /// Word offset of the row of `(page, kv_head, slot)` in a layer's cache.
     pub const fn offset(&self, page: usize, kv_head: usize, slot: usize) -> usize {
-        ((page * self.n_kv_heads + kv_head) * self.page_size + slot) * self.head_dim
+        ((page * self.n_kv_heads + kv_head) * self.page_size + slot) * self.row_words()
     }
 }
 
@@ -357,8 +419,9 @@ pub struct AttentionArgs<'a> {
     pub q: &'a [f32],
     pub n_heads: usize,
     pub start_pos: usize,
-    pub k_cache: &'a [f16],
-    pub v_cache: &'a [f16],
+    /// One layer's K (V) cache: words laid out by `geom` ([`KvType`]).
+    pub k_cache: &'a [u16],
+    pub v_cache: &'a [u16],
     pub geom: PageGeometry,
     pub block_table: &'a [PageRef],
     pub tags: TagView<'a>,
@@ -459,7 +522,11 @@ pub fn paged_attention(
             let slots = (n_ctx - pi * g.page_size).min(g.page_size);
             let off = g.offset(pr.page as usize, h, 0);
             let range = pi * g.page_size * d..(pi * g.page_size + slots) * d;
-            ops::f16_to_f32(&cache[off..off + slots * d], &mut dst[range]);
+            rows_to_f32(
+                g.kv,
+                &cache[off..off + slots * g.row_words()],
+                &mut dst[range],
+            );
         }
     };
     let per_head = n_ctx * d;
@@ -569,18 +636,25 @@ unsafe impl Send for SharedMut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedMut {}
 
-/// `$f::<NC, G>(args…)` for head dim `$d` (64 or 128) and `$g` heads (1..=4).
+/// `$f::<NC, G, Q8>(args…)` for head dim `$d` (64 or 128), `$g` heads (1..=4) and cache
+/// type `$kv`.
 macro_rules! dispatch_nc_g {
-    ($d:expr, $g:expr, $f:ident($($a:expr),*)) => {
+    ($d:expr, $g:expr, $kv:expr, $f:ident($($a:expr),*)) => {
+        match $kv {
+            KvType::F16 => dispatch_nc_g!(@g $d, $g, false, $f($($a),*)),
+            KvType::Q8_0 => dispatch_nc_g!(@g $d, $g, true, $f($($a),*)),
+        }
+    };
+    (@g $d:expr, $g:expr, $q8:literal, $f:ident($($a:expr),*)) => {
         match ($d, $g) {
-            (64, 1) => $f::<4, 1>($($a),*),
-            (64, 2) => $f::<4, 2>($($a),*),
-            (64, 3) => $f::<4, 3>($($a),*),
-            (64, _) => $f::<4, 4>($($a),*),
-            (_, 1) => $f::<8, 1>($($a),*),
-            (_, 2) => $f::<8, 2>($($a),*),
-            (_, 3) => $f::<8, 3>($($a),*),
-            (_, _) => $f::<8, 4>($($a),*),
+            (64, 1) => $f::<4, 1, $q8>($($a),*),
+            (64, 2) => $f::<4, 2, $q8>($($a),*),
+            (64, 3) => $f::<4, 3, $q8>($($a),*),
+            (64, _) => $f::<4, 4, $q8>($($a),*),
+            (_, 1) => $f::<8, 1, $q8>($($a),*),
+            (_, 2) => $f::<8, 2, $q8>($($a),*),
+            (_, 3) => $f::<8, 3, $q8>($($a),*),
+            (_, _) => $f::<8, 4, $q8>($($a),*),
         }
     };
 }
@@ -653,6 +727,7 @@ fn decode_in_place(args: &AttentionArgs<'_>, n_ctx: usize, out: &mut [f32]) {
                         dispatch_nc_g!(
                             d,
                             nh,
+                            g.kv,
                             scores_avx512(
                                 qs,
                                 args.k_cache,
@@ -695,6 +770,7 @@ fn decode_in_place(args: &AttentionArgs<'_>, n_ctx: usize, out: &mut [f32]) {
                         dispatch_nc_g!(
                             d,
                             nh,
+                            g.kv,
                             pv_avx512(
                                 args.v_cache,
                                 g,
@@ -1212,21 +1288,84 @@ fn softmax_compat(sc: &mut [f32], n_att: usize, max: f32) {
     }
 }
 
-/// The row (K or V) of slot `t` of `kv_head`: `d` in-bounds f16 values (bounds-checked).
+/// The row (K or V) of slot `t` of `kv_head`: one row's in-bounds words (bounds-checked).
 #[inline(always)]
 fn cache_row(
-    cache: &[f16],
+    cache: &[u16],
     geom: PageGeometry,
     kv_head: usize,
     bt: &[PageRef],
     t: usize,
-) -> *const f16 {
+) -> *const u16 {
     let off = geom.offset(
         bt[t / geom.page_size].page as usize,
         kv_head,
         t % geom.page_size,
     );
-    cache[off..off + geom.head_dim].as_ptr()
+    cache[off..off + geom.row_words()].as_ptr()
+}
+
+/// Rows of the cache (`words`: whole rows of `kv`) as f32 into `dst` (their values, row after
+/// row): f16 converted, q8_0 dequantized (`q · d`, exact).
+fn rows_to_f32(kv: KvType, words: &[u16], dst: &mut [f32]) {
+    match kv {
+        KvType::F16 => {
+            use half::slice::HalfBitsSliceExt;
+            ops::f16_to_f32(words.reinterpret_cast::<f16>(), dst);
+        }
+        KvType::Q8_0 => {
+            crate::quant::dequantize_row(crate::quant::DType::Q8_0, words_as_bytes(words), dst)
+        }
+    }
+}
+
+/// The cache's words as the bytes they are stored as (little-endian: the only byte order this
+/// crate builds for, below).
+pub fn words_as_bytes(words: &[u16]) -> &[u8] {
+    // SAFETY: u8 has alignment 1 and every byte of a u16 is initialised; the length is exact.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 2) }
+}
+
+/// As [`words_as_bytes`], writable: every byte pattern is a valid pair of words.
+pub fn words_as_bytes_mut(words: &mut [u16]) -> &mut [u8] {
+    // SAFETY: as `words_as_bytes`; any bytes written make valid u16 values.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 2) }
+}
+
+// The cache's words are ggml's little-endian bytes (`block_q8_0`, f16): a big-endian build
+// would read them swapped.
+const _: () = assert!(cfg!(target_endian = "little"));
+
+/// `[__m512; NC]`: the `16·NC` values of the cache row at `$row` (`*const u16`, in bounds) as
+/// f32 — f16 converted (`vcvtph2ps`), or (`$q8`) each q8_0 value sign-extended, converted and
+/// multiplied by its block's scale: `q · d`, exact, the same value [`rows_to_f32`] gives.
+/// Expands inside an `unsafe` AVX-512 F/VL function.
+#[cfg(target_arch = "x86_64")]
+macro_rules! load_row_zmm {
+    ($q8:expr, $nc:expr, $row:expr) => {{
+        let row: *const u16 = $row;
+        let mut out = [_mm512_setzero_ps(); $nc];
+        if $q8 {
+            let bytes = row.cast::<u8>();
+            for (c, o) in out.iter_mut().enumerate() {
+                // Chunk `c` is half `c % 2` of block `c / 2` (34 bytes: scale, 32 values).
+                // SAFETY: the row holds `16·NC / 32` whole blocks; block `c / 2` is one of them.
+                let blk = unsafe { bytes.add((c / 2) * 2 * Q8_0_WORDS) };
+                // SAFETY: the block's first two bytes, in bounds (unaligned read).
+                let d_bits = unsafe { blk.cast::<u16>().read_unaligned() };
+                let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d_bits))));
+                // SAFETY: bytes 2 + 16·(c % 2) .. +16 of the block's 34, in bounds.
+                let q = unsafe { _mm_loadu_si128(blk.add(2 + (c % 2) * LANES).cast()) };
+                *o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+            }
+        } else {
+            for (c, o) in out.iter_mut().enumerate() {
+                // SAFETY: the row holds `16·NC` f16 values; chunk `c` reads 16 of them.
+                *o = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c * LANES).cast())) };
+            }
+        }
+        out
+    }};
 }
 
 /// Slots ahead whose K (V) rows a decode step's attention asks for before it reads them: a
@@ -1239,13 +1378,13 @@ const PREFETCH_SLOTS: usize = 32;
 /// effect on results).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_row(cache: &[f16], geom: PageGeometry, kv_head: usize, bt: &[PageRef], t: usize) {
+fn prefetch_row(cache: &[u16], geom: PageGeometry, kv_head: usize, bt: &[PageRef], t: usize) {
     use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
     let Some(page) = bt.get(t / geom.page_size) else {
         return;
     };
     let off = geom.offset(page.page as usize, kv_head, t % geom.page_size);
-    let row = &cache[off.min(cache.len())..(off + geom.head_dim).min(cache.len())];
+    let row = &cache[off.min(cache.len())..(off + geom.row_words()).min(cache.len())];
     for line in (0..std::mem::size_of_val(row)).step_by(64) {
         // SAFETY: a prefetch never faults; `line` lies inside `row`.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(row.as_ptr().cast::<i8>().wrapping_add(line)) };
@@ -1259,9 +1398,9 @@ fn prefetch_row(cache: &[f16], geom: PageGeometry, kv_head: usize, bt: &[PageRef
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn scores_avx512<const NC: usize, const G: usize>(
+unsafe fn scores_avx512<const NC: usize, const G: usize, const Q8: bool>(
     qs: &[f32],
-    k_cache: &[f16],
+    k_cache: &[u16],
     geom: PageGeometry,
     kv_head: usize,
     bt: &[PageRef],
@@ -1288,11 +1427,7 @@ unsafe fn scores_avx512<const NC: usize, const G: usize>(
     let lanes_of = |t: usize| -> [__m512; G] {
         prefetch_row(k_cache, geom, kv_head, bt, t + PREFETCH_SLOTS);
         let kr = cache_row(k_cache, geom, kv_head, bt, t);
-        let mut kc = [_mm512_setzero_ps(); NC];
-        for (c, k) in kc.iter_mut().enumerate() {
-            // SAFETY: `kr` starts `d = 16·NC` in-bounds values; chunk `c` reads 16 of them.
-            *k = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kr.add(c * LANES).cast())) };
-        }
+        let kc: [__m512; NC] = load_row_zmm!(Q8, NC, kr);
         std::array::from_fn(|g| {
             let mut acc = [_mm512_setzero_ps(); 4];
             for c in 0..NC {
@@ -1374,8 +1509,8 @@ fn reduce16_rows(p: &[core::arch::x86_64::__m512; LANES]) -> core::arch::x86_64:
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pv_avx512<const NC: usize, const G: usize>(
-    v_cache: &[f16],
+unsafe fn pv_avx512<const NC: usize, const G: usize, const Q8: bool>(
+    v_cache: &[u16],
     geom: PageGeometry,
     kv_head: usize,
     bt: &[PageRef],
@@ -1395,11 +1530,7 @@ unsafe fn pv_avx512<const NC: usize, const G: usize>(
             // Four rows ahead on this slot's stride (64 slots).
             prefetch_row(v_cache, geom, kv_head, bt, t + 4 * slots);
             let vr = cache_row(v_cache, geom, kv_head, bt, t);
-            let mut vc = [_mm512_setzero_ps(); NC];
-            for (c, v) in vc.iter_mut().enumerate() {
-                // SAFETY: `vr` starts `d = 16·NC` in-bounds values; chunk `c` reads 16.
-                *v = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(vr.add(c * LANES).cast())) };
-            }
+            let vc: [__m512; NC] = load_row_zmm!(Q8, NC, vr);
             for g in 0..G {
                 // SAFETY: g < G, t < n_att <= n_pad.
                 let p = _mm512_set1_ps(unsafe { *sc.add(g * n_pad + t) });
@@ -1525,8 +1656,9 @@ fn reduce16_zmm(a: std::arch::x86_64::__m512) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)))
 }
 
-/// Scalar reference attention over plain per-position K/V rows (`[t][kv_head][d]`, f32), used by
-/// tests to validate [`paged_attention`]. Applies the same f16 roundings.
+/// Scalar reference attention over plain per-position K/V rows (`[t][kv_head][d]`, f32, values
+/// as stored: pass them through the cache type first), used by tests to validate
+/// [`paged_attention`]. Applies the same f16 roundings of the query and the probabilities.
 #[cfg(test)]
 fn attention_reference(
     q: &[f32],
@@ -1551,8 +1683,7 @@ fn attention_reference(
             let mut s: Vec<f32> = (0..=start_pos + i)
                 .map(|t| {
                     let kr = &k[(t * n_kv_heads + h) * d..][..d];
-                    let kr: Vec<f32> = kr.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
-                    ops::dot_f32_scalar(&qv, &kr) / (d as f32).sqrt()
+                    ops::dot_f32_scalar(&qv, kr) / (d as f32).sqrt()
                 })
                 .collect();
             ops::softmax(&mut s);
@@ -1560,7 +1691,7 @@ fn attention_reference(
             for (t, &w) in s.iter().enumerate() {
                 let w = f16::from_f32(w).to_f32();
                 for (j, ov) in o.iter_mut().enumerate() {
-                    *ov += w * f16::from_f32(v[(t * n_kv_heads + h) * d + j]).to_f32();
+                    *ov += w * v[(t * n_kv_heads + h) * d + j];
                 }
             }
         }
@@ -1568,11 +1699,13 @@ fn attention_reference(
     out
 }
 
-/// Write one slot of K and V (`n_kv_heads × head_dim` each, f32) into `page`, converting to f16.
+/// Write one slot of K and V (`n_kv_heads × head_dim` each, f32) into `page`, stored as
+/// `geom.kv`: rounded to f16, or quantized to q8_0 as llama.cpp's CPU backend quantizes a cache
+/// row (`quantize_row_q8_0`: `d = amax / 127` stored as f16, values rounded half to even).
 /// The caller (the page pool) is responsible for the tag bookkeeping of the write.
 pub fn write_kv_slot(
-    k_cache: &mut [f16],
-    v_cache: &mut [f16],
+    k_cache: &mut [u16],
+    v_cache: &mut [u16],
     geom: PageGeometry,
     page: usize,
     slot: usize,
@@ -1581,15 +1714,37 @@ pub fn write_kv_slot(
 ) {
     let d = geom.head_dim;
     assert!(slot < geom.page_size);
+    assert!(geom.kv.supports(d), "{:?} rows of {d} values", geom.kv);
     assert_eq!(k.len(), geom.n_kv_heads * d);
     assert_eq!(v.len(), geom.n_kv_heads * d);
+    let rw = geom.row_words();
     for h in 0..geom.n_kv_heads {
         let off = geom.offset(page, h, slot);
-        for (dst, &src) in k_cache[off..off + d].iter_mut().zip(&k[h * d..(h + 1) * d]) {
-            *dst = f16::from_f32(src);
+        store_row(geom.kv, &k[h * d..(h + 1) * d], &mut k_cache[off..off + rw]);
+        store_row(geom.kv, &v[h * d..(h + 1) * d], &mut v_cache[off..off + rw]);
+    }
+}
+
+/// One row of values into its words (see [`write_kv_slot`]).
+fn store_row(kv: KvType, src: &[f32], dst: &mut [u16]) {
+    match kv {
+        KvType::F16 => {
+            for (w, &x) in dst.iter_mut().zip(src) {
+                *w = f16::from_f32(x).to_bits();
+            }
         }
-        for (dst, &src) in v_cache[off..off + d].iter_mut().zip(&v[h * d..(h + 1) * d]) {
-            *dst = f16::from_f32(src);
+        KvType::Q8_0 => {
+            assert!(src.len() <= 256, "head_dim above 256 is not supported");
+            let mut blocks = [crate::quant::BlockQ8::default(); 256 / Q8_0_BLOCK];
+            let blocks = &mut blocks[..src.len() / Q8_0_BLOCK];
+            crate::quant::quantize_row_q8(src, blocks);
+            for (w, b) in dst.chunks_exact_mut(Q8_0_WORDS).zip(blocks.iter()) {
+                // `b.d` is already rounded through f16: the conversion back is exact.
+                w[0] = f16::from_f32(b.d).to_bits();
+                for (wi, pair) in w[1..].iter_mut().zip(b.qs.chunks_exact(2)) {
+                    *wi = u16::from_le_bytes([pair[0] as u8, pair[1] as u8]);
+                }
+            }
         }
     }
 }
@@ -1602,6 +1757,7 @@ mod tests {
         page_size: 4,
         n_kv_heads: 2,
         head_dim: 8,
+        kv: KvType::F16,
     };
 
     fn rnd(n: usize, seed: &mut u64) -> Vec<f32> {
@@ -1614,8 +1770,8 @@ mod tests {
     }
 
     struct Fixture {
-        k: Vec<f16>,
-        v: Vec<f16>,
+        k: Vec<u16>,
+        v: Vec<u16>,
         gens: Vec<u32>,
         owner: Vec<u64>,
         filled: Vec<u32>,
@@ -1628,8 +1784,8 @@ mod tests {
     fn fixture(n: usize, seed: &mut u64) -> Fixture {
         let n_pages = 6;
         let mut f = Fixture {
-            k: vec![f16::ZERO; n_pages * G.page_elems()],
-            v: vec![f16::ZERO; n_pages * G.page_elems()],
+            k: vec![0; n_pages * G.page_words()],
+            v: vec![0; n_pages * G.page_words()],
             gens: vec![3; n_pages],
             owner: vec![0; n_pages],
             filled: vec![0; n_pages],
@@ -1707,7 +1863,10 @@ mod tests {
             // prefill: all n queries
             let q = rnd(n * 4 * G.head_dim, &mut seed);
             let got = run(&f, &q, 0, 42).expect("tags valid");
-            let want = attention_reference(&q, 4, 2, G.head_dim, 0, &f.k_rows, &f.v_rows);
+            let stored =
+                |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| f16::from_f32(v).to_f32()).collect() };
+            let (k, v) = (stored(&f.k_rows), stored(&f.v_rows));
+            let want = attention_reference(&q, 4, 2, G.head_dim, 0, &k, &v);
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "n={n}: {a} vs {b}");
             }
@@ -1716,6 +1875,88 @@ mod tests {
             let got1 = run(&f, q1, n - 1, 42).expect("tags valid");
             for (a, b) in got1.iter().zip(&got[(n - 1) * 4 * G.head_dim..]) {
                 assert!((a - b).abs() < 1e-4, "n={n}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_q8_0_cache_attends_the_values_it_stores_for_prompt_and_decode_rows() {
+        let mut seed = 3;
+        let (n_heads, n_kv, d) = (4, 2, 64);
+        let geom = PageGeometry {
+            page_size: 16,
+            n_kv_heads: n_kv,
+            head_dim: d,
+            kv: KvType::Q8_0,
+        };
+        assert_eq!(geom.row_words(), 34, "two 34-byte blocks per row of 64");
+        let n_pages = 8;
+        let (k, v) = random_cache(geom, n_pages, &mut seed);
+        let table: Vec<PageRef> = (0..n_pages as u32)
+            .map(|i| PageRef {
+                page: (i * 3) % n_pages as u32,
+                generation: 1,
+            })
+            .collect();
+        let (gens, owners) = (vec![1u32; n_pages], vec![5u64; n_pages]);
+        let filled = vec![16u32; n_pages];
+        let n = 100;
+        // The stored values, `[t][kv_head][d]`, decoded from the format's definition.
+        let rows = |cache: &[u16]| -> Vec<f32> {
+            (0..n)
+                .flat_map(|t| (0..n_kv).map(move |h| (t, h)))
+                .flat_map(|(t, h)| {
+                    decode_row(
+                        geom,
+                        cache,
+                        geom.offset(table[t / 16].page as usize, h, t % 16),
+                    )
+                })
+                .collect()
+        };
+        let q = rnd(n * n_heads * d, &mut seed);
+        let want = attention_reference(&q, n_heads, n_kv, d, 0, &rows(&k), &rows(&v));
+        for (q, start, order) in [
+            (&q[..], 0, ReduceOrder::Gemm),
+            (&q[(n - 1) * n_heads * d..], n - 1, ReduceOrder::Vec),
+        ] {
+            let args = AttentionArgs {
+                q,
+                n_heads,
+                start_pos: start,
+                k_cache: &k,
+                v_cache: &v,
+                geom,
+                block_table: &table,
+                tags: TagView {
+                    generation: &gens,
+                    owner: &owners,
+                    filled: &filled,
+                    stamp_owner: &owners,
+                    stamp_generation: &gens,
+                },
+                reader: Reader::private(5),
+                order,
+                check: TagCheck::Enforced,
+            };
+            let mut got = vec![f32::NAN; q.len()];
+            paged_attention(&args, &mut got, &mut AttnScratch::default()).expect("tags valid");
+            for (a, b) in got.iter().zip(&want[start * n_heads * d..]) {
+                assert!((a - b).abs() < 1e-4, "{order:?}: {a} vs {b}");
+            }
+        }
+        // The stored values are within q8_0's rounding of what was written: half a step
+        // (amax / 254) plus the scale's own f16 rounding (≤ 2⁻¹¹ relative, times ≤ 127 steps).
+        let mut seed = 3;
+        let first = rnd(n_kv * d, &mut seed);
+        let got = decode_row(geom, &k, geom.offset(0, 0, 0));
+        for (blk, (x, y)) in first[..d].chunks(32).zip(got.chunks(32)).enumerate() {
+            let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (a, b) in x.iter().zip(y) {
+                assert!(
+                    (a - b).abs() <= amax / 254.0 + amax / 2048.0,
+                    "block {blk}: {a} vs {b}"
+                );
             }
         }
     }
@@ -1825,92 +2066,119 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx512() {
             let mut seed = 31;
-            for (d, n_kv, n_heads) in [(64, 3, 9), (128, 2, 10), (64, 1, 4)] {
-                let geom = PageGeometry {
-                    page_size: 16,
-                    n_kv_heads: n_kv,
-                    head_dim: d,
-                };
-                let n_pages = 40;
-                let half = |v: Vec<f32>| v.into_iter().map(f16::from_f32).collect::<Vec<_>>();
-                let k = half(rnd(n_pages * geom.page_elems(), &mut seed));
-                let v = half(rnd(n_pages * geom.page_elems(), &mut seed));
-                // Pages in a scattered order, all tags valid for owner 5.
-                let table: Vec<PageRef> = (0..n_pages as u32)
-                    .map(|i| PageRef {
-                        page: (i * 7) % n_pages as u32,
-                        generation: 1,
-                    })
-                    .collect();
-                let (gens, owners) = (vec![1u32; n_pages], vec![5u64; n_pages]);
-                let filled = vec![16u32; n_pages];
-                for n_ctx in [1, 15, 64, 65, 200, 463, 640] {
-                    let q = rnd(n_heads * d, &mut seed);
-                    let args = AttentionArgs {
-                        q: &q,
-                        n_heads,
-                        start_pos: n_ctx - 1,
-                        k_cache: &k,
-                        v_cache: &v,
-                        geom,
-                        block_table: &table,
-                        tags: TagView {
-                            generation: &gens,
-                            owner: &owners,
-                            filled: &filled,
-                            stamp_owner: &owners,
-                            stamp_generation: &gens,
-                        },
-                        reader: Reader::private(5),
-                        order: ReduceOrder::Vec,
-                        check: TagCheck::Enforced,
+            let cases = [(64, 3, 9), (128, 2, 10), (64, 1, 4)];
+            for kv in [KvType::F16, KvType::Q8_0] {
+                for (d, n_kv, n_heads) in cases {
+                    let geom = PageGeometry {
+                        page_size: 16,
+                        n_kv_heads: n_kv,
+                        head_dim: d,
+                        kv,
                     };
-                    // The gathered path's arithmetic, head by head.
-                    let mut want = vec![0.0; n_heads * d];
-                    let mut ws = Workspace::default();
-                    let scale = 1.0 / (d as f32).sqrt();
-                    for (head, o) in want.chunks_mut(d).enumerate() {
-                        let h = head / (n_heads / n_kv);
-                        let gather = |cache: &[f16]| -> Vec<f32> {
-                            (0..n_ctx)
-                                .flat_map(|t| {
-                                    let off = geom.offset(table[t / 16].page as usize, h, t % 16);
-                                    cache[off..off + d]
-                                        .iter()
-                                        .map(|x| x.to_f32())
-                                        .collect::<Vec<_>>()
-                                })
-                                .collect()
-                        };
-                        let qh = &q[head * d..(head + 1) * d];
-                        let (kh, vh) = (gather(&k), gather(&v));
-                        attend_compat_body(
-                            ReduceOrder::Vec,
-                            qh,
-                            &kh,
-                            &vh,
-                            d,
-                            n_ctx,
-                            scale,
-                            o,
-                            &mut ws,
-                        );
-                    }
-                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    for threads in [1, 2, 3] {
-                        let pool = crate::par::ThreadPool::new(threads).expect("pool");
-                        let mut got = vec![f32::NAN; n_heads * d];
-                        pool.install(|| {
-                            paged_attention(&args, &mut got, &mut AttnScratch::default())
-                        })
-                        .expect("tags valid");
-                        assert_eq!(
-                            bits(&got),
-                            bits(&want),
-                            "d={d} heads={n_heads} n_ctx={n_ctx} threads={threads}"
-                        );
-                    }
+                    decode_in_place_case(geom, n_heads, &mut seed);
                 }
+            }
+        }
+    }
+
+    /// A cache of `geom` filled through [`write_kv_slot`] with random rows: 40 pages, every
+    /// slot written.
+    fn random_cache(geom: PageGeometry, n_pages: usize, seed: &mut u64) -> (Vec<u16>, Vec<u16>) {
+        let mut k = vec![0u16; n_pages * geom.page_words()];
+        let mut v = vec![0u16; n_pages * geom.page_words()];
+        let row = geom.n_kv_heads * geom.head_dim;
+        for p in 0..n_pages {
+            for slot in 0..geom.page_size {
+                let (kr, vr) = (rnd(row, seed), rnd(row, seed));
+                write_kv_slot(&mut k, &mut v, geom, p, slot, &kr, &vr);
+            }
+        }
+        (k, v)
+    }
+
+    /// The values of the cache row at word `off`, decoded from the format's definition (f16
+    /// bits; q8_0: an f16 scale then 32 signed bytes per block, value = byte · scale).
+    fn decode_row(geom: PageGeometry, cache: &[u16], off: usize) -> Vec<f32> {
+        let words = &cache[off..off + geom.row_words()];
+        match geom.kv {
+            KvType::F16 => words.iter().map(|&w| f16::from_bits(w).to_f32()).collect(),
+            KvType::Q8_0 => words
+                .chunks_exact(17)
+                .flat_map(|b| {
+                    let d = f16::from_bits(b[0]).to_f32();
+                    b[1..]
+                        .iter()
+                        .flat_map(|w| w.to_le_bytes())
+                        .map(move |q| f32::from(q as i8) * d)
+                })
+                .collect(),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn decode_in_place_case(geom: PageGeometry, n_heads: usize, seed: &mut u64) {
+        let (d, n_kv) = (geom.head_dim, geom.n_kv_heads);
+        let n_pages = 40;
+        let (k, v) = random_cache(geom, n_pages, seed);
+        // Pages in a scattered order, all tags valid for owner 5.
+        let table: Vec<PageRef> = (0..n_pages as u32)
+            .map(|i| PageRef {
+                page: (i * 7) % n_pages as u32,
+                generation: 1,
+            })
+            .collect();
+        let (gens, owners) = (vec![1u32; n_pages], vec![5u64; n_pages]);
+        let filled = vec![16u32; n_pages];
+        for n_ctx in [1, 15, 64, 65, 200, 463, 640] {
+            let q = rnd(n_heads * d, seed);
+            let args = AttentionArgs {
+                q: &q,
+                n_heads,
+                start_pos: n_ctx - 1,
+                k_cache: &k,
+                v_cache: &v,
+                geom,
+                block_table: &table,
+                tags: TagView {
+                    generation: &gens,
+                    owner: &owners,
+                    filled: &filled,
+                    stamp_owner: &owners,
+                    stamp_generation: &gens,
+                },
+                reader: Reader::private(5),
+                order: ReduceOrder::Vec,
+                check: TagCheck::Enforced,
+            };
+            // The gathered path's arithmetic, head by head.
+            let mut want = vec![0.0; n_heads * d];
+            let mut ws = Workspace::default();
+            let scale = 1.0 / (d as f32).sqrt();
+            for (head, o) in want.chunks_mut(d).enumerate() {
+                let h = head / (n_heads / n_kv);
+                let gather = |cache: &[u16]| -> Vec<f32> {
+                    (0..n_ctx)
+                        .flat_map(|t| {
+                            let off = geom.offset(table[t / 16].page as usize, h, t % 16);
+                            decode_row(geom, cache, off)
+                        })
+                        .collect()
+                };
+                let qh = &q[head * d..(head + 1) * d];
+                let (kh, vh) = (gather(&k), gather(&v));
+                attend_compat_body(ReduceOrder::Vec, qh, &kh, &vh, d, n_ctx, scale, o, &mut ws);
+            }
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for threads in [1, 2, 3] {
+                let pool = crate::par::ThreadPool::new(threads).expect("pool");
+                let mut got = vec![f32::NAN; n_heads * d];
+                pool.install(|| paged_attention(&args, &mut got, &mut AttnScratch::default()))
+                    .expect("tags valid");
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{geom:?} heads={n_heads} n_ctx={n_ctx} threads={threads}"
+                );
             }
         }
     }

@@ -1542,17 +1542,31 @@ mod tests {
     /// A node stating another geometry than the fleet's never becomes ready.
     #[test]
     fn an_incompatible_node_is_held_out() {
-        let r = Router::offline(1, 2);
+        let r = Router::offline(1, 3);
         let mut bad = synthetic_report(WorkerRole::Decode, 3, &[]);
         bad.page_size = 32;
+        // Another KV cache type: its pages' bytes are another format.
+        let mut other_kv = synthetic_report(WorkerRole::Decode, 4, &[]);
+        other_kv.kv_dtype = "q8_0".into();
         for _ in 0..4 {
+            let good = synthetic_report(WorkerRole::Decode, 2, &[]);
+            r.observe_probe(WorkerRole::Decode, 2, Ok(good));
             r.observe_probe(WorkerRole::Decode, 3, Ok(bad.clone()));
+            r.observe_probe(WorkerRole::Decode, 4, Ok(other_kv.clone()));
         }
         let states = r.health_states();
-        let s = states
-            .iter()
-            .find(|(role, n, _)| *role == WorkerRole::Decode && *n == 3)
-            .expect("decode 3");
-        assert_ne!(s.2, HealthState::Ready);
+        let ready = |node| {
+            states.iter().any(|(role, n, s)| {
+                *role == WorkerRole::Decode && *n == node && *s == HealthState::Ready
+            })
+        };
+        assert!(ready(2), "the control: a compatible node becomes ready");
+        for node in [3, 4] {
+            let s = states
+                .iter()
+                .find(|(role, n, _)| *role == WorkerRole::Decode && *n == node)
+                .expect("decode node");
+            assert_ne!(s.2, HealthState::Ready, "decode {node}");
+        }
     }
 }

@@ -955,7 +955,7 @@ impl DecodeHandle {
             &opts.fingerprint,
             opts.node_id,
             "decode",
-            engine.core().pool().page_size(),
+            engine.core().pool().geometry(),
             engine.core().context_length(),
             engine.core().pool().n_pages() * engine.core().pool().page_size(),
             transport.kind(),

@@ -193,7 +193,7 @@ pub fn node_info(
     fingerprint: &str,
     node_id: u32,
     role: &str,
-    page_size: usize,
+    geom: custody_engine::kv::PageGeometry,
     context_length: usize,
     pool_tokens: usize,
     transport: &str,
@@ -204,10 +204,12 @@ pub fn node_info(
         node_id,
         role: role.into(),
         model_fingerprint: fingerprint.into(),
-        page_size: page_size as u32,
+        page_size: geom.page_size as u32,
         n_layers: model.config.n_layers as u32,
         kv_dim: model.config.kv_dim() as u32,
-        kv_dtype: "f16".into(),
+        // The pool's storage type: a pair whose pools store K/V differently is refused (the
+        // bytes of a page would be read as another format).
+        kv_dtype: geom.kv.name().into(),
         context_length: context_length as u64,
         pool_tokens: pool_tokens as u64,
         transport: transport.into(),
@@ -587,11 +589,13 @@ mod tests {
         d.model_fingerprint = "cd".into();
         d.transport = "verbs".into();
         d.transport_encryption = true;
+        d.kv_dtype = "q8_0".into();
         let e = check_pair(&info("prefill", 4096), &d)
             .expect_err("mismatch")
             .to_string();
         assert!(
-            e.contains("fingerprint")
+            e.contains("KV dtype differs (prefill f16, decode q8_0)")
+                && e.contains("fingerprint")
                 && e.contains("KV transport encryption differs")
                 && e.contains("KV transport differs")
                 && e.contains("page_size")

@@ -1178,7 +1178,7 @@ impl PrefillHandle {
             &opts.fingerprint,
             opts.node_id,
             "prefill",
-            engine.core().pool().page_size(),
+            engine.core().pool().geometry(),
             engine.core().context_length(),
             engine.core().pool().n_pages() * engine.core().pool().page_size(),
             opts.transport_kind.name(),

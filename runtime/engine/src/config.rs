@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use custody_kernels::attention::KvType;
 use serde::Deserialize;
 
 /// A configuration section's values are not acceptable.
@@ -100,6 +101,22 @@ pub struct EngineConfig {
     /// the pool until it needs them (LRU). Unset: on for the CPU backend, off for CUDA (whose
     /// tag check does not take shared pages yet; `true` there is refused at startup).
     pub prefix_cache: Option<bool>,
+    /// How the KV cache stores K and V: `"f16"` (the default, llama.cpp's) or `"q8_0"`
+    /// (llama.cpp's `--cache-type-k/v q8_0` blocks: 34 bytes per 32 values, ~53 % of f16's
+    /// memory and bytes read per decode step; its accuracy cost is in BENCHMARKS.md). The tag
+    /// check is the same for both. CPU backend only (CUDA refuses `q8_0` at startup).
+    #[serde(deserialize_with = "kv_type_by_name")]
+    pub kv_cache_type: KvType,
+}
+
+/// `engine.kv_cache_type` by its name ([`KvType::name`]); any other value is refused by name.
+fn kv_type_by_name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<KvType, D::Error> {
+    let name = String::deserialize(d)?;
+    KvType::from_name(&name).ok_or_else(|| {
+        serde::de::Error::custom(format!(
+            "engine.kv_cache_type {name:?}: expected \"f16\" or \"q8_0\""
+        ))
+    })
 }
 
 /// `[prefix_cache]`: how the namespaces of the prefix cache are derived (the node that derives
@@ -174,6 +191,7 @@ impl Default for EngineConfig {
             threads: 0,
             backend: Backend::Cpu,
             prefix_cache: None,
+            kv_cache_type: KvType::F16,
         }
     }
 }

@@ -168,7 +168,7 @@ pub fn compare_with_cpu<D: Device>(
     steps: usize,
 ) -> Result<Agreement, CheckError> {
     let n_pages = 64;
-    let geom = model.page_geometry(PAGE_SIZE);
+    let geom = model.page_geometry(PAGE_SIZE, custody_kernels::attention::KvType::F16);
     let mut cpu_pool = PagePool::new(geom, model.config.n_layers, n_pages);
     let mut dev_pool = PagePool::new(geom, model.config.n_layers, n_pages);
     let mut fwd = CudaForward::new(dev, model, &dev_pool, 64)?;

@@ -240,6 +240,12 @@ impl<D: Device> CudaForward<D> {
                 w_down: upload_mat(&mut dev, &l.w_down)?,
             });
         }
+        // The engine refuses any other cache type on this backend before it gets here.
+        assert_eq!(
+            pool.geometry().kv,
+            custody_kernels::attention::KvType::F16,
+            "the CUDA kernels read f16 pages"
+        );
         let kv = Self::alloc_kv(&mut dev, pool, c.n_layers)?;
         let bufs = Self::alloc_buffers(&mut dev, &c, max_rows, 1024)?;
         Ok(Self {
@@ -260,7 +266,7 @@ impl<D: Device> CudaForward<D> {
     /// The device pool: one allocation for every layer's K and V.
     fn alloc_kv(dev: &mut D, pool: &PagePool, n_layers: usize) -> Result<DeviceKv, DeviceError> {
         let n_pages = pool.n_pages();
-        let part_bytes = (n_pages * pool.geometry().page_elems() * 2) as u64;
+        let part_bytes = (n_pages * pool.geometry().page_words() * 2) as u64;
         let all = dev.alloc_zeroed((part_bytes as usize) * 2 * n_layers)?;
         let part = |i: usize| all.offset(part_bytes * i as u64);
         Ok(DeviceKv {
@@ -316,7 +322,7 @@ impl<D: Device> CudaForward<D> {
         pool: &mut PagePool,
         pages: &[PageRef],
     ) -> Result<(), DeviceError> {
-        let page_bytes = (pool.geometry().page_elems() * 2) as u64;
+        let page_bytes = (pool.geometry().page_words() * 2) as u64;
         for layer in 0..self.config.n_layers {
             for pr in pages {
                 let at = page_bytes * u64::from(pr.page);
@@ -337,7 +343,7 @@ impl<D: Device> CudaForward<D> {
         pool: &mut PagePool,
         pages: &[PageRef],
     ) -> Result<(), DeviceError> {
-        let page_bytes = (pool.geometry().page_elems() * 2) as u64;
+        let page_bytes = (pool.geometry().page_words() * 2) as u64;
         for layer in 0..self.config.n_layers {
             for pr in pages {
                 let at = page_bytes * u64::from(pr.page);

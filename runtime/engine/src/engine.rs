@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use custody_audit::{self as audit, AuditSink, PageKind, RequestKind};
 
-use custody_kernels::attention::{PageRef, Reader, ReduceOrder, TagCheck};
+use custody_kernels::attention::{KvType, PageRef, Reader, ReduceOrder, TagCheck};
 
 use crate::config::{EngineConfig, UnsafeReproduction};
 use crate::cuda_forward::{CudaForward, CudaForwardError};
@@ -387,6 +387,23 @@ impl Engine {
                 "the incident reproduction runs on the CPU backend only".into(),
             ));
         }
+        if cuda && cfg.kv_cache_type != KvType::F16 {
+            return Err(StartupError::Backend(format!(
+                "engine.kv_cache_type = {:?} runs on the CPU backend only (the CUDA kernels \
+                 read f16 pages)",
+                cfg.kv_cache_type.name()
+            )));
+        }
+        if !cfg.kv_cache_type.supports(model.config.head_dim) {
+            return Err(StartupError::Config(crate::config::ConfigError::Invalid(
+                format!(
+                    "engine.kv_cache_type = {:?} stores whole blocks of 32 values; this \
+                     model's head_dim is {}",
+                    cfg.kv_cache_type.name(),
+                    model.config.head_dim
+                ),
+            )));
+        }
         // The device is opened before anything is sized: a missing one is the first error.
         let device = match (cuda, device) {
             (true, Some(d)) => Some(d),
@@ -401,7 +418,7 @@ impl Engine {
                 model: model_ctx,
             });
         }
-        let geom = model.page_geometry(cfg.page_size);
+        let geom = model.page_geometry(cfg.page_size, cfg.kv_cache_type);
         let bytes_per_token = PagePool::bytes_per_token(geom, model.config.n_layers);
         let n_pages = cfg.kv_budget_mib * (1 << 20) / (bytes_per_token * cfg.page_size);
         let pool_tokens = n_pages * cfg.page_size;

@@ -2,7 +2,7 @@
 //!
 //! # Spec
 //! - The pool holds `n_pages` physical pages; each page backs `page_size` token slots of K and V
-//!   for every layer (f16).
+//!   for every layer, stored as the geometry's [`KvType`] (f16, or llama.cpp's q8_0 blocks).
 //! - Each page has a tag: `generation` (bumped at every allocation, so a [`PageRef`] taken in an
 //!   earlier allocation can never match again), `owner` (the request id that holds it, or
 //!   [`NO_OWNER`] while free) and, per layer, `filled` (slots `0..filled` were written in this
@@ -31,8 +31,8 @@ use custody_kernels::attention::{
     self, AttentionArgs, AttnScratch, IntegrityError, ReduceOrder, TagCheck, TagView,
 };
 /// The kernel's page geometry, page references and readers, as the pool's API names them.
-pub use custody_kernels::attention::{PageGeometry, PageRef, Reader};
-use half::f16;
+pub use custody_kernels::attention::{KvType, PageGeometry, PageRef, Reader};
+use custody_kernels::attention::{words_as_bytes, words_as_bytes_mut};
 
 /// Most destinations [`PagePool::land_dests`] hands out at once (the transport's bound).
 pub use custody_transport::MAX_LAND_DESTS;
@@ -78,8 +78,9 @@ pub struct PagePool {
     id: u64,
     geom: PageGeometry,
     n_pages: usize,
-    k: Vec<Vec<f16>>,
-    v: Vec<Vec<f16>>,
+    /// Per layer, the K (V) cache's words ([`PageGeometry`] says how a row is stored).
+    k: Vec<Vec<u16>>,
+    v: Vec<Vec<u16>>,
     generation: Vec<u32>,
     owner: Vec<u64>,
     /// `filled[layer][page]`
@@ -103,13 +104,19 @@ impl PagePool {
     /// (lazily, by the OS) once here and never again.
     pub fn new(geom: PageGeometry, n_layers: usize, n_pages: usize) -> Self {
         assert!(n_pages > 0 && n_pages < u32::MAX as usize);
-        let elems = n_pages * geom.page_elems();
+        assert!(
+            geom.kv.supports(geom.head_dim),
+            "{:?} cannot store rows of {}",
+            geom.kv,
+            geom.head_dim
+        );
+        let words = n_pages * geom.page_words();
         Self {
             id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             geom,
             n_pages,
-            k: (0..n_layers).map(|_| zeroed_f16(elems)).collect(),
-            v: (0..n_layers).map(|_| zeroed_f16(elems)).collect(),
+            k: (0..n_layers).map(|_| zeroed_words(words)).collect(),
+            v: (0..n_layers).map(|_| zeroed_words(words)).collect(),
             generation: vec![0; n_pages],
             owner: vec![NO_OWNER; n_pages],
             filled: vec![vec![0; n_pages]; n_layers],
@@ -134,7 +141,7 @@ impl PagePool {
 
     /// Bytes of one layer's K (or V) part of a page.
     fn page_layer_bytes(&self) -> usize {
-        self.geom.page_elems() * 2
+        self.geom.page_words() * 2
     }
 
     /// Bytes a page takes in a transfer region: the in-band header, then per layer K then V.
@@ -155,17 +162,17 @@ impl PagePool {
         for layer in 0..self.n_layers() {
             for (kv, cache) in [(0, &self.k[layer]), (1, &self.v[layer])] {
                 let chunk_base = TRANSFER_HDR_BYTES + (2 * layer + kv) * lb;
-                let bytes = f16_bytes(cache);
+                let bytes = words_as_bytes(cache);
                 if slots == g.page_size {
                     let off = g.offset(p, 0, 0) * 2;
                     f(chunk_base, &bytes[off..off + lb]);
                 } else {
                     for h in 0..g.n_kv_heads {
                         let off = g.offset(p, h, 0) * 2;
-                        let within = (h * g.page_size * g.head_dim) * 2;
+                        let within = (h * g.page_size * g.row_words()) * 2;
                         f(
                             chunk_base + within,
-                            &bytes[off..off + slots * g.head_dim * 2],
+                            &bytes[off..off + slots * g.row_words() * 2],
                         );
                     }
                 }
@@ -221,7 +228,7 @@ impl PagePool {
             } else {
                 &mut self.v[layer]
             };
-            f16_bytes_mut(cache)[base + within..base + within + n].copy_from_slice(&rest[..n]);
+            words_as_bytes_mut(cache)[base + within..base + within + n].copy_from_slice(&rest[..n]);
             rest = &rest[n..];
             pos += n;
         }
@@ -262,7 +269,7 @@ impl PagePool {
         } else {
             &mut self.v[layer]
         };
-        Ok(&mut f16_bytes_mut(cache)[base + within..base + within + n])
+        Ok(&mut words_as_bytes_mut(cache)[base + within..base + within + n])
     }
 
     /// Direct landing, gathered: the destinations (at most [`MAX_LAND_DESTS`]) of up to
@@ -311,7 +318,7 @@ impl PagePool {
                 }
                 let within = pos - chunk_start;
                 let n = (lb - within).min(end - pos);
-                out.push(&mut f16_bytes_mut(cache)[base + within..base + within + n]);
+                out.push(&mut words_as_bytes_mut(cache)[base + within..base + within + n]);
                 pos += n;
             }
         }
@@ -401,7 +408,7 @@ impl PagePool {
 
     /// Bytes of KV storage one token slot takes over all layers.
     pub fn bytes_per_token(geom: PageGeometry, n_layers: usize) -> usize {
-        2 * n_layers * geom.n_kv_heads * geom.head_dim * std::mem::size_of::<f16>()
+        2 * n_layers * geom.n_kv_heads * geom.row_words() * std::mem::size_of::<u16>()
     }
 
     pub fn geometry(&self) -> PageGeometry {
@@ -612,19 +619,15 @@ impl PagePool {
         Ok(())
     }
 
-    /// Page `page`'s K and V of `layer` in host memory (f16 bits, the page's
+    /// Page `page`'s K and V of `layer` in host memory (the words of the page's
     /// `[kv_head][slot][dim]` block), for a device backend's staging: the CUDA backend copies a
     /// page's device K/V here before the transfer path reads it, and from here after a transfer
     /// landed in it. Never a read path of the engine (the engine reads only through `attend` or
     /// the device's checked attention).
     pub(crate) fn host_page_kv_mut(&mut self, layer: usize, page: u32) -> (&mut [u16], &mut [u16]) {
-        use half::slice::HalfFloatSliceExt;
-        let e = self.geom.page_elems();
+        let e = self.geom.page_words();
         let r = page as usize * e..(page as usize + 1) * e;
-        (
-            self.k[layer][r.clone()].reinterpret_cast_mut(),
-            self.v[layer][r].reinterpret_cast_mut(),
-        )
+        (&mut self.k[layer][r.clone()], &mut self.v[layer][r])
     }
 
     /// Tag arrays of `layer` for the attention kernel.
@@ -681,7 +684,7 @@ impl PagePool {
     }
 
     /// Test oracle (feature `test-oracle`, enabled only by the test crate): the raw K bytes of
-    /// `page` at `layer` (layout `[kv_head][slot][dim]`, f16 little-endian), read *without* the
+    /// `page` at `layer` (layout `[kv_head][slot][row]`, little-endian words), read *without* the
     /// tag check — what a component with the incident's bug would attend over.
     #[cfg(feature = "test-oracle")]
     pub fn test_oracle_k_page_bytes(&self, layer: usize, page: u32) -> Vec<u8> {
@@ -689,7 +692,7 @@ impl PagePool {
         let r = g.offset(page as usize, 0, 0)..g.offset(page as usize + 1, 0, 0);
         self.k[layer][r]
             .iter()
-            .flat_map(|x| x.to_bits().to_le_bytes())
+            .flat_map(|x| x.to_le_bytes())
             .collect()
     }
 
@@ -1213,39 +1216,27 @@ pub enum ReleaseFill {
     #[default]
     None,
     Zero,
-    /// A recognisable non-finite pattern (f16 0x7E5A, a NaN): a stale read that slipped past
+    /// A recognisable non-finite pattern (every word 0x7E5A: an f16 NaN, and a q8_0 block whose
+    /// scale is that NaN): a stale read that slipped past
     /// every check would poison the output visibly instead of leaking plausible content.
     Canary,
 }
 
 impl ReleaseFill {
-    fn value(self) -> Option<f16> {
+    /// The word every word of a released page is set to.
+    fn value(self) -> Option<u16> {
         match self {
             ReleaseFill::None => None,
-            ReleaseFill::Zero => Some(f16::ZERO),
-            ReleaseFill::Canary => Some(f16::from_bits(0x7E5A)),
+            ReleaseFill::Zero => Some(0),
+            ReleaseFill::Canary => Some(0x7E5A),
         }
     }
 }
 
-fn f16_bytes(v: &[f16]) -> &[u8] {
-    // SAFETY: f16 is `repr(transparent)` over u16: any f16 slice is a valid byte slice of twice
-    // the length (u8 has alignment 1), little-endian on the hosts this runs on.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * 2) }
-}
-
-fn f16_bytes_mut(v: &mut [f16]) -> &mut [u8] {
-    // SAFETY: as `f16_bytes`; every bit pattern is a valid f16, so arbitrary bytes may be stored.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), v.len() * 2) }
-}
-
-/// A zeroed f16 vector through the zero-allocation fast path (`calloc`: pages are mapped lazily,
-/// so a large pool costs nothing until used). `vec![f16::ZERO; n]` would memset eagerly.
-fn zeroed_f16(n: usize) -> Vec<f16> {
-    let mut v = std::mem::ManuallyDrop::new(vec![0u16; n]);
-    // SAFETY: `half::f16` is `#[repr(transparent)]` over `u16` (same size and alignment, every bit
-    // pattern valid), so the allocation can be reinterpreted; ownership moves to the new Vec.
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f16>(), v.len(), v.capacity()) }
+/// A zeroed vector of words through the zero-allocation fast path (`calloc`: pages are mapped
+/// lazily, so a large pool costs nothing until used).
+fn zeroed_words(n: usize) -> Vec<u16> {
+    vec![0u16; n]
 }
 
 #[cfg(test)]
@@ -1256,6 +1247,7 @@ mod tests {
         page_size: 4,
         n_kv_heads: 1,
         head_dim: 2,
+        kv: KvType::F16,
     };
 
     #[test]
@@ -1289,6 +1281,7 @@ mod tests {
             page_size: 2,
             n_kv_heads: 1,
             head_dim: 2,
+            kv: KvType::F16,
         };
         let mut pool = PagePool::new(g, 1, 3);
         let a = pool.alloc(7, 2).expect("alloc");

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use custody_kernels::attention::{
-    AttnScratch, IntegrityError, PageGeometry, PageRef, Reader, ReduceOrder, TagCheck,
+    AttnScratch, IntegrityError, KvType, PageGeometry, PageRef, Reader, ReduceOrder, TagCheck,
 };
 use custody_kernels::matmul::matmul_many;
 use custody_kernels::q8k::RowBatch;
@@ -589,12 +589,13 @@ impl Model {
         StreamedWeights { bytes, sum }
     }
 
-    /// KV page geometry for a given page size.
-    pub fn page_geometry(&self, page_size: usize) -> PageGeometry {
+    /// KV page geometry for a given page size and cache type.
+    pub fn page_geometry(&self, page_size: usize, kv: KvType) -> PageGeometry {
         PageGeometry {
             page_size,
             n_kv_heads: self.config.n_kv_heads,
             head_dim: self.config.head_dim,
+            kv,
         }
     }
 

@@ -10,6 +10,7 @@
 
 use std::path::Path;
 
+use custody_kernels::attention::KvType;
 use custody_runtime::gguf::Gguf;
 use custody_runtime::{Engine, EngineConfig, Model, Tokenizer};
 use custody_tests::{fixture, read_npy_f32};
@@ -222,7 +223,7 @@ fn the_decode_path_gives_llama_cpps_logits_bit_for_bit() {
         let n_prompt = r["n_prompt"].as_u64().expect("n_prompt") as usize;
         let c = &model.config;
         let n_pages = ids.len().div_ceil(PAGE);
-        let mut pool = PagePool::new(model.page_geometry(PAGE), c.n_layers, n_pages);
+        let mut pool = PagePool::new(model.page_geometry(PAGE, KvType::F16), c.n_layers, n_pages);
         let table = pool.alloc(7, n_pages).expect("pages");
         let mut s = Scratch::default();
         let mut step = |tokens: &[u32], start_pos: usize, rows: Rows| {

@@ -8,7 +8,7 @@
 //! segments still get their logits.
 
 use custody_kernels::DType;
-use custody_kernels::attention::{IntegrityError, PageRef, Reader, ReduceOrder, TagCheck};
+use custody_kernels::attention::{IntegrityError, KvType, PageRef, Reader, ReduceOrder, TagCheck};
 use custody_runtime::cuda_check::{compare_with_cpu, tolerance};
 use custody_runtime::cuda_forward::CudaForward;
 use custody_runtime::gguf::write::Synthetic;
@@ -25,7 +25,11 @@ fn model(dtype: DType, seed: u64) -> Model {
 }
 
 fn pool(m: &Model) -> PagePool {
-    PagePool::new(m.page_geometry(PAGE_SIZE), m.config.n_layers, N_PAGES)
+    PagePool::new(
+        m.page_geometry(PAGE_SIZE, KvType::F16),
+        m.config.n_layers,
+        N_PAGES,
+    )
 }
 
 /// One sequence's state, the same on both backends' pools (same allocation order).

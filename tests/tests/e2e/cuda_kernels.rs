@@ -231,6 +231,7 @@ fn gpu_attention_refuses_failing_requests_and_matches_the_cpu_for_the_rest() {
         page_size: shape.page_size as usize,
         n_kv_heads: shape.n_kv_heads as usize,
         head_dim: shape.head_dim as usize,
+        kv: custody_kernels::attention::KvType::F16,
     };
     let cache_len = n_pages as usize * geom.n_kv_heads * geom.page_size * geom.head_dim;
     let k: Vec<f16> = (0..cache_len).map(|_| f16::from_f32(rng.unit())).collect();
@@ -257,8 +258,8 @@ fn gpu_attention_refuses_failing_requests_and_matches_the_cpu_for_the_rest() {
             q: &q[i * row..(i + 1) * row],
             n_heads: shape.n_heads as usize,
             start_pos: r.n_ctx as usize - 1,
-            k_cache: &k,
-            v_cache: &v,
+            k_cache: &kb,
+            v_cache: &vb,
             geom,
             block_table: &table,
             tags: TagView {

@@ -105,6 +105,14 @@ const G: PageGeometry = PageGeometry {
     page_size: 4,
     n_kv_heads: 1,
     head_dim: 8,
+    kv: custody_kernels::attention::KvType::F16,
+};
+
+/// [`G`] with rows of one q8_0 block.
+const G_Q8: PageGeometry = PageGeometry {
+    head_dim: 32,
+    kv: custody_kernels::attention::KvType::Q8_0,
+    ..G
 };
 
 #[derive(Clone, Debug)]
@@ -155,65 +163,69 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
     #[test]
     fn tag_check_never_lets_a_reader_see_a_slot_not_written_for_it(ops in prop::collection::vec(op(), 1..60)) {
-        let mut pool = PagePool::new(G, 1, 6);
-        let mut seqs: Vec<SeqState> = Vec::new();
-        let mut next_owner = 1u64;
-        let mut scratch = AttnScratch::default();
-        for op in ops {
-            match op {
-                Op::Alloc { pages } => {
-                    if let Ok(p) = pool.alloc(next_owner, pages) {
-                        seqs.push(SeqState { owner: next_owner, pages: p, written: 0, live: true });
-                    }
-                    next_owner += 1;
-                }
-                Op::Write { seq, n } => {
-                    let Some(s) = seqs.get_mut(seq) else { continue };
-                    for _ in 0..n {
-                        let t = s.written;
-                        let Some(&pr) = s.pages.get(t / G.page_size) else { break };
-                        let row = vec![marker(s.owner, t); G.n_kv_heads * G.head_dim];
-                        let r = pool.write_slot(0, pr, t % G.page_size, s.owner, &row, &row);
-                        prop_assert_eq!(r.is_ok(), s.live, "writes succeed exactly for live owners");
-                        if r.is_err() { break }
-                        s.written += 1;
-                    }
-                }
-                Op::Free { seq } => {
-                    let Some(s) = seqs.get_mut(seq) else { continue };
-                    if s.live {
-                        pool.release(s.owner, &s.pages).expect("release own pages");
-                        s.live = false;
-                    }
-                }
-                Op::Read { seq, .. } | Op::ReadStale { seq } if seq < seqs.len() => {
-                    let extra = if let Op::Read { n_ctx_extra, .. } = op { n_ctx_extra } else { 0 };
-                    let s = &seqs[seq];
-                    let n_ctx = s.written + extra;
-                    if n_ctx == 0 { continue }
-                    // A single query at position n_ctx - 1 attends slots 0..n_ctx. Uniform query:
-                    // the output is the mean of the attended V rows if every row is this owner's.
-                    let q = vec![0.0f32; G.head_dim];
-                    // The pool's one read path, with the pool's own tags and memory.
-                    let read = AttendRead {
-                        q: &q, n_heads: 1, start_pos: n_ctx - 1,
-                        block_table: &s.pages, reader: Reader::private(s.owner),
-                        order: ReduceOrder::Vec, check: attention::TagCheck::Enforced,
-                    };
-                    let mut out = vec![0.0f32; G.head_dim];
-                    match pool.attend(0, &read, &mut out, &mut scratch) {
-                        Ok(()) => {
-                            // The check passed: the reader must be live and every slot written by it.
-                            prop_assert!(s.live, "a freed sequence read its old pages");
-                            prop_assert!(n_ctx <= s.written, "read of unwritten slots passed the check");
-                            let want = (0..n_ctx).map(|t| marker(s.owner, t)).sum::<f32>() / n_ctx as f32;
-                            prop_assert!((out[0] - want).abs() <= want.abs() * 2e-3 + 1e-3,
-                                "read {} but this owner wrote values averaging {}", out[0], want);
+        // The same operations on an f16 and a q8_0 pool: the check does not depend on how a
+        // page's bytes are stored.
+        for g in [G, G_Q8] {
+            let mut pool = PagePool::new(g, 1, 6);
+            let mut seqs: Vec<SeqState> = Vec::new();
+            let mut next_owner = 1u64;
+            let mut scratch = AttnScratch::default();
+            for op in ops.iter().cloned() {
+                match op {
+                    Op::Alloc { pages } => {
+                        if let Ok(p) = pool.alloc(next_owner, pages) {
+                            seqs.push(SeqState { owner: next_owner, pages: p, written: 0, live: true });
                         }
-                        Err(_) => prop_assert!(!s.live || n_ctx > s.written, "a legitimate read was refused"),
+                        next_owner += 1;
                     }
+                    Op::Write { seq, n } => {
+                        let Some(s) = seqs.get_mut(seq) else { continue };
+                        for _ in 0..n {
+                            let t = s.written;
+                            let Some(&pr) = s.pages.get(t / g.page_size) else { break };
+                            let row = vec![marker(s.owner, t); g.n_kv_heads * g.head_dim];
+                            let r = pool.write_slot(0, pr, t % g.page_size, s.owner, &row, &row);
+                            prop_assert_eq!(r.is_ok(), s.live, "writes succeed exactly for live owners");
+                            if r.is_err() { break }
+                            s.written += 1;
+                        }
+                    }
+                    Op::Free { seq } => {
+                        let Some(s) = seqs.get_mut(seq) else { continue };
+                        if s.live {
+                            pool.release(s.owner, &s.pages).expect("release own pages");
+                            s.live = false;
+                        }
+                    }
+                    Op::Read { seq, .. } | Op::ReadStale { seq } if seq < seqs.len() => {
+                        let extra = if let Op::Read { n_ctx_extra, .. } = op { n_ctx_extra } else { 0 };
+                        let s = &seqs[seq];
+                        let n_ctx = s.written + extra;
+                        if n_ctx == 0 { continue }
+                        // A single query at position n_ctx - 1 attends slots 0..n_ctx. Uniform query:
+                        // the output is the mean of the attended V rows if every row is this owner's.
+                        let q = vec![0.0f32; g.head_dim];
+                        // The pool's one read path, with the pool's own tags and memory.
+                        let read = AttendRead {
+                            q: &q, n_heads: 1, start_pos: n_ctx - 1,
+                            block_table: &s.pages, reader: Reader::private(s.owner),
+                            order: ReduceOrder::Vec, check: attention::TagCheck::Enforced,
+                        };
+                        let mut out = vec![0.0f32; g.head_dim];
+                        match pool.attend(0, &read, &mut out, &mut scratch) {
+                            Ok(()) => {
+                                // The check passed: the reader must be live and every slot written by it.
+                                prop_assert!(s.live, "a freed sequence read its old pages");
+                                prop_assert!(n_ctx <= s.written, "read of unwritten slots passed the check");
+                                let want = (0..n_ctx).map(|t| marker(s.owner, t)).sum::<f32>() / n_ctx as f32;
+                                prop_assert!((out[0] - want).abs() <= want.abs() * 2e-3 + 1e-3,
+                                    "read {} but this owner wrote values averaging {}", out[0], want);
+                            }
+                            Err(_) => prop_assert!(!s.live || n_ctx > s.written, "a legitimate read was refused"),
+                        }
+                    }
+                    Op::Read { .. } | Op::ReadStale { .. } => {}
                 }
-                Op::Read { .. } | Op::ReadStale { .. } => {}
             }
         }
     }

@@ -15,6 +15,7 @@ mod fleet;
 mod gguf_corruption;
 mod integrity;
 mod kv_auth;
+mod kv_cache_type;
 mod long_context;
 mod model_check;
 mod netns;

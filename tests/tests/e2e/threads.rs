@@ -1,7 +1,7 @@
 //! The compute pool returns the same bits whatever its size: every output element is computed by
 //! the same kernel code whichever part of a section it falls in (`custody_kernels::par`).
 
-use custody_kernels::attention::{PageRef, Reader, ReduceOrder, TagCheck};
+use custody_kernels::attention::{KvType, PageRef, Reader, ReduceOrder, TagCheck};
 use custody_runtime::Model;
 use custody_runtime::kv::PagePool;
 use custody_runtime::model::{Logits, Rows, Scratch, Segment};
@@ -55,7 +55,7 @@ fn logits_of(model: &Model, ids: &[u32], steps: usize) -> Vec<f32> {
     const PAGE: usize = 16;
     let c = &model.config;
     let n_pages = (ids.len() + steps).div_ceil(PAGE);
-    let mut pool = PagePool::new(model.page_geometry(PAGE), c.n_layers, n_pages);
+    let mut pool = PagePool::new(model.page_geometry(PAGE, KvType::F16), c.n_layers, n_pages);
     let table = pool.alloc(7, n_pages).expect("pages");
     let mut s = Scratch::default();
     let mut all = model
@@ -138,7 +138,7 @@ fn a_k_quant_prompt_row_keeps_its_bits_however_the_prompt_is_split() {
     };
     let (ids, other) = (&ids[..], &other[..]);
     let run = |split: Option<Rows>| {
-        let mut pool = PagePool::new(model.page_geometry(PAGE), c.n_layers, 8);
+        let mut pool = PagePool::new(model.page_geometry(PAGE, KvType::F16), c.n_layers, 8);
         let (a, b) = (
             pool.alloc(7, 3).expect("pages"),
             pool.alloc(8, 1).expect("pages"),
