@@ -424,6 +424,7 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
                 "prefix_cache_scope_chain_lookup_us": machinery.scope_chain_lookup.as_secs_f64() * 1e6,
                 "prefix_cache_shared_tag_check_ratio": machinery.shared_tag_check_ratio,
                 "simd": format!("{:?}", custody_kernels::simd::level()),
+                "kv_cache_type": engine.pool().geometry().kv.name(),
                 "decode_weight_bytes": bound.weight_bytes, "decode_kv_bytes_at_mid_context": bound.kv_bytes,
                 "read_bandwidth_gb_s": bound.read_gb_s, "decode_bound_tok_s": bound.tok_s(a.batch),
                 "decode_fraction_of_bound": d / bound.tok_s(a.batch),
@@ -446,8 +447,12 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
         );
     } else {
         println!(
-            "threads {threads}  prompt {} tokens  gen {} tokens  sequences {}  (median of {})",
-            a.prompt_tokens, a.gen_tokens, a.batch, a.reps
+            "threads {threads}  prompt {} tokens  gen {} tokens  sequences {}  kv cache {}  (median of {})",
+            a.prompt_tokens,
+            a.gen_tokens,
+            a.batch,
+            engine.pool().geometry().kv.name(),
+            a.reps
         );
         println!("prefill  {p:8.1} tok/s");
         println!("decode   {d:8.1} tok/s");
