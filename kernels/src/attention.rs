@@ -1959,14 +1959,8 @@ mod tests {
         assert_eq!(geom.row_words(), 34, "two 34-byte blocks per row of 64");
         let n_pages = 8;
         let (k, v) = random_cache(geom, n_pages, &mut seed);
-        let table: Vec<PageRef> = (0..n_pages as u32)
-            .map(|i| PageRef {
-                page: (i * 3) % n_pages as u32,
-                generation: 1,
-            })
-            .collect();
-        let (gens, owners) = (vec![1u32; n_pages], vec![5u64; n_pages]);
-        let filled = vec![16u32; n_pages];
+        let table = scattered(n_pages, 3);
+        let valid = AllValid::new(n_pages);
         let n = 100;
         // The stored values, `[t][kv_head][d]`, decoded from the format's definition.
         let rows = |cache: &[u16]| -> Vec<f32> {
@@ -1987,25 +1981,7 @@ mod tests {
             (&q[..], 0, ReduceOrder::Gemm),
             (&q[(n - 1) * n_heads * d..], n - 1, ReduceOrder::Vec),
         ] {
-            let args = AttentionArgs {
-                q,
-                n_heads,
-                start_pos: start,
-                k_cache: &k,
-                v_cache: &v,
-                geom,
-                block_table: &table,
-                tags: TagView {
-                    generation: &gens,
-                    owner: &owners,
-                    filled: &filled,
-                    stamp_owner: &owners,
-                    stamp_generation: &gens,
-                },
-                reader: Reader::private(5),
-                order,
-                check: TagCheck::Enforced,
-            };
+            let args = valid.args(q, n_heads, start, (&k, &v), geom, &table, order);
             let mut got = vec![f32::NAN; q.len()];
             paged_attention(&args, &mut got, &mut AttnScratch::default()).expect("tags valid");
             for (a, b) in got.iter().zip(&want[start * n_heads * d..]) {
@@ -2148,6 +2124,68 @@ mod tests {
         }
     }
 
+    /// A block table of all `n_pages` pages (generation 1), logical page `i` on physical page
+    /// `i · stride mod n_pages` (`stride` coprime to `n_pages`).
+    fn scattered(n_pages: usize, stride: u32) -> Vec<PageRef> {
+        (0..n_pages as u32)
+            .map(|i| PageRef {
+                page: (i * stride) % n_pages as u32,
+                generation: 1,
+            })
+            .collect()
+    }
+
+    /// Tags under which every one of `n_pages` pages is generation 1, owned and written whole
+    /// (16 slots) by reader 5.
+    struct AllValid {
+        gens: Vec<u32>,
+        owners: Vec<u64>,
+        filled: Vec<u32>,
+    }
+
+    impl AllValid {
+        fn new(n_pages: usize) -> Self {
+            Self {
+                gens: vec![1; n_pages],
+                owners: vec![5; n_pages],
+                filled: vec![16; n_pages],
+            }
+        }
+
+        /// Reader 5's attention of `q` at `start` over `(k, v)` through `table`.
+        #[allow(clippy::too_many_arguments)]
+        fn args<'a>(
+            &'a self,
+            q: &'a [f32],
+            n_heads: usize,
+            start: usize,
+            (k, v): (&'a [u16], &'a [u16]),
+            geom: PageGeometry,
+            table: &'a [PageRef],
+            order: ReduceOrder,
+        ) -> AttentionArgs<'a> {
+            AttentionArgs {
+                q,
+                n_heads,
+                start_pos: start,
+                k_cache: k,
+                v_cache: v,
+                geom,
+                block_table: table,
+                tags: TagView {
+                    generation: &self.gens,
+                    owner: &self.owners,
+                    filled: &self.filled,
+                    stamp_owner: &self.owners,
+                    stamp_generation: &self.gens,
+                },
+                reader: Reader::private(5),
+                order,
+                check: TagCheck::Enforced,
+            }
+        }
+    }
+
     /// A cache of `geom` filled through [`write_kv_slot`] with random rows: 40 pages, every
     /// slot written.
     fn random_cache(geom: PageGeometry, n_pages: usize, seed: &mut u64) -> (Vec<u16>, Vec<u16>) {
@@ -2188,35 +2226,12 @@ mod tests {
         let n_pages = 40;
         let (k, v) = random_cache(geom, n_pages, seed);
         // Pages in a scattered order, all tags valid for owner 5.
-        let table: Vec<PageRef> = (0..n_pages as u32)
-            .map(|i| PageRef {
-                page: (i * 7) % n_pages as u32,
-                generation: 1,
-            })
-            .collect();
-        let (gens, owners) = (vec![1u32; n_pages], vec![5u64; n_pages]);
-        let filled = vec![16u32; n_pages];
+        let table = scattered(n_pages, 7);
+        let valid = AllValid::new(n_pages);
         for n_ctx in [1, 15, 64, 65, 200, 463, 640] {
             let q = rnd(n_heads * d, seed);
-            let args = AttentionArgs {
-                q: &q,
-                n_heads,
-                start_pos: n_ctx - 1,
-                k_cache: &k,
-                v_cache: &v,
-                geom,
-                block_table: &table,
-                tags: TagView {
-                    generation: &gens,
-                    owner: &owners,
-                    filled: &filled,
-                    stamp_owner: &owners,
-                    stamp_generation: &gens,
-                },
-                reader: Reader::private(5),
-                order: ReduceOrder::Vec,
-                check: TagCheck::Enforced,
-            };
+            let kv = (&k[..], &v[..]);
+            let args = valid.args(&q, n_heads, n_ctx - 1, kv, geom, &table, ReduceOrder::Vec);
             // The gathered path's arithmetic, head by head.
             let mut want = vec![0.0; n_heads * d];
             let mut ws = Workspace::default();

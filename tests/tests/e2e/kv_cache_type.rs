@@ -29,6 +29,15 @@ fn json(path: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(fixture(path)).expect("fixture")).expect("json")
 }
 
+/// The unsigned integers of the array `v[key]`.
+fn numbers<'a>(v: &'a Value, key: &str) -> impl Iterator<Item = u64> + 'a {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key}: an array"))
+        .iter()
+        .map(|x| x.as_u64().expect("an unsigned integer"))
+}
+
 /// Mean and max of KL(p ‖ q) over rows, p = softmax(base), q = softmax(other), in f64.
 fn kl_rows(base: &[f32], other: &[f32], vocab: usize) -> (f64, f64) {
     let log_softmax = |row: &[f32]| -> Vec<f64> {
@@ -58,12 +67,7 @@ fn kl_rows(base: &[f32], other: &[f32], vocab: usize) -> (f64, f64) {
 fn a_q8_0_cache_costs_no_more_accuracy_than_llama_cpps_own_and_stores_17_of_32_bytes() {
     let src = json("llamacpp-smollm2/teacher_forced/long_context.json");
     let theirs = json("kv-cache/q8_0.json");
-    let ids: Vec<u32> = src["ids"]
-        .as_array()
-        .expect("ids")
-        .iter()
-        .map(|v| v.as_u64().expect("id") as u32)
-        .collect();
+    let ids: Vec<u32> = numbers(&src, "ids").map(|i| i as u32).collect();
     assert_eq!(theirs["n_tokens"].as_u64(), Some(ids.len() as u64));
     let model = || Model::load(&custody_tests::model_path()).expect("load model");
     let mut f16 = Engine::new(model(), cfg(KvType::F16)).expect("f16 engine");
@@ -115,12 +119,7 @@ fn a_q8_0_cache_costs_no_more_accuracy_than_llama_cpps_own_and_stores_17_of_32_b
 
     // Against llama.cpp's q8_0 cache at the fixture's saved rows.
     let (shape, rows_theirs) = read_npy_f32(&fixture("kv-cache/q8_0.npy"));
-    let rows: Vec<usize> = theirs["saved_rows"]
-        .as_array()
-        .expect("rows")
-        .iter()
-        .map(|v| v.as_u64().expect("row") as usize)
-        .collect();
+    let rows: Vec<usize> = numbers(&theirs, "saved_rows").map(|r| r as usize).collect();
     assert_eq!(shape, [rows.len(), vocab]);
     let ours: Vec<f32> = rows
         .iter()
