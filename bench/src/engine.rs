@@ -526,9 +526,9 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
 
 /// A decode step's memory-bandwidth bound, from figures measured in the same run: every weight
 /// byte is read once per step (for all the batch's sequences together) and every sequence reads
-/// its own K/V (both, every layer, in the pool's cache type) up to its position (taken at the middle of the measured
-/// decode); the machine streams reads at `read_gb_s` with the benchmark's threads (measured
-/// over the weights themselves).
+/// its own K/V (both, every layer, in the pool's cache type) up to its position (taken at the
+/// middle of the measured decode); the machine streams reads at `read_gb_s` with the
+/// benchmark's threads (measured over the weights themselves).
 #[derive(Debug)]
 pub struct DecodeBound {
     pub weight_bytes: u64,

@@ -664,8 +664,8 @@ macro_rules! dispatch_nc_g {
 /// into f32 first: each K and V row is loaded and converted in registers, once for the query
 /// heads of its kv head. Four phases, each split evenly over the pool's parts (when the context
 /// is long enough to be worth a section): the scores by (kv head, slot) rows, the softmax by
-/// head, the V sums by (kv head, group of 16 accumulator slots), the final fold on the caller. Each score,
-/// each head's softmax and each accumulator slot is computed whole by one part, in the gathered
+/// head, the V sums by (kv head, group of 16 accumulator slots), the final fold on the caller.
+/// Each score, each head's softmax and each accumulator slot is computed whole by one part, in the gathered
 /// path's order, so the bits are the same whatever the split (tested at 1, 2 and 3 threads).
 #[cfg(target_arch = "x86_64")]
 fn decode_in_place(args: &AttentionArgs<'_>, n_ctx: usize, out: &mut [f32]) {
@@ -1368,28 +1368,11 @@ macro_rules! load_row_zmm {
     }};
 }
 
-/// Slots ahead whose K (V) rows a decode step's attention asks for before it reads them: a
+/// Slots ahead whose K rows a decode step's scores ask for before they read them: a
 /// kv head's rows are contiguous within a 16-slot page only, the pages scattered across the
 /// pool, so the hardware prefetcher loses the stream at every page boundary while a deep
 /// context's K/V come from DRAM (8 MB a layer at 8,192 tokens on the 1B shape).
 const PREFETCH_SLOTS: usize = 32;
-
-/// Ask for slot `t`'s row of `kv_head` into L2, when `t` is inside the table (a hint: no
-/// effect on results).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch_row(cache: &[u16], geom: PageGeometry, kv_head: usize, bt: &[PageRef], t: usize) {
-    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-    let Some(page) = bt.get(t / geom.page_size) else {
-        return;
-    };
-    let off = geom.offset(page.page as usize, kv_head, t % geom.page_size);
-    let row = &cache[off.min(cache.len())..(off + geom.row_words()).min(cache.len())];
-    for line in (0..std::mem::size_of_val(row)).step_by(64) {
-        // SAFETY: a prefetch never faults; `line` lies inside `row`.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(row.as_ptr().cast::<i8>().wrapping_add(line)) };
-    }
-}
 
 /// Ask for the rows of slots `t .. t + n` of `kv_head` that share `t`'s page (contiguous: a
 /// page holds a kv head's slots in order) into L2, when `t` is inside the table: one address
@@ -1453,7 +1436,7 @@ unsafe fn scores_avx512<const NC: usize, const G: usize, const Q8: bool>(
     // Each score's 16 lanes before the final reduction.
     let lanes_of = |t: usize| -> [__m512; G] {
         if !Q8 {
-            prefetch_row(k_cache, geom, kv_head, bt, t + PREFETCH_SLOTS);
+            prefetch_span(k_cache, geom, kv_head, bt, t + PREFETCH_SLOTS, 1);
         }
         let kr = cache_row(k_cache, geom, kv_head, bt, t);
         let kc: [__m512; NC] = load_row_zmm!(Q8, NC, kr);
@@ -1554,8 +1537,8 @@ const PV_RUNS_AT_ONCE: usize = 4;
 /// one 16-slot page, contiguous), each slot's chain still ascending. The 16 slots' sums of each
 /// head stay in `acc` (at most 4 heads × 16 slots × 128 dims × 4 B = 32 KB, L1/L2) rather than
 /// in registers: a walk slot by slot, 64 slots apart, kept them in registers but read one
-/// isolated row per step from scattered pages, and waited on memory for each (~4× slower at
-/// 8,192 slots, `examples/decode_attention.rs`).
+/// isolated row per step from scattered pages, and waited on memory for each (the whole decode
+/// attention took ~2× as long at 8,192 slots: `examples/decode_attention.rs`, BENCHMARKS.md).
 /// Probabilities at `sc[g·n_pad + t]`.
 /// Safety: AVX-512 F/VL present; `sc` valid for `G × n_pad`, `acc` for `G × 64 × d` floats.
 #[cfg(target_arch = "x86_64")]

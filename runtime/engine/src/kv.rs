@@ -115,8 +115,10 @@ impl PagePool {
             id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             geom,
             n_pages,
-            k: (0..n_layers).map(|_| zeroed_words(words)).collect(),
-            v: (0..n_layers).map(|_| zeroed_words(words)).collect(),
+            // Zeroed through the allocator's zero-allocation path (`calloc`: pages are mapped
+            // lazily, so a large pool costs nothing until used).
+            k: (0..n_layers).map(|_| vec![0u16; words]).collect(),
+            v: (0..n_layers).map(|_| vec![0u16; words]).collect(),
             generation: vec![0; n_pages],
             owner: vec![NO_OWNER; n_pages],
             filled: vec![vec![0; n_pages]; n_layers],
@@ -1231,12 +1233,6 @@ impl ReleaseFill {
             ReleaseFill::Canary => Some(0x7E5A),
         }
     }
-}
-
-/// A zeroed vector of words through the zero-allocation fast path (`calloc`: pages are mapped
-/// lazily, so a large pool costs nothing until used).
-fn zeroed_words(n: usize) -> Vec<u16> {
-    vec![0u16; n]
 }
 
 #[cfg(test)]
