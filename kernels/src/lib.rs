@@ -31,6 +31,8 @@ mod x86_kpack;
 #[cfg(target_arch = "x86_64")]
 mod x86_kquant;
 #[cfg(target_arch = "x86_64")]
+mod x86_krows;
+#[cfg(target_arch = "x86_64")]
 mod x86_pack;
 
 pub use attention::{IntegrityError, PageGeometry, PageRef, TagView};

@@ -684,7 +684,24 @@ fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize)
         // Made by `prepare` wherever a `PackedRows` can exist (`pack::available`).
         assert_eq!(x.q8k_lanes.len(), x.q8k.len(), "lane-order activations");
         let act = |t: usize| &x.q8k_lanes[t * per_row..(t + 1) * per_row];
-        run_groups_with(pk, x.n_tok, act, &Q8KGroups { x }, p, (g0, g1));
+        let kernel = Q8KGroups { x };
+        #[cfg(target_arch = "x86_64")]
+        if crate::x86_krows::takes(pk.dtype()) {
+            // Runs of tokens in one order: prompt rows (tiled, slices) sixteen rows at a time.
+            let (dtype, rows) = (pk.dtype(), pk.rows());
+            let mut t = 0;
+            while t < x.n_tok {
+                let end = x.k_order_run_end(dtype, rows, t, x.n_tok);
+                if let Some(kind) = crate::x86_krows::Kind::of(dtype, x.k_order(dtype, rows, t)) {
+                    run_rows16(pk, kind, t..end, act, p, (g0, g1));
+                } else {
+                    run_groups_with(pk, t..end, act, &kernel, p, (g0, g1));
+                }
+                t = end;
+            }
+            return;
+        }
+        run_groups_with(pk, 0..x.n_tok, act, &kernel, p, (g0, g1));
     } else if pk.dtype() == DType::Q4_0 {
         let per_row = pk.cols() / QK;
         // Made by `prepare` for Q4_0 wherever a `PackedRows` can exist (`pack::available`).
@@ -698,11 +715,11 @@ fn run_groups(pk: &PackedRows, x: &QInput, p: OutPtr<f32>, g0: usize, g1: usize)
             pairs: &x.q4_0_pairs,
             per_row,
         };
-        run_groups_with(pk, x.n_tok, act, &kernel, p, (g0, g1));
+        run_groups_with(pk, 0..x.n_tok, act, &kernel, p, (g0, g1));
     } else {
         let per_row = pk.cols() / QK;
         let act = |t: usize| &x.q8[t * per_row..(t + 1) * per_row];
-        run_groups_with(pk, x.n_tok, act, &Q8Groups, p, (g0, g1));
+        run_groups_with(pk, 0..x.n_tok, act, &Q8Groups, p, (g0, g1));
     }
 }
 
@@ -902,9 +919,112 @@ impl Tiles {
     }
 }
 
+std::thread_local! {
+    /// Each compute thread's two unpacked groups and their sixteen-row blocks
+    /// ([`run_rows16`]): ≤ 550 KB at 14,336 columns (5,760 + 2 × 2,048 bytes per super-block),
+    /// reused across matmuls.
+    #[cfg(target_arch = "x86_64")]
+    static ROW_BLOCKS: std::cell::RefCell<([Vec<u8>; 2], Vec<crate::x86_krows::RowBlock>)> =
+        const { std::cell::RefCell::new(([Vec::new(), Vec::new()], Vec::new())) };
+}
+
+/// Tokens `tokens` (all in one order, `kind`'s) of groups `g0..g1` of a packed K-quant
+/// matrix, sixteen rows (two groups) at a time in `x86_krows`' layout, eight tokens a call.
+#[cfg(target_arch = "x86_64")]
+fn run_rows16<'x>(
+    pk: &PackedRows,
+    kind: crate::x86_krows::Kind,
+    tokens: std::ops::Range<usize>,
+    act: impl Fn(usize) -> &'x [Q8KLanes],
+    p: OutPtr<f32>,
+    (g0, g1): (usize, usize),
+) {
+    use crate::x86_krows::{
+        Kind, Q4_SLICES, Q5_TILED, Q6_TILED, ROWS, RowBlock, dot16, pair_terms, unpack_rows,
+    };
+    let (dtype, rows, nb) = (pk.dtype(), pk.rows(), pk.cols() / QK_K);
+    // Each (token, block)'s pair terms, once for all the groups.
+    let terms: Vec<[i32; 8]> = tokens
+        .clone()
+        .flat_map(|t| act(t).iter().map(|b| pair_terms(dtype, b)))
+        .collect();
+    let term = |t: usize| &terms[(t - tokens.start) * nb..(t - tokens.start + 1) * nb];
+    // One call of `T` tokens over `rb`.
+    fn call<const T: usize>(
+        kind: Kind,
+        rb: &[RowBlock],
+        a: [&[Q8KLanes]; T],
+        terms: [&[[i32; 8]]; T],
+    ) -> [[f32; ROWS]; T] {
+        // SAFETY: packed matrices exist only where `pack::available()` (AVX-512 VNNI, BW, VL).
+        unsafe {
+            match kind {
+                Kind::Q6Tiled => dot16::<T, Q6_TILED>(rb, a, terms),
+                Kind::Q5Tiled => dot16::<T, Q5_TILED>(rb, a, terms),
+                Kind::Q4Slices => dot16::<T, Q4_SLICES>(rb, a, terms),
+            }
+        }
+    }
+    ROW_BLOCKS.with_borrow_mut(|(codes, rb)| {
+        for g in (g0..g1).step_by(2) {
+            let n_groups = (g1 - g).min(2);
+            for (i, c) in codes.iter_mut().enumerate().take(n_groups) {
+                pk.unpack_group(g + i, c);
+            }
+            let groups: Vec<(&[u8], &[u8])> = (0..n_groups)
+                .map(|i| (pk.group(g + i), &codes[i][..]))
+                .collect();
+            unpack_rows(dtype, &groups, rb);
+            let store = |t0: usize, out: &[[f32; ROWS]]| {
+                for (j, vals) in out.iter().enumerate() {
+                    for (i, v) in vals[..n_groups * GROUP_ROWS].iter().enumerate() {
+                        // SAFETY: t0 + j < n_tok and 8g + i < rows: in bounds of the output
+                        // (n_tok × rows, asserted by `matmul_many`); parts' groups are disjoint.
+                        unsafe { *p.get().add((t0 + j) * rows + g * GROUP_ROWS + i) = *v };
+                    }
+                }
+            };
+            let mut t = tokens.start;
+            while t < tokens.end {
+                // Eight tokens a call, the rest by four, two and one.
+                let n = [8, 4, 2, 1]
+                    .into_iter()
+                    .find(|&n| n <= tokens.end - t)
+                    .expect("a token left");
+                match n {
+                    8 => store(
+                        t,
+                        &call::<8>(
+                            kind,
+                            rb,
+                            std::array::from_fn(|i| act(t + i)),
+                            std::array::from_fn(|i| term(t + i)),
+                        ),
+                    ),
+                    4 => store(
+                        t,
+                        &call::<4>(
+                            kind,
+                            rb,
+                            std::array::from_fn(|i| act(t + i)),
+                            std::array::from_fn(|i| term(t + i)),
+                        ),
+                    ),
+                    2 => store(
+                        t,
+                        &call::<2>(kind, rb, [act(t), act(t + 1)], [term(t), term(t + 1)]),
+                    ),
+                    _ => store(t, &call::<1>(kind, rb, [act(t)], [term(t)])),
+                }
+                t += n;
+            }
+        }
+    });
+}
+
 fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
     pk: &PackedRows,
-    n_tok: usize,
+    tokens: std::ops::Range<usize>,
     act: impl Fn(usize) -> &'x A,
     kernel: &K,
     p: OutPtr<f32>,
@@ -920,10 +1040,11 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
             }
         }
     };
+    let n_tok = tokens.len();
     let tiles = Tiles::new(
         n_tok,
-        // (`act(0)` exists only for a non-empty input.)
-        (!pk.has_codes() && n_tok > 0).then(|| std::mem::size_of_val(act(0))),
+        // (`act(t)` exists only for a non-empty input.)
+        (!pk.has_codes() && n_tok > 0).then(|| std::mem::size_of_val(act(tokens.start))),
         pk.data().len() / (rows / GROUP_ROWS),
     );
     // One call (one to four tokens) of group `g`.
@@ -945,15 +1066,15 @@ fn run_groups_with<'x, A: ?Sized + 'x, K: GroupKernel<A>>(
         // Group tiles, then token tiles, then groups, then token batches: each group tile's
         // weights come from memory once and each token tile's activations from L2.
         for gt in (g0..g1).step_by(tiles.groups) {
-            for tt in (0..n_tok).step_by(tiles.tokens) {
-                let tt_end = (tt + tiles.tokens).min(n_tok);
+            for tt in tokens.clone().step_by(tiles.tokens) {
+                let tt_end = (tt + tiles.tokens).min(tokens.end);
                 for g in gt..(gt + tiles.groups).min(g1) {
                     let codes = K::unpack(pk, g, tt_end - tt, scratch);
                     let mut t = tt;
                     while t < tt_end {
                         let w = match codes {
                             Some(c) => Weights::Codes(c),
-                            None if t == 0 => Weights::FromMemory,
+                            None if t == tokens.start => Weights::FromMemory,
                             None => Weights::Cached,
                         };
                         let t_end = (t + K::MAX_BATCH).min(kernel.run_end(pk, t, tt_end));

@@ -365,7 +365,7 @@ impl PackedRows {
     }
 
     /// The bytes of group `g` (rows `8g .. 8g + 8`).
-    fn group(&self, g: usize) -> &[u8] {
+    pub(crate) fn group(&self, g: usize) -> &[u8] {
         let gb = self.data.len() / (self.rows / GROUP_ROWS);
         &self.data[g * gb..(g + 1) * gb]
     }
