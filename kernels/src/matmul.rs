@@ -949,13 +949,18 @@ fn run_rows16<'x>(
         .flat_map(|t| act(t).iter().map(|b| pair_terms(dtype, b)))
         .collect();
     let term = |t: usize| &terms[(t - tokens.start) * nb..(t - tokens.start + 1) * nb];
-    // One call of `T` tokens over `rb`.
-    fn call<const T: usize>(
+    // One call of `T` tokens from `t` over `rb`.
+    fn call<'a, 'b, const T: usize>(
         kind: Kind,
         rb: &[RowBlock],
-        a: [&[Q8KLanes]; T],
-        terms: [&[[i32; 8]]; T],
+        t: usize,
+        act: &dyn Fn(usize) -> &'a [Q8KLanes],
+        term: &dyn Fn(usize) -> &'b [[i32; 8]],
     ) -> [[f32; ROWS]; T] {
+        let (a, terms) = (
+            std::array::from_fn(|i| act(t + i)),
+            std::array::from_fn(|i| term(t + i)),
+        );
         // SAFETY: packed matrices exist only where `pack::available()` (AVX-512 VNNI, BW, VL).
         unsafe {
             match kind {
@@ -992,29 +997,10 @@ fn run_rows16<'x>(
                     .find(|&n| n <= tokens.end - t)
                     .expect("a token left");
                 match n {
-                    8 => store(
-                        t,
-                        &call::<8>(
-                            kind,
-                            rb,
-                            std::array::from_fn(|i| act(t + i)),
-                            std::array::from_fn(|i| term(t + i)),
-                        ),
-                    ),
-                    4 => store(
-                        t,
-                        &call::<4>(
-                            kind,
-                            rb,
-                            std::array::from_fn(|i| act(t + i)),
-                            std::array::from_fn(|i| term(t + i)),
-                        ),
-                    ),
-                    2 => store(
-                        t,
-                        &call::<2>(kind, rb, [act(t), act(t + 1)], [term(t), term(t + 1)]),
-                    ),
-                    _ => store(t, &call::<1>(kind, rb, [act(t)], [term(t)])),
+                    8 => store(t, &call::<8>(kind, rb, t, &act, &term)),
+                    4 => store(t, &call::<4>(kind, rb, t, &act, &term)),
+                    2 => store(t, &call::<2>(kind, rb, t, &act, &term)),
+                    _ => store(t, &call::<1>(kind, rb, t, &act, &term)),
                 }
                 t += n;
             }
