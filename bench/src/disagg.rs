@@ -521,6 +521,7 @@ pub fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
         .map(|i| 100 + (i * 7919) % (vocab - 200))
         .collect();
     let req = custody_runtime::GenerateRequest {
+        decoding: Default::default(),
         prompt: prompt.clone(),
         max_tokens: a.gen_tokens,
         sampling: SamplingParams::default(),
@@ -628,6 +629,7 @@ pub fn bench_disagg(a: BenchDisaggArgs) -> Result<()> {
 
     // Release fill: whole requests with fill none / zero / canary, alternating.
     let short = custody_runtime::GenerateRequest {
+        decoding: Default::default(),
         max_tokens: 8,
         ..req.clone()
     };

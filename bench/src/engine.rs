@@ -127,6 +127,7 @@ struct Interference {
 /// A benchmark request: greedy, no stop tokens, never cached.
 fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
+        decoding: Default::default(),
         prompt: prompt.to_vec(),
         max_tokens,
         sampling: SamplingParams::default(),

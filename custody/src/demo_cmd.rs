@@ -255,6 +255,7 @@ fn serve(
     for (n, job) in jobs.iter().enumerate() {
         let t0 = Instant::now();
         let req = GenerateRequest {
+            decoding: Default::default(),
             prompt: job.prompt.clone(),
             max_tokens: a.max_tokens,
             sampling: SamplingParams::default(),

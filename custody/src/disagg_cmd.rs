@@ -164,6 +164,7 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
     let tokenizer = Tokenizer::from_gguf(&gguf)?;
     let prompt = crate::common::prompt_ids(&tokenizer, a.chat, a.system.as_deref(), &a.prompt)?;
     let req = custody_runtime::GenerateRequest {
+        decoding: Default::default(),
         prompt,
         max_tokens: a.max_tokens,
         sampling: SamplingParams {

@@ -63,6 +63,7 @@ pub(crate) fn generate(a: GenerateArgs) -> Result<()> {
     }
     let prompt = crate::common::prompt_ids(&tokenizer, a.chat, a.system.as_deref(), &a.prompt)?;
     let req = GenerateRequest {
+        decoding: Default::default(),
         prompt,
         max_tokens: a.max_tokens,
         sampling: SamplingParams {
@@ -86,7 +87,7 @@ pub(crate) fn generate(a: GenerateArgs) -> Result<()> {
         while engine.has_work() {
             for ev in engine.step() {
                 match ev {
-                    Event::Token { id: rid, token } if rid == id => {
+                    Event::Token { id: rid, token, .. } if rid == id => {
                         first_token_at.get_or_insert_with(|| t0.elapsed());
                         n_gen += 1;
                         out.write_all(dec.push(&tokenizer, token)?.as_bytes())?;

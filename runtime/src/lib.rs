@@ -15,7 +15,7 @@ pub use custody_engine::{
     RequestId, SamplingParams, StartupError, Tokenizer,
 };
 pub use custody_engine::{
-    actor, config, cuda_check, cuda_forward, engine, gguf, kv, model, par, prefix_cache, protocol,
-    sampling, tokenizer,
+    actor, config, cuda_check, cuda_forward, decoding, engine, gguf, grammar, kv, model, par,
+    prefix_cache, protocol, sampling, tokenizer,
 };
 pub use custody_transport as transport;

@@ -164,6 +164,7 @@ pub(crate) fn admission_error(e: &AdmissionError, prompt_tokens: usize) -> ApiEr
         | AdmissionError::ZeroMaxTokens
         | AdmissionError::BadToken { .. }
         | AdmissionError::BadSampling(_) => ApiError::bad_request(e.to_string()),
+        AdmissionError::BadDecoding(d) => ApiError::bad_request(e.to_string()).param(d.param()),
         AdmissionError::QueueFull { .. } | AdmissionError::Busy { .. } => {
             ApiError::unavailable(format!("server overloaded: {e}"), "engine_queue_full")
         }
@@ -427,7 +428,14 @@ async fn relay_loop(
         }
         if e.finish_reason.is_empty() {
             generated += 1;
-            if tx.send(Out::Token(e.token)).await.is_err() {
+            if tx
+                .send(Out::Token {
+                    token: e.token,
+                    logprobs: None,
+                })
+                .await
+                .is_err()
+            {
                 end_upstream(client, id, said.get()).await;
                 return RelayEnd::Ended; // dropping the stream aborts what the front door did not end
             }
@@ -436,7 +444,14 @@ async fn relay_loop(
         // A request that ended at its first token carries it in the final event.
         if e.generated_tokens as usize > generated {
             generated += 1;
-            if tx.send(Out::Token(e.token)).await.is_err() {
+            if tx
+                .send(Out::Token {
+                    token: e.token,
+                    logprobs: None,
+                })
+                .await
+                .is_err()
+            {
                 return RelayEnd::Ended;
             }
         }

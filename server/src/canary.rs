@@ -52,6 +52,7 @@ pub struct Golden {
 impl Golden {
     pub fn request(&self, tenant: &str, stop_ids: &[u32]) -> GenerateRequest {
         GenerateRequest {
+            decoding: Default::default(),
             prompt: self.prompt.clone(),
             max_tokens: self.max_tokens,
             sampling: SamplingParams::default(),
@@ -185,7 +186,7 @@ async fn run_once(engine: &Backend, golden: &[Golden], stop_ids: &[u32]) -> Repo
                 let mut res = Err("the engine dropped the request".to_owned());
                 while let Some(ev) = events.rx.recv().await {
                     match ev {
-                        Out::Token(t) => toks.push(t),
+                        Out::Token { token, .. } => toks.push(token),
                         Out::Finished { .. } => {
                             res = Ok(std::mem::take(&mut toks));
                             break;

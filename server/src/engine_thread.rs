@@ -16,15 +16,20 @@ use std::time::{Duration, Instant};
 
 use custody_audit as audit;
 use custody_runtime::actor::{self, Actor, ActorLimits, Control, Mailbox, MailboxError, Work};
+use custody_runtime::decoding::TokenLogprobs;
 use custody_runtime::engine::{
     AdmissionError, Engine, Event, FinishReason, GenerateRequest, RequestId,
 };
 use tokio::sync::{mpsc, oneshot};
 
 /// What a request's stream carries, in order: tokens, then exactly one terminal event.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Out {
-    Token(u32),
+    Token {
+        token: u32,
+        /// When the request asked for log-probabilities.
+        logprobs: Option<Box<TokenLogprobs>>,
+    },
     Finished {
         reason: FinishReason,
         prompt_tokens: usize,
@@ -40,7 +45,7 @@ pub enum Out {
 
 impl Out {
     pub fn is_terminal(&self) -> bool {
-        !matches!(self, Out::Token(_))
+        !matches!(self, Out::Token { .. })
     }
 }
 
@@ -379,7 +384,11 @@ fn route(
     check: &PrefillCheck,
 ) {
     let (id, out) = match ev {
-        Event::Token { id, token } => (id, Out::Token(token)),
+        Event::Token {
+            id,
+            token,
+            logprobs,
+        } => (id, Out::Token { token, logprobs }),
         Event::Finished {
             id,
             reason,
@@ -411,7 +420,7 @@ fn route(
     let Some(r) = routes.get_mut(&id) else {
         return;
     };
-    if !r.first_token && matches!(out, Out::Token(_) | Out::Finished { .. }) {
+    if !r.first_token && matches!(out, Out::Token { .. } | Out::Finished { .. }) {
         r.first_token = true;
         let ttft = r.admitted.elapsed();
         if check.is_anomalous(r.prompt_tokens, ttft) {
@@ -503,7 +512,7 @@ pub fn run_alone(
         }
         for ev in pool.install(|| engine.step()) {
             match ev {
-                Event::Token { id: r, token } if r == id => {
+                Event::Token { id: r, token, .. } if r == id => {
                     ttft.get_or_insert_with(|| t0.elapsed());
                     tokens.push(token);
                 }

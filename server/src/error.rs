@@ -14,7 +14,7 @@ pub struct ApiError {
     /// `server_error`, …
     pub kind: &'static str,
     pub code: Option<&'static str>,
-    pub param: Option<&'static str>,
+    pub param: Option<Box<str>>,
     /// `Retry-After` seconds (429 and 503).
     pub retry_after_s: Option<u64>,
 }
@@ -75,8 +75,8 @@ impl ApiError {
         self
     }
 
-    pub fn param(mut self, param: &'static str) -> Self {
-        self.param = Some(param);
+    pub fn param(mut self, param: impl Into<Box<str>>) -> Self {
+        self.param = Some(param.into());
         self
     }
 

@@ -1354,6 +1354,7 @@ pub fn bench_routing(
 ) -> RoutingCost {
     let router = Router::offline(prefill, decode);
     let req = GenerateRequest {
+        decoding: Default::default(),
         prompt: vec![1; prompt_pages * 16 + 5],
         max_tokens: 64,
         sampling: Default::default(),
@@ -1402,6 +1403,7 @@ mod tests {
 
     fn req(prompt: usize, max_tokens: usize) -> GenerateRequest {
         GenerateRequest {
+            decoding: Default::default(),
             prompt: vec![1; prompt],
             max_tokens,
             sampling: Default::default(),

@@ -15,7 +15,9 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use custody_audit::RequestKind;
+use custody_runtime::decoding::{Decoding, LogitBias, TokenLogprobs};
 use custody_runtime::engine::{FinishReason, GenerateRequest};
+use custody_runtime::grammar::Grammars;
 use custody_runtime::tokenizer::StreamDecoder;
 use custody_runtime::{SamplingParams, Tokenizer};
 use serde_json::{Value, json};
@@ -49,6 +51,8 @@ pub(crate) struct AppState {
     /// The prefix cache's namespaces (`None`: nothing is cached).
     /// (Derived from the authenticated tenant: `Namespaces::scope`.)
     pub prefix: Option<Arc<custody_runtime::prefix_cache::Namespaces>>,
+    /// The constraint compiler over this model's vocabulary, or why there is none.
+    pub grammars: Result<Arc<Grammars>, String>,
 }
 
 pub(crate) fn router(st: Arc<AppState>) -> Router {
@@ -319,6 +323,7 @@ async fn admit_and_run(
         }
     }
     let ids = tokenize(st, prompt).await?;
+    let decoding = decoding(st, &params).await?;
     let max_tokens = params.max_tokens.unwrap_or_else(|| {
         // Default: the configured default, lowered to what the context leaves (at least 1, so
         // that an over-long prompt is still refused by admission with the right message).
@@ -348,6 +353,7 @@ async fn admit_and_run(
         .as_ref()
         .map(|p| p.scope(&tenant.id, params.cache_salt.as_deref(), &ids));
     let req = GenerateRequest {
+        decoding,
         prompt: ids,
         max_tokens,
         sampling: SamplingParams {
@@ -369,8 +375,8 @@ async fn admit_and_run(
         Ok(a) => a,
         Err((r, mut e)) => {
             *rid = r;
-            if e.param == Some("messages") && ep == Endpoint::Completions {
-                e.param = Some("prompt");
+            if e.param.as_deref() == Some("messages") && ep == Endpoint::Completions {
+                e.param = Some("prompt".into());
             }
             return Err(e);
         }
@@ -401,6 +407,56 @@ async fn admit_and_run(
     } else {
         run.whole().await
     }
+}
+
+/// The request's decoding options, checked against the vocabulary, its constraint compiled
+/// off the async workers. A pair or fleet front refuses them by name until its nodes carry them.
+async fn decoding(st: &Arc<AppState>, p: &Params) -> Result<Decoding, ApiError> {
+    let mut d = Decoding {
+        logit_bias: p
+            .logit_bias
+            .iter()
+            .map(|&(token, bias)| LogitBias { token, bias })
+            .collect(),
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        logprobs: p.logprobs,
+        constraint: None,
+    };
+    d.validate(st.tokenizer.vocab_size())
+        .map_err(|e| ApiError::bad_request(e.to_string()).param(e.param()))?;
+    if !matches!(st.backend, Backend::Local(_)) {
+        let asked = [
+            ("logit_bias", !d.logit_bias.is_empty()),
+            ("presence_penalty", d.presence_penalty != 0.0),
+            ("frequency_penalty", d.frequency_penalty != 0.0),
+            ("logprobs", d.logprobs.is_some()),
+            (p.constraint_param, p.constraint.is_some()),
+        ];
+        if let Some((name, _)) = asked.iter().find(|(_, on)| *on) {
+            return Err(ApiError::bad_request(format!(
+                "{name} is not yet served by a disaggregated pair or fleet (only by a colocated `custody serve`)"
+            ))
+            .param(*name));
+        }
+    }
+    let Some(spec) = p.constraint.clone() else {
+        return Ok(d);
+    };
+    let grammars = st.grammars.clone().map_err(|why| {
+        ApiError::bad_request(format!("constrained decoding is unavailable: {why}"))
+            .param(p.constraint_param)
+    })?;
+    let param = p.constraint_param;
+    // Compiling a schema can take a while: the blocking pool, never an async worker.
+    let compiled = tokio::task::spawn_blocking(move || grammars.compile(spec))
+        .await
+        .map_err(|e| {
+            ApiError::internal(format!("constraint compiler task failed: {e}"), "internal")
+        })?
+        .map_err(|e| ApiError::bad_request(e.to_string()).param(param))?;
+    d.constraint = Some(compiled);
+    Ok(d)
 }
 
 fn random_seed() -> u64 {
@@ -507,6 +563,12 @@ struct Decoder {
     dec: StreamDecoder,
     stop: StopText,
     tokens: Vec<u32>,
+    /// Each output token's log-probabilities, when asked for (in `tokens` order).
+    logprobs: Vec<(u32, Box<TokenLogprobs>)>,
+    /// Entries of `logprobs` already sent in a stream chunk.
+    logprobs_sent: usize,
+    /// Characters of those entries' tokens (the next one's `text_offset`).
+    logprobs_chars: usize,
     last_token_at: Option<Instant>,
 }
 
@@ -529,7 +591,10 @@ impl Run {
                 )));
             };
             match ev {
-                Out::Token(t) => {
+                Out::Token { token: t, logprobs } => {
+                    if let Some(lp) = logprobs {
+                        d.logprobs.push((t, lp));
+                    }
                     let now = Instant::now();
                     match d.last_token_at {
                         None => self.st.metrics.time_to_first_token.observe(now - self.t0),
@@ -643,6 +708,9 @@ impl Run {
             dec: StreamDecoder::default(),
             stop: StopText::new(self.params.stop.clone()),
             tokens: Vec::new(),
+            logprobs: Vec::new(),
+            logprobs_sent: 0,
+            logprobs_chars: 0,
             last_token_at: None,
         }
     }
@@ -672,17 +740,18 @@ impl Run {
             }
         };
         self.done(&d, 200, finish);
+        let logprobs = self.logprobs_json(&d.logprobs, 0);
         let mut choice = match self.ep {
             Endpoint::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
             Endpoint::Completions => json!({
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
         };
@@ -700,7 +769,81 @@ impl Run {
         Ok(json_response(StatusCode::OK, &body))
     }
 
-    fn chunk(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+    /// The `logprobs` object of a choice or chunk over `lps` (`null` when not asked for).
+    /// `text_offset` (text completions) counts characters from `offset`.
+    fn logprobs_json(&self, lps: &[(u32, Box<TokenLogprobs>)], offset: usize) -> Value {
+        if self.params.logprobs.is_none() {
+            return Value::Null;
+        }
+        let tok = &self.st.tokenizer;
+        let text = |t: u32| {
+            let b = tok.token_bytes(t).map(|b| b.bytes).unwrap_or_default();
+            (String::from_utf8_lossy(&b).into_owned(), b)
+        };
+        match self.ep {
+            Endpoint::Chat => {
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|(t, lp)| {
+                        let (s, b) = text(*t);
+                        let top: Vec<Value> = lp
+                            .top
+                            .iter()
+                            .map(|a| {
+                                let (s, b) = text(a.token);
+                                json!({"token": s, "logprob": a.logprob, "bytes": b})
+                            })
+                            .collect();
+                        json!({"token": s, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Endpoint::Completions => {
+                let mut at = offset;
+                let (mut tokens, mut lpv, mut tops, mut offsets) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for (t, lp) in lps {
+                    let (s, _) = text(*t);
+                    // OpenAI's legacy shape: the alternatives and always the sampled token.
+                    let mut top = serde_json::Map::new();
+                    for a in &lp.top {
+                        top.insert(text(a.token).0, json!(a.logprob));
+                    }
+                    top.entry(s.clone()).or_insert(json!(lp.logprob));
+                    offsets.push(at);
+                    at += s.chars().count();
+                    tokens.push(s);
+                    lpv.push(lp.logprob);
+                    tops.push(Value::Object(top));
+                }
+                json!({"tokens": tokens, "token_logprobs": lpv, "top_logprobs": tops, "text_offset": offsets})
+            }
+        }
+    }
+
+    /// Log-probabilities of the tokens received since the last chunk that carried some.
+    fn take_chunk_logprobs(&self, d: &mut Decoder) -> Value {
+        let from = d.logprobs_sent;
+        d.logprobs_sent = d.logprobs.len();
+        let v = self.logprobs_json(&d.logprobs[from..], d.logprobs_chars);
+        if let Some(Value::Array(tokens)) = v.get("tokens") {
+            d.logprobs_chars += tokens
+                .iter()
+                .filter_map(Value::as_str)
+                .map(|s| s.chars().count())
+                .sum::<usize>();
+        }
+        v
+    }
+
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        finish: Option<&str>,
+        first: bool,
+        logprobs: Value,
+    ) -> Value {
         let choice = match self.ep {
             Endpoint::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -710,12 +853,12 @@ impl Run {
                 if let Some(t) = text {
                     delta.insert("content".into(), json!(t));
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Endpoint::Completions => json!({
                 "index": 0,
                 "text": text.unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
         };
@@ -749,8 +892,9 @@ impl Run {
                 };
                 match next {
                     Ok(piece) => {
+                        let lp = run.take_chunk_logprobs(&mut d);
                         if tx
-                            .send(Ok(send(run.chunk(Some(&piece), None, first))))
+                            .send(Ok(send(run.chunk(Some(&piece), None, first, lp))))
                             .await
                             .is_err()
                         {
@@ -759,11 +903,12 @@ impl Run {
                         first = false;
                     }
                     Err(End::Done(reason)) => {
+                        let lp = run.take_chunk_logprobs(&mut d);
                         let _ = tx
-                            .send(Ok(send(run.chunk(None, Some(reason), first))))
+                            .send(Ok(send(run.chunk(None, Some(reason), first, lp))))
                             .await;
                         if run.params.include_usage {
-                            let mut u = run.chunk(None, None, false);
+                            let mut u = run.chunk(None, None, false, Value::Null);
                             u["choices"] = json!([]);
                             u["usage"] = run.usage(&d);
                             let _ = tx.send(Ok(send(u))).await;

@@ -21,6 +21,7 @@ pub mod fleet;
 mod http;
 pub mod metrics;
 pub mod openai;
+pub mod structured;
 pub mod tenants;
 
 use std::future::Future;
@@ -30,6 +31,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::config::ServeSection;
 use custody_runtime::engine::{Engine, GenerateRequest};
+use custody_runtime::grammar::Grammars;
 use custody_runtime::prefix_cache::Namespaces;
 use custody_runtime::{SamplingParams, Tokenizer};
 
@@ -128,6 +130,7 @@ fn calibrate(
         .map_err(|e| ServeError::Startup(e.to_string()))?;
     ids.truncate(n);
     let req = GenerateRequest {
+        decoding: Default::default(),
         prompt: ids.clone(),
         max_tokens: 1,
         sampling: SamplingParams::default(),
@@ -400,6 +403,22 @@ pub async fn serve_fleet(
     serve_front(listener, front, opts, shutdown).await
 }
 
+/// The constraint compiler over the vocabulary (its token trie, built once), or why there is
+/// none: then a constrained request is refused by name, and everything else is served.
+fn grammars(tokenizer: &Arc<Tokenizer>) -> Result<Arc<Grammars>, String> {
+    let eos = tokenizer
+        .eos_id
+        .or_else(|| tokenizer.stop_ids.first().copied())
+        .ok_or_else(|| "the model names no end-of-text token".to_owned())?;
+    let t0 = std::time::Instant::now();
+    let g = Grammars::new(tokenizer.clone(), eos).map_err(|e| e.to_string())?;
+    tracing::debug!(
+        ms = t0.elapsed().as_millis() as u64,
+        "constraint compiler ready"
+    );
+    Ok(Arc::new(g))
+}
+
 /// What the HTTP front needs, whatever runs the generations.
 struct Front {
     /// The prefix cache's namespaces (`None`: the engine caches nothing).
@@ -441,6 +460,7 @@ async fn serve_front(
         node,
         prefix,
     } = front;
+    let grammars = grammars(&tokenizer);
     let metrics = Arc::new(Metrics::new());
     metrics
         .audit_disabled
@@ -462,6 +482,7 @@ async fn serve_front(
             .unwrap_or(0),
         refused_seq: AtomicU64::new(0),
         prefix,
+        grammars,
     });
     let canary = (opts.cfg.canary_interval_s > 0 && !golden.is_empty()).then(|| {
         tokio::spawn(canary::canary_loop(

@@ -5,6 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use custody_runtime::ChatMessage;
+use custody_runtime::grammar::ConstraintSpec;
 
 use crate::error::ApiError;
 
@@ -25,10 +26,22 @@ pub struct Params {
     /// salt *within the caller's tenant* (it is inside the tenant's MAC, so it never reaches
     /// another tenant's pages).
     pub cache_salt: Option<String>,
+    /// `logit_bias`, as (token, bias).
+    pub logit_bias: Vec<(u32, f32)>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// `Some(k)`: each token's log-probability and its `k` most likely alternatives.
+    pub logprobs: Option<usize>,
+    /// `response_format` (`json_object`, `json_schema`) or `structured_outputs`.
+    pub constraint: Option<ConstraintSpec>,
+    /// Which field the constraint came from (errors name it).
+    pub constraint_param: &'static str,
 }
 
 /// Longest accepted `cache_salt`, bytes.
 pub const MAX_CACHE_SALT_BYTES: usize = 256;
+/// Most alternatives `logprobs` returns per token on `/v1/completions` (OpenAI's limit).
+pub const MAX_TEXT_LOGPROBS: u64 = 5;
 
 /// The prompt as the client gave it.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,6 +49,234 @@ pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
     Chat(Vec<ChatMessage>),
+}
+
+/// What Custody does with one request field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Support {
+    /// Honoured as OpenAI documents it.
+    Honoured,
+    /// Accepted and without effect on the output (nothing it asks for changes a token).
+    NoEffect,
+    /// Refused with a 400 naming it unless absent, `null`, or one of these values (JSON text).
+    Refused(&'static [&'static str]),
+}
+
+/// One row of the field table: the field, what Custody does, and why (the README's table is
+/// this one; `tests::readme_table_is_the_code_table` keeps them equal).
+#[derive(Clone, Copy, Debug)]
+pub struct Field {
+    pub name: &'static str,
+    pub support: Support,
+    pub note: &'static str,
+}
+
+const fn f(name: &'static str, support: Support, note: &'static str) -> Field {
+    Field {
+        name,
+        support,
+        note,
+    }
+}
+
+use Support::{Honoured, NoEffect, Refused};
+
+/// Fields both endpoints share.
+const COMMON_FIELDS: &[Field] = &[
+    f(
+        "model",
+        Honoured,
+        "must name the served model (404 otherwise)",
+    ),
+    f(
+        "max_tokens",
+        Honoured,
+        "at least 1; default `serve.default_max_tokens`",
+    ),
+    f("temperature", Honoured, "[0, 2]; 0 is greedy"),
+    f("top_p", Honoured, "(0, 1]"),
+    f(
+        "seed",
+        Honoured,
+        "reproducible on the same build and hardware",
+    ),
+    f(
+        "stop",
+        Honoured,
+        "up to 4 strings, never sent, even split over chunks",
+    ),
+    f("stream", Honoured, "server-sent events, `[DONE]` last"),
+    f(
+        "stream_options",
+        Honoured,
+        "`include_usage`; `include_obfuscation` only false",
+    ),
+    f(
+        "presence_penalty",
+        Honoured,
+        "[-2, 2], OpenAI's formula over this output",
+    ),
+    f(
+        "frequency_penalty",
+        Honoured,
+        "[-2, 2], OpenAI's formula over this output",
+    ),
+    f(
+        "logit_bias",
+        Honoured,
+        "up to 300 token ids, bias in [-100, 100]",
+    ),
+    f("n", Refused(&["1"]), "only 1"),
+    f("user", NoEffect, "recorded in the server's log only"),
+    f(
+        "cache_salt",
+        Honoured,
+        "extension (vLLM's): narrows the prefix cache within the tenant",
+    ),
+    f(
+        "custody_token_ids",
+        Honoured,
+        "extension: also return the output token ids",
+    ),
+    f(
+        "structured_outputs",
+        Honoured,
+        "extension (vLLM's): one of `json`, `regex`, `grammar` (Lark), `choice`",
+    ),
+];
+
+/// Fields only `/v1/chat/completions` has.
+const CHAT_FIELDS: &[Field] = &[
+    f(
+        "messages",
+        Honoured,
+        "`system`, `developer`, `user`, `assistant`; text parts only",
+    ),
+    f(
+        "max_completion_tokens",
+        Honoured,
+        "as `max_tokens` (wins over it)",
+    ),
+    f(
+        "logprobs",
+        Honoured,
+        "after bias, penalties and the constraint's mask, before temperature",
+    ),
+    f("top_logprobs", Honoured, "0–20, needs `logprobs: true`"),
+    f(
+        "response_format",
+        Honoured,
+        "`text`, `json_object`, `json_schema` (`strict` true or false: both enforced)",
+    ),
+    f("tools", Refused(&["[]"]), "not yet"),
+    f("tool_choice", Refused(&["\"none\""]), "not yet"),
+    f(
+        "parallel_tool_calls",
+        NoEffect,
+        "only has an effect with `tools`",
+    ),
+    f(
+        "functions",
+        Refused(&["[]"]),
+        "deprecated by OpenAI; not served",
+    ),
+    f(
+        "function_call",
+        Refused(&["\"none\""]),
+        "deprecated by OpenAI; not served",
+    ),
+    f("audio", Refused(&[]), "text models only"),
+    f("modalities", Refused(&["[\"text\"]"]), "text only"),
+    f(
+        "prediction",
+        Refused(&[]),
+        "predicted outputs are not served",
+    ),
+    f("reasoning_effort", Refused(&[]), "not a reasoning model"),
+    f("verbosity", Refused(&[]), "not a reasoning model"),
+    f("web_search_options", Refused(&[]), "no web search"),
+    f("store", Refused(&["false"]), "completions are not stored"),
+    f("metadata", NoEffect, "only used with `store`"),
+    f(
+        "service_tier",
+        Refused(&["\"auto\"", "\"default\""]),
+        "one tier",
+    ),
+    f(
+        "prompt_cache_key",
+        NoEffect,
+        "the prefix cache is keyed by tenant (and `cache_salt`)",
+    ),
+    f(
+        "prompt_cache_retention",
+        Refused(&["\"in_memory\""]),
+        "the prefix cache lives in memory",
+    ),
+    f(
+        "safety_identifier",
+        NoEffect,
+        "recorded in the server's log only",
+    ),
+];
+
+/// Fields only `/v1/completions` has.
+const TEXT_FIELDS: &[Field] = &[
+    f(
+        "prompt",
+        Honoured,
+        "a string, a list of one string, or token ids",
+    ),
+    f(
+        "logprobs",
+        Honoured,
+        "0–5 alternatives per token, with `text_offset`",
+    ),
+    f("echo", Refused(&["false"]), "not yet"),
+    f("best_of", Refused(&["1"]), "only 1"),
+    f("suffix", Refused(&["\"\""]), "no fill-in-the-middle"),
+];
+
+/// The fields of one endpoint, in table order.
+pub fn fields(chat: bool) -> impl Iterator<Item = &'static Field> {
+    let own = if chat { CHAT_FIELDS } else { TEXT_FIELDS };
+    own.iter().chain(COMMON_FIELDS)
+}
+
+/// Every top-level key must be a field of the endpoint; a refused field must be absent, null
+/// or an allowed value.
+fn check_fields(v: &Value, chat: bool) -> Result<(), ApiError> {
+    let Value::Object(o) = v else {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    };
+    for (k, val) in o {
+        let Some(field) = fields(chat).find(|f| f.name == k) else {
+            return Err(ApiError::bad_request(format!(
+                "unknown field {k:?}: this endpoint takes {}",
+                fields(chat).map(|f| f.name).collect::<Vec<_>>().join(", ")
+            ))
+            .param(k.clone()));
+        };
+        if let Refused(allowed) = field.support
+            && !val.is_null()
+            && !allowed
+                .iter()
+                .any(|a| serde_json::from_str::<Value>(a).ok().as_ref() == Some(val))
+        {
+            return Err(ApiError::bad_request(format!(
+                "{k} is not supported ({}){}",
+                field.note,
+                if allowed.is_empty() {
+                    String::new()
+                } else {
+                    format!("; accepted: {}", allowed.join(" or "))
+                }
+            ))
+            .param(field.name));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Deserialize)]
@@ -49,20 +290,20 @@ struct Common {
     stop: Option<Value>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
-    n: Option<u64>,
-    best_of: Option<u64>,
-    logprobs: Option<Value>,
-    echo: Option<bool>,
     presence_penalty: Option<f64>,
     frequency_penalty: Option<f64>,
-    tools: Option<Value>,
+    logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<u64>,
     custody_token_ids: Option<bool>,
     cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct StreamOptions {
     include_usage: Option<bool>,
+    include_obfuscation: Option<bool>,
 }
 
 /// Largest `max_tokens` we look at: anything above any context is refused by admission anyway,
@@ -87,33 +328,9 @@ fn field_error(e: serde_json::Error) -> ApiError {
     ApiError::bad_request(format!("invalid request: {e}"))
 }
 
-fn common(v: &Value) -> Result<Params, ApiError> {
+fn common(v: &Value, chat: bool) -> Result<Params, ApiError> {
+    check_fields(v, chat)?;
     let c: Common = serde_json::from_value(v.clone()).map_err(field_error)?;
-    if c.n.is_some_and(|n| n != 1) || c.best_of.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_request("only n = 1 (and best_of = 1) is supported").param("n"));
-    }
-    if c.logprobs
-        .as_ref()
-        .is_some_and(|l| !l.is_null() && *l != Value::Bool(false))
-    {
-        return Err(ApiError::bad_request("logprobs are not supported").param("logprobs"));
-    }
-    if c.echo == Some(true) {
-        return Err(ApiError::bad_request("echo is not supported").param("echo"));
-    }
-    for (name, p) in [
-        ("presence_penalty", c.presence_penalty),
-        ("frequency_penalty", c.frequency_penalty),
-    ] {
-        if p.is_some_and(|p| p != 0.0) {
-            return Err(ApiError::bad_request(format!(
-                "{name} is not supported (only 0)"
-            )));
-        }
-    }
-    if c.tools.as_ref().is_some_and(|t| !t.is_null()) {
-        return Err(ApiError::bad_request("tools are not supported").param("tools"));
-    }
     let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
         None => None,
         Some(0) => {
@@ -135,30 +352,7 @@ fn common(v: &Value) -> Result<Params, ApiError> {
             ApiError::bad_request(format!("top_p must be in (0, 1], got {top_p}")).param("top_p"),
         );
     }
-    let stop = match c.stop {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s],
-        Some(Value::Array(a)) => a
-            .into_iter()
-            .map(|x| match x {
-                Value::String(s) => Ok(s),
-                _ => Err(
-                    ApiError::bad_request("stop must be a string or a list of strings")
-                        .param("stop"),
-                ),
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(
-                ApiError::bad_request("stop must be a string or a list of strings").param("stop"),
-            );
-        }
-    };
-    if stop.len() > 4 || stop.iter().any(String::is_empty) {
-        return Err(
-            ApiError::bad_request("stop: at most 4 sequences, none of them empty").param("stop"),
-        );
-    }
+    let stop = parse_stop(c.stop)?;
     if c.cache_salt
         .as_ref()
         .is_some_and(|s| s.is_empty() || s.len() > MAX_CACHE_SALT_BYTES)
@@ -168,6 +362,27 @@ fn common(v: &Value) -> Result<Params, ApiError> {
         ))
         .param("cache_salt"));
     }
+    let (include_usage, obfuscation) = c.stream_options.map_or((false, false), |o| {
+        (
+            o.include_usage.unwrap_or(false),
+            o.include_obfuscation.unwrap_or(false),
+        )
+    });
+    if obfuscation {
+        return Err(ApiError::bad_request(
+            "stream_options.include_obfuscation is not supported (only false)",
+        )
+        .param("stream_options"));
+    }
+    let mut logit_bias = Vec::new();
+    for (k, b) in c.logit_bias.unwrap_or_default() {
+        let token = k.parse::<u32>().map_err(|_| {
+            ApiError::bad_request(format!("logit_bias keys must be token ids, got {k:?}"))
+                .param("logit_bias")
+        })?;
+        logit_bias.push((token, b as f32));
+    }
+    let (constraint, constraint_param) = crate::structured::parse(v)?;
     Ok(Params {
         model: c.model,
         cache_salt: c.cache_salt,
@@ -178,18 +393,87 @@ fn common(v: &Value) -> Result<Params, ApiError> {
         seed: c.seed.map(|s| s as u64),
         stop,
         stream: c.stream.unwrap_or(false),
-        include_usage: c
-            .stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false),
+        include_usage,
         token_ids: c.custody_token_ids.unwrap_or(false),
+        logit_bias,
+        presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
+        logprobs: parse_logprobs(c.logprobs, c.top_logprobs, chat)?,
+        constraint,
+        constraint_param,
     })
+}
+
+fn parse_stop(stop: Option<Value>) -> Result<Vec<String>, ApiError> {
+    let bad = || ApiError::bad_request("stop must be a string or a list of strings").param("stop");
+    let stop = match stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(a)) => a
+            .into_iter()
+            .map(|x| match x {
+                Value::String(s) => Ok(s),
+                _ => Err(bad()),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad()),
+    };
+    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+        return Err(
+            ApiError::bad_request("stop: at most 4 sequences, none of them empty").param("stop"),
+        );
+    }
+    Ok(stop)
+}
+
+/// Chat: `logprobs: true` and `top_logprobs` 0–20 (which needs it). Text: `logprobs` 0–5.
+fn parse_logprobs(
+    logprobs: Option<Value>,
+    top: Option<u64>,
+    chat: bool,
+) -> Result<Option<usize>, ApiError> {
+    let max = if chat {
+        custody_runtime::decoding::MAX_TOP_LOGPROBS as u64
+    } else {
+        MAX_TEXT_LOGPROBS
+    };
+    if chat {
+        let on = match logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(_) => {
+                return Err(ApiError::bad_request("logprobs must be a boolean").param("logprobs"));
+            }
+        };
+        return match (on, top) {
+            (false, Some(_)) => {
+                Err(ApiError::bad_request("top_logprobs needs logprobs: true")
+                    .param("top_logprobs"))
+            }
+            (true, Some(k)) if k > max => Err(ApiError::bad_request(format!(
+                "top_logprobs must be at most {max}, got {k}"
+            ))
+            .param("top_logprobs")),
+            (true, k) => Ok(Some(k.unwrap_or(0) as usize)),
+            (false, None) => Ok(None),
+        };
+    }
+    match logprobs {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) if n.as_u64().is_some_and(|k| k <= max) => {
+            Ok(n.as_u64().map(|k| k as usize))
+        }
+        Some(other) => Err(ApiError::bad_request(format!(
+            "logprobs must be an integer from 0 to {max}, got {other}"
+        ))
+        .param("logprobs")),
+    }
 }
 
 /// `POST /v1/chat/completions`.
 pub fn parse_chat(body: &[u8]) -> Result<(Prompt, Params), ApiError> {
     let v = parse_json(body)?;
-    let params = common(&v)?;
+    let params = common(&v, true)?;
     let Some(msgs) = v.get("messages") else {
         return Err(ApiError::bad_request("missing required field: messages").param("messages"));
     };
@@ -242,7 +526,7 @@ pub fn parse_chat(body: &[u8]) -> Result<(Prompt, Params), ApiError> {
 /// `POST /v1/completions`.
 pub fn parse_completion(body: &[u8]) -> Result<(Prompt, Params), ApiError> {
     let v = parse_json(body)?;
-    let params = common(&v)?;
+    let params = common(&v, false)?;
     let bad = || {
         ApiError::bad_request(
             "prompt must be a string, a list of one string, or a list of token ids",

@@ -281,6 +281,7 @@ impl Node {
         let sampling = super::sampling_from_proto(req.sampling.as_ref());
         let prompt_len = req.prompt.len();
         let greq = GenerateRequest {
+            decoding: Default::default(),
             prompt: req.prompt,
             max_tokens: req.max_tokens as usize,
             sampling,
@@ -681,7 +682,7 @@ impl Node {
         }
         for ev in self.engine.step() {
             match ev {
-                Event::Token { id, token } => {
+                Event::Token { id, token, .. } => {
                     if let Some(tx) = self.reqs.get(&id).and_then(|r| r.tokens.as_ref()) {
                         tx.try_send(Ok(proto::TokenEvent {
                             token,

@@ -759,6 +759,7 @@ impl Node {
                         id,
                         first_token,
                         cached_tokens,
+                        ..
                     } => {
                         let checksums = self.checksums(id);
                         if let Some(r) = self.reqs.get_mut(&id) {
@@ -1670,6 +1671,7 @@ impl prefill_server::Prefill for PrefillService {
             .as_ref()
             .map(|n| n.scope(&g.tenant, salt, &g.prompt));
         let req = GenerateRequest {
+            decoding: Default::default(),
             prompt: g.prompt,
             max_tokens: g.max_tokens as usize,
             sampling: super::sampling_from_proto(g.sampling.as_ref()),

@@ -22,6 +22,8 @@ use custody_kernels::attention::{KvType, PageRef, Reader, ReduceOrder, TagCheck}
 
 use crate::config::{EngineConfig, UnsafeReproduction};
 use crate::cuda_forward::{CudaForward, CudaForwardError};
+use crate::decoding::{DecodeState, Decoding, TokenLogprobs};
+use crate::grammar::GrammarError;
 use crate::kv::{PagePool, PoolError, PoolView};
 use crate::model::{Logits, Model, Rows, Scratch, Segment};
 use crate::prefix_cache::{BlockKey, CacheScope, CachedPage, PrefixCache, ScopeKind};
@@ -65,6 +67,8 @@ pub enum AdmissionError {
     QueueFull { max_waiting: usize },
     #[error("invalid sampling parameters: {0}")]
     BadSampling(crate::sampling::SamplingError),
+    #[error("{0}")]
+    BadDecoding(crate::decoding::DecodingError),
     #[error("the audit log is unavailable, so no work is admitted: {0}")]
     AuditUnavailable(String),
     #[error("the KV pool is busy: {needed_pages} pages needed, {free_pages} free; retry later")]
@@ -111,6 +115,8 @@ pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
+    /// Logit biases, penalties, an output constraint, log-probabilities (`decoding.rs`).
+    pub decoding: Decoding,
     /// Tokens that end generation (not emitted).
     pub stop_ids: Vec<u32>,
     /// Whose data the prompt is (recorded with every page event).
@@ -130,11 +136,13 @@ pub enum FinishReason {
 }
 
 /// What a step produced.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     Token {
         id: RequestId,
         token: u32,
+        /// Its log-probability and alternatives, when the request asked for them.
+        logprobs: Option<Box<TokenLogprobs>>,
     },
     Finished {
         id: RequestId,
@@ -149,15 +157,14 @@ pub enum Event {
         error: IntegrityError,
     },
     /// Stopped without output because the engine cannot record what it does (audit failure).
-    Aborted {
-        id: RequestId,
-        reason: String,
-    },
+    Aborted { id: RequestId, reason: String },
     /// A prefill-only request's prompt KV is complete (pages held for the transfer) and its
     /// first token sampled.
     Prefilled {
         id: RequestId,
         first_token: u32,
+        /// The first token's log-probabilities, when the request asked for them.
+        first_logprobs: Option<Box<TokenLogprobs>>,
         /// Prompt tokens whose KV came from the prefix cache.
         cached_tokens: usize,
     },
@@ -178,6 +185,8 @@ struct Seq {
     max_tokens: usize,
     stop_ids: Vec<u32>,
     sampler: Sampler,
+    /// Biases, penalties, the constraint, log-probabilities.
+    decode: DecodeState,
     pages: Vec<PageRef>,
     /// Slots whose KV this sequence has written (its next position).
     n_cached: usize,
@@ -213,6 +222,14 @@ enum Goal {
     PrefillOnly,
 }
 
+/// A sampled token.
+struct Picked {
+    token: u32,
+    logprobs: Option<Box<TokenLogprobs>>,
+    /// It is one of the request's stop tokens (not emitted).
+    stop: bool,
+}
+
 /// What one step produced: events, and (prefill role only) the sequences whose prompt KV is now
 /// complete, handed to the [`PrefillEngine`] that holds them for their transfer.
 struct StepOutput {
@@ -237,6 +254,7 @@ impl Seq {
             max_tokens: req.max_tokens,
             stop_ids: req.stop_ids,
             sampler: Sampler::new(req.sampling),
+            decode: DecodeState::new(req.decoding),
             pages: Vec::new(),
             n_cached: 0,
             generated: 0,
@@ -250,6 +268,21 @@ impl Seq {
             cached_tokens: 0,
             output: Vec::new(),
         }
+    }
+
+    /// The next token from this step's logits: shaped by the request's decoding options,
+    /// sampled, and recorded (penalty counts, the constraint advanced).
+    fn choose(&mut self, mut logits: Vec<f32>) -> Result<Picked, GrammarError> {
+        self.decode.shape(&mut logits)?;
+        let token = self.sampler.sample(&logits);
+        let logprobs = self.decode.logprobs(&logits, token).map(Box::new);
+        let stop = self.stop_ids.contains(&token);
+        self.decode.accept(token, stop)?;
+        Ok(Picked {
+            token,
+            logprobs,
+            stop,
+        })
     }
 
     /// Who this sequence reads as: its own pages, and the shared pages of its namespaces.
@@ -798,6 +831,9 @@ impl Engine {
             .validate()
             .map_err(AdmissionError::BadSampling)?;
         let vocab = self.model.config.vocab_size;
+        req.decoding
+            .validate(vocab)
+            .map_err(AdmissionError::BadDecoding)?;
         if let Some(&id) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(AdmissionError::BadToken { id, vocab });
         }
@@ -1203,23 +1239,45 @@ impl Engine {
                     if !want {
                         continue;
                     }
-                    let tok = s.sampler.sample(&logits);
+                    let picked = match s.choose(logits) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            // A constraint with no way on (the library's error): this request
+                            // ends with the reason, the batch goes on.
+                            tracing::warn!(request = s.id, error = %e, "output constraint failed");
+                            events.push(Event::Aborted {
+                                id: s.id,
+                                reason: e.to_string(),
+                            });
+                            done.push((
+                                i,
+                                RequestKind::Failed {
+                                    reason: "constraint".into(),
+                                },
+                            ));
+                            continue;
+                        }
+                    };
+                    let tok = picked.token;
                     if s.goal == Goal::PrefillOnly {
                         events.push(Event::Prefilled {
                             id: s.id,
                             first_token: tok,
+                            first_logprobs: picked.logprobs,
                             cached_tokens: s.cached_tokens,
                         });
                         held.push(i);
                         continue;
                     }
-                    let stop = s.stop_ids.contains(&tok);
-                    if !stop {
+                    // A complete constraint ends the output as a stop token would.
+                    let stop = picked.stop || s.decode.complete();
+                    if !picked.stop {
                         s.generated += 1;
                         s.output.push(tok);
                         events.push(Event::Token {
                             id: s.id,
                             token: tok,
+                            logprobs: picked.logprobs,
                         });
                     }
                     if stop || s.generated >= s.max_tokens {
@@ -1362,6 +1420,7 @@ impl Engine {
             max_tokens: 0,
             stop_ids: Vec::new(),
             sampler: Sampler::new(SamplingParams::default()),
+            decode: DecodeState::default(),
             reads: (0..pages.len())
                 .map(|i| {
                     Some((

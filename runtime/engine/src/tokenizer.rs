@@ -72,6 +72,9 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     /// Extra stop ids (e.g. `<|im_end|>`, `<|endoftext|>`).
     pub stop_ids: Vec<u32>,
+    /// Per id: whether it is a control or user-defined token (matched whole, never produced by
+    /// text) — what a grammar must not spell out of bytes.
+    special: Vec<bool>,
 }
 
 /// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3` split (Llama 3's tiktoken pattern): contractions,
@@ -188,6 +191,12 @@ impl Tokenizer {
                 stop_ids.push(i as u32);
             }
         }
+        let special = token_types(g, tokens.len())
+            .into_iter()
+            .chain(std::iter::repeat(TOKEN_TYPE_NORMAL))
+            .take(tokens.len())
+            .map(|ty| ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED)
+            .collect();
         Ok(Self {
             inner,
             vocab_size: tokens.len(),
@@ -196,6 +205,7 @@ impl Tokenizer {
             add_bos,
             chat_template,
             stop_ids,
+            special,
         })
     }
 }
@@ -274,6 +284,26 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// What token `id` stands for, as bytes: the bytes it adds to decoded output (a byte-level
+    /// BPE token's characters mapped back to bytes; a SentencePiece piece with `▁` as a space,
+    /// a byte token as its byte), and whether it is a special token (then `bytes` is its text,
+    /// which only the token itself produces). `None` outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<TokenBytes> {
+        let special = *self.special.get(id as usize)?;
+        let bytes = match &self.inner {
+            Vocab::Bpe(t) => {
+                let text = t.id_to_token(id)?;
+                if special {
+                    text.into_bytes()
+                } else {
+                    byte_level_bytes(&text)
+                }
+            }
+            Vocab::Spm(s) => s.decode_bytes(&[id]),
+        };
+        Some(TokenBytes { bytes, special })
+    }
+
     /// Decode ids to text (special tokens are rendered).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         if let Some(&id) = ids.iter().find(|&&i| i as usize >= self.vocab_size) {
@@ -331,6 +361,43 @@ impl Tokenizer {
         })?;
         Ok(out)
     }
+}
+
+/// One vocabulary entry as bytes (`Tokenizer::token_bytes`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenBytes {
+    pub bytes: Vec<u8>,
+    pub special: bool,
+}
+
+/// A byte-level BPE token's characters back to its bytes: GPT-2's byte-to-character map sends
+/// the printable bytes `!`..`~`, `¡`..`¬` and `®`..`ÿ` to themselves and the other 68 bytes, in
+/// order, to U+0100 onwards. A character outside the map (not in a byte-level vocabulary) keeps
+/// its UTF-8 bytes.
+fn byte_level_bytes(token: &str) -> Vec<u8> {
+    const PRINTABLE: [std::ops::RangeInclusive<u32>; 3] = [0x21..=0x7e, 0xa1..=0xac, 0xae..=0xff];
+    let mut shifted = [0u8; 68];
+    let mut n = 0;
+    for b in 0..=255u32 {
+        if !PRINTABLE.iter().any(|r| r.contains(&b)) {
+            shifted[n] = b as u8;
+            n += 1;
+        }
+    }
+    debug_assert_eq!(n, shifted.len());
+    let mut out = Vec::with_capacity(token.len());
+    for c in token.chars() {
+        let u = c as u32;
+        if PRINTABLE.iter().any(|r| r.contains(&u)) {
+            out.push(u as u8);
+        } else if let Some(&b) = u.checked_sub(0x100).and_then(|i| shifted.get(i as usize)) {
+            out.push(b);
+        } else {
+            let mut buf = [0u8; 4];
+            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+        }
+    }
+    out
 }
 
 /// `raise_exception(msg)`, which templates call to refuse a conversation they cannot render

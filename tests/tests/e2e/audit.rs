@@ -142,6 +142,7 @@ fn every_page_the_engine_touches_is_in_the_parquet_files() {
     let mut ids = BTreeMap::new();
     for (i, p) in prompts.iter().enumerate() {
         let req = GenerateRequest {
+            decoding: Default::default(),
             prompt: tok.encode(p, true).expect("enc"),
             max_tokens: 20,
             sampling: SamplingParams::default(),
@@ -154,6 +155,7 @@ fn every_page_the_engine_touches_is_in_the_parquet_files() {
     // A fourth request is corrupted after a few steps: its failure must show as a violation row.
     let victim = e
         .submit(GenerateRequest {
+            decoding: Default::default(),
             prompt: tok
                 .encode("Pack my box with five dozen liquor jugs.", true)
                 .expect("enc"),
@@ -165,6 +167,7 @@ fn every_page_the_engine_touches_is_in_the_parquet_files() {
         })
         .expect("admit");
     let over = e.submit(GenerateRequest {
+        decoding: Default::default(),
         prompt: vec![1; 5000],
         max_tokens: 1,
         sampling: SamplingParams::default(),
@@ -656,6 +659,7 @@ fn disk_full_stops_admission_instead_of_losing_events() {
         let mut refused = None;
         for _ in 0..200 {
             match e.submit(GenerateRequest {
+                decoding: Default::default(),
                 prompt: prompt.clone(),
                 max_tokens: 64,
                 sampling: SamplingParams::default(),

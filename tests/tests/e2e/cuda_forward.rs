@@ -259,6 +259,7 @@ fn the_engine_on_the_cuda_backend_serves_the_cpus_tokens() {
     let run = |e: &mut Engine| {
         for (i, len) in [9usize, 17, 30].into_iter().enumerate() {
             e.submit(GenerateRequest {
+                decoding: Default::default(),
                 prompt: (0..len as u32)
                     .map(|t| (t * 13 + i as u32 * 7) % 256)
                     .collect(),

@@ -250,6 +250,7 @@ pub fn start_engines_ns(
 
 pub fn req(tenant: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
+        decoding: Default::default(),
         prompt,
         max_tokens,
         sampling: SamplingParams::default(),

@@ -548,6 +548,7 @@ fn references(jobs: &[Job]) -> BTreeMap<usize, Vec<u32>> {
     jobs.iter()
         .map(|j| {
             let req = custody_runtime::engine::GenerateRequest {
+                decoding: Default::default(),
                 prompt: j.prompt.clone(),
                 max_tokens: MAX_TOKENS,
                 sampling: Default::default(),

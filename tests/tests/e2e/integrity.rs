@@ -13,6 +13,7 @@ use crate::{engine_with, small_cfg, tokenizer};
 
 fn req(prompt: Vec<u32>, n: usize) -> GenerateRequest {
     GenerateRequest {
+        decoding: Default::default(),
         prompt,
         max_tokens: n,
         sampling: SamplingParams::default(),

@@ -136,6 +136,7 @@ fn a_q8_0_cache_costs_no_more_accuracy_than_llama_cpps_own_and_stores_17_of_32_b
 
 fn greedy(prompt: Vec<u32>) -> GenerateRequest {
     GenerateRequest {
+        decoding: Default::default(),
         prompt,
         max_tokens: 24,
         sampling: SamplingParams::default(),

@@ -107,6 +107,7 @@ fn served_token_is_llama_cpps(e: &mut Engine, name: &str, meta: &Value, ids: &[u
         .as_u64()
         .expect("id") as u32;
     e.submit(GenerateRequest {
+        decoding: Default::default(),
         prompt: ids.to_vec(),
         max_tokens: 1,
         sampling: Default::default(),

@@ -28,6 +28,7 @@ mod roles;
 mod s3;
 mod scheduler;
 mod serve;
+mod structured;
 mod symbols;
 mod synth;
 mod threads;

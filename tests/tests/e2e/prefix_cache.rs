@@ -48,6 +48,7 @@ pub fn text(seed: usize, words: usize) -> String {
 
 fn req(tenant: &str, prompt: Vec<u32>, cache: Option<CacheScope>) -> GenerateRequest {
     GenerateRequest {
+        decoding: Default::default(),
         prompt,
         max_tokens: 6,
         sampling: SamplingParams::default(),
@@ -72,7 +73,7 @@ fn run_one(e: &mut Engine, r: GenerateRequest) -> (u64, Outcome) {
     while e.has_work() {
         for ev in e.step() {
             match ev {
-                Event::Token { id: i, token } if i == id => o.tokens.push(token),
+                Event::Token { id: i, token, .. } if i == id => o.tokens.push(token),
                 Event::Finished {
                     id: i,
                     cached_tokens,
@@ -328,7 +329,7 @@ fn a_page_a_running_request_holds_is_never_evicted() {
         }
         for ev in e.step() {
             match ev {
-                Event::Token { id, token } if id == hid => holder_tokens.push(token),
+                Event::Token { id, token, .. } if id == hid => holder_tokens.push(token),
                 Event::Failed { id, error } => panic!("request {id} failed: {error}"),
                 Event::Finished { id, .. } if id == hid => done = true,
                 _ => {}
@@ -384,6 +385,7 @@ fn a_prefill_node_hit_transfers_the_cached_pages_and_decode_gives_the_colocated_
         Some(Arc::new(ns)),
     );
     let r = |tenant: &str| GenerateRequest {
+        decoding: Default::default(),
         max_tokens: 8,
         ..req(tenant, p.clone(), None)
     };

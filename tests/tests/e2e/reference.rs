@@ -25,6 +25,7 @@ pub(crate) fn ids(v: &Value) -> Vec<u32> {
 pub fn greedy(engine: &mut custody_runtime::Engine, prompt: Vec<u32>, n: usize) -> Vec<u32> {
     let id = engine
         .submit(GenerateRequest {
+            decoding: Default::default(),
             prompt,
             max_tokens: n,
             sampling: SamplingParams::default(),
@@ -37,7 +38,7 @@ pub fn greedy(engine: &mut custody_runtime::Engine, prompt: Vec<u32>, n: usize) 
     while engine.has_work() {
         for ev in engine.step() {
             match ev {
-                Event::Token { id: r, token } if r == id => out.push(token),
+                Event::Token { id: r, token, .. } if r == id => out.push(token),
                 Event::Failed { error, .. } => panic!("integrity failure: {error}"),
                 _ => {}
             }

@@ -10,6 +10,7 @@ use crate::{engine_with, small_cfg, tokenizer};
 
 fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
+        decoding: Default::default(),
         prompt,
         max_tokens,
         sampling: SamplingParams::default(),
@@ -163,7 +164,7 @@ fn batched_generation_equals_each_prompt_alone() {
         }
         for ev in evs {
             match ev {
-                Event::Token { id, token } => out.entry(id).or_default().push(token),
+                Event::Token { id, token, .. } => out.entry(id).or_default().push(token),
                 Event::Finished {
                     reason,
                     generated_tokens,
@@ -206,6 +207,7 @@ fn sampling_is_reproducible_with_a_seed() {
         };
         let id = e
             .submit(GenerateRequest {
+                decoding: Default::default(),
                 prompt: p.clone(),
                 max_tokens: 20,
                 sampling: params,
@@ -217,7 +219,7 @@ fn sampling_is_reproducible_with_a_seed() {
         let mut v = Vec::new();
         while e.has_work() {
             for ev in e.step() {
-                if let Event::Token { id: r, token } = ev {
+                if let Event::Token { id: r, token, .. } = ev {
                     assert_eq!(r, id);
                     v.push(token);
                 }

@@ -42,6 +42,8 @@ pub enum ImportError {
     },
     #[error("request {id}: its pages could not be staged to the CUDA device: {why}")]
     Device { id: RequestId, why: String },
+    #[error("request {id}: its output constraint refuses the first token prefill sampled: {why}")]
+    Constraint { id: RequestId, why: String },
 }
 
 /// Why quarantined pages were not released (they stay quarantined: the safe direction).
@@ -306,6 +308,14 @@ impl DecodeEngine {
         let pages = self.importing[i].seq.pages.clone();
         if let Err(e) = self.core.stage_to_device(&pages) {
             return Err(ImportError::Device {
+                id,
+                why: e.to_string(),
+            });
+        }
+        // The constraint and the penalties start from the token prefill sampled under the same
+        // options (checked before the sequence leaves the import set).
+        if let Err(e) = self.importing[i].seq.decode.accept(first_token, false) {
+            return Err(ImportError::Constraint {
                 id,
                 why: e.to_string(),
             });
