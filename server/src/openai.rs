@@ -3,6 +3,8 @@
 
 use serde::Deserialize;
 use serde_json::Value;
+#[cfg(test)]
+use serde_json::json;
 
 use custody_runtime::ChatMessage;
 use custody_runtime::grammar::ConstraintSpec;
@@ -240,6 +242,41 @@ const TEXT_FIELDS: &[Field] = &[
 pub fn fields(chat: bool) -> impl Iterator<Item = &'static Field> {
     let own = if chat { CHAT_FIELDS } else { TEXT_FIELDS };
     own.iter().chain(COMMON_FIELDS)
+}
+
+/// The README's table of request fields (between its `api-fields` markers), made from the
+/// tables above: a field, what each endpoint does with it, and why.
+pub fn fields_markdown() -> String {
+    let cell = |f: Option<&Field>| match f.map(|f| f.support) {
+        None => "—".to_owned(),
+        Some(Honoured) => "honoured".to_owned(),
+        Some(NoEffect) => "no effect".to_owned(),
+        Some(Refused(&[])) => "**400**".to_owned(),
+        Some(Refused(ok)) => format!("**400** unless {}", ok.join(" or ")),
+    };
+    let mut names: Vec<&str> = Vec::new();
+    for f in fields(true).chain(fields(false)) {
+        if !names.contains(&f.name) {
+            names.push(f.name);
+        }
+    }
+    let mut out =
+        String::from("| field | chat | completions | what Custody does |\n|---|---|---|---|\n");
+    for n in names {
+        let (c, t) = (
+            fields(true).find(|f| f.name == n),
+            fields(false).find(|f| f.name == n),
+        );
+        let note = match (c, t) {
+            (Some(c), Some(t)) if c.note != t.note => {
+                format!("chat: {}; completions: {}", c.note, t.note)
+            }
+            (Some(f), _) | (None, Some(f)) => f.note.to_owned(),
+            (None, None) => String::new(),
+        };
+        out.push_str(&format!("| `{n}` | {} | {} | {note} |\n", cell(c), cell(t)));
+    }
+    out
 }
 
 /// Every top-level key must be a field of the endpoint; a refused field must be absent, null
@@ -632,6 +669,72 @@ impl StopText {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn readme_table_is_the_code_table() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+            .expect("README.md");
+        let (begin, end) = ("<!-- BEGIN api-fields -->\n", "<!-- END api-fields -->");
+        let at = readme.find(begin).expect("README has the api-fields table") + begin.len();
+        let table = &readme[at..at + readme[at..].find(end).expect("end marker")];
+        let want = fields_markdown();
+        assert_eq!(
+            table, want,
+            "README's request-field table is stale; it should read:\n{want}"
+        );
+    }
+
+    #[test]
+    fn every_field_outside_the_table_and_every_refused_value_is_a_400_naming_it() {
+        for chat in [true, false] {
+            let base = if chat {
+                json!({"messages": [{"role": "user", "content": "hi"}]})
+            } else {
+                json!({"prompt": "hi"})
+            };
+            for f in fields(chat) {
+                let mut body = base.clone();
+                body[f.name] = json!({"custody": "a value no field takes"});
+                let r = if chat {
+                    parse_chat(body.to_string().as_bytes())
+                } else {
+                    parse_completion(body.to_string().as_bytes())
+                };
+                match f.support {
+                    Refused(_) => {
+                        let e = r.expect_err(f.name);
+                        assert_eq!(e.param.as_deref(), Some(f.name), "{}", e.message);
+                    }
+                    // Honoured and no-effect fields parse their value: this one is malformed for
+                    // most, but never refused as unsupported.
+                    Honoured | NoEffect => {
+                        if let Err(e) = r {
+                            assert!(
+                                !e.message.contains("not supported")
+                                    || f.name == "response_format"
+                                    || f.name == "structured_outputs",
+                                "{}: {}",
+                                f.name,
+                                e.message
+                            );
+                        }
+                    }
+                }
+            }
+            let mut body = base.clone();
+            body["frobnicate"] = json!(1);
+            let e = if chat {
+                parse_chat(body.to_string().as_bytes())
+            } else {
+                parse_completion(body.to_string().as_bytes())
+            }
+            .expect_err("unknown");
+            assert_eq!(e.param.as_deref(), Some("frobnicate"));
+        }
+        // Allowed values of refused fields pass.
+        let ok = br#"{"messages": [{"role": "user", "content": "hi"}], "n": 1, "store": false, "modalities": ["text"], "service_tier": "auto", "tools": [], "tool_choice": "none"}"#;
+        assert!(parse_chat(ok).is_ok());
+    }
 
     #[test]
     fn stop_sequence_split_across_pieces_is_never_sent() {

@@ -416,6 +416,32 @@ fn openai_python_client_against_the_server() {
     assert!(canary_events >= 1, "no canary event in node_events");
 }
 
+/// Structured outputs (the client's `parse` with a pydantic model, a corpus of 50+ JSON
+/// schemas each output validated by `jsonschema`, regex and choice), log-probabilities whole
+/// and streamed, `logit_bias`, and every refusal's `param`: `python/structured_outputs.py`.
+#[test]
+fn structured_outputs_logprobs_and_refusals_through_the_openai_client() {
+    let py = python_with_openai();
+    let srv = TestServer::start("structured");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/structured_outputs.py");
+    let out = Command::new(py)
+        .arg(&script)
+        .env("CUSTODY_URL", &srv.url)
+        .env("CUSTODY_KEY", KEY)
+        .env("CUSTODY_MODEL_ID", MODEL_ID)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "structured outputs test failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{stdout}");
+    assert_eq!(srv.metric("custody_integrity_violations_total"), 0.0);
+    drop(srv.stop());
+}
+
 /// The golden prompts' reference on a separate, idle engine (what `custody validate` does).
 fn golden_reference() -> Vec<custody_server::Golden> {
     let mut e = engine_with(crate::small_cfg());
