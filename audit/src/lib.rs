@@ -213,6 +213,8 @@ pub enum Event {
     /// Observed by the eBPF witness (not by the engine): a posted work request, a completion, or
     /// an RDMA queue-pair call. Boxed: the engine's hot-path events stay small.
     RdmaOp(Box<RdmaOp>),
+    /// A request's decoding options (constraint, log-probabilities, biases, penalties).
+    Decoding(Box<DecodingRecord>),
     /// Observed by the eBPF witness: a memory region registered or invalidated (the transport's
     /// probe points, or libibverbs' `ibv_reg_mr` / `ibv_dereg_mr`).
     RdmaMr(Box<RdmaMr>),
@@ -251,6 +253,7 @@ impl Event {
             Event::RdmaOp(o) => o.ts_ns,
             Event::RdmaMr(m) => m.ts_ns,
             Event::Cache(c) => c.ts_ns,
+            Event::Decoding(d) => d.ts_ns,
         }
     }
 }
@@ -275,6 +278,28 @@ impl CacheEvent {
             CacheEvent::Evict => "evict",
         }
     }
+}
+
+/// One `request_decoding` row: what an admitted request asked of its sampled tokens beyond
+/// temperature and `top_p`, recorded only when it asked for something (no row: a plain
+/// request).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodingRecord {
+    pub ts_ns: MonoNs,
+    pub request: u64,
+    pub tenant: Arc<str>,
+    /// `json_object`, `json_schema`, `lark`, `regex`; `None`: unconstrained.
+    pub constraint_kind: Option<&'static str>,
+    /// SHA-256 of the constraint's kind and text (`grammar::ConstraintSpec::sha256_hex`).
+    pub constraint_sha256: Option<String>,
+    /// Choices the request asked for.
+    pub n: u32,
+    /// `Some(k)`: log-probabilities with `k` alternatives per token.
+    pub top_logprobs: Option<u32>,
+    pub logit_bias_tokens: u32,
+    /// Penalties × 1000, rounded.
+    pub presence_penalty_milli: i32,
+    pub frequency_penalty_milli: i32,
 }
 
 /// One `prefix_cache` row.

@@ -17,7 +17,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use crate::{Event, PageKind, RdmaOpRows, Writer};
 
 /// Version of the table layouts, written into every file's metadata.
-pub const SCHEMA_VERSION: &str = "4";
+pub const SCHEMA_VERSION: &str = "5";
 pub const SCHEMA_VERSION_KEY: &str = "custody.audit.schema_version";
 
 /// The audit tables.
@@ -38,10 +38,12 @@ pub enum Table {
     RdmaMr,
     /// Prefix-cache shares, hits and evictions.
     PrefixCache,
+    /// Per request: its output constraint, log-probabilities, biases and penalties.
+    RequestDecoding,
 }
 
 impl Table {
-    pub const ALL: [Table; 10] = [
+    pub const ALL: [Table; 11] = [
         Table::Requests,
         Table::PageEvents,
         Table::Transfers,
@@ -52,6 +54,7 @@ impl Table {
         Table::RdmaOps,
         Table::RdmaMr,
         Table::PrefixCache,
+        Table::RequestDecoding,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +69,7 @@ impl Table {
             Table::RdmaOps => "rdma_ops",
             Table::RdmaMr => "rdma_mr",
             Table::PrefixCache => "prefix_cache",
+            Table::RequestDecoding => "request_decoding",
         }
     }
 
@@ -84,6 +88,7 @@ impl Table {
             Event::RdmaOp(_) => Table::RdmaOps,
             Event::RdmaMr(_) => Table::RdmaMr,
             Event::Cache(_) => Table::PrefixCache,
+            Event::Decoding(_) => Table::RequestDecoding,
         }
     }
 
@@ -168,6 +173,17 @@ impl Table {
                 ("qp_num", UInt32, false),
                 ("sges", Utf8, true),
                 ("probe_flags", Utf8, true),
+            ],
+            Table::RequestDecoding => vec![
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("constraint_kind", Utf8, true),
+                ("constraint_sha256", Utf8, true),
+                ("n", UInt32, false),
+                ("top_logprobs", UInt32, true),
+                ("logit_bias_tokens", UInt32, false),
+                ("presence_penalty_milli", Int32, false),
+                ("frequency_penalty_milli", Int32, false),
             ],
             Table::PrefixCache => vec![
                 ("request_id", UInt64, false),
@@ -503,6 +519,17 @@ impl TableBuilder {
                 self.u64(8, c.writer);
                 self.s(9, &c.writer_tenant);
                 self.u32(10, c.hit_tokens);
+            }
+            Event::Decoding(d) => {
+                self.u64(0, d.request);
+                self.s(1, &d.tenant);
+                self.os(2, d.constraint_kind);
+                self.os(3, d.constraint_sha256.as_deref());
+                self.u32(4, d.n);
+                self.ou32(5, d.top_logprobs);
+                self.u32(6, d.logit_bias_tokens);
+                self.i32(7, d.presence_penalty_milli);
+                self.i32(8, d.frequency_penalty_milli);
             }
         }
     }

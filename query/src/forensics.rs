@@ -415,6 +415,14 @@ SELECT seq, wall_ns, 'read', verdict, CAST(page AS INT), CAST(generation AS INT)
 UNION ALL
 SELECT seq, wall_ns, 'violation', kind, CAST(page AS INT), CAST(generation AS INT), detail
   FROM all_integrity_violations WHERE node_id = {node} AND request_id = {request}
+UNION ALL
+SELECT seq, wall_ns, 'decoding', COALESCE(constraint_kind, 'unconstrained'), CAST(NULL AS INT),
+       CAST(NULL AS INT),
+       CONCAT('constraint sha256 ', COALESCE(constraint_sha256, '-'), ', n ', CAST(n AS VARCHAR),
+              ', top_logprobs ', COALESCE(CAST(top_logprobs AS VARCHAR), '-'),
+              ', logit_bias ', CAST(logit_bias_tokens AS VARCHAR), ' tokens, penalties (milli) ',
+              CAST(presence_penalty_milli AS VARCHAR), ' / ', CAST(frequency_penalty_milli AS VARCHAR))
+  FROM all_request_decoding WHERE node_id = {node} AND request_id = {request}
 ORDER BY seq
 "#;
 

@@ -166,8 +166,11 @@ text = "".join(
 jsonschema.validate(json.loads(text), schema)
 
 # vLLM's structured_outputs extension: regex and choice, text completions too.
-r = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0.5, seed=3,
-                              extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+raw = client.completions.with_raw_response.create(
+    model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0.5, seed=3,
+    extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+figures["regex_request"] = raw.headers["x-request-id"]
+r = raw.parse()
 check(re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text), r.choices[0].text)
 r = client.chat.completions.create(model=MODEL, messages=user("Is the sky blue?"), max_tokens=5, temperature=0,
                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})

@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 
-use crate::grammar::{Constraint, GrammarError};
+use crate::grammar::{Constraint, ConstraintSpec, GrammarError};
 
 /// Most `logit_bias` entries a request may carry.
 pub const MAX_LOGIT_BIAS_ENTRIES: usize = 300;
@@ -113,6 +113,32 @@ impl Decoding {
             return Err(DecodingError::TopLogprobs { got: k });
         }
         Ok(())
+    }
+
+    /// The `request_decoding` audit row for request `id`, or `None` when it asks for nothing
+    /// (a plain request has no row).
+    pub fn record(
+        &self,
+        id: u64,
+        tenant: &str,
+        ts_ns: custody_audit::MonoNs,
+    ) -> Option<custody_audit::DecodingRecord> {
+        if !self.touches_logits() && self.logprobs.is_none() {
+            return None;
+        }
+        let spec = self.constraint.as_ref().map(Constraint::spec);
+        Some(custody_audit::DecodingRecord {
+            ts_ns,
+            request: id,
+            tenant: tenant.into(),
+            constraint_kind: spec.map(|s| s.kind.name()),
+            constraint_sha256: spec.map(ConstraintSpec::sha256_hex),
+            n: 1,
+            top_logprobs: self.logprobs.map(|k| k as u32),
+            logit_bias_tokens: self.logit_bias.len() as u32,
+            presence_penalty_milli: (self.presence_penalty * 1000.0).round() as i32,
+            frequency_penalty_milli: (self.frequency_penalty * 1000.0).round() as i32,
+        })
     }
 
     /// Whether the logits go to the sampler as the forward pass made them.

@@ -813,6 +813,11 @@ impl Engine {
             return Err(e);
         }
         self.emit_request(id, &req.tenant, RequestKind::Admitted, req.prompt.len(), 0);
+        if self.sink.is_some()
+            && let Some(r) = req.decoding.record(id, &req.tenant, now_ns())
+        {
+            self.emit(audit::Event::Decoding(Box::new(r)));
+        }
         if let Some(e) = &self.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
         }

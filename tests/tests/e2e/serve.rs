@@ -439,7 +439,108 @@ fn structured_outputs_logprobs_and_refusals_through_the_openai_client() {
     );
     eprintln!("{stdout}");
     assert_eq!(srv.metric("custody_integrity_violations_total"), 0.0);
-    drop(srv.stop());
+    let audit = srv.stop();
+    // Every constrained or logprob request has its `request_decoding` row, the constraint by
+    // kind and hash: the schemas' 52 + the stream + `parse`'s, the regex by its hash.
+    let rows = read_table(&audit, "request_decoding");
+    let kinds: Vec<Option<String>> = rows
+        .iter()
+        .flat_map(|b| col_str(b, "constraint_kind"))
+        .collect();
+    let hashes: Vec<Option<String>> = rows
+        .iter()
+        .flat_map(|b| col_str(b, "constraint_sha256"))
+        .collect();
+    let tops: Vec<Option<u32>> = rows
+        .iter()
+        .flat_map(|b| col_u32(b, "top_logprobs"))
+        .collect();
+    let count = |k: &str| kinds.iter().filter(|x| x.as_deref() == Some(k)).count();
+    assert!(count("json_schema") >= 54, "{kinds:?}");
+    assert!(
+        count("json_object") >= 6 && count("regex") >= 2,
+        "{kinds:?}"
+    );
+    let phone = custody_runtime::grammar::ConstraintSpec {
+        kind: custody_runtime::grammar::ConstraintKind::Regex,
+        source: "[0-9]{3}-[0-9]{4}".into(),
+    };
+    assert!(
+        hashes.contains(&Some(phone.sha256_hex())),
+        "the regex's hash"
+    );
+    assert!(
+        tops.iter().filter(|t| **t == Some(5)).count() >= 2,
+        "{tops:?}"
+    );
+    assert!(tops.contains(&Some(3)), "the text completion's logprobs=3");
+    // `custody forensics request`'s timeline names the constraint.
+    let figures: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().expect("figures")).expect("json");
+    let id = engine_id(figures["regex_request"].as_str().expect("id"));
+    let timeline = request_timeline(&audit, id);
+    assert!(
+        timeline.contains(&format!(
+            "decoding regex constraint sha256 {}",
+            phone.sha256_hex()
+        )),
+        "{timeline}"
+    );
+}
+
+/// `custody forensics request`'s rows for request `id` of node `NODE`, one per line
+/// (`what detail info`).
+fn request_timeline(audit: &std::path::Path, id: u64) -> String {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("rt");
+    rt.block_on(async {
+        let vs = custody_query::session_over_verified(audit, None)
+            .await
+            .expect("session");
+        custody_query::prepare_forensics(&vs.ctx)
+            .await
+            .expect("prepare");
+        let batches = vs
+            .ctx
+            .sql(&custody_query::forensics::request_sql(NODE, id))
+            .await
+            .expect("request sql")
+            .collect()
+            .await
+            .expect("rows");
+        let mut out = String::new();
+        for b in &batches {
+            let s = |n: &str| {
+                arrow::compute::cast(
+                    b.column_by_name(n).expect(n),
+                    &arrow::datatypes::DataType::Utf8,
+                )
+                .expect("cast")
+            };
+            let (w, d, i) = (s("what"), s("detail"), s("info"));
+            let str_at = |a: &arrow::array::ArrayRef, r: usize| {
+                let a = a
+                    .as_any()
+                    .downcast_ref::<arrow::array::StringArray>()
+                    .expect("utf8");
+                if arrow::array::Array::is_null(a, r) {
+                    String::new()
+                } else {
+                    a.value(r).to_owned()
+                }
+            };
+            for r in 0..b.num_rows() {
+                out.push_str(&format!(
+                    "{} {} {}\n",
+                    str_at(&w, r),
+                    str_at(&d, r),
+                    str_at(&i, r)
+                ));
+            }
+        }
+        out
+    })
 }
 
 /// The golden prompts' reference on a separate, idle engine (what `custody validate` does).
