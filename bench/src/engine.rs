@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// `engine.max_batch_tokens` chunks, with its time to first token. 0: not measured.
     #[arg(long, default_value_t = 0)]
     pub long_prompt_tokens: usize,
+    /// Also measure what a JSON-schema output constraint costs a decode step, at 1 and 8
+    /// sequences (`constrained.rs`), and its compile time.
+    #[arg(long)]
+    pub constraint_cost: bool,
 }
 
 /// Decode steps timed before the long prompt arrives (the undisturbed inter-token latency).
@@ -400,6 +404,29 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
     } else {
         None
     };
+    let constraint = if a.constraint_cost {
+        let eos = tokenizer
+            .eos_id
+            .context("the model names no end-of-text token")?;
+        let grammars =
+            custody_runtime::grammar::Grammars::new(std::sync::Arc::new(tokenizer), eos)?;
+        let mut out = Vec::new();
+        for batch in [1, 8] {
+            out.push(pool.install(|| {
+                crate::constrained::measure(
+                    &mut engine,
+                    &grammars,
+                    &ids,
+                    a.gen_tokens,
+                    batch,
+                    a.reps,
+                )
+            })?);
+        }
+        out
+    } else {
+        Vec::new()
+    };
     let _ = std::fs::remove_dir_all(&audit_dir);
     let audit = (!prefill_audit.is_empty()).then(|| (median(prefill_audit), median(decode_audit)));
     let cpu_bound = if a.audit_cost {
@@ -440,6 +467,12 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
                     "decode_step_ms_p50_during": i.step_p50_ms, "decode_step_ms_max_during": i.step_max_ms,
                     "time_to_first_token_s": i.long_ttft_s,
                 })),
+                "constraint_cost": constraint.iter().map(|c| serde_json::json!({
+                    "batch": c.batch, "plain_decode_tok_s": c.plain_decode_tok_s,
+                    "constrained_decode_tok_s": c.constrained_decode_tok_s,
+                    "mask_us": c.mask_us, "mask_fraction_of_step": c.mask_fraction_of_step(),
+                    "wall_fraction_of_step": c.wall_fraction_of_step(), "compile_ms": c.compile_ms,
+                })).collect::<Vec<_>>(),
                 "audit_cpu_bound": cpu_bound.as_ref().map(|b| serde_json::json!({
                     "events_per_run": b.events_per_run, "producer_ns_per_event": b.producer_ns_per_event,
                     "writer_cpu_ms_per_run": b.writer_cpu_ms_per_run, "seal_cpu_ms_per_segment": b.seal_cpu_ms_per_segment, "fraction_of_wall": b.fraction_of_wall,
@@ -509,6 +542,18 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
                 i.step_max_ms,
                 i.steps,
                 i.long_ttft_s
+            );
+        }
+        for c in &constraint {
+            println!(
+                "JSON-schema constraint, {} sequences: decode {:.1} tok/s vs {:.1} unconstrained ({:+.2} % by wall time); a mask alone {:.1} us = {:.2} % of a step; compiling the schema {:.1} ms",
+                c.batch,
+                c.constrained_decode_tok_s,
+                c.plain_decode_tok_s,
+                c.wall_fraction_of_step() * 100.0,
+                c.mask_us,
+                c.mask_fraction_of_step() * 100.0,
+                c.compile_ms
             );
         }
         if let Some(b) = &cpu_bound {

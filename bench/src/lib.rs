@@ -5,6 +5,7 @@
 //! the benchmark runs on, and hands it over; what a benchmark prints is its output.
 
 pub mod audit;
+pub mod constrained;
 pub mod disagg;
 pub mod engine;
 pub mod router;
@@ -36,6 +37,8 @@ pub enum BenchError {
     Model(#[from] custody_runtime::model::ModelError),
     #[error(transparent)]
     Tokenizer(#[from] custody_runtime::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Grammar(#[from] custody_runtime::grammar::GrammarError),
     #[error(transparent)]
     Pair(#[from] custody_runtime::disagg::client::PairError),
     #[error(transparent)]

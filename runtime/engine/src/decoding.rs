@@ -180,6 +180,11 @@ impl DecodeState {
         }
     }
 
+    /// Whether it has an output constraint (masks to compute).
+    pub(crate) fn constrained(&self) -> bool {
+        self.decoding.constraint.is_some()
+    }
+
     /// Steps 1–3 of the module's order, in place.
     pub(crate) fn shape(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
         if !self.decoding.touches_logits() {

@@ -281,7 +281,7 @@ impl Constraint {
 
     /// Sends every token the constraint does not allow next to −∞. Once the constraint is
     /// complete only the end-of-generation token is allowed.
-    pub(crate) fn mask(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
         let allowed = self
             .matcher
             .compute_mask_or_eos()
@@ -302,14 +302,14 @@ impl Constraint {
     }
 
     /// Advance past the sampled `token`.
-    pub(crate) fn advance(&mut self, token: u32) -> Result<(), GrammarError> {
+    pub fn advance(&mut self, token: u32) -> Result<(), GrammarError> {
         self.matcher
             .consume_token(token)
             .map_err(|e| GrammarError::Step(e.to_string()))
     }
 
     /// Whether the output is complete: nothing more may follow.
-    pub(crate) fn is_complete(&self) -> bool {
+    pub fn is_complete(&self) -> bool {
         self.matcher.is_stopped()
     }
 }
