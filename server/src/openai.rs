@@ -152,7 +152,7 @@ const CHAT_FIELDS: &[Field] = &[
     f(
         "messages",
         Honoured,
-        "`system`, `developer`, `user`, `assistant`; text parts only",
+        "`system`, `developer`, `user`, `assistant`: `role` and text `content` (any other message field: 400)",
     ),
     f(
         "max_completion_tokens",
@@ -524,6 +524,23 @@ pub fn parse_chat(body: &[u8]) -> Result<(Prompt, Params), ApiError> {
     for (i, m) in msgs.iter().enumerate() {
         let bad =
             |what: &str| ApiError::bad_request(format!("messages[{i}]: {what}")).param("messages");
+        let Some(fields) = m.as_object() else {
+            return Err(bad("must be an object with a role and content"));
+        };
+        // A message field the template would not render is refused, not dropped.
+        for (k, v) in fields {
+            let empty = v.is_null() || v.as_array().is_some_and(Vec::is_empty);
+            if !matches!(k.as_str(), "role" | "content") && !empty {
+                return Err(bad(&format!(
+                    "field {k:?} is not supported (messages take role and content{})",
+                    if k.starts_with("tool") || k == "function_call" {
+                        "; tool calling is not yet served"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        }
         let role = m
             .get("role")
             .and_then(Value::as_str)
@@ -787,6 +804,15 @@ mod tests {
                 b"{\"messages\": [{\"role\": \"robot\", \"content\": \"hi\"}]}",
                 "unsupported role",
             ),
+            (
+                b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\", \"name\": \"bob\"}]}",
+                "field \"name\" is not supported",
+            ),
+            (
+                b"{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"id\": \"1\"}]}]}",
+                "tool calling is not yet served",
+            ),
+            (b"{\"messages\": [3]}", "must be an object"),
         ] {
             let e = parse_chat(body).expect_err(needle);
             assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
