@@ -215,6 +215,9 @@ pub enum Event {
     RdmaOp(Box<RdmaOp>),
     /// A request's decoding options (constraint, log-probabilities, biases, penalties).
     Decoding(Box<DecodingRecord>),
+    /// The tools a request offered and the ones its answer called (table `request_tools`),
+    /// recorded when the answer is parsed.
+    Tools(Box<ToolsRecord>),
     /// Observed by the eBPF witness: a memory region registered or invalidated (the transport's
     /// probe points, or libibverbs' `ibv_reg_mr` / `ibv_dereg_mr`).
     RdmaMr(Box<RdmaMr>),
@@ -254,6 +257,7 @@ impl Event {
             Event::RdmaMr(m) => m.ts_ns,
             Event::Cache(c) => c.ts_ns,
             Event::Decoding(d) => d.ts_ns,
+            Event::Tools(t) => t.ts_ns,
         }
     }
 }
@@ -300,6 +304,22 @@ pub struct DecodingRecord {
     /// Penalties × 1000, rounded.
     pub presence_penalty_milli: i32,
     pub frequency_penalty_milli: i32,
+}
+
+/// One `request_tools` row: a request that offered tools, and what its answer called.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolsRecord {
+    pub ts_ns: MonoNs,
+    pub request: u64,
+    pub tenant: Arc<str>,
+    /// How the template writes calls: `hermes`, `llama3_json`, `mistral`.
+    pub format: &'static str,
+    /// `auto`, `required`, `function:<name>`.
+    pub tool_choice: String,
+    /// The offered functions' names, in request order.
+    pub offered: Vec<String>,
+    /// The called functions' names, in call order (empty: the answer was text).
+    pub called: Vec<String>,
 }
 
 /// One `prefix_cache` row.

@@ -17,7 +17,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use crate::{Event, PageKind, RdmaOpRows, Writer};
 
 /// Version of the table layouts, written into every file's metadata.
-pub const SCHEMA_VERSION: &str = "5";
+pub const SCHEMA_VERSION: &str = "6";
 pub const SCHEMA_VERSION_KEY: &str = "custody.audit.schema_version";
 
 /// The audit tables.
@@ -40,10 +40,12 @@ pub enum Table {
     PrefixCache,
     /// Per request: its output constraint, log-probabilities, biases and penalties.
     RequestDecoding,
+    /// Per request with tools: the functions offered, the choice, the functions called.
+    RequestTools,
 }
 
 impl Table {
-    pub const ALL: [Table; 11] = [
+    pub const ALL: [Table; 12] = [
         Table::Requests,
         Table::PageEvents,
         Table::Transfers,
@@ -55,6 +57,7 @@ impl Table {
         Table::RdmaMr,
         Table::PrefixCache,
         Table::RequestDecoding,
+        Table::RequestTools,
     ];
 
     pub fn name(self) -> &'static str {
@@ -70,6 +73,7 @@ impl Table {
             Table::RdmaMr => "rdma_mr",
             Table::PrefixCache => "prefix_cache",
             Table::RequestDecoding => "request_decoding",
+            Table::RequestTools => "request_tools",
         }
     }
 
@@ -89,6 +93,7 @@ impl Table {
             Event::RdmaMr(_) => Table::RdmaMr,
             Event::Cache(_) => Table::PrefixCache,
             Event::Decoding(_) => Table::RequestDecoding,
+            Event::Tools(_) => Table::RequestTools,
         }
     }
 
@@ -184,6 +189,15 @@ impl Table {
                 ("logit_bias_tokens", UInt32, false),
                 ("presence_penalty_milli", Int32, false),
                 ("frequency_penalty_milli", Int32, false),
+            ],
+            Table::RequestTools => vec![
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("format", Utf8, false),
+                ("tool_choice", Utf8, false),
+                ("offered", Utf8, false),
+                ("called", Utf8, false),
+                ("calls", UInt32, false),
             ],
             Table::PrefixCache => vec![
                 ("request_id", UInt64, false),
@@ -530,6 +544,16 @@ impl TableBuilder {
                 self.u32(6, d.logit_bias_tokens);
                 self.i32(7, d.presence_penalty_milli);
                 self.i32(8, d.frequency_penalty_milli);
+            }
+            Event::Tools(t) => {
+                self.u64(0, t.request);
+                self.s(1, &t.tenant);
+                self.s(2, t.format);
+                self.s(3, &t.tool_choice);
+                // Function names are `[A-Za-z0-9_-]`: a comma never occurs inside one.
+                self.s(4, &t.offered.join(","));
+                self.s(5, &t.called.join(","));
+                self.u32(6, t.called.len() as u32);
             }
         }
     }

@@ -50,10 +50,7 @@ pub(crate) fn prompt_ids(
     if !chat {
         return Ok(tokenizer.encode(prompt, false)?);
     }
-    let message = |role: &str, content: &str| custody_runtime::ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    };
+    let message = custody_runtime::ChatMessage::new;
     let mut msgs: Vec<_> = system.map(|s| message("system", s)).into_iter().collect();
     msgs.push(message("user", prompt));
     Ok(tokenizer.encode_chat(&msgs)?)
@@ -128,8 +125,15 @@ pub(crate) fn load(c: &Common, context_override: Option<usize>) -> Result<Loaded
         .context("building the compute thread pool")?;
     let t0 = Instant::now();
     let model = Model::load(&path).with_context(|| format!("loading model {}", path.display()))?;
-    let tokenizer = Tokenizer::from_gguf(model.gguf())
+    let mut tokenizer = Tokenizer::from_gguf(model.gguf())
         .with_context(|| format!("loading tokenizer from {}", path.display()))?;
+    if let Some(t) = cfg
+        .model
+        .chat_template()
+        .context("reading [model] chat_template_file")?
+    {
+        tokenizer.set_chat_template(t);
+    }
     let mut ecfg = cfg.engine;
     if let Some(n) = context_override {
         ecfg.context_length = Some(

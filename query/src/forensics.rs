@@ -423,6 +423,10 @@ SELECT seq, wall_ns, 'decoding', COALESCE(constraint_kind, 'unconstrained'), CAS
               ', logit_bias ', CAST(logit_bias_tokens AS VARCHAR), ' tokens, penalties (milli) ',
               CAST(presence_penalty_milli AS VARCHAR), ' / ', CAST(frequency_penalty_milli AS VARCHAR))
   FROM all_request_decoding WHERE node_id = {node} AND request_id = {request}
+UNION ALL
+SELECT seq, wall_ns, 'tools', tool_choice, CAST(NULL AS INT), CAST(NULL AS INT),
+       CONCAT('format ', format, ', offered [', offered, '], called [', called, ']')
+  FROM all_request_tools WHERE node_id = {node} AND request_id = {request}
 ORDER BY seq
 "#;
 

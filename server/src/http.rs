@@ -18,7 +18,8 @@ use custody_audit::RequestKind;
 use custody_runtime::decoding::{Decoding, LogitBias, TokenLogprobs};
 use custody_runtime::engine::{FinishReason, GenerateRequest};
 use custody_runtime::grammar::Grammars;
-use custody_runtime::tokenizer::StreamDecoder;
+use custody_runtime::tokenizer::{StreamDecoder, TokenizerError};
+use custody_runtime::tools::{ParsedCall, ToolDef, ToolError, ToolFormat, tool_grammar};
 use custody_runtime::{SamplingParams, Tokenizer};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -322,7 +323,7 @@ async fn admit_and_run(
             ));
         }
     }
-    let ids = tokenize(st, prompt).await?;
+    let ids = tokenize(st, prompt, &params.tools.tools).await?;
     let decoding = decoding(st, &params).await?;
     let max_tokens = params.max_tokens.unwrap_or_else(|| {
         // Default: the configured default, lowered to what the context leaves (at least 1, so
@@ -432,6 +433,7 @@ async fn decoding(st: &Arc<AppState>, p: &Params) -> Result<Decoding, ApiError> 
             ("frequency_penalty", d.frequency_penalty != 0.0),
             ("logprobs", d.logprobs.is_some()),
             (p.constraint_param, p.constraint.is_some()),
+            ("tools", p.tools.choice.is_some()),
         ];
         if let Some((name, _)) = asked.iter().find(|(_, on)| *on) {
             return Err(ApiError::bad_request(format!(
@@ -440,14 +442,24 @@ async fn decoding(st: &Arc<AppState>, p: &Params) -> Result<Decoding, ApiError> 
             .param(*name));
         }
     }
-    let Some(spec) = p.constraint.clone() else {
-        return Ok(d);
+    let (spec, param) = match (&p.tools.choice, p.constraint.clone()) {
+        (Some(choice), _) => {
+            let format = st.tokenizer.tool_format().ok_or_else(|| {
+                ApiError::bad_request(ToolError::NoFormat.to_string()).param("tools")
+            })?;
+            let tok = &st.tokenizer;
+            let spec = tool_grammar(format, &p.tools.tools, choice, p.tools.parallel, |t| {
+                tok.special_token_id(t)
+            })
+            .map_err(|e| ApiError::bad_request(e.to_string()).param("tool_choice"))?;
+            (spec, "tools")
+        }
+        (None, Some(spec)) => (spec, p.constraint_param),
+        (None, None) => return Ok(d),
     };
     let grammars = st.grammars.clone().map_err(|why| {
-        ApiError::bad_request(format!("constrained decoding is unavailable: {why}"))
-            .param(p.constraint_param)
+        ApiError::bad_request(format!("constrained decoding is unavailable: {why}")).param(param)
     })?;
-    let param = p.constraint_param;
     // Compiling a schema can take a while: the blocking pool, never an async worker.
     let compiled = tokio::task::spawn_blocking(move || grammars.compile(spec))
         .await
@@ -471,8 +483,13 @@ fn random_seed() -> u64 {
         .rotate_left(17)
 }
 
-async fn tokenize(st: &Arc<AppState>, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+async fn tokenize(
+    st: &Arc<AppState>,
+    prompt: Prompt,
+    tools: &[ToolDef],
+) -> Result<Vec<u32>, ApiError> {
     let tok = st.tokenizer.clone();
+    let tools = tools.to_vec();
     // Tokenizing up to `max_body_bytes` of text takes milliseconds: off the async workers, so
     // it never delays other requests' streams.
     let ids = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, ApiError> {
@@ -481,9 +498,10 @@ async fn tokenize(st: &Arc<AppState>, prompt: Prompt) -> Result<Vec<u32>, ApiErr
             Prompt::Text(t) => tok
                 .encode(&t, false)
                 .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}"))),
-            Prompt::Chat(msgs) => tok
-                .encode_chat(&msgs)
-                .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}"))),
+            Prompt::Chat(msgs) => tok.encode_chat_tools(&msgs, &tools).map_err(|e| match e {
+                TokenizerError::Tools(e) => ApiError::bad_request(e.to_string()).param("tools"),
+                e => ApiError::bad_request(format!("cannot apply the chat template: {e}")),
+            }),
         }
     })
     .await
@@ -739,12 +757,29 @@ impl Run {
                 }
             }
         };
+        let (message, finish) = match self.tool_format() {
+            Some(format) => {
+                let parsed = format.parse(&text, &self.params.tools.tools);
+                self.record_tools(format, &parsed.calls).await?;
+                let finish = if parsed.calls.is_empty() {
+                    finish
+                } else {
+                    "tool_calls"
+                };
+                let mut m = json!({"role": "assistant", "content": parsed.content});
+                if !parsed.calls.is_empty() {
+                    m["tool_calls"] = crate::tools::calls_json(&parsed.calls, &self.rid, false);
+                }
+                (m, finish)
+            }
+            None => (json!({"role": "assistant", "content": text}), finish),
+        };
         self.done(&d, 200, finish);
         let logprobs = self.logprobs_json(&d.logprobs, 0);
         let mut choice = match self.ep {
             Endpoint::Chat => json!({
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
@@ -767,6 +802,33 @@ impl Run {
             "usage": self.usage(&d),
         });
         Ok(json_response(StatusCode::OK, &body))
+    }
+
+    /// The call format, when this request offered tools.
+    fn tool_format(&self) -> Option<ToolFormat> {
+        self.params.tools.choice.as_ref()?;
+        self.st.tokenizer.tool_format()
+    }
+
+    /// The `request_tools` row: what was offered and what the answer called. Recorded before
+    /// the answer is sent, under the log's fail-closed rule (no row, no answer).
+    async fn record_tools(&self, format: ToolFormat, calls: &[ParsedCall]) -> Result<(), ApiError> {
+        let t = &self.params.tools;
+        let ev = custody_audit::Event::Tools(Box::new(custody_audit::ToolsRecord {
+            ts_ns: custody_audit::mono_now_ns(),
+            request: self.id,
+            tenant: self.tenant.id.to_string().into(),
+            format: format.name(),
+            tool_choice: t.choice.as_ref().map(|c| c.label()).unwrap_or_default(),
+            offered: t.tools.iter().map(|d| d.name.clone()).collect(),
+            called: calls.iter().map(|c| c.name.clone()).collect(),
+        }));
+        self.st.backend.record(ev).await.map_err(|_| {
+            ApiError::unavailable(
+                "the audit log did not take the request's tool record; the answer is withheld",
+                "audit_unavailable",
+            )
+        })
     }
 
     /// The `logprobs` object of a choice or chunk over `lps` (`null` when not asked for).
@@ -871,6 +933,42 @@ impl Run {
         })
     }
 
+    /// The end of a streamed answer with tools: held text sent as content, or held calls parsed
+    /// and sent as `delta.tool_calls` (with their `request_tools` row recorded first). Returns
+    /// the chunk to send, if any, and whether it carries calls.
+    async fn end_held(
+        &self,
+        format: ToolFormat,
+        held: crate::tools::Held,
+        first: bool,
+    ) -> Result<(Option<Value>, bool), ApiError> {
+        let (text, maybe_calls) = match held {
+            crate::tools::Held::Undecided(t) => (t, false),
+            crate::tools::Held::Text => (String::new(), false),
+            crate::tools::Held::Calls(t) => (t, true),
+        };
+        let parsed = format.parse(&text, &self.params.tools.tools);
+        let calls = if maybe_calls {
+            parsed.calls
+        } else {
+            Vec::new()
+        };
+        self.record_tools(format, &calls).await?;
+        if !calls.is_empty() {
+            let mut c = self.chunk(None, None, first, Value::Null);
+            c["choices"][0]["delta"]["tool_calls"] =
+                crate::tools::calls_json(&calls, &self.rid, true);
+            if let Some(content) = parsed.content {
+                c["choices"][0]["delta"]["content"] = json!(content);
+            }
+            return Ok((Some(c), true));
+        }
+        Ok((
+            (!text.is_empty()).then(|| self.chunk(Some(&text), None, first, Value::Null)),
+            false,
+        ))
+    }
+
     /// SSE: one chunk per text piece, a final chunk with `finish_reason`, optionally a usage
     /// chunk, then `[DONE]`. A failure after the stream started is sent as an `error` event
     /// (what OpenAI's clients raise on) and the stream ends.
@@ -882,6 +980,8 @@ impl Run {
             let mut run = self;
             let mut d = run.decoder();
             let mut first = true;
+            let format = run.tool_format();
+            let mut held = crate::tools::Held::new();
             let send = |v: Value| SseEvent::default().data(v.to_string());
             loop {
                 // A client that leaves while its request waits for its first token is noticed
@@ -892,6 +992,13 @@ impl Run {
                 };
                 match next {
                     Ok(piece) => {
+                        let piece = match format {
+                            Some(f) => held.push(&piece, f.trigger()),
+                            None => piece,
+                        };
+                        if piece.is_empty() {
+                            continue;
+                        }
                         let lp = run.take_chunk_logprobs(&mut d);
                         if tx
                             .send(Ok(send(run.chunk(Some(&piece), None, first, lp))))
@@ -902,7 +1009,26 @@ impl Run {
                         }
                         first = false;
                     }
-                    Err(End::Done(reason)) => {
+                    Err(End::Done(mut reason)) => {
+                        if let Some(f) = format {
+                            match run.end_held(f, std::mem::take(&mut held), first).await {
+                                Ok((chunk, calls)) => {
+                                    if let Some(c) = chunk {
+                                        // Dropped only if the client left: nothing to tell it.
+                                        let _ = tx.send(Ok(send(c))).await;
+                                        first = false;
+                                    }
+                                    if calls && reason == "stop" {
+                                        reason = "tool_calls";
+                                    }
+                                }
+                                Err(e) => {
+                                    let _ = tx.send(Ok(send(e.body()))).await;
+                                    run.done(&d, e.status.as_u16(), "error");
+                                    return;
+                                }
+                            }
+                        }
                         let lp = run.take_chunk_logprobs(&mut d);
                         let _ = tx
                             .send(Ok(send(run.chunk(None, Some(reason), first, lp))))

@@ -38,6 +38,8 @@ pub struct Params {
     pub constraint: Option<ConstraintSpec>,
     /// Which field the constraint came from (errors name it).
     pub constraint_param: &'static str,
+    /// `tools`, `tool_choice`, `parallel_tool_calls` (chat only).
+    pub tools: crate::tools::ToolRequest,
 }
 
 /// Longest accepted `cache_salt`, bytes.
@@ -152,7 +154,7 @@ const CHAT_FIELDS: &[Field] = &[
     f(
         "messages",
         Honoured,
-        "`system`, `developer`, `user`, `assistant`: `role` and text `content` (any other message field: 400)",
+        "`system`, `developer`, `user`, `assistant` (with `tool_calls`), `tool` (with `tool_call_id`): text `content` (any other message field: 400)",
     ),
     f(
         "max_completion_tokens",
@@ -170,12 +172,20 @@ const CHAT_FIELDS: &[Field] = &[
         Honoured,
         "`text`, `json_object`, `json_schema` (`strict` true or false: both enforced)",
     ),
-    f("tools", Refused(&["[]"]), "not yet"),
-    f("tool_choice", Refused(&["\"none\""]), "not yet"),
+    f(
+        "tools",
+        Honoured,
+        "functions (≤ 128), rendered by the chat template; every call grammar-constrained to its `parameters`",
+    ),
+    f(
+        "tool_choice",
+        Honoured,
+        "`none` (nothing offered), `auto`, `required`, a named function",
+    ),
     f(
         "parallel_tool_calls",
-        NoEffect,
-        "only has an effect with `tools`",
+        Honoured,
+        "false: at most one call per answer",
     ),
     f(
         "functions",
@@ -420,6 +430,17 @@ fn common(v: &Value, chat: bool) -> Result<Params, ApiError> {
         logit_bias.push((token, b as f32));
     }
     let (constraint, constraint_param) = crate::structured::parse(v)?;
+    let tools = if chat {
+        crate::tools::parse(v)?
+    } else {
+        crate::tools::ToolRequest::default()
+    };
+    if tools.choice.is_some() && constraint.is_some() {
+        return Err(ApiError::bad_request(format!(
+            "{constraint_param} and tools cannot both constrain one answer (send tool_choice \"none\" or drop {constraint_param})"
+        ))
+        .param(constraint_param));
+    }
     Ok(Params {
         model: c.model,
         cache_salt: c.cache_salt,
@@ -438,6 +459,7 @@ fn common(v: &Value, chat: bool) -> Result<Params, ApiError> {
         logprobs: parse_logprobs(c.logprobs, c.top_logprobs, chat)?,
         constraint,
         constraint_param,
+        tools,
     })
 }
 
@@ -527,20 +549,6 @@ pub fn parse_chat(body: &[u8]) -> Result<(Prompt, Params), ApiError> {
         let Some(fields) = m.as_object() else {
             return Err(bad("must be an object with a role and content"));
         };
-        // A message field the template would not render is refused, not dropped.
-        for (k, v) in fields {
-            let empty = v.is_null() || v.as_array().is_some_and(Vec::is_empty);
-            if !matches!(k.as_str(), "role" | "content") && !empty {
-                return Err(bad(&format!(
-                    "field {k:?} is not supported (messages take role and content{})",
-                    if k.starts_with("tool") || k == "function_call" {
-                        "; tool calling is not yet served"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-        }
         let role = m
             .get("role")
             .and_then(Value::as_str)
@@ -549,8 +557,23 @@ pub fn parse_chat(body: &[u8]) -> Result<(Prompt, Params), ApiError> {
             "system" | "developer" => "system",
             "user" => "user",
             "assistant" => "assistant",
+            "tool" => "tool",
             other => return Err(bad(&format!("unsupported role {other:?}"))),
         };
+        // A message field the template would not render is refused, not dropped.
+        for (k, v) in fields {
+            let empty = v.is_null() || v.as_array().is_some_and(Vec::is_empty);
+            let own = match role {
+                "assistant" => k == "tool_calls",
+                "tool" => k == "tool_call_id",
+                _ => false,
+            };
+            if !matches!(k.as_str(), "role" | "content") && !own && !empty {
+                return Err(bad(&format!(
+                    "field {k:?} is not supported on a {role} message (role and content; tool_calls on assistant, tool_call_id on tool messages)"
+                )));
+            }
+        }
         let content = match m.get("content") {
             Some(Value::String(s)) => s.clone(),
             Some(Value::Array(parts)) => {
@@ -566,13 +589,25 @@ pub fn parse_chat(body: &[u8]) -> Result<(Prompt, Params), ApiError> {
                 }
                 s
             }
+            // An assistant turn that only called tools: OpenAI's `null`.
             Some(Value::Null) | None if role == "assistant" => String::new(),
             _ => return Err(bad("content must be a string or a list of text parts")),
         };
-        out.push(ChatMessage {
-            role: role.into(),
-            content,
-        });
+        let msg = match role {
+            "tool" => {
+                crate::tools::tool_message(content, m.get("tool_call_id").and_then(Value::as_str))
+                    .map_err(|e: String| bad(&e))?
+            }
+            "assistant" => ChatMessage {
+                tool_calls: match m.get("tool_calls") {
+                    None | Some(Value::Null) => Vec::new(),
+                    Some(c) => crate::tools::parse_message_calls(c).map_err(|e: String| bad(&e))?,
+                },
+                ..ChatMessage::new(role, content)
+            },
+            _ => ChatMessage::new(role, content),
+        };
+        out.push(msg);
     }
     Ok((Prompt::Chat(out), params))
 }
@@ -810,7 +845,15 @@ mod tests {
             ),
             (
                 b"{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"id\": \"1\"}]}]}",
-                "tool calling is not yet served",
+                "tool_calls[0] has no function",
+            ),
+            (
+                b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\", \"tool_call_id\": \"1\"}]}",
+                "field \"tool_call_id\" is not supported on a user message",
+            ),
+            (
+                b"{\"messages\": [{\"role\": \"tool\", \"content\": \"4\"}]}",
+                "a tool message needs tool_call_id",
             ),
             (b"{\"messages\": [3]}", "must be an object"),
         ] {

@@ -220,7 +220,7 @@ def refused(param, **kw):
 
 
 refused("n", n=2)
-refused("tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+refused("tools", tools=[{"type": "code_interpreter"}])
 refused("top_logprobs", logprobs=True, top_logprobs=21)
 refused("top_logprobs", top_logprobs=2)
 refused("presence_penalty", presence_penalty=3)

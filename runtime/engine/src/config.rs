@@ -69,6 +69,20 @@ impl UnsafeReproduction {
 pub struct ModelSection {
     /// GGUF path; unset means the embedded default model (fetched by `scripts/fetch-model.sh`).
     pub path: Option<PathBuf>,
+    /// A Jinja chat template used instead of the GGUF's `tokenizer.chat_template` (as
+    /// llama.cpp's `--chat-template-file`, vLLM's `--chat-template`): for files whose template
+    /// predates tool calling.
+    pub chat_template_file: Option<PathBuf>,
+}
+
+impl ModelSection {
+    /// The configured template file's text, if one is configured.
+    pub fn chat_template(&self) -> std::io::Result<Option<String>> {
+        self.chat_template_file
+            .as_ref()
+            .map(std::fs::read_to_string)
+            .transpose()
+    }
 }
 
 /// Engine limits. Every queue and batch is bounded by one of these.

@@ -35,6 +35,8 @@ pub enum ConstraintKind {
     Lark,
     /// A regular expression the whole output must match.
     Regex,
+    /// The tool-call grammar of a request with `tools` (`tools::tool_grammar`, Lark).
+    ToolCalls,
 }
 
 impl ConstraintKind {
@@ -45,13 +47,20 @@ impl ConstraintKind {
             Self::JsonSchema => "json_schema",
             Self::Lark => "lark",
             Self::Regex => "regex",
+            Self::ToolCalls => "tool_calls",
         }
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::JsonObject, Self::JsonSchema, Self::Lark, Self::Regex]
-            .into_iter()
-            .find(|k| k.name() == name)
+        [
+            Self::JsonObject,
+            Self::JsonSchema,
+            Self::Lark,
+            Self::Regex,
+            Self::ToolCalls,
+        ]
+        .into_iter()
+        .find(|k| k.name() == name)
     }
 }
 
@@ -195,7 +204,9 @@ impl Grammars {
                 }
                 TopLevelGrammar::from_json_schema(compact(schema))
             }
-            ConstraintKind::Lark => TopLevelGrammar::from_lark(spec.source.clone()),
+            ConstraintKind::Lark | ConstraintKind::ToolCalls => {
+                TopLevelGrammar::from_lark(spec.source.clone())
+            }
             ConstraintKind::Regex => TopLevelGrammar::from_regex(&spec.source),
         };
         let parser = self

@@ -27,6 +27,7 @@ pub mod prefix_cache;
 pub mod protocol;
 pub mod sampling;
 pub mod tokenizer;
+pub mod tools;
 
 /// The compute thread pool the kernels run on (`custody-kernels`'s): a caller installs one
 /// around engine steps, or sets the process's default.

@@ -308,10 +308,9 @@ impl Namespaces {
         for p in &cfg.public {
             let tokens = match (&p.text, &p.system_prompt) {
                 (Some(t), _) => tokenizer.encode(t, false),
-                (None, Some(sys)) => tokenizer.encode_chat(&[crate::ChatMessage {
-                    role: "system".into(),
-                    content: sys.clone(),
-                }]),
+                (None, Some(sys)) => {
+                    tokenizer.encode_chat(&[crate::ChatMessage::new("system", sys.clone())])
+                }
                 (None, None) => unreachable!("validated: one of text and system_prompt"),
             }
             .map_err(|e| NamespaceError::Tokenize {

@@ -47,17 +47,37 @@ pub enum TokenizerError {
     Decode(String),
     #[error("the model has no chat template (tokenizer.chat_template)")]
     NoChatTemplate,
+    #[error("{0}")]
+    Tools(#[from] crate::tools::ToolError),
     #[error("chat template error: {0}")]
     Template(#[from] minijinja::Error),
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     BadTokenId { id: u32, vocab: usize },
 }
 
-/// One chat message.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+/// One chat message, as the template sees it (OpenAI's field names).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
+    /// Text; an assistant turn that only called tools has `""` (OpenAI's `null`), which every
+    /// template treats as empty (Qwen 3's would fail on `null`).
     pub content: String,
+    /// An assistant turn's tool calls (absent from the template's view when empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<crate::tools::ToolCallMessage>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            ..Self::default()
+        }
+    }
 }
 
 /// Tokenizer plus the special ids and chat template of one model.
@@ -332,6 +352,87 @@ impl Tokenizer {
 
     /// Render the model's chat template over `messages`, with the assistant prompt appended.
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+        self.apply_chat_template_with(messages, None)
+    }
+
+    /// The token ids of a chat that offers `tools` (OpenAI's functions): see
+    /// [`Self::apply_chat_template_tools`].
+    pub fn encode_chat_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[crate::tools::ToolDef],
+    ) -> Result<Vec<u32>, TokenizerError> {
+        self.encode(&self.apply_chat_template_tools(messages, tools)?, true)
+    }
+
+    /// Render a chat that offers `tools`: a template that renders `tools` itself gets them
+    /// (as Hugging Face and llama-cpp-python pass them); one that does not gets them in a
+    /// system message in its call format ([`crate::tools::ToolFormat::system_prompt`],
+    /// appended to the first system message or placed before the chat), never dropped.
+    pub fn apply_chat_template_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[crate::tools::ToolDef],
+    ) -> Result<String, TokenizerError> {
+        if tools.is_empty() {
+            return self.apply_chat_template(messages);
+        }
+        let src = self
+            .chat_template
+            .as_deref()
+            .ok_or(TokenizerError::NoChatTemplate)?;
+        if src.contains("tools") {
+            let defs: Vec<serde_json::Value> =
+                tools.iter().map(crate::tools::ToolDef::to_openai).collect();
+            return self.apply_chat_template_with(messages, Some(&defs));
+        }
+        let format = self
+            .tool_format()
+            .ok_or(crate::tools::ToolError::NoFormat)?;
+        let prompt = format.system_prompt(tools);
+        let mut msgs = messages.to_vec();
+        match msgs.first_mut() {
+            Some(m) if m.role == "system" => m.content = format!("{}\n\n{prompt}", m.content),
+            _ => msgs.insert(0, ChatMessage::new("system", prompt)),
+        }
+        self.apply_chat_template(&msgs)
+    }
+
+    /// How this model's template writes tool calls, if Custody knows the format.
+    pub fn tool_format(&self) -> Option<crate::tools::ToolFormat> {
+        self.chat_template
+            .as_deref()
+            .and_then(crate::tools::ToolFormat::detect)
+    }
+
+    /// The chat template in use: the GGUF's, or the one `set_chat_template` put in its place.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Use `template` instead of the GGUF's (`[model] chat_template_file`, as llama.cpp's
+    /// `--chat-template-file` and vLLM's `--chat-template`): for files whose template predates
+    /// tool calling.
+    pub fn set_chat_template(&mut self, template: String) {
+        self.chat_template = Some(template);
+    }
+
+    /// The id of the special token whose text is exactly `text` (e.g. Qwen's `<tool_call>`).
+    pub fn special_token_id(&self, text: &str) -> Option<u32> {
+        // Special texts encode to their single id.
+        match self.encode(text, true).ok()?.as_slice() {
+            &[id] if self.special.get(id as usize).copied()? => Some(id),
+            _ => None,
+        }
+    }
+
+    /// As [`Self::apply_chat_template`], with `tools` (OpenAI's `tools` array) given to the
+    /// template as `tools`, as Hugging Face's `apply_chat_template` and llama-cpp-python pass it.
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String, TokenizerError> {
         let src = self
             .chat_template
             .as_deref()
@@ -344,6 +445,10 @@ impl Tokenizer {
         // The Python string and dict methods templates call (`.startswith`, `.strip`, `.items`).
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        // Jinja2's `tojson`, as llama-cpp-python renders it (sorted keys, ASCII, HTML-safe):
+        // tool definitions are rendered with it.
+        env.add_filter("tojson", crate::tools::tojson_filter);
         env.add_template("chat", src)?;
         let bos = self
             .bos_id
@@ -355,6 +460,7 @@ impl Tokenizer {
             .unwrap_or_default();
         let out = env.get_template("chat")?.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => true,
             bos_token => bos,
             eos_token => eos,
@@ -407,6 +513,67 @@ fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
         minijinja::ErrorKind::InvalidOperation,
         msg,
     ))
+}
+
+/// `strftime_now(format)`, which Llama 3.x templates call for today's date: the UTC date, with
+/// `%d`, `%b`, `%B`, `%Y`, `%m` and `%%` (what chat templates use); other directives are kept
+/// as written.
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    strftime_date(format.as_str(), secs / 86_400)
+}
+
+/// `format` for the day `days` after 1970-01-01 (Howard Hinnant's civil-from-days).
+fn strftime_date(format: &str, days: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let name = MONTHS[(month - 1) as usize];
+    let mut out = String::with_capacity(format.len() + 8);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('b') => out.push_str(&name[..3]),
+            Some('B') => out.push_str(name),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
 }
 
 /// Incremental detokenizer for streaming: yields only complete UTF-8 text.

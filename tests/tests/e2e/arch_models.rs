@@ -281,3 +281,55 @@ fn the_decode_path_gives_llama_cpps_logits_bit_for_bit() {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// A chat with tools — the first turn, then the call and its result in the history — renders
+/// as llama-cpp-python renders it (its `tools` variable, Hugging Face's `tojson`), for each
+/// tool format: Qwen 2.5 and 3 (the GGUF's template), Llama 3 and Mistral (templates given as
+/// `[model] chat_template_file`). `scripts/llamacpp/gen_tool_fixtures.py` made the fixtures.
+#[test]
+fn tool_chats_render_as_llama_cpp_python_does() {
+    use custody_runtime::tools::{ToolDef, ToolFormat};
+    for (case, format) in [
+        ("qwen2", ToolFormat::Hermes),
+        ("qwen3", ToolFormat::Hermes),
+        ("llama3", ToolFormat::Llama3Json),
+        ("mistral", ToolFormat::Mistral),
+    ] {
+        let c = json(&format!("tools/{case}.json"));
+        let mut tok = tokenizer(c["file"].as_str().expect("file"));
+        if let Some(t) = c["template_file"].as_str() {
+            tok.set_chat_template(
+                std::fs::read_to_string(fixture(&format!("tools/{t}"))).expect("template"),
+            );
+        }
+        assert_eq!(tok.tool_format(), Some(format), "{case}");
+        let tools: Vec<ToolDef> = c["tools"]
+            .as_array()
+            .expect("tools")
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                ToolDef {
+                    name: f["name"].as_str().expect("name").into(),
+                    description: f["description"].as_str().map(str::to_owned),
+                    parameters: f["parameters"].clone(),
+                    strict: false,
+                }
+            })
+            .collect();
+        let turns = c["turns"].as_array().expect("turns");
+        assert_eq!(turns.len(), 2, "{case}: a first turn and a follow-up");
+        for turn in turns {
+            let messages: Vec<custody_runtime::ChatMessage> =
+                serde_json::from_value(turn["messages"].clone()).expect("messages");
+            let rendered = tok
+                .apply_chat_template_tools(&messages, &tools)
+                .expect("render");
+            assert_eq!(
+                rendered,
+                turn["rendered"].as_str().expect("rendered"),
+                "{case}"
+            );
+        }
+    }
+}

@@ -65,10 +65,10 @@ fn tokenizer_matches_llama_cpp_on_raw_and_chat_prompts() {
     );
     // The chat template from the GGUF, rendered by minijinja, gives exactly llama.cpp's prompt.
     let rendered = tok
-        .apply_chat_template(&[custody_runtime::ChatMessage {
-            role: "user".into(),
-            content: "What is the capital of France?".into(),
-        }])
+        .apply_chat_template(&[custody_runtime::ChatMessage::new(
+            "user",
+            "What is the capital of France?",
+        )])
         .expect("template");
     assert_eq!(rendered, r["chat_prompt"].as_str().expect("s"));
     // Round trip of the greedy text.

@@ -421,22 +421,8 @@ fn openai_python_client_against_the_server() {
 /// and streamed, `logit_bias`, and every refusal's `param`: `python/structured_outputs.py`.
 #[test]
 fn structured_outputs_logprobs_and_refusals_through_the_openai_client() {
-    let py = python_with_openai();
     let srv = TestServer::start("structured");
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/structured_outputs.py");
-    let out = Command::new(py)
-        .arg(&script)
-        .env("CUSTODY_URL", &srv.url)
-        .env("CUSTODY_KEY", KEY)
-        .env("CUSTODY_MODEL_ID", MODEL_ID)
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "structured outputs test failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_client_script("structured_outputs.py", &srv);
     eprintln!("{stdout}");
     assert_eq!(srv.metric("custody_integrity_violations_total"), 0.0);
     let audit = srv.stop();
@@ -486,6 +472,108 @@ fn structured_outputs_logprobs_and_refusals_through_the_openai_client() {
         )),
         "{timeline}"
     );
+}
+
+/// Tool calling with the official client (`python/tool_calls.py`: forced calls whole and
+/// streamed, the loop's next turn, refusals by field) in each tool format, on the embedded
+/// model: its own ChatML template (Hermes, tools in a system message), the Qwen 2.5 and 3
+/// templates (from the per-architecture GGUFs) and the Llama 3 JSON and Mistral ones (the
+/// `[model] chat_template_file` fixtures). (The per-architecture models themselves have
+/// 256-token contexts: no tool prompt fits; `arch_models::tool_chats_render_as_llama_cpp_python_does`
+/// checks their renderings.) The audit log's `request_tools` rows name what was offered and
+/// called, and the request's timeline shows them.
+#[test]
+fn tool_calling_loop_through_the_openai_client_on_every_format() {
+    let gguf_template = |m: &str| {
+        let g = custody_runtime::gguf::Gguf::open(&custody_tests::fixture(&format!("arch/{m}")))
+            .expect("gguf");
+        let t = custody_runtime::Tokenizer::from_gguf(&g).expect("tokenizer");
+        t.chat_template().expect("template").to_owned()
+    };
+    let file_template = |t: &str| {
+        std::fs::read_to_string(custody_tests::fixture(&format!("tools/{t}"))).expect("template")
+    };
+    for (case, template, format) in [
+        ("smollm2", None, "hermes"),
+        ("qwen2", Some(gguf_template("qwen2.Q4_K_M.gguf")), "hermes"),
+        ("qwen3", Some(gguf_template("qwen3.Q4_K_M.gguf")), "hermes"),
+        (
+            "llama3",
+            Some(file_template("llama3-tools.jinja")),
+            "llama3_json",
+        ),
+        (
+            "mistral",
+            Some(file_template("mistral-tools.jinja")),
+            "mistral",
+        ),
+    ] {
+        let mut tok = tokenizer();
+        if let Some(t) = template {
+            tok.set_chat_template(t);
+        }
+        let engine = engine_with(EngineConfig {
+            context_length: Some(CONTEXT),
+            kv_budget_mib: 64,
+            ..EngineConfig::default()
+        });
+        let srv =
+            TestServer::start_engine(&format!("tools-{case}"), serve_cfg(), None, engine, tok);
+        let stdout = run_client_script("tool_calls.py", &srv);
+        eprintln!("{case}: {}", stdout.lines().last().unwrap_or_default());
+        assert_eq!(srv.metric("custody_integrity_violations_total"), 0.0);
+        let audit = srv.stop();
+        let rows = read_table(&audit, "request_tools");
+        let col = |n: &str| -> Vec<String> {
+            rows.iter()
+                .flat_map(|b| col_str(b, n))
+                .map(Option::unwrap_or_default)
+                .collect()
+        };
+        let (formats, called, offered) = (col("format"), col("called"), col("offered"));
+        // required, named, streamed named, none is not offered (no row), auto.
+        assert_eq!(formats.len(), 4, "{case}: {formats:?}");
+        assert!(formats.iter().all(|f| f == format), "{case}: {formats:?}");
+        assert!(
+            offered.iter().all(|o| o == "get_weather,add"),
+            "{offered:?}"
+        );
+        assert!(
+            called.iter().filter(|c| *c == "add").count() >= 2,
+            "{called:?}"
+        );
+        let figures: serde_json::Value =
+            serde_json::from_str(stdout.lines().last().expect("figures")).expect("json");
+        let id = engine_id(figures["required_request"].as_str().expect("id"));
+        let timeline = request_timeline(&audit, id);
+        assert!(
+            timeline.contains("tools required format ")
+                && timeline.contains("offered [get_weather,add]"),
+            "{case}: {timeline}"
+        );
+    }
+}
+
+/// Run `tests/python/<script>` (the official `openai` client) against `srv`; its stdout, or a
+/// panic with its output when it fails.
+fn run_client_script(script: &str, srv: &TestServer) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(script);
+    let out = Command::new(python_with_openai())
+        .arg(&path)
+        .env("CUSTODY_URL", &srv.url)
+        .env("CUSTODY_KEY", KEY)
+        .env("CUSTODY_MODEL_ID", MODEL_ID)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
 }
 
 /// `custody forensics request`'s rows for request `id` of node `NODE`, one per line
