@@ -29,6 +29,9 @@ pub struct ServeSection {
     pub default_max_tokens: usize,
     /// Largest accepted request body, bytes.
     pub max_body_bytes: usize,
+    /// Most choices one request may ask for (`n`; above: 400). Each choice holds its own
+    /// pages past the shared prompt pages and its own `max_tokens` of the tenant's budget.
+    pub max_n: usize,
     /// Requests waiting for the engine thread's command queue (beyond it: 503).
     pub queue_capacity: usize,
     /// On SIGINT/SIGTERM, in-flight requests get this long to finish before they are aborted;
@@ -62,6 +65,7 @@ impl Default for ServeSection {
             model_name: String::new(),
             default_max_tokens: 256,
             max_body_bytes: 1 << 20,
+            max_n: 8,
             queue_capacity: 256,
             drain_timeout_s: 30,
             audit_high_water: 0.9,
@@ -102,7 +106,11 @@ fn default_max_concurrent() -> usize {
 impl ServeSection {
     pub fn validate(&self) -> Result<(), ServeConfigError> {
         let bad = |m: String| Err(ServeConfigError(m));
-        if self.default_max_tokens == 0 || self.max_body_bytes == 0 || self.queue_capacity == 0 {
+        if self.default_max_tokens == 0
+            || self.max_body_bytes == 0
+            || self.queue_capacity == 0
+            || self.max_n == 0
+        {
             return bad(
                 "serve.default_max_tokens, serve.max_body_bytes and serve.queue_capacity must be positive"
                     .into(),

@@ -333,26 +333,40 @@ async fn admit_and_run(
             .min(st.context_length.saturating_sub(ids.len()))
             .max(1)
     });
-    let permit = tenant.try_acquire()?;
+    if params.n > st.cfg.max_n {
+        return Err(ApiError::bad_request(format!(
+            "n is {}; this server answers at most {} choices (serve.max_n)",
+            params.n, st.cfg.max_n
+        ))
+        .param("n"));
+    }
+    if params.n > 1 && !matches!(st.backend, Backend::Local(_)) {
+        return Err(ApiError::bad_request(
+            "n > 1 is not yet served by a disaggregated pair or fleet (only by a colocated `custody serve`)",
+        )
+        .param("n"));
+    }
+    let permit = Arc::new(tenant.try_acquire()?);
     // A request longer than the context goes to admission uncharged: it is refused there with
     // the 400 that says why (and recorded), not with a 429 about the tenant's budget.
     let fits = ids.len().saturating_add(max_tokens) <= st.context_length;
     let charged = if fits {
-        (ids.len() as u64).saturating_add(max_tokens as u64)
+        (ids.len() as u64).saturating_add((max_tokens as u64).saturating_mul(params.n as u64))
     } else {
         0
     };
     tenant.charge(charged)?;
-    let refund = Refund {
+    let refund = Arc::new(Refund {
         tenant: tenant.clone(),
         charged,
-        used: if fits { ids.len() as u64 } else { 0 },
-    };
+        used: AtomicU64::new(if fits { ids.len() as u64 } else { 0 }),
+    });
     // From the authenticated tenant: a client's salt only narrows it.
     let cache = st
         .prefix
         .as_ref()
         .map(|p| p.scope(&tenant.id, params.cache_salt.as_deref(), &ids));
+    let seed = params.seed.unwrap_or_else(random_seed);
     let req = GenerateRequest {
         decoding,
         prompt: ids,
@@ -361,13 +375,14 @@ async fn admit_and_run(
             temperature: params.temperature,
             top_k: 0,
             top_p: params.top_p,
-            seed: params.seed.unwrap_or_else(random_seed),
+            seed,
         },
         stop_ids: st.tokenizer.stop_ids.clone(),
         tenant: tenant.id.to_string(),
         cache,
     };
     let prompt_tokens = req.prompt.len();
+    let siblings = req.clone();
     let (request_id, id, events) = match st
         .backend
         .submit(req, st.node, params.cache_salt.as_deref())
@@ -383,9 +398,10 @@ async fn admit_and_run(
         }
     };
     *rid = Some(request_id);
-    tracing::debug!(request_id = rid.as_deref().unwrap_or(""), tenant = %tenant.id, prompt_tokens, max_tokens, "admitted");
+    tracing::debug!(request_id = rid.as_deref().unwrap_or(""), tenant = %tenant.id, prompt_tokens, max_tokens, n = params.n, "admitted");
     st.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
-    let run = Run {
+    let n = params.n;
+    let mut first = Run {
         st: st.clone(),
         id,
         rid: rid.clone().unwrap_or_default(),
@@ -393,6 +409,8 @@ async fn admit_and_run(
         tenant,
         _permit: permit,
         refund,
+        choice: 0,
+        pending: None,
         events,
         delivered_tokens: 0,
         t0,
@@ -403,10 +421,68 @@ async fn admit_and_run(
         created: unix_now_s(),
         cached_tokens: 0,
     };
-    if run.params.stream {
-        Ok(run.stream())
+    let mut runs = Vec::with_capacity(n);
+    if n > 1 {
+        // The other choices are admitted once choice 0 has computed the prompt: its full
+        // pages are then in the prefix cache, and theirs are hits on them (read-only, through
+        // the namespace's tag; recorded as `hit` rows naming choice 0 as the writer).
+        first.pending = first.events.rx.recv().await;
+        for choice in 1..n {
+            let mut req = siblings.clone();
+            req.sampling.seed = choice_seed(seed, choice);
+            runs.push(first.sibling(choice, req).await?);
+        }
+    }
+    runs.insert(0, first);
+    if runs[0].params.stream {
+        Ok(stream(runs))
     } else {
-        run.whole().await
+        whole(runs).await
+    }
+}
+
+/// Choice `i`'s seed: the request's for choice 0 (so `n = 1` and choice 0 of `n > 1` agree),
+/// an independent stream (SplitMix64's finalizer over seed and index) for the others.
+fn choice_seed(seed: u64, i: usize) -> u64 {
+    if i == 0 {
+        return seed;
+    }
+    let mut z = seed.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Run {
+    /// Admit choice `choice` of this request (`req`: the request with its seed).
+    async fn sibling(&self, choice: usize, req: GenerateRequest) -> Result<Run, ApiError> {
+        let (rid, id, events) = self
+            .st
+            .backend
+            .submit(req, self.st.node, self.params.cache_salt.as_deref())
+            .await
+            .map_err(|(_, e)| e)?;
+        self.st.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        Ok(Run {
+            st: self.st.clone(),
+            id,
+            rid,
+            ep: self.ep,
+            tenant: self.tenant.clone(),
+            _permit: self._permit.clone(),
+            refund: self.refund.clone(),
+            choice,
+            pending: None,
+            events,
+            delivered_tokens: 0,
+            t0: self.t0,
+            prompt_tokens: self.prompt_tokens,
+            params: self.params.clone(),
+            finished: false,
+            pending_end: None,
+            created: self.created,
+            cached_tokens: 0,
+        })
     }
 }
 
@@ -423,6 +499,7 @@ async fn decoding(st: &Arc<AppState>, p: &Params) -> Result<Decoding, ApiError> 
         frequency_penalty: p.frequency_penalty,
         logprobs: p.logprobs,
         constraint: None,
+        n: u32::try_from(p.n).unwrap_or(u32::MAX),
     };
     d.validate(st.tokenizer.vocab_size())
         .map_err(|e| ApiError::bad_request(e.to_string()).param(e.param()))?;
@@ -517,12 +594,14 @@ async fn tokenize(
 struct Refund {
     tenant: Arc<Tenant>,
     charged: u64,
-    used: u64,
+    /// Prompt tokens and every choice's delivered tokens (choices share one refund).
+    used: AtomicU64,
 }
 
 impl Drop for Refund {
     fn drop(&mut self) {
-        self.tenant.refund(self.charged.saturating_sub(self.used));
+        self.tenant
+            .refund(self.charged.saturating_sub(*self.used.get_mut()));
     }
 }
 
@@ -535,8 +614,14 @@ struct Run {
     rid: String,
     ep: Endpoint,
     tenant: Arc<Tenant>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-    refund: Refund,
+    /// The tenant's concurrency slot, shared by the request's choices.
+    _permit: Arc<tokio::sync::OwnedSemaphorePermit>,
+    refund: Arc<Refund>,
+    /// Which choice (`index`) this run is.
+    choice: usize,
+    /// An event taken before the run was read (choice 0 waits for its first token before the
+    /// other choices are admitted), handed out first.
+    pending: Option<Out>,
     events: Events,
     /// Output tokens taken from the engine and handed on to the client so far.
     delivered_tokens: usize,
@@ -601,7 +686,11 @@ impl Run {
     /// Next piece of text, or the end.
     async fn next(&mut self, d: &mut Decoder) -> Result<String, End> {
         loop {
-            let Some(ev) = self.events.rx.recv().await else {
+            let ev = match self.pending.take() {
+                Some(ev) => Some(ev),
+                None => self.events.rx.recv().await,
+            };
+            let Some(ev) = ev else {
                 self.finished = true;
                 return Err(End::Error(ApiError::internal(
                     "the engine dropped the request",
@@ -620,7 +709,7 @@ impl Run {
                     }
                     d.last_token_at = Some(now);
                     d.tokens.push(t);
-                    self.refund.used += 1;
+                    self.refund.used.fetch_add(1, Ordering::Relaxed);
                     self.delivered_tokens += 1;
                     let piece = d.dec.push(&self.st.tokenizer, t).map_err(|e| {
                         End::Error(ApiError::internal(
@@ -692,19 +781,20 @@ impl Run {
     /// The usage object. `prompt_tokens_details.cached_tokens` is the caller's own: prompt
     /// tokens taken from its own namespaces (its tenant's, or a public scope's) — the answer
     /// goes only to the tenant that sent the request.
-    fn usage(&self, d: &Decoder) -> Value {
+    /// `completion_tokens`: over every choice (the prompt counts once).
+    fn usage(&self, completion_tokens: usize) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": d.tokens.len(),
-            "total_tokens": self.prompt_tokens + d.tokens.len(),
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
 
-    fn done(&self, d: &Decoder, status: u16, finish: &str) {
+    fn done(&self, status: u16, finish: &str, completion_tokens: usize) {
         let m = &self.st.metrics;
         m.request(&self.tenant.id, self.ep.name(), status);
-        m.tokens(&self.tenant.id, self.prompt_tokens, d.tokens.len());
+        m.tokens(&self.tenant.id, self.prompt_tokens, completion_tokens);
         // Locally or from a pair's prefill node (0 where nothing is cached).
         m.prefix_cache(&self.tenant.id, self.prompt_tokens, self.cached_tokens);
         m.request_duration.observe(self.t0.elapsed());
@@ -715,7 +805,8 @@ impl Run {
             status,
             finish_reason = finish,
             prompt_tokens = self.prompt_tokens,
-            completion_tokens = d.tokens.len(),
+            completion_tokens,
+            choices = self.params.n,
             duration_ms = self.t0.elapsed().as_millis() as u64,
             "request done"
         );
@@ -742,7 +833,8 @@ impl Run {
         self.next(d).await
     }
 
-    async fn whole(mut self) -> Result<Response, ApiError> {
+    /// This choice's whole answer: the `choices[i]` object and its token count.
+    async fn collect(&mut self) -> Result<ChoiceDone, ApiError> {
         let mut d = self.decoder();
         let mut text = String::new();
         let finish = loop {
@@ -774,17 +866,16 @@ impl Run {
             }
             None => (json!({"role": "assistant", "content": text}), finish),
         };
-        self.done(&d, 200, finish);
         let logprobs = self.logprobs_json(&d.logprobs, 0);
         let mut choice = match self.ep {
             Endpoint::Chat => json!({
-                "index": 0,
+                "index": self.choice,
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
             Endpoint::Completions => json!({
-                "index": 0,
+                "index": self.choice,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish,
@@ -793,15 +884,12 @@ impl Run {
         if self.params.token_ids {
             choice["token_ids"] = json!(d.tokens);
         }
-        let body = json!({
-            "id": self.id_string(),
-            "object": match self.ep { Endpoint::Chat => "chat.completion", Endpoint::Completions => "text_completion" },
-            "created": self.created,
-            "model": self.st.model_name,
-            "choices": [choice],
-            "usage": self.usage(&d),
-        });
-        Ok(json_response(StatusCode::OK, &body))
+        Ok(ChoiceDone {
+            json: choice,
+            status: 200,
+            finish,
+            completion_tokens: d.tokens.len(),
+        })
     }
 
     /// The call format, when this request offered tools.
@@ -915,10 +1003,10 @@ impl Run {
                 if let Some(t) = text {
                     delta.insert("content".into(), json!(t));
                 }
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": self.choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Endpoint::Completions => json!({
-                "index": 0,
+                "index": self.choice,
                 "text": text.unwrap_or(""),
                 "logprobs": logprobs,
                 "finish_reason": finish,
@@ -969,91 +1057,172 @@ impl Run {
         ))
     }
 
-    /// SSE: one chunk per text piece, a final chunk with `finish_reason`, optionally a usage
-    /// chunk, then `[DONE]`. A failure after the stream started is sent as an `error` event
-    /// (what OpenAI's clients raise on) and the stream ends.
-    fn stream(self) -> Response {
-        // Small and bounded: the writer task waits when the client reads slowly (the engine
-        // never does: its per-request channel holds the whole output).
-        let (tx, rx) = mpsc::channel::<Result<SseEvent, Infallible>>(16);
-        tokio::spawn(async move {
-            let mut run = self;
-            let mut d = run.decoder();
-            let mut first = true;
-            let format = run.tool_format();
-            let mut held = crate::tools::Held::new();
-            let send = |v: Value| SseEvent::default().data(v.to_string());
-            loop {
-                // A client that leaves while its request waits for its first token is noticed
-                // here, not only when the next token cannot be sent.
-                let next = tokio::select! {
-                    r = run.next_or_end(&mut d) => r,
-                    () = tx.closed() => return, // dropping `run` aborts the request
-                };
-                match next {
-                    Ok(piece) => {
-                        let piece = match format {
-                            Some(f) => held.push(&piece, f.trigger()),
-                            None => piece,
-                        };
-                        if piece.is_empty() {
-                            continue;
-                        }
-                        let lp = run.take_chunk_logprobs(&mut d);
-                        if tx
-                            .send(Ok(send(run.chunk(Some(&piece), None, first, lp))))
-                            .await
-                            .is_err()
-                        {
-                            return; // client gone: dropping `run` aborts the request
-                        }
-                        first = false;
+    /// Stream this choice into `tx` until its final chunk (with `finish_reason`) or its error
+    /// event. `None`: the client left (the caller drops the run, which aborts the request).
+    async fn stream_choice(&mut self, tx: &mpsc::Sender<SseResult>) -> Option<ChoiceDone> {
+        let mut d = self.decoder();
+        let mut first = true;
+        let format = self.tool_format();
+        let mut held = crate::tools::Held::new();
+        loop {
+            // A client that leaves while its request waits for its first token is noticed
+            // here, not only when the next token cannot be sent.
+            let next = tokio::select! {
+                r = self.next_or_end(&mut d) => r,
+                () = tx.closed() => return None,
+            };
+            match next {
+                Ok(piece) => {
+                    let piece = match format {
+                        Some(f) => held.push(&piece, f.trigger()),
+                        None => piece,
+                    };
+                    if piece.is_empty() {
+                        continue;
                     }
-                    Err(End::Done(mut reason)) => {
-                        if let Some(f) = format {
-                            match run.end_held(f, std::mem::take(&mut held), first).await {
-                                Ok((chunk, calls)) => {
-                                    if let Some(c) = chunk {
-                                        // Dropped only if the client left: nothing to tell it.
-                                        let _ = tx.send(Ok(send(c))).await;
-                                        first = false;
-                                    }
-                                    if calls && reason == "stop" {
-                                        reason = "tool_calls";
-                                    }
+                    let lp = self.take_chunk_logprobs(&mut d);
+                    let chunk = self.chunk(Some(&piece), None, first, lp);
+                    if tx.send(Ok(sse(&chunk))).await.is_err() {
+                        return None;
+                    }
+                    first = false;
+                }
+                Err(End::Done(mut reason)) => {
+                    if let Some(f) = format {
+                        match self.end_held(f, std::mem::take(&mut held), first).await {
+                            Ok((chunk, calls)) => {
+                                if let Some(c) = chunk {
+                                    tx.send(Ok(sse(&c))).await.ok()?;
+                                    first = false;
                                 }
-                                Err(e) => {
-                                    let _ = tx.send(Ok(send(e.body()))).await;
-                                    run.done(&d, e.status.as_u16(), "error");
-                                    return;
+                                if calls && reason == "stop" {
+                                    reason = "tool_calls";
                                 }
                             }
+                            Err(e) => return self.stream_error(tx, e, &d).await,
                         }
-                        let lp = run.take_chunk_logprobs(&mut d);
-                        let _ = tx
-                            .send(Ok(send(run.chunk(None, Some(reason), first, lp))))
-                            .await;
-                        if run.params.include_usage {
-                            let mut u = run.chunk(None, None, false, Value::Null);
-                            u["choices"] = json!([]);
-                            u["usage"] = run.usage(&d);
-                            let _ = tx.send(Ok(send(u))).await;
-                        }
-                        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
-                        run.done(&d, 200, reason);
-                        return;
                     }
-                    Err(End::Error(e)) => {
-                        let _ = tx.send(Ok(send(e.body()))).await;
-                        run.done(&d, e.status.as_u16(), "error");
-                        return;
-                    }
+                    let lp = self.take_chunk_logprobs(&mut d);
+                    let chunk = self.chunk(None, Some(reason), first, lp);
+                    tx.send(Ok(sse(&chunk))).await.ok()?;
+                    return Some(ChoiceDone {
+                        json: Value::Null,
+                        status: 200,
+                        finish: reason,
+                        completion_tokens: d.tokens.len(),
+                    });
                 }
+                Err(End::Error(e)) => return self.stream_error(tx, e, &d).await,
             }
-        });
-        let mut r = Sse::new(ReceiverStream::new(rx)).into_response();
-        r.headers_mut()
-            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-        r
+        }
     }
+
+    /// A failure after the stream started: an `error` event (what OpenAI's clients raise on).
+    async fn stream_error(
+        &self,
+        tx: &mpsc::Sender<SseResult>,
+        e: ApiError,
+        d: &Decoder,
+    ) -> Option<ChoiceDone> {
+        // Not delivered only if the client left: nothing more to tell it.
+        let _ = tx.send(Ok(sse(&e.body()))).await;
+        Some(ChoiceDone {
+            json: Value::Null,
+            status: e.status.as_u16(),
+            finish: ERROR_FINISH,
+            completion_tokens: d.tokens.len(),
+        })
+    }
+}
+
+/// What one choice produced.
+struct ChoiceDone {
+    /// Its `choices[i]` object (whole answers; `null` when streamed).
+    json: Value,
+    /// 200, or the status of the error event that ended it.
+    status: u16,
+    finish: &'static str,
+    completion_tokens: usize,
+}
+
+/// The `finish` of a choice that ended in an error event.
+const ERROR_FINISH: &str = "error";
+
+type SseResult = Result<SseEvent, Infallible>;
+
+fn sse(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// The whole answer: every choice collected (the engine computes them together; their events
+/// wait in their own channels), then one body. Any choice's error is the answer's.
+async fn whole(mut runs: Vec<Run>) -> Result<Response, ApiError> {
+    let mut choices = Vec::with_capacity(runs.len());
+    for r in &mut runs {
+        choices.push(r.collect().await?);
+    }
+    let total: usize = choices.iter().map(|c| c.completion_tokens).sum();
+    let first = &runs[0];
+    first.done(200, choices[0].finish, total);
+    let body = json!({
+        "id": first.id_string(),
+        "object": match first.ep { Endpoint::Chat => "chat.completion", Endpoint::Completions => "text_completion" },
+        "created": first.created,
+        "model": first.st.model_name,
+        "choices": choices.into_iter().map(|c| c.json).collect::<Vec<_>>(),
+        "usage": first.usage(total),
+    });
+    Ok(json_response(StatusCode::OK, &body))
+}
+
+/// SSE: each choice's chunks as they come (`index` says whose), each choice's final chunk
+/// with its `finish_reason`, optionally a usage chunk, then `[DONE]`. A failure after the
+/// stream started is sent as an `error` event and the stream ends without `[DONE]`.
+fn stream(runs: Vec<Run>) -> Response {
+    // Small and bounded: the writer tasks wait when the client reads slowly (the engine
+    // never does: its per-request channel holds the whole output).
+    let (tx, rx) = mpsc::channel::<SseResult>(16);
+    tokio::spawn(async move {
+        let mut runs = runs.into_iter();
+        let Some(mut first) = runs.next() else {
+            return;
+        };
+        let siblings: Vec<_> = runs
+            .map(|mut r| {
+                let tx = tx.clone();
+                // Returns the run: dropped here, not before its end is known (a drop before
+                // its end aborts it).
+                tokio::spawn(async move {
+                    let done = r.stream_choice(&tx).await;
+                    (r, done)
+                })
+            })
+            .collect();
+        let mut ends = vec![first.stream_choice(&tx).await];
+        for h in siblings {
+            ends.push(h.await.map_or(None, |(_, done)| done));
+        }
+        // Dropping the runs of a client that left aborts them.
+        let Some(ends) = ends.into_iter().collect::<Option<Vec<ChoiceDone>>>() else {
+            return;
+        };
+        let total: usize = ends.iter().map(|e| e.completion_tokens).sum();
+        if let Some(e) = ends.iter().find(|e| e.finish == ERROR_FINISH) {
+            first.done(e.status, ERROR_FINISH, total);
+            return;
+        }
+        if first.params.include_usage {
+            let mut u = first.chunk(None, None, false, Value::Null);
+            u["choices"] = json!([]);
+            u["usage"] = first.usage(total);
+            // Not delivered only if the client left at the very end.
+            let _ = tx.send(Ok(sse(&u))).await;
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+        first.done(200, ends[0].finish, total);
+    });
+    let mut r = Sse::new(ReceiverStream::new(rx)).into_response();
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
 }

@@ -40,6 +40,8 @@ pub struct Params {
     pub constraint_param: &'static str,
     /// `tools`, `tool_choice`, `parallel_tool_calls` (chat only).
     pub tools: crate::tools::ToolRequest,
+    /// `n`: choices (≥ 1; the server's `max_n` bounds it).
+    pub n: usize,
 }
 
 /// Longest accepted `cache_salt`, bytes.
@@ -130,7 +132,11 @@ const COMMON_FIELDS: &[Field] = &[
         Honoured,
         "up to 300 token ids, bias in [-100, 100]",
     ),
-    f("n", Refused(&["1"]), "only 1"),
+    f(
+        "n",
+        Honoured,
+        "1 to `serve.max_n` (8); the prompt's pages computed once and shared through the prefix cache; choice i > 0 samples with its own seed stream",
+    ),
     f("user", NoEffect, "recorded in the server's log only"),
     f(
         "cache_salt",
@@ -344,6 +350,7 @@ struct Common {
     top_logprobs: Option<u64>,
     custody_token_ids: Option<bool>,
     cache_salt: Option<String>,
+    n: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -460,6 +467,15 @@ fn common(v: &Value, chat: bool) -> Result<Params, ApiError> {
         constraint,
         constraint_param,
         tools,
+        n: match c.n {
+            None => 1,
+            Some(n @ 1..=MAX_TOKENS_CAP) => n as usize,
+            Some(n) => {
+                return Err(
+                    ApiError::bad_request(format!("n must be at least 1, got {n}")).param("n"),
+                );
+            }
+        },
     })
 }
 

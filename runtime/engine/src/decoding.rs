@@ -44,6 +44,10 @@ pub struct Decoding {
     pub logprobs: Option<usize>,
     /// Compiled by the caller (`Grammars::compile`), off the engine thread.
     pub constraint: Option<Constraint>,
+    /// Choices the client asked for (`n`; 0 and 1 both mean one). Each choice is its own
+    /// request to the engine (its own seed stream, constraint state and pages past the shared
+    /// prompt pages); this is what the audit row records.
+    pub n: u32,
 }
 
 /// Options out of range.
@@ -123,7 +127,7 @@ impl Decoding {
         tenant: &str,
         ts_ns: custody_audit::MonoNs,
     ) -> Option<custody_audit::DecodingRecord> {
-        if !self.touches_logits() && self.logprobs.is_none() {
+        if !self.touches_logits() && self.logprobs.is_none() && self.n <= 1 {
             return None;
         }
         let spec = self.constraint.as_ref().map(Constraint::spec);
@@ -133,7 +137,7 @@ impl Decoding {
             tenant: tenant.into(),
             constraint_kind: spec.map(|s| s.kind.name()),
             constraint_sha256: spec.map(ConstraintSpec::sha256_hex),
-            n: 1,
+            n: self.n.max(1),
             top_logprobs: self.logprobs.map(|k| k as u32),
             logit_bias_tokens: self.logit_bias.len() as u32,
             presence_penalty_milli: (self.presence_penalty * 1000.0).round() as i32,

@@ -1822,3 +1822,123 @@ fn no_endpoint_on_the_api_port_tells_one_tenant_of_another() {
     );
     srv.stop();
 }
+
+/// `n = 4` with a seed: four choices, the same four when asked again, choice 0 equal to the
+/// `n = 1` answer with that seed, the streamed choices equal to the whole ones. The prompt is
+/// computed once: choice 0 writes and shares its full pages, choices 1–3 are prefix-cache hits
+/// on them (`prefix_cache` rows naming choice 0 as the writer), and the forensics find 0
+/// exposures. `n` over `serve.max_n` (8) and `n = 0` are 400s naming `n`.
+#[test]
+fn n_choices_share_one_prompt_computation_and_are_reproducible() {
+    use std::collections::BTreeMap;
+    let srv = TestServer::start_cache("n-choices", cache_cfg(), public_scope(None), false);
+    let prompt = crate::prefix_cache::text(11, 100);
+    let body = |n: usize, stream: bool| {
+        serde_json::json!({
+            "model": MODEL_ID, "prompt": prompt, "max_tokens": 12, "temperature": 1.0,
+            "seed": 7, "n": n, "stream": stream, "custody_token_ids": true,
+        })
+        .to_string()
+    };
+    let ask = |n: usize| -> serde_json::Value {
+        let r = srv.post("/v1/completions", KEY, body(n, false).as_bytes());
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        serde_json::from_slice(&r.body).expect("json")
+    };
+    let texts = |v: &serde_json::Value| -> Vec<String> {
+        let cs = v["choices"].as_array().expect("choices");
+        for (i, c) in cs.iter().enumerate() {
+            assert_eq!(
+                c["index"].as_u64(),
+                Some(i as u64),
+                "choices in index order"
+            );
+        }
+        cs.iter()
+            .map(|c| c["text"].as_str().expect("text").to_owned())
+            .collect()
+    };
+    let a = ask(4);
+    let four = texts(&a);
+    assert_eq!(four.len(), 4);
+    assert!(
+        four.iter().collect::<std::collections::BTreeSet<_>>().len() >= 2,
+        "each choice its own seed stream: {four:?}"
+    );
+    assert_eq!(texts(&ask(4)), four, "the same seed, the same four choices");
+    assert_eq!(texts(&ask(1))[0], four[0], "choice 0 is the n = 1 answer");
+    let tokens: usize = a["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .map(|c| c["token_ids"].as_array().expect("ids").len())
+        .sum();
+    assert_eq!(
+        a["usage"]["completion_tokens"].as_u64(),
+        Some(tokens as u64)
+    );
+    // Streamed: the chunks of each index concatenate to that choice.
+    let r = srv.post("/v1/completions", KEY, body(4, true).as_bytes());
+    assert_eq!(r.status, 200);
+    let mut streamed: BTreeMap<u64, String> = BTreeMap::new();
+    for line in String::from_utf8_lossy(&r.body).lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(data).expect("chunk");
+        for c in v["choices"].as_array().expect("choices") {
+            let i = c["index"].as_u64().expect("index");
+            streamed
+                .entry(i)
+                .or_default()
+                .push_str(c["text"].as_str().unwrap_or_default());
+        }
+    }
+    assert_eq!(streamed.into_values().collect::<Vec<_>>(), four);
+    for n in [0, 9] {
+        let r = srv.post("/v1/completions", KEY, body(n, false).as_bytes());
+        assert_eq!(r.status, 400, "n = {n}");
+        let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        assert_eq!(v["error"]["param"], "n", "{v}");
+    }
+    let audit = srv.stop();
+    let id0 = cmpl_engine_id(a["id"].as_str().expect("id"));
+    let rows = read_table(&audit, "prefix_cache");
+    let mut hits_on_id0 = std::collections::BTreeSet::new();
+    let mut shared_by_id0 = 0;
+    for b in &rows {
+        let (ev, req, writer) = (
+            col_str(b, "event"),
+            col_u64(b, "request_id"),
+            col_u64(b, "writer_request_id"),
+        );
+        for i in 0..b.num_rows() {
+            match ev[i].as_deref() {
+                Some("hit") if writer[i] == id0 => {
+                    hits_on_id0.insert(req[i]);
+                }
+                Some("share") if req[i] == id0 => shared_by_id0 += 1,
+                _ => {}
+            }
+        }
+    }
+    let prompt_pages = (tokenizer().encode(&prompt, false).expect("tokens").len() - 1) / 16;
+    assert!(
+        shared_by_id0 >= prompt_pages,
+        "choice 0 computed and shared the prompt's full pages: {shared_by_id0} of {prompt_pages}"
+    );
+    for sibling in id0 + 1..=id0 + 3 {
+        assert!(
+            hits_on_id0.contains(&sibling),
+            "choice {sibling} read choice 0's pages: {hits_on_id0:?}"
+        );
+    }
+    let (exposure, _) = forensics(&audit);
+    assert_eq!(exposure.affected_responses(), 0, "one tenant's choices");
+    let decoding = read_table(&audit, "request_decoding");
+    let ns: Vec<Option<u32>> = decoding.iter().flat_map(|b| col_u32(b, "n")).collect();
+    assert_eq!(ns.iter().filter(|n| **n == Some(4)).count(), 12, "{ns:?}");
+}
