@@ -205,6 +205,7 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
                 stop_ids: req.stop_ids.clone(),
                 cache_salt: String::new(),
                 route: None,
+                decoding: None,
             })
             .await
             .map_err(|s| anyhow::anyhow!("request refused: {}", s.message()))?

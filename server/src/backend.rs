@@ -243,6 +243,7 @@ pub(crate) fn generate_request(
         stop_ids: req.stop_ids,
         cache_salt,
         route,
+        decoding: Some(custody_runtime::disagg::decoding_to_proto(&req.decoding)),
     }
 }
 
@@ -431,7 +432,10 @@ async fn relay_loop(
             if tx
                 .send(Out::Token {
                     token: e.token,
-                    logprobs: None,
+                    logprobs: e
+                        .logprobs
+                        .as_ref()
+                        .map(|l| Box::new(custody_runtime::disagg::logprobs_from_proto(l))),
                 })
                 .await
                 .is_err()
@@ -447,7 +451,10 @@ async fn relay_loop(
             if tx
                 .send(Out::Token {
                     token: e.token,
-                    logprobs: None,
+                    logprobs: e
+                        .logprobs
+                        .as_ref()
+                        .map(|l| Box::new(custody_runtime::disagg::logprobs_from_proto(l))),
                 })
                 .await
                 .is_err()

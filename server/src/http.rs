@@ -487,7 +487,8 @@ impl Run {
 }
 
 /// The request's decoding options, checked against the vocabulary, its constraint compiled
-/// off the async workers. A pair or fleet front refuses them by name until its nodes carry them.
+/// off the async workers (a pair's or fleet's nodes compile it again where they sample: it
+/// travels as its kind and text).
 async fn decoding(st: &Arc<AppState>, p: &Params) -> Result<Decoding, ApiError> {
     let mut d = Decoding {
         logit_bias: p
@@ -503,22 +504,6 @@ async fn decoding(st: &Arc<AppState>, p: &Params) -> Result<Decoding, ApiError> 
     };
     d.validate(st.tokenizer.vocab_size())
         .map_err(|e| ApiError::bad_request(e.to_string()).param(e.param()))?;
-    if !matches!(st.backend, Backend::Local(_)) {
-        let asked = [
-            ("logit_bias", !d.logit_bias.is_empty()),
-            ("presence_penalty", d.presence_penalty != 0.0),
-            ("frequency_penalty", d.frequency_penalty != 0.0),
-            ("logprobs", d.logprobs.is_some()),
-            (p.constraint_param, p.constraint.is_some()),
-            ("tools", p.tools.choice.is_some()),
-        ];
-        if let Some((name, _)) = asked.iter().find(|(_, on)| *on) {
-            return Err(ApiError::bad_request(format!(
-                "{name} is not yet served by a disaggregated pair or fleet (only by a colocated `custody serve`)"
-            ))
-            .param(*name));
-        }
-    }
     let (spec, param) = match (&p.tools.choice, p.constraint.clone()) {
         (Some(choice), _) => {
             let format = st.tokenizer.tool_format().ok_or_else(|| {

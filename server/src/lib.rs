@@ -407,12 +407,8 @@ pub async fn serve_fleet(
 /// The constraint compiler over the vocabulary (its token trie, built once), or why there is
 /// none: then a constrained request is refused by name, and everything else is served.
 fn grammars(tokenizer: &Arc<Tokenizer>) -> Result<Arc<Grammars>, String> {
-    let eos = tokenizer
-        .eos_id
-        .or_else(|| tokenizer.stop_ids.first().copied())
-        .ok_or_else(|| "the model names no end-of-text token".to_owned())?;
     let t0 = std::time::Instant::now();
-    let g = Grammars::new(tokenizer.clone(), eos).map_err(|e| e.to_string())?;
+    let g = Grammars::for_tokenizer(tokenizer.clone()).map_err(|e| e.to_string())?;
     tracing::debug!(
         ms = t0.elapsed().as_millis() as u64,
         "constraint compiler ready"

@@ -143,6 +143,7 @@ pub async fn collect(
             stop_ids: req.stop_ids.clone(),
             cache_salt: String::new(),
             route: None,
+            decoding: Some(super::decoding_to_proto(&req.decoding)),
         })
         .await?
         .into_inner();

@@ -32,6 +32,9 @@ use crate::transport::{AccessError, KeyInvalidated, KvTransport, TargetStats, Tr
 #[derive(Clone, Debug)]
 pub struct DecodeOptions {
     pub node_id: u32,
+    /// The constraint compiler over the model's vocabulary (`None`: constrained requests are
+    /// refused with a message saying so).
+    pub grammars: Option<Arc<custody_engine::grammar::Grammars>>,
     /// KV transport listen address (port 0 = any; `tcp` only).
     pub transport_listen: SocketAddr,
     /// `tcp` or `verbs`.
@@ -94,8 +97,10 @@ enum Cmd {
         proto::NodeInfo,
         oneshot::Sender<Result<proto::NodeInfo, Status>>,
     ),
+    /// With its decoding options, checked and compiled by the service (off the engine thread).
     Reserve(
         proto::ReserveRequest,
+        Box<crate::engine_decoding::Decoding>,
         oneshot::Sender<Result<proto::ReserveReply, Status>>,
     ),
     /// Hand off; the reply carries the request's token relay.
@@ -275,13 +280,17 @@ impl Node {
         Ok(())
     }
 
-    fn reserve(&mut self, req: proto::ReserveRequest) -> Result<proto::ReserveReply, Status> {
+    fn reserve(
+        &mut self,
+        req: proto::ReserveRequest,
+        decoding: crate::engine_decoding::Decoding,
+    ) -> Result<proto::ReserveReply, Status> {
         self.check_route(&req)?;
         let route = req.route;
         let sampling = super::sampling_from_proto(req.sampling.as_ref());
         let prompt_len = req.prompt.len();
         let greq = GenerateRequest {
-            decoding: Default::default(),
+            decoding,
             prompt: req.prompt,
             max_tokens: req.max_tokens as usize,
             sampling,
@@ -682,10 +691,15 @@ impl Node {
         }
         for ev in self.engine.step() {
             match ev {
-                Event::Token { id, token, .. } => {
+                Event::Token {
+                    id,
+                    token,
+                    logprobs,
+                } => {
                     if let Some(tx) = self.reqs.get(&id).and_then(|r| r.tokens.as_ref()) {
                         tx.try_send(Ok(proto::TokenEvent {
                             token,
+                            logprobs: logprobs.as_deref().map(super::logprobs_to_proto),
                             ..Default::default()
                         })).discard("the relay holds every event of a request (never full); closed: the client went away");
                     }
@@ -801,8 +815,8 @@ impl Node {
                 tx.send(self.handshake(peer))
                     .discard("the asker went away before its answer");
             }
-            Cmd::Reserve(req, tx) => {
-                tx.send(self.reserve(req))
+            Cmd::Reserve(req, decoding, tx) => {
+                tx.send(self.reserve(req, *decoding))
                     .discard("the asker went away before its answer");
             }
             Cmd::Commit(c, tx) => {
@@ -912,6 +926,9 @@ pub struct DecodeHandle {
     pub transport_addr: String,
     pub info: proto::NodeInfo,
     drain: super::Drain,
+    /// Compiles the constraints reservations carry.
+    grammars: Option<Arc<custody_engine::grammar::Grammars>>,
+    vocab: usize,
 }
 
 impl std::fmt::Debug for Cmd {
@@ -950,6 +967,8 @@ impl DecodeHandle {
         let transport_addr = transport.endpoint();
         let checkpoints = opts.checkpoints.as_ref().map(|p| p.book.clone());
         let drain = opts.drain.clone();
+        let grammars = opts.grammars.clone();
+        let vocab = engine.core().model().config.vocab_size;
         let stride = engine.core().pool().region_page_stride();
         let info = super::node_info(
             engine.core().model(),
@@ -996,6 +1015,8 @@ impl DecodeHandle {
             transport_addr,
             info,
             drain,
+            grammars,
+            vocab,
         })
     }
 
@@ -1106,7 +1127,15 @@ impl decode_server::Decode for DecodeService {
                 req.origin_node
             )));
         }
-        ask(&self.h, |tx| Cmd::Reserve(req, tx))
+        // Decode samples every token after the first: the constraint travels with the request
+        // and is compiled here, on the blocking pool.
+        let (grammars, vocab, wire) = (self.h.grammars.clone(), self.h.vocab, req.decoding.clone());
+        let decoding = tokio::task::spawn_blocking(move || {
+            super::decoding_from_proto(wire, vocab, grammars.as_deref())
+        })
+        .await
+        .map_err(|e| Status::internal(format!("constraint compiler task failed: {e}")))??;
+        ask(&self.h, |tx| Cmd::Reserve(req, Box::new(decoding), tx))
             .await?
             .map(Response::new)
     }

@@ -48,6 +48,7 @@ pub mod proto {
 
 // The engine's and the transport's modules under their own names, so that the nodes read as
 // they did inside one crate (`crate::engine::Engine`, `crate::transport::KvTransport`).
+use custody_engine::decoding as engine_decoding;
 use custody_engine::{actor, engine, kv, model, sampling};
 use custody_transport as transport;
 
@@ -360,6 +361,119 @@ pub(crate) fn sampling_to_proto(s: &SamplingParams) -> proto::Sampling {
         top_k: s.top_k as u32,
         top_p: s.top_p,
         seed: s.seed,
+    }
+}
+
+/// A request's decoding options on the wire: the constraint as its kind and text.
+pub fn decoding_to_proto(d: &crate::engine_decoding::Decoding) -> proto::Decoding {
+    let spec = d.constraint.as_ref().map(|c| c.spec());
+    proto::Decoding {
+        logit_bias: d
+            .logit_bias
+            .iter()
+            .map(|b| proto::LogitBias {
+                token: b.token,
+                bias: b.bias,
+            })
+            .collect(),
+        presence_penalty: d.presence_penalty,
+        frequency_penalty: d.frequency_penalty,
+        logprobs: d.logprobs.map(|k| k as u32),
+        constraint_kind: spec.map(|s| s.kind.name().to_owned()).unwrap_or_default(),
+        constraint_source: spec.map(|s| s.source.clone()).unwrap_or_default(),
+        n: d.n,
+    }
+}
+
+/// Why a request's decoding options were refused on arrival.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodingRefused {
+    #[error("unknown constraint kind {0:?}")]
+    Kind(String),
+    #[error(
+        "the request is constrained but this node has no constraint compiler (its vocabulary could not be made into one; see its log)"
+    )]
+    NoCompiler,
+    #[error(transparent)]
+    Grammar(#[from] custody_engine::grammar::GrammarError),
+    #[error(transparent)]
+    Options(#[from] crate::engine_decoding::DecodingError),
+}
+
+impl From<DecodingRefused> for tonic::Status {
+    fn from(e: DecodingRefused) -> Self {
+        tonic::Status::invalid_argument(e.to_string())
+    }
+}
+
+/// The options of `d` (absent: none), checked against a vocabulary of `vocab` tokens, the
+/// constraint compiled with `grammars`. Compiling can take a while: call it off the engine
+/// thread and the async workers (`spawn_blocking`).
+pub fn decoding_from_proto(
+    d: Option<proto::Decoding>,
+    vocab: usize,
+    grammars: Option<&custody_engine::grammar::Grammars>,
+) -> Result<crate::engine_decoding::Decoding, DecodingRefused> {
+    let Some(d) = d else {
+        return Ok(Default::default());
+    };
+    let constraint = if d.constraint_kind.is_empty() {
+        None
+    } else {
+        let kind = custody_engine::grammar::ConstraintKind::from_name(&d.constraint_kind)
+            .ok_or_else(|| DecodingRefused::Kind(d.constraint_kind.clone()))?;
+        let g = grammars.ok_or(DecodingRefused::NoCompiler)?;
+        Some(g.compile(custody_engine::grammar::ConstraintSpec {
+            kind,
+            source: d.constraint_source,
+        })?)
+    };
+    let out = crate::engine_decoding::Decoding {
+        logit_bias: d
+            .logit_bias
+            .iter()
+            .map(|b| crate::engine_decoding::LogitBias {
+                token: b.token,
+                bias: b.bias,
+            })
+            .collect(),
+        presence_penalty: d.presence_penalty,
+        frequency_penalty: d.frequency_penalty,
+        logprobs: d.logprobs.map(|k| k as usize),
+        constraint,
+        n: d.n,
+    };
+    out.validate(vocab)?;
+    Ok(out)
+}
+
+/// A token's log-probabilities on the wire.
+pub fn logprobs_to_proto(lp: &crate::engine_decoding::TokenLogprobs) -> proto::TokenLogprobs {
+    proto::TokenLogprobs {
+        logprob: lp.logprob,
+        top: lp
+            .top
+            .iter()
+            .map(|t| proto::TopLogprob {
+                token: t.token,
+                logprob: t.logprob,
+            })
+            .collect(),
+    }
+}
+
+/// A token's log-probabilities off the wire.
+pub fn logprobs_from_proto(lp: &proto::TokenLogprobs) -> crate::engine_decoding::TokenLogprobs {
+    crate::engine_decoding::TokenLogprobs {
+        logprob: lp.logprob,
+        top: lp
+            .top
+            .iter()
+            .map(|t| crate::engine_decoding::TopLogprob {
+                token: t.token,
+                logprob: t.logprob,
+            })
+            .collect(),
     }
 }
 

@@ -304,10 +304,28 @@ where
     }
 }
 
+/// The constraint compiler over `engine`'s vocabulary (each node that samples compiles the
+/// constraints it is sent), or `None` with the reason logged.
+fn grammars_of(engine: &Engine) -> Option<Arc<custody_engine::grammar::Grammars>> {
+    let built = custody_engine::Tokenizer::from_gguf(engine.model().gguf())
+        .map_err(|e| e.to_string())
+        .and_then(|t| {
+            custody_engine::grammar::Grammars::for_tokenizer(Arc::new(t)).map_err(|e| e.to_string())
+        });
+    match built {
+        Ok(g) => Some(Arc::new(g)),
+        Err(e) => {
+            tracing::warn!(error = %e, "no constraint compiler: constrained requests will be refused");
+            None
+        }
+    }
+}
+
 /// A decode node: its engine thread and KV transport target, its control plane, until drained.
 pub fn run_decode(s: NodeSetup, reservation_lease: Duration) -> Result<(), NodeError> {
     let control = addr(&s.disagg.decode_control, "disagg.decode_control")?;
     let opts = DecodeOptions {
+        grammars: grammars_of(&s.engine),
         node_id: s.node,
         transport_listen: addr(&s.disagg.decode_transport, "disagg.decode_transport")?,
         transport_kind: transport_kind(&s.disagg)?,
@@ -410,6 +428,7 @@ pub fn run_prefill(mut s: NodeSetup, namespaces: Option<Arc<Namespaces>>) -> Res
     let listen = addr(&s.disagg.prefill_listen, "disagg.prefill_listen")?;
     let targets = fleet_targets(&s)?;
     let opts = PrefillOptions {
+        grammars: grammars_of(&s.engine),
         node_id: s.node,
         unsafe_: std::mem::take(&mut s.unsafe_),
         fingerprint: std::mem::take(&mut s.fingerprint),
@@ -475,9 +494,11 @@ impl PairOptions {
                 kv_encryption: Default::default(),
                 checkpoints: None,
                 namespaces: None,
+                grammars: None,
                 drain: Drain::default(),
             },
             decode: DecodeOptions {
+                grammars: None,
                 node_id: 2,
                 transport_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                 transport_kind: TransportKind::default(),

@@ -52,6 +52,9 @@ pub struct PrefillOptions {
     /// from the tenant its authenticated front asserted and the client's `cache_salt`; the
     /// cached pages are transferred like any other (checksummed, verified on decode).
     pub namespaces: Option<Arc<custody_engine::prefix_cache::Namespaces>>,
+    /// The constraint compiler over the model's vocabulary (`None`: constrained requests are
+    /// refused with a message saying so).
+    pub grammars: Option<Arc<custody_engine::grammar::Grammars>>,
     /// Set by the node's signal handler: new requests are refused (retryable: nothing posted).
     pub drain: super::Drain,
 }
@@ -143,9 +146,11 @@ type TransferResult = Result<u32, TransferFailed>;
 
 /// A prompt's KV is computed (its first token travels with the transfer's result): how many
 /// of its tokens came from the prefix cache.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Prefilled {
     cached_tokens: usize,
+    /// The first token's log-probabilities, when the request asked for them.
+    first_logprobs: Option<Box<crate::engine_decoding::TokenLogprobs>>,
 }
 
 /// How a prompt's prefill ended: [`Prefilled`], or why not.
@@ -759,13 +764,18 @@ impl Node {
                         id,
                         first_token,
                         cached_tokens,
+                        first_logprobs,
                         ..
                     } => {
                         let checksums = self.checksums(id);
                         if let Some(r) = self.reqs.get_mut(&id) {
                             r.first_token = Some(first_token);
                             if let Some(tx) = r.prefilled.take() {
-                                tx.send(Ok(Prefilled { cached_tokens })).discard(
+                                tx.send(Ok(Prefilled {
+                                    cached_tokens,
+                                    first_logprobs,
+                                }))
+                                .discard(
                                     "the front went away; its request ends through the abort path",
                                 );
                             }
@@ -1059,6 +1069,8 @@ pub struct PrefillHandle {
     pub info: proto::NodeInfo,
     /// The first decode peer's handshake reply at start (default when it was not reachable).
     pub decode_info: proto::NodeInfo,
+    /// The model's vocabulary size (decoding options are checked against it).
+    vocab: usize,
 }
 
 /// Why the prefill node could not start.
@@ -1174,6 +1186,7 @@ impl PrefillHandle {
             return Err(PrefillStartError::NoPeers);
         }
         let engine = PrefillEngine::new(engine);
+        let vocab = engine.core().model().config.vocab_size;
         let info = super::node_info(
             engine.core().model(),
             &opts.fingerprint,
@@ -1268,6 +1281,7 @@ impl PrefillHandle {
             _alive: alive,
             info,
             decode_info,
+            vocab,
         })
     }
 
@@ -1395,8 +1409,11 @@ impl PrefillHandle {
             .map_err(super::nothing_posted)?;
         // 2. Compute the prompt's KV. (Decode pages are reserved only after: they are held for
         //    the transfer and the decode, not for prefill's queueing and compute.)
-        let cached_tokens = match prx.await {
-            Ok(Ok(p)) => p.cached_tokens as u32,
+        let (cached_tokens, first_logprobs) = match prx.await {
+            Ok(Ok(p)) => (
+                p.cached_tokens as u32,
+                p.first_logprobs.as_deref().map(super::logprobs_to_proto),
+            ),
             Ok(Err(e)) => {
                 return Err(super::nothing_posted(Status::aborted(format!(
                     "prefill failed: {e}"
@@ -1422,6 +1439,7 @@ impl PrefillHandle {
             sampling: Some(super::sampling_to_proto(&original.sampling)),
             stop_ids: original.stop_ids.clone(),
             route,
+            decoding: Some(super::decoding_to_proto(&original.decoding)),
         };
         let res = loop {
             match decode.reserve(reserve.clone()).await {
@@ -1504,6 +1522,7 @@ impl PrefillHandle {
                 token: if stop { 0 } else { first },
                 request: id,
                 cached_tokens,
+                logprobs: if stop { None } else { first_logprobs },
                 ..Default::default()
             }))
             .await
@@ -1515,6 +1534,7 @@ impl PrefillHandle {
                 token: first,
                 request: id,
                 cached_tokens,
+                logprobs: first_logprobs,
                 ..Default::default()
             }))
             .await
@@ -1670,8 +1690,16 @@ impl prefill_server::Prefill for PrefillService {
             .namespaces
             .as_ref()
             .map(|n| n.scope(&g.tenant, salt, &g.prompt));
+        // Prefill samples the first token: the constraint travels with the request and is
+        // compiled here, on the blocking pool.
+        let (grammars, vocab, wire) = (self.h.opts.grammars.clone(), self.h.vocab, g.decoding);
+        let decoding = tokio::task::spawn_blocking(move || {
+            super::decoding_from_proto(wire, vocab, grammars.as_deref())
+        })
+        .await
+        .map_err(|e| Status::internal(format!("constraint compiler task failed: {e}")))??;
         let req = GenerateRequest {
-            decoding: Default::default(),
+            decoding,
             prompt: g.prompt,
             max_tokens: g.max_tokens as usize,
             sampling: super::sampling_from_proto(g.sampling.as_ref()),

@@ -106,6 +106,8 @@ pub enum GrammarError {
     Compile { kind: &'static str, message: String },
     #[error("the output constraint failed: {0}")]
     Step(String),
+    #[error("the model names no end-of-text token")]
+    NoEndOfText,
 }
 
 /// The vocabulary as llguidance sees it: every token's bytes in a trie (special tokens marked
@@ -150,6 +152,16 @@ impl fmt::Debug for Grammars {
 }
 
 impl Grammars {
+    /// Over `tokenizer`'s vocabulary, ending with its end-of-text token (else its first stop
+    /// token).
+    pub fn for_tokenizer(tokenizer: Arc<Tokenizer>) -> Result<Self, GrammarError> {
+        let eos = tokenizer
+            .eos_id
+            .or_else(|| tokenizer.stop_ids.first().copied())
+            .ok_or(GrammarError::NoEndOfText)?;
+        Self::new(tokenizer, eos)
+    }
+
     /// `eos`: the token a finished constraint allows (the model's end of turn or of text).
     pub fn new(tokenizer: Arc<Tokenizer>, eos: u32) -> Result<Self, GrammarError> {
         let n = tokenizer.vocab_size();

@@ -95,6 +95,33 @@ pub fn start_pair(
     start_pair_with(prefill, decode, unsafe_, lease, None)
 }
 
+/// A pair whose nodes compile constraints over the embedded model's vocabulary, so that
+/// decoding options (constraints, biases, penalties, log-probabilities) travel with requests.
+pub fn start_pair_decoding(prefill: EngineConfig, decode: EngineConfig) -> Nodes {
+    let (pa, da) = (MemorySink::default(), MemorySink::default());
+    let pe = Engine::new(model(), prefill)
+        .expect("prefill engine")
+        .with_audit(Arc::new(Tee(pa.clone(), None)));
+    let de = Engine::new(model(), decode)
+        .expect("decode engine")
+        .with_audit(Arc::new(Tee(da.clone(), None)));
+    let grammars = Arc::new(
+        custody_runtime::grammar::Grammars::for_tokenizer(Arc::new(crate::tokenizer()))
+            .expect("grammars"),
+    );
+    let mut opts =
+        PairOptions::loopback(&fingerprint(), UnsafeReproduction::default(), Some(fleet()));
+    opts.prefill.transport_kind = transport_under_test();
+    opts.decode.transport_kind = transport_under_test();
+    opts.prefill.grammars = Some(grammars.clone());
+    opts.decode.grammars = Some(grammars);
+    Nodes {
+        pair: Pair::start(pe, de, opts).expect("pair starts"),
+        prefill_audit: pa,
+        decode_audit: da,
+    }
+}
+
 pub type Writers = (
     Arc<dyn custody_audit::AuditSink>,
     Arc<dyn custody_audit::AuditSink>,
@@ -394,6 +421,7 @@ fn over_length_prompt_is_a_clear_client_error_with_nothing_allocated_or_transfer
         .block_on(async move {
             let mut c = decode_client(addr).await;
             c.reserve(ReserveRequest {
+                decoding: None,
                 origin_request: 99,
                 origin_node: 1,
                 tenant: "tenant-x".into(),

@@ -1209,6 +1209,7 @@ fn a_route_binds_the_pair_and_the_decode_epoch() {
         nodes.pair.block_on(async move {
             let mut c = crate::disagg::decode_client(addr).await;
             c.reserve(proto::ReserveRequest {
+                decoding: None,
                 origin_request: 7,
                 origin_node: p,
                 tenant: "acme".into(),

@@ -42,6 +42,7 @@ fn reserve(nodes: &Nodes) -> proto::ReserveReply {
         .block_on(async move {
             let mut c = crate::disagg::decode_client(addr).await;
             c.reserve(proto::ReserveRequest {
+                decoding: None,
                 origin_request: 4242,
                 origin_node: 1,
                 tenant: "victim".into(),

@@ -275,6 +275,7 @@ fn netns_child_node() {
         let h = DecodeHandle::start(
             engine,
             DecodeOptions {
+                grammars: None,
                 node_id: 2,
                 transport_listen: format!("{DECODE_IP}:7072").parse().expect("addr"),
                 transport_kind: Default::default(),
@@ -321,6 +322,7 @@ fn netns_child_node() {
     }
     let engine = Engine::new(model(), node_cfg()).expect("engine");
     let opts = PrefillOptions {
+        grammars: None,
         node_id: 1,
         unsafe_: UnsafeReproduction::default(),
         fingerprint: fingerprint(),

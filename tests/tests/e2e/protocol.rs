@@ -68,6 +68,7 @@ fn decode_fails_the_request_on_an_illegal_transition() {
         let mut c = crate::disagg::decode_client(addr).await;
         let reserved = c
             .reserve(proto::ReserveRequest {
+                decoding: None,
                 origin_request: 77,
                 origin_node: 1,
                 tenant: "acme".into(),

@@ -422,7 +422,7 @@ fn openai_python_client_against_the_server() {
 #[test]
 fn structured_outputs_logprobs_and_refusals_through_the_openai_client() {
     let srv = TestServer::start("structured");
-    let stdout = run_client_script("structured_outputs.py", &srv);
+    let stdout = run_client_script("structured_outputs.py", &srv.url, &[]);
     eprintln!("{stdout}");
     assert_eq!(srv.metric("custody_integrity_violations_total"), 0.0);
     let audit = srv.stop();
@@ -519,7 +519,7 @@ fn tool_calling_loop_through_the_openai_client_on_every_format() {
         });
         let srv =
             TestServer::start_engine(&format!("tools-{case}"), serve_cfg(), None, engine, tok);
-        let stdout = run_client_script("tool_calls.py", &srv);
+        let stdout = run_client_script("tool_calls.py", &srv.url, &[]);
         eprintln!("{case}: {}", stdout.lines().last().unwrap_or_default());
         assert_eq!(srv.metric("custody_integrity_violations_total"), 0.0);
         let audit = srv.stop();
@@ -554,15 +554,16 @@ fn tool_calling_loop_through_the_openai_client_on_every_format() {
     }
 }
 
-/// Run `tests/python/<script>` (the official `openai` client) against `srv`; its stdout, or a
-/// panic with its output when it fails.
-fn run_client_script(script: &str, srv: &TestServer) -> String {
+/// Run `tests/python/<script>` (the official `openai` client) against the server at `url`,
+/// with `env` added; its stdout, or a panic with its output when it fails.
+fn run_client_script(script: &str, url: &str, env: &[(&str, &str)]) -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("python")
         .join(script);
     let out = Command::new(python_with_openai())
         .arg(&path)
-        .env("CUSTODY_URL", &srv.url)
+        .envs(env.iter().copied())
+        .env("CUSTODY_URL", url)
         .env("CUSTODY_KEY", KEY)
         .env("CUSTODY_MODEL_ID", MODEL_ID)
         .output()
@@ -855,13 +856,7 @@ fn shutdown_drains_a_live_stream_then_seals_the_audit_log() {
 #[test]
 fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
     use custody_audit::{Event as AEvent, RequestKind};
-    use custody_runtime::config::UnsafeReproduction;
-    let nodes = crate::disagg::start_pair(
-        crate::small_cfg(),
-        crate::small_cfg(),
-        UnsafeReproduction::default(),
-        Duration::from_secs(30),
-    );
+    let nodes = crate::disagg::start_pair_decoding(crate::small_cfg(), crate::small_cfg());
     let pool = custody_runtime::par::ThreadPool::new(2).expect("pool");
     // An absurd prefill yardstick: every prompt of 8+ tokens is "too fast", which checks that
     // the flag is wired in front of a pair too.
@@ -932,6 +927,15 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
     // The pair's greedy output through HTTP equals the colocated reference, token for token.
     let report = client::validate(&url, KEY, &golden_reference()).expect("validate");
     assert!(report.pass(), "{report:?}");
+
+    // Decoding options travel with the request: structured outputs (prefill samples the first
+    // token under the constraint, decode the rest), log-probabilities, biases, tool calls —
+    // through the official client, as against a colocated server.
+    // (Eight of the schema corpus: the whole corpus is the colocated test's.)
+    for script in ["structured_outputs.py", "tool_calls.py"] {
+        let out = run_client_script(script, &url, &[("CUSTODY_SCHEMAS", "8")]);
+        eprintln!("pair, {script}: {}", out.lines().last().unwrap_or_default());
+    }
 
     // A streamed chat request; its id names the prefill node's audit record, with the tenant.
     let r = client::request(

@@ -199,6 +199,7 @@ fn generate_as(nodes: &Nodes, tls: NodeTls, tenant: &str) -> Result<u64, String>
         let mut c = PrefillClient::new(ch);
         let mut s = c
             .generate(proto::GenerateRequest {
+                decoding: None,
                 tenant,
                 prompt: vec![1, 504, 3458, 282],
                 max_tokens: 2,
