@@ -340,12 +340,6 @@ async fn admit_and_run(
         ))
         .param("n"));
     }
-    if params.n > 1 && !matches!(st.backend, Backend::Local(_)) {
-        return Err(ApiError::bad_request(
-            "n > 1 is not yet served by a disaggregated pair or fleet (only by a colocated `custody serve`)",
-        )
-        .param("n"));
-    }
     let permit = Arc::new(tenant.try_acquire()?);
     // A request longer than the context goes to admission uncharged: it is refused there with
     // the 400 that says why (and recorded), not with a 429 about the tenant's budget.

@@ -612,12 +612,14 @@ pub fn parse_chat(body: &[u8]) -> Result<(Prompt, Params), ApiError> {
         let msg = match role {
             "tool" => {
                 crate::tools::tool_message(content, m.get("tool_call_id").and_then(Value::as_str))
-                    .map_err(|e: String| bad(&e))?
+                    .map_err(|e| bad(&e.to_string()))?
             }
             "assistant" => ChatMessage {
                 tool_calls: match m.get("tool_calls") {
                     None | Some(Value::Null) => Vec::new(),
-                    Some(c) => crate::tools::parse_message_calls(c).map_err(|e: String| bad(&e))?,
+                    Some(c) => {
+                        crate::tools::parse_message_calls(c).map_err(|e| bad(&e.to_string()))?
+                    }
                 },
                 ..ChatMessage::new(role, content)
             },

@@ -23,6 +23,40 @@ pub struct ToolRequest {
     pub parallel: bool,
 }
 
+/// A malformed tool definition or tool message (the caller names the field).
+#[derive(Debug, thiserror::Error)]
+pub enum ToolInputError {
+    #[error("must be an object")]
+    NotObject,
+    #[error("field {0:?} is not supported (type, function)")]
+    ToolField(String),
+    #[error("type must be \"function\" (the only kind served)")]
+    NotFunction,
+    #[error("function must be an object")]
+    FunctionNotObject,
+    #[error("function field {0:?} is not supported (name, description, parameters, strict)")]
+    FunctionField(String),
+    #[error("function.name must be 1–{MAX_TOOL_NAME_BYTES} of a-z, A-Z, 0-9, _ and -")]
+    Name,
+    #[error("function.{field} must be {what}")]
+    FieldType {
+        field: &'static str,
+        what: &'static str,
+    },
+    #[error("tool_calls must be a list")]
+    CallsNotList,
+    #[error("tool_calls[{0}] has no function")]
+    CallNoFunction(usize),
+    #[error("tool_calls[{0}].function.name must be a string")]
+    CallName(usize),
+    #[error("tool_calls[{index}].function.arguments is not JSON: {reason}")]
+    CallArguments { index: usize, reason: String },
+    #[error("tool_calls[{0}].function.arguments must be a JSON string")]
+    CallArgumentsType(usize),
+    #[error("a tool message needs tool_call_id")]
+    NoCallId,
+}
+
 fn bad(param: &'static str, what: String) -> ApiError {
     ApiError::bad_request(what).param(param)
 }
@@ -127,48 +161,61 @@ pub fn parse(v: &Value) -> Result<ToolRequest, ApiError> {
     })
 }
 
-fn parse_tool(t: &Value) -> Result<ToolDef, String> {
-    let o = t.as_object().ok_or("must be an object")?;
-    for k in o.keys() {
-        if !matches!(k.as_str(), "type" | "function") {
-            return Err(format!("field {k:?} is not supported (type, function)"));
-        }
+fn parse_tool(t: &Value) -> Result<ToolDef, ToolInputError> {
+    let o = t.as_object().ok_or(ToolInputError::NotObject)?;
+    if let Some(k) = o
+        .keys()
+        .find(|k| !matches!(k.as_str(), "type" | "function"))
+    {
+        return Err(ToolInputError::ToolField(k.clone()));
     }
     if o.get("type").and_then(Value::as_str) != Some("function") {
-        return Err("type must be \"function\" (the only kind served)".into());
+        return Err(ToolInputError::NotFunction);
     }
     let f = o
         .get("function")
         .and_then(Value::as_object)
-        .ok_or("function must be an object")?;
-    for k in f.keys() {
-        if !matches!(k.as_str(), "name" | "description" | "parameters" | "strict") {
-            return Err(format!(
-                "function field {k:?} is not supported (name, description, parameters, strict)"
-            ));
-        }
+        .ok_or(ToolInputError::FunctionNotObject)?;
+    if let Some(k) = f
+        .keys()
+        .find(|k| !matches!(k.as_str(), "name" | "description" | "parameters" | "strict"))
+    {
+        return Err(ToolInputError::FunctionField(k.clone()));
     }
     let name = f
         .get("name")
         .and_then(Value::as_str)
         .filter(|n| valid_name(n))
-        .ok_or_else(|| {
-            format!("function.name must be 1–{MAX_TOOL_NAME_BYTES} of a-z, A-Z, 0-9, _ and -")
-        })?;
+        .ok_or(ToolInputError::Name)?;
     let description = match f.get("description") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err("function.description must be a string".into()),
+        Some(_) => {
+            return Err(ToolInputError::FieldType {
+                field: "description",
+                what: "a string",
+            });
+        }
     };
     let parameters = match f.get("parameters") {
         None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
         Some(p @ Value::Object(_)) => p.clone(),
-        Some(_) => return Err("function.parameters must be a JSON Schema object".into()),
+        Some(_) => {
+            return Err(ToolInputError::FieldType {
+                field: "parameters",
+                what: "a JSON Schema object",
+            });
+        }
     };
     let strict = match f.get("strict") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err("function.strict must be a boolean".into()),
+        Some(_) => {
+            return Err(ToolInputError::FieldType {
+                field: "strict",
+                what: "a boolean",
+            });
+        }
     };
     Ok(ToolDef {
         name: name.to_owned(),
@@ -180,25 +227,25 @@ fn parse_tool(t: &Value) -> Result<ToolDef, String> {
 
 /// An assistant message's `tool_calls`, with each call's `arguments` (a JSON string, as OpenAI
 /// sends it) parsed into the object templates render.
-pub fn parse_message_calls(v: &Value) -> Result<Vec<ToolCallMessage>, String> {
-    let a = v.as_array().ok_or("tool_calls must be a list")?;
+pub fn parse_message_calls(v: &Value) -> Result<Vec<ToolCallMessage>, ToolInputError> {
+    let a = v.as_array().ok_or(ToolInputError::CallsNotList)?;
     let mut out = Vec::with_capacity(a.len());
     for (i, c) in a.iter().enumerate() {
-        let f = c
-            .get("function")
-            .ok_or_else(|| format!("tool_calls[{i}] has no function"))?;
+        let f = c.get("function").ok_or(ToolInputError::CallNoFunction(i))?;
         let name = f
             .get("name")
             .and_then(Value::as_str)
-            .ok_or_else(|| format!("tool_calls[{i}].function.name must be a string"))?;
+            .ok_or(ToolInputError::CallName(i))?;
         let arguments = match f.get("arguments") {
-            Some(Value::String(s)) => serde_json::from_str::<Value>(s)
-                .map_err(|e| format!("tool_calls[{i}].function.arguments is not JSON: {e}"))?,
+            Some(Value::String(s)) => {
+                serde_json::from_str::<Value>(s).map_err(|e| ToolInputError::CallArguments {
+                    index: i,
+                    reason: e.to_string(),
+                })?
+            }
             Some(o @ Value::Object(_)) => o.clone(),
             _ => {
-                return Err(format!(
-                    "tool_calls[{i}].function.arguments must be a JSON string"
-                ));
+                return Err(ToolInputError::CallArgumentsType(i));
             }
         };
         out.push(ToolCallMessage {
@@ -218,8 +265,8 @@ pub fn parse_message_calls(v: &Value) -> Result<Vec<ToolCallMessage>, String> {
 }
 
 /// A `tool` message: its result and the call it answers.
-pub fn tool_message(content: String, call_id: Option<&str>) -> Result<ChatMessage, String> {
-    let id = call_id.ok_or("a tool message needs tool_call_id")?;
+pub fn tool_message(content: String, call_id: Option<&str>) -> Result<ChatMessage, ToolInputError> {
+    let id = call_id.ok_or(ToolInputError::NoCallId)?;
     Ok(ChatMessage {
         role: "tool".into(),
         content,

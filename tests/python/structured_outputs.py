@@ -221,7 +221,7 @@ def refused(param, **kw):
     raise AssertionError(f"{param}: accepted {kw}")
 
 
-refused("n", n=2)
+refused("n", n=9)  # over serve.max_n (8)
 refused("tools", tools=[{"type": "code_interpreter"}])
 refused("top_logprobs", logprobs=True, top_logprobs=21)
 refused("top_logprobs", top_logprobs=2)

@@ -686,7 +686,7 @@ fn fuzz_cases(rng: &mut Rng, n: usize) -> Vec<Vec<u8>> {
         format!("{{\"prompt\": \"{}\"}}", "\\u0000".repeat(1000)).into_bytes(),
         br#"{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}"#.to_vec(),
         br#"{"prompt": "x", "stop": [""]}"#.to_vec(),
-        br#"{"prompt": "x", "n": 2}"#.to_vec(),
+        br#"{"prompt": "x", "n": 99}"#.to_vec(),
         br#"{"prompt": "x", "stream": "yes"}"#.to_vec(),
         br#"{"prompt": "x", "prompt": 3}"#.to_vec(),
     ];
@@ -931,6 +931,34 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
     // Decoding options travel with the request: structured outputs (prefill samples the first
     // token under the constraint, decode the rest), log-probabilities, biases, tool calls —
     // through the official client, as against a colocated server.
+    // n > 1 through the pair: three choices in index order, the same three when asked again.
+    let three = || {
+        let r = client::request(
+            &url,
+            "POST",
+            "/v1/completions",
+            Some(KEY),
+            Some(br#"{"prompt": "The lighthouse keeper", "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 3}"#),
+            Duration::from_secs(120),
+        )
+        .expect("n = 3");
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        let cs = v["choices"].as_array().expect("choices").clone();
+        assert_eq!(cs.len(), 3, "{v}");
+        cs.iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"].as_u64(), Some(i as u64));
+                c["text"].as_str().expect("text").to_owned()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        three(),
+        three(),
+        "n = 3 with a seed is reproducible through the pair"
+    );
     // (Eight of the schema corpus: the whole corpus is the colocated test's.)
     for script in ["structured_outputs.py", "tool_calls.py"] {
         let out = run_client_script(script, &url, &[("CUSTODY_SCHEMAS", "8")]);
