@@ -8,8 +8,9 @@ never in CI; BENCHMARKS.md, "Structured outputs, tools and n").
    fresh schema each time: it is compiled per request) against the same request without one,
    alternating which goes first; and of a request with two tools and `tool_choice: required`.
 2. `n = 4` in one request against four concurrent `n = 1` requests with the same prompt
-   (~300 tokens) and `max_tokens`: wall time, and the prompt tokens computed (usage's
-   `cached_tokens` says how many were prefix-cache hits).
+   (~380 tokens, a fresh one each time) and `max_tokens` 32: wall time and tokens; the
+   separate requests' `cached_tokens` says how many prompt tokens they did not compute (the
+   `n = 4` request's choices 1–3 are hits on choice 0's pages: its audit log's `prefix_cache`).
 Prints one JSON object.
 """
 import argparse
@@ -69,11 +70,13 @@ for i in range(a.reps):
 ms = lambda xs: round(statistics.median(xs) * 1000, 1)  # noqa: E731
 out["ttft_ms_median"] = {"plain": ms(plain), "json_schema": ms(constrained), "tools_required": ms(tools)}
 
-prompt = " ".join(f"Line {i}: the keeper logged the ships that passed the lighthouse." for i in range(24))
-pm = [{"role": "user", "content": prompt}]
+def prompt(tag):
+    """~380 tokens, distinct from its first token on (no page of it is cached before)."""
+    body = " ".join(f"Line {i}: the keeper logged the ships that passed the lighthouse." for i in range(24))
+    return [{"role": "user", "content": f"Run {tag}. {body}"}]
 
 
-def one(res, i, seed):
+def one(res, i, pm, seed):
     r = client.chat.completions.create(model=MODEL, messages=pm, max_tokens=32, temperature=1.0, seed=seed)
     res[i] = r
 
@@ -83,13 +86,15 @@ for rep in range(a.reps):
     order = ["n4", "sep"] if rep % 2 == 0 else ["sep", "n4"]
     for what in order:
         t0 = time.perf_counter()
+        pm = prompt(f"{what}-{rep}")
         if what == "n4":
             r = client.chat.completions.create(model=MODEL, messages=pm, max_tokens=32, temperature=1.0,
                                                seed=1000 + rep, n=4)
-            n4.append((time.perf_counter() - t0, r.usage.prompt_tokens, r.usage.completion_tokens))
+            n4.append((time.perf_counter() - t0, r.usage.prompt_tokens, r.usage.completion_tokens,
+                       r.usage.prompt_tokens_details.cached_tokens or 0))
         else:
             res = [None] * 4
-            ts = [threading.Thread(target=one, args=(res, i, 2000 + 10 * rep + i)) for i in range(4)]
+            ts = [threading.Thread(target=one, args=(res, i, pm, 2000 + 10 * rep + i)) for i in range(4)]
             for t in ts:
                 t.start()
             for t in ts:
@@ -98,6 +103,7 @@ for rep in range(a.reps):
                         sum(x.usage.completion_tokens for x in res),
                         sum(x.usage.prompt_tokens_details.cached_tokens or 0 for x in res)))
 out["n4"] = {"wall_ms_median": ms([x[0] for x in n4]), "prompt_tokens": n4[0][1],
+             "cached_tokens_choice0_median": statistics.median(x[3] for x in n4),
              "completion_tokens_median": statistics.median(x[2] for x in n4)}
 out["four_requests"] = {"wall_ms_median": ms([x[0] for x in sep]), "prompt_tokens_sum": sep[0][1],
                         "completion_tokens_median": statistics.median(x[2] for x in sep),

@@ -11,21 +11,13 @@ import re
 
 import jsonschema
 import openai
-from openai import OpenAI
 from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-URL = os.environ["CUSTODY_URL"]
-KEY = os.environ["CUSTODY_KEY"]
-MODEL = os.environ["CUSTODY_MODEL_ID"]
-client = OpenAI(base_url=URL + "/v1", api_key=KEY, max_retries=0, timeout=600)
+from custody_client import MODEL, check, client
+
 figures = {}
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
 
 
 def user(text):

@@ -7,16 +7,12 @@ Environment: CUSTODY_URL, CUSTODY_KEY, CUSTODY_MODEL_ID. Prints one JSON object 
 the last line of stdout; any failed expectation raises (exit code 1) with the reason.
 """
 import json
-import os
 
 import jsonschema
 import openai
-from openai import OpenAI
 
-URL = os.environ["CUSTODY_URL"]
-KEY = os.environ["CUSTODY_KEY"]
-MODEL = os.environ["CUSTODY_MODEL_ID"]
-client = OpenAI(base_url=URL + "/v1", api_key=KEY, max_retries=0, timeout=600)
+from custody_client import MODEL, check, client
+
 figures = {}
 
 # Bounded, as schemas for small (or random) models must be: unbounded strings and numbers let
@@ -37,11 +33,6 @@ TOOLS = [
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the weather in Oslo?"}]
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
 
 
 def checked_call(call, want=None):
