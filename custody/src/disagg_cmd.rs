@@ -142,6 +142,9 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         &mut setup.engine,
         &cfg.prefix_cache,
         setup.unsafe_.shared_prefix_cache,
+        cfg.model
+            .chat_template()
+            .context("reading [model] chat_template_file")?,
     )?;
     node::run_prefill(setup, namespaces)?;
     seal(audit)
@@ -161,7 +164,14 @@ pub(crate) fn generate_remote(a: GenerateArgs) -> Result<()> {
         .unwrap_or_else(custody_runtime::config::default_model_path);
     let gguf = custody_runtime::gguf::Gguf::open(&path)
         .with_context(|| format!("reading the tokenizer from {}", path.display()))?;
-    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    let mut tokenizer = Tokenizer::from_gguf(&gguf)?;
+    if let Some(t) = cfg
+        .model
+        .chat_template()
+        .context("reading [model] chat_template_file")?
+    {
+        tokenizer.set_chat_template(t);
+    }
     let prompt = crate::common::prompt_ids(&tokenizer, a.chat, a.system.as_deref(), &a.prompt)?;
     let req = custody_runtime::GenerateRequest {
         decoding: Default::default(),

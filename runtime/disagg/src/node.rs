@@ -134,11 +134,14 @@ pub fn record_security(engine: &mut Engine, security: &Security) {
 }
 
 /// The prefix cache's namespaces of a prefill node whose engine caches (`[prefix_cache]`), each
-/// public scope (and the unsafe switch, when armed) recorded in its audit log.
+/// public scope (and the unsafe switch, when armed) recorded in its audit log. `chat_template`:
+/// `[model] chat_template_file`'s text, which renders a scope's `system_prompt` as the front
+/// renders chats.
 pub fn prefix_namespaces(
     engine: &mut Engine,
     section: &custody_engine::config::PrefixCacheSection,
     unsafe_shared: bool,
+    chat_template: Option<String>,
 ) -> Result<Option<Arc<Namespaces>>, NodeError> {
     if !engine.prefix_cache_enabled() {
         if unsafe_shared {
@@ -146,8 +149,11 @@ pub fn prefix_namespaces(
         }
         return Ok(None);
     }
-    let tok = custody_engine::Tokenizer::from_gguf(engine.model().gguf())
+    let mut tok = custody_engine::Tokenizer::from_gguf(engine.model().gguf())
         .map_err(NodeError::Tokenizer)?;
+    if let Some(t) = chat_template {
+        tok.set_chat_template(t);
+    }
     let n =
         Namespaces::from_section(section, &tok, unsafe_shared).map_err(NodeError::PrefixCache)?;
     for line in n.describe() {
