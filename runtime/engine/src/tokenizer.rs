@@ -603,3 +603,24 @@ impl StreamDecoder {
         Ok(new)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::strftime_date;
+
+    /// The dates Llama 3.x templates ask `strftime_now` for, as Python's `strftime` writes them.
+    #[test]
+    fn strftime_date_writes_the_civil_date() {
+        assert_eq!(strftime_date("%d %b %Y", 0), "01 Jan 1970");
+        assert_eq!(strftime_date("%d %b %Y", 19_930), "26 Jul 2024");
+        assert_eq!(
+            strftime_date("%Y-%m-%d %B %%", 11_016),
+            "2000-02-29 February %"
+        );
+        assert_eq!(
+            strftime_date("%H", 0),
+            "%H",
+            "other directives kept as written"
+        );
+    }
+}
