@@ -5,15 +5,19 @@ llama-cpp-python's Jinja2ChatFormatter (the `tools` it passes to the template, J
     /opt/llamaref/venv/bin/python scripts/llamacpp/gen_tool_fixtures.py
 
 Writes tests/fixtures/tools/<case>.json: the model file, the template file (null: the GGUF's
-own), bos/eos, messages, tools and `rendered` (add_generation_prompt true), for the first
-turn (no call yet) and for the follow-up (the call and its result in the history). Checked by
-e2e::arch_models::tool_chats_render_as_llama_cpp_python_does. CI never runs this script.
+own), bos/eos, messages, tools, `rendered` (add_generation_prompt true) and `ids` (llama.cpp's
+tokenization of `rendered` with the tiny model's vocabulary: no BOS added, special tokens
+parsed), for the first turn (no call yet) and for the follow-up (the call and its result in the
+history). Checked by e2e::arch_models::tool_chats_render_as_llama_cpp_python_does and, through
+the HTTP API, by e2e::serve::tool_calling_loop_on_each_architectures_tiny_model. CI never runs
+this script.
 """
 import json
 import pathlib
 import sys
 
 import llama_cpp
+from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -62,16 +66,19 @@ def main():
             template = (OUT / template_file).read_text()
         fmt = Jinja2ChatFormatter(template=template, eos_token=chat["eos_token"],
                                   bos_token=chat["bos_token"], add_generation_prompt=True)
+        llm = Llama(str(ARCH / chat["file"]), vocab_only=True, verbose=False)
         turns = []
         for messages in (FIRST, FOLLOW_UP):
-            turns.append({"messages": messages,
-                          "rendered": fmt(messages=messages, tools=TOOLS).prompt})
+            rendered = fmt(messages=messages, tools=TOOLS).prompt
+            ids = llm.tokenize(rendered.encode(), add_bos=False, special=True)
+            turns.append({"messages": messages, "rendered": rendered, "ids": ids})
+        del llm
         out = {"generator": "scripts/llamacpp/gen_tool_fixtures.py",
                "llama_cpp_python": llama_cpp.__version__, "file": chat["file"],
                "template_file": template_file, "bos_token": chat["bos_token"],
                "eos_token": chat["eos_token"], "tools": TOOLS, "turns": turns}
         (OUT / f"{case}.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
-        print(case, [len(t["rendered"]) for t in turns])
+        print(case, [(len(t["rendered"]), len(t["ids"])) for t in turns])
 
 
 if __name__ == "__main__":

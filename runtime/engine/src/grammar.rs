@@ -122,14 +122,18 @@ impl TokenizerEnv for VocabEnv {
         &self.trie
     }
 
+    /// llguidance tokenizes text that continues the output (forced bytes, a grammar's
+    /// literals): the tokens must spell exactly `s`, or a token it forces is one the parser
+    /// then rejects. So: our tokenizer as a continuation (no SentencePiece space prefix), kept
+    /// only if the trie spells `s` from it; otherwise (bytes that are not UTF-8, text that our
+    /// tokenizer reads as a special token) the trie's greedy split, which always spells `s`.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        // Our tokenizer takes text; bytes that are not UTF-8 get the trie's greedy split.
-        match std::str::from_utf8(s) {
-            Ok(text) => self
-                .tokenizer
-                .encode(text, true)
-                .unwrap_or_else(|_| self.trie.greedy_tokenize(s)),
-            Err(_) => self.trie.greedy_tokenize(s),
+        let ours = std::str::from_utf8(s)
+            .ok()
+            .and_then(|text| self.tokenizer.encode_continuation(text).ok());
+        match ours {
+            Some(ids) if self.trie.decode_raw(&ids) == s => ids,
+            _ => self.trie.greedy_tokenize(s),
         }
     }
 }

@@ -304,6 +304,16 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Encode `text` as it continues earlier text (a constraint's forced bytes): no BOS and,
+    /// for SentencePiece vocabularies with `add_space_prefix`, no space added before it —
+    /// [`Self::encode`] starts a text, and its prefix would put a space the text lacks.
+    pub fn encode_continuation(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        match &self.inner {
+            Vocab::Bpe(_) => self.encode(text, true),
+            Vocab::Spm(s) => s.encode_continuation(text),
+        }
+    }
+
     /// What token `id` stands for, as bytes: the bytes it adds to decoded output (a byte-level
     /// BPE token's characters mapped back to bytes; a SentencePiece piece with `▁` as a space,
     /// a byte token as its byte), and whether it is a special token (then `bytes` is its text,
@@ -368,29 +378,40 @@ impl Tokenizer {
     /// Render a chat that offers `tools`: a template that renders `tools` itself gets them
     /// (as Hugging Face and llama-cpp-python pass them); one that does not gets them in a
     /// system message in its call format ([`crate::tools::ToolFormat::system_prompt`],
-    /// appended to the first system message or placed before the chat), never dropped.
+    /// appended to the first system message or placed before the chat), never dropped, and
+    /// the history's calls and results in turns it knows
+    /// ([`crate::tools::ToolFormat::polyfill_history`]).
     pub fn apply_chat_template_tools(
         &self,
         messages: &[ChatMessage],
         tools: &[crate::tools::ToolDef],
     ) -> Result<String, TokenizerError> {
-        if tools.is_empty() {
-            return self.apply_chat_template(messages);
-        }
         let src = self
             .chat_template
             .as_deref()
             .ok_or(TokenizerError::NoChatTemplate)?;
         if src.contains("tools") {
+            if tools.is_empty() {
+                return self.apply_chat_template(messages);
+            }
             let defs: Vec<serde_json::Value> =
                 tools.iter().map(crate::tools::ToolDef::to_openai).collect();
             return self.apply_chat_template_with(messages, Some(&defs));
         }
+        let has_tool_turns = messages
+            .iter()
+            .any(|m| m.role == "tool" || !m.tool_calls.is_empty());
+        if tools.is_empty() && !has_tool_turns {
+            return self.apply_chat_template(messages);
+        }
         let format = self
             .tool_format()
             .ok_or(crate::tools::ToolError::NoFormat)?;
+        let mut msgs = format.polyfill_history(messages);
+        if tools.is_empty() {
+            return self.apply_chat_template(&msgs);
+        }
         let prompt = format.system_prompt(tools);
-        let mut msgs = messages.to_vec();
         match msgs.first_mut() {
             Some(m) if m.role == "system" => m.content = format!("{}\n\n{prompt}", m.content),
             _ => msgs.insert(0, ChatMessage::new("system", prompt)),

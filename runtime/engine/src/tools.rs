@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use crate::grammar::{ConstraintKind, ConstraintSpec};
+use crate::tokenizer::ChatMessage;
 
 /// Most functions one request may offer.
 pub const MAX_TOOLS: usize = 128;
@@ -188,6 +189,87 @@ impl ToolFormat {
             }
         });
         s
+    }
+
+    /// A call turn as this format writes it — what [`tool_grammar`] makes the model write,
+    /// with its separators — after the turn's own text, if any.
+    pub fn call_turn_text(self, content: &str, calls: &[ToolCallMessage]) -> String {
+        let key = self.arguments_key();
+        let one = |c: &ToolCallMessage| {
+            python_json(
+                &json!({"name": c.function.name, key: c.function.arguments}),
+                None,
+            )
+        };
+        let written = match self {
+            Self::Hermes => calls
+                .iter()
+                .map(|c| format!("<tool_call>\n{}\n</tool_call>", one(c)))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            Self::Llama3Json => calls.iter().map(one).collect::<Vec<_>>().join("\n"),
+            Self::Mistral => {
+                let list: Vec<String> = calls.iter().map(one).collect();
+                format!("[TOOL_CALLS] [{}]", list.join(", "))
+            }
+        };
+        if content.is_empty() {
+            written
+        } else {
+            format!("{content}\n{written}")
+        }
+    }
+
+    /// A tool's result as a user turn's text: Hermes' `<tool_response>` block; otherwise a
+    /// `{"tool_response": ...}` object, as llama.cpp's template polyfills write it.
+    pub fn result_text(self, name: Option<&str>, content: &str) -> String {
+        match self {
+            Self::Hermes => format!("<tool_response>\n{content}\n</tool_response>"),
+            Self::Llama3Json | Self::Mistral => python_json(
+                &json!({"tool_response": {"tool": name.unwrap_or_default(), "content": content}}),
+                None,
+            ),
+        }
+    }
+
+    /// A history with calls and results, for a template that renders neither (it does not
+    /// render `tools`, so it knows no `tool_calls` and no `tool` role): each call turn becomes
+    /// an assistant turn with the calls written as this format writes them
+    /// ([`Self::call_turn_text`]), and each run of tool results one user turn
+    /// ([`Self::result_text`]) — so a template that wants user and assistant to alternate
+    /// still renders it, and the model sees its calls and their results, not nothing.
+    pub fn polyfill_history(self, messages: &[ChatMessage]) -> Vec<ChatMessage> {
+        let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+        let mut results_open = false;
+        for m in messages {
+            if m.role == "tool" {
+                let name = m.tool_call_id.as_deref().and_then(|id| {
+                    messages
+                        .iter()
+                        .flat_map(|m| &m.tool_calls)
+                        .find(|c| c.id == id)
+                        .map(|c| c.function.name.as_str())
+                });
+                let text = self.result_text(name, &m.content);
+                match out.last_mut() {
+                    Some(prev) if results_open => {
+                        prev.content.push('\n');
+                        prev.content.push_str(&text);
+                    }
+                    _ => out.push(ChatMessage::new("user", text)),
+                }
+                results_open = true;
+                continue;
+            }
+            results_open = false;
+            if m.tool_calls.is_empty() {
+                out.push(m.clone());
+            } else {
+                let text = self.call_turn_text(&m.content, &m.tool_calls);
+                out.push(ChatMessage::new(m.role.clone(), text));
+            }
+        }
+        out
     }
 
     /// Split `text` (the whole output) into content and calls. Output that does not parse as
@@ -517,6 +599,82 @@ impl PyJson {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn call(id: &str, name: &str, arguments: Value) -> ToolCallMessage {
+        ToolCallMessage {
+            id: id.into(),
+            kind: "function".into(),
+            function: ToolCallFunction {
+                name: name.into(),
+                arguments,
+            },
+        }
+    }
+
+    #[test]
+    fn a_history_polyfilled_for_a_template_without_tools_alternates_and_parses_back() {
+        let calls = vec![
+            call("c1", "get_weather", json!({"city": "Oslo"})),
+            call("c2", "get_weather", json!({"city": "Bergen"})),
+        ];
+        let mut assistant = ChatMessage::new("assistant", "");
+        assistant.tool_calls = calls.clone();
+        let result = |id: &str, text: &str| ChatMessage {
+            tool_call_id: Some(id.into()),
+            ..ChatMessage::new("tool", text)
+        };
+        let history = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Weather?"),
+            assistant,
+            result("c1", "4 C"),
+            result("c2", "7 C"),
+        ];
+        for format in [
+            ToolFormat::Hermes,
+            ToolFormat::Llama3Json,
+            ToolFormat::Mistral,
+        ] {
+            let out = format.polyfill_history(&history);
+            let roles: Vec<&str> = out.iter().map(|m| m.role.as_str()).collect();
+            assert_eq!(roles, ["system", "user", "assistant", "user"], "{format:?}");
+            assert!(out.iter().all(|m| m.tool_calls.is_empty()));
+            assert!(
+                out[3].content.contains("4 C") && out[3].content.contains("7 C"),
+                "{format:?}: both results in one turn: {}",
+                out[3].content
+            );
+            // What the history says the model wrote is what the parser reads back (Llama 3's
+            // JSON format carries one call per turn: the history writes one per line).
+            let written = match format {
+                ToolFormat::Llama3Json => out[2].content.lines().next().unwrap_or_default(),
+                _ => &out[2].content,
+            };
+            let parsed = format.parse(written, &[weather()]);
+            let n = if format == ToolFormat::Llama3Json {
+                1
+            } else {
+                2
+            };
+            let want: Vec<ParsedCall> = calls[..n]
+                .iter()
+                .map(|c| ParsedCall {
+                    name: c.function.name.clone(),
+                    arguments: c.function.arguments.to_string(),
+                })
+                .collect();
+            if n == 2 {
+                assert_eq!(parsed.calls, want, "{format:?}: {}", out[2].content);
+            }
+            assert_eq!(parsed.calls.first(), want.first(), "{format:?}");
+        }
+        assert!(
+            ToolFormat::Hermes
+                .polyfill_history(&history)
+                .iter()
+                .any(|m| m.content.starts_with("<tool_response>\n4 C"))
+        );
+    }
 
     fn weather() -> ToolDef {
         ToolDef {

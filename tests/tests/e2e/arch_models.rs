@@ -285,7 +285,8 @@ fn hex(bytes: &[u8]) -> String {
 /// A chat with tools — the first turn, then the call and its result in the history — renders
 /// as llama-cpp-python renders it (its `tools` variable, Hugging Face's `tojson`), for each
 /// tool format: Qwen 2.5 and 3 (the GGUF's template), Llama 3 and Mistral (templates given as
-/// `[model] chat_template_file`). `scripts/llamacpp/gen_tool_fixtures.py` made the fixtures.
+/// `[model] chat_template_file`), and tokenizes as llama.cpp tokenizes the rendering with the
+/// tiny model's vocabulary. `scripts/llamacpp/gen_tool_fixtures.py` made the fixtures.
 #[test]
 fn tool_chats_render_as_llama_cpp_python_does() {
     use custody_runtime::tools::{ToolDef, ToolFormat};
@@ -329,6 +330,11 @@ fn tool_chats_render_as_llama_cpp_python_does() {
                 rendered,
                 turn["rendered"].as_str().expect("rendered"),
                 "{case}"
+            );
+            assert_eq!(
+                tok.encode_chat_tools(&messages, &tools).expect("encode"),
+                ids(&turn["ids"]),
+                "{case}: the rendered chat's ids, as llama.cpp tokenizes it"
             );
         }
     }

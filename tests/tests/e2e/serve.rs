@@ -556,6 +556,128 @@ fn tool_calling_loop_through_the_openai_client_on_every_format() {
 
 /// Run `tests/python/<script>` (the official `openai` client) against the server at `url`,
 /// with `env` added; its stdout, or a panic with its output when it fails.
+/// The same tool-calling loop (`tests/python/tool_calls.py`: forced calls whole and streamed,
+/// the call and its result in the history, an answer, the refusals) on each architecture's tiny
+/// model (`tests/fixtures/arch`), with its own vocabulary and special tokens: Qwen 2.5 and 3
+/// through their GGUF templates, Llama 3 and the SentencePiece model through their GGUF
+/// templates (which do not render `tools`: the tools go into a system message in the format
+/// the template implies) and through the tools templates of `tests/fixtures/tools`. Where
+/// llama-cpp-python rendered the same chat (`gen_tool_fixtures.py`), the prompt the server
+/// counts is llama.cpp's tokenization of that rendering, for the first turn and for the
+/// follow-up whose call arrives as the API sends it (arguments as a JSON string).
+#[test]
+fn tool_calling_loop_on_each_architectures_tiny_model() {
+    let dir = tmp_dir("tools-tiny");
+    for (model, template, fixture, format) in [
+        ("qwen2", None, Some("qwen2"), "hermes"),
+        ("qwen3", None, Some("qwen3"), "hermes"),
+        (
+            "llama3",
+            Some("llama3-tools.jinja"),
+            Some("llama3"),
+            "llama3_json",
+        ),
+        ("llama3", None, None, "llama3_json"),
+        (
+            "llama-spm",
+            Some("mistral-tools.jinja"),
+            Some("mistral"),
+            "mistral",
+        ),
+        ("llama-spm", None, None, "mistral"),
+    ] {
+        let case = format!("{model}-{}", template.unwrap_or("gguf"));
+        // The tiny models declare a 256-token context (their committed logits stay small); a
+        // tools prompt is 550-1,460 of their tokens. The key only bounds admission here: no
+        // rope scaling reads it, so the copy computes what the original computes.
+        let gguf = dir.join(format!("{case}.gguf"));
+        with_context_length(
+            &custody_tests::fixture(&format!("arch/{model}.Q4_K_M.gguf")),
+            &gguf,
+            2048,
+        );
+        let m = custody_runtime::Model::load(&gguf).expect("model");
+        let mut tok = custody_runtime::Tokenizer::from_gguf(m.gguf()).expect("tokenizer");
+        if let Some(t) = template {
+            let path = custody_tests::fixture(&format!("tools/{t}"));
+            tok.set_chat_template(std::fs::read_to_string(path).expect("template"));
+        }
+        let engine = Engine::new(
+            m,
+            EngineConfig {
+                kv_budget_mib: 16,
+                ..EngineConfig::default()
+            },
+        )
+        .expect("engine");
+        let srv = TestServer::start_engine(&case, serve_cfg(), None, engine, tok);
+        if let Some(f) = fixture {
+            prompt_tokens_are_llama_cpps(&srv, f);
+        }
+        let stdout = run_client_script("tool_calls.py", &srv.url, &[]);
+        eprintln!("{case}: {}", stdout.lines().last().unwrap_or_default());
+        assert_eq!(srv.metric("custody_integrity_violations_total"), 0.0);
+        let audit = srv.stop();
+        let rows = read_table(&audit, "request_tools");
+        let formats: Vec<String> = rows
+            .iter()
+            .flat_map(|b| col_str(b, "format"))
+            .map(Option::unwrap_or_default)
+            .collect();
+        // The script's four offers (required, named, streamed named, auto; `none` offers
+        // nothing), and the fixture's two turns.
+        let offers = 4 + if fixture.is_some() { 2 } else { 0 };
+        assert_eq!(formats.len(), offers, "{case}: {formats:?}");
+        assert!(formats.iter().all(|f| f == format), "{case}: {formats:?}");
+    }
+}
+
+/// Posts each turn of `tests/fixtures/tools/<fixture>.json` (arguments sent as the API sends
+/// them, a JSON string) and checks `usage.prompt_tokens` against llama.cpp's ids.
+fn prompt_tokens_are_llama_cpps(srv: &TestServer, fixture: &str) {
+    let path = custody_tests::fixture(&format!("tools/{fixture}.json"));
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("fixture")).expect("json");
+    for turn in c["turns"].as_array().expect("turns") {
+        let mut messages = turn["messages"].clone();
+        for m in messages.as_array_mut().expect("messages") {
+            for call in m["tool_calls"].as_array_mut().into_iter().flatten() {
+                let args = call["function"]["arguments"].to_string();
+                call["function"]["arguments"] = serde_json::Value::String(args);
+            }
+        }
+        let body = serde_json::json!({
+            "model": MODEL_ID, "messages": messages, "tools": c["tools"],
+            "tool_choice": "auto", "max_tokens": 1, "temperature": 0,
+        });
+        let r = srv.post("/v1/chat/completions", KEY, body.to_string().as_bytes());
+        let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        assert_eq!(r.status, 200, "{fixture}: {v}");
+        let want = turn["ids"].as_array().expect("ids").len() as u64;
+        assert_eq!(v["usage"]["prompt_tokens"], want, "{fixture}: {v}");
+    }
+}
+
+/// Copies the GGUF at `src` to `dst` with its `<arch>.context_length` (a u32, found once) set
+/// to `n_ctx`: the same bytes otherwise, so the offsets of everything after it hold.
+fn with_context_length(src: &std::path::Path, dst: &std::path::Path, n_ctx: u32) {
+    const KEY: &[u8] = b".context_length";
+    const GGUF_TYPE_U32: u32 = 4;
+    let mut bytes = std::fs::read(src).expect("gguf");
+    let hits: Vec<usize> = bytes
+        .windows(KEY.len())
+        .enumerate()
+        .filter(|(_, w)| *w == KEY)
+        .map(|(i, _)| i + KEY.len())
+        .collect();
+    assert_eq!(hits.len(), 1, "{}: one context_length key", src.display());
+    let at = hits[0];
+    let ty = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+    assert_eq!(ty, GGUF_TYPE_U32, "context_length is a u32");
+    bytes[at + 4..at + 8].copy_from_slice(&n_ctx.to_le_bytes());
+    std::fs::write(dst, bytes).expect("write gguf");
+}
+
 fn run_client_script(script: &str, url: &str, env: &[(&str, &str)]) -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("python")

@@ -146,8 +146,18 @@ impl Spm {
 
     /// Token ids of `text` (no BOS).
     pub(crate) fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_from(text, true)
+    }
+
+    /// Token ids of `text` as it continues earlier text: no space prefix before its first run
+    /// (one still follows a special token inside it, as in [`Self::encode`]).
+    pub(crate) fn encode_continuation(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_from(text, false)
+    }
+
+    fn encode_from(&self, text: &str, at_start: bool) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::with_capacity(text.len() / 2 + 1);
-        let mut prev_special = true;
+        let mut prev_special = at_start;
         for f in self.partition(text) {
             match f {
                 Fragment::Special(id) => {
