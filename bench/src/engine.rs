@@ -470,6 +470,10 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
                 "constraint_cost": constraint.iter().map(|c| serde_json::json!({
                     "batch": c.batch, "plain_decode_tok_s": c.plain_decode_tok_s,
                     "constrained_decode_tok_s": c.constrained_decode_tok_s,
+                    "on_step_decode_tok_s": c.on_step_decode_tok_s,
+                    "on_step_wall_fraction": c.on_step_wall_fraction(),
+                    "step_wait_ahead_us": c.step_wait_ahead_us, "step_wait_on_step_us": c.step_wait_on_step_us,
+                    "waited_fraction_ahead": c.waited_fraction_of_step().0, "waited_fraction_on_step": c.waited_fraction_of_step().1,
                     "mask_us": c.mask_us, "mask_fraction_of_step": c.mask_fraction_of_step(),
                     "wall_fraction_of_step": c.wall_fraction_of_step(), "compile_ms": c.compile_ms,
                 })).collect::<Vec<_>>(),
@@ -546,11 +550,17 @@ pub fn bench(a: &BenchArgs, loaded: Loaded, progress: &(dyn Fn(u64) + Sync)) -> 
         }
         for c in &constraint {
             println!(
-                "JSON-schema constraint, {} sequences: decode {:.1} tok/s vs {:.1} unconstrained ({:+.2} % by wall time); a mask alone {:.1} us = {:.2} % of a step; compiling the schema {:.1} ms",
+                "JSON-schema constraint, {} sequences: decode {:.1} tok/s with masks ahead, {:.1} with masks on the step, vs {:.1} unconstrained ({:+.2} % / {:+.2} % by wall time); the constraint costs the step {:.1} us per token with masks ahead ({:.2} % of a step), {:.1} us with masks on the step ({:.2} %); a mask alone {:.1} us = {:.2} % of a step; compiling the schema {:.1} ms",
                 c.batch,
                 c.constrained_decode_tok_s,
+                c.on_step_decode_tok_s,
                 c.plain_decode_tok_s,
                 c.wall_fraction_of_step() * 100.0,
+                c.on_step_wall_fraction() * 100.0,
+                c.step_wait_ahead_us,
+                c.waited_fraction_of_step().0 * 100.0,
+                c.step_wait_on_step_us,
+                c.waited_fraction_of_step().1 * 100.0,
                 c.mask_us,
                 c.mask_fraction_of_step() * 100.0,
                 c.compile_ms

@@ -5,18 +5,22 @@
 //!
 //! Compiling a constraint can take milliseconds to seconds: [`Grammars::compile`] is called
 //! where the request is parsed (the server's blocking pool, a decode node's handler), never on
-//! the engine thread, which only computes masks. A constraint that cannot compile is the
-//! caller's error, with the library's message.
+//! the engine thread. Masks are computed ahead, while the forward pass runs ([`ahead`]). A
+//! constraint that cannot compile is the caller's error, with the library's message.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use sha2::{Digest, Sha256};
 
 use crate::tokenizer::Tokenizer;
+
+pub mod ahead;
 
 /// Longest accepted schema, grammar or expression, bytes.
 pub const MAX_CONSTRAINT_BYTES: usize = 256 * 1024;
@@ -236,10 +240,7 @@ impl Grammars {
         if let Some(message) = matcher.get_error() {
             return Err(GrammarError::Compile { kind, message });
         }
-        Ok(Constraint {
-            spec: Arc::new(spec),
-            matcher: Box::new(matcher),
-        })
+        Ok(Constraint::at(Arc::new(spec), matcher))
     }
 }
 
@@ -275,48 +276,148 @@ fn depth(v: &serde_json::Value) -> usize {
 }
 
 /// One generation's compiled constraint and where it stands.
+///
+/// Its next mask is computed ahead ([`ahead`]): started when a token is accepted, awaited when
+/// the next logits are masked. The matcher is shared with that job through a mutex; the
+/// constraint's own methods lock it only where the job is done or was never started.
 pub struct Constraint {
+    /// What the mask jobs share with it. (Two pointers in all: requests move through bounded
+    /// queues.)
+    core: Arc<Core>,
+    /// The mask at the current position, started on the mask pool; `None` when none was
+    /// started (computed on demand).
+    ahead: Option<Box<Ahead>>,
+}
+
+struct Core {
     spec: Arc<ConstraintSpec>,
-    /// Boxed: ~1.6 KB, and requests move through bounded queues.
-    matcher: Box<Matcher>,
+    matcher: Mutex<Matcher>,
+    /// The matcher is stopped: only the end-of-generation token may follow. Written under the
+    /// matcher's lock by the constraint's own `advance`, read without it.
+    stopped: AtomicBool,
 }
 
 impl Clone for Constraint {
     /// An independent copy at the same position (each of a request's choices advances its own).
     fn clone(&self) -> Self {
-        Self {
-            spec: self.spec.clone(),
-            matcher: Box::new(self.matcher.deep_clone()),
-        }
+        let copy = lock(&self.core.matcher).deep_clone();
+        Self::at(self.core.spec.clone(), copy)
     }
 }
 
 impl fmt::Debug for Constraint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Constraint")
-            .field("kind", &self.spec.kind)
-            .field("sha256", &self.spec.sha256_hex())
-            .field("stopped", &self.matcher.is_stopped())
+            .field("kind", &self.core.spec.kind)
+            .field("sha256", &self.core.spec.sha256_hex())
+            .field("stopped", &self.is_complete())
             .finish()
     }
 }
 
+/// A mask started on the mask pool. Whoever sets `claimed` first computes it: the job, or
+/// the step that needs it before the job has started.
+struct Ahead {
+    claimed: Arc<AtomicBool>,
+    /// The job's answer. In a mutex only so that the constraint is `Sync` (requests are
+    /// shared across threads by reference); never contended.
+    rx: Mutex<Receiver<Result<SimpleVob, String>>>,
+}
+
+/// The matcher, whatever a panicked mask job left: the job's waiter reports that panic, and a
+/// matcher that failed is in its error state, which every later call reports.
+fn lock(m: &Mutex<Matcher>) -> std::sync::MutexGuard<'_, Matcher> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Constraint {
+    /// A constraint at `matcher`'s position, its first mask started ahead.
+    fn at(spec: Arc<ConstraintSpec>, matcher: Matcher) -> Self {
+        let stopped = AtomicBool::new(matcher.is_stopped());
+        let mut c = Self {
+            core: Arc::new(Core {
+                spec,
+                matcher: Mutex::new(matcher),
+                stopped,
+            }),
+            ahead: None,
+        };
+        c.start_ahead();
+        c
+    }
+
     pub fn spec(&self) -> &ConstraintSpec {
-        &self.spec
+        &self.core.spec
+    }
+
+    /// Starts computing the mask at the current position on the mask pool (not when stopped:
+    /// that mask is the end token alone, computed at once).
+    fn start_ahead(&mut self) {
+        debug_assert!(self.ahead.is_none(), "one mask ahead at a time");
+        if self.is_complete() {
+            return;
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let claimed = Arc::new(AtomicBool::new(false));
+        let (core, job_claimed) = (self.core.clone(), claimed.clone());
+        let job: ahead::Job = Box::new(move || {
+            if job_claimed.swap(true, Ordering::AcqRel) {
+                return; // The step got there first and computes it itself.
+            }
+            let mask = lock(&core.matcher)
+                .compute_mask_or_eos()
+                .map_err(|e| e.to_string());
+            // An error means the constraint is gone (its generation ended, or it advanced
+            // past this position): the mask is then unwanted.
+            if tx.send(mask).is_err() {
+                tracing::trace!("a mask computed ahead was not wanted");
+            }
+        });
+        if ahead::submit(job).is_ok() {
+            self.ahead = Some(Box::new(Ahead {
+                claimed,
+                rx: Mutex::new(rx),
+            }));
+        }
+    }
+
+    /// The mask at the current position: the one computed ahead if its job has started
+    /// (waiting for the rest of it), else computed here — a job still queued, or on a thread
+    /// the scheduler has not run, costs the step no more than no job at all.
+    fn allowed(&mut self) -> Result<SimpleVob, GrammarError> {
+        let started = self
+            .ahead
+            .take()
+            .filter(|a| a.claimed.swap(true, Ordering::AcqRel));
+        let mask = match started {
+            Some(a) => {
+                a.rx.into_inner()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .recv()
+                    .unwrap_or_else(|_| Err("the mask job panicked".to_owned()))
+            }
+            None => lock(&self.core.matcher)
+                .compute_mask_or_eos()
+                .map_err(|e| e.to_string()),
+        };
+        mask.map_err(GrammarError::Step)
     }
 
     /// Sends every token the constraint does not allow next to −∞. Once the constraint is
     /// complete only the end-of-generation token is allowed.
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
-        let allowed = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| GrammarError::Step(e.to_string()))?;
+        let _on_step = ahead::OnStepTimer::start();
+        ahead::count_mask();
+        let allowed = self.allowed()?;
         let words = allowed.as_slice();
         for (w, chunk) in logits.chunks_mut(32).enumerate() {
             let bits = words.get(w).copied().unwrap_or(0);
             if bits == u32::MAX && chunk.len() == 32 {
+                continue;
+            }
+            if bits == 0 {
+                // Most words of a mask past the first characters: one fill, vectorised.
+                chunk.fill(f32::NEG_INFINITY);
                 continue;
             }
             for (b, l) in chunk.iter_mut().enumerate() {
@@ -328,15 +429,27 @@ impl Constraint {
         Ok(())
     }
 
-    /// Advance past the sampled `token`.
+    /// Advance past the sampled `token`, and start the next mask.
     pub fn advance(&mut self, token: u32) -> Result<(), GrammarError> {
-        self.matcher
-            .consume_token(token)
-            .map_err(|e| GrammarError::Step(e.to_string()))
+        let _on_step = ahead::OnStepTimer::start();
+        // A mask still ahead is for the position before `token` (its logits were not masked
+        // through `mask`): unwanted. Claimed here, its job skips it; if it has started,
+        // locking below waits for it to finish.
+        if let Some(a) = self.ahead.take() {
+            a.claimed.store(true, Ordering::Release);
+        }
+        {
+            let mut m = lock(&self.core.matcher);
+            m.consume_token(token)
+                .map_err(|e| GrammarError::Step(e.to_string()))?;
+            self.core.stopped.store(m.is_stopped(), Ordering::Release);
+        }
+        self.start_ahead();
+        Ok(())
     }
 
     /// Whether the output is complete: nothing more may follow.
     pub fn is_complete(&self) -> bool {
-        self.matcher.is_stopped()
+        self.core.stopped.load(Ordering::Acquire)
     }
 }

@@ -125,6 +125,52 @@ fn a_json_schema_constrains_every_sampled_output() {
     }
 }
 
+/// A mask computed ahead (on the mask pool, while the forward pass would run) is the mask
+/// computed on the step: the same walk through a schema, once with each mask given time to be
+/// computed ahead, once with computing ahead off, allows the same tokens at every step.
+#[test]
+fn masks_computed_ahead_equal_masks_computed_on_the_step() {
+    use custody_runtime::grammar::ahead;
+    let vocab = tokenizer().vocab_size();
+    let walk = |ahead_on: bool| -> Vec<Vec<bool>> {
+        ahead::set_enabled(ahead_on);
+        let mut c = grammars()
+            .compile(ConstraintSpec {
+                kind: ConstraintKind::JsonSchema,
+                source:
+                    r#"{"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                    "n": {"type": "integer"}}, "required": ["name", "n"]}"#
+                        .into(),
+            })
+            .expect("compiles");
+        let mut masks = Vec::new();
+        for step in 0..40 {
+            if ahead_on {
+                // Time for the job to run before the step asks (it would run during the
+                // forward pass); if the host is too busy to run it, the step computes it.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            let mut logits = vec![0.0f32; vocab];
+            c.mask(&mut logits).expect("mask");
+            let allowed: Vec<bool> = logits.iter().map(|l| l.is_finite()).collect();
+            // Walk by the allowed ids in turn (varies the states visited).
+            let ids: Vec<usize> = (0..vocab).filter(|&i| allowed[i]).collect();
+            assert!(!ids.is_empty(), "step {step}: a mask allows something");
+            masks.push(allowed);
+            if c.is_complete() {
+                break;
+            }
+            c.advance(ids[(step * 7) % ids.len()] as u32)
+                .expect("advance");
+        }
+        ahead::set_enabled(true);
+        masks
+    };
+    let (with, without) = (walk(true), walk(false));
+    assert!(with.len() > 10, "{} steps", with.len());
+    assert_eq!(with, without);
+}
+
 #[test]
 fn a_regex_and_a_lark_grammar_constrain_the_output() {
     let prompt = chat("What is the phone number?");
