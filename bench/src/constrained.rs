@@ -177,7 +177,7 @@ pub fn measure(
             let r = decode_tok_s(engine, ids, gen_tokens, batch, decoding);
             let w = ahead::OnStep::now().since(before);
             waited[mode].masks += w.masks;
-            waited[mode].wait_ns += w.wait_ns;
+            waited[mode].on_step_ns += w.on_step_ns;
             custody_runtime::grammar::ahead::set_enabled(true);
             tok_s[mode].push(r?);
         }
@@ -190,8 +190,8 @@ pub fn measure(
     let paired = |c: &[f64]| median(plain.iter().zip(c).map(|(p, c)| 1.0 - c / p).collect());
     Ok(ConstraintCost {
         wall_fraction: paired(&constrained),
-        step_wait_ahead_us: waited[1].mean_wait_us(),
-        step_wait_on_step_us: waited[2].mean_wait_us(),
+        step_wait_ahead_us: waited[1].mean_on_step_us(),
+        step_wait_on_step_us: waited[2].mean_on_step_us(),
         on_step_wall_fraction: paired(&on_step),
         threads: custody_runtime::par::current_num_threads(),
         mask_us: alone?,

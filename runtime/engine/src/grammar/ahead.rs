@@ -1,11 +1,13 @@
 //! Masks computed ahead, off the engine's step: a constraint's next mask depends only on the
 //! tokens already sampled, so it is started on this pool as soon as the sampled token is
 //! accepted and computed while the engine runs the next forward pass; the step that samples
-//! only waits for whatever is left of it. (vLLM and SGLang overlap grammar masks with the
-//! forward pass the same way.)
+//! only waits for whatever is left of it (SGLang's overlap scheduler hides its grammar masks
+//! behind the forward pass in the same spirit). A step that needs a mask whose job has not
+//! started claims it and computes it itself (`Constraint::allowed`), so computing ahead never
+//! costs a step more than computing on the step. The threads are idle-class (`idle_class`).
 //!
 //! Bounded: a fixed set of threads behind a queue of [`QUEUE_JOBS`]; when the queue is full
-//! the job is handed back and the mask is computed when it is needed, on the step, as before.
+//! the job is handed back and the mask is computed when it is needed, on the step.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,7 +19,7 @@ pub const QUEUE_JOBS: usize = 1024;
 /// Threads at most (fewer on smaller hosts: one per core).
 pub const MAX_THREADS: usize = 8;
 
-pub type Job = Box<dyn FnOnce() + Send>;
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
 struct Pool {
     tx: SyncSender<Job>,
@@ -89,7 +91,7 @@ fn work(rx: &Mutex<Receiver<Job>>) {
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 static STEP_MASKS: AtomicU64 = AtomicU64::new(0);
-static STEP_WAIT_NS: AtomicU64 = AtomicU64::new(0);
+static STEP_NS: AtomicU64 = AtomicU64::new(0);
 
 /// What constraints have cost the steps that ran them, since the process started: masks
 /// applied (one per constrained token), and the time the step spent in the constraint's
@@ -99,7 +101,7 @@ static STEP_WAIT_NS: AtomicU64 = AtomicU64::new(0);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OnStep {
     pub masks: u64,
-    pub wait_ns: u64,
+    pub on_step_ns: u64,
 }
 
 impl OnStep {
@@ -107,7 +109,7 @@ impl OnStep {
     pub fn now() -> Self {
         Self {
             masks: STEP_MASKS.load(Ordering::Relaxed),
-            wait_ns: STEP_WAIT_NS.load(Ordering::Relaxed),
+            on_step_ns: STEP_NS.load(Ordering::Relaxed),
         }
     }
 
@@ -115,13 +117,13 @@ impl OnStep {
     pub fn since(self, earlier: Self) -> Self {
         Self {
             masks: self.masks.saturating_sub(earlier.masks),
-            wait_ns: self.wait_ns.saturating_sub(earlier.wait_ns),
+            on_step_ns: self.on_step_ns.saturating_sub(earlier.on_step_ns),
         }
     }
 
     /// Mean time on the step per constrained token, µs.
-    pub fn mean_wait_us(self) -> f64 {
-        self.wait_ns as f64 / 1e3 / self.masks.max(1) as f64
+    pub fn mean_on_step_us(self) -> f64 {
+        self.on_step_ns as f64 / 1e3 / self.masks.max(1) as f64
     }
 }
 
@@ -137,7 +139,7 @@ impl OnStepTimer {
 impl Drop for OnStepTimer {
     fn drop(&mut self) {
         let ns = u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        STEP_WAIT_NS.fetch_add(ns, Ordering::Relaxed);
+        STEP_NS.fetch_add(ns, Ordering::Relaxed);
     }
 }
 
@@ -155,7 +157,7 @@ pub fn set_enabled(on: bool) {
 
 /// Runs `job` on the pool, or hands it back when the pool is full or absent, or computing
 /// ahead is off.
-pub fn submit(job: Job) -> Result<(), Job> {
+pub(crate) fn submit(job: Job) -> Result<(), Job> {
     if !ENABLED.load(Ordering::Relaxed) {
         return Err(job);
     }
