@@ -23,6 +23,8 @@ pub mod digest;
 pub mod schema;
 #[cfg(feature = "writer")]
 pub mod synth;
+#[cfg(feature = "tlog")]
+pub mod tlog;
 #[cfg(feature = "writer")]
 pub mod writer;
 

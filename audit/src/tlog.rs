@@ -1,0 +1,509 @@
+//! The Merkle tree over a node's audit records (issue 40, first step): RFC 6962 hashing
+//! (leaf = SHA-256(0x00‖record), node = SHA-256(0x01‖left‖right)), inclusion and consistency
+//! proofs, and the C2SP `tlog-tiles` layout of its hashes — through `tlog_tiles` (Cloudflare's
+//! port of Go's `sumdb/tlog`, the code behind its CT log), not hand-written proofs.
+//!
+//! `tlog_tiles` stores every hash of the tree once, by a *stored hash index* (each record's
+//! leaf hash followed by the hashes of the complete subtrees it closes): [`Tree`] keeps them in
+//! memory, in that order, and answers the crate's `HashReader`. Its own tile paths are Go's
+//! (`tile/8/0/x001/...`, `tile/8/data/...`), not C2SP's: [`tile_path`] writes C2SP's.
+//!
+//! Checked against the RFC 6962 vectors of transparency-dev/merkle (`testonly/constants.go`,
+//! `proof/verify_test.go`) and the tile counts of the C2SP `tlog-tiles` spec.
+
+use tlog_tiles::{
+    Hash, HashReader, RecordProof, Tile, TreeProof, check_record, check_tree, prove_record,
+    prove_tree, record_hash, stored_hash_count, stored_hashes_for_record_hash, tree_hash,
+};
+
+/// Hashes per full tile: C2SP `tlog-tiles` tiles are 8 levels high (256 hashes wide).
+pub const TILE_HEIGHT: u8 = 8;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlogError {
+    #[error("the tree has {size} records; {what} {asked} is past it")]
+    PastTheTree {
+        what: &'static str,
+        asked: u64,
+        size: u64,
+    },
+    #[error("a proof between sizes {old} and {new}: the old size must be 1..=new")]
+    BadSizes { old: u64, new: u64 },
+    #[error("the proof does not check: {0}")]
+    Invalid(tlog_tiles::Error),
+    #[error("the Merkle tree: {0}")]
+    Tree(tlog_tiles::Error),
+    #[error("not a C2SP tile path: {0:?}")]
+    BadTilePath(String),
+}
+
+/// A Merkle tree of records, all its stored hashes in memory (32 bytes per record and per
+/// complete subtree: under 64 bytes per record in all).
+#[derive(Debug, Default, Clone)]
+pub struct Tree {
+    /// By stored hash index.
+    stored: Vec<Hash>,
+    size: u64,
+}
+
+impl HashReader for Tree {
+    fn read_hashes(&self, indexes: &[u64]) -> Result<Vec<Hash>, tlog_tiles::Error> {
+        indexes
+            .iter()
+            .map(|&i| {
+                usize::try_from(i)
+                    .ok()
+                    .and_then(|i| self.stored.get(i).copied())
+                    .ok_or(tlog_tiles::Error::IndexesNotInTree)
+            })
+            .collect()
+    }
+}
+
+impl Tree {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records in the tree.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Appends one record (its leaf hash is SHA-256(0x00‖record)); returns its index.
+    pub fn append(&mut self, record: &[u8]) -> Result<u64, TlogError> {
+        self.append_leaf(record_hash(record))
+    }
+
+    /// Appends a leaf hash computed elsewhere; returns its index.
+    pub fn append_leaf(&mut self, leaf: Hash) -> Result<u64, TlogError> {
+        let n = self.size;
+        let new = stored_hashes_for_record_hash(n, leaf, self).map_err(TlogError::Tree)?;
+        self.stored.extend(new);
+        self.size += 1;
+        debug_assert_eq!(self.stored.len() as u64, stored_hash_count(self.size));
+        Ok(n)
+    }
+
+    /// The root hash of the tree's first `size` records (RFC 6962's MTH; the empty tree's is
+    /// SHA-256 of nothing).
+    pub fn root(&self, size: u64) -> Result<Hash, TlogError> {
+        self.within("size", size)?;
+        tree_hash(size, self).map_err(TlogError::Tree)
+    }
+
+    /// The proof that record `index` is in the tree of the first `size` records.
+    pub fn prove_inclusion(&self, index: u64, size: u64) -> Result<RecordProof, TlogError> {
+        self.within("size", size)?;
+        if index >= size {
+            return Err(TlogError::PastTheTree {
+                what: "record",
+                asked: index,
+                size,
+            });
+        }
+        prove_record(size, index, self).map_err(TlogError::Tree)
+    }
+
+    /// The proof that the tree of the first `new` records extends the one of the first `old`.
+    pub fn prove_consistency(&self, old: u64, new: u64) -> Result<TreeProof, TlogError> {
+        self.within("size", new)?;
+        if old == 0 || old > new {
+            return Err(TlogError::BadSizes { old, new });
+        }
+        prove_tree(new, old, self).map_err(TlogError::Tree)
+    }
+
+    /// The tiles a tree grown from `old` to `new` records adds or widens, with their bytes
+    /// (C2SP: each full tile 256 hashes, a partial one as wide as it is), hash tiles only.
+    pub fn tiles(&self, old: u64, new: u64) -> Result<Vec<TileFile>, TlogError> {
+        self.within("size", new)?;
+        if old > new {
+            return Err(TlogError::BadSizes { old, new });
+        }
+        Tile::new_tiles(TILE_HEIGHT, old, new)
+            .into_iter()
+            .map(|t| {
+                let bytes = t.read_data(self).map_err(TlogError::Tree)?;
+                let full = t.width() == 1 << TILE_HEIGHT;
+                Ok(TileFile {
+                    path: tile_path(t.level(), t.level_index(), (!full).then_some(t.width())),
+                    bytes,
+                })
+            })
+            .collect()
+    }
+
+    fn within(&self, what: &'static str, size: u64) -> Result<(), TlogError> {
+        if size > self.size {
+            return Err(TlogError::PastTheTree {
+                what,
+                asked: size,
+                size: self.size,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Checks `proof` that `leaf` is record `index` of the tree of `size` records whose root is
+/// `root`.
+pub fn verify_inclusion(
+    proof: &RecordProof,
+    size: u64,
+    root: Hash,
+    index: u64,
+    leaf: Hash,
+) -> Result<(), TlogError> {
+    check_record(proof, size, root, index, leaf).map_err(TlogError::Invalid)
+}
+
+/// Checks `proof` that the tree of `new` records (root `new_root`) extends the tree of `old`
+/// records (root `old_root`).
+pub fn verify_consistency(
+    proof: &TreeProof,
+    new: u64,
+    new_root: Hash,
+    old: u64,
+    old_root: Hash,
+) -> Result<(), TlogError> {
+    check_tree(proof, new, new_root, old, old_root).map_err(TlogError::Invalid)
+}
+
+/// One tile to write: its C2SP path (under the log's prefix) and its hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TileFile {
+    pub path: String,
+    pub bytes: Vec<u8>,
+}
+
+/// C2SP `tlog-tiles` path of the tile at `level`, `index` within it, and `partial` width:
+/// `tile/<L>/<N>[.p/<W>]`, N written in groups of three digits, each but the last prefixed
+/// with `x` (1234067 → `x001/x234/067`).
+pub fn tile_path(level: u8, index: u64, partial: Option<u32>) -> String {
+    let digits = format!("{index:03}");
+    let pad = (3 - digits.len() % 3) % 3;
+    let digits = format!("{}{digits}", "0".repeat(pad));
+    let groups: Vec<&str> = digits
+        .as_bytes()
+        .chunks(3)
+        .map(|c| std::str::from_utf8(c).unwrap_or("000"))
+        .collect();
+    let last = groups.len() - 1;
+    let mut path = format!("tile/{level}");
+    for (i, g) in groups.iter().enumerate() {
+        path.push('/');
+        if i < last {
+            path.push('x');
+        }
+        path.push_str(g);
+    }
+    if let Some(w) = partial {
+        path.push_str(&format!(".p/{w}"));
+    }
+    path
+}
+
+/// A tile named by [`tile_path`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileName {
+    pub level: u8,
+    pub index: u64,
+    /// `None`: a full tile.
+    pub partial: Option<u32>,
+}
+
+/// Reads a C2SP tile path back (the inverse of [`tile_path`]), refusing any other spelling.
+pub fn parse_tile_path(path: &str) -> Result<TileName, TlogError> {
+    let bad = || TlogError::BadTilePath(path.to_owned());
+    let rest = path.strip_prefix("tile/").ok_or_else(bad)?;
+    let (body, partial) = match rest.split_once(".p/") {
+        Some((b, w)) => {
+            let w: u32 = w.parse().map_err(|_| bad())?;
+            if !(1..(1 << TILE_HEIGHT)).contains(&w) {
+                return Err(bad());
+            }
+            (b, Some(w))
+        }
+        None => (rest, None),
+    };
+    let mut parts = body.split('/');
+    let level: u8 = parts.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+    let groups: Vec<&str> = parts.collect();
+    let (last, leading) = groups.split_last().ok_or_else(bad)?;
+    let mut digits = String::new();
+    for g in leading {
+        let g = g.strip_prefix('x').ok_or_else(bad)?;
+        digits.push_str(g);
+    }
+    digits.push_str(last);
+    let index: u64 = digits.parse().map_err(|_| bad())?;
+    let name = TileName {
+        level,
+        index,
+        partial,
+    };
+    // One spelling only (three-digit groups, no leading zeros in the width).
+    if tile_path(level, index, partial) != path {
+        return Err(bad());
+    }
+    Ok(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+            .collect()
+    }
+
+    fn h(s: &str) -> Hash {
+        Hash(hex(s).try_into().expect("32 bytes"))
+    }
+
+    /// transparency-dev/merkle `testonly/constants.go`: `LeafInputs`, `RootHashes`.
+    const LEAVES: [&str; 8] = [
+        "",
+        "00",
+        "10",
+        "2021",
+        "3031",
+        "40414243",
+        "5051525354555657",
+        "606162636465666768696a6b6c6d6e6f",
+    ];
+    const ROOTS: [&str; 9] = [
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
+        "fac54203e7cc696cf0dfcb42c92a1d9dbaf70ad9e621f4bd8d98662f00e3c125",
+        "aeb6bcfe274b70a14fb067a5e5578264db0fa9b51af5e0ba159158f329e06e77",
+        "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+        "4e3bbb1f7b478dcfe71fb631631519a3bca12c9aefca1612bfce4c13a86264d4",
+        "76e67dadbcdf1e10e1b74ddc608abd2f98dfb16fbce75277b5232a127f2087ef",
+        "ddb89be403809e325750d3d263cd78929c2942b7942a34b77e122c9594a74c8c",
+        "5dc9da79a70659a9ad559cb701ded9a2ab9d823aad2f4960cfe370eff4604328",
+    ];
+
+    fn vector_tree() -> Tree {
+        let mut t = Tree::new();
+        for l in LEAVES {
+            t.append(&hex(l)).expect("append");
+        }
+        t
+    }
+
+    #[test]
+    fn roots_are_rfc_6962s_for_every_size() {
+        let t = vector_tree();
+        for (size, want) in ROOTS.iter().enumerate() {
+            assert_eq!(t.root(size as u64).expect("root"), h(want), "size {size}");
+        }
+        assert!(matches!(t.root(9), Err(TlogError::PastTheTree { .. })));
+    }
+
+    /// transparency-dev/merkle `proof/verify_test.go` (its leaf numbers are 1-based).
+    #[test]
+    fn proofs_are_the_reference_vectors_and_check() {
+        let t = vector_tree();
+        let inclusion: [(u64, u64, &[&str]); 4] = [
+            (
+                1,
+                8,
+                &[
+                    "96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
+                    "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+                    "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4",
+                ],
+            ),
+            (
+                6,
+                8,
+                &[
+                    "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+                    "ca854ea128ed050b41b35ffc1b87b8eb2bde461e9e3b5596ece6b9d5975a0ae0",
+                    "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+                ],
+            ),
+            (
+                3,
+                3,
+                &["fac54203e7cc696cf0dfcb42c92a1d9dbaf70ad9e621f4bd8d98662f00e3c125"],
+            ),
+            (
+                2,
+                5,
+                &[
+                    "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
+                    "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+                    "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+                ],
+            ),
+        ];
+        for (leaf1, size, want) in inclusion {
+            let index = leaf1 - 1;
+            let p = t.prove_inclusion(index, size).expect("prove");
+            let want: Vec<Hash> = want.iter().map(|s| h(s)).collect();
+            assert_eq!(p, want, "inclusion of {index} in {size}");
+            let leaf = record_hash(&hex(LEAVES[index as usize]));
+            let root = t.root(size).expect("root");
+            verify_inclusion(&p, size, root, index, leaf).expect("checks");
+            // A proof for another leaf, index or root fails.
+            let other = record_hash(b"not the record");
+            assert!(verify_inclusion(&p, size, root, index, other).is_err());
+            assert!(verify_inclusion(&p, size, other, index, leaf).is_err());
+        }
+        let consistency: [(u64, u64, &[&str]); 4] = [
+            (
+                1,
+                8,
+                &[
+                    "96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
+                    "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+                    "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4",
+                ],
+            ),
+            (
+                6,
+                8,
+                &[
+                    "0ebc5d3437fbe2db158b9f126a1d118e308181031d0a949f8dededebc558ef6a",
+                    "ca854ea128ed050b41b35ffc1b87b8eb2bde461e9e3b5596ece6b9d5975a0ae0",
+                    "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+                ],
+            ),
+            (
+                2,
+                5,
+                &[
+                    "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+                    "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+                ],
+            ),
+            (
+                6,
+                7,
+                &[
+                    "0ebc5d3437fbe2db158b9f126a1d118e308181031d0a949f8dededebc558ef6a",
+                    "b08693ec2e721597130641e8211e7eedccb4c26413963eee6c1e2ed16ffb1a5f",
+                    "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+                ],
+            ),
+        ];
+        for (old, new, want) in consistency {
+            let p = t.prove_consistency(old, new).expect("prove");
+            let want: Vec<Hash> = want.iter().map(|s| h(s)).collect();
+            assert_eq!(p, want, "consistency {old} → {new}");
+            let (ro, rn) = (t.root(old).expect("old"), t.root(new).expect("new"));
+            verify_consistency(&p, new, rn, old, ro).expect("checks");
+            assert!(verify_consistency(&p, new, rn, old, rn).is_err() || ro == rn);
+        }
+        assert!(t.prove_consistency(1, 1).expect("same size").is_empty());
+        assert!(matches!(
+            t.prove_consistency(0, 4),
+            Err(TlogError::BadSizes { .. })
+        ));
+        assert!(matches!(
+            t.prove_inclusion(8, 8),
+            Err(TlogError::PastTheTree { .. })
+        ));
+    }
+
+    #[test]
+    fn tile_paths_are_c2sps() {
+        assert_eq!(tile_path(0, 1_234_067, None), "tile/0/x001/x234/067");
+        assert_eq!(tile_path(1, 0, Some(17)), "tile/1/000.p/17");
+        assert_eq!(tile_path(2, 1000, None), "tile/2/x001/000");
+        for (l, n, w) in [(0u8, 0u64, None), (0, 1_234_067, Some(5)), (3, 999, None)] {
+            let p = tile_path(l, n, w);
+            assert_eq!(
+                parse_tile_path(&p).expect("parses"),
+                TileName {
+                    level: l,
+                    index: n,
+                    partial: w
+                }
+            );
+        }
+        for bad in [
+            "tile/0/1234067",
+            "tile/0/x1/234",
+            "tile/0/001.p/0",
+            "tile/0/001.p/256",
+            "tiles/0/001",
+            "tile/0/x001",
+            "tile/0/01",
+        ] {
+            assert!(parse_tile_path(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// The C2SP `tlog-tiles` spec's examples: 70,000 records make 273 full level-0 tiles and
+    /// a partial of 112, one full level-1 tile and a partial (the second) of 17, a level-2 partial
+    /// of 1; 256
+    /// make one full level-0 tile and a level-1 partial of 1. A tile's bytes are its hashes, and
+    /// a full level-1 tile's hashes are the roots of the level-0 tiles under it.
+    #[test]
+    fn tiles_follow_the_specs_examples() {
+        let mut t = Tree::new();
+        for i in 0..70_000u32 {
+            t.append(&i.to_be_bytes()).expect("append");
+        }
+        let tiles = t.tiles(0, 70_000).expect("tiles");
+        let count = |prefix: &str, partial: bool| {
+            tiles
+                .iter()
+                .filter(|f| f.path.starts_with(prefix) && f.path.contains(".p/") == partial)
+                .count()
+        };
+        assert_eq!(count("tile/0/", false), 273);
+        assert_eq!(count("tile/1/", false), 1);
+        let partials: Vec<&str> = tiles
+            .iter()
+            .filter(|f| f.path.contains(".p/"))
+            .map(|f| f.path.as_str())
+            .collect();
+        assert_eq!(
+            partials,
+            ["tile/0/273.p/112", "tile/1/001.p/17", "tile/2/000.p/1"]
+        );
+        assert!(tiles.iter().all(|f| {
+            let name = parse_tile_path(&f.path).expect("c2sp");
+            f.bytes.len() == 32 * name.partial.map_or(256, |w| w as usize)
+        }));
+        let level1 = &tiles
+            .iter()
+            .find(|f| f.path == "tile/1/000")
+            .expect("level 1")
+            .bytes;
+        let first_tile_root = t.root(256).expect("root of 256");
+        assert_eq!(&level1[..32], &first_tile_root.0);
+
+        let mut small = Tree::new();
+        for i in 0..256u32 {
+            small.append(&i.to_be_bytes()).expect("append");
+        }
+        let paths: Vec<String> = small
+            .tiles(0, 256)
+            .expect("tiles")
+            .into_iter()
+            .map(|f| f.path)
+            .collect();
+        assert_eq!(paths, ["tile/0/000", "tile/1/000.p/1"]);
+        // Growing 256 → 300 writes only what changed: the new partial level-0 tile (the
+        // level-1 tile still covers one full tile).
+        for i in 256..300u32 {
+            small.append(&i.to_be_bytes()).expect("append");
+        }
+        let grown: Vec<String> = small
+            .tiles(256, 300)
+            .expect("tiles")
+            .into_iter()
+            .map(|f| f.path)
+            .collect();
+        assert_eq!(grown, ["tile/0/001.p/44"]);
+    }
+}
