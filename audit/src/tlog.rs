@@ -8,8 +8,12 @@
 //! memory, in that order, and answers the crate's `HashReader`. Its own tile paths are Go's
 //! (`tile/8/0/x001/...`, `tile/8/data/...`), not C2SP's: [`tile_path`] writes C2SP's.
 //!
+//! Checkpoints are C2SP `tlog-checkpoint` texts (origin, size, root) in C2SP `signed-note`s
+//! (`signed_note`, the same port's), signed by [`NoteSigner`]: the node's Ed25519 key.
+//!
 //! Checked against the RFC 6962 vectors of transparency-dev/merkle (`testonly/constants.go`,
-//! `proof/verify_test.go`) and the tile counts of the C2SP `tlog-tiles` spec.
+//! `proof/verify_test.go`), the tile counts of the C2SP `tlog-tiles` spec and Go's
+//! `sumdb/note` signature example (the `PeterNeumann` key).
 
 use tlog_tiles::{
     Hash, HashReader, RecordProof, Tile, TreeProof, check_record, check_tree, prove_record,
@@ -35,6 +39,14 @@ pub enum TlogError {
     Tree(tlog_tiles::Error),
     #[error("not a C2SP tile path: {0:?}")]
     BadTilePath(String),
+    #[error("{0:?} is not a signed-note key name (non-empty, no spaces, no '+')")]
+    BadKeyName(String),
+    #[error("not a C2SP checkpoint")]
+    MalformedCheckpoint,
+    #[error("the signed note: {0}")]
+    Note(#[from] signed_note::NoteError),
+    #[error("the verifier key: {0}")]
+    VerifierKey(#[from] signed_note::VerifierError),
 }
 
 /// A Merkle tree of records, all its stored hashes in memory (32 bytes per record and per
@@ -168,6 +180,80 @@ pub fn verify_consistency(
     old_root: Hash,
 ) -> Result<(), TlogError> {
     check_tree(proof, new, new_root, old, old_root).map_err(TlogError::Invalid)
+}
+
+/// The node's Ed25519 key as a C2SP signed-note signer (key type 0x01), under `name` (the
+/// log's origin, as `tlog-checkpoint` recommends).
+pub struct NoteSigner {
+    name: String,
+    id: u32,
+    key: ed25519_dalek::SigningKey,
+}
+
+impl std::fmt::Debug for NoteSigner {
+    /// Name and key id; never the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NoteSigner")
+            .field("name", &self.name)
+            .field("id", &format_args!("{:08x}", self.id))
+            .finish()
+    }
+}
+
+/// C2SP signed-note key type of an Ed25519 signature.
+const ALG_ED25519: u8 = 0x01;
+
+impl NoteSigner {
+    pub fn new(name: &str, key: ed25519_dalek::SigningKey) -> Result<Self, TlogError> {
+        if !signed_note::is_key_name_valid(name) {
+            return Err(TlogError::BadKeyName(name.to_owned()));
+        }
+        let public = [&[ALG_ED25519][..], key.verifying_key().as_bytes()].concat();
+        Ok(Self {
+            name: name.to_owned(),
+            id: signed_note::key_id(name, &public),
+            key,
+        })
+    }
+
+    /// The verifier key others pin: `<name>+<key id, hex>+<base64(0x01‖public key)>`.
+    pub fn vkey(&self) -> String {
+        signed_note::new_ed25519_verifier_key(&self.name, &self.key.verifying_key())
+    }
+}
+
+impl signed_note::Signer for NoteSigner {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn key_id(&self) -> u32 {
+        self.id
+    }
+    fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, ed25519_dalek::SignatureError> {
+        use ed25519_dalek::Signer as _;
+        Ok(self.key.sign(msg).to_bytes().to_vec())
+    }
+}
+
+/// The checkpoint of the tree of `size` records with root `root`, as a signed note: the C2SP
+/// `tlog-checkpoint` text (origin = the signer's name) and the signer's line.
+pub fn sign_checkpoint(signer: &NoteSigner, size: u64, root: Hash) -> Result<Vec<u8>, TlogError> {
+    let text = tlog_tiles::Checkpoint::new(&signer.name, size, root, "")
+        .map_err(|_| TlogError::MalformedCheckpoint)?
+        .to_bytes();
+    let mut note = signed_note::Note::new(&text, &[])?;
+    note.add_sigs(&[signer])?;
+    Ok(note.to_bytes())
+}
+
+/// The checkpoint in `note` if `vkey` signed it (lines of other keys, such as witnesses'
+/// cosignatures, are left for their own checks).
+pub fn open_checkpoint(note: &[u8], vkey: &str) -> Result<tlog_tiles::Checkpoint, TlogError> {
+    let verifier = signed_note::StandardVerifier::new(vkey)?;
+    let known = signed_note::VerifierList::new(vec![Box::new(verifier)]);
+    let note = signed_note::Note::from_bytes(note)?;
+    note.verify(&known)?;
+    tlog_tiles::Checkpoint::from_bytes(note.text()).map_err(|_| TlogError::MalformedCheckpoint)
 }
 
 /// One tile to write: its C2SP path (under the log's prefix) and its hashes.
@@ -410,6 +496,61 @@ mod tests {
             t.prove_inclusion(8, 8),
             Err(TlogError::PastTheTree { .. })
         ));
+    }
+
+    /// Go's `sumdb/note` example: the same key signs the same text to the same line
+    /// (Ed25519 is deterministic), and the checkpoint round trip holds.
+    #[test]
+    fn notes_are_signed_as_gos_sumdb_note_signs_them() {
+        use signed_note::Signer as _;
+        let skey = "PRIVATE+KEY+PeterNeumann+c74f20a3+AYEKFALVFGyNhPJEMzD1QIDr+Y7hfZx09iUvxdXHKDFz";
+        let vkey = "PeterNeumann+c74f20a3+ARpc2QcUPDhMQegwxbzhKqiBfsVkmqq/LDE4izWy10TW";
+        let text = b"If you think cryptography is the answer to your problem,\nthen you don't know what your problem is.\n";
+        let want = "\u{2014} PeterNeumann x08go/ZJkuBS9UG/SffcvIAQxVBtiFupLLr8pAcElZInNIuGUgYN1FFYC2pZSNXgKvqfqdngotpRZb6KE6RyyBwJnAM=\n";
+        // The seed: the base64 after `PRIVATE+KEY+<name>+<id>+`, past its type byte.
+        let seed: [u8; 32] = {
+            use base64::Engine as _;
+            let raw = base64::engine::general_purpose::STANDARD
+                .decode(skey.splitn(5, '+').nth(4).expect("key"))
+                .expect("base64");
+            raw[1..].try_into().expect("32 bytes")
+        };
+        let ours = NoteSigner::new("PeterNeumann", ed25519_dalek::SigningKey::from_bytes(&seed))
+            .expect("signer");
+        assert_eq!(ours.vkey(), vkey);
+        assert_eq!(ours.key_id(), 0xc74f20a3);
+        let mut note = signed_note::Note::new(text, &[]).expect("note");
+        note.add_sigs(&[&ours]).expect("signs");
+        let bytes = note.to_bytes();
+        let sig_line = std::str::from_utf8(&bytes[text.len() + 1..]).expect("utf-8");
+        assert_eq!(sig_line, want);
+
+        let signer = NoteSigner::new(
+            "custody.invalid/node-1",
+            ed25519_dalek::SigningKey::from_bytes(&[7; 32]),
+        )
+        .expect("signer");
+        let t = vector_tree();
+        let note = sign_checkpoint(&signer, 8, t.root(8).expect("root")).expect("signed");
+        let c = open_checkpoint(&note, &signer.vkey()).expect("opens");
+        assert_eq!(
+            (c.origin(), c.size(), *c.hash()),
+            ("custody.invalid/node-1", 8, h(ROOTS[8]))
+        );
+        // Another key's vkey, or a changed size, does not open it.
+        let other = NoteSigner::new(
+            "custody.invalid/node-1",
+            ed25519_dalek::SigningKey::from_bytes(&[8; 32]),
+        )
+        .expect("signer");
+        assert!(open_checkpoint(&note, &other.vkey()).is_err());
+        let forged = String::from_utf8(note.clone())
+            .expect("utf-8")
+            .replacen("\n8\n", "\n9\n", 1);
+        assert!(open_checkpoint(forged.as_bytes(), &signer.vkey()).is_err());
+        assert!(
+            NoteSigner::new("has space", ed25519_dalek::SigningKey::from_bytes(&[7; 32])).is_err()
+        );
     }
 
     #[test]
