@@ -414,6 +414,7 @@ mod tests {
             next_digest: digests,
             prev_sha256: (digests > 0).then(|| "ab".repeat(32)),
             prev_signature: None,
+            tree: None,
         }
     }
 

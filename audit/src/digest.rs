@@ -86,6 +86,30 @@ pub struct DigestBody {
     pub previous_digest_sha256: Option<String>,
     pub previous_signature: Option<String>,
     pub public_key: String,
+    /// The Merkle tree over the node's records after this seal (`crate::leaf`: leaf index =
+    /// `seq`, so its size is `seq_end`) and its root (hex). Absent in digests written before
+    /// the tree existed: they serialise, and so verify, byte for byte as they were signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree_size: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree_root: Option<String>,
+}
+
+/// The Merkle tree of a node's records as a digest commits to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeHead {
+    pub size: u64,
+    pub root: [u8; 32],
+}
+
+impl DigestBody {
+    /// The tree this digest commits to (`None`: written before the tree, or its fields are
+    /// malformed — `verify` tells the two apart).
+    pub fn tree(&self) -> Option<TreeHead> {
+        let size = self.tree_size?;
+        let root = unhex(self.tree_root.as_deref()?)?.try_into().ok()?;
+        Some(TreeHead { size, root })
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -103,6 +127,8 @@ pub struct ChainHead {
     pub next_digest: u64,
     pub prev_sha256: Option<String>,
     pub prev_signature: Option<String>,
+    /// The tree the newest digest commits to (`None`: no digest, or one from before the tree).
+    pub tree: Option<TreeHead>,
 }
 
 /// Why a digest or a key could not be read or written.
@@ -171,6 +197,7 @@ impl ChainHead {
             next_segment: d.body.segment + 1,
             next_digest: d.body.digest_seq + 1,
             prev_sha256: Some(hex(&Sha256::digest(&bytes))),
+            tree: d.body.tree(),
             prev_signature: Some(d.signature),
         })
     }
@@ -186,8 +213,10 @@ impl DigestFile {
         seq_end: u64,
         sealed_wall_ns: i64,
         files: Vec<SealedFile>,
+        tree: TreeHead,
         key: &SigningKey,
     ) -> Self {
+        debug_assert_eq!(tree.size, seq_end, "leaf index = seq");
         let rows: u64 = files.iter().map(|f| f.rows).sum();
         let body = DigestBody {
             format: DIGEST_FORMAT.to_owned(),
@@ -202,6 +231,8 @@ impl DigestFile {
             previous_digest_sha256: head.prev_sha256.clone(),
             previous_signature: head.prev_signature.clone(),
             public_key: hex(key.verifying_key().as_bytes()),
+            tree_size: Some(tree.size),
+            tree_root: Some(hex(&tree.root)),
         };
         let signature = hex(&key.sign(&canonical(&body)).to_bytes());
         Self { body, signature }
@@ -229,6 +260,7 @@ impl DigestFile {
             next_digest: self.body.digest_seq + 1,
             prev_sha256: Some(hex(&Sha256::digest(&bytes))),
             prev_signature: Some(self.signature.clone()),
+            tree: self.body.tree(),
         })
     }
 }
@@ -382,6 +414,27 @@ pub enum Problem {
         last_evidence_wall_ns: Option<i64>,
         max_age_s: u64,
     },
+    /// The Merkle tree rebuilt from the sealed records is not the one digest `digest_seq`
+    /// signs (or the records do not make one leaf per sequence number).
+    TreeMismatch {
+        node: u32,
+        digest_seq: u64,
+        why: String,
+    },
+    /// A tile (or the checkpoint note) the tree needs is not under `_tlog/`.
+    TileMissing {
+        path: PathBuf,
+    },
+    /// A tile's hashes are not the ones the sealed records make.
+    TileModified {
+        path: PathBuf,
+    },
+    /// The node's signed checkpoint note is not signed by its key, or names a tree the sealed
+    /// records do not make.
+    TreeCheckpointInvalid {
+        node: u32,
+        why: String,
+    },
 }
 
 impl std::fmt::Display for Problem {
@@ -513,6 +566,28 @@ impl std::fmt::Display for Problem {
                 ),
                 None => write!(f, "node {node} is STALE: no sealing or checkpoint at all"),
             },
+            Problem::TreeMismatch {
+                node,
+                digest_seq,
+                why,
+            } => write!(
+                f,
+                "Merkle tree of node {node} does NOT MATCH digest {digest_seq}: {why}"
+            ),
+            Problem::TileMissing { path } => {
+                write!(f, "transparency-log file {} is MISSING", path.display())
+            }
+            Problem::TileModified { path } => write!(
+                f,
+                "tile {} was MODIFIED (not the hashes of the sealed records)",
+                path.display()
+            ),
+            Problem::TreeCheckpointInvalid { node, why } => {
+                write!(
+                    f,
+                    "the signed tree checkpoint of node {node} is INVALID: {why}"
+                )
+            }
         }
     }
 }
@@ -534,6 +609,8 @@ pub struct Report {
     /// newest of each node was found.
     pub checkpoints: usize,
     pub newest_checkpoints: BTreeMap<u32, String>,
+    /// Each node's Merkle tree, as rebuilt from its sealed records.
+    pub trees: BTreeMap<u32, crate::tree_store::TreeStatus>,
 }
 
 /// What [`verify_store_expecting`] holds a root to beyond its own content.
@@ -567,6 +644,11 @@ struct NodeChain {
     digests: BTreeMap<u64, String>,
     last_sealed_wall_ns: Option<i64>,
     key: Option<VerifyingKey>,
+    /// The digests, in chain order, while every one so far is authentic and linked (the tree
+    /// is rebuilt from these).
+    bodies: Vec<DigestBody>,
+    /// A digest failed a check: the tree is not rebuilt.
+    broken: bool,
 }
 
 impl Report {
@@ -912,6 +994,12 @@ pub fn verify_store_expecting(
             if ok && in_range {
                 r.valid_digests += 1;
             }
+            let chain = chains.entry(node).or_default();
+            if ok {
+                chain.bodies.push(d.body.clone());
+            } else {
+                chain.broken = true;
+            }
             prev = Some((sha, d.signature.clone(), d.body.digest_seq, d.body.seq_end));
         }
     }
@@ -970,6 +1058,7 @@ pub fn verify_store_expecting(
         .filter_map(|p| present.get(p).copied())
         .filter(|rel| rel.starts_with("node_events/"))
         .collect();
+    check_trees(store, &chains, from_ns.is_some() || to_ns.is_some(), &mut r);
     check_checkpoints(
         store,
         &objects,
@@ -986,6 +1075,38 @@ pub fn verify_store_expecting(
         .map(|o| store.locate(o))
         .collect();
     Ok(r)
+}
+
+/// Rebuilds each node's Merkle tree from its sealed records ([`crate::tree_store::verify_tree`]),
+/// when its chain and files hold (else the problems already say why) and the whole chain is
+/// read (not a time window: the tree starts at the node's first record).
+fn check_trees(
+    store: &dyn LogStore,
+    chains: &BTreeMap<u32, NodeChain>,
+    windowed: bool,
+    r: &mut Report,
+) {
+    use crate::tree_store::TreeStatus;
+    let verified: BTreeSet<&PathBuf> = r.verified_files.iter().collect();
+    for (&node, chain) in chains {
+        let status = if windowed {
+            TreeStatus::NotChecked("a time window was asked for (the tree covers the whole log)")
+        } else if chain.broken {
+            TreeStatus::NotChecked("the digest chain does not hold")
+        } else if !chain
+            .bodies
+            .iter()
+            .flat_map(|d| &d.files)
+            .all(|f| verified.contains(&store.locate(&f.path)))
+        {
+            TreeStatus::NotChecked("a sealed file does not hold")
+        } else if let Some(key) = chain.key {
+            crate::tree_store::verify_tree(store, node, &chain.bodies, &key, &mut r.problems)
+        } else {
+            TreeStatus::NotChecked("no key")
+        };
+        r.trees.insert(node, status);
+    }
 }
 
 /// Every checkpoint the root holds or `expect` brings, by where it was found: the root's own

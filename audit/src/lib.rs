@@ -20,11 +20,15 @@ pub mod defaults;
 #[cfg(feature = "writer")]
 pub mod digest;
 #[cfg(feature = "writer")]
+pub mod leaf;
+#[cfg(feature = "writer")]
 pub mod schema;
 #[cfg(feature = "writer")]
 pub mod synth;
 #[cfg(feature = "tlog")]
 pub mod tlog;
+#[cfg(feature = "writer")]
+pub mod tree_store;
 #[cfg(feature = "writer")]
 pub mod writer;
 

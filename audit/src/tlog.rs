@@ -16,9 +16,12 @@
 //! `sumdb/note` signature example (the `PeterNeumann` key).
 
 use tlog_tiles::{
-    Hash, HashReader, RecordProof, Tile, TreeProof, check_record, check_tree, prove_record,
-    prove_tree, record_hash, stored_hash_count, stored_hashes_for_record_hash, tree_hash,
+    HashReader, RecordProof, Tile, TreeProof, check_record, check_tree, prove_record, prove_tree,
+    record_hash, stored_hash_count, stored_hashes_for_record_hash, tree_hash,
 };
+
+/// A SHA-256 hash of the tree (a leaf, a node, a root).
+pub use tlog_tiles::Hash;
 
 /// Hashes per full tile: C2SP `tlog-tiles` tiles are 8 levels high (256 hashes wide).
 pub const TILE_HEIGHT: u8 = 8;
@@ -45,6 +48,8 @@ pub enum TlogError {
     MalformedCheckpoint,
     #[error("the signed note: {0}")]
     Note(#[from] signed_note::NoteError),
+    #[error("the partial tiles do not make a tree of {size} records (tile level {level})")]
+    EdgeMismatch { level: u8, size: u64 },
     #[error("the verifier key: {0}")]
     VerifierKey(#[from] signed_note::VerifierError),
 }
@@ -155,6 +160,162 @@ impl Tree {
             });
         }
         Ok(())
+    }
+}
+
+/// The right edge of a tree: the partial tile at each tile level (fewer than 256 hashes each),
+/// nothing else — O(log n) memory, however large the tree. Every hash that appending a record
+/// or computing the root reads lies on that edge (each left sibling is inside the tile being
+/// filled at its level), so `tlog_tiles` does the hashing through this reader. Tiles that fill
+/// up are handed out ([`EdgeTree::take_full_tiles`]) for the writer to store or the verifier
+/// to compare with the stored ones.
+#[derive(Debug, Default, Clone)]
+pub struct EdgeTree {
+    size: u64,
+    /// `edge[l]`: the hashes (32 bytes each) of the partial tile at tile level `l`.
+    edge: Vec<Vec<u8>>,
+    /// Tiles filled since the last [`EdgeTree::take_full_tiles`], in the order they filled.
+    full: Vec<TileFile>,
+}
+
+/// Bytes of a full tile.
+const FULL_TILE_BYTES: usize = (1 << TILE_HEIGHT) * tlog_tiles::HASH_SIZE;
+
+impl EdgeTree {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A tree of `size` records from its partial tiles (`partials[l]`: the hashes of the
+    /// partial tile at level `l`; its width must be `size`'s digit at that level in base 256).
+    pub fn from_partials(size: u64, partials: Vec<Vec<u8>>) -> Result<Self, TlogError> {
+        for (level, data) in partials.iter().enumerate() {
+            let want = Self::partial_width(size, level as u8) as usize * tlog_tiles::HASH_SIZE;
+            if data.len() != want {
+                return Err(TlogError::EdgeMismatch {
+                    level: level as u8,
+                    size,
+                });
+            }
+        }
+        if Self::levels(size) > partials.len() {
+            return Err(TlogError::EdgeMismatch {
+                level: partials.len() as u8,
+                size,
+            });
+        }
+        Ok(Self {
+            size,
+            edge: partials,
+            full: Vec::new(),
+        })
+    }
+
+    /// Tile levels a tree of `size` records has hashes at.
+    pub fn levels(size: u64) -> usize {
+        let mut n = 0;
+        let mut s = size;
+        while s > 0 {
+            n += 1;
+            s >>= TILE_HEIGHT;
+        }
+        n
+    }
+
+    /// Width of the partial tile at `level` of a tree of `size` records (0: none).
+    pub fn partial_width(size: u64, level: u8) -> u32 {
+        let shift = u32::from(level) * u32::from(TILE_HEIGHT);
+        if shift >= 64 {
+            return 0;
+        }
+        ((size >> shift) & ((1 << TILE_HEIGHT) - 1)) as u32
+    }
+
+    /// Records in the tree.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Appends one leaf hash; returns its index.
+    pub fn append_leaf(&mut self, leaf: Hash) -> Result<u64, TlogError> {
+        let n = self.size;
+        let new = stored_hashes_for_record_hash(n, leaf, self).map_err(TlogError::Tree)?;
+        // The k-th new stored hash is at level k; tiles keep levels 0, 8, 16, …
+        for (level, hash) in new.into_iter().enumerate() {
+            if level % usize::from(TILE_HEIGHT) != 0 {
+                continue;
+            }
+            let tl = level / usize::from(TILE_HEIGHT);
+            if self.edge.len() <= tl {
+                self.edge.resize(tl + 1, Vec::new());
+            }
+            self.edge[tl].extend_from_slice(&hash.0);
+            if self.edge[tl].len() == FULL_TILE_BYTES {
+                let index = (n >> (tl * usize::from(TILE_HEIGHT))) >> TILE_HEIGHT;
+                self.full.push(TileFile {
+                    path: tile_path(tl as u8, index, None),
+                    bytes: std::mem::take(&mut self.edge[tl]),
+                });
+            }
+        }
+        self.size += 1;
+        debug_assert!(self.edge.iter().enumerate().all(|(l, e)| e.len()
+            == Self::partial_width(self.size, l as u8) as usize * tlog_tiles::HASH_SIZE));
+        Ok(n)
+    }
+
+    /// The root hash of the whole tree (RFC 6962's MTH).
+    pub fn root(&self) -> Result<Hash, TlogError> {
+        tree_hash(self.size, self).map_err(TlogError::Tree)
+    }
+
+    /// The tiles that filled up since the last call (C2SP paths, 8,192 bytes each).
+    pub fn take_full_tiles(&mut self) -> Vec<TileFile> {
+        std::mem::take(&mut self.full)
+    }
+
+    /// The partial tiles of the tree as it stands that a tree of `since` records did not have
+    /// (at a level whose hashes grew since): `since = 0` gives them all.
+    pub fn partial_tiles(&self, since: u64) -> Vec<TileFile> {
+        let grew = |l: usize| {
+            let shift = l as u32 * u32::from(TILE_HEIGHT);
+            shift >= 64 || since == 0 || (since >> shift) != (self.size >> shift)
+        };
+        self.edge
+            .iter()
+            .enumerate()
+            .filter(|(l, e)| !e.is_empty() && grew(*l))
+            .map(|(l, e)| {
+                let shift = (l as u32 + 1) * u32::from(TILE_HEIGHT);
+                let index = if shift >= 64 { 0 } else { self.size >> shift };
+                let width = (e.len() / tlog_tiles::HASH_SIZE) as u32;
+                TileFile {
+                    path: tile_path(l as u8, index, Some(width)),
+                    bytes: e.clone(),
+                }
+            })
+            .collect()
+    }
+}
+
+impl HashReader for EdgeTree {
+    fn read_hashes(&self, indexes: &[u64]) -> Result<Vec<Hash>, tlog_tiles::Error> {
+        indexes
+            .iter()
+            .map(|&i| {
+                let tile = Tile::from_index(TILE_HEIGHT, i);
+                let level = usize::from(tile.level());
+                let shift = (level as u32 + 1) * u32::from(TILE_HEIGHT);
+                let edge_index = if shift >= 64 { 0 } else { self.size >> shift };
+                let data = self
+                    .edge
+                    .get(level)
+                    .filter(|_| tile.level_index() == edge_index);
+                // Anything off the edge is a bug in the argument above, not bad input.
+                let data = data.ok_or(tlog_tiles::Error::IndexesNotInTree)?;
+                tile.hash_at_index(data, i)
+            })
+            .collect()
     }
 }
 
@@ -646,5 +807,63 @@ mod tests {
             .map(|f| f.path)
             .collect();
         assert_eq!(grown, ["tile/0/001.p/44"]);
+    }
+
+    /// The edge tree (O(log n) memory) grows the tree `Tree` (every hash in memory) grows:
+    /// the same root after every step, and between steps exactly the tiles `tlog_tiles` says
+    /// changed — full ones as they fill, partial ones as they stand. Steps cross tile
+    /// boundaries at levels 0, 1 and 2 (70,000 records); the edge rebuilt from its partial
+    /// tiles goes on the same way.
+    #[test]
+    fn the_edge_tree_grows_as_the_whole_tree_does() {
+        let mut whole = Tree::new();
+        let mut edge = EdgeTree::new();
+        assert_eq!(edge.root().expect("empty"), whole.root(0).expect("empty"));
+        let mut old = 0u64;
+        for step in [1u64, 1, 5, 249, 256, 300, 65_536 - 812, 1, 4_463] {
+            for i in old..old + step {
+                let leaf = record_hash(&i.to_be_bytes());
+                assert_eq!(edge.append_leaf(leaf).expect("edge"), i);
+                whole.append_leaf(leaf).expect("whole");
+            }
+            let new = old + step;
+            assert_eq!(
+                edge.root().expect("root"),
+                whole.root(new).expect("root"),
+                "{new}"
+            );
+            let mut got = edge.take_full_tiles();
+            got.extend(edge.partial_tiles(old));
+            let mut want = whole.tiles(old, new).expect("tiles");
+            got.sort_by(|a, b| a.path.cmp(&b.path));
+            want.sort_by(|a, b| a.path.cmp(&b.path));
+            assert_eq!(got, want, "tiles from {old} to {new}");
+            old = new;
+        }
+        assert_eq!(old, 70_000);
+        let partials: Vec<Vec<u8>> = edge.partial_tiles(0).into_iter().map(|t| t.bytes).collect();
+        let mut reopened = EdgeTree::from_partials(old, partials.clone()).expect("reopen");
+        assert_eq!(
+            reopened.root().expect("root"),
+            whole.root(old).expect("root")
+        );
+        for i in old..old + 600 {
+            let leaf = record_hash(&i.to_be_bytes());
+            reopened.append_leaf(leaf).expect("edge");
+            whole.append_leaf(leaf).expect("whole");
+        }
+        assert_eq!(
+            reopened.root().expect("root"),
+            whole.root(old + 600).expect("root")
+        );
+        // Partial tiles of another size are refused, not misread.
+        assert!(matches!(
+            EdgeTree::from_partials(old + 1, partials.clone()),
+            Err(TlogError::EdgeMismatch { level: 0, .. })
+        ));
+        assert!(matches!(
+            EdgeTree::from_partials(old, partials[..2].to_vec()),
+            Err(TlogError::EdgeMismatch { level: 2, .. })
+        ));
     }
 }

@@ -38,9 +38,13 @@ use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 
 use crate::checkpoint::{Checkpoint, CheckpointSink, DirSink};
-use crate::digest::{self, DigestFile, SealedFile};
+use crate::digest::{self, DigestFile, SealedFile, TreeHead};
+use crate::leaf;
 use crate::schema::{self, SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, TableBuilder};
+use crate::tlog::{self, EdgeTree, NoteSigner};
+use crate::tree_store::{self, TreeDir};
 use crate::{AuditSink, Event, RdmaOpRows, SinkError, mono_now_ns, thread_cpu_ns};
+use tlog_tiles::Hash;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriterError {
@@ -55,6 +59,8 @@ pub enum WriterError {
     Parquet(#[from] parquet::errors::ParquetError),
     #[error("digest chain: {0}")]
     Digest(#[from] digest::DigestError),
+    #[error(transparent)]
+    Tree(#[from] crate::tree_store::TreeStoreError),
     #[error("unrecognised live file {}", .0.display())]
     UnknownLiveFile(PathBuf),
     #[error("audit writer is closed: {0}")]
@@ -113,6 +119,9 @@ pub struct WriterConfig {
     /// Published by a thread of their own, so a slow place never stalls the log. Never this
     /// writer's own log (a `LogSink` over it).
     pub checkpoint_sinks: Vec<Arc<dyn CheckpointSink>>,
+    /// The transparency log's origin: the first line of its checkpoints and the name of the
+    /// node's note key (`None`: [`crate::tree_store::default_origin`]).
+    pub origin: Option<String>,
 }
 
 impl WriterConfig {
@@ -130,6 +139,7 @@ impl WriterConfig {
             signing_key,
             checkpoint_interval: Duration::from_secs(60),
             checkpoint_sinks: Vec::new(),
+            origin: None,
         }
     }
 }
@@ -468,6 +478,10 @@ struct State {
     /// To the checkpoint publisher (set once the thread runs).
     publisher: Option<SyncSender<Checkpoint>>,
     last_checkpoint: Instant,
+    /// The Merkle tree over the sealed records (its right edge; tiles on disk).
+    tree: EdgeTree,
+    tree_dir: TreeDir,
+    note_signer: NoteSigner,
 }
 
 /// A complete live file's record batches, for sealing: the file read in one call and decoded
@@ -524,6 +538,12 @@ impl State {
     fn open(cfg: WriterConfig) -> Result<Self, WriterError> {
         fs::create_dir_all(live_dir(&cfg.root, cfg.node)).map_err(io(&cfg.root))?;
         let chain = digest::ChainHead::load(&cfg.root, cfg.node).map_err(WriterError::Digest)?;
+        let tree = tree_store::open_tree(&cfg.root, cfg.node, &chain)?;
+        let origin = cfg.origin.clone().unwrap_or_else(|| {
+            tree_store::default_origin(cfg.node, &cfg.signing_key.verifying_key())
+        });
+        let note_signer = NoteSigner::new(&origin, cfg.signing_key.clone())
+            .map_err(|e| WriterError::Tree(e.into()))?;
         let anchor_mono = mono_now_ns();
         let anchor_wall = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -548,9 +568,17 @@ impl State {
             chain,
             publisher: None,
             last_checkpoint: Instant::now(),
+            tree,
+            tree_dir: TreeDir::new(&cfg.root, cfg.node),
+            note_signer,
             cfg,
         };
         st.recover()?;
+        // The newest tree's note again: a crash between a digest and its note leaves the note
+        // one seal behind; this makes it current before anything new is written.
+        if st.tree.size() > 0 {
+            st.write_note()?;
+        }
         Ok(st)
     }
 
@@ -909,6 +937,11 @@ impl State {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as i64);
         let date = utc_date(sealed_wall);
+        let seq_start = self.segment_seq_start;
+        let seq_end = self.next_seq;
+        // One leaf per sequence number, from the very batches about to be sealed.
+        let leaves = leaf::leaves_of_tables(self.cfg.node, seq_start, seq_end, &batches)
+            .map_err(|e| WriterError::Tree(e.into()))?;
         let mut files = Vec::new();
         for (table, bs) in batches {
             let rows: usize = bs.iter().map(RecordBatch::num_rows).sum();
@@ -970,8 +1003,7 @@ impl State {
         if files.is_empty() {
             return Ok(());
         }
-        let seq_start = self.segment_seq_start;
-        let seq_end = self.next_seq;
+        let tree = self.grow_tree(leaves)?;
         let d = DigestFile::new(
             &self.chain,
             self.cfg.node,
@@ -980,13 +1012,49 @@ impl State {
             seq_end,
             sealed_wall,
             files,
+            tree,
             &self.cfg.signing_key,
         );
         self.chain = d.write(&self.cfg.root).map_err(WriterError::Digest)?;
+        self.write_note()?;
         self.segment += 1;
         self.segment_seq_start = self.next_seq;
         self.checkpoint(Urgency::Skippable);
         Ok(())
+    }
+}
+
+impl State {
+    /// Signs the tree as it stands (a C2SP checkpoint note) and writes it durably.
+    fn write_note(&self) -> Result<(), WriterError> {
+        let root = self.tree.root().map_err(|e| WriterError::Tree(e.into()))?;
+        let note = tlog::sign_checkpoint(&self.note_signer, self.tree.size(), root)
+            .map_err(|e| WriterError::Tree(e.into()))?;
+        Ok(self.tree_dir.write_checkpoint(&note)?)
+    }
+
+    /// Appends a sealed segment's leaves and writes the tiles that changed, durably, before
+    /// any digest names the tree.
+    fn grow_tree(&mut self, leaves: Vec<Hash>) -> Result<TreeHead, WriterError> {
+        let old = self.tree.size();
+        assert_eq!(
+            old, self.segment_seq_start,
+            "the tree holds one leaf per sealed sequence number"
+        );
+        for l in leaves {
+            self.tree
+                .append_leaf(l)
+                .map_err(|e| WriterError::Tree(e.into()))?;
+        }
+        debug_assert_eq!(self.tree.size(), self.next_seq);
+        let mut tiles = self.tree.take_full_tiles();
+        tiles.extend(self.tree.partial_tiles(old));
+        self.tree_dir.write_tiles(&tiles)?;
+        let root = self.tree.root().map_err(|e| WriterError::Tree(e.into()))?;
+        Ok(TreeHead {
+            size: self.tree.size(),
+            root: root.0,
+        })
     }
 }
 

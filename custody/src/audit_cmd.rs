@@ -282,6 +282,27 @@ fn print_report(r: &digest::Report) {
             "note: no checkpoint found: a deletion of the newest sealings cannot be seen (keep checkpoints outside the root and pass --expect-checkpoint)"
         );
     }
+    for (node, t) in &r.trees {
+        use custody_audit::tree_store::TreeStatus;
+        match t {
+            TreeStatus::Checked {
+                size,
+                root,
+                checkpoint_size,
+            } => {
+                let cp = checkpoint_size.map_or("none".to_owned(), |s| format!("{s} records"));
+                println!(
+                    "  node {node}: Merkle tree of {size} records rebuilt from the sealed records, root {root}; signed tree checkpoint: {cp}"
+                );
+            }
+            TreeStatus::NotChecked(why) => {
+                println!("  node {node}: Merkle tree NOT checked: {why}");
+            }
+            TreeStatus::Absent => println!(
+                "  node {node}: no Merkle tree (sealed before the transparency log existed)"
+            ),
+        }
+    }
     for p in &r.live_segments {
         println!(
             "unsealed live segment (recoverable, not yet covered by a digest): {}",

@@ -59,11 +59,11 @@ impl Drop for TmpDir {
     }
 }
 
-fn key() -> ed25519_dalek_key::Key {
+pub(crate) fn key() -> ed25519_dalek_key::Key {
     ed25519_dalek_key::Key(digest::generate_key().expect("key"))
 }
 
-mod ed25519_dalek_key {
+pub(crate) mod ed25519_dalek_key {
     pub struct Key(pub ed25519_dalek::SigningKey);
 }
 
@@ -360,7 +360,7 @@ print(n["requests"], n["page_events"], n["page_reads"], n["integrity_violations"
 }
 
 /// A log with several sealed segments (several digests).
-fn build_log(root: &Path, k: &ed25519_dalek_key::Key) {
+pub(crate) fn build_log(root: &Path, k: &ed25519_dalek_key::Key) {
     let w = AuditWriter::open(WriterConfig::new(root, 3, k.0.clone())).expect("writer");
     for seg in 0..3u64 {
         for i in 0..200u64 {
@@ -399,7 +399,7 @@ pub(crate) fn copy_dir(src: &Path, dst: &Path) {
     assert!(st.success());
 }
 
-fn parquet_files(root: &Path) -> Vec<PathBuf> {
+pub(crate) fn parquet_files(root: &Path) -> Vec<PathBuf> {
     let mut v = Vec::new();
     let mut stack = vec![root.to_path_buf()];
     while let Some(d) = stack.pop() {

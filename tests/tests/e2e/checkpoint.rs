@@ -61,6 +61,11 @@ pub(crate) fn cut_tail(root: &Path, local_copy_too: bool) {
         std::fs::remove_file(root.join(f["path"].as_str().expect("path"))).expect("rm file");
     }
     std::fs::remove_file(&newest).expect("rm digest");
+    // The tree as the shortened chain makes it: its tiles are hashes of the records anyone can
+    // recompute; its signed note (which only the node can sign) deleted, not forged.
+    let tlog = root.join(format!("_tlog/node={NODE}"));
+    std::fs::remove_dir_all(&tlog).expect("rm tree");
+    custody_audit::tree_store::rebuild(root, NODE).expect("rebuild the tiles");
     if local_copy_too {
         std::fs::remove_file(DirSink::path(&root.join("_checkpoints"), NODE)).expect("rm copy");
     }

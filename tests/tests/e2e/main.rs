@@ -32,6 +32,7 @@ mod structured;
 mod symbols;
 mod synth;
 mod threads;
+mod tlog;
 mod tls;
 mod witness;
 

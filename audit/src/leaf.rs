@@ -1,0 +1,303 @@
+//! The Merkle tree's leaves: one per node sequence number, so leaf index = `seq` and the tree
+//! of a node's first `n` records has size `n`.
+//!
+//! A record's leaf is RFC 6962's `SHA-256(0x00 ‖ record)` over its canonical bytes
+//! ([`encode_record`]); a sequence number whose record never reached disk (declared in a digest
+//! as `lost_unacknowledged`) gets the leaf of [`lost_record`]. The bytes are self-describing (the
+//! table's and each column's name travel with the values), so a verifier written from
+//! `docs/audit-schema.md` decodes a record it is handed without the schema:
+//!
+//! ```text
+//! record  = "custody.audit.record/1" 0x00  u8 len ‖ table  u16 columns  column*
+//! column  = u8 len ‖ name  tag  value
+//! tag     = 0 null | 1 u32 | 2 u64 | 3 i32 | 4 i64 (big-endian) | 5 utf8 (u32 length ‖ bytes)
+//! lost    = "custody.audit.lost/1" 0x00  u32 node  u64 seq
+//! ```
+//! Columns in the table's schema order (`node_id`, `seq`, `ts_ns`, `wall_ns` first).
+
+use std::collections::BTreeMap;
+
+use arrow::array::{
+    Array, Int32Array, Int64Array, RecordBatch, StringArray, UInt32Array, UInt64Array,
+};
+use arrow::datatypes::DataType;
+use tlog_tiles::{Hash, record_hash};
+
+use crate::schema::Table;
+
+/// Prefix of a record's canonical bytes (the encoding's version).
+pub const RECORD_PREFIX: &[u8] = b"custody.audit.record/1\0";
+/// Prefix of a lost sequence number's placeholder record.
+pub const LOST_PREFIX: &[u8] = b"custody.audit.lost/1\0";
+
+/// Why a segment's rows do not make one leaf per sequence number.
+#[derive(Debug, thiserror::Error)]
+pub enum LeafError {
+    #[error("table {table}: column {column} has type {data_type}, which has no canonical encoding")]
+    UnsupportedType {
+        table: &'static str,
+        column: String,
+        data_type: DataType,
+    },
+    #[error("table {table}: its second column is not the u64 `seq`")]
+    NoSeq { table: &'static str },
+    #[error("seq {seq} is outside the segment's {start}..{end}")]
+    OutOfRange { seq: u64, start: u64, end: u64 },
+    #[error("seq {seq} appears twice in the segment")]
+    Duplicate { seq: u64 },
+}
+
+/// One column of a batch, typed once per batch (not per row).
+#[derive(Debug)]
+enum Column<'a> {
+    U32(&'a UInt32Array),
+    U64(&'a UInt64Array),
+    I32(&'a Int32Array),
+    I64(&'a Int64Array),
+    Utf8(&'a StringArray),
+}
+
+/// Writes the canonical bytes of a batch's rows.
+#[derive(Debug)]
+pub struct RecordEncoder<'a> {
+    table: &'static str,
+    names: Vec<&'a str>,
+    columns: Vec<Column<'a>>,
+}
+
+impl<'a> RecordEncoder<'a> {
+    pub fn new(table: Table, batch: &'a RecordBatch) -> Result<Self, LeafError> {
+        let schema = batch.schema_ref();
+        let mut columns = Vec::with_capacity(batch.num_columns());
+        let mut names = Vec::with_capacity(batch.num_columns());
+        for (field, array) in schema.fields().iter().zip(batch.columns()) {
+            let any = array.as_any();
+            let col = match field.data_type() {
+                DataType::UInt32 => any.downcast_ref().map(Column::U32),
+                DataType::UInt64 => any.downcast_ref().map(Column::U64),
+                DataType::Int32 => any.downcast_ref().map(Column::I32),
+                DataType::Int64 => any.downcast_ref().map(Column::I64),
+                DataType::Utf8 => any.downcast_ref().map(Column::Utf8),
+                _ => None,
+            };
+            let col = col.ok_or_else(|| LeafError::UnsupportedType {
+                table: table.name(),
+                column: field.name().clone(),
+                data_type: field.data_type().clone(),
+            })?;
+            columns.push(col);
+            names.push(field.name().as_str());
+        }
+        Ok(Self {
+            table: table.name(),
+            names,
+            columns,
+        })
+    }
+
+    /// Appends row `row`'s canonical bytes to `out`.
+    pub fn encode(&self, row: usize, out: &mut Vec<u8>) {
+        out.extend_from_slice(RECORD_PREFIX);
+        put_name(out, self.table);
+        out.extend_from_slice(&(self.columns.len() as u16).to_be_bytes());
+        for (name, col) in self.names.iter().zip(&self.columns) {
+            put_name(out, name);
+            put_value(out, col, row);
+        }
+    }
+}
+
+/// `u8 len ‖ bytes`: table and column names are short ASCII identifiers (asserted).
+fn put_name(out: &mut Vec<u8>, name: &str) {
+    debug_assert!(name.len() <= usize::from(u8::MAX));
+    out.push(name.len() as u8);
+    out.extend_from_slice(name.as_bytes());
+}
+
+fn put_value(out: &mut Vec<u8>, col: &Column<'_>, row: usize) {
+    let null = match col {
+        Column::U32(a) => a.is_null(row),
+        Column::U64(a) => a.is_null(row),
+        Column::I32(a) => a.is_null(row),
+        Column::I64(a) => a.is_null(row),
+        Column::Utf8(a) => a.is_null(row),
+    };
+    if null {
+        out.push(0);
+        return;
+    }
+    match col {
+        Column::U32(a) => {
+            out.push(1);
+            out.extend_from_slice(&a.value(row).to_be_bytes());
+        }
+        Column::U64(a) => {
+            out.push(2);
+            out.extend_from_slice(&a.value(row).to_be_bytes());
+        }
+        Column::I32(a) => {
+            out.push(3);
+            out.extend_from_slice(&a.value(row).to_be_bytes());
+        }
+        Column::I64(a) => {
+            out.push(4);
+            out.extend_from_slice(&a.value(row).to_be_bytes());
+        }
+        Column::Utf8(a) => {
+            let v = a.value(row).as_bytes();
+            out.push(5);
+            out.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            out.extend_from_slice(v);
+        }
+    }
+}
+
+/// The placeholder record of a sequence number lost before it reached disk.
+pub fn lost_record(node: u32, seq: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(LOST_PREFIX.len() + 12);
+    out.extend_from_slice(LOST_PREFIX);
+    out.extend_from_slice(&node.to_be_bytes());
+    out.extend_from_slice(&seq.to_be_bytes());
+    out
+}
+
+/// The leaves of sequence numbers `start..end` from a segment's batches (any table, any order),
+/// in sequence order: each row's record hash at index `seq - start`, a lost placeholder where no
+/// row has that number. A row outside the range, or two rows with one number, is an error.
+pub fn segment_leaves<'a>(
+    node: u32,
+    start: u64,
+    end: u64,
+    batches: impl IntoIterator<Item = (Table, &'a RecordBatch)>,
+) -> Result<Vec<Hash>, LeafError> {
+    debug_assert!(start <= end);
+    let mut leaves: Vec<Option<Hash>> = vec![None; (end - start) as usize];
+    let mut buf = Vec::with_capacity(256);
+    for (table, batch) in batches {
+        let enc = RecordEncoder::new(table, batch)?;
+        let seqs = batch
+            .column(1)
+            .as_any()
+            .downcast_ref::<UInt64Array>()
+            .ok_or(LeafError::NoSeq {
+                table: table.name(),
+            })?;
+        for (row, &seq) in seqs.values().iter().enumerate() {
+            if !(start..end).contains(&seq) {
+                return Err(LeafError::OutOfRange { seq, start, end });
+            }
+            let slot = &mut leaves[(seq - start) as usize];
+            if slot.is_some() {
+                return Err(LeafError::Duplicate { seq });
+            }
+            buf.clear();
+            enc.encode(row, &mut buf);
+            *slot = Some(record_hash(&buf));
+        }
+    }
+    Ok(leaves
+        .into_iter()
+        .zip(start..end)
+        .map(|(l, seq)| l.unwrap_or_else(|| record_hash(&lost_record(node, seq))))
+        .collect())
+}
+
+/// [`segment_leaves`] over a map of tables to their batches.
+pub fn leaves_of_tables(
+    node: u32,
+    start: u64,
+    end: u64,
+    batches: &BTreeMap<Table, Vec<RecordBatch>>,
+) -> Result<Vec<Hash>, LeafError> {
+    segment_leaves(
+        node,
+        start,
+        end,
+        batches
+            .iter()
+            .flat_map(|(t, bs)| bs.iter().map(move |b| (*t, b))),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow::datatypes::{Field, Schema};
+
+    use super::*;
+
+    fn batch(seqs: &[u64]) -> RecordBatch {
+        let n = seqs.len();
+        let schema = Schema::new(vec![
+            Field::new("node_id", DataType::UInt32, false),
+            Field::new("seq", DataType::UInt64, false),
+            Field::new("tenant", DataType::Utf8, true),
+            Field::new("delta", DataType::Int64, false),
+            Field::new("n", DataType::Int32, false),
+        ]);
+        RecordBatch::try_new(
+            Arc::new(schema),
+            vec![
+                Arc::new(UInt32Array::from(vec![3; n])),
+                Arc::new(UInt64Array::from(seqs.to_vec())),
+                Arc::new(StringArray::from(
+                    (0..n)
+                        .map(|i| (i % 2 == 1).then_some("acme"))
+                        .collect::<Vec<_>>(),
+                )),
+                Arc::new(Int64Array::from(vec![-2; n])),
+                Arc::new(Int32Array::from(vec![5; n])),
+            ],
+        )
+        .expect("batch")
+    }
+
+    /// The encoding, byte for byte, as `docs/audit-schema.md` documents it.
+    #[test]
+    fn records_encode_as_documented() {
+        let b = batch(&[7, 8]);
+        let enc = RecordEncoder::new(Table::Requests, &b).expect("encoder");
+        let mut got = Vec::new();
+        enc.encode(0, &mut got);
+        let mut want = b"custody.audit.record/1\0".to_vec();
+        want.extend_from_slice(b"\x08requests\x00\x05");
+        want.extend_from_slice(b"\x07node_id\x01\x00\x00\x00\x03");
+        want.extend_from_slice(b"\x03seq\x02\x00\x00\x00\x00\x00\x00\x00\x07");
+        want.extend_from_slice(b"\x06tenant\x00");
+        want.extend_from_slice(b"\x05delta\x04\xff\xff\xff\xff\xff\xff\xff\xfe");
+        want.extend_from_slice(b"\x01n\x03\x00\x00\x00\x05");
+        assert_eq!(got, want);
+        got.clear();
+        enc.encode(1, &mut got);
+        let tenant = b"\x06tenant\x05\x00\x00\x00\x04acme";
+        assert!(got.windows(tenant.len()).any(|w| w == tenant));
+        assert_eq!(
+            lost_record(3, 9),
+            b"custody.audit.lost/1\0\x00\x00\x00\x03\x00\x00\x00\x00\x00\x00\x00\x09"
+        );
+    }
+
+    /// One leaf per number: rows in any order, a lost number's placeholder; a number outside
+    /// the segment or seen twice is an error.
+    #[test]
+    fn a_segment_has_one_leaf_per_sequence_number() {
+        let b = batch(&[12, 10]);
+        let leaves = segment_leaves(3, 10, 13, [(Table::Requests, &b)]).expect("leaves");
+        let enc = RecordEncoder::new(Table::Requests, &b).expect("encoder");
+        let leaf = |row| {
+            let mut v = Vec::new();
+            enc.encode(row, &mut v);
+            record_hash(&v)
+        };
+        assert_eq!(leaves, [leaf(1), record_hash(&lost_record(3, 11)), leaf(0)]);
+        assert!(matches!(
+            segment_leaves(3, 10, 12, [(Table::Requests, &b)]),
+            Err(LeafError::OutOfRange { seq: 12, .. })
+        ));
+        assert!(matches!(
+            segment_leaves(3, 10, 13, [(Table::Requests, &b), (Table::Requests, &b)]),
+            Err(LeafError::Duplicate { .. })
+        ));
+    }
+}

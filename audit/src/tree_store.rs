@@ -1,0 +1,449 @@
+//! A node's Merkle tree on disk, and its check.
+//!
+//! ```text
+//! _tlog/node=<n>/checkpoint          C2SP tlog-checkpoint in a signed note (the node's key)
+//! _tlog/node=<n>/tile/<L>/<N>        C2SP tlog-tiles: full tiles (256 hashes), immutable
+//! _tlog/node=<n>/tile/<L>/<N>.p/<W>  partial tiles, removed once their full tile is written
+//! ```
+//! Written by the writer at every seal before the digest that commits to the tree (size and
+//! root), so a digest never names a tree whose tiles are not on disk. The tree is rebuilt by
+//! `verify` from the sealed Parquet alone ([`verify_tree`]): tiles, digests and checkpoint must
+//! all agree with the records.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use arrow::record_batch::RecordBatch;
+use ed25519_dalek::VerifyingKey;
+use tlog_tiles::Hash;
+
+use crate::digest::{self, ChainHead, DigestBody, DigestFile, LocalStore, LogStore, Problem};
+use crate::leaf::{self, LeafError};
+use crate::schema::Table;
+use crate::tlog::{self, EdgeTree, TileFile, TlogError};
+
+/// The tree's directory under an audit root.
+pub const TLOG_DIR: &str = "_tlog";
+
+/// `_tlog/node=<n>`: a node's tree, relative to the root.
+pub fn node_prefix(node: u32) -> String {
+    format!("{TLOG_DIR}/node={node}")
+}
+
+/// The origin (and note key name) a node's checkpoints carry unless one is configured: a
+/// schema-less URL under the reserved `.invalid` domain (it names a log, resolves nowhere),
+/// with the node id and the start of its public key, so two nodes or two keys never share one.
+pub fn default_origin(node: u32, key: &VerifyingKey) -> String {
+    format!(
+        "custody.invalid/audit/node-{node}/{}",
+        digest::hex(&key.as_bytes()[..4])
+    )
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TreeStoreError {
+    #[error("the transparency log at {}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the transparency log: {0}")]
+    Tlog(#[from] TlogError),
+    #[error("the transparency log's leaves: {0}")]
+    Leaf(#[from] LeafError),
+    #[error(
+        "node {node}: the tiles on disk make a tree of {size} records whose root is not the one its newest digest signed (tiles altered, or a disk from another log)"
+    )]
+    RootMismatch { node: u32, size: u64 },
+    #[error("rebuilding the tree from sealed files: {0}")]
+    Rebuild(String),
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> TreeStoreError + '_ {
+    move |source| TreeStoreError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A node's tree directory on a local disk (the writer's side).
+#[derive(Debug, Clone)]
+pub struct TreeDir {
+    dir: PathBuf,
+}
+
+impl TreeDir {
+    pub fn new(root: &Path, node: u32) -> Self {
+        Self {
+            dir: root.join(node_prefix(node)),
+        }
+    }
+
+    /// Writes tiles durably (each to a temporary name, fsynced, renamed; each directory fsynced
+    /// once). A full tile replaces the partial versions of itself.
+    pub fn write_tiles(&self, tiles: &[TileFile]) -> Result<(), TreeStoreError> {
+        let mut dirs = std::collections::BTreeSet::new();
+        for t in tiles {
+            let path = self.dir.join(&t.path);
+            let dir = path.parent().unwrap_or(&self.dir).to_path_buf();
+            write_durably(&path, &t.bytes, false)?;
+            if !t.path.contains(".p/") {
+                let partials = self.dir.join(format!("{}.p", t.path));
+                match fs::remove_dir_all(&partials) {
+                    Ok(()) => {
+                        dirs.insert(dir.clone());
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io_at(&partials)(e)),
+                }
+            }
+            dirs.insert(dir);
+        }
+        for d in dirs {
+            fsync_dir(&d)?;
+        }
+        Ok(())
+    }
+
+    /// The partial tiles of a tree of `size` records, as [`EdgeTree::from_partials`] takes them.
+    pub fn read_partials(&self, size: u64) -> Result<Vec<Vec<u8>>, TreeStoreError> {
+        let mut out = Vec::new();
+        for level in 0..EdgeTree::levels(size) as u8 {
+            let width = EdgeTree::partial_width(size, level);
+            if width == 0 {
+                out.push(Vec::new());
+                continue;
+            }
+            let shift = (u32::from(level) + 1) * u32::from(tlog::TILE_HEIGHT);
+            let index = if shift >= 64 { 0 } else { size >> shift };
+            let path = self.dir.join(tlog::tile_path(level, index, Some(width)));
+            out.push(fs::read(&path).map_err(io_at(&path))?);
+        }
+        Ok(out)
+    }
+
+    /// Writes the newest signed checkpoint note durably.
+    pub fn write_checkpoint(&self, note: &[u8]) -> Result<(), TreeStoreError> {
+        write_durably(&self.dir.join("checkpoint"), note, true)
+    }
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), TreeStoreError> {
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_at(dir))
+}
+
+fn write_durably(path: &Path, bytes: &[u8], sync_dir: bool) -> Result<(), TreeStoreError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(io_at(dir))?;
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("tile");
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let res: std::io::Result<()> = (|| {
+        let mut f = fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut f, bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    res.map_err(io_at(path))?;
+    if sync_dir {
+        fsync_dir(dir)?;
+    }
+    Ok(())
+}
+
+/// The writer's tree at start: the edge the newest digest's tree left on disk (its root checked
+/// against the digest's), an empty tree for a new log, or — for a log sealed before the tree
+/// existed — the tree rebuilt from its sealed files (each checked against its digest first),
+/// its tiles written.
+pub fn open_tree(root: &Path, node: u32, chain: &ChainHead) -> Result<EdgeTree, TreeStoreError> {
+    let dir = TreeDir::new(root, node);
+    if let Some(head) = chain.tree {
+        let tree = EdgeTree::from_partials(head.size, dir.read_partials(head.size)?)?;
+        if tree.root()?.0 != head.root || head.size != chain.next_seq {
+            return Err(TreeStoreError::RootMismatch {
+                node,
+                size: head.size,
+            });
+        }
+        return Ok(tree);
+    }
+    if chain.next_seq == 0 {
+        return Ok(EdgeTree::new());
+    }
+    tracing::warn!(
+        node,
+        records = chain.next_seq,
+        "audit log sealed before its Merkle tree existed: rebuilding the tree from the sealed files"
+    );
+    rebuild(root, node)
+}
+
+/// Rebuilds a node's tree from its sealed files (each checked against its digest first) and
+/// writes every tile: for a log sealed before the tree existed, or tiles lost or deleted.
+/// Tiles are hashes of the records, so anyone holding the records can write them; what only
+/// the node can write is the signed checkpoint, which this leaves alone.
+pub fn rebuild(root: &Path, node: u32) -> Result<EdgeTree, TreeStoreError> {
+    let dir = TreeDir::new(root, node);
+    let store = LocalStore::new(root);
+    let mut tree = EdgeTree::new();
+    for d in node_digests(&store, node).map_err(|e| TreeStoreError::Rebuild(e.to_string()))? {
+        for f in &d.files {
+            let (sha, _) = store
+                .sha256(&f.path)
+                .map_err(|e| TreeStoreError::Rebuild(e.to_string()))?;
+            if sha != f.sha256 {
+                return Err(TreeStoreError::Rebuild(format!(
+                    "{} is not the file digest {} sealed: run `custody audit verify`",
+                    f.path, d.digest_seq
+                )));
+            }
+        }
+        let batches = digest_batches(&store, &d).map_err(TreeStoreError::Rebuild)?;
+        append_digest(&mut tree, &d, &batches)?;
+        dir.write_tiles(&tree.take_full_tiles())?;
+    }
+    dir.write_tiles(&tree.partial_tiles(0))?;
+    Ok(tree)
+}
+
+/// Appends a digest's records to `tree` (which must end where the digest starts).
+fn append_digest(
+    tree: &mut EdgeTree,
+    d: &DigestBody,
+    batches: &[(Table, RecordBatch)],
+) -> Result<(), TreeStoreError> {
+    let leaves = leaf::segment_leaves(
+        d.node,
+        d.seq_start,
+        d.seq_end,
+        batches.iter().map(|(t, b)| (*t, b)),
+    )?;
+    for l in leaves {
+        tree.append_leaf(l)?;
+    }
+    Ok(())
+}
+
+/// A node's digests in chain order, as stored (no checks: `verify`'s job).
+fn node_digests(store: &dyn LogStore, node: u32) -> Result<Vec<DigestBody>, digest::StoreError> {
+    let mut names = store.list(&format!("_digests/node={node}/"))?;
+    names.retain(|n| n.ends_with(".json"));
+    names.sort();
+    names
+        .iter()
+        .map(|n| {
+            let bytes = store.read(n)?;
+            serde_json::from_slice::<DigestFile>(&bytes)
+                .map(|d| d.body)
+                .map_err(|e| digest::StoreError {
+                    path: n.clone(),
+                    why: e.to_string(),
+                })
+        })
+        .collect()
+}
+
+/// Every record batch of the files a digest names, with their tables.
+fn digest_batches(
+    store: &dyn LogStore,
+    d: &DigestBody,
+) -> Result<Vec<(Table, RecordBatch)>, String> {
+    let mut out = Vec::new();
+    for f in &d.files {
+        let table = Table::from_name(&f.table)
+            .ok_or_else(|| format!("{}: unknown table {:?}", f.path, f.table))?;
+        let bytes = store.read(&f.path).map_err(|e| e.to_string())?;
+        let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(
+            bytes::Bytes::from(bytes),
+        )
+        .and_then(|b| b.build())
+        .map_err(|e| format!("{}: {e}", f.path))?;
+        for b in reader {
+            out.push((table, b.map_err(|e| format!("{}: {e}", f.path))?));
+        }
+    }
+    Ok(out)
+}
+
+/// What `verify` found of a node's tree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TreeStatus {
+    /// Rebuilt from the sealed records; tiles, digests and checkpoint agree with it.
+    Checked {
+        size: u64,
+        root: String,
+        /// The size of the signed checkpoint note found (`None`: none on disk).
+        checkpoint_size: Option<u64>,
+    },
+    /// Not rebuilt, and why (a time window; files that failed their own checks).
+    NotChecked(&'static str),
+    /// No digest of the node commits to a tree (a log sealed before the tree existed).
+    Absent,
+}
+
+/// Rebuilds a node's tree from its sealed records (`digests`: the node's chain, in order, each
+/// authentic and intact — `verify` checks that first) and holds everything written about the
+/// tree to it: each digest's size and root, every tile, and the signed checkpoint note.
+pub fn verify_tree(
+    store: &dyn LogStore,
+    node: u32,
+    digests: &[DigestBody],
+    key: &VerifyingKey,
+    problems: &mut Vec<Problem>,
+) -> TreeStatus {
+    if digests.iter().all(|d| d.tree_size.is_none()) {
+        return TreeStatus::Absent;
+    }
+    let prefix = node_prefix(node);
+    let mut tree = EdgeTree::new();
+    let mut roots: BTreeMap<u64, Hash> = BTreeMap::new();
+    let mut started = false;
+    let mismatch = |d: &DigestBody, why: String| Problem::TreeMismatch {
+        node,
+        digest_seq: d.digest_seq,
+        why,
+    };
+    for d in digests {
+        if tree.size() != d.seq_start {
+            problems.push(mismatch(
+                d,
+                format!(
+                    "the tree has {} records, the digest starts at seq {}",
+                    tree.size(),
+                    d.seq_start
+                ),
+            ));
+            return TreeStatus::NotChecked("the chain has a gap");
+        }
+        let batches = match digest_batches(store, d) {
+            Ok(b) => b,
+            Err(why) => {
+                problems.push(mismatch(d, why));
+                return TreeStatus::NotChecked("a sealed file does not decode");
+            }
+        };
+        if let Err(e) = append_digest(&mut tree, d, &batches) {
+            problems.push(mismatch(d, e.to_string()));
+            return TreeStatus::NotChecked("a sealed file's records are not the digest's");
+        }
+        check_tiles(store, &prefix, tree.take_full_tiles(), problems);
+        let root = match tree.root() {
+            Ok(r) => r,
+            Err(e) => {
+                problems.push(mismatch(d, e.to_string()));
+                return TreeStatus::NotChecked("the tree could not be computed");
+            }
+        };
+        roots.insert(tree.size(), root);
+        match (d.tree(), d.tree_size.is_some() || d.tree_root.is_some()) {
+            (Some(head), _) => {
+                started = true;
+                if head.size != tree.size() || head.root != root.0 {
+                    problems.push(mismatch(
+                        d,
+                        format!(
+                            "it signs a tree of {} records with root {}; the sealed records make {} with root {}",
+                            head.size,
+                            digest::hex(&head.root),
+                            tree.size(),
+                            digest::hex(&root.0)
+                        ),
+                    ));
+                }
+            }
+            (None, true) => problems.push(mismatch(d, "malformed tree_size/tree_root".into())),
+            (None, false) if started => problems.push(mismatch(
+                d,
+                "no tree, after digests that had one (the tree was dropped)".into(),
+            )),
+            (None, false) => {}
+        }
+    }
+    check_tiles(store, &prefix, tree.partial_tiles(0), problems);
+    let checkpoint_size = check_note(store, node, &prefix, key, &roots, problems);
+    let root = roots
+        .get(&tree.size())
+        .map(|r| digest::hex(&r.0))
+        .unwrap_or_default();
+    TreeStatus::Checked {
+        size: tree.size(),
+        root,
+        checkpoint_size,
+    }
+}
+
+fn check_tiles(
+    store: &dyn LogStore,
+    prefix: &str,
+    tiles: Vec<TileFile>,
+    problems: &mut Vec<Problem>,
+) {
+    for t in tiles {
+        let rel = format!("{prefix}/{}", t.path);
+        match store.read(&rel) {
+            Ok(b) if b == t.bytes => {}
+            Ok(_) => problems.push(Problem::TileModified {
+                path: store.locate(&rel),
+            }),
+            Err(_) => problems.push(Problem::TileMissing {
+                path: store.locate(&rel),
+            }),
+        }
+    }
+}
+
+/// The signed checkpoint note: signed by the node's key under the origin it names, for a size
+/// some digest sealed, with that size's root. Returns its size when it holds.
+fn check_note(
+    store: &dyn LogStore,
+    node: u32,
+    prefix: &str,
+    key: &VerifyingKey,
+    roots: &BTreeMap<u64, Hash>,
+    problems: &mut Vec<Problem>,
+) -> Option<u64> {
+    // No note is no claim (as a missing `_checkpoints/` copy): whoever can delete files can
+    // delete it. The writer writes one at every seal and start, so one is there unless removed.
+    let Ok(note) = store.read(&format!("{prefix}/checkpoint")) else {
+        return None;
+    };
+    let invalid = |why: String| Problem::TreeCheckpointInvalid { node, why };
+    let origin = note
+        .split(|&b| b == b'\n')
+        .next()
+        .and_then(|l| std::str::from_utf8(l).ok())
+        .unwrap_or_default();
+    if !signed_note::is_key_name_valid(origin) {
+        problems.push(invalid(format!(
+            "its origin line {origin:?} is not a key name"
+        )));
+        return None;
+    }
+    let vkey = signed_note::new_ed25519_verifier_key(origin, key);
+    let cp = match tlog::open_checkpoint(&note, &vkey) {
+        Ok(cp) => cp,
+        Err(e) => {
+            problems.push(invalid(format!("not signed by the node's key: {e}")));
+            return None;
+        }
+    };
+    match roots.get(&cp.size()) {
+        Some(r) if r == cp.hash() => Some(cp.size()),
+        Some(_) => {
+            problems.push(invalid(format!(
+                "its root for {} records is not the sealed records' (a forked history)",
+                cp.size()
+            )));
+            None
+        }
+        None => {
+            problems.push(invalid(format!(
+                "it names a tree of {} records that no digest sealed",
+                cp.size()
+            )));
+            None
+        }
+    }
+}
