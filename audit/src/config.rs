@@ -40,4 +40,11 @@ pub struct AuditSection {
     /// Directories where other nodes (peers) publish their checkpoints: each new one is kept
     /// in this node's log (`node_events` `checkpoint`), where a cut of their tails shows.
     pub checkpoints_from: Vec<PathBuf>,
+    /// The Merkle tree's origin: the first line of its signed checkpoints and the name of the
+    /// node's note key (a schema-less URL, no spaces or `+`). Unset:
+    /// `custody.invalid/audit/node-<n>/<key prefix>` (`tree_store::default_origin`).
+    pub origin: Option<String>,
+    /// Also write the tree's full level-0 tiles at every seal (32 bytes per record; see
+    /// `WriterConfig::level0_tiles`), so the root can be published as static tiles as it is.
+    pub level0_tiles: bool,
 }

@@ -16,8 +16,9 @@
 //! `sumdb/note` signature example (the `PeterNeumann` key).
 
 use tlog_tiles::{
-    HashReader, RecordProof, Tile, TreeProof, check_record, check_tree, prove_record, prove_tree,
-    record_hash, stored_hash_count, stored_hashes_for_record_hash, tree_hash,
+    HashReader, RecordProof, Tile, TreeProof, check_record, check_tree, node_hash, prove_record,
+    prove_tree, record_hash, stored_hash_count, stored_hash_index, stored_hashes_for_record_hash,
+    tree_hash,
 };
 
 /// A SHA-256 hash of the tree (a leaf, a node, a root).
@@ -163,17 +164,26 @@ impl Tree {
     }
 }
 
-/// The right edge of a tree: the partial tile at each tile level (fewer than 256 hashes each),
-/// nothing else — O(log n) memory, however large the tree. Every hash that appending a record
-/// or computing the root reads lies on that edge (each left sibling is inside the tile being
-/// filled at its level), so `tlog_tiles` does the hashing through this reader. Tiles that fill
-/// up are handed out ([`EdgeTree::take_full_tiles`]) for the writer to store or the verifier
-/// to compare with the stored ones.
+/// The right edge of a tree: the partial tile at each tile level (fewer than 256 hashes each)
+/// and the roots of the complete subtrees the size is made of (its binary digits) — O(log n)
+/// memory, however large the tree. Tiles that fill up are handed out
+/// ([`EdgeTree::take_full_tiles`]) for the writer to store or the verifier to compare.
+///
+/// Appending merges subtree roots as a binary counter carries (RFC 6962's hashing, through
+/// `tlog_tiles`' `node_hash`): one node hash per record, amortised. `tlog_tiles`' own append
+/// (`stored_hashes_for_record_hash`) reads each left sibling back through a `HashReader`, which
+/// from tiles means re-hashing up to 128 hashes of a tile per level: measured 0.9 µs per record
+/// against the writer's 0.4 µs per event budget. Its result is the same hashes (tested against
+/// [`Tree`], which uses it); `tlog_tiles` still rebuilds the subtree roots of an edge read back
+/// from disk ([`EdgeTree::from_partials`]).
 #[derive(Debug, Default, Clone)]
 pub struct EdgeTree {
     size: u64,
     /// `edge[l]`: the hashes (32 bytes each) of the partial tile at tile level `l`.
     edge: Vec<Vec<u8>>,
+    /// The roots of the complete subtrees of the tree, left to right, with their levels
+    /// (strictly decreasing: the set bits of `size`).
+    subtrees: Vec<(u8, Hash)>,
     /// Tiles filled since the last [`EdgeTree::take_full_tiles`], in the order they filled.
     full: Vec<TileFile>,
 }
@@ -204,11 +214,19 @@ impl EdgeTree {
                 size,
             });
         }
-        Ok(Self {
+        let mut tree = Self {
             size,
             edge: partials,
+            subtrees: Vec::new(),
             full: Vec::new(),
-        })
+        };
+        // Each complete subtree's root from the tile that holds it.
+        for level in (0..64u8).rev().filter(|l| size >> l & 1 == 1) {
+            let index = stored_hash_index(level, (size >> level) - 1);
+            let hash = tree.read_hashes(&[index]).map_err(TlogError::Tree)?[0];
+            tree.subtrees.push((level, hash));
+        }
+        Ok(tree)
     }
 
     /// Tile levels a tree of `size` records has hashes at.
@@ -239,34 +257,59 @@ impl EdgeTree {
     /// Appends one leaf hash; returns its index.
     pub fn append_leaf(&mut self, leaf: Hash) -> Result<u64, TlogError> {
         let n = self.size;
-        let new = stored_hashes_for_record_hash(n, leaf, self).map_err(TlogError::Tree)?;
-        // The k-th new stored hash is at level k; tiles keep levels 0, 8, 16, …
-        for (level, hash) in new.into_iter().enumerate() {
-            if level % usize::from(TILE_HEIGHT) != 0 {
-                continue;
-            }
-            let tl = level / usize::from(TILE_HEIGHT);
-            if self.edge.len() <= tl {
-                self.edge.resize(tl + 1, Vec::new());
-            }
-            self.edge[tl].extend_from_slice(&hash.0);
-            if self.edge[tl].len() == FULL_TILE_BYTES {
-                let index = (n >> (tl * usize::from(TILE_HEIGHT))) >> TILE_HEIGHT;
-                self.full.push(TileFile {
-                    path: tile_path(tl as u8, index, None),
-                    bytes: std::mem::take(&mut self.edge[tl]),
-                });
+        let (mut level, mut hash) = (0u8, leaf);
+        loop {
+            self.store(level, hash, n);
+            match self.subtrees.last() {
+                Some(&(l, left)) if l == level => {
+                    self.subtrees.pop();
+                    hash = node_hash(left, hash);
+                    level += 1;
+                }
+                _ => break,
             }
         }
+        self.subtrees.push((level, hash));
         self.size += 1;
-        debug_assert!(self.edge.iter().enumerate().all(|(l, e)| e.len()
-            == Self::partial_width(self.size, l as u8) as usize * tlog_tiles::HASH_SIZE));
+        debug_assert_eq!(
+            self.subtrees.len() as u32,
+            self.size.count_ones(),
+            "one subtree per set bit of the size"
+        );
         Ok(n)
     }
 
-    /// The root hash of the whole tree (RFC 6962's MTH).
+    /// Keeps a new hash of `level` (made by appending record `n`) if a tile stores that level.
+    fn store(&mut self, level: u8, hash: Hash, n: u64) {
+        if !level.is_multiple_of(TILE_HEIGHT) {
+            return;
+        }
+        let tl = usize::from(level / TILE_HEIGHT);
+        if self.edge.len() <= tl {
+            self.edge.resize(tl + 1, Vec::new());
+        }
+        self.edge[tl].extend_from_slice(&hash.0);
+        if self.edge[tl].len() == FULL_TILE_BYTES {
+            // The hash is number `(n + 1) >> level) - 1` of its level, `n + 1` a multiple of
+            // 2^level; its tile is that number over 256.
+            let index = ((n + 1) >> level).saturating_sub(1) >> TILE_HEIGHT;
+            self.full.push(TileFile {
+                path: tile_path(tl as u8, index, None),
+                bytes: std::mem::take(&mut self.edge[tl]),
+            });
+        }
+    }
+
+    /// The root hash of the whole tree (RFC 6962's MTH; SHA-256 of nothing when empty).
     pub fn root(&self) -> Result<Hash, TlogError> {
-        tree_hash(self.size, self).map_err(TlogError::Tree)
+        let mut it = self.subtrees.iter().rev();
+        let Some(&(_, mut root)) = it.next() else {
+            return tree_hash(0, self).map_err(TlogError::Tree);
+        };
+        for &(_, left) in it {
+            root = node_hash(left, root);
+        }
+        Ok(root)
     }
 
     /// The tiles that filled up since the last call (C2SP paths, 8,192 bytes each).
@@ -449,6 +492,11 @@ pub fn tile_path(level: u8, index: u64, partial: Option<u32>) -> String {
         path.push_str(&format!(".p/{w}"));
     }
     path
+}
+
+/// Whether `path` names a full tile of level 0 (the leaves' hashes, 256 of them).
+pub fn is_full_level0(path: &str) -> bool {
+    path.starts_with("tile/0/") && !path.contains(".p/")
 }
 
 /// A tile named by [`tile_path`].

@@ -80,30 +80,25 @@ impl TreeDir {
         }
     }
 
-    /// Writes tiles durably (each to a temporary name, fsynced, renamed; each directory fsynced
-    /// once). A full tile replaces the partial versions of itself.
+    /// Writes tiles durably: each to a temporary name, renamed, then one `syncfs` for them all
+    /// (a seal writes a tile per 256 records: an fsync each cost the writer ~1 µs per event).
+    /// A full tile replaces the partial versions of itself.
     pub fn write_tiles(&self, tiles: &[TileFile]) -> Result<(), TreeStoreError> {
-        let mut dirs = std::collections::BTreeSet::new();
+        if tiles.is_empty() {
+            return Ok(());
+        }
         for t in tiles {
-            let path = self.dir.join(&t.path);
-            let dir = path.parent().unwrap_or(&self.dir).to_path_buf();
-            write_durably(&path, &t.bytes, false)?;
+            write_renamed(&self.dir.join(&t.path), &t.bytes)?;
             if !t.path.contains(".p/") {
                 let partials = self.dir.join(format!("{}.p", t.path));
                 match fs::remove_dir_all(&partials) {
-                    Ok(()) => {
-                        dirs.insert(dir.clone());
-                    }
+                    Ok(()) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                     Err(e) => return Err(io_at(&partials)(e)),
                 }
             }
-            dirs.insert(dir);
         }
-        for d in dirs {
-            fsync_dir(&d)?;
-        }
-        Ok(())
+        syncfs(&self.dir)
     }
 
     /// The partial tiles of a tree of `size` records, as [`EdgeTree::from_partials`] takes them.
@@ -125,7 +120,7 @@ impl TreeDir {
 
     /// Writes the newest signed checkpoint note durably.
     pub fn write_checkpoint(&self, note: &[u8]) -> Result<(), TreeStoreError> {
-        write_durably(&self.dir.join("checkpoint"), note, true)
+        write_durably(&self.dir.join("checkpoint"), note)
     }
 }
 
@@ -135,20 +130,33 @@ fn fsync_dir(dir: &Path) -> Result<(), TreeStoreError> {
         .map_err(io_at(dir))
 }
 
-fn write_durably(path: &Path, bytes: &[u8], sync_dir: bool) -> Result<(), TreeStoreError> {
+/// Writes `bytes` to a temporary name and renames it over `path` (atomic, not yet durable).
+fn write_renamed(path: &Path, bytes: &[u8]) -> Result<(), TreeStoreError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir).map_err(io_at(dir))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("tile");
     let tmp = dir.join(format!(".{name}.tmp"));
-    let res: std::io::Result<()> = (|| {
-        let mut f = fs::File::create(&tmp)?;
-        std::io::Write::write_all(&mut f, bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    res.map_err(io_at(path))?;
-    if sync_dir {
-        fsync_dir(dir)?;
+    fs::write(&tmp, bytes)
+        .and_then(|()| fs::rename(&tmp, path))
+        .map_err(io_at(path))
+}
+
+/// Writes `path` durably: renamed into place, fsynced, its directory fsynced.
+fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), TreeStoreError> {
+    write_renamed(path, bytes)?;
+    fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io_at(path))?;
+    fsync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Flushes the file system holding `dir` (data and metadata of every file written to it).
+fn syncfs(dir: &Path) -> Result<(), TreeStoreError> {
+    use std::os::fd::AsRawFd;
+    let d = fs::File::open(dir).map_err(io_at(dir))?;
+    // SAFETY: `syncfs` reads only the descriptor, which `d` keeps open for the call.
+    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+        return Err(io_at(dir)(std::io::Error::last_os_error()));
     }
     Ok(())
 }
@@ -374,6 +382,8 @@ pub fn verify_tree(
     }
 }
 
+/// Every tile must be there and hold the records' hashes — but full level-0 tiles only where
+/// present (the writer writes them only with `level0_tiles`; `custody audit tiles` adds them).
 fn check_tiles(
     store: &dyn LogStore,
     prefix: &str,
@@ -387,6 +397,7 @@ fn check_tiles(
             Ok(_) => problems.push(Problem::TileModified {
                 path: store.locate(&rel),
             }),
+            Err(_) if tlog::is_full_level0(&t.path) => {}
             Err(_) => problems.push(Problem::TileMissing {
                 path: store.locate(&rel),
             }),

@@ -200,6 +200,16 @@ pub(crate) enum AuditCmd {
     /// (exit 0; the verdict still says UNAUTHENTICATED).
     #[command(verbatim_doc_comment)]
     Verify(VerifyArgs),
+    /// Write every tile of each node's Merkle tree — level 0 included (32 bytes per record),
+    /// which the writer leaves out unless `[audit] level0_tiles` — from its sealed records,
+    /// under `<root>/_tlog/node=<n>/tile/` (C2SP tlog-tiles), so the tree can be served
+    /// statically. Each file is checked against its digest first; run `audit verify` after.
+    Tiles {
+        root: PathBuf,
+        /// Only these nodes (repeatable); default: every node with a digest chain.
+        #[arg(long)]
+        node: Vec<u32>,
+    },
     /// Generate a realistic synthetic log (many tenants, long contexts, page reuse) through the
     /// real writers, with injected exposures whose answers go to `<out>/synth-truth.json`.
     Synth(crate::synth_cmd::SynthArgs),
@@ -237,7 +247,41 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             witness,
         } => Ok(custody_bench::audit::audit_bench(events, dir, witness)?),
         AuditCmd::Synth(a) => crate::synth_cmd::synth(a),
+        AuditCmd::Tiles { root, node } => tiles(&root, node),
     }
+}
+
+/// `custody audit tiles`: every node's tiles rebuilt from its sealed records.
+fn tiles(root: &std::path::Path, mut nodes: Vec<u32>) -> Result<()> {
+    if nodes.is_empty() {
+        let dir = root.join("_digests");
+        let rd = std::fs::read_dir(&dir)
+            .with_context(|| format!("{}: no digest chain to rebuild from", dir.display()))?;
+        for e in rd {
+            let name = e?.file_name();
+            if let Some(n) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("node="))
+                .and_then(|n| n.parse().ok())
+            {
+                nodes.push(n);
+            }
+        }
+        nodes.sort_unstable();
+    }
+    for n in nodes {
+        let tree =
+            custody_audit::tree_store::rebuild(root, n).with_context(|| format!("node {n}"))?;
+        let root_hash = tree.root().with_context(|| format!("node {n}"))?;
+        println!(
+            "node {n}: {} records, root {}: tiles written under {}",
+            tree.size(),
+            digest::hex(&root_hash.0),
+            root.join(custody_audit::tree_store::node_prefix(n))
+                .display()
+        );
+    }
+    Ok(())
 }
 
 /// `custody audit verify`: the report, then the verdict line and its exit code.

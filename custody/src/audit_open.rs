@@ -183,6 +183,8 @@ fn open_writer(a: &AuditArgs, conf: &AuditSection, t: Target) -> Result<NodeAudi
         cfg.checkpoint_interval = std::time::Duration::from_secs(conf.checkpoint_interval_s);
     }
     cfg.checkpoint_sinks = checkpoint_sinks(a, conf)?;
+    cfg.origin = conf.origin.clone();
+    cfg.level0_tiles = conf.level0_tiles;
     let latest = Arc::new(custody_audit::checkpoint::Latest::default());
     cfg.checkpoint_sinks.push(latest.clone());
     let checkpoint_interval = cfg.checkpoint_interval;

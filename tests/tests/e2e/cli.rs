@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use crate::audit::{col_str, read_table, tmp_dir};
 use crate::symbols::default_features_binary;
 
-fn custody(args: &[&str]) -> Output {
+pub(crate) fn custody(args: &[&str]) -> Output {
     Command::new(default_features_binary())
         .args(args)
         .env("RUST_LOG", "warn")
