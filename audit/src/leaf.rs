@@ -219,6 +219,90 @@ pub fn leaves_of_tables(
     )
 }
 
+/// A decoded record: its table and each column's value (`None`: null).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodedRecord {
+    pub table: String,
+    pub columns: Vec<(String, Option<Value>)>,
+}
+
+/// A column's value in a decoded record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value {
+    U32(u32),
+    U64(u64),
+    I32(i32),
+    I64(i64),
+    Utf8(String),
+}
+
+impl std::fmt::Display for Value {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Value::U32(v) => write!(f, "{v}"),
+            Value::U64(v) => write!(f, "{v}"),
+            Value::I32(v) => write!(f, "{v}"),
+            Value::I64(v) => write!(f, "{v}"),
+            Value::Utf8(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
+/// Why bytes are not a canonical record.
+#[derive(Debug, thiserror::Error)]
+#[error("not a canonical audit record: {0}")]
+pub struct DecodeError(&'static str);
+
+/// Reads canonical record bytes back ([`RecordEncoder::encode`]'s inverse), refusing trailing
+/// bytes, unknown tags and invalid UTF-8.
+pub fn decode_record(bytes: &[u8]) -> Result<DecodedRecord, DecodeError> {
+    let mut r = bytes
+        .strip_prefix(RECORD_PREFIX)
+        .ok_or(DecodeError("no custody.audit.record/1 prefix"))?;
+    let mut take = |n: usize| -> Result<&[u8], DecodeError> {
+        if r.len() < n {
+            return Err(DecodeError("truncated"));
+        }
+        let (a, b) = r.split_at(n);
+        r = b;
+        Ok(a)
+    };
+    fn name(b: &[u8]) -> Result<String, DecodeError> {
+        String::from_utf8(b.to_vec()).map_err(|_| DecodeError("a name is not UTF-8"))
+    }
+    let n = take(1)?[0] as usize;
+    let table = name(take(n)?)?;
+    let count = u16::from_be_bytes([take(1)?[0], take(1)?[0]]);
+    let mut columns = Vec::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let n = take(1)?[0] as usize;
+        let col = name(take(n)?)?;
+        let value = match take(1)?[0] {
+            0 => None,
+            1 => Some(Value::U32(u32::from_be_bytes(arr(take(4)?)?))),
+            2 => Some(Value::U64(u64::from_be_bytes(arr(take(8)?)?))),
+            3 => Some(Value::I32(i32::from_be_bytes(arr(take(4)?)?))),
+            4 => Some(Value::I64(i64::from_be_bytes(arr(take(8)?)?))),
+            5 => {
+                let len = u32::from_be_bytes(arr(take(4)?)?) as usize;
+                let v = String::from_utf8(take(len)?.to_vec())
+                    .map_err(|_| DecodeError("a string is not UTF-8"))?;
+                Some(Value::Utf8(v))
+            }
+            _ => return Err(DecodeError("unknown value tag")),
+        };
+        columns.push((col, value));
+    }
+    if !r.is_empty() {
+        return Err(DecodeError("bytes after the last column"));
+    }
+    Ok(DecodedRecord { table, columns })
+}
+
+fn arr<const N: usize>(b: &[u8]) -> Result<[u8; N], DecodeError> {
+    b.try_into().map_err(|_| DecodeError("truncated"))
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -272,6 +356,14 @@ mod tests {
         enc.encode(1, &mut got);
         let tenant = b"\x06tenant\x05\x00\x00\x00\x04acme";
         assert!(got.windows(tenant.len()).any(|w| w == tenant));
+        let back = decode_record(&want).expect("decode");
+        assert_eq!(back.table, "requests");
+        assert_eq!(back.columns[1], ("seq".to_owned(), Some(Value::U64(7))));
+        assert_eq!(back.columns[2], ("tenant".to_owned(), None));
+        assert_eq!(back.columns[3], ("delta".to_owned(), Some(Value::I64(-2))));
+        assert!(decode_record(&got).is_ok());
+        assert!(decode_record(&want[..want.len() - 1]).is_err());
+        assert!(decode_record(&[want.as_slice(), b"x"].concat()).is_err());
         assert_eq!(
             lost_record(3, 9),
             b"custody.audit.lost/1\0\x00\x00\x00\x03\x00\x00\x00\x00\x00\x00\x00\x09"

@@ -21,8 +21,15 @@ use tlog_tiles::{
     tree_hash,
 };
 
+/// A C2SP `tlog-checkpoint` (origin, size, root).
+pub use tlog_tiles::Checkpoint;
 /// A SHA-256 hash of the tree (a leaf, a node, a root).
 pub use tlog_tiles::Hash;
+
+/// The C2SP verifier key of an Ed25519 key under `name`: `<name>+<key id>+<base64(0x01‖key)>`.
+pub fn ed25519_vkey(name: &str, key: &ed25519_dalek::VerifyingKey) -> String {
+    signed_note::new_ed25519_verifier_key(name, key)
+}
 
 /// Hashes per full tile: C2SP `tlog-tiles` tiles are 8 levels high (256 hashes wide).
 pub const TILE_HEIGHT: u8 = 8;
@@ -51,6 +58,8 @@ pub enum TlogError {
     Note(#[from] signed_note::NoteError),
     #[error("the partial tiles do not make a tree of {size} records (tile level {level})")]
     EdgeMismatch { level: u8, size: u64 },
+    #[error("a malformed proof: {0}")]
+    MalformedProof(&'static str),
     #[error("the verifier key: {0}")]
     VerifierKey(#[from] signed_note::VerifierError),
 }
@@ -458,6 +467,176 @@ pub fn open_checkpoint(note: &[u8], vkey: &str) -> Result<tlog_tiles::Checkpoint
     let note = signed_note::Note::from_bytes(note)?;
     note.verify(&known)?;
     tlog_tiles::Checkpoint::from_bytes(note.text()).map_err(|_| TlogError::MalformedCheckpoint)
+}
+
+/// The first line of a C2SP `tlog-proof@v1` file.
+pub const PROOF_HEADER: &str = "c2sp.org/tlog-proof@v1";
+/// Hashes a proof may carry: a tree of 2^63 records needs 63; more is malformed (C2SP
+/// `tlog-witness` allows up to 63 proof lines).
+pub const MAX_PROOF_HASHES: usize = 63;
+
+/// An inclusion proof in the C2SP `tlog-proof@v1` text format: optional extra data (here: the
+/// record's canonical bytes, so the proof carries what it proves), the record's index, the
+/// RFC 6962 inclusion proof, and the (co)signed checkpoint note it leads to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InclusionProof {
+    pub extra: Option<Vec<u8>>,
+    pub index: u64,
+    pub hashes: Vec<Hash>,
+    pub checkpoint: Vec<u8>,
+}
+
+/// A consistency proof as C2SP `tlog-witness` `add-checkpoint` takes it: the old size, the
+/// RFC 6962 consistency proof from it, and the new checkpoint note — the request body a node
+/// sends its witnesses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConsistencyProof {
+    pub old: u64,
+    pub hashes: Vec<Hash>,
+    pub checkpoint: Vec<u8>,
+}
+
+fn b64(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn unb64(s: &str) -> Result<Vec<u8>, TlogError> {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .map_err(|_| TlogError::MalformedProof("a line is not base64"))
+}
+
+/// Splits `text` at its first empty line: the header lines, and the checkpoint note after it.
+fn split_at_blank(text: &[u8]) -> Result<(Vec<&str>, &[u8]), TlogError> {
+    let cut = text
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .ok_or(TlogError::MalformedProof(
+            "no empty line before the checkpoint",
+        ))?;
+    let head =
+        std::str::from_utf8(&text[..cut]).map_err(|_| TlogError::MalformedProof("not UTF-8"))?;
+    Ok((head.split('\n').collect(), &text[cut + 2..]))
+}
+
+fn parse_hashes(lines: &[&str]) -> Result<Vec<Hash>, TlogError> {
+    if lines.len() > MAX_PROOF_HASHES {
+        return Err(TlogError::MalformedProof("more than 63 proof hashes"));
+    }
+    lines
+        .iter()
+        .map(|l| {
+            let b: [u8; 32] = unb64(l)?
+                .try_into()
+                .map_err(|_| TlogError::MalformedProof("a proof hash is not 32 bytes"))?;
+            Ok(Hash(b))
+        })
+        .collect()
+}
+
+/// A decimal with no sign, no leading zeros (as C2SP writes sizes and indexes).
+fn parse_decimal(s: &str) -> Result<u64, TlogError> {
+    let bad = TlogError::MalformedProof("not a decimal without leading zeros");
+    if s.is_empty() || (s.len() > 1 && s.starts_with('0')) || !s.bytes().all(|b| b.is_ascii_digit())
+    {
+        return Err(bad);
+    }
+    s.parse().map_err(|_| bad)
+}
+
+impl InclusionProof {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = format!("{PROOF_HEADER}\n");
+        if let Some(e) = &self.extra {
+            out.push_str(&format!("extra {}\n", b64(e)));
+        }
+        out.push_str(&format!("index {}\n", self.index));
+        for h in &self.hashes {
+            out.push_str(&b64(&h.0));
+            out.push('\n');
+        }
+        out.push('\n');
+        let mut out = out.into_bytes();
+        out.extend_from_slice(&self.checkpoint);
+        out
+    }
+
+    pub fn parse(text: &[u8]) -> Result<Self, TlogError> {
+        let (lines, checkpoint) = split_at_blank(text)?;
+        let mut it = lines.into_iter().peekable();
+        if it.next() != Some(PROOF_HEADER) {
+            return Err(TlogError::MalformedProof("not a c2sp.org/tlog-proof@v1"));
+        }
+        let extra = match it.peek().and_then(|l| l.strip_prefix("extra ")) {
+            Some(e) => {
+                let e = unb64(e)?;
+                it.next();
+                Some(e)
+            }
+            None => None,
+        };
+        let index = it
+            .next()
+            .and_then(|l| l.strip_prefix("index "))
+            .ok_or(TlogError::MalformedProof("no index line"))?;
+        let index = parse_decimal(index)?;
+        let rest: Vec<&str> = it.collect();
+        Ok(Self {
+            extra,
+            index,
+            hashes: parse_hashes(&rest)?,
+            checkpoint: checkpoint.to_vec(),
+        })
+    }
+
+    /// Checks the proof against the log's verifier key: the checkpoint signed by it, and the
+    /// record in `extra` (required) at `index` of that checkpoint's tree. Returns the checkpoint.
+    pub fn verify(&self, log_vkey: &str) -> Result<tlog_tiles::Checkpoint, TlogError> {
+        let cp = open_checkpoint(&self.checkpoint, log_vkey)?;
+        let record = self
+            .extra
+            .as_deref()
+            .ok_or(TlogError::MalformedProof("no record (extra line) to prove"))?;
+        verify_inclusion(
+            &self.hashes,
+            cp.size(),
+            *cp.hash(),
+            self.index,
+            record_hash(record),
+        )?;
+        Ok(cp)
+    }
+}
+
+impl ConsistencyProof {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = format!("old {}\n", self.old);
+        for h in &self.hashes {
+            out.push_str(&b64(&h.0));
+            out.push('\n');
+        }
+        out.push('\n');
+        let mut out = out.into_bytes();
+        out.extend_from_slice(&self.checkpoint);
+        out
+    }
+
+    pub fn parse(text: &[u8]) -> Result<Self, TlogError> {
+        let (lines, checkpoint) = split_at_blank(text)?;
+        let (first, rest) = lines
+            .split_first()
+            .ok_or(TlogError::MalformedProof("empty"))?;
+        let old = first
+            .strip_prefix("old ")
+            .ok_or(TlogError::MalformedProof("no old line"))?;
+        Ok(Self {
+            old: parse_decimal(old)?,
+            hashes: parse_hashes(rest)?,
+            checkpoint: checkpoint.to_vec(),
+        })
+    }
 }
 
 /// One tile to write: its C2SP path (under the log's prefix) and its hashes.
@@ -913,5 +1092,55 @@ mod tests {
             EdgeTree::from_partials(old, partials[..2].to_vec()),
             Err(TlogError::EdgeMismatch { level: 2, .. })
         ));
+    }
+
+    /// The C2SP `tlog-proof@v1` text, as the format's reference tests write it (the hashes are
+    /// SHA-256 of "hash1" and "hash2"), read back; malformed ones refused.
+    #[test]
+    fn proofs_are_c2sp_text() {
+        let h1 = h("af316ecb91a8ee7ae99210702b2d4758f30cdde3bf61e3d8e787d74681f90a6e");
+        let h2 = h("e7bf382f6e5915b3f88619b866223ebf1d51c4c5321cccde2e9ff700a3259086");
+        let p = InclusionProof {
+            extra: None,
+            index: 5,
+            hashes: vec![h1, h2],
+            checkpoint: b"test checkpoint\n".to_vec(),
+        };
+        let text = "c2sp.org/tlog-proof@v1\nindex 5\nrzFuy5Go7nrpkhBwKy1HWPMM3eO/YePY54fXRoH5Cm4=\n5784L25ZFbP4hhm4ZiI+vx1RxMUyHMzeLp/3AKMlkIY=\n\ntest checkpoint\n";
+        assert_eq!(String::from_utf8(p.to_bytes()).expect("utf-8"), text);
+        assert_eq!(InclusionProof::parse(text.as_bytes()).expect("parse"), p);
+        let with_extra = InclusionProof {
+            extra: Some(b"extra information".to_vec()),
+            index: 10,
+            hashes: vec![h1],
+            checkpoint: b"checkpoint data\n".to_vec(),
+        };
+        let text = "c2sp.org/tlog-proof@v1\nextra ZXh0cmEgaW5mb3JtYXRpb24=\nindex 10\nrzFuy5Go7nrpkhBwKy1HWPMM3eO/YePY54fXRoH5Cm4=\n\ncheckpoint data\n";
+        assert_eq!(
+            String::from_utf8(with_extra.to_bytes()).expect("utf-8"),
+            text
+        );
+        assert_eq!(
+            InclusionProof::parse(text.as_bytes()).expect("parse"),
+            with_extra
+        );
+        for bad in [
+            "wrong-header\nindex 0\n\ncp\n",
+            "c2sp.org/tlog-proof@v1\nindex 01\n\ncp\n",
+            "c2sp.org/tlog-proof@v1\nindex 1\nnot base64!\n\ncp\n",
+            "c2sp.org/tlog-proof@v1\nindex 1\nAAAA\n\ncp\n",
+            "c2sp.org/tlog-proof@v1\nindex 1\n",
+        ] {
+            assert!(InclusionProof::parse(bad.as_bytes()).is_err(), "{bad:?}");
+        }
+        let c = ConsistencyProof {
+            old: 3,
+            hashes: vec![h2],
+            checkpoint: b"cp\n".to_vec(),
+        };
+        let text = "old 3\n5784L25ZFbP4hhm4ZiI+vx1RxMUyHMzeLp/3AKMlkIY=\n\ncp\n";
+        assert_eq!(String::from_utf8(c.to_bytes()).expect("utf-8"), text);
+        assert_eq!(ConsistencyProof::parse(text.as_bytes()).expect("parse"), c);
+        assert!(ConsistencyProof::parse(b"new 3\n\ncp\n").is_err());
     }
 }

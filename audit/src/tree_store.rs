@@ -82,13 +82,16 @@ impl TreeDir {
 
     /// Writes tiles durably: each to a temporary name, renamed, then one `syncfs` for them all
     /// (a seal writes a tile per 256 records: an fsync each cost the writer ~1 µs per event).
-    /// A full tile replaces the partial versions of itself.
-    pub fn write_tiles(&self, tiles: &[TileFile]) -> Result<(), TreeStoreError> {
+    /// A full tile replaces the partial versions of itself; full level-0 tiles are written only
+    /// if `full_level0` (their partial versions are removed either way).
+    pub fn write_tiles(&self, tiles: &[TileFile], full_level0: bool) -> Result<(), TreeStoreError> {
         if tiles.is_empty() {
             return Ok(());
         }
         for t in tiles {
-            write_renamed(&self.dir.join(&t.path), &t.bytes)?;
+            if full_level0 || !tlog::is_full_level0(&t.path) {
+                write_renamed(&self.dir.join(&t.path), &t.bytes)?;
+            }
             if !t.path.contains(".p/") {
                 let partials = self.dir.join(format!("{}.p", t.path));
                 match fs::remove_dir_all(&partials) {
@@ -210,9 +213,9 @@ pub fn rebuild(root: &Path, node: u32) -> Result<EdgeTree, TreeStoreError> {
         }
         let batches = digest_batches(&store, &d).map_err(TreeStoreError::Rebuild)?;
         append_digest(&mut tree, &d, &batches)?;
-        dir.write_tiles(&tree.take_full_tiles())?;
+        dir.write_tiles(&tree.take_full_tiles(), true)?;
     }
-    dir.write_tiles(&tree.partial_tiles(0))?;
+    dir.write_tiles(&tree.partial_tiles(0), true)?;
     Ok(tree)
 }
 
@@ -457,4 +460,214 @@ fn check_note(
             None
         }
     }
+}
+
+/// Why a proof could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ProofError {
+    #[error("the audit root: {0}")]
+    Store(#[from] digest::StoreError),
+    #[error(transparent)]
+    Tlog(#[from] TlogError),
+    #[error("node {node} has no signed tree checkpoint ({path}): nothing to prove against")]
+    NoCheckpoint { node: u32, path: String },
+    #[error("node {node}: no digest sealed a tree of {size} records")]
+    UnsealedSize { node: u32, size: u64 },
+    #[error("node {node}: the tiles and records do not make the tree its digests signed: {why}")]
+    Inconsistent { node: u32, why: String },
+    #[error("node {node}: {why}")]
+    Records { node: u32, why: String },
+}
+
+/// A node's sealed log as a source of proofs: the tree's tiles from `_tlog/`, its full level-0
+/// tiles recomputed from the sealed records where they are not on disk, every tile
+/// authenticated against a root a digest signed (`tlog_tiles`' `TileHashReader`) before a proof
+/// uses it.
+pub struct NodeLog<'a> {
+    store: &'a dyn LogStore,
+    node: u32,
+    digests: Vec<DigestBody>,
+}
+
+impl std::fmt::Debug for NodeLog<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeLog")
+            .field("node", &self.node)
+            .field("digests", &self.digests.len())
+            .finish()
+    }
+}
+
+impl<'a> NodeLog<'a> {
+    pub fn open(store: &'a dyn LogStore, node: u32) -> Result<Self, ProofError> {
+        Ok(Self {
+            store,
+            node,
+            digests: node_digests(store, node)?,
+        })
+    }
+
+    /// The node's newest signed checkpoint note (with any cosignatures it holds).
+    pub fn checkpoint_note(&self) -> Result<Vec<u8>, ProofError> {
+        let rel = format!("{}/checkpoint", node_prefix(self.node));
+        self.store.read(&rel).map_err(|_| ProofError::NoCheckpoint {
+            node: self.node,
+            path: self.store.locate(&rel).display().to_string(),
+        })
+    }
+
+    /// The root a digest signed for a tree of `size` records.
+    pub fn root_at(&self, size: u64) -> Result<Hash, ProofError> {
+        self.digests
+            .iter()
+            .filter_map(DigestBody::tree)
+            .find(|t| t.size == size)
+            .map(|t| Hash(t.root))
+            .ok_or(ProofError::UnsealedSize {
+                node: self.node,
+                size,
+            })
+    }
+
+    /// The sealed record number `seq` in its canonical bytes (`crate::leaf`), or the lost
+    /// placeholder if it never reached disk.
+    pub fn record(&self, seq: u64) -> Result<Vec<u8>, ProofError> {
+        let d = self
+            .digests
+            .iter()
+            .find(|d| (d.seq_start..d.seq_end).contains(&seq))
+            .ok_or_else(|| ProofError::Records {
+                node: self.node,
+                why: format!("seq {seq} is in no sealed digest"),
+            })?;
+        let batches = digest_batches(self.store, d).map_err(|why| ProofError::Records {
+            node: self.node,
+            why,
+        })?;
+        for (table, b) in &batches {
+            let Some(seqs) = b
+                .column(1)
+                .as_any()
+                .downcast_ref::<arrow::array::UInt64Array>()
+            else {
+                continue;
+            };
+            if let Some(row) = seqs.values().iter().position(|&s| s == seq) {
+                let enc = leaf::RecordEncoder::new(*table, b).map_err(|e| ProofError::Records {
+                    node: self.node,
+                    why: e.to_string(),
+                })?;
+                let mut out = Vec::new();
+                enc.encode(row, &mut out);
+                return Ok(out);
+            }
+        }
+        Ok(leaf::lost_record(self.node, seq))
+    }
+
+    /// The proof that record `index` is in the tree of `size` records.
+    pub fn prove_inclusion(&self, index: u64, size: u64) -> Result<Vec<Hash>, ProofError> {
+        let root = self.root_at(size)?;
+        if index >= size {
+            return Err(TlogError::PastTheTree {
+                what: "record",
+                asked: index,
+                size,
+            }
+            .into());
+        }
+        let reader = tlog_tiles::TileHashReader::new(size, root, self);
+        tlog_tiles::prove_record(size, index, &reader).map_err(|e| self.inconsistent(e))
+    }
+
+    /// The proof that the tree of `new` records extends the tree of `old` (both sealed).
+    pub fn prove_consistency(&self, old: u64, new: u64) -> Result<Vec<Hash>, ProofError> {
+        let root = self.root_at(new)?;
+        if old == 0 || old > new {
+            return Err(TlogError::BadSizes { old, new }.into());
+        }
+        self.root_at(old)?;
+        let reader = tlog_tiles::TileHashReader::new(new, root, self);
+        tlog_tiles::prove_tree(new, old, &reader).map_err(|e| self.inconsistent(e))
+    }
+
+    fn inconsistent(&self, e: tlog_tiles::Error) -> ProofError {
+        ProofError::Inconsistent {
+            node: self.node,
+            why: e.to_string(),
+        }
+    }
+
+    /// The hashes of level-0 tile `index`, `width` wide, from the sealed records.
+    fn level0_from_records(&self, index: u64, width: u32) -> Result<Vec<u8>, tlog_tiles::Error> {
+        let start = index << tlog::TILE_HEIGHT;
+        let end = start + u64::from(width);
+        let mut out = Vec::with_capacity(width as usize * tlog_tiles::HASH_SIZE);
+        for d in self
+            .digests
+            .iter()
+            .filter(|d| d.seq_start < end && d.seq_end > start)
+        {
+            let batches =
+                digest_batches(self.store, d).map_err(|_| tlog_tiles::Error::IndexesNotInTree)?;
+            let leaves = leaf::segment_leaves(
+                self.node,
+                d.seq_start,
+                d.seq_end,
+                batches.iter().map(|(t, b)| (*t, b)),
+            )
+            .map_err(|_| tlog_tiles::Error::IndexesNotInTree)?;
+            let lo = start.max(d.seq_start) - d.seq_start;
+            let hi = end.min(d.seq_end) - d.seq_start;
+            for l in &leaves[lo as usize..hi as usize] {
+                out.extend_from_slice(&l.0);
+            }
+        }
+        if out.len() != width as usize * tlog_tiles::HASH_SIZE {
+            return Err(tlog_tiles::Error::IndexesNotInTree);
+        }
+        Ok(out)
+    }
+
+    /// A tile's hashes: the full tile (cut to `width`), else the partial of exactly that width,
+    /// else — level 0 — recomputed from the records.
+    fn tile(&self, t: &tlog_tiles::Tile) -> Result<Vec<u8>, tlog_tiles::Error> {
+        let prefix = node_prefix(self.node);
+        let want = t.width() as usize * tlog_tiles::HASH_SIZE;
+        let full = format!(
+            "{prefix}/{}",
+            tlog::tile_path(t.level(), t.level_index(), None)
+        );
+        if let Ok(b) = self.store.read(&full)
+            && b.len() >= want
+        {
+            return Ok(b[..want].to_vec());
+        }
+        let partial = format!(
+            "{prefix}/{}",
+            tlog::tile_path(t.level(), t.level_index(), Some(t.width()))
+        );
+        if t.width() < 1 << tlog::TILE_HEIGHT
+            && let Ok(b) = self.store.read(&partial)
+        {
+            return Ok(b);
+        }
+        if t.level() == 0 {
+            return self.level0_from_records(t.level_index(), t.width());
+        }
+        Err(tlog_tiles::Error::IndexesNotInTree)
+    }
+}
+
+impl tlog_tiles::TileReader for NodeLog<'_> {
+    fn height(&self) -> u8 {
+        tlog::TILE_HEIGHT
+    }
+
+    fn read_tiles(&self, tiles: &[tlog_tiles::Tile]) -> Result<Vec<Vec<u8>>, tlog_tiles::Error> {
+        tiles.iter().map(|t| self.tile(t)).collect()
+    }
+
+    /// Nothing to save: the tiles are read from the log itself.
+    fn save_tiles(&self, _tiles: &[tlog_tiles::Tile], _data: &[Vec<u8>]) {}
 }

@@ -1076,11 +1076,8 @@ impl State {
         }
         debug_assert_eq!(self.tree.size(), self.next_seq);
         let mut tiles = self.tree.take_full_tiles();
-        if !self.cfg.level0_tiles {
-            tiles.retain(|t| !tlog::is_full_level0(&t.path));
-        }
         tiles.extend(self.tree.partial_tiles(old));
-        self.tree_dir.write_tiles(&tiles)?;
+        self.tree_dir.write_tiles(&tiles, self.cfg.level0_tiles)?;
         let root = self.tree.root().map_err(|e| WriterError::Tree(e.into()))?;
         Ok(TreeHead {
             size: self.tree.size(),
