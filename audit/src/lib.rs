@@ -26,7 +26,11 @@ pub mod schema;
 #[cfg(feature = "writer")]
 pub mod synth;
 #[cfg(feature = "tlog")]
+pub mod cosign;
+#[cfg(feature = "tlog")]
 pub mod tlog;
+#[cfg(feature = "tlog")]
+pub mod tlog_witness;
 #[cfg(feature = "writer")]
 pub mod tree_store;
 #[cfg(feature = "writer")]

@@ -58,6 +58,10 @@ pub enum TlogError {
     Note(#[from] signed_note::NoteError),
     #[error("the partial tiles do not make a tree of {size} records (tile level {level})")]
     EdgeMismatch { level: u8, size: u64 },
+    #[error("not a cosignature (0x04) verifier key: {0:?}")]
+    BadVerifierKey(String),
+    #[error("the cosignature of witness {0} does not check (the note or the line was altered)")]
+    BadCosignature(String),
     #[error("a malformed proof: {0}")]
     MalformedProof(&'static str),
     #[error("the verifier key: {0}")]
