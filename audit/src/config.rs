@@ -47,4 +47,9 @@ pub struct AuditSection {
     /// Also write the tree's full level-0 tiles at every seal (32 bytes per record; see
     /// `WriterConfig::level0_tiles`), so the root can be published as static tiles as it is.
     pub level0_tiles: bool,
+    /// tlog witnesses (`custody witness serve`) that cosign this node's tree checkpoints:
+    /// `[[audit.witnesses]]` with `url` (`http://host:port`) and `vkey` (`custody witness
+    /// vkey`). After every checkpoint the node sends them its newest; one that is down or
+    /// refuses is logged, counted and recorded (`node_events` `tlog_uncosigned`), never fatal.
+    pub witnesses: Vec<crate::tree_store::WitnessTarget>,
 }

@@ -121,8 +121,8 @@ impl CosignatureVerifier {
         if alg != ALG_COSIGNATURE_V1 || !signed_note::is_key_name_valid(name) {
             return Err(bad());
         }
-        let key = VerifyingKey::from_bytes(&public.try_into().map_err(|_| bad())?)
-            .map_err(|_| bad())?;
+        let key =
+            VerifyingKey::from_bytes(&public.try_into().map_err(|_| bad())?).map_err(|_| bad())?;
         if key_id(name, &key) != id {
             return Err(bad());
         }
@@ -208,10 +208,7 @@ fn parsed_sigs(note: &signed_note::Note) -> Vec<signed_note::Signature> {
 /// cosignatures a witness returned, or a note holding them) added after its own, each line once.
 pub fn merge_signatures(note: &[u8], lines: &[u8]) -> Result<Vec<u8>, TlogError> {
     let mut out = note.to_vec();
-    let have: Vec<Vec<u8>> = note
-        .split(|&b| b == b'\n')
-        .map(<[u8]>::to_vec)
-        .collect();
+    let have: Vec<Vec<u8>> = note.split(|&b| b == b'\n').map(<[u8]>::to_vec).collect();
     for l in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
         signed_note::Signature::from_bytes(l)?;
         if !have.iter().any(|h| h == l) {
@@ -275,14 +272,21 @@ mod tests {
         let mut later = sig.clone();
         later[7] ^= 1;
         assert!(v.time_of(&text, &later).is_none(), "another time");
-        assert!(v.time_of(b"example.com/log\n8\n", &sig).is_none(), "another text");
+        assert!(
+            v.time_of(b"example.com/log\n8\n", &sig).is_none(),
+            "another text"
+        );
         // A key with the wrong type byte is not a cosignature key.
         assert!(CosignatureVerifier::new(&log.vkey()).is_err());
         // An altered cosignature line of a listed witness is an error, not a missing one.
         let s = String::from_utf8(cosigned.clone()).expect("utf-8");
         let line_start = s.find("— w1.example ").expect("w1 line") + "— w1.example ".len();
         let mut bad = s.into_bytes();
-        bad[line_start + 10] = if bad[line_start + 10] == b'A' { b'B' } else { b'A' };
+        bad[line_start + 10] = if bad[line_start + 10] == b'A' {
+            b'B'
+        } else {
+            b'A'
+        };
         assert!(cosignatures(&bad, &[w1.vkey()]).is_err());
         // Merging a witness's reply into the log's note.
         let w1_line: Vec<u8> = String::from_utf8(cosigned.clone())
@@ -292,7 +296,12 @@ mod tests {
             .map(|l| format!("{l}\n").into_bytes())
             .expect("line");
         let merged = merge_signatures(&note, &w1_line).expect("merge");
-        assert_eq!(cosignatures(&merged, &[w1.vkey(), w2.vkey()]).expect("check").len(), 1);
+        assert_eq!(
+            cosignatures(&merged, &[w1.vkey(), w2.vkey()])
+                .expect("check")
+                .len(),
+            1
+        );
         assert_eq!(merge_signatures(&merged, &w1_line).expect("again"), merged);
     }
 }

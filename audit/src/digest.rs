@@ -435,6 +435,11 @@ pub enum Problem {
         node: u32,
         why: String,
     },
+    /// `--witness`: the node's tree has no checkpoint cosigned by enough of the given witnesses.
+    NotWitnessed {
+        node: u32,
+        why: String,
+    },
 }
 
 impl std::fmt::Display for Problem {
@@ -582,6 +587,9 @@ impl std::fmt::Display for Problem {
                 "tile {} was MODIFIED (not the hashes of the sealed records)",
                 path.display()
             ),
+            Problem::NotWitnessed { node, why } => {
+                write!(f, "node {node}'s tree is NOT WITNESSED: {why}")
+            }
             Problem::TreeCheckpointInvalid { node, why } => {
                 write!(
                     f,
@@ -628,6 +636,8 @@ pub struct Expect {
     /// a root that holds other nodes' logs — a peer's, the witness's — is verified with each
     /// one's own key, so the checkpoints they keep count.
     pub node_keys: BTreeMap<u32, VerifyingKey>,
+    /// Every node's tree must have a checkpoint cosigned by this many of these tlog witnesses.
+    pub witnesses: Option<crate::tree_store::WitnessPolicy>,
 }
 
 /// The staleness rule of [`Expect`].
@@ -1058,7 +1068,13 @@ pub fn verify_store_expecting(
         .filter_map(|p| present.get(p).copied())
         .filter(|rel| rel.starts_with("node_events/"))
         .collect();
-    check_trees(store, &chains, from_ns.is_some() || to_ns.is_some(), &mut r);
+    check_trees(
+        store,
+        &chains,
+        from_ns.is_some() || to_ns.is_some(),
+        expect.witnesses.as_ref(),
+        &mut r,
+    );
     check_checkpoints(
         store,
         &objects,
@@ -1084,12 +1100,19 @@ fn check_trees(
     store: &dyn LogStore,
     chains: &BTreeMap<u32, NodeChain>,
     windowed: bool,
+    witnesses: Option<&crate::tree_store::WitnessPolicy>,
     r: &mut Report,
 ) {
     use crate::tree_store::TreeStatus;
     let verified: BTreeSet<&PathBuf> = r.verified_files.iter().collect();
     for (&node, chain) in chains {
         let status = if windowed {
+            if witnesses.is_some() {
+                r.problems.push(Problem::NotWitnessed {
+                    node,
+                    why: "not checked: a time window was asked for".into(),
+                });
+            }
             TreeStatus::NotChecked("a time window was asked for (the tree covers the whole log)")
         } else if chain.broken {
             TreeStatus::NotChecked("the digest chain does not hold")
@@ -1101,7 +1124,14 @@ fn check_trees(
         {
             TreeStatus::NotChecked("a sealed file does not hold")
         } else if let Some(key) = chain.key {
-            crate::tree_store::verify_tree(store, node, &chain.bodies, &key, &mut r.problems)
+            crate::tree_store::verify_tree(
+                store,
+                node,
+                &chain.bodies,
+                &key,
+                witnesses,
+                &mut r.problems,
+            )
         } else {
             TreeStatus::NotChecked("no key")
         };

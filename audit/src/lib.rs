@@ -15,6 +15,8 @@
 pub mod checkpoint;
 #[cfg(feature = "writer")]
 pub mod config;
+#[cfg(feature = "tlog")]
+pub mod cosign;
 #[cfg(feature = "writer")]
 pub mod defaults;
 #[cfg(feature = "writer")]
@@ -25,8 +27,6 @@ pub mod leaf;
 pub mod schema;
 #[cfg(feature = "writer")]
 pub mod synth;
-#[cfg(feature = "tlog")]
-pub mod cosign;
 #[cfg(feature = "tlog")]
 pub mod tlog;
 #[cfg(feature = "tlog")]

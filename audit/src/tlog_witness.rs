@@ -164,7 +164,9 @@ impl Witness {
     }
 
     fn state_path(&self, origin: &str) -> PathBuf {
-        self.dir.join("logs").join(format!("{}.json", origin_id(origin)))
+        self.dir
+            .join("logs")
+            .join(format!("{}.json", origin_id(origin)))
     }
 
     fn load(&self, origin: &str) -> Result<Option<LogState>, AddError> {
@@ -181,6 +183,14 @@ impl Witness {
     /// The newest checkpoint this witness cosigned for `origin` (with its cosignature).
     pub fn latest(&self, origin: &str) -> Result<Option<Vec<u8>>, AddError> {
         Ok(self.load(origin)?.map(|s| s.note.into_bytes()))
+    }
+
+    /// [`Witness::latest`] by `hex(SHA-256(origin))` (the spec's monitoring path).
+    pub fn latest_by_id(&self, id: &str) -> Result<Option<Vec<u8>>, AddError> {
+        match self.logs.keys().find(|o| origin_id(o) == id) {
+            Some(o) => self.latest(&o.clone()),
+            None => Ok(None),
+        }
     }
 
     /// C2SP `add-checkpoint`: the request body (`old <size>`, the consistency proof, the signed
@@ -337,6 +347,36 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), AddError> {
     res.map_err(io_at(path))
 }
 
+/// A tlog witness a node sends its checkpoints to.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WitnessTarget {
+    /// `http://host:port[/prefix]`: the witness's `add-checkpoint` is `<url>/add-checkpoint`.
+    pub url: String,
+    /// Its cosignature verifier key (`custody witness vkey`).
+    pub vkey: String,
+}
+
+/// An HTTP reply, as a [`WitnessTransport`] hands it back.
+#[derive(Debug, Clone)]
+pub struct HttpReply {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+/// Why a request did not reach a witness (refused connection, timeout, a malformed reply).
+#[derive(Debug, thiserror::Error)]
+#[error("{url}: {why}")]
+pub struct TransportError {
+    pub url: String,
+    pub why: String,
+}
+
+/// How the node reaches its witnesses (the binary's HTTP client; this crate knows no network).
+pub trait WitnessTransport: Send + Sync {
+    fn post(&self, url: &str, body: &[u8]) -> Result<HttpReply, TransportError>;
+}
+
 /// Every piece of evidence a witness kept under `dir`, oldest first.
 pub fn evidence(dir: &Path) -> Result<Vec<Evidence>, AddError> {
     let ev = dir.join("evidence");
@@ -372,7 +412,8 @@ mod tests {
     fn tree(n: u64, salt: u8) -> Tree {
         let mut t = Tree::new();
         for i in 0..n {
-            t.append(&[&i.to_be_bytes()[..], &[salt]].concat()).expect("append");
+            t.append(&[&i.to_be_bytes()[..], &[salt]].concat())
+                .expect("append");
         }
         t
     }
@@ -401,40 +442,63 @@ mod tests {
         let w = Witness::open("w.example", key(2), &dir, &[log.vkey()]).expect("witness");
         let t = tree(40, 0);
         // First checkpoint: old 0, no proof.
-        let line = w.add_checkpoint(&body(&log, &t, 0, 10), 100).expect("first");
+        let line = w
+            .add_checkpoint(&body(&log, &t, 0, 10), 100)
+            .expect("first");
         assert!(String::from_utf8_lossy(&line).starts_with("— w.example "));
         let cosigned = w.latest("example.com/log").expect("state").expect("kept");
         let got = crate::cosign::cosignatures(&cosigned, &[w.vkey()]).expect("check");
         assert_eq!(got[0].time_s, 100);
         // A consistent extension.
-        w.add_checkpoint(&body(&log, &t, 10, 25), 101).expect("extend");
+        w.add_checkpoint(&body(&log, &t, 10, 25), 101)
+            .expect("extend");
         // The same checkpoint again is cosigned again (old = size, no proof).
-        w.add_checkpoint(&body(&log, &t, 25, 25), 102).expect("same");
-        let status = |b: &[u8]| w.add_checkpoint(b, 103).map(|_| 200).unwrap_or_else(|e| e.status());
+        w.add_checkpoint(&body(&log, &t, 25, 25), 102)
+            .expect("same");
+        let status = |b: &[u8]| {
+            w.add_checkpoint(b, 103)
+                .map(|_| 200)
+                .unwrap_or_else(|e| e.status())
+        };
         assert_eq!(status(b"not a request"), 400);
         assert_eq!(status(&body(&log, &t, 30, 25)), 400, "old past the size");
         let other = NoteSigner::new("other.example/log", key(3)).expect("other");
         assert_eq!(status(&body(&other, &t, 0, 5)), 404);
         let forger = NoteSigner::new("example.com/log", key(4)).expect("forger");
         assert_eq!(status(&body(&forger, &t, 25, 30)), 403);
-        let e = w.add_checkpoint(&body(&log, &t, 10, 30), 103).expect_err("stale old");
+        let e = w
+            .add_checkpoint(&body(&log, &t, 10, 30), 103)
+            .expect_err("stale old");
         assert_eq!((e.status(), e.body()), (409, "25\n".to_owned()));
         let mut bad_proof = ConsistencyProof::parse(&body(&log, &t, 25, 30)).expect("parse");
         bad_proof.hashes[0].0[0] ^= 1;
         assert_eq!(status(&bad_proof.to_bytes()), 422);
-        assert!(evidence(&dir).expect("evidence").iter().any(|e| e.kind == "inconsistent"));
+        assert!(
+            evidence(&dir)
+                .expect("evidence")
+                .iter()
+                .any(|e| e.kind == "inconsistent")
+        );
         // A fork: the log's own key signs another tree of the size the witness cosigned.
         let fork = tree(40, 1);
         assert_eq!(status(&body(&log, &fork, 25, 25)), 422);
         // A rollback: a smaller tree, signed.
         assert_eq!(status(&body(&log, &t, 0, 20)), 409);
-        let kinds: Vec<String> = evidence(&dir).expect("evidence").into_iter().map(|e| e.kind).collect();
-        assert!(kinds.contains(&"same-size-other-root".to_owned()), "{kinds:?}");
+        let kinds: Vec<String> = evidence(&dir)
+            .expect("evidence")
+            .into_iter()
+            .map(|e| e.kind)
+            .collect();
+        assert!(
+            kinds.contains(&"same-size-other-root".to_owned()),
+            "{kinds:?}"
+        );
         assert!(kinds.contains(&"smaller-tree".to_owned()), "{kinds:?}");
         // The state survives a restart; the consistent history goes on.
         drop(w);
         let w = Witness::open("w.example", key(2), &dir, &[log.vkey()]).expect("reopen");
-        w.add_checkpoint(&body(&log, &t, 25, 40), 104).expect("after restart");
+        w.add_checkpoint(&body(&log, &t, 25, 40), 104)
+            .expect("after restart");
         let _ = fs::remove_dir_all(&dir);
     }
 }

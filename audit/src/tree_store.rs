@@ -22,6 +22,7 @@ use crate::digest::{self, ChainHead, DigestBody, DigestFile, LocalStore, LogStor
 use crate::leaf::{self, LeafError};
 use crate::schema::Table;
 use crate::tlog::{self, EdgeTree, TileFile, TlogError};
+pub use crate::tlog_witness::{HttpReply, TransportError, WitnessTarget, WitnessTransport};
 
 /// The tree's directory under an audit root.
 pub const TLOG_DIR: &str = "_tlog";
@@ -287,6 +288,8 @@ pub enum TreeStatus {
         root: String,
         /// The size of the signed checkpoint note found (`None`: none on disk).
         checkpoint_size: Option<u64>,
+        /// With `--witness`: the size of the checkpoint enough witnesses cosigned.
+        witnessed_size: Option<u64>,
     },
     /// Not rebuilt, and why (a time window; files that failed their own checks).
     NotChecked(&'static str),
@@ -302,9 +305,16 @@ pub fn verify_tree(
     node: u32,
     digests: &[DigestBody],
     key: &VerifyingKey,
+    witnesses: Option<&WitnessPolicy>,
     problems: &mut Vec<Problem>,
 ) -> TreeStatus {
     if digests.iter().all(|d| d.tree_size.is_none()) {
+        if witnesses.is_some() {
+            problems.push(Problem::NotWitnessed {
+                node,
+                why: "its log has no Merkle tree (sealed before the transparency log)".into(),
+            });
+        }
         return TreeStatus::Absent;
     }
     let prefix = node_prefix(node);
@@ -374,6 +384,8 @@ pub fn verify_tree(
     }
     check_tiles(store, &prefix, tree.partial_tiles(0), problems);
     let checkpoint_size = check_note(store, node, &prefix, key, &roots, problems);
+    let witnessed_size =
+        witnesses.and_then(|p| check_cosigned(store, node, key, &roots, p, problems));
     let root = roots
         .get(&tree.size())
         .map(|r| digest::hex(&r.0))
@@ -382,6 +394,7 @@ pub fn verify_tree(
         size: tree.size(),
         root,
         checkpoint_size,
+        witnessed_size,
     }
 }
 
@@ -670,4 +683,264 @@ impl tlog_tiles::TileReader for NodeLog<'_> {
 
     /// Nothing to save: the tiles are read from the log itself.
     fn save_tiles(&self, _tiles: &[tlog_tiles::Tile], _data: &[Vec<u8>]) {}
+}
+
+/// What one round of cosigning achieved.
+#[derive(Debug, Default)]
+pub struct CosignRound {
+    /// The checkpoint's size.
+    pub size: u64,
+    /// The witnesses that cosigned it.
+    pub cosigned_by: Vec<String>,
+    /// The witnesses that did not, and why.
+    pub failures: Vec<(String, String)>,
+}
+
+/// The newest checkpoint with the cosignatures collected so far: `_tlog/node=<n>/cosigned`.
+pub fn cosigned_path(root: &Path, node: u32) -> PathBuf {
+    root.join(node_prefix(node)).join("cosigned")
+}
+
+/// Sends the node's newest checkpoint to each witness (C2SP `add-checkpoint`: from the size it
+/// last cosigned — `known[url]`, learnt from a 409 — with a consistency proof from the root
+/// on disk), checks every cosignature returned, and writes the checkpoint with those it got to
+/// [`cosigned_path`]. A witness that is down or refuses is a failure of this round; the node
+/// goes on serving (its caller says so in the log).
+pub fn cosign_newest(
+    root: &Path,
+    node: u32,
+    witnesses: &[WitnessTarget],
+    transport: &dyn WitnessTransport,
+    known: &mut BTreeMap<String, u64>,
+) -> Result<CosignRound, ProofError> {
+    let store = LocalStore::new(root);
+    let log = NodeLog::open(&store, node)?;
+    let note = log.checkpoint_note()?;
+    let text_end = note
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map_or(note.len(), |i| i + 1);
+    let cp = tlog::Checkpoint::from_bytes(&note[..text_end])
+        .map_err(|_| TlogError::MalformedCheckpoint)?;
+    let size = cp.size();
+    let mut round = CosignRound {
+        size,
+        ..CosignRound::default()
+    };
+    let mut lines = Vec::new();
+    for w in witnesses {
+        match ask_witness(&log, &note, size, w, transport, known) {
+            Ok(l) => {
+                lines.extend_from_slice(&l);
+                round.cosigned_by.push(w.url.clone());
+            }
+            Err(why) => round.failures.push((w.url.clone(), why)),
+        }
+    }
+    if !lines.is_empty() {
+        let merged = crate::cosign::merge_signatures(&note, &lines)?;
+        let path = cosigned_path(root, node);
+        // Never replace a cosigned checkpoint with a smaller one.
+        let older = fs::read(&path).ok().and_then(|b| {
+            let end = b.windows(2).position(|w| w == b"\n\n")? + 1;
+            tlog::Checkpoint::from_bytes(&b[..end])
+                .ok()
+                .map(|c| c.size())
+        });
+        if older.is_none_or(|s| s <= size) {
+            write_durably(&path, &merged).map_err(|e| ProofError::Records {
+                node,
+                why: e.to_string(),
+            })?;
+        }
+    }
+    Ok(round)
+}
+
+/// Bound on `add-checkpoint` attempts per witness per round: the first, and one more from the
+/// size a 409 names.
+const ATTEMPTS: usize = 2;
+
+/// One witness's cosignature line(s) for `note`, checked.
+fn ask_witness(
+    log: &NodeLog<'_>,
+    note: &[u8],
+    size: u64,
+    w: &WitnessTarget,
+    transport: &dyn WitnessTransport,
+    known: &mut BTreeMap<String, u64>,
+) -> Result<Vec<u8>, String> {
+    let verifier = crate::cosign::CosignatureVerifier::new(&w.vkey).map_err(|e| e.to_string())?;
+    let url = format!("{}/add-checkpoint", w.url.trim_end_matches('/'));
+    for _ in 0..ATTEMPTS {
+        let old = known.get(&w.url).copied().unwrap_or(0);
+        if old > size {
+            return Err(format!(
+                "the witness cosigned {old} records, more than this node's {size}: this node's log was rolled back (restarted from an older disk?)"
+            ));
+        }
+        let hashes = if old == 0 || old == size {
+            Vec::new()
+        } else {
+            log.prove_consistency(old, size).map_err(|e| {
+                format!("no consistency proof from the witness's {old} records: {e}")
+            })?
+        };
+        let body = tlog::ConsistencyProof {
+            old,
+            hashes,
+            checkpoint: note.to_vec(),
+        }
+        .to_bytes();
+        let reply = transport.post(&url, &body).map_err(|e| e.to_string())?;
+        match reply.status {
+            200 => {
+                let merged = crate::cosign::merge_signatures(note, &reply.body)
+                    .map_err(|e| format!("a malformed reply: {e}"))?;
+                let got = crate::cosign::cosignatures(&merged, std::slice::from_ref(&w.vkey))
+                    .map_err(|e| e.to_string())?;
+                if got.is_empty() {
+                    return Err(format!(
+                        "the reply holds no cosignature by {}",
+                        signed_note::Verifier::name(&verifier)
+                    ));
+                }
+                known.insert(w.url.clone(), size);
+                return Ok(reply.body);
+            }
+            409 => {
+                let theirs = String::from_utf8_lossy(&reply.body)
+                    .trim()
+                    .parse::<u64>()
+                    .map_err(|_| "a 409 without the witness's size".to_owned())?;
+                known.insert(w.url.clone(), theirs);
+            }
+            s => {
+                return Err(format!(
+                    "HTTP {s}: {}",
+                    String::from_utf8_lossy(&reply.body).trim()
+                ));
+            }
+        }
+    }
+    Err("the witness's size kept changing (409 twice)".into())
+}
+
+/// What `verify --witness` requires of a node's tree: a checkpoint cosigned by `min` of
+/// these witness keys; and cosigned checkpoints obtained from the witnesses themselves
+/// (`GET <witness>/<origin id>/checkpoint`), with where each came from, that the sealed
+/// records must make.
+#[derive(Clone, Debug, Default)]
+pub struct WitnessPolicy {
+    pub vkeys: Vec<String>,
+    pub min: usize,
+    pub checkpoints: Vec<(Vec<u8>, String)>,
+}
+
+/// The node's own cosigned checkpoint (`_tlog/node=<n>/cosigned`) and every checkpoint of it in
+/// `policy.checkpoints`, each held to the policy and to the sealed tree (`roots`: every size a
+/// digest sealed, with its root). Returns the largest size they vouch for.
+pub fn check_cosigned(
+    store: &dyn LogStore,
+    node: u32,
+    key: &VerifyingKey,
+    roots: &BTreeMap<u64, Hash>,
+    policy: &WitnessPolicy,
+    problems: &mut Vec<Problem>,
+) -> Option<u64> {
+    let rel = format!("{}/cosigned", node_prefix(node));
+    let Ok(own) = store.read(&rel) else {
+        problems.push(Problem::NotWitnessed {
+            node,
+            why: format!("no cosigned checkpoint ({})", store.locate(&rel).display()),
+        });
+        return None;
+    };
+    let origin = origin_line(&own);
+    let mut best = hold_cosigned(
+        &own,
+        &store.locate(&rel).display().to_string(),
+        node,
+        key,
+        roots,
+        policy,
+        problems,
+    );
+    for (note, place) in &policy.checkpoints {
+        if origin_line(note) != origin {
+            continue;
+        }
+        let got = hold_cosigned(note, place, node, key, roots, policy, problems);
+        best = best.max(got);
+    }
+    best
+}
+
+fn origin_line(note: &[u8]) -> String {
+    note.split(|&b| b == b'\n')
+        .next()
+        .and_then(|l| std::str::from_utf8(l).ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// One cosigned checkpoint: the node's signature, the quorum, and the sealed tree's root at its
+/// size (a larger size than the log has: a cut or rolled-back log).
+fn hold_cosigned(
+    note: &[u8],
+    place: &str,
+    node: u32,
+    key: &VerifyingKey,
+    roots: &BTreeMap<u64, Hash>,
+    policy: &WitnessPolicy,
+    problems: &mut Vec<Problem>,
+) -> Option<u64> {
+    let fail = |why: String| Problem::NotWitnessed {
+        node,
+        why: format!("{place}: {why}"),
+    };
+    let cp = match tlog::open_checkpoint(note, &tlog::ed25519_vkey(&origin_line(note), key)) {
+        Ok(cp) => cp,
+        Err(e) => {
+            problems.push(fail(format!("not signed by the node's key: {e}")));
+            return None;
+        }
+    };
+    let got = match crate::cosign::cosignatures(note, &policy.vkeys) {
+        Ok(g) => g,
+        Err(e) => {
+            problems.push(fail(e.to_string()));
+            return None;
+        }
+    };
+    if got.len() < policy.min {
+        problems.push(fail(format!(
+            "{} of the required {} witnesses cosigned it ({} records)",
+            got.len(),
+            policy.min,
+            cp.size()
+        )));
+        return None;
+    }
+    let largest = roots.keys().next_back().copied().unwrap_or(0);
+    let why = match roots.get(&cp.size()) {
+        Some(r) if r == cp.hash() => return Some(cp.size()),
+        Some(_) => format!(
+            "the witnesses cosigned another tree of {} records than the sealed records make (a forked history)",
+            cp.size()
+        ),
+        None if cp.size() > largest => format!(
+            "the witnesses cosigned {} records; the log holds {largest} (its tail was cut, or the node rolled back)",
+            cp.size()
+        ),
+        None => format!(
+            "the witnesses cosigned {} records, a size no digest sealed",
+            cp.size()
+        ),
+    };
+    problems.push(Problem::TreeCheckpointInvalid {
+        node,
+        why: format!("{place}: {why}"),
+    });
+    None
 }

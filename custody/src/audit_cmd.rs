@@ -98,6 +98,7 @@ fn expectations(
         nodes,
         freshness,
         node_keys: Default::default(),
+        witnesses: None,
     })
 }
 
@@ -179,6 +180,19 @@ pub(crate) struct VerifyArgs {
     /// Repeatable.
     #[arg(long)]
     node_key: Vec<String>,
+    /// A tlog witness's cosignature verifier key (`custody witness vkey`); repeatable. Every
+    /// node's tree must then have a checkpoint cosigned by `--min-witnesses` of them that the
+    /// sealed records make.
+    #[arg(long = "witness")]
+    witnesses: Vec<String>,
+    /// How many of the `--witness` keys must have cosigned (default: 1).
+    #[arg(long, requires = "witnesses")]
+    min_witnesses: Option<usize>,
+    /// A cosigned checkpoint obtained from a witness (`GET <witness>/<sha256(origin)>/checkpoint`,
+    /// or `custody witness`'s state): the node's sealed records must make it — a witness that
+    /// cosigned a larger or another tree shows a cut, rolled-back or forked log. Repeatable.
+    #[arg(long, requires = "witnesses")]
+    witness_checkpoint: Vec<PathBuf>,
 }
 
 /// `audit verify`'s exit code when nothing is wrong but no key was pinned (trust on first use).
@@ -490,6 +504,29 @@ fn verify(v: VerifyArgs) -> Result<()> {
         v.now.as_deref(),
     )?;
     expect.node_keys = node_keys(&v.node_key)?;
+    if !v.witnesses.is_empty() {
+        for w in &v.witnesses {
+            custody_audit::cosign::CosignatureVerifier::new(w)
+                .with_context(|| format!("--witness {w}"))?;
+        }
+        let min = v.min_witnesses.unwrap_or(1);
+        if min == 0 || min > v.witnesses.len() {
+            bail!(
+                "--min-witnesses {min}: between 1 and the {} --witness keys given",
+                v.witnesses.len()
+            );
+        }
+        let mut checkpoints = Vec::new();
+        for p in &v.witness_checkpoint {
+            let note = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+            checkpoints.push((note, p.display().to_string()));
+        }
+        expect.witnesses = Some(custody_audit::tree_store::WitnessPolicy {
+            vkeys: v.witnesses.clone(),
+            min,
+            checkpoints,
+        });
+    }
     let r = verify_showing_progress(&v.root, key.as_ref(), from, to, &expect);
     print_report(&r);
     let code = verdict(&r, key.is_some(), v.allow_tofu);
@@ -519,11 +556,18 @@ fn print_report(r: &digest::Report) {
                 size,
                 root,
                 checkpoint_size,
+                witnessed_size,
             } => {
                 let cp = checkpoint_size.map_or("none".to_owned(), |s| format!("{s} records"));
                 println!(
                     "  node {node}: Merkle tree of {size} records rebuilt from the sealed records, root {root}; signed tree checkpoint: {cp}"
                 );
+                if let Some(w) = witnessed_size {
+                    println!(
+                        "  node {node}: cosigned by the witnesses up to {w} records ({} not yet)",
+                        size - w
+                    );
+                }
             }
             TreeStatus::NotChecked(why) => {
                 println!("  node {node}: Merkle tree NOT checked: {why}");

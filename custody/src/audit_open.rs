@@ -47,6 +47,8 @@ pub(crate) struct NodeAudit {
     pub(crate) latest: Arc<custody_audit::checkpoint::Latest>,
     /// The writer's checkpoint interval.
     pub(crate) checkpoint_interval: std::time::Duration,
+    /// With `[audit] witnesses`: the cosigner's counters.
+    pub(crate) cosign: Option<Arc<crate::cosign_client::CosignStats>>,
 }
 
 /// What a serving process is, for `--no-audit`: a pair's or a fleet's node (named) needs the
@@ -183,6 +185,17 @@ fn open_writer(a: &AuditArgs, conf: &AuditSection, t: Target) -> Result<NodeAudi
         cfg.checkpoint_interval = std::time::Duration::from_secs(conf.checkpoint_interval_s);
     }
     cfg.checkpoint_sinks = checkpoint_sinks(a, conf)?;
+    let cosigner = if conf.witnesses.is_empty() {
+        None
+    } else {
+        for w in &conf.witnesses {
+            custody_audit::cosign::CosignatureVerifier::new(&w.vkey)
+                .with_context(|| format!("[audit] witnesses: {}", w.url))?;
+        }
+        let c = crate::cosign_client::start(t.dir.clone(), t.node, conf.witnesses.clone())?;
+        cfg.checkpoint_sinks.push(c.sink.clone());
+        Some(c)
+    };
     cfg.origin = conf.origin.clone();
     cfg.level0_tiles = conf.level0_tiles;
     let latest = Arc::new(custody_audit::checkpoint::Latest::default());
@@ -197,6 +210,10 @@ fn open_writer(a: &AuditArgs, conf: &AuditSection, t: Target) -> Result<NodeAudi
     let w =
         AuditWriter::open(cfg).with_context(|| format!("opening audit log {}", t.dir.display()))?;
     let w = Arc::new(w);
+    if let Some(c) = &cosigner {
+        // Set once, here: the cosigner records its failures into this log.
+        let _ = c.writer.set(Arc::downgrade(&w));
+    }
     for from in conf.checkpoints_from.iter().chain(&a.checkpoints_from) {
         relay_checkpoints(from.clone(), w.clone(), None)?;
     }
@@ -204,6 +221,7 @@ fn open_writer(a: &AuditArgs, conf: &AuditSection, t: Target) -> Result<NodeAudi
         writer: w,
         latest,
         checkpoint_interval,
+        cosign: cosigner.map(|c| c.stats),
     })
 }
 

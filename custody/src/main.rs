@@ -17,6 +17,7 @@ mod certs_cmd;
 mod cluster_cmd;
 mod common;
 mod config;
+mod cosign_client;
 #[cfg(feature = "forensics")]
 mod demo_cmd;
 mod disagg_cmd;
@@ -28,6 +29,7 @@ mod progress;
 mod query_cmd;
 mod serve_cmd;
 mod synth_cmd;
+mod witness_cmd;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -142,6 +144,10 @@ enum Cmd {
     /// host's node — an independent record that `custody forensics crosscheck` compares with
     /// the engine's. Needs root (CAP_BPF, CAP_PERFMON).
     Probe(probe_cmd::ProbeArgs),
+    /// A transparency-log witness for the nodes' Merkle trees (C2SP tlog-witness): cosigns a
+    /// node's checkpoint only if it extends the last one cosigned, keeps split-view evidence
+    #[command(subcommand)]
+    Witness(witness_cmd::WitnessCmd),
     /// SQL over an audit root (only files a verified digest chain names)
     ///
     /// `-c SQL`, `-f FILE`, or an interactive prompt (`\d`, `\d table`, `\q`). Files that no
@@ -198,7 +204,11 @@ fn init_logging(cli: &Cli) {
     const LEVELS: [&str; 5] = ["error", "warn", "info", "debug", "trace"];
     let daemon = matches!(
         cli.cmd,
-        Cmd::Serve(_) | Cmd::Prefill(_) | Cmd::Decode(_) | Cmd::Probe(_)
+        Cmd::Serve(_)
+            | Cmd::Prefill(_)
+            | Cmd::Decode(_)
+            | Cmd::Probe(_)
+            | Cmd::Witness(witness_cmd::WitnessCmd::Serve { .. })
     ) || is_cluster_process(&cli.cmd);
     let base = if daemon { 2 } else { 1 };
     let level = LEVELS[(base + usize::from(cli.verbose)).min(LEVELS.len() - 1)];
@@ -261,6 +271,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::BenchRouter(a) => Ok(custody_bench::router::bench_router(a)?),
         Cmd::Certs(a) => certs_cmd::certs(a),
         Cmd::Probe(a) => probe_cmd::probe(a),
+        Cmd::Witness(c) => witness_cmd::witness_cmd(c),
         #[cfg(feature = "forensics")]
         Cmd::Query(a) => query_cmd::query(a),
         #[cfg(feature = "forensics")]

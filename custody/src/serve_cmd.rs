@@ -90,7 +90,10 @@ pub(crate) struct ValidateArgs {
 
 /// The audit writer's queue, for `/metrics` and the 503 high-water check.
 #[derive(Debug)]
-struct WriterStats(Arc<AuditWriter>);
+struct WriterStats(
+    Arc<AuditWriter>,
+    Option<Arc<crate::cosign_client::CosignStats>>,
+);
 
 impl AuditStats for WriterStats {
     fn queue_depth(&self) -> u64 {
@@ -101,6 +104,12 @@ impl AuditStats for WriterStats {
     }
     fn dropped_total(&self) -> u64 {
         self.0.dropped_total()
+    }
+    fn uncosigned_rounds(&self) -> u64 {
+        self.1.as_ref().map_or(0, |s| {
+            s.uncosigned_rounds
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
     }
 }
 
@@ -153,8 +162,9 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     } else {
         cfg.audit.node
     };
-    let audit =
-        open_serving_audit(&a.audit, a.no_audit, &cfg.audit, Serving::Colocated)?.map(|n| n.writer);
+    let node_audit = open_serving_audit(&a.audit, a.no_audit, &cfg.audit, Serving::Colocated)?;
+    let cosign = node_audit.as_ref().and_then(|n| n.cosign.clone());
+    let audit = node_audit.map(|n| n.writer);
     if let Some(w) = &audit {
         engine = engine.with_audit(w.clone());
         let fingerprint = engine.model().gguf().sha256_hex();
@@ -167,7 +177,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         node,
         audit: audit
             .clone()
-            .map(|w| Arc::new(WriterStats(w)) as Arc<dyn AuditStats>),
+            .map(|w| Arc::new(WriterStats(w, cosign)) as Arc<dyn AuditStats>),
         events: None,
         prefix_cache: cfg.prefix_cache.clone(),
         unsafe_shared_prefix_cache: unsafe_.shared_prefix_cache,
@@ -218,7 +228,7 @@ fn front_options(
         metrics: None,
         cfg: serve_cfg.clone(),
         node,
-        audit: audit.map(|w| Arc::new(WriterStats(w.clone())) as Arc<dyn AuditStats>),
+        audit: audit.map(|w| Arc::new(WriterStats(w.clone(), None)) as Arc<dyn AuditStats>),
         events: audit.map(|w| w.clone() as Arc<dyn custody_audit::AuditSink>),
         prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
@@ -390,7 +400,7 @@ fn validate_pair(
     })
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}

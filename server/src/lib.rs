@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod openai;
 pub mod structured;
 pub mod tenants;
+pub mod tlog_witness;
 pub mod tools;
 
 use std::future::Future;

@@ -15,6 +15,11 @@ pub trait AuditStats: Send + Sync + std::fmt::Debug {
     fn queue_depth(&self) -> u64;
     fn queue_capacity(&self) -> u64;
     fn dropped_total(&self) -> u64;
+    /// Rounds in which the node's newest tree checkpoint did not get every configured tlog
+    /// witness's cosignature (0 without `[audit] witnesses`).
+    fn uncosigned_rounds(&self) -> u64 {
+        0
+    }
 }
 
 /// Seconds; latency buckets from 1 ms to 60 s.
@@ -305,6 +310,12 @@ impl Metrics {
                 "custody_audit_dropped_events_total",
                 "Audit events dropped (only with [audit] allow_drop; each drop is also counted in the log).",
                 a.dropped_total(),
+            );
+            counter(
+                &mut o,
+                "custody_audit_uncosigned_checkpoints_total",
+                "Rounds in which a tlog witness did not cosign the newest tree checkpoint (down, refused, or the node rolled back; each also a node_events row).",
+                a.uncosigned_rounds(),
             );
         }
         counter(

@@ -72,6 +72,7 @@ fn the_tree_is_rebuilt_from_the_records_and_every_tampering_with_it_is_found() {
             size: s,
             root,
             checkpoint_size,
+            witnessed_size: None,
         } => {
             assert_eq!(s, size);
             assert_eq!(Some(root), last.body.tree_root);
@@ -503,6 +504,237 @@ fn the_cli_proves_and_checks() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success() && out.contains("extends the one of 300"),
+        "{out}"
+    );
+}
+
+/// `custody witness serve` as a process, on a free port; killed when dropped.
+struct WitnessProc {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Drop for WitnessProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_witness(key: &Path, name: &str, state: &Path, logs: &[String]) -> WitnessProc {
+    use std::io::BufRead as _;
+    let mut cmd = std::process::Command::new(crate::symbols::default_features_binary());
+    cmd.args([
+        "witness",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--name",
+        name,
+    ])
+    .arg("--key")
+    .arg(key)
+    .arg("--state")
+    .arg(state)
+    .env("RUST_LOG", "warn")
+    .stdout(std::process::Stdio::piped());
+    for l in logs {
+        cmd.args(["--log", l]);
+    }
+    let mut child = cmd
+        .spawn()
+        .expect("custody witness serve (scripts/test.sh builds it)");
+    let out = child.stdout.take().expect("stdout");
+    let mut lines = std::io::BufReader::new(out).lines();
+    let addr = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find_map(|l| l.strip_prefix("listening on ").map(str::to_owned))
+        .expect("the witness says where it listens");
+    WitnessProc { child, addr }
+}
+
+/// A plain HTTP GET's body (the witness's monitoring endpoint).
+fn http_get(addr: &str, path: &str) -> (u16, Vec<u8>) {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("write");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("headers")
+        + 4;
+    let status = String::from_utf8_lossy(&raw[9..12])
+        .parse()
+        .expect("status");
+    (status, raw[end..].to_vec())
+}
+
+/// The split-view run: a node's checkpoints cosigned by a `custody witness` process as
+/// the log grows; the node restarted from an older disk, then made to sign another history of
+/// the same size with its own key. The witness refuses both (a smaller tree, then a second
+/// root for a size it cosigned), keeps them as evidence (`custody witness evidence` shows both
+/// checkpoints of each, signed by the node's key), and `audit verify --witness` holds the
+/// forked disk to the witness's checkpoint and reports the fork, while the true log verifies.
+#[test]
+fn a_witness_cosigns_a_growing_log_and_refuses_a_forked_one() {
+    use custody_audit::tree_store::{self, WitnessPolicy, WitnessTarget};
+    use custody_server::tlog_witness::HttpTransport;
+    let dir = tmp_dir("tlog-witness");
+    let (k, wk) = (key(), key());
+    let vk = k.0.verifying_key();
+    let wkey = dir.join("witness.key");
+    digest::write_key(&wk.0, &wkey).expect("witness key");
+    let pubkey = dir.join("node.pub");
+    std::fs::write(&pubkey, digest::hex(vk.as_bytes())).expect("pub");
+    let origin = tree_store::default_origin(NODE, &vk);
+    let node_vkey = custody_audit::tlog::ed25519_vkey(&origin, &vk);
+    let state = dir.join("witness-state");
+    let wp = start_witness(&wkey, "w1.test", &state, std::slice::from_ref(&node_vkey));
+    let wvkey = custody_audit::cosign::vkey("w1.test", &wk.0.verifying_key());
+    let targets = vec![WitnessTarget {
+        url: format!("http://{}", wp.addr),
+        vkey: wvkey.clone(),
+    }];
+    let page = |i: u64, tenant: &str| AEvent::Page {
+        ts_ns: custody_audit::mono_now_ns(),
+        request: i,
+        tenant: tenant.to_owned().into(),
+        page: 1,
+        generation: 1,
+        kind: PageKind::Alloc,
+    };
+    let audit = dir.join("audit");
+    let w = AuditWriter::open(WriterConfig::new(&audit, NODE, k.0.clone())).expect("writer");
+    for i in 0..300 {
+        w.record(page(i, "acme")).expect("record");
+    }
+    w.rotate().expect("seal");
+    let mut known = std::collections::BTreeMap::new();
+    // A second witness that is down: the round fails for it alone, and says why.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
+    let dead_url = format!("http://{}", dead.local_addr().expect("addr"));
+    drop(dead);
+    let with_dead = [
+        targets[0].clone(),
+        WitnessTarget {
+            url: dead_url.clone(),
+            vkey: wvkey.clone(),
+        },
+    ];
+    let r = tree_store::cosign_newest(&audit, NODE, &with_dead, &HttpTransport, &mut known)
+        .expect("round");
+    assert_eq!((r.size, r.cosigned_by.len()), (300, 1), "{:?}", r.failures);
+    assert_eq!(r.failures.len(), 1);
+    assert_eq!(r.failures[0].0, dead_url);
+    let older_disk = dir.join("older-disk");
+    copy_dir(&audit, &older_disk);
+    for i in 300..700 {
+        w.record(page(i, "acme")).expect("record");
+    }
+    w.close().expect("close");
+    let r = tree_store::cosign_newest(&audit, NODE, &targets, &HttpTransport, &mut known)
+        .expect("round");
+    assert_eq!((r.size, r.cosigned_by.len()), (700, 1), "{:?}", r.failures);
+    let policy = WitnessPolicy {
+        vkeys: vec![wvkey.clone()],
+        min: 1,
+        checkpoints: Vec::new(),
+    };
+    let expect = digest::Expect {
+        witnesses: Some(policy.clone()),
+        ..Default::default()
+    };
+    let good = digest::verify_reporting(
+        &digest::LocalStore::new(&audit),
+        Some(&vk),
+        None,
+        None,
+        &expect,
+    );
+    assert!(good.ok(), "{:?}", good.problems);
+    assert!(matches!(
+        good.trees.get(&NODE),
+        Some(TreeStatus::Checked {
+            witnessed_size: Some(700),
+            ..
+        })
+    ));
+
+    // Restarted from the older disk: its newest checkpoint is a smaller tree.
+    let mut fresh = std::collections::BTreeMap::new();
+    let r = tree_store::cosign_newest(&older_disk, NODE, &targets, &HttpTransport, &mut fresh)
+        .expect("round");
+    assert!(r.cosigned_by.is_empty());
+    assert!(r.failures[0].1.contains("rolled back"), "{:?}", r.failures);
+    // It signs another history up to the size the witness cosigned.
+    let w = AuditWriter::open(WriterConfig::new(&older_disk, NODE, k.0.clone())).expect("writer");
+    for i in 300..700 {
+        w.record(page(i, "mallory")).expect("record");
+    }
+    w.close().expect("close");
+    let r = tree_store::cosign_newest(&older_disk, NODE, &targets, &HttpTransport, &mut fresh)
+        .expect("round");
+    assert_eq!(r.size, 700);
+    assert!(r.cosigned_by.is_empty());
+    assert!(r.failures[0].1.contains("422"), "{:?}", r.failures);
+
+    let o = crate::cli::custody(&[
+        "witness",
+        "evidence",
+        "--state",
+        state.to_str().expect("utf-8"),
+        "--log",
+        &node_vkey,
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("EVIDENCE smaller-tree") && out.contains("EVIDENCE same-size-other-root"),
+        "{out}"
+    );
+    assert!(!out.contains("NOT signed"), "{out}");
+    assert_eq!(out.matches("(signed by the log's key)").count(), 4, "{out}");
+
+    // The witness's own checkpoint, held against the forked disk and the true one.
+    let (status, cosigned) = http_get(
+        &wp.addr,
+        &format!(
+            "/{}/checkpoint",
+            custody_audit::tlog_witness::origin_id(&origin)
+        ),
+    );
+    assert_eq!(status, 200);
+    let cp_file = dir.join("witness.checkpoint");
+    std::fs::write(&cp_file, &cosigned).expect("write");
+    let verify = |root: &Path| {
+        crate::cli::custody(&[
+            "audit",
+            "verify",
+            root.to_str().expect("utf-8"),
+            "--public-key",
+            pubkey.to_str().expect("utf-8"),
+            "--witness",
+            &wvkey,
+            "--witness-checkpoint",
+            cp_file.to_str().expect("utf-8"),
+        ])
+    };
+    let o = verify(&older_disk);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(out.contains("a forked history"), "{out}");
+    let o = verify(&audit);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("cosigned by the witnesses up to 700 records"),
         "{out}"
     );
 }
