@@ -26,6 +26,11 @@ pub use tlog_tiles::Checkpoint;
 /// A SHA-256 hash of the tree (a leaf, a node, a root).
 pub use tlog_tiles::Hash;
 
+/// Whether `name` can name a signed-note key (non-empty, no spaces, no `+`).
+pub fn is_key_name(name: &str) -> bool {
+    signed_note::is_key_name_valid(name)
+}
+
 /// The C2SP verifier key of an Ed25519 key under `name`: `<name>+<key id>+<base64(0x01‖key)>`.
 pub fn ed25519_vkey(name: &str, key: &ed25519_dalek::VerifyingKey) -> String {
     signed_note::new_ed25519_verifier_key(name, key)

@@ -224,6 +224,19 @@ pub(crate) enum AuditCmd {
         #[arg(long)]
         node: Vec<u32>,
     },
+    /// Print a node's tree verifier key (C2SP signed-note, Ed25519): what its tlog witnesses
+    /// (`custody witness serve --log`) and a tenant's verifier pin. The origin is
+    /// `[audit] origin`, else the default for the node and key.
+    Vkey {
+        /// The node's public key (hex, `<key>.pub`).
+        #[arg(long)]
+        public_key: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        node: u32,
+        /// The configured `[audit] origin`, if any.
+        #[arg(long)]
+        origin: Option<String>,
+    },
     /// Prove, against a node's newest signed tree checkpoint (`_tlog/node=<n>/checkpoint`),
     /// that a record is in its Merkle tree (`--seq`: a C2SP tlog-proof@v1 file whose `extra`
     /// is the record's canonical bytes) or that the tree extends an older one (`--old`: the
@@ -292,6 +305,20 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
         } => Ok(custody_bench::audit::audit_bench(events, dir, witness)?),
         AuditCmd::Synth(a) => crate::synth_cmd::synth(a),
         AuditCmd::Tiles { root, node } => tiles(&root, node),
+        AuditCmd::Vkey {
+            public_key,
+            node,
+            origin,
+        } => {
+            let key = digest::read_verifying_key(&public_key).map_err(anyhow::Error::msg)?;
+            let origin =
+                origin.unwrap_or_else(|| custody_audit::tree_store::default_origin(node, &key));
+            if !custody_audit::tlog::is_key_name(&origin) {
+                bail!("origin {origin:?}: not a signed-note key name (no spaces, no '+')");
+            }
+            println!("{}", custody_audit::tlog::ed25519_vkey(&origin, &key));
+            Ok(())
+        }
         AuditCmd::Prove {
             root,
             node,

@@ -20,8 +20,6 @@ use custody_audit::tlog_witness::Witness;
 
 use crate::ServeError;
 
-use std::io::{Read as _, Write as _};
-use std::net::{TcpStream, ToSocketAddrs as _};
 use std::time::Duration;
 
 use custody_audit::tlog_witness::{HttpReply, TransportError, WitnessTransport};
@@ -92,13 +90,11 @@ pub async fn serve_witness(
     Ok(())
 }
 
-/// Connect, write and read timeouts of one `add-checkpoint` (a witness on the other side of a
-/// WAN answers in well under a second; a hung one must not hold the round).
+/// Read and write timeout of one `add-checkpoint` (a witness answers in well under a second;
+/// a hung one must not hold the node's cosigning round).
 const TIMEOUT: Duration = Duration::from_secs(5);
-/// A witness's reply past this is malformed (a few cosignature lines).
-const MAX_REPLY_BYTES: u64 = 64 << 10;
 
-/// `POST` over plain HTTP/1.1, `Connection: close`.
+/// `POST` over plain HTTP/1.1 (`crate::client`), for a node reaching its witnesses.
 #[derive(Debug, Default)]
 pub struct HttpTransport;
 
@@ -111,78 +107,22 @@ impl WitnessTransport for HttpTransport {
         let rest = url
             .strip_prefix("http://")
             .ok_or_else(|| err("only http:// witnesses are supported".into()))?;
-        let (host, path) = match rest.find('/') {
+        let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, "/"),
         };
-        let addr = host
-            .to_socket_addrs()
-            .map_err(|e| err(e.to_string()))?
-            .next()
-            .ok_or_else(|| err("no address".into()))?;
-        let mut s = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| err(e.to_string()))?;
-        let io = |e: std::io::Error| err(e.to_string());
-        s.set_read_timeout(Some(TIMEOUT)).map_err(io)?;
-        s.set_write_timeout(Some(TIMEOUT)).map_err(io)?;
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        );
-        s.write_all(head.as_bytes()).map_err(io)?;
-        s.write_all(body).map_err(io)?;
-        let mut raw = Vec::new();
-        s.take(MAX_REPLY_BYTES).read_to_end(&mut raw).map_err(io)?;
-        parse_reply(&raw).map_err(|why| err(why.into()))
-    }
-}
-
-/// Status and body of an HTTP/1.1 response read to its end (`Content-Length` or chunked).
-fn parse_reply(raw: &[u8]) -> Result<HttpReply, &'static str> {
-    let end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("no end of headers")?;
-    let head = std::str::from_utf8(&raw[..end]).map_err(|_| "headers are not UTF-8")?;
-    let status: u16 = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or("no status")?;
-    let body = &raw[end + 4..];
-    let chunked = head
-        .lines()
-        .any(|l| l.to_ascii_lowercase().starts_with("transfer-encoding:") && l.contains("chunked"));
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        body.to_vec()
-    };
-    Ok(HttpReply { status, body })
-}
-
-fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, &'static str> {
-    let mut out = Vec::new();
-    // Each round consumes a chunk's size line: bounded by the body's length.
-    loop {
-        let nl = b
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or("a torn chunk")?;
-        let size = usize::from_str_radix(
-            std::str::from_utf8(&b[..nl])
-                .map_err(|_| "a chunk size")?
-                .trim(),
-            16,
+        let r = crate::client::request(
+            &format!("http://{authority}"),
+            "POST",
+            path,
+            None,
+            Some(body),
+            TIMEOUT,
         )
-        .map_err(|_| "a chunk size")?;
-        b = &b[nl + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if b.len() < size + 2 {
-            return Err("a torn chunk");
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
+        .map_err(|e| err(e.to_string()))?;
+        Ok(HttpReply {
+            status: r.status,
+            body: r.body,
+        })
     }
 }
