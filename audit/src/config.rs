@@ -29,6 +29,10 @@ pub struct AuditSection {
     /// Signed checkpoints of the chain (`checkpoint`), published at least this often, idle or
     /// not, besides after every seal; 0 = the writer's default (60 s).
     pub checkpoint_interval_s: u64,
+    /// Seal the live segment (Parquet, digest, Merkle tree, checkpoint note) at least this
+    /// often; 0 = the writer's default (300 s). Sooner means proofs and cosignatures sooner,
+    /// and more, smaller files.
+    pub seal_interval_s: u64,
     /// Directories on other disks or mounts (a peer's volume) that receive this node's newest
     /// checkpoint — places this node's own storage cannot rewrite.
     pub checkpoint_dirs: Vec<PathBuf>,

@@ -181,6 +181,9 @@ fn open_writer(a: &AuditArgs, conf: &AuditSection, t: Target) -> Result<NodeAudi
         0 => FsyncPolicy::EveryBatch,
         ms => FsyncPolicy::Interval(std::time::Duration::from_millis(ms)),
     };
+    if conf.seal_interval_s > 0 {
+        cfg.rotate_interval = std::time::Duration::from_secs(conf.seal_interval_s);
+    }
     if conf.checkpoint_interval_s > 0 {
         cfg.checkpoint_interval = std::time::Duration::from_secs(conf.checkpoint_interval_s);
     }

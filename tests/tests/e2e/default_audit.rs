@@ -44,12 +44,17 @@ struct Urls {
 /// `custody serve --config configs/serve-demo.toml` on free ports (API and operator listener),
 /// stderr into `state/serve.log`.
 fn serve(state: &Path, extra: &[&str]) -> (Child, Urls) {
+    serve_config(state, &config("serve-demo.toml"), extra)
+}
+
+/// [`serve`] with another configuration file.
+fn serve_config(state: &Path, cfg: &Path, extra: &[&str]) -> (Child, Urls) {
     let (port, metrics_port) = (free_port(), free_port());
     let log = std::fs::File::create(state.join("serve.log")).expect("log");
     let child = custody_in(state)
         .arg("serve")
         .arg("--config")
-        .arg(config("serve-demo.toml"))
+        .arg(cfg)
         .arg("--model")
         .arg(custody_tests::model_path())
         .args(["--listen", &format!("127.0.0.1:{port}"), "--threads", "2"])
@@ -226,5 +231,100 @@ fn no_audit_in_front_of_a_pair_needs_the_configs_consent() {
     assert!(
         !later.status.success() && !err.contains("allow_no_audit"),
         "{err}"
+    );
+}
+
+/// A serving node with `[[audit.witnesses]]`: one `custody witness` process, one witness that
+/// is down. Its tree checkpoints are cosigned by the live one as it seals (every second here),
+/// the dead one's failures are counted in `/metrics` and recorded as `node_events`
+/// `tlog_uncosigned` rows, serving goes on, and `audit verify --witness` accepts the log.
+#[test]
+fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down() {
+    use custody_audit::digest;
+    let state = tmp_dir("serve-witness");
+    let node = 5u32;
+    let key = digest::generate_key().expect("key");
+    let key_file = state.join("node.key");
+    digest::write_key(&key, &key_file).expect("write key");
+    let wkey = digest::generate_key().expect("witness key");
+    let wkey_file = state.join("w1.key");
+    digest::write_key(&wkey, &wkey_file).expect("write key");
+    let vk = key.verifying_key();
+    let node_vkey = custody_audit::tlog::ed25519_vkey(
+        &custody_audit::tree_store::default_origin(node, &vk),
+        &vk,
+    );
+    let wp = crate::tlog::start_witness(&wkey_file, "w1.test", &state.join("w1"), &[node_vkey]);
+    let w1_vkey = custody_audit::cosign::vkey("w1.test", &wkey.verifying_key());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let root = state.join("audit");
+    let mut cfg = std::fs::read_to_string(config("serve-demo.toml")).expect("config");
+    cfg.push_str(&format!(
+        "\n[audit]\ndir = {root:?}\nkey = {key_file:?}\nnode = {node}\nseal_interval_s = 1\ncheckpoint_interval_s = 1\n\n[[audit.witnesses]]\nurl = \"http://{}\"\nvkey = \"{w1_vkey}\"\n\n[[audit.witnesses]]\nurl = \"{dead}\"\nvkey = \"{w1_vkey}\"\n",
+        wp.addr
+    ));
+    let cfg_file = state.join("node.toml");
+    std::fs::write(&cfg_file, cfg).expect("config");
+    let (mut child, urls) = serve_config(&state, &cfg_file, &[]);
+    wait_ready(&mut child, &urls.api, &state);
+    let body = br#"{"model":"smollm2-135m-instruct","prompt":"Hello","max_tokens":4}"#;
+    let r = custody_server::client::request(
+        &urls.api,
+        "POST",
+        "/v1/completions",
+        Some("sk-demo-acme"),
+        Some(body),
+        Duration::from_secs(60),
+    )
+    .expect("completion");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    // Sealed within a second or two, then cosigned by w1.
+    let cosigned = root.join(format!("_tlog/node={node}/cosigned"));
+    let t0 = Instant::now();
+    let cosigned_by_w1 = loop {
+        if let Ok(note) = std::fs::read(&cosigned)
+            && custody_audit::cosign::cosignatures(&note, std::slice::from_ref(&w1_vkey))
+                .is_ok_and(|c| !c.is_empty())
+        {
+            break true;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(cosigned_by_w1, "no cosigned checkpoint: {}", log(&state));
+    let (_, metrics) = get(&urls.operator, "/metrics").expect("metrics");
+    let uncosigned: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("custody_audit_uncosigned_checkpoints_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no counter: {metrics}"));
+    assert!(uncosigned > 0, "the dead witness's rounds are counted");
+    terminate(child, &state);
+    let events = crate::audit::read_table(&root, "node_events");
+    let kinds: Vec<String> = events
+        .iter()
+        .flat_map(|b| crate::audit::col_str(b, "event"))
+        .flatten()
+        .collect();
+    assert!(kinds.iter().any(|k| k == "tlog_uncosigned"), "{kinds:?}");
+    let pubkey = state.join("node.pub");
+    std::fs::write(&pubkey, digest::hex(vk.as_bytes())).expect("pub");
+    let o = verify(
+        &state,
+        &root,
+        &[
+            "--public-key",
+            pubkey.to_str().expect("utf-8"),
+            "--witness",
+            &w1_vkey,
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("cosigned by the witnesses up to"),
+        "{}",
+        text(&o)
     );
 }

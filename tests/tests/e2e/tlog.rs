@@ -509,9 +509,9 @@ fn the_cli_proves_and_checks() {
 }
 
 /// `custody witness serve` as a process, on a free port; killed when dropped.
-struct WitnessProc {
+pub(crate) struct WitnessProc {
     child: std::process::Child,
-    addr: String,
+    pub(crate) addr: String,
 }
 
 impl Drop for WitnessProc {
@@ -521,7 +521,7 @@ impl Drop for WitnessProc {
     }
 }
 
-fn start_witness(key: &Path, name: &str, state: &Path, logs: &[String]) -> WitnessProc {
+pub(crate) fn start_witness(key: &Path, name: &str, state: &Path, logs: &[String]) -> WitnessProc {
     use std::io::BufRead as _;
     let mut cmd = std::process::Command::new(crate::symbols::default_features_binary());
     cmd.args([

@@ -1,0 +1,139 @@
+"""custody-verify: check Custody audit-log inclusion and consistency proofs offline.
+
+Exit status: 0 verified, 1 verification failed (or an input could not be read), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from typing import List, Optional, Sequence, TextIO, Union
+
+from . import VerifyError, __version__
+from .notes import VerifiedSignature, VerifierKey, parse_vkey
+from .proofs import verify_consistency_proof, verify_tlog_proof
+from .records import LostRecord, Record, Value, decode_record
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise VerifyError(f"cannot read {what} {path}: {e.strerror or e}") from e
+
+
+def _log_key(args: argparse.Namespace) -> VerifierKey:
+    if args.log_key_file:
+        return parse_vkey(_read(args.log_key_file, "log key file").decode("utf-8", "replace").strip())
+    return parse_vkey(args.log_key)
+
+
+def _witness_policy(args: argparse.Namespace) -> tuple:
+    keys = [parse_vkey(k) for k in args.witness_key]
+    need = args.min_witnesses if args.min_witnesses is not None else len(keys)
+    if need < 0:
+        raise VerifyError("--min-witnesses must not be negative")
+    return keys, need
+
+
+def _format_value(value: Value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def _print_witnesses(cosigs: Sequence[VerifiedSignature], out: TextIO) -> None:
+    for c in cosigs:
+        ts = c.timestamp or 0
+        try:
+            when = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        except (OverflowError, OSError, ValueError):
+            when = "out of range"
+        print(f"cosigned by {c.key.name} at {when} ({ts})", file=out)
+
+
+def print_record(record: Union[Record, LostRecord], out: TextIO) -> None:
+    if isinstance(record, LostRecord):
+        print(f"lost record: node {record.node}, seq {record.seq} (it never reached disk)", file=out)
+        return
+    print(f"table {record.table}:", file=out)
+    for name, value in record.columns:
+        print(f"  {name} = {_format_value(value)}", file=out)
+
+
+def _cmd_proof(args: argparse.Namespace, out: TextIO) -> None:
+    witnesses, need = _witness_policy(args)
+    result = verify_tlog_proof(_read(args.proof_file, "proof file"), _log_key(args), witnesses, need)
+    cp = result.verified.checkpoint
+    print(f"OK: record {result.index} of {cp.origin} (tree of {cp.size} records, root {cp.root.hex()})", file=out)
+    _print_witnesses(result.verified.cosignatures, out)
+    print_record(result.record, out)
+
+
+def _cmd_consistency(args: argparse.Namespace, out: TextIO) -> None:
+    witnesses, need = _witness_policy(args)
+    result = verify_consistency_proof(
+        _read(args.proof_file, "proof file"),
+        _read(args.old_checkpoint, "old checkpoint"),
+        _log_key(args),
+        witnesses,
+        need,
+    )
+    old, new = result.old.checkpoint, result.new.checkpoint
+    print(f"OK: the tree of {new.size} records of {new.origin} extends the one of {old.size}", file=out)
+    _print_witnesses(result.new.cosignatures, out)
+
+
+def _cmd_record(args: argparse.Namespace, out: TextIO) -> None:
+    print_record(decode_record(_read(args.file, "record file")), out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="custody-verify", description="Verify Custody audit-log transparency proofs.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def keys(sp: argparse.ArgumentParser) -> None:
+        g = sp.add_mutually_exclusive_group(required=True)
+        g.add_argument("--log-key", metavar="VKEY", help="the log's verifier key (type 0x01), named as the origin")
+        g.add_argument("--log-key-file", metavar="FILE", help="a file holding the log's verifier key")
+        sp.add_argument("--witness-key", metavar="VKEY", action="append", default=[],
+                        help="a witness's cosignature verifier key (type 0x04); repeatable")
+        sp.add_argument("--min-witnesses", metavar="N", type=int, default=None,
+                        help="witness cosignatures required (default: every --witness-key)")
+
+    sp = sub.add_parser("proof", help="check a c2sp.org/tlog-proof@v1 inclusion proof of one record")
+    sp.add_argument("proof_file", metavar="PROOF_FILE")
+    keys(sp)
+    sp.set_defaults(run=_cmd_proof)
+
+    sp = sub.add_parser("consistency", help="check that a new checkpoint extends an older one")
+    sp.add_argument("proof_file", metavar="PROOF_FILE")
+    sp.add_argument("--old-checkpoint", metavar="NOTE_FILE", required=True, help="the older signed checkpoint")
+    keys(sp)
+    sp.set_defaults(run=_cmd_consistency)
+
+    sp = sub.add_parser("record", help="decode a record's canonical bytes")
+    sp.add_argument("file", metavar="FILE")
+    sp.set_defaults(run=_cmd_record)
+    return p
+
+
+def main(argv: Optional[List[str]] = None, out: Optional[TextIO] = None) -> int:
+    args = _parser().parse_args(argv)
+    out = out or sys.stdout
+    try:
+        args.run(args, out)
+    except VerifyError as e:
+        print(f"FAILED: {e}", file=out)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
