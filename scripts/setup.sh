@@ -36,6 +36,8 @@ command -v cargo >/dev/null || { echo "setup: cargo not found (this machine kind
 python3 -c 'import pyarrow, duckdb' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check pyarrow duckdb
 python3 -c 'import moto.server, boto3' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check 'moto[server]'
 python3 -c 'import openai, jsonschema' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai jsonschema
+# The independent receipt verifier's one dependency (verifier/, run from the source tree).
+python3 -c 'import cryptography' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check cryptography
 # NVRTC and the CUDA headers for the CUDA kernels' compile tier (no GPU needed), from PyPI into a
 # cache outside the repo. Pinned to 13.0.x: the lent GPUs run driver 580 (CUDA 13.0), which
 # rejects PTX newer than ISA 9.0, so NVRTC 13.1+ output would not load there.

@@ -33,6 +33,8 @@ cargo build --quiet -p custody
 mkdir -p "$target/default-features"
 cp "$target/debug/custody" "$target/default-features/custody"
 cargo test --workspace
+# The independent Python verifier of proofs and receipts (no code shared with the Rust).
+(cd verifier && python3 -m unittest discover -s tests)
 # The `rdma` feature (real verbs through rdma-sys) must compile, lint clean, and report "no
 # device" clearly on machines without RDMA (these): its bindgen needs libclang <= 15.
 export LIBCLANG_PATH="${LIBCLANG_PATH:-/usr/lib/llvm-14/lib}"

@@ -944,3 +944,285 @@ fn hold_cosigned(
     });
     None
 }
+
+/// What a request's receipt is, for now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReceiptStatus {
+    /// Every record of the request is sealed and in the checkpoint: the receipt (JSON,
+    /// `custody-receipt/1`).
+    Ready(Vec<u8>),
+    /// Some of its records are not sealed, or not yet in a signed checkpoint: ask again after
+    /// the next seal.
+    Pending,
+    /// No such request of this tenant in this incarnation of the node's log.
+    Unknown,
+}
+
+/// The receipt format's name.
+pub const RECEIPT_FORMAT: &str = "custody-receipt/1";
+
+/// Bound on the records one receipt proves (a request's page events and reads are a few per
+/// page it touched; past this the receipt is refused rather than built without limit).
+pub const MAX_RECEIPT_RECORDS: usize = 100_000;
+
+/// Request `request`'s receipt for `tenant` on node `node`, whose current incarnation's records
+/// start at `from_seq` (request ids restart with the node): every record of the request (any
+/// table with a `request_id` column), each with its inclusion proof (C2SP `tlog-proof@v1`, the
+/// record's bytes as `extra`) to the node's newest checkpoint — the cosigned one if its
+/// witnesses cosigned it. A record of the request that names another tenant makes it Unknown
+/// (a receipt reveals only the asker's own records).
+pub fn request_receipt(
+    store: &dyn LogStore,
+    node: u32,
+    from_seq: u64,
+    tenant: &str,
+    request: u64,
+) -> Result<ReceiptStatus, ProofError> {
+    let log = NodeLog::open(store, node)?;
+    let mut found: Vec<(Table, u64, Vec<u8>)> = Vec::new();
+    let mut ended = false;
+    for d in log.digests.iter().filter(|d| d.seq_end > from_seq) {
+        let batches = digest_batches(store, d).map_err(|why| ProofError::Records { node, why })?;
+        for (table, b) in &batches {
+            let rows = request_rows(b, from_seq, request);
+            if rows.is_empty() {
+                continue;
+            }
+            let enc = leaf::RecordEncoder::new(*table, b).map_err(|e| ProofError::Records {
+                node,
+                why: e.to_string(),
+            })?;
+            for (row, seq) in rows {
+                if column_str(b, "tenant", row).is_some_and(|t| t != tenant) {
+                    return Ok(ReceiptStatus::Unknown);
+                }
+                if *table == Table::Requests
+                    && column_str(b, "event", row).is_some_and(|e| e != "admitted")
+                {
+                    ended = true;
+                }
+                let mut bytes = Vec::new();
+                enc.encode(row, &mut bytes);
+                found.push((*table, seq, bytes));
+                if found.len() > MAX_RECEIPT_RECORDS {
+                    return Err(ProofError::Records {
+                        node,
+                        why: format!(
+                            "request {request} has more than {MAX_RECEIPT_RECORDS} records"
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    if found.is_empty() {
+        return Ok(ReceiptStatus::Unknown);
+    }
+    let admitted_here = found.iter().any(|(t, _, _)| *t == Table::Requests);
+    if !admitted_here {
+        return Ok(ReceiptStatus::Unknown);
+    }
+    let max_seq = found.iter().map(|(_, seq, _)| *seq).max().unwrap_or(0);
+    let note = match log.cosigned_or_newest(max_seq) {
+        Ok(n) => n,
+        Err(ProofError::NoCheckpoint { .. }) => return Ok(ReceiptStatus::Pending),
+        Err(e) => return Err(e),
+    };
+    let cp = tlog::Checkpoint::from_bytes(&note[..note_text_len(&note)])
+        .map_err(|_| TlogError::MalformedCheckpoint)?;
+    let size = cp.size();
+    if !ended || found.iter().any(|(_, seq, _)| *seq >= size) {
+        return Ok(ReceiptStatus::Pending);
+    }
+    found.sort_by_key(|(_, seq, _)| *seq);
+    let mut records = Vec::with_capacity(found.len());
+    for (table, seq, bytes) in found {
+        let proof = tlog::InclusionProof {
+            extra: Some(bytes),
+            index: seq,
+            hashes: log.prove_inclusion(seq, size)?,
+            checkpoint: note.clone(),
+        };
+        records.push(serde_json::json!({
+            "table": table.name(),
+            "seq": seq,
+            "proof": String::from_utf8_lossy(&proof.to_bytes()),
+        }));
+    }
+    let receipt = serde_json::json!({
+        "format": RECEIPT_FORMAT,
+        "node": node,
+        "request_id": format!("req-{node}-{request}"),
+        "tenant": tenant,
+        "origin": cp.origin(),
+        "tree_size": size,
+        "checkpoint": String::from_utf8_lossy(&note),
+        "records": records,
+    });
+    Ok(ReceiptStatus::Ready(
+        serde_json::to_vec_pretty(&receipt).unwrap_or_default(),
+    ))
+}
+
+/// Length of a note's text (up to and including the newline before the blank line).
+fn note_text_len(note: &[u8]) -> usize {
+    note.windows(2)
+        .position(|w| w == b"\n\n")
+        .map_or(note.len(), |i| i + 1)
+}
+
+/// The rows of `b` with `request_id == request` and `seq >= from_seq`, with their seqs.
+fn request_rows(b: &RecordBatch, from_seq: u64, request: u64) -> Vec<(usize, u64)> {
+    use arrow::array::{Array, UInt64Array};
+    let (Some(ids), Some(seqs)) = (
+        b.column_by_name("request_id")
+            .and_then(|c| c.as_any().downcast_ref::<UInt64Array>()),
+        b.column_by_name("seq")
+            .and_then(|c| c.as_any().downcast_ref::<UInt64Array>()),
+    ) else {
+        return Vec::new();
+    };
+    (0..b.num_rows())
+        .filter(|&i| ids.is_valid(i) && ids.value(i) == request && seqs.value(i) >= from_seq)
+        .map(|i| (i, seqs.value(i)))
+        .collect()
+}
+
+fn column_str<'a>(b: &'a RecordBatch, name: &str, row: usize) -> Option<&'a str> {
+    use arrow::array::{Array, StringArray};
+    let c = b
+        .column_by_name(name)?
+        .as_any()
+        .downcast_ref::<StringArray>()?;
+    c.is_valid(row).then(|| c.value(row))
+}
+
+impl NodeLog<'_> {
+    /// The checkpoint proofs of records up to `max_seq` go to: the cosigned one
+    /// (`_tlog/node=<n>/cosigned`) if it covers them and is a tree a digest sealed, else the
+    /// newest the node signed.
+    pub fn cosigned_or_newest(&self, max_seq: u64) -> Result<Vec<u8>, ProofError> {
+        let rel = format!("{}/cosigned", node_prefix(self.node));
+        if let Ok(c) = self.store.read(&rel)
+            && let Ok(cp) = tlog::Checkpoint::from_bytes(&c[..note_text_len(&c)])
+            && cp.size() > max_seq
+            && self.root_at(cp.size()).is_ok_and(|r| r == *cp.hash())
+        {
+            return Ok(c);
+        }
+        self.checkpoint_note()
+    }
+}
+
+/// A receipt that checked: its request, checkpoint, cosigners and records.
+#[derive(Debug, Clone)]
+pub struct CheckedReceipt {
+    pub request_id: String,
+    pub tenant: String,
+    pub origin: String,
+    pub tree_size: u64,
+    pub cosigned_by: Vec<crate::cosign::Cosigned>,
+    /// Each record: its table, seq, and decoded columns.
+    pub records: Vec<(u64, crate::leaf::DecodedRecord)>,
+}
+
+/// Why a receipt does not check.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiptError {
+    #[error("not a {RECEIPT_FORMAT} receipt: {0}")]
+    Malformed(String),
+    #[error("record {seq}: {source}")]
+    Proof { seq: u64, source: TlogError },
+    #[error("{0}")]
+    Policy(String),
+}
+
+/// Checks a receipt offline: every record's inclusion proof against the node's key (under the
+/// receipt's origin), all to the one checkpoint the receipt names, every record decoding as a
+/// canonical record of the receipt's tenant and request, and — with `witnesses` — that many
+/// cosignatures on the checkpoint.
+pub fn verify_receipt(
+    json: &[u8],
+    node_key: &VerifyingKey,
+    witnesses: Option<&WitnessPolicy>,
+) -> Result<CheckedReceipt, ReceiptError> {
+    let bad = |m: &str| ReceiptError::Malformed(m.to_owned());
+    let v: serde_json::Value =
+        serde_json::from_slice(json).map_err(|e| ReceiptError::Malformed(e.to_string()))?;
+    if v["format"] != RECEIPT_FORMAT {
+        return Err(bad("format"));
+    }
+    let s = |k: &str| v[k].as_str().map(str::to_owned).ok_or_else(|| bad(k));
+    let (request_id, tenant, origin, checkpoint) = (
+        s("request_id")?,
+        s("tenant")?,
+        s("origin")?,
+        s("checkpoint")?,
+    );
+    let request: u64 = request_id
+        .rsplit('-')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| bad("request_id"))?;
+    let vkey = tlog::ed25519_vkey(&origin, node_key);
+    let cp = tlog::open_checkpoint(checkpoint.as_bytes(), &vkey)
+        .map_err(|e| ReceiptError::Proof { seq: 0, source: e })?;
+    if cp.origin() != origin {
+        return Err(bad("origin is not the checkpoint's"));
+    }
+    let cosigned_by = match witnesses {
+        Some(p) => {
+            let got = crate::cosign::cosignatures(checkpoint.as_bytes(), &p.vkeys)
+                .map_err(|e| ReceiptError::Policy(e.to_string()))?;
+            if got.len() < p.min {
+                return Err(ReceiptError::Policy(format!(
+                    "{} of the required {} witnesses cosigned its checkpoint",
+                    got.len(),
+                    p.min
+                )));
+            }
+            got
+        }
+        None => Vec::new(),
+    };
+    let mut records = Vec::new();
+    for r in v["records"].as_array().ok_or_else(|| bad("records"))? {
+        let text = r["proof"].as_str().ok_or_else(|| bad("records[].proof"))?;
+        let p = tlog::InclusionProof::parse(text.as_bytes())
+            .map_err(|e| ReceiptError::Malformed(e.to_string()))?;
+        let seq = p.index;
+        if p.checkpoint != checkpoint.as_bytes() {
+            return Err(bad("a record's proof is to another checkpoint"));
+        }
+        p.verify(&vkey)
+            .map_err(|source| ReceiptError::Proof { seq, source })?;
+        let rec = leaf::decode_record(p.extra.as_deref().unwrap_or_default())
+            .map_err(|e| ReceiptError::Malformed(format!("record {seq}: {e}")))?;
+        let col = |n: &str| {
+            rec.columns
+                .iter()
+                .find(|(c, _)| c == n)
+                .and_then(|(_, v)| v.clone())
+        };
+        if col("seq") != Some(leaf::Value::U64(seq))
+            || col("request_id") != Some(leaf::Value::U64(request))
+            || col("tenant") != Some(leaf::Value::Utf8(tenant.clone()))
+        {
+            return Err(bad(&format!(
+                "record {seq} is not a record of {request_id} of tenant {tenant}"
+            )));
+        }
+        records.push((seq, rec));
+    }
+    if records.is_empty() {
+        return Err(bad("no records"));
+    }
+    Ok(CheckedReceipt {
+        request_id,
+        tenant,
+        origin,
+        tree_size: cp.size(),
+        cosigned_by,
+        records,
+    })
+}

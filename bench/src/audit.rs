@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use crate::{Context, Result};
+use crate::{BenchError, Context, Result};
 
 /// Record `events` (at least; whole batches) of the eBPF witness's rows for 16-page transfers:
 /// per page three posted work requests and two completions, in `record_all` batches of 256.
@@ -185,6 +185,7 @@ pub fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<(
     let writer_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
     let bytes = crate::parquet_bytes(&dir)?;
     let tlog_bytes = dir_bytes(&dir.join(custody_audit::tree_store::TLOG_DIR))?;
+    let proofs = proof_costs(&dir)?;
     let json = serde_json::json!({
         "events": n,
         "record_events_per_s": n as f64 / recorded.as_secs_f64(),
@@ -203,10 +204,70 @@ pub fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<(
         "tree_share_of_writer_cpu": if writer_cpu_s > 0.0 { w.tree_ns() as f64 / 1e9 / writer_cpu_s } else { 0.0 },
         "tlog_bytes": tlog_bytes,
         "tlog_bytes_per_event": tlog_bytes as f64 / n as f64,
+        "proofs": proofs,
     });
     println!("{json}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
+}
+
+/// What proofs from the sealed root cost (node 0): an inclusion proof with the level-0 tiles
+/// recomputed from the records (the default), the same once `audit tiles` wrote them, a
+/// record's canonical bytes, and a consistency proof from the first sealed size.
+fn proof_costs(dir: &std::path::Path) -> Result<serde_json::Value> {
+    use custody_audit::tree_store::{self, NodeLog};
+    const PROOFS: u64 = 20;
+    let store = custody_audit::digest::LocalStore::new(dir);
+    let time_proofs = |log: &NodeLog<'_>, size: u64| -> Result<f64> {
+        let t0 = Instant::now();
+        for i in 0..PROOFS {
+            let seq = (size - 1) * i / (PROOFS - 1);
+            let p = log.prove_inclusion(seq, size).context("inclusion proof")?;
+            assert!(p.len() <= 64);
+        }
+        Ok(t0.elapsed().as_secs_f64() * 1e3 / PROOFS as f64)
+    };
+    let log = NodeLog::open(&store, 0).context("the bench's log")?;
+    let note = log.checkpoint_note().context("the bench's checkpoint")?;
+    let end = note
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map_or(note.len(), |i| i + 1);
+    let cp = custody_audit::tlog::Checkpoint::from_bytes(&note[..end])
+        .map_err(|e| BenchError::Invalid(format!("the bench's checkpoint: {e}")))?;
+    let size = cp.size();
+    let from_records_ms = time_proofs(&log, size)?;
+    let t0 = Instant::now();
+    for i in 0..PROOFS {
+        log.record((size - 1) * i / (PROOFS - 1))
+            .context("a record's bytes")?;
+    }
+    let record_ms = t0.elapsed().as_secs_f64() * 1e3 / PROOFS as f64;
+    let first = std::fs::read_dir(dir.join("_digests/node=0"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .min()
+        .ok_or_else(|| BenchError::Invalid("no digest".into()))?;
+    let d: custody_audit::digest::DigestFile = serde_json::from_slice(&std::fs::read(&first)?)?;
+    let old = d.body.tree_size.unwrap_or(size);
+    let t0 = Instant::now();
+    let c = log
+        .prove_consistency(old, size)
+        .context("consistency proof")?;
+    let consistency_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let t0 = Instant::now();
+    tree_store::rebuild(dir, 0).context("audit tiles")?;
+    let tiles_s = t0.elapsed().as_secs_f64();
+    let log = NodeLog::open(&store, 0).context("the bench's log")?;
+    let from_tiles_ms = time_proofs(&log, size)?;
+    Ok(serde_json::json!({
+        "tree_size": size,
+        "inclusion_proof_ms_level0_from_records": from_records_ms,
+        "inclusion_proof_ms_level0_from_tiles": from_tiles_ms,
+        "record_bytes_ms": record_ms,
+        "consistency_proof_ms": consistency_ms,
+        "consistency_proof_hashes": c.len(),
+        "audit_tiles_s": tiles_s,
+    }))
 }
 
 /// Bytes of every file under `dir` (0 if there is none).

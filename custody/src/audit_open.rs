@@ -49,6 +49,9 @@ pub(crate) struct NodeAudit {
     pub(crate) checkpoint_interval: std::time::Duration,
     /// With `[audit] witnesses`: the cosigner's counters.
     pub(crate) cosign: Option<Arc<crate::cosign_client::CosignStats>>,
+    /// The audit root and node (proofs and receipts are read from there).
+    pub(crate) root: PathBuf,
+    pub(crate) node: u32,
 }
 
 /// What a serving process is, for `--no-audit`: a pair's or a fleet's node (named) needs the
@@ -225,6 +228,8 @@ fn open_writer(a: &AuditArgs, conf: &AuditSection, t: Target) -> Result<NodeAudi
         latest,
         checkpoint_interval,
         cosign: cosigner.map(|c| c.stats),
+        root: t.dir.clone(),
+        node: t.node,
     })
 }
 

@@ -23,10 +23,12 @@ mod demo_cmd;
 mod disagg_cmd;
 mod generate_cmd;
 mod gpu_check_cmd;
+mod node_proofs;
 mod probe_cmd;
 mod progress;
 #[cfg(feature = "forensics")]
 mod query_cmd;
+mod receipt_cmd;
 mod serve_cmd;
 mod synth_cmd;
 mod witness_cmd;
@@ -148,6 +150,9 @@ enum Cmd {
     /// node's checkpoint only if it extends the last one cosigned, keeps split-view evidence
     #[command(subcommand)]
     Witness(witness_cmd::WitnessCmd),
+    /// A tenant's receipt (`GET /v1/audit/receipt/{request_id}`), checked offline
+    #[command(subcommand)]
+    Receipt(receipt_cmd::ReceiptCmd),
     /// SQL over an audit root (only files a verified digest chain names)
     ///
     /// `-c SQL`, `-f FILE`, or an interactive prompt (`\d`, `\d table`, `\q`). Files that no
@@ -272,6 +277,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Certs(a) => certs_cmd::certs(a),
         Cmd::Probe(a) => probe_cmd::probe(a),
         Cmd::Witness(c) => witness_cmd::witness_cmd(c),
+        Cmd::Receipt(c) => receipt_cmd::receipt_cmd(c),
         #[cfg(feature = "forensics")]
         Cmd::Query(a) => query_cmd::query(a),
         #[cfg(feature = "forensics")]

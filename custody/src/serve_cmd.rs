@@ -164,6 +164,15 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     };
     let node_audit = open_serving_audit(&a.audit, a.no_audit, &cfg.audit, Serving::Colocated)?;
     let cosign = node_audit.as_ref().and_then(|n| n.cosign.clone());
+    let proofs = match &node_audit {
+        Some(n) => Some(Arc::new(crate::node_proofs::RootProofs {
+            root: n.root.clone(),
+            node: n.node,
+            // Everything before this is an earlier incarnation's (request ids restart).
+            from_seq: n.writer.sync().context("the audit log at start")?,
+        }) as Arc<dyn custody_server::receipts::AuditProofs>),
+        None => None,
+    };
     let audit = node_audit.map(|n| n.writer);
     if let Some(w) = &audit {
         engine = engine.with_audit(w.clone());
@@ -182,6 +191,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         prefix_cache: cfg.prefix_cache.clone(),
         unsafe_shared_prefix_cache: unsafe_.shared_prefix_cache,
         audit_disabled: audit.is_none(),
+        proofs,
     };
     let rt = http_runtime()?;
     let engine = rt.block_on(async {
@@ -233,6 +243,8 @@ fn front_options(
         prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
         audit_disabled: audit.is_none(),
+        // A front's own log holds no tenant's records: receipts come from the pair's nodes.
+        proofs: None,
     }
 }
 

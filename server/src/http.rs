@@ -54,6 +54,8 @@ pub(crate) struct AppState {
     pub prefix: Option<Arc<custody_runtime::prefix_cache::Namespaces>>,
     /// The constraint compiler over this model's vocabulary, or why there is none.
     pub grammars: Result<Arc<Grammars>, String>,
+    /// Receipts and tree proofs (`/v1/audit/...`).
+    pub proofs: Option<Arc<dyn crate::receipts::AuditProofs>>,
 }
 
 pub(crate) fn router(st: Arc<AppState>) -> Router {
@@ -62,6 +64,15 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route(
+            "/v1/audit/receipt/{request_id}",
+            get(crate::receipts::receipt),
+        )
+        .route("/v1/audit/checkpoint", get(crate::receipts::checkpoint))
+        .route(
+            "/v1/audit/proof/consistency",
+            get(crate::receipts::consistency),
+        )
         .route("/health", get(health))
         .route("/health/live", get(live))
         .route("/health/ready", get(health))

@@ -21,6 +21,7 @@ pub mod fleet;
 mod http;
 pub mod metrics;
 pub mod openai;
+pub mod receipts;
 pub mod structured;
 pub mod tenants;
 pub mod tlog_witness;
@@ -172,6 +173,8 @@ pub struct ServeOptions {
     /// Started without an audit log (`--no-audit`): `/metrics` says `custody_audit_disabled 1`
     /// and `/health/ready` answers `degraded` (still 200: it serves).
     pub audit_disabled: bool,
+    /// The node's Merkle-tree proofs and receipts (`/v1/audit/...`), when it keeps a log.
+    pub proofs: Option<Arc<dyn receipts::AuditProofs>>,
 }
 
 /// The namespaces of the engine's prefix cache, when it has one; each public scope (and the
@@ -481,6 +484,7 @@ async fn serve_front(
         refused_seq: AtomicU64::new(0),
         prefix,
         grammars,
+        proofs: opts.proofs.clone(),
     });
     let canary = (opts.cfg.canary_interval_s > 0 && !golden.is_empty()).then(|| {
         tokio::spawn(canary::canary_loop(

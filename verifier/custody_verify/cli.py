@@ -1,4 +1,4 @@
-"""custody-verify: check Custody audit-log inclusion and consistency proofs offline.
+"""custody-verify: check Custody audit-log inclusion and consistency proofs, and receipts, offline.
 
 Exit status: 0 verified, 1 verification failed (or an input could not be read), 2 usage error.
 """
@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, TextIO, Union
 from . import VerifyError, __version__
 from .notes import VerifiedSignature, VerifierKey, parse_vkey
 from .proofs import verify_consistency_proof, verify_tlog_proof
+from .receipt import verify_receipt
 from .records import LostRecord, Record, Value, decode_record
 
 
@@ -89,6 +90,22 @@ def _cmd_consistency(args: argparse.Namespace, out: TextIO) -> None:
     _print_witnesses(result.new.cosignatures, out)
 
 
+_RECEIPT_SKIPPED = ("node_id", "seq", "ts_ns")
+
+
+def _cmd_receipt(args: argparse.Namespace, out: TextIO) -> None:
+    witnesses, need = _witness_policy(args)
+    result = verify_receipt(_read(args.receipt_file, "receipt"), _log_key(args), witnesses, need)
+    cp = result.verified.checkpoint
+    print(f"OK: {result.request_id} of tenant {result.tenant}: {len(result.records)} records "
+          f"in the tree of {cp.size} records of {cp.origin}", file=out)
+    _print_witnesses(result.verified.cosignatures, out)
+    for r in result.records:
+        cols = " ".join(f"{name}={_format_value(value)}" for name, value in r.record.columns
+                        if name not in _RECEIPT_SKIPPED)
+        print(f"  seq {r.seq} {r.record.table}: {cols}".rstrip(), file=out)
+
+
 def _cmd_record(args: argparse.Namespace, out: TextIO) -> None:
     print_record(decode_record(_read(args.file, "record file")), out)
 
@@ -117,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--old-checkpoint", metavar="NOTE_FILE", required=True, help="the older signed checkpoint")
     keys(sp)
     sp.set_defaults(run=_cmd_consistency)
+
+    sp = sub.add_parser("receipt", help="check a custody-receipt/1: every record of one request, proven")
+    sp.add_argument("receipt_file", metavar="RECEIPT.json")
+    keys(sp)
+    sp.set_defaults(run=_cmd_receipt)
 
     sp = sub.add_parser("record", help="decode a record's canonical bytes")
     sp.add_argument("file", metavar="FILE")

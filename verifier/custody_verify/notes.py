@@ -29,11 +29,14 @@ MAX_TIMESTAMP = (1 << 63) - 1
 
 
 def b64decode(text: str, what: str) -> bytes:
-    """Strict standard base64 (RFC 4648 section 4, padded)."""
+    """Standard padded base64 (RFC 4648 section 4), canonical only (no stray padding bits)."""
     try:
-        return base64.b64decode(text.encode("ascii"), validate=True)
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError) as e:
         raise VerifyError(f"{what} is not valid base64: {text!r}") from e
+    if base64.b64encode(raw).decode("ascii") != text:
+        raise VerifyError(f"{what} is not canonical base64: {text!r}")
+    return raw
 
 
 def valid_key_name(name: str) -> bool:
@@ -63,7 +66,7 @@ class VerifierKey:
 
 def parse_vkey(vkey: str) -> VerifierKey:
     """Parse and check a verifier key string (type 0x01 or 0x04, Ed25519)."""
-    parts = vkey.strip().split("+")
+    parts = vkey.strip().split("+", 2)  # the base64 part may itself contain "+"
     if len(parts) != 3:
         raise VerifyError(f"malformed verifier key {vkey!r}: want <name>+<key id>+<key>")
     name, hex_id, b64 = parts
@@ -173,8 +176,8 @@ def verify_note(note: Note, keys: Iterable[VerifierKey], require_known: bool = T
     """Verify every signature line made by a known key (matching name and key id).
 
     Lines of unknown keys are ignored. A known key's line that fails makes the whole note
-    invalid, and so does (with `require_known`) the absence of any verified signature. Returns one entry per known
-    key that signed (repeated lines of the same key count once).
+    invalid, and so does (with `require_known`) the absence of any verified signature.
+    Returns one entry per known key that signed (repeated lines of a key count once).
     """
     known = {(k.name, k.key_id): k for k in keys}
     verified: dict = {}

@@ -139,10 +139,16 @@ def verify_tlog_proof(
     cp = verified.checkpoint
     verify_inclusion(proof.index, cp.size, leaf_hash(proof.extra), proof.proof, cp.root)
     record = decode_record(proof.extra)
-    seq = record.seq if isinstance(record, LostRecord) else record.get("seq")
-    if isinstance(seq, int) and seq != proof.index:
-        raise VerifyError(f"the record's seq {seq} is not its leaf index {proof.index}")
+    check_seq(record, proof.index)
     return InclusionResult(proof.index, verified, record)
+
+
+def check_seq(record: Union[Record, LostRecord], index: int) -> None:
+    """A record's seq (a placeholder's too) is its leaf index; decode_record made sure a record
+    has a u64 seq column."""
+    seq = record.seq if isinstance(record, LostRecord) else record.get("seq")
+    if seq != index:
+        raise VerifyError(f"the record's seq {seq} is not its leaf index {index}")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class TlogProofTest(unittest.TestCase):
             REF1.replace("rzFuy5Go7nrpkhBwKy1HWPMM3eO/YePY54fXRoH5Cm4=", "rzFuy5Go7nrpkhBwKy1HWPMM3eO/YePY54fXRoH5Cm4"),
             REF1.replace("rzFuy5Go7nrpkhBwKy1HWPMM3eO/YePY54fXRoH5Cm4=", "AAAA"),
             REF2.replace("extra ZXh0", "extra !Xh0"),
+            REF1.replace("Cm4=", "Cm5="),  # non-canonical: stray bits in the padding
+            REF1.replace("\n", "\r\n"),
             REF2.replace("extra ZXh0cmEgaW5mb3JtYXRpb24=\nindex 10", "index 10\nextra ZXh0cmEgaW5mb3JtYXRpb24="),
         ]:
             with self.subTest(text=bad), self.assertRaises(VerifyError):

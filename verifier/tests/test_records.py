@@ -2,7 +2,17 @@ import struct
 import unittest
 
 from custody_verify import VerifyError
-from custody_verify.records import LostRecord, Record, decode_record
+from custody_verify.records import (
+    TAG_I32,
+    TAG_I64,
+    TAG_NULL,
+    TAG_U32,
+    TAG_U64,
+    TAG_UTF8,
+    LostRecord,
+    Record,
+    decode_record,
+)
 
 from helpers import encode_lost, encode_record
 
@@ -32,8 +42,36 @@ class RecordTest(unittest.TestCase):
         self.assertIsNone(rec.get("reason"))
         self.assertEqual(rec.get("wall_ns"), -1_700_000_000_000_000_000)
 
-    def test_empty_record(self):
-        self.assertEqual(decode_record(encode_record("writer_events", [])), Record("writer_events", []))
+    def test_minimal_record(self):
+        rec = decode_record(encode_record("writer_events", [("seq", "u64", 9)]))
+        self.assertEqual(rec, Record("writer_events", [("seq", 9)]))
+        self.assertEqual(rec.tag("seq"), TAG_U64)
+        self.assertIsNone(rec.tag("tenant"))
+
+    def test_tags(self):
+        rec = decode_record(encode_record("requests", COLUMNS))
+        self.assertEqual(rec.tags, [TAG_U32, TAG_U64, TAG_U64, TAG_I64, TAG_U64, TAG_UTF8, TAG_UTF8, TAG_NULL,
+                                    TAG_I32, TAG_U32])
+        self.assertEqual(rec.tag("tenant"), TAG_UTF8)
+
+    def test_seq_column_required(self):
+        with self.assertRaisesRegex(VerifyError, "^record of table 'writer_events' has no seq column$"):
+            decode_record(encode_record("writer_events", []))
+        with self.assertRaisesRegex(VerifyError, "no seq column"):
+            decode_record(encode_record("requests", [c for c in COLUMNS if c[0] != "seq"]))
+        for kind, value in [("u32", 3), ("i64", 3), ("utf8", "3"), ("null", None)]:
+            with self.subTest(kind=kind), self.assertRaisesRegex(VerifyError, f"seq column of type {kind}, not u64"):
+                decode_record(encode_record("requests", [("seq", kind, value)]))
+
+    def test_names(self):
+        with self.assertRaisesRegex(VerifyError, "empty table name"):
+            decode_record(encode_record("", [("seq", "u64", 1)]))
+        with self.assertRaisesRegex(VerifyError, "column 1 has an empty name"):
+            decode_record(encode_record("t", [("seq", "u64", 1), ("", "null", None)]))
+        with self.assertRaisesRegex(VerifyError, "has column 'tenant' twice"):
+            decode_record(encode_record("t", [("seq", "u64", 1), ("tenant", "utf8", "a"), ("tenant", "utf8", "b")]))
+        with self.assertRaisesRegex(VerifyError, "has column 'seq' twice"):
+            decode_record(encode_record("t", [("seq", "u64", 1), ("seq", "u64", 1)]))
 
     def test_lost(self):
         data = encode_lost(7, 2**40 + 5)
@@ -64,6 +102,8 @@ class RecordTest(unittest.TestCase):
             decode_record(good[:-2] + b"\xc3\x28")
         with self.assertRaisesRegex(VerifyError, "UTF-8"):
             decode_record(encode_record("t", [])[:-4] + b"\x01\xff\x00\x00")
+        with self.assertRaisesRegex(VerifyError, "UTF-8"):
+            decode_record(encode_record("t\xe9", [("seq", "u64", 1)]).replace(b"t\xc3\xa9", b"t\xc3\x28"))
 
     def test_bad_magic(self):
         for bad in [b"", b"custody.audit.record/2\x00\x00\x00\x00", b"{}"]:

@@ -301,6 +301,106 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("no counter: {metrics}"));
     assert!(uncosigned > 0, "the dead witness's rounds are counted");
+    // The tenant's receipt for its request: 202 until sealed and checkpointed, then every
+    // record of the request with its proof to the cosigned checkpoint.
+    let request_id = r.header("x-request-id").expect("x-request-id").to_owned();
+    let path = format!("/v1/audit/receipt/{request_id}");
+    let fetch = |key: &str| {
+        custody_server::client::request(
+            &urls.api,
+            "GET",
+            &path,
+            Some(key),
+            None,
+            Duration::from_secs(30),
+        )
+        .expect("receipt")
+    };
+    let t0 = Instant::now();
+    let receipt = loop {
+        let got = fetch("sk-demo-acme");
+        if got.status == 200 {
+            let json = got.body;
+            let v: serde_json::Value = serde_json::from_slice(&json).expect("json");
+            // Wait for the checkpoint the witness cosigned.
+            if custody_audit::cosign::cosignatures(
+                v["checkpoint"].as_str().expect("checkpoint").as_bytes(),
+                std::slice::from_ref(&w1_vkey),
+            )
+            .is_ok_and(|c| !c.is_empty())
+            {
+                break json;
+            }
+        } else {
+            assert_eq!(got.status, 202, "{}", String::from_utf8_lossy(&got.body));
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no receipt: {}",
+            log(&state)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert_eq!(
+        fetch("sk-demo-globex").status,
+        404,
+        "another tenant's request"
+    );
+    let checked = custody_audit::tree_store::verify_receipt(
+        &receipt,
+        &vk,
+        Some(&custody_audit::tree_store::WitnessPolicy {
+            vkeys: vec![w1_vkey.clone()],
+            min: 1,
+            checkpoints: Vec::new(),
+        }),
+    )
+    .expect("the receipt checks");
+    let tables: Vec<&str> = checked
+        .records
+        .iter()
+        .map(|(_, r)| r.table.as_str())
+        .collect();
+    assert!(
+        tables.contains(&"requests") && tables.contains(&"page_reads"),
+        "{tables:?}"
+    );
+    let receipt_file = state.join("receipt.json");
+    std::fs::write(&receipt_file, &receipt).expect("write");
+    let pubkey = state.join("node.pub");
+    std::fs::write(&pubkey, digest::hex(vk.as_bytes())).expect("pub");
+    let o = custody_in(&state)
+        .args(["receipt", "verify"])
+        .arg(&receipt_file)
+        .arg("--node-key")
+        .arg(&pubkey)
+        .args(["--witness-key", &w1_vkey])
+        .output()
+        .expect("custody receipt verify");
+    assert!(
+        o.status.success() && text(&o).contains("receipt OK"),
+        "{}",
+        text(&o)
+    );
+    // Altered: one byte of one record's bytes.
+    let mut v: serde_json::Value = serde_json::from_slice(&receipt).expect("json");
+    let proof = v["records"][0]["proof"].as_str().expect("proof").to_owned();
+    let flipped = proof.replacen("extra Y3V", "extra Y3W", 1);
+    assert_ne!(flipped, proof, "the record bytes start as documented");
+    v["records"][0]["proof"] = serde_json::Value::String(flipped);
+    std::fs::write(&receipt_file, serde_json::to_vec(&v).expect("json")).expect("write");
+    let o = custody_in(&state)
+        .args(["receipt", "verify"])
+        .arg(&receipt_file)
+        .arg("--node-key")
+        .arg(&pubkey)
+        .output()
+        .expect("custody receipt verify");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    std::fs::write(&receipt_file, &receipt).expect("write");
+    crate::tlog::python_verifier_accepts(&receipt_file, &vk, &w1_vkey, node);
+    let (status, _) = get(&urls.api, "/v1/audit/checkpoint").unwrap_or((0, String::new()));
+    assert_eq!(status, 401, "the checkpoint endpoint wants a tenant's key");
     terminate(child, &state);
     let events = crate::audit::read_table(&root, "node_events");
     let kinds: Vec<String> = events
@@ -309,8 +409,6 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
         .flatten()
         .collect();
     assert!(kinds.iter().any(|k| k == "tlog_uncosigned"), "{kinds:?}");
-    let pubkey = state.join("node.pub");
-    std::fs::write(&pubkey, digest::hex(vk.as_bytes())).expect("pub");
     let o = verify(
         &state,
         &root,

@@ -185,6 +185,7 @@ impl TestServer {
             prefix_cache,
             unsafe_shared_prefix_cache: unsafe_shared,
             audit_disabled: false,
+            proofs: None,
         };
         let done = rt.spawn(custody_server::serve(
             listener,
@@ -1016,6 +1017,7 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
         audit_disabled: false,
+        proofs: None,
     };
     // This server is the pair's front 0, with a certificate from the suite's fleet.
     let front = custody_runtime::disagg::tls::Security::Tls(

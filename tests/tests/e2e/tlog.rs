@@ -738,3 +738,31 @@ fn a_witness_cosigns_a_growing_log_and_refuses_a_forked_one() {
         "{out}"
     );
 }
+
+/// The independent Python verifier (`verifier/`, no code shared with the Rust) accepts a
+/// receipt the node served. Needs `python3` with `cryptography` (scripts/setup.sh installs it).
+pub(crate) fn python_verifier_accepts(
+    receipt: &Path,
+    node_key: &ed25519_dalek::VerifyingKey,
+    witness_vkey: &str,
+    node: u32,
+) {
+    let vkey = custody_audit::tlog::ed25519_vkey(
+        &custody_audit::tree_store::default_origin(node, node_key),
+        node_key,
+    );
+    let verifier = Path::new(env!("CARGO_MANIFEST_DIR")).join("../verifier");
+    let o = std::process::Command::new("python3")
+        .args(["-m", "custody_verify", "receipt"])
+        .arg(receipt)
+        .args(["--log-key", &vkey, "--witness-key", witness_vkey])
+        .env("PYTHONPATH", &verifier)
+        .output()
+        .expect("python3");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.starts_with("OK: "),
+        "the Python verifier: {out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

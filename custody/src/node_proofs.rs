@@ -1,0 +1,70 @@
+//! The server's `AuditProofs` over this node's audit root (the server links no writer): thin
+//! glue over `custody_audit::tree_store`.
+
+use std::path::PathBuf;
+
+use custody_audit::digest::LocalStore;
+use custody_audit::tlog::{Checkpoint, ConsistencyProof};
+use custody_audit::tree_store::{self, NodeLog, ReceiptStatus};
+use custody_server::receipts::{AuditProofs, ProofsError, Receipt};
+
+/// A node's root; `from_seq`: where this incarnation's records start (request ids restart with
+/// the process, so a receipt looks only at records from there on).
+#[derive(Debug)]
+pub(crate) struct RootProofs {
+    pub(crate) root: PathBuf,
+    pub(crate) node: u32,
+    pub(crate) from_seq: u64,
+}
+
+fn err(e: impl std::fmt::Display) -> ProofsError {
+    ProofsError(e.to_string())
+}
+
+impl AuditProofs for RootProofs {
+    fn receipt(&self, tenant: &str, request: u64) -> Result<Receipt, ProofsError> {
+        let store = LocalStore::new(&self.root);
+        let r = tree_store::request_receipt(&store, self.node, self.from_seq, tenant, request)
+            .map_err(err)?;
+        Ok(match r {
+            ReceiptStatus::Ready(json) => Receipt::Ready(json),
+            ReceiptStatus::Pending => Receipt::Pending,
+            ReceiptStatus::Unknown => Receipt::Unknown,
+        })
+    }
+
+    fn checkpoint(&self) -> Result<Vec<u8>, ProofsError> {
+        let store = LocalStore::new(&self.root);
+        let log = NodeLog::open(&store, self.node).map_err(err)?;
+        let newest = log.checkpoint_note().map_err(err)?;
+        let size = checkpoint_of(&newest)?.size();
+        // The cosigned one when it is the newest.
+        log.cosigned_or_newest(size.saturating_sub(1)).map_err(err)
+    }
+
+    fn consistency(&self, old: u64) -> Result<Vec<u8>, ProofsError> {
+        let store = LocalStore::new(&self.root);
+        let log = NodeLog::open(&store, self.node).map_err(err)?;
+        let note = self.checkpoint()?;
+        let size = checkpoint_of(&note)?.size();
+        let hashes = if old == size {
+            Vec::new()
+        } else {
+            log.prove_consistency(old, size).map_err(err)?
+        };
+        Ok(ConsistencyProof {
+            old,
+            hashes,
+            checkpoint: note,
+        }
+        .to_bytes())
+    }
+}
+
+fn checkpoint_of(note: &[u8]) -> Result<Checkpoint, ProofsError> {
+    let end = note
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map_or(note.len(), |i| i + 1);
+    Checkpoint::from_bytes(&note[..end]).map_err(err)
+}
