@@ -1015,12 +1015,13 @@ pub fn request_receipt(
             }
         }
     }
-    if found.is_empty() {
-        return Ok(ReceiptStatus::Unknown);
-    }
     let admitted_here = found.iter().any(|(t, _, _)| *t == Table::Requests);
     if !admitted_here {
-        return Ok(ReceiptStatus::Unknown);
+        // Not sealed yet, or no such request of this tenant: the live segment tells.
+        return Ok(match live_rows(store, node, from_seq, request) {
+            LiveRows::Tenant(t) if t == tenant => ReceiptStatus::Pending,
+            _ => ReceiptStatus::Unknown,
+        });
     }
     let max_seq = found.iter().map(|(_, seq, _)| *seq).max().unwrap_or(0);
     let note = match log.cosigned_or_newest(max_seq) {
@@ -1062,6 +1063,37 @@ pub fn request_receipt(
     Ok(ReceiptStatus::Ready(
         serde_json::to_vec_pretty(&receipt).unwrap_or_default(),
     ))
+}
+
+/// What the live segment holds of a request.
+enum LiveRows {
+    None,
+    /// Rows of the request, of this tenant.
+    Tenant(String),
+}
+
+/// Whether the live (unsealed) segment holds rows of `request` (this incarnation), and whose.
+/// Reads every complete message of the live files (a torn last one is the writer's next).
+fn live_rows(store: &dyn LogStore, node: u32, from_seq: u64, request: u64) -> LiveRows {
+    let Ok(files) = store.list(&format!("_live/node={node}/")) else {
+        return LiveRows::None;
+    };
+    for f in files.iter().filter(|f| f.ends_with(".arrows")) {
+        let Ok(bytes) = store.read(f) else { continue };
+        let Ok(reader) =
+            arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
+        else {
+            continue;
+        };
+        for b in reader.map_while(Result::ok) {
+            if let Some(&(row, _)) = request_rows(&b, from_seq, request).first()
+                && let Some(t) = column_str(&b, "tenant", row)
+            {
+                return LiveRows::Tenant(t.to_owned());
+            }
+        }
+    }
+    LiveRows::None
 }
 
 /// Length of a note's text (up to and including the newline before the blank line).

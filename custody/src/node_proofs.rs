@@ -15,6 +15,8 @@ pub(crate) struct RootProofs {
     pub(crate) root: PathBuf,
     pub(crate) node: u32,
     pub(crate) from_seq: u64,
+    /// Flushed before a lookup, so a request that just ended is in the live segment at least.
+    pub(crate) writer: std::sync::Arc<custody_audit::writer::AuditWriter>,
 }
 
 fn err(e: impl std::fmt::Display) -> ProofsError {
@@ -23,6 +25,7 @@ fn err(e: impl std::fmt::Display) -> ProofsError {
 
 impl AuditProofs for RootProofs {
     fn receipt(&self, tenant: &str, request: u64) -> Result<Receipt, ProofsError> {
+        self.writer.sync().map_err(err)?;
         let store = LocalStore::new(&self.root);
         let r = tree_store::request_receipt(&store, self.node, self.from_seq, tenant, request)
             .map_err(err)?;

@@ -170,6 +170,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
             node: n.node,
             // Everything before this is an earlier incarnation's (request ids restart).
             from_seq: n.writer.sync().context("the audit log at start")?,
+            writer: n.writer.clone(),
         }) as Arc<dyn custody_server::receipts::AuditProofs>),
         None => None,
     };

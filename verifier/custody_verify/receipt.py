@@ -48,7 +48,8 @@ def _field(obj: Dict[str, Any], name: str, kind: type, what: str = "receipt") ->
     value = obj[name]
     # bool is an int in Python; JSON true/false is not a number here.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise VerifyError(f"{what}'s {name!r} is not a {'string' if kind is str else kind.__name__}: {value!r}")
+        kind_name = {str: "a string", int: "an integer", list: "a list"}.get(kind, kind.__name__)
+        raise VerifyError(f"{what}'s {name!r} is not {kind_name}: {value!r}")
     if kind is int and not 0 <= value <= U64_MAX:
         raise VerifyError(f"{what}'s {name!r} {value} is not a u64")
     return value
@@ -161,8 +162,8 @@ def _verify_entry(table: str, seq: int, proof_text: str, note: str, cp: Any, nod
     check_seq(record, proof.index)
     if record.table != table:
         raise VerifyError(f"the record is of table {record.table!r}, not {table!r}")
-    _column(record, "request_id", TAG_U64, request_number)
     _column(record, "tenant", TAG_UTF8, tenant)
+    _column(record, "request_id", TAG_U64, request_number)
     if record.tag("node_id") is not None and record.get("node_id") != node:
         raise VerifyError(f"the record's node_id is {record.get('node_id')!r}, not the receipt's node {node}")
     return record

@@ -265,8 +265,10 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
     ));
     let cfg_file = state.join("node.toml");
     std::fs::write(&cfg_file, cfg).expect("config");
-    let (mut child, urls) = serve_config(&state, &cfg_file, &[]);
-    wait_ready(&mut child, &urls.api, &state);
+    let (child, urls) = serve_config(&state, &cfg_file, &[]);
+    // Killed if the test fails before its clean stop (no stray server on a failure).
+    let mut guard = KillOnDrop(Some(child));
+    wait_ready(guard.0.as_mut().expect("child"), &urls.api, &state);
     let body = br#"{"model":"smollm2-135m-instruct","prompt":"Hello","max_tokens":4}"#;
     let r = custody_server::client::request(
         &urls.api,
@@ -401,7 +403,7 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
     crate::tlog::python_verifier_accepts(&receipt_file, &vk, &w1_vkey, node);
     let (status, _) = get(&urls.api, "/v1/audit/checkpoint").unwrap_or((0, String::new()));
     assert_eq!(status, 401, "the checkpoint endpoint wants a tenant's key");
-    terminate(child, &state);
+    terminate(guard.0.take().expect("child"), &state);
     let events = crate::audit::read_table(&root, "node_events");
     let kinds: Vec<String> = events
         .iter()
@@ -425,4 +427,16 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
         "{}",
         text(&o)
     );
+}
+
+/// A child process killed when dropped, unless taken.
+struct KillOnDrop(Option<Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
