@@ -500,7 +500,14 @@ pub struct NodeLog<'a> {
     store: &'a dyn LogStore,
     node: u32,
     digests: Vec<DigestBody>,
+    /// The leaves of the segments most recently recomputed from their records, by
+    /// `digest_seq` (a receipt's records share one or two segments: one decode for all their
+    /// proofs). Bounded by [`LEAF_CACHE_SEGMENTS`].
+    leaves: std::sync::Mutex<BTreeMap<u64, std::sync::Arc<Vec<Hash>>>>,
 }
+
+/// Segments whose leaves a [`NodeLog`] keeps (a segment of 1 M records: 32 MB).
+const LEAF_CACHE_SEGMENTS: usize = 2;
 
 impl std::fmt::Debug for NodeLog<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -517,6 +524,7 @@ impl<'a> NodeLog<'a> {
             store,
             node,
             digests: node_digests(store, node)?,
+            leaves: std::sync::Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -621,15 +629,7 @@ impl<'a> NodeLog<'a> {
             .iter()
             .filter(|d| d.seq_start < end && d.seq_end > start)
         {
-            let batches =
-                digest_batches(self.store, d).map_err(|_| tlog_tiles::Error::IndexesNotInTree)?;
-            let leaves = leaf::segment_leaves(
-                self.node,
-                d.seq_start,
-                d.seq_end,
-                batches.iter().map(|(t, b)| (*t, b)),
-            )
-            .map_err(|_| tlog_tiles::Error::IndexesNotInTree)?;
+            let leaves = self.segment_leaves(d)?;
             let lo = start.max(d.seq_start) - d.seq_start;
             let hi = end.min(d.seq_end) - d.seq_start;
             for l in &leaves[lo as usize..hi as usize] {
@@ -640,6 +640,32 @@ impl<'a> NodeLog<'a> {
             return Err(tlog_tiles::Error::IndexesNotInTree);
         }
         Ok(out)
+    }
+
+    /// A sealed segment's leaves, recomputed from its records (cached).
+    fn segment_leaves(
+        &self,
+        d: &DigestBody,
+    ) -> Result<std::sync::Arc<Vec<Hash>>, tlog_tiles::Error> {
+        let mut cache = self.leaves.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = cache.get(&d.digest_seq) {
+            return Ok(l.clone());
+        }
+        let batches =
+            digest_batches(self.store, d).map_err(|_| tlog_tiles::Error::IndexesNotInTree)?;
+        let leaves = leaf::segment_leaves(
+            self.node,
+            d.seq_start,
+            d.seq_end,
+            batches.iter().map(|(t, b)| (*t, b)),
+        )
+        .map_err(|_| tlog_tiles::Error::IndexesNotInTree)?;
+        if cache.len() >= LEAF_CACHE_SEGMENTS {
+            cache.clear();
+        }
+        let leaves = std::sync::Arc::new(leaves);
+        cache.insert(d.digest_seq, leaves.clone());
+        Ok(leaves)
     }
 
     /// A tile's hashes: the full tile (cut to `width`), else the partial of exactly that width,
@@ -981,7 +1007,14 @@ pub fn request_receipt(
     let log = NodeLog::open(store, node)?;
     let mut found: Vec<(Table, u64, Vec<u8>)> = Vec::new();
     let mut ended = false;
-    for d in log.digests.iter().filter(|d| d.seq_end > from_seq) {
+    let mut admitted_seen = false;
+    // Newest first: a request's records all follow its admission, so the scan stops at the
+    // segment that holds it (a receipt costs what has been sealed since the request, not the
+    // whole log).
+    for d in log.digests.iter().rev().filter(|d| d.seq_end > from_seq) {
+        if found.iter().any(|(t, _, _)| *t == Table::Requests) && admitted_seen {
+            break;
+        }
         let batches = digest_batches(store, d).map_err(|why| ProofError::Records { node, why })?;
         for (table, b) in &batches {
             let rows = request_rows(b, from_seq, request);
@@ -996,10 +1029,12 @@ pub fn request_receipt(
                 if column_str(b, "tenant", row).is_some_and(|t| t != tenant) {
                     return Ok(ReceiptStatus::Unknown);
                 }
-                if *table == Table::Requests
-                    && column_str(b, "event", row).is_some_and(|e| e != "admitted")
-                {
-                    ended = true;
+                if *table == Table::Requests {
+                    match column_str(b, "event", row) {
+                        Some("admitted") => admitted_seen = true,
+                        Some(_) => ended = true,
+                        None => {}
+                    }
                 }
                 let mut bytes = Vec::new();
                 enc.encode(row, &mut bytes);
