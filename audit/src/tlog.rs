@@ -555,6 +555,19 @@ fn parse_decimal(s: &str) -> Result<u64, TlogError> {
     s.parse().map_err(|_| bad)
 }
 
+/// `head`, one base64 line per hash, an empty line, then the checkpoint note: the shape both
+/// proof texts share.
+fn hashes_then_note(mut head: String, hashes: &[Hash], checkpoint: &[u8]) -> Vec<u8> {
+    for h in hashes {
+        head.push_str(&b64(&h.0));
+        head.push('\n');
+    }
+    head.push('\n');
+    let mut out = head.into_bytes();
+    out.extend_from_slice(checkpoint);
+    out
+}
+
 impl InclusionProof {
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = format!("{PROOF_HEADER}\n");
@@ -562,14 +575,7 @@ impl InclusionProof {
             out.push_str(&format!("extra {}\n", b64(e)));
         }
         out.push_str(&format!("index {}\n", self.index));
-        for h in &self.hashes {
-            out.push_str(&b64(&h.0));
-            out.push('\n');
-        }
-        out.push('\n');
-        let mut out = out.into_bytes();
-        out.extend_from_slice(&self.checkpoint);
-        out
+        hashes_then_note(out, &self.hashes, &self.checkpoint)
     }
 
     pub fn parse(text: &[u8]) -> Result<Self, TlogError> {
@@ -621,15 +627,7 @@ impl InclusionProof {
 
 impl ConsistencyProof {
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = format!("old {}\n", self.old);
-        for h in &self.hashes {
-            out.push_str(&b64(&h.0));
-            out.push('\n');
-        }
-        out.push('\n');
-        let mut out = out.into_bytes();
-        out.extend_from_slice(&self.checkpoint);
-        out
+        hashes_then_note(format!("old {}\n", self.old), &self.hashes, &self.checkpoint)
     }
 
     pub fn parse(text: &[u8]) -> Result<Self, TlogError> {
