@@ -627,7 +627,11 @@ impl InclusionProof {
 
 impl ConsistencyProof {
     pub fn to_bytes(&self) -> Vec<u8> {
-        hashes_then_note(format!("old {}\n", self.old), &self.hashes, &self.checkpoint)
+        hashes_then_note(
+            format!("old {}\n", self.old),
+            &self.hashes,
+            &self.checkpoint,
+        )
     }
 
     pub fn parse(text: &[u8]) -> Result<Self, TlogError> {
