@@ -56,4 +56,8 @@ pub struct AuditSection {
     /// vkey`). After every checkpoint the node sends them its newest; one that is down or
     /// refuses is logged, counted and recorded (`node_events` `tlog_uncosigned`), never fatal.
     pub witnesses: Vec<crate::tree_store::WitnessTarget>,
+    /// Fail closed on missing cosignatures: while the newest cosigning round got fewer than
+    /// this many of `witnesses`' cosignatures, the node takes no new work (503
+    /// `audit_uncosigned`, `/health/ready` 503). 0 (the default): serve on, and say so.
+    pub require_cosignatures: usize,
 }

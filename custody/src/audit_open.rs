@@ -95,6 +95,11 @@ pub(crate) fn open_serving_audit(
     conf: &AuditSection,
     what: Serving,
 ) -> Result<Option<NodeAudit>> {
+    if let (Serving::Fleet(role), n @ 1..) = (what, conf.require_cosignatures) {
+        anyhow::bail!(
+            "[audit] require_cosignatures = {n}: only `custody serve` with its own engine can refuse work on missing cosignatures yet, not a {role}"
+        );
+    }
     if no_audit {
         refuse_or_announce_no_audit(conf, what)?;
         return Ok(None);
@@ -192,13 +197,28 @@ fn open_writer(a: &AuditArgs, conf: &AuditSection, t: Target) -> Result<NodeAudi
     }
     cfg.checkpoint_sinks = checkpoint_sinks(a, conf)?;
     let cosigner = if conf.witnesses.is_empty() {
+        if conf.require_cosignatures > 0 {
+            anyhow::bail!("[audit] require_cosignatures needs [[audit.witnesses]]");
+        }
         None
     } else {
         for w in &conf.witnesses {
             custody_audit::cosign::CosignatureVerifier::new(&w.vkey)
                 .with_context(|| format!("[audit] witnesses: {}", w.url))?;
         }
-        let c = crate::cosign_client::start(t.dir.clone(), t.node, conf.witnesses.clone())?;
+        if conf.require_cosignatures > conf.witnesses.len() {
+            anyhow::bail!(
+                "[audit] require_cosignatures = {}: more than the {} witnesses configured",
+                conf.require_cosignatures,
+                conf.witnesses.len()
+            );
+        }
+        let c = crate::cosign_client::start(
+            t.dir.clone(),
+            t.node,
+            conf.witnesses.clone(),
+            conf.require_cosignatures,
+        )?;
         cfg.checkpoint_sinks.push(c.sink.clone());
         Some(c)
     };

@@ -32,10 +32,12 @@ impl CheckpointSink for Trigger {
     }
 }
 
-/// Rounds that ended without every configured witness's cosignature.
+/// Rounds that ended without every configured witness's cosignature; and, with `[audit]
+/// require_cosignatures`, whether the newest round got fewer than required.
 #[derive(Debug, Default)]
 pub(crate) struct CosignStats {
     pub(crate) uncosigned_rounds: AtomicU64,
+    pub(crate) below_required: std::sync::atomic::AtomicBool,
 }
 
 /// A running cosigner: the sink to add to the writer's, the slot its log goes in once open
@@ -47,14 +49,19 @@ pub(crate) struct Cosigner {
 }
 
 /// Starts the cosigner's thread (it waits for the sink's first checkpoint).
-pub(crate) fn start(root: PathBuf, node: u32, witnesses: Vec<WitnessTarget>) -> Result<Cosigner> {
+pub(crate) fn start(
+    root: PathBuf,
+    node: u32,
+    witnesses: Vec<WitnessTarget>,
+    required: usize,
+) -> Result<Cosigner> {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let writer = Arc::new(std::sync::OnceLock::new());
     let stats = Arc::new(CosignStats::default());
     let (w, st) = (writer.clone(), stats.clone());
     std::thread::Builder::new()
         .name(format!("tlog-cosign-{node}"))
-        .spawn(move || run(&rx, &root, node, &witnesses, &w, &st))
+        .spawn(move || run(&rx, &root, node, &witnesses, required, &w, &st))
         .context("starting the tlog cosigner")?;
     Ok(Cosigner {
         sink: Arc::new(Trigger(tx)),
@@ -68,12 +75,37 @@ fn run(
     root: &std::path::Path,
     node: u32,
     witnesses: &[WitnessTarget],
+    required: usize,
     writer: &std::sync::OnceLock<Weak<AuditWriter>>,
     stats: &CosignStats,
 ) {
     let mut known = std::collections::BTreeMap::new();
     while rx.recv().is_ok() {
         let round = tree_store::cosign_newest(root, node, witnesses, &HttpTransport, &mut known);
+        let got = match &round {
+            Ok(r) => r.cosigned_by.len(),
+            // Nothing sealed yet: nothing that could lack a cosignature.
+            Err(tree_store::ProofError::NoCheckpoint { .. }) => required,
+            Err(_) => 0,
+        };
+        let below = got < required;
+        if below != stats.below_required.swap(below, Ordering::Relaxed) {
+            if below {
+                tracing::error!(
+                    node,
+                    got,
+                    required,
+                    "tree checkpoint below its required cosignatures: taking no new work (require_cosignatures)"
+                );
+            } else {
+                tracing::info!(
+                    node,
+                    got,
+                    required,
+                    "tree checkpoint cosigned as required: serving again"
+                );
+            }
+        }
         let missing: Vec<String> = match round {
             Ok(r) if r.failures.is_empty() => {
                 tracing::info!(
@@ -95,7 +127,7 @@ fn run(
         };
         stats.uncosigned_rounds.fetch_add(1, Ordering::Relaxed);
         let detail = missing.join("; ");
-        tracing::error!(node, %detail, "tree checkpoint lacks cosignatures (serving goes on)");
+        tracing::error!(node, %detail, "tree checkpoint lacks cosignatures");
         if let Some(w) = writer.get().and_then(Weak::upgrade) {
             let ev = custody_audit::Event::Node {
                 ts_ns: custody_audit::mono_now_ns(),

@@ -111,6 +111,11 @@ impl AuditStats for WriterStats {
                 .load(std::sync::atomic::Ordering::Relaxed)
         })
     }
+    fn cosignatures_missing(&self) -> bool {
+        self.1
+            .as_ref()
+            .is_some_and(|s| s.below_required.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 pub(crate) fn serve(a: ServeArgs) -> Result<()> {

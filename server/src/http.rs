@@ -174,6 +174,8 @@ fn readiness(st: &AppState) -> &'static str {
         "audit_failed"
     } else if st.draining.load(Ordering::Relaxed) {
         "draining"
+    } else if st.audit.as_ref().is_some_and(|a| a.cosignatures_missing()) {
+        "audit_uncosigned"
     } else if no_pair {
         "no_routable_pair"
     } else if st.metrics.audit_disabled.load(Ordering::Relaxed) {
@@ -320,6 +322,12 @@ async fn admit_and_run(
         return Err(ApiError::unavailable(
             "the audit log is unavailable, so this node serves nothing (fail-closed)",
             "audit_unavailable",
+        ));
+    }
+    if st.audit.as_ref().is_some_and(|a| a.cosignatures_missing()) {
+        return Err(ApiError::unavailable(
+            "this node's audit log is not cosigned by its witnesses ([audit] require_cosignatures), so it takes no new work (fail-closed)",
+            "audit_uncosigned",
         ));
     }
     if let Some(a) = &st.audit {

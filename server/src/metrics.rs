@@ -20,6 +20,11 @@ pub trait AuditStats: Send + Sync + std::fmt::Debug {
     fn uncosigned_rounds(&self) -> u64 {
         0
     }
+    /// `[audit] require_cosignatures`: the newest tree checkpoint lacks the cosignatures it must
+    /// have, so the node takes no new work (fail-closed; false when not configured).
+    fn cosignatures_missing(&self) -> bool {
+        false
+    }
 }
 
 /// Seconds; latency buckets from 1 ms to 60 s.

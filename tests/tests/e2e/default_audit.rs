@@ -440,3 +440,61 @@ impl Drop for KillOnDrop {
         }
     }
 }
+
+/// `[audit] require_cosignatures = 1` with its only witness down: once the node has sealed a
+/// tree checkpoint nobody cosigned, it takes no new work (503 `audit_uncosigned`, readiness 503)
+/// — fail-closed only where configured.
+#[test]
+fn a_node_that_requires_cosignatures_fails_closed_without_them() {
+    use custody_audit::digest;
+    let state = tmp_dir("serve-require-cosign");
+    let key = digest::generate_key().expect("key");
+    let key_file = state.join("node.key");
+    digest::write_key(&key, &key_file).expect("write key");
+    let wkey = digest::generate_key().expect("witness key");
+    let w_vkey = custody_audit::cosign::vkey("w1.test", &wkey.verifying_key());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let root = state.join("audit");
+    let mut cfg = std::fs::read_to_string(config("serve-demo.toml")).expect("config");
+    cfg.push_str(&format!(
+        "\n[audit]\ndir = {root:?}\nkey = {key_file:?}\nnode = 6\nseal_interval_s = 1\ncheckpoint_interval_s = 1\nrequire_cosignatures = 1\n\n[[audit.witnesses]]\nurl = \"{dead}\"\nvkey = \"{w_vkey}\"\n"
+    ));
+    let cfg_file = state.join("node.toml");
+    std::fs::write(&cfg_file, cfg).expect("config");
+    let (child, urls) = serve_config(&state, &cfg_file, &[]);
+    let mut guard = KillOnDrop(Some(child));
+    // Its start-up records are sealed within a second, nobody cosigns them: it never becomes
+    // ready, and says why.
+    let t0 = Instant::now();
+    let ready = loop {
+        if let Some((503, body)) = get(&urls.api, "/health/ready")
+            && body.contains("audit_uncosigned")
+        {
+            break body;
+        }
+        if let Ok(Some(st)) = guard.0.as_mut().expect("child").try_wait() {
+            panic!("custody serve exited with {st}: {}", log(&state));
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "never failed closed: {}",
+            log(&state)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(ready.contains("audit_uncosigned"), "{ready}");
+    let body = br#"{"model":"smollm2-135m-instruct","prompt":"Hello","max_tokens":2}"#;
+    let r = custody_server::client::request(
+        &urls.api,
+        "POST",
+        "/v1/completions",
+        Some("sk-demo-acme"),
+        Some(body),
+        Duration::from_secs(60),
+    )
+    .expect("completion");
+    assert_eq!(r.status, 503);
+    assert!(String::from_utf8_lossy(&r.body).contains("audit_uncosigned"));
+    // Killed by the guard: a clean stop is another test's subject.
+    drop(guard);
+}
