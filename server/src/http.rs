@@ -266,6 +266,13 @@ async fn generate(
     if let Ok(v) = HeaderValue::from_str(&rid) {
         resp.headers_mut().insert("x-request-id", v);
     }
+    // Where the tenant fetches this request's receipt (its records' proofs, once sealed).
+    if st.proofs.is_some()
+        && rid.starts_with("req-")
+        && let Ok(v) = HeaderValue::from_str(&format!("/v1/audit/receipt/{rid}"))
+    {
+        resp.headers_mut().insert("x-custody-receipt", v);
+    }
     resp
 }
 

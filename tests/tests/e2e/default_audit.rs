@@ -307,6 +307,7 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
     // record of the request with its proof to the cosigned checkpoint.
     let request_id = r.header("x-request-id").expect("x-request-id").to_owned();
     let path = format!("/v1/audit/receipt/{request_id}");
+    assert_eq!(r.header("x-custody-receipt"), Some(path.as_str()));
     let fetch = |key: &str| {
         custody_server::client::request(
             &urls.api,
