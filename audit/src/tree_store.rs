@@ -172,8 +172,19 @@ fn syncfs(dir: &Path) -> Result<(), TreeStoreError> {
 pub fn open_tree(root: &Path, node: u32, chain: &ChainHead) -> Result<EdgeTree, TreeStoreError> {
     let dir = TreeDir::new(root, node);
     if let Some(head) = chain.tree {
-        let tree = EdgeTree::from_partials(head.size, dir.read_partials(head.size)?)?;
-        if tree.root()?.0 != head.root || head.size != chain.next_seq {
+        let from_disk = dir
+            .read_partials(head.size)
+            .and_then(|p| Ok(EdgeTree::from_partials(head.size, p)?));
+        let tree = match from_disk {
+            Ok(t) if t.root()?.0 == head.root => t,
+            // A crash after a seal's tiles but before its digest leaves the edge of a later
+            // tree (its partial tiles replaced): the sealed records still make this one.
+            other => {
+                tracing::warn!(node, size = head.size, error = ?other.err(), "the tree's edge on disk is not the newest digest's: rebuilding it from the sealed files");
+                rebuild(root, node)?
+            }
+        };
+        if tree.root()?.0 != head.root || tree.size() != head.size || head.size != chain.next_seq {
             return Err(TreeStoreError::RootMismatch {
                 node,
                 size: head.size,
