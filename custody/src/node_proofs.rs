@@ -25,10 +25,16 @@ fn err(e: impl std::fmt::Display) -> ProofsError {
 
 impl AuditProofs for RootProofs {
     fn receipt(&self, tenant: &str, request: u64) -> Result<Receipt, ProofsError> {
-        self.writer.sync().map_err(err)?;
         let store = LocalStore::new(&self.root);
-        let r = tree_store::request_receipt(&store, self.node, self.from_seq, tenant, request)
-            .map_err(err)?;
+        let look =
+            || tree_store::request_receipt(&store, self.node, self.from_seq, tenant, request);
+        let mut r = look().map_err(err)?;
+        if r == ReceiptStatus::Unknown {
+            // Perhaps it just ended and its rows are still queued: flush them to the live
+            // segment and look again (only then: a sync is an fsync).
+            self.writer.sync().map_err(err)?;
+            r = look().map_err(err)?;
+        }
         Ok(match r {
             ReceiptStatus::Ready(json) => Receipt::Ready(json),
             ReceiptStatus::Pending => Receipt::Pending,
