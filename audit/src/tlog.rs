@@ -468,6 +468,16 @@ pub fn sign_checkpoint(signer: &NoteSigner, size: u64, root: Hash) -> Result<Vec
     Ok(note.to_bytes())
 }
 
+/// The checkpoint a signed note carries, its signatures not checked (for reading its size or
+/// origin before choosing the key; [`open_checkpoint`] checks them).
+pub fn note_checkpoint(note: &[u8]) -> Result<Checkpoint, TlogError> {
+    let text_end = note
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map_or(note.len(), |i| i + 1);
+    Checkpoint::from_bytes(&note[..text_end]).map_err(|_| TlogError::MalformedCheckpoint)
+}
+
 /// The checkpoint in `note` if `vkey` signed it (lines of other keys, such as witnesses'
 /// cosignatures, are left for their own checks).
 pub fn open_checkpoint(note: &[u8], vkey: &str) -> Result<tlog_tiles::Checkpoint, TlogError> {

@@ -753,13 +753,7 @@ pub fn cosign_newest(
     let store = LocalStore::new(root);
     let log = NodeLog::open(&store, node)?;
     let note = log.checkpoint_note()?;
-    let text_end = note
-        .windows(2)
-        .position(|w| w == b"\n\n")
-        .map_or(note.len(), |i| i + 1);
-    let cp = tlog::Checkpoint::from_bytes(&note[..text_end])
-        .map_err(|_| TlogError::MalformedCheckpoint)?;
-    let size = cp.size();
+    let size = tlog::note_checkpoint(&note)?.size();
     let mut round = CosignRound {
         size,
         ..CosignRound::default()
@@ -778,12 +772,10 @@ pub fn cosign_newest(
         let merged = crate::cosign::merge_signatures(&note, &lines)?;
         let path = cosigned_path(root, node);
         // Never replace a cosigned checkpoint with a smaller one.
-        let older = fs::read(&path).ok().and_then(|b| {
-            let end = b.windows(2).position(|w| w == b"\n\n")? + 1;
-            tlog::Checkpoint::from_bytes(&b[..end])
-                .ok()
-                .map(|c| c.size())
-        });
+        let older = fs::read(&path)
+            .ok()
+            .and_then(|b| tlog::note_checkpoint(&b).ok())
+            .map(|c| c.size());
         if older.is_none_or(|s| s <= size) {
             write_durably(&path, &merged).map_err(|e| ProofError::Records {
                 node,
@@ -1075,8 +1067,7 @@ pub fn request_receipt(
         Err(ProofError::NoCheckpoint { .. }) => return Ok(ReceiptStatus::Pending),
         Err(e) => return Err(e),
     };
-    let cp = tlog::Checkpoint::from_bytes(&note[..note_text_len(&note)])
-        .map_err(|_| TlogError::MalformedCheckpoint)?;
+    let cp = tlog::note_checkpoint(&note)?;
     let size = cp.size();
     if !ended || found.iter().any(|(_, seq, _)| *seq >= size) {
         return Ok(ReceiptStatus::Pending);
@@ -1142,13 +1133,6 @@ fn live_rows(store: &dyn LogStore, node: u32, from_seq: u64, request: u64) -> Li
     LiveRows::None
 }
 
-/// Length of a note's text (up to and including the newline before the blank line).
-fn note_text_len(note: &[u8]) -> usize {
-    note.windows(2)
-        .position(|w| w == b"\n\n")
-        .map_or(note.len(), |i| i + 1)
-}
-
 /// The rows of `b` with `request_id == request` and `seq >= from_seq`, with their seqs.
 fn request_rows(b: &RecordBatch, from_seq: u64, request: u64) -> Vec<(usize, u64)> {
     use arrow::array::{Array, UInt64Array};
@@ -1182,7 +1166,7 @@ impl NodeLog<'_> {
     pub fn cosigned_or_newest(&self, max_seq: u64) -> Result<Vec<u8>, ProofError> {
         let rel = format!("{}/cosigned", node_prefix(self.node));
         if let Ok(c) = self.store.read(&rel)
-            && let Ok(cp) = tlog::Checkpoint::from_bytes(&c[..note_text_len(&c)])
+            && let Ok(cp) = tlog::note_checkpoint(&c)
             && cp.size() > max_seq
             && self.root_at(cp.size()).is_ok_and(|r| r == *cp.hash())
         {

@@ -229,13 +229,9 @@ fn proof_costs(dir: &std::path::Path) -> Result<serde_json::Value> {
     };
     let log = NodeLog::open(&store, 0).context("the bench's log")?;
     let note = log.checkpoint_note().context("the bench's checkpoint")?;
-    let end = note
-        .windows(2)
-        .position(|w| w == b"\n\n")
-        .map_or(note.len(), |i| i + 1);
-    let cp = custody_audit::tlog::Checkpoint::from_bytes(&note[..end])
-        .map_err(|e| BenchError::Invalid(format!("the bench's checkpoint: {e}")))?;
-    let size = cp.size();
+    let size = custody_audit::tlog::note_checkpoint(&note)
+        .map_err(|e| BenchError::Invalid(format!("the bench's checkpoint: {e}")))?
+        .size();
     let from_records_ms = time_proofs(&log, size)?;
     // A receipt's case: many records of one request, close together in one segment (the
     // segment's leaves are recomputed once, then cached).

@@ -346,7 +346,7 @@ fn prove(
     let store = digest::LocalStore::new(root);
     let log = custody_audit::tree_store::NodeLog::open(&store, node)?;
     let note = log.checkpoint_note()?;
-    let cp = checkpoint_text(&note)?;
+    let cp = custody_audit::tlog::note_checkpoint(&note)?;
     let size = cp.size();
     if log.root_at(size)? != *cp.hash() {
         bail!(
@@ -376,16 +376,6 @@ fn prove(
             std::io::stdout().write_all(&bytes).context("stdout")
         }
     }
-}
-
-/// The checkpoint text of a signed note (signatures not checked: the caller does).
-fn checkpoint_text(note: &[u8]) -> Result<custody_audit::tlog::Checkpoint> {
-    let text_end = note
-        .windows(2)
-        .position(|w| w == b"\n\n")
-        .map_or(note.len(), |i| i + 1);
-    custody_audit::tlog::Checkpoint::from_bytes(&note[..text_end])
-        .map_err(|e| anyhow::anyhow!("not a C2SP checkpoint: {e}"))
 }
 
 /// The verifier key of the node whose note this is: its origin line and the node's key.

@@ -71,9 +71,5 @@ impl AuditProofs for RootProofs {
 }
 
 fn checkpoint_of(note: &[u8]) -> Result<Checkpoint, ProofsError> {
-    let end = note
-        .windows(2)
-        .position(|w| w == b"\n\n")
-        .map_or(note.len(), |i| i + 1);
-    Checkpoint::from_bytes(&note[..end]).map_err(err)
+    custody_audit::tlog::note_checkpoint(note).map_err(err)
 }
