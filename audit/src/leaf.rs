@@ -161,6 +161,115 @@ pub fn lost_record(node: u32, seq: u64) -> Vec<u8> {
     out
 }
 
+/// A flushed row's leaf, and the request it is a record of.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowLeaf {
+    pub seq: u64,
+    pub leaf: Hash,
+    /// Its `request_id`, when its table has one and it is set.
+    pub request: Option<u64>,
+    /// A `requests` row other than `admitted`: how the request ended.
+    pub end: bool,
+}
+
+/// The leaves of a batch's rows, in row order.
+pub fn batch_leaves(table: Table, batch: &RecordBatch) -> Result<Vec<RowLeaf>, LeafError> {
+    let enc = RecordEncoder::new(table, batch)?;
+    let seqs = batch
+        .column(1)
+        .as_any()
+        .downcast_ref::<UInt64Array>()
+        .ok_or(LeafError::NoSeq {
+            table: table.name(),
+        })?;
+    let requests = batch
+        .column_by_name("request_id")
+        .and_then(|c| c.as_any().downcast_ref::<UInt64Array>());
+    let events = (table == Table::Requests)
+        .then(|| batch.column_by_name("event"))
+        .flatten()
+        .and_then(|c| c.as_any().downcast_ref::<StringArray>());
+    let mut buf = Vec::with_capacity(256);
+    let mut out = Vec::with_capacity(batch.num_rows());
+    for (row, &seq) in seqs.values().iter().enumerate() {
+        buf.clear();
+        enc.encode(row, &mut buf);
+        out.push(RowLeaf {
+            seq,
+            leaf: record_hash(&buf),
+            request: requests.and_then(|r| r.is_valid(row).then(|| r.value(row))),
+            end: events.is_some_and(|e| e.is_valid(row) && e.value(row) != "admitted"),
+        });
+    }
+    Ok(out)
+}
+
+/// A segment's leaves as its rows come (any table, any order), from sequence number `start`.
+#[derive(Debug)]
+pub struct SegmentLeaves {
+    node: u32,
+    start: u64,
+    slots: Vec<Option<Hash>>,
+    rows: usize,
+}
+
+impl SegmentLeaves {
+    pub fn new(node: u32, start: u64) -> Self {
+        Self {
+            node,
+            start,
+            slots: Vec::new(),
+            rows: 0,
+        }
+    }
+
+    /// Rows placed so far.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The leaf of `seq`; a number before the segment's start, or placed twice, is an error.
+    pub fn place(&mut self, seq: u64, leaf: Hash) -> Result<(), LeafError> {
+        let Some(i) = seq.checked_sub(self.start) else {
+            return Err(LeafError::OutOfRange {
+                seq,
+                start: self.start,
+                end: u64::MAX,
+            });
+        };
+        let i = i as usize;
+        if self.slots.len() <= i {
+            self.slots.resize(i + 1, None);
+        }
+        if self.slots[i].replace(leaf).is_some() {
+            return Err(LeafError::Duplicate { seq });
+        }
+        self.rows += 1;
+        Ok(())
+    }
+
+    /// The leaves of `start..end` in sequence order, a lost placeholder where no row has that
+    /// number; a row at or past `end` is an error.
+    pub fn finish(mut self, end: u64) -> Result<Vec<Hash>, LeafError> {
+        debug_assert!(self.start <= end);
+        let n = (end - self.start) as usize;
+        if let Some(past) = self.slots.iter().skip(n).position(Option::is_some) {
+            return Err(LeafError::OutOfRange {
+                seq: self.start + (n + past) as u64,
+                start: self.start,
+                end,
+            });
+        }
+        self.slots.resize(n, None);
+        Ok(self
+            .slots
+            .into_iter()
+            .zip(self.start..end)
+            .map(|(l, seq)| l.unwrap_or_else(|| record_hash(&lost_record(self.node, seq))))
+            .collect())
+    }
+}
+
 /// The leaves of sequence numbers `start..end` from a segment's batches (any table, any order),
 /// in sequence order: each row's record hash at index `seq - start`, a lost placeholder where no
 /// row has that number. A row outside the range, or two rows with one number, is an error.
@@ -170,36 +279,20 @@ pub fn segment_leaves<'a>(
     end: u64,
     batches: impl IntoIterator<Item = (Table, &'a RecordBatch)>,
 ) -> Result<Vec<Hash>, LeafError> {
-    debug_assert!(start <= end);
-    let mut leaves: Vec<Option<Hash>> = vec![None; (end - start) as usize];
-    let mut buf = Vec::with_capacity(256);
+    let mut leaves = SegmentLeaves::new(node, start);
     for (table, batch) in batches {
-        let enc = RecordEncoder::new(table, batch)?;
-        let seqs = batch
-            .column(1)
-            .as_any()
-            .downcast_ref::<UInt64Array>()
-            .ok_or(LeafError::NoSeq {
-                table: table.name(),
-            })?;
-        for (row, &seq) in seqs.values().iter().enumerate() {
-            if !(start..end).contains(&seq) {
-                return Err(LeafError::OutOfRange { seq, start, end });
+        for r in batch_leaves(table, batch)? {
+            if r.seq >= end {
+                return Err(LeafError::OutOfRange {
+                    seq: r.seq,
+                    start,
+                    end,
+                });
             }
-            let slot = &mut leaves[(seq - start) as usize];
-            if slot.is_some() {
-                return Err(LeafError::Duplicate { seq });
-            }
-            buf.clear();
-            enc.encode(row, &mut buf);
-            *slot = Some(record_hash(&buf));
+            leaves.place(r.seq, r.leaf)?;
         }
     }
-    Ok(leaves
-        .into_iter()
-        .zip(start..end)
-        .map(|(l, seq)| l.unwrap_or_else(|| record_hash(&lost_record(node, seq))))
-        .collect())
+    leaves.finish(end)
 }
 
 /// [`segment_leaves`] over a map of tables to their batches.

@@ -23,6 +23,10 @@ pub mod defaults;
 pub mod digest;
 #[cfg(feature = "writer")]
 pub mod leaf;
+#[cfg(feature = "tlog")]
+pub mod promise;
+#[cfg(feature = "writer")]
+pub mod request_index;
 #[cfg(feature = "writer")]
 pub mod schema;
 #[cfg(feature = "writer")]

@@ -406,6 +406,7 @@ pub fn verify_consistency(
 
 /// The node's Ed25519 key as a C2SP signed-note signer (key type 0x01), under `name` (the
 /// log's origin, as `tlog-checkpoint` recommends).
+#[derive(Clone)]
 pub struct NoteSigner {
     name: String,
     id: u32,

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use arrow::record_batch::RecordBatch;
 use ed25519_dalek::VerifyingKey;
-use tlog_tiles::Hash;
+use tlog_tiles::{Hash, record_hash};
 
 use crate::digest::{self, ChainHead, DigestBody, DigestFile, LocalStore, LogStore, Problem};
 use crate::leaf::{self, LeafError};
@@ -1186,6 +1186,8 @@ pub struct CheckedReceipt {
     pub cosigned_by: Vec<crate::cosign::Cosigned>,
     /// Each record: its table, seq, and decoded columns.
     pub records: Vec<(u64, crate::leaf::DecodedRecord)>,
+    /// Each record's leaf hash, by seq (what a receipt promise names).
+    pub leaves: std::collections::BTreeMap<u64, Hash>,
 }
 
 /// Why a receipt does not check.
@@ -1197,6 +1199,19 @@ pub enum ReceiptError {
     Proof { seq: u64, source: TlogError },
     #[error("{0}")]
     Policy(String),
+    #[error("the receipt promise: {0}")]
+    Promise(#[from] crate::promise::PromiseError),
+    #[error(
+        "the node promised record {seq} ({table}) of {request_id} in its response, but {why}: \
+         its log lost or rewrote the record (keep the signed promise and this receipt: together \
+         they are evidence)"
+    )]
+    PromiseBroken {
+        request_id: String,
+        seq: u64,
+        table: String,
+        why: &'static str,
+    },
 }
 
 /// Checks a receipt offline: every record's inclusion proof against the node's key (under the
@@ -1248,6 +1263,7 @@ pub fn verify_receipt(
         None => Vec::new(),
     };
     let mut records = Vec::new();
+    let mut leaves = std::collections::BTreeMap::new();
     for r in v["records"].as_array().ok_or_else(|| bad("records"))? {
         let text = r["proof"].as_str().ok_or_else(|| bad("records[].proof"))?;
         let p = tlog::InclusionProof::parse(text.as_bytes())
@@ -1274,6 +1290,7 @@ pub fn verify_receipt(
                 "record {seq} is not a record of {request_id} of tenant {tenant}"
             )));
         }
+        leaves.insert(seq, record_hash(p.extra.as_deref().unwrap_or_default()));
         records.push((seq, rec));
     }
     if records.is_empty() {
@@ -1286,5 +1303,61 @@ pub fn verify_receipt(
         tree_size: cp.size(),
         cosigned_by,
         records,
+        leaves,
+    })
+}
+
+/// What a receipt promise checked against a verified receipt says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromiseKept {
+    /// Records the promise named: each in the receipt with the promised leaf hash.
+    pub promised: usize,
+    /// Records in the receipt the promise did not name (written after the answer).
+    pub unpromised: Vec<u64>,
+}
+
+/// Checks the signed promise a node gave in its answer (`custody_receipt.requests[].promise`)
+/// against a receipt [`verify_receipt`] accepted: signed by the same node key under the same
+/// origin, for the same request and tenant, and every promised record in the receipt with the
+/// promised leaf hash — a record missing or changed is [`ReceiptError::PromiseBroken`].
+pub fn check_promise(
+    receipt: &CheckedReceipt,
+    promise_note: &[u8],
+    node_key: &VerifyingKey,
+) -> Result<PromiseKept, ReceiptError> {
+    let vkey = tlog::ed25519_vkey(&receipt.origin, node_key);
+    let p = crate::promise::Promise::open(promise_note, &vkey)?;
+    let bad = |m: &str| ReceiptError::Malformed(format!("the promise: {m}"));
+    if p.origin != receipt.origin {
+        return Err(bad("another origin's"));
+    }
+    if p.request_id != receipt.request_id || p.tenant != receipt.tenant {
+        return Err(bad(&format!(
+            "it is of {} of tenant {}, the receipt of {} of tenant {}",
+            p.request_id, p.tenant, receipt.request_id, receipt.tenant
+        )));
+    }
+    for l in &p.leaves {
+        let why = match receipt.leaves.get(&l.seq) {
+            Some(h) if *h == l.leaf => continue,
+            Some(_) => "the receipt's record at that seq is another",
+            None => "the receipt has no record at that seq",
+        };
+        return Err(ReceiptError::PromiseBroken {
+            request_id: p.request_id.clone(),
+            seq: l.seq,
+            table: l.table.clone(),
+            why,
+        });
+    }
+    let unpromised = receipt
+        .leaves
+        .keys()
+        .filter(|s| !p.leaves.iter().any(|l| l.seq == **s))
+        .copied()
+        .collect();
+    Ok(PromiseKept {
+        promised: p.leaves.len(),
+        unpromised,
     })
 }

@@ -40,6 +40,8 @@ use parquet::file::properties::WriterProperties;
 use crate::checkpoint::{Checkpoint, CheckpointSink, DirSink};
 use crate::digest::{self, DigestFile, SealedFile, TreeHead};
 use crate::leaf;
+use crate::promise::{Promise, PromisedLeaf};
+use crate::request_index::{LeafRef, RequestIndex, RequestLeaves};
 use crate::schema::{self, SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, TableBuilder};
 use crate::tlog::{self, EdgeTree, NoteSigner};
 use crate::tree_store::{self, TreeDir};
@@ -61,6 +63,8 @@ pub enum WriterError {
     Digest(#[from] digest::DigestError),
     #[error(transparent)]
     Tree(#[from] crate::tree_store::TreeStoreError),
+    #[error("a receipt promise: {0}")]
+    Promise(String),
     #[error("unrecognised live file {}", .0.display())]
     UnknownLiveFile(PathBuf),
     #[error("audit writer is closed: {0}")]
@@ -169,7 +173,26 @@ enum Msg {
     Sync(SyncSender<Result<u64, WriterError>>),
     /// Seal the live segment now.
     Rotate(SyncSender<Result<(), WriterError>>),
+    /// Write what was received so far (no fsync) and take a request's leaves from the index.
+    RequestLeaves(u64, SyncSender<Result<RequestLeaves, WriterError>>),
     Shutdown,
+}
+
+/// Leaves the request index holds at most (~48 B each): about a million, ~50 MB, the records of
+/// thousands of recent requests, each taken by its response moments after it ends.
+const REQUEST_INDEX_LEAVES: usize = 1 << 20;
+
+/// A response's receipt promise, as [`AuditWriter::receipt_promise`] makes it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromiseReply {
+    /// Every record of the ended request, signed (`note`) by the node's note key.
+    Signed { promise: Promise, note: Vec<u8> },
+    /// The request has not ended (its end record is not in the log yet): no promise of part.
+    Running,
+    /// Some of its records were not indexed (the index was full): no promise of part.
+    Incomplete,
+    /// No records of it in the index (never seen, evicted, or already promised).
+    Unknown,
 }
 
 /// Handle to the writer thread. `record` is the hot path.
@@ -192,6 +215,11 @@ pub struct AuditWriter {
     /// The checkpoint publisher (joined after the writer thread, which hands it the last one).
     publisher: Mutex<Option<JoinHandle<()>>>,
     checkpoint_failures: Arc<AtomicU64>,
+    /// The writer thread, woken (from its idle nap) by a caller that waits for its reply.
+    thread: std::thread::Thread,
+    /// The node's note key (the checkpoints' signer), for receipt promises.
+    note_signer: NoteSigner,
+    node: u32,
 }
 
 /// Checkpoints waiting for the publisher: a few; when full, an interval's checkpoint is skipped
@@ -230,6 +258,7 @@ impl std::fmt::Debug for Msg {
             Msg::RdmaOps(_) => "RdmaOps",
             Msg::Sync(_) => "Sync",
             Msg::Rotate(_) => "Rotate",
+            Msg::RequestLeaves(..) => "RequestLeaves",
             Msg::Shutdown => "Shutdown",
         })
     }
@@ -241,6 +270,7 @@ impl AuditWriter {
         assert!(cfg.queue_capacity > 0 && cfg.batch_rows > 0);
         let mut st = State::open(cfg.clone())?;
         let tree_ns = st.tree_ns.clone();
+        let note_signer = st.note_signer.clone();
         let checkpoint_failures = Arc::new(AtomicU64::new(0));
         let (cp_tx, cp_rx) = mpsc::sync_channel(CHECKPOINT_QUEUE);
         let (root, sinks, fails) = (
@@ -274,7 +304,11 @@ impl AuditWriter {
                 }
             })
             .map_err(|e| WriterError::Closed(e.to_string()))?;
+        let thread = handle.thread().clone();
         Ok(Self {
+            thread,
+            note_signer,
+            node: cfg.node,
             tx,
             backpressure: cfg.backpressure,
             dropped,
@@ -307,18 +341,63 @@ impl AuditWriter {
     /// this node (the next seq).
     pub fn sync(&self) -> Result<u64, WriterError> {
         let (tx, rx) = mpsc::sync_channel(1);
-        self.tx
-            .send(Msg::Sync(tx))
-            .map_err(|_| WriterError::Closed(self.closed()))?;
+        self.ask(Msg::Sync(tx))?;
         rx.recv().map_err(|_| WriterError::Closed(self.closed()))?
+    }
+
+    /// Sends a message whose reply the caller waits for, and wakes the writer for it.
+    fn ask(&self, msg: Msg) -> Result<(), WriterError> {
+        self.tx
+            .send(msg)
+            .map_err(|_| WriterError::Closed(self.closed()))?;
+        self.thread.unpark();
+        Ok(())
+    }
+
+    /// The node's signed promise of every record of `request` (issue 40), for its response:
+    /// the writer writes what it has received (so every event recorded before this call is in),
+    /// takes the request's leaves from its index (once: an ended request is promised once), and
+    /// the promise is signed here, on the caller's thread. `tenant`: the request's own (the
+    /// caller's: a server asks for the request it answers).
+    pub fn receipt_promise(&self, tenant: &str, request: u64) -> Result<PromiseReply, WriterError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.ask(Msg::RequestLeaves(request, tx))?;
+        let leaves = match rx
+            .recv()
+            .map_err(|_| WriterError::Closed(self.closed()))??
+        {
+            RequestLeaves::Found { ended: false, .. } => return Ok(PromiseReply::Running),
+            RequestLeaves::Incomplete => return Ok(PromiseReply::Incomplete),
+            RequestLeaves::Unknown => return Ok(PromiseReply::Unknown),
+            RequestLeaves::Found { leaves, .. } => leaves,
+        };
+        let promise = Promise {
+            origin: self.note_signer_name().to_owned(),
+            request_id: format!("req-{}-{request}", self.node),
+            tenant: tenant.to_owned(),
+            leaves: leaves
+                .into_iter()
+                .map(|l| PromisedLeaf {
+                    seq: l.seq,
+                    table: l.table.to_owned(),
+                    leaf: l.leaf,
+                })
+                .collect(),
+        };
+        let note = promise
+            .sign(&self.note_signer)
+            .map_err(|e| WriterError::Promise(e.to_string()))?;
+        Ok(PromiseReply::Signed { promise, note })
+    }
+
+    fn note_signer_name(&self) -> &str {
+        signed_note::Signer::name(&self.note_signer)
     }
 
     /// Seal the live segment now (Parquet + digest).
     pub fn rotate(&self) -> Result<(), WriterError> {
         let (tx, rx) = mpsc::sync_channel(1);
-        self.tx
-            .send(Msg::Rotate(tx))
-            .map_err(|_| WriterError::Closed(self.closed()))?;
+        self.ask(Msg::Rotate(tx))?;
         rx.recv().map_err(|_| WriterError::Closed(self.closed()))?
     }
 
@@ -500,6 +579,10 @@ struct State {
     note_signer: NoteSigner,
     /// Time the tree took, ns: leaves, hashing, tiles and notes written (the benchmark's).
     tree_ns: Arc<AtomicU64>,
+    /// The live segment's leaves, hashed as its rows are flushed (the seal takes them).
+    live_leaves: leaf::SegmentLeaves,
+    /// Recent requests' leaves, for their responses' receipt promises.
+    requests: RequestIndex,
 }
 
 /// A complete live file's record batches, for sealing: the file read in one call and decoded
@@ -566,6 +649,7 @@ impl State {
         let anchor_wall = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as i64);
+        let chain_next_seq = chain.next_seq;
         let mut st = Self {
             next_seq: chain.next_seq,
             segment_seq_start: chain.next_seq,
@@ -590,6 +674,8 @@ impl State {
             tree_dir: TreeDir::new(&cfg.root, cfg.node),
             note_signer,
             tree_ns: Arc::new(AtomicU64::new(0)),
+            live_leaves: leaf::SegmentLeaves::new(cfg.node, chain_next_seq),
+            requests: RequestIndex::new(REQUEST_INDEX_LEAVES),
             cfg,
         };
         st.recover()?;
@@ -740,6 +826,18 @@ impl State {
                     r?;
                     last_flush = Instant::now();
                 }
+                Ok(Msg::RequestLeaves(request, reply)) => {
+                    let r = self
+                        .flush_batch(false)
+                        .map(|()| self.requests.take(request));
+                    let _ = reply.send(
+                        r.as_ref()
+                            .map(Clone::clone)
+                            .map_err(|e| WriterError::Closed(e.to_string())),
+                    );
+                    r?;
+                    last_flush = Instant::now();
+                }
                 Ok(Msg::Rotate(reply)) => {
                     let r = self.rotate();
                     let _ = reply.send(
@@ -771,7 +869,8 @@ impl State {
                         last_flush = Instant::now();
                     }
                     self.maybe_rotate()?;
-                    std::thread::sleep(nap);
+                    // Woken early by a caller waiting for a reply (`AuditWriter::ask`).
+                    std::thread::park_timeout(nap);
                     nap = (nap * 2).min(NAP_MAX);
                 }
             }
@@ -881,6 +980,22 @@ impl State {
                 1 => parts.pop().unwrap_or_else(|| unreachable!("one part")),
                 _ => arrow::compute::concat_batches(&table.schema(), &parts)?,
             };
+            let t_leaves = Instant::now();
+            for r in leaf::batch_leaves(*table, &batch).map_err(|e| WriterError::Tree(e.into()))? {
+                self.live_leaves
+                    .place(r.seq, r.leaf)
+                    .map_err(|e| WriterError::Tree(e.into()))?;
+                if let Some(request) = r.request {
+                    let at = LeafRef {
+                        seq: r.seq,
+                        table: table.name(),
+                        leaf: r.leaf,
+                    };
+                    self.requests.add(request, at, r.end);
+                }
+            }
+            self.tree_ns
+                .fetch_add(t_leaves.elapsed().as_nanos() as u64, Ordering::Relaxed);
             if !self.live.contains_key(table) {
                 let path = dir.join(format!("{:016}-{}.arrows", self.segment, table.name()));
                 let file = OpenOptions::new()
@@ -958,10 +1073,21 @@ impl State {
         let date = utc_date(sealed_wall);
         let seq_start = self.segment_seq_start;
         let seq_end = self.next_seq;
-        // One leaf per sequence number, from the very batches about to be sealed.
+        // One leaf per sequence number: hashed as the rows were flushed, or (a previous run's
+        // live segment, recovered) from the very batches about to be sealed.
         let t_leaves = Instant::now();
-        let leaves = leaf::leaves_of_tables(self.cfg.node, seq_start, seq_end, &batches)
-            .map_err(|e| WriterError::Tree(e.into()))?;
+        let hashed = std::mem::replace(
+            &mut self.live_leaves,
+            leaf::SegmentLeaves::new(self.cfg.node, seq_end),
+        );
+        let rows: usize = batches.values().flatten().map(RecordBatch::num_rows).sum();
+        let leaves = if hashed.rows() == rows {
+            hashed.finish(seq_end)
+        } else {
+            debug_assert_eq!(hashed.rows(), 0, "a segment is hashed whole or not at all");
+            leaf::leaves_of_tables(self.cfg.node, seq_start, seq_end, &batches)
+        }
+        .map_err(|e| WriterError::Tree(e.into()))?;
         let leaves_ns = t_leaves.elapsed().as_nanos() as u64;
         let mut files = Vec::new();
         for (table, bs) in batches {
@@ -1262,6 +1388,107 @@ mod tests {
         assert_eq!(w.sync().expect("sync"), 1000, "every event, once");
         w.close().expect("close");
         assert!(matches!(w.record_all(batch(10)), Err(SinkError::Closed(_))));
+        let _ = fs::remove_dir_all(&root);
+    }
+}
+
+#[cfg(test)]
+mod promise_tests {
+    use super::*;
+    use crate::{PageKind, RequestKind};
+
+    fn request(request: u64, tenant: &str, kind: RequestKind) -> Event {
+        Event::Request {
+            ts_ns: 1,
+            request,
+            tenant: tenant.into(),
+            kind,
+            prompt_tokens: 5,
+            output_tokens: 3,
+        }
+    }
+
+    fn page(request: u64, tenant: &str) -> Event {
+        Event::Page {
+            ts_ns: 2,
+            request,
+            tenant: tenant.into(),
+            page: 4,
+            generation: 1,
+            kind: PageKind::Alloc,
+        }
+    }
+
+    /// The promise an answer carries names exactly its request's records, by the leaf hashes
+    /// the seal then puts in the tree: each proves included at its seq in the sealed tree, the
+    /// sealed receipt keeps the promise, and a promise of another request does not fit it.
+    #[test]
+    fn a_promise_names_the_leaves_the_seal_puts_in_the_tree() {
+        let root = std::env::temp_dir().join(format!("custody-promise-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let key = digest::generate_key().expect("key");
+        let vk = key.verifying_key();
+        let w = AuditWriter::open(WriterConfig::new(&root, 0, key)).expect("open");
+        let finished = || RequestKind::Finished {
+            reason: "stop".into(),
+        };
+        for ev in [
+            request(7, "acme", RequestKind::Admitted),
+            request(8, "beta", RequestKind::Admitted),
+            page(7, "acme"),
+            Event::Node {
+                ts_ns: 3,
+                kind: "test".into(),
+                detail: String::new(),
+            },
+            page(8, "beta"),
+            request(7, "acme", finished()),
+        ] {
+            w.record(ev).expect("record");
+        }
+        let PromiseReply::Signed { promise, note } = w.receipt_promise("acme", 7).expect("ask")
+        else {
+            panic!("request 7 ended: its promise is signed");
+        };
+        let seqs: Vec<u64> = promise.leaves.iter().map(|l| l.seq).collect();
+        assert_eq!(seqs, [0, 2, 5]);
+        assert_eq!(promise.request_id, "req-0-7");
+        // Once per request; a running request gets none.
+        assert_eq!(
+            w.receipt_promise("acme", 7).expect("ask"),
+            PromiseReply::Unknown
+        );
+        assert_eq!(
+            w.receipt_promise("beta", 8).expect("ask"),
+            PromiseReply::Running
+        );
+        w.record(request(8, "beta", finished())).expect("record");
+        let PromiseReply::Signed { note: note8, .. } = w.receipt_promise("beta", 8).expect("ask")
+        else {
+            panic!("request 8 ended");
+        };
+        w.rotate().expect("seal");
+        let store = digest::LocalStore::new(&root);
+        let log = tree_store::NodeLog::open(&store, 0).expect("log");
+        let size = 7;
+        let root_hash = log.root_at(size).expect("root");
+        for l in &promise.leaves {
+            let proof = log.prove_inclusion(l.seq, size).expect("prove");
+            tlog::verify_inclusion(&proof, size, root_hash, l.seq, l.leaf)
+                .unwrap_or_else(|e| panic!("seq {}: {e}", l.seq));
+        }
+        let tree_store::ReceiptStatus::Ready(json) =
+            tree_store::request_receipt(&store, 0, 0, "acme", 7).expect("receipt")
+        else {
+            panic!("sealed: the receipt is ready");
+        };
+        let checked = tree_store::verify_receipt(&json, &vk, None).expect("receipt checks");
+        let kept = tree_store::check_promise(&checked, &note, &vk).expect("promise kept");
+        assert_eq!(kept.promised, 3);
+        assert!(kept.unpromised.is_empty());
+        // Another request's promise is not this receipt's.
+        assert!(tree_store::check_promise(&checked, &note8, &vk).is_err());
+        w.close().expect("close");
         let _ = fs::remove_dir_all(&root);
     }
 }

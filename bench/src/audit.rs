@@ -180,6 +180,7 @@ pub fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<(
     w.sync()?;
     let recorded = t0.elapsed();
     let live_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
+    let promises = promise_costs(&w)?;
     w.close()?;
     let total = t0.elapsed();
     let writer_cpu_s = w.writer_cpu_ns() as f64 / 1e9;
@@ -205,10 +206,69 @@ pub fn audit_bench(events: u64, dir: Option<PathBuf>, witness: bool) -> Result<(
         "tlog_bytes": tlog_bytes,
         "tlog_bytes_per_event": tlog_bytes as f64 / n as f64,
         "proofs": proofs,
+        "receipt_promise": promises,
     });
     println!("{json}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
+}
+
+/// What an answer's receipt promise costs (`AuditWriter::receipt_promise`), from the moment a
+/// request's end is recorded to its signed promise in hand: the writer woken from its nap,
+/// the rows written (no fsync), the request's leaves taken from its index, the note signed.
+/// Requests of 12 records (admission, 10 page events, end), one at a time.
+fn promise_costs(w: &custody_audit::writer::AuditWriter) -> Result<serde_json::Value> {
+    use custody_audit::writer::PromiseReply;
+    use custody_audit::{AuditSink as _, Event, PageKind, RequestKind};
+    const REQUESTS: u64 = 200;
+    let mut us = Vec::with_capacity(REQUESTS as usize);
+    for i in 0..REQUESTS {
+        let request = (1 << 40) + i;
+        let req = |kind| Event::Request {
+            ts_ns: custody_audit::mono_now_ns(),
+            request,
+            tenant: "bench".into(),
+            kind,
+            prompt_tokens: 100,
+            output_tokens: 20,
+        };
+        w.record(req(RequestKind::Admitted))?;
+        for page in 0..10 {
+            w.record(Event::Page {
+                ts_ns: custody_audit::mono_now_ns(),
+                request,
+                tenant: "bench".into(),
+                page,
+                generation: 1,
+                kind: PageKind::Alloc,
+            })?;
+        }
+        // A request seldom ends right after another's promise: let the writer nap first.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        w.record(req(RequestKind::Finished {
+            reason: "stop".into(),
+        }))?;
+        let t0 = Instant::now();
+        let reply = w.receipt_promise("bench", request)?;
+        us.push(t0.elapsed().as_secs_f64() * 1e6);
+        match reply {
+            PromiseReply::Signed { promise, .. } if promise.leaves.len() == 12 => {}
+            other => {
+                return Err(BenchError::Invalid(format!(
+                    "request {request}'s promise: {other:?}"
+                )));
+            }
+        }
+    }
+    us.sort_by(f64::total_cmp);
+    let at = |q: f64| us[((us.len() - 1) as f64 * q) as usize];
+    Ok(serde_json::json!({
+        "requests": REQUESTS,
+        "records_each": 12,
+        "p50_us": at(0.5),
+        "p99_us": at(0.99),
+        "max_us": at(1.0),
+    }))
 }
 
 /// What proofs from the sealed root cost (node 0): an inclusion proof with the level-0 tiles

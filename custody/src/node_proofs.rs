@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use custody_audit::digest::LocalStore;
 use custody_audit::tlog::{Checkpoint, ConsistencyProof};
 use custody_audit::tree_store::{self, NodeLog, ReceiptStatus};
-use custody_server::receipts::{AuditProofs, ProofsError, Receipt};
+use custody_audit::writer::PromiseReply;
+use custody_server::receipts::{AuditProofs, Promised, ProofsError, Receipt};
 
 /// A node's root; `from_seq`: where this incarnation's records start (request ids restart with
 /// the process, so a receipt looks only at records from there on).
@@ -24,6 +25,23 @@ fn err(e: impl std::fmt::Display) -> ProofsError {
 }
 
 impl AuditProofs for RootProofs {
+    fn promise(&self, tenant: &str, request: u64) -> Result<Promised, ProofsError> {
+        Ok(
+            match self.writer.receipt_promise(tenant, request).map_err(err)? {
+                PromiseReply::Signed { promise, note } => Promised::Signed { promise, note },
+                PromiseReply::Running => {
+                    Promised::Unavailable("the request's end is not in the log yet")
+                }
+                PromiseReply::Incomplete => Promised::Unavailable(
+                    "the writer's index of recent requests was full: not every record of the request is listed, so none is promised (fetch the receipt once sealed)",
+                ),
+                PromiseReply::Unknown => Promised::Unavailable(
+                    "no record of the request in the writer's index of recent requests (fetch the receipt once sealed)",
+                ),
+            },
+        )
+    }
+
     fn receipt(&self, tenant: &str, request: u64) -> Result<Receipt, ProofsError> {
         let store = LocalStore::new(&self.root);
         let look =

@@ -25,6 +25,11 @@ pub(crate) enum ReceiptCmd {
         /// How many of them must have cosigned (default: all given).
         #[arg(long, requires = "witnesses")]
         min_witnesses: Option<usize>,
+        /// The signed promise the node gave in its answer: the answer's JSON (whole body, SSE
+        /// chunk or its `custody_receipt` object) or the promise note itself. Every record it
+        /// promised must be in the receipt, unchanged.
+        #[arg(long)]
+        promise: Option<PathBuf>,
     },
 }
 
@@ -34,6 +39,7 @@ pub(crate) fn receipt_cmd(c: ReceiptCmd) -> Result<()> {
         node_key,
         witnesses,
         min_witnesses,
+        promise,
     } = c;
     let json = std::fs::read(&receipt).with_context(|| format!("reading {}", receipt.display()))?;
     let key = digest::read_verifying_key(&node_key).map_err(anyhow::Error::msg)?;
@@ -53,8 +59,20 @@ pub(crate) fn receipt_cmd(c: ReceiptCmd) -> Result<()> {
             checkpoints: Vec::new(),
         })
     };
-    match tree_store::verify_receipt(&json, &key, policy.as_ref()) {
-        Ok(r) => {
+    let checked = tree_store::verify_receipt(&json, &key, policy.as_ref()).and_then(|r| {
+        let kept = match &promise {
+            None => None,
+            Some(p) => {
+                let note = promise_note(p, &r.request_id).map_err(|e| {
+                    tree_store::ReceiptError::Malformed(format!("the promise: {e:#}"))
+                })?;
+                Some(tree_store::check_promise(&r, &note, &key)?)
+            }
+        };
+        Ok((r, kept))
+    });
+    match checked {
+        Ok((r, kept)) => {
             println!(
                 "receipt OK: {} of tenant {}: {} records in the tree of {} records of {}",
                 r.request_id,
@@ -63,6 +81,17 @@ pub(crate) fn receipt_cmd(c: ReceiptCmd) -> Result<()> {
                 r.tree_size,
                 r.origin
             );
+            if let Some(k) = kept {
+                println!(
+                    "  promise kept: the {} records promised in the answer are in the log, unchanged{}",
+                    k.promised,
+                    if k.unpromised.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({} recorded after the answer)", k.unpromised.len())
+                    }
+                );
+            }
             for c in &r.cosigned_by {
                 println!("  cosigned by {} at {} s", c.witness, c.time_s);
             }
@@ -87,4 +116,36 @@ pub(crate) fn receipt_cmd(c: ReceiptCmd) -> Result<()> {
             std::process::exit(1);
         }
     }
+}
+
+/// The promise note of `request_id` in `path`: an answer's JSON (its `custody_receipt`, whole
+/// body or SSE chunk, or the object itself) or the note's text.
+fn promise_note(path: &std::path::Path, request_id: &str) -> Result<Vec<u8>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return Ok(bytes);
+    };
+    let receipt = if v.get("custody_receipt").is_some() {
+        &v["custody_receipt"]
+    } else {
+        &v
+    };
+    let entry = receipt["requests"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["request_id"] == request_id)
+        .with_context(|| {
+            format!(
+                "{} has no custody_receipt entry for {request_id}",
+                path.display()
+            )
+        })?;
+    if let Some(e) = entry["error"].as_str() {
+        bail!("the answer carried no promise for {request_id}: {e}");
+    }
+    let note = entry["promise"]
+        .as_str()
+        .with_context(|| format!("the entry for {request_id} has no promise"))?;
+    Ok(note.as_bytes().to_vec())
 }

@@ -905,6 +905,18 @@ impl Run {
 
     /// The `request_tools` row: what was offered and what the answer called. Recorded before
     /// the answer is sent, under the log's fail-closed rule (no row, no answer).
+    fn answered(&self) -> crate::receipts::AnsweredRequest {
+        crate::receipts::AnsweredRequest {
+            id: self.id,
+            rid: self.rid.clone(),
+        }
+    }
+
+    /// This choice's `custody_receipt` (its request ended, its records all recorded).
+    async fn receipt(&self) -> Option<Value> {
+        crate::receipts::custody_receipt(&self.st, &self.tenant.id, &[self.answered()]).await
+    }
+
     async fn record_tools(&self, format: ToolFormat, calls: &[ParsedCall]) -> Result<(), ApiError> {
         let t = &self.params.tools;
         let ev = custody_audit::Event::Tools(Box::new(custody_audit::ToolsRecord {
@@ -1108,7 +1120,10 @@ impl Run {
                         }
                     }
                     let lp = self.take_chunk_logprobs(&mut d);
-                    let chunk = self.chunk(None, Some(reason), first, lp);
+                    let mut chunk = self.chunk(None, Some(reason), first, lp);
+                    if let Some(r) = self.receipt().await {
+                        chunk["custody_receipt"] = r;
+                    }
                     tx.send(Ok(sse(&chunk))).await.ok()?;
                     return Some(ChoiceDone {
                         json: Value::Null,
@@ -1168,8 +1183,10 @@ async fn whole(mut runs: Vec<Run>) -> Result<Response, ApiError> {
     }
     let total: usize = choices.iter().map(|c| c.completion_tokens).sum();
     let first = &runs[0];
+    let answered: Vec<_> = runs.iter().map(Run::answered).collect();
+    let receipt = crate::receipts::custody_receipt(&first.st, &first.tenant.id, &answered).await;
     first.done(200, choices[0].finish, total);
-    let body = json!({
+    let mut body = json!({
         "id": first.id_string(),
         "object": match first.ep { Endpoint::Chat => "chat.completion", Endpoint::Completions => "text_completion" },
         "created": first.created,
@@ -1177,6 +1194,9 @@ async fn whole(mut runs: Vec<Run>) -> Result<Response, ApiError> {
         "choices": choices.into_iter().map(|c| c.json).collect::<Vec<_>>(),
         "usage": first.usage(total),
     });
+    if let Some(r) = receipt {
+        body["custody_receipt"] = r;
+    }
     Ok(json_response(StatusCode::OK, &body))
 }
 

@@ -1,6 +1,9 @@
 //! A tenant's proof of what its own requests touched (issue 40), on the tenants' port, with the
 //! tenant's own API key:
 //!
+//! - In every answer (the whole body, or each choice's final SSE chunk): `custody_receipt`, the
+//!   node's signed promise of the request's records — their sequence numbers and leaf hashes —
+//!   taken from the writer as the request ends ([`custody_receipt`]).
 //! - `GET /v1/audit/receipt/{request_id}`: the `custody-receipt/1` of a request of this tenant
 //!   on this node (`x-request-id`, `req-<node>-<n>`): every record of the request with its
 //!   inclusion proof to the node's (cosigned) checkpoint. 202 until its records are sealed and
@@ -36,8 +39,22 @@ pub enum Receipt {
 #[error("{0}")]
 pub struct ProofsError(pub String);
 
+/// The node's signed promise of an ended request's records.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Promised {
+    Signed {
+        promise: custody_audit::promise::Promise,
+        /// The promise as a signed note (what a verifier checks).
+        note: Vec<u8>,
+    },
+    /// No promise can be made, and why (said in the answer, never silently left out).
+    Unavailable(&'static str),
+}
+
 /// The node's proofs, over its audit root (implemented by the binary).
 pub trait AuditProofs: Send + Sync + std::fmt::Debug {
+    /// The signed promise of `request`'s records, once it has ended (each request once).
+    fn promise(&self, tenant: &str, request: u64) -> Result<Promised, ProofsError>;
     fn receipt(&self, tenant: &str, request: u64) -> Result<Receipt, ProofsError>;
     fn checkpoint(&self) -> Result<Vec<u8>, ProofsError>;
     fn consistency(&self, old: u64) -> Result<Vec<u8>, ProofsError>;
@@ -144,3 +161,53 @@ pub(crate) async fn consistency(
         Ok(Err(e)) => ApiError::bad_request(e.to_string()).into_response(),
     }
 }
+
+/// One request of an answer: the engine's id and its `x-request-id`.
+#[derive(Debug, Clone)]
+pub(crate) struct AnsweredRequest {
+    pub id: u64,
+    pub rid: String,
+}
+
+/// The `custody_receipt` object of an answer covering `requests` (ended, their records all
+/// recorded): per request its fetch path and the node's signed promise of its records, or why
+/// there is none. `None` where the node keeps no proofs (no log, or a pair's front).
+pub(crate) async fn custody_receipt(
+    st: &AppState,
+    tenant: &Arc<str>,
+    requests: &[AnsweredRequest],
+) -> Option<serde_json::Value> {
+    let proofs = st.proofs.clone()?;
+    let mut out = Vec::with_capacity(requests.len());
+    for r in requests {
+        let (p, t, id) = (proofs.clone(), tenant.clone(), r.id);
+        let got = tokio::task::spawn_blocking(move || p.promise(&t, id)).await;
+        let mut v = serde_json::json!({
+            "request_id": r.rid,
+            "fetch": format!("/v1/audit/receipt/{}", r.rid),
+        });
+        match got {
+            Ok(Ok(Promised::Signed { promise, note })) => {
+                v["origin"] = promise.origin.into();
+                v["records"] = promise
+                    .leaves
+                    .iter()
+                    .map(|l| serde_json::json!({"seq": l.seq, "table": l.table, "leaf": l.leaf_base64()}))
+                    .collect();
+                v["promise"] = String::from_utf8_lossy(&note).into_owned().into();
+            }
+            Ok(Ok(Promised::Unavailable(why))) => v["error"] = why.into(),
+            Ok(Err(e)) => v["error"] = e.to_string().into(),
+            Err(e) => v["error"] = e.to_string().into(),
+        }
+        out.push(v);
+    }
+    Some(serde_json::json!({
+        "format": PROMISE_RECEIPT_FORMAT,
+        "node": st.node,
+        "requests": out,
+    }))
+}
+
+/// The `format` of an answer's `custody_receipt`.
+pub const PROMISE_RECEIPT_FORMAT: &str = "custody-receipt-promise/1";

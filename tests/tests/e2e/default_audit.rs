@@ -280,6 +280,58 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
     )
     .expect("completion");
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let answer: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    let promised = &answer["custody_receipt"]["requests"][0];
+    assert_eq!(
+        promised["request_id"].as_str(),
+        r.header("x-request-id"),
+        "the answer's receipt is its request's: {answer}"
+    );
+    let promised_tables: Vec<&str> = promised["records"]
+        .as_array()
+        .unwrap_or_else(|| panic!("the answer promises its records: {answer}"))
+        .iter()
+        .filter_map(|r| r["table"].as_str())
+        .collect();
+    assert!(
+        promised_tables.contains(&"requests") && promised_tables.contains(&"page_reads"),
+        "{promised_tables:?}"
+    );
+    let answer_file = state.join("answer.json");
+    std::fs::write(&answer_file, &r.body).expect("write");
+    // Streamed, two choices: each choice's final chunk promises its own request's records.
+    let streamed = custody_server::client::request(
+        &urls.api,
+        "POST",
+        "/v1/completions",
+        Some("sk-demo-acme"),
+        Some(br#"{"model":"smollm2-135m-instruct","prompt":"Hello","max_tokens":3,"n":2,"stream":true}"#),
+        Duration::from_secs(60),
+    )
+    .expect("stream");
+    assert_eq!(streamed.status, 200);
+    let finals: Vec<serde_json::Value> = String::from_utf8_lossy(&streamed.body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter(|c| !c["choices"][0]["finish_reason"].is_null())
+        .collect();
+    assert_eq!(
+        finals.len(),
+        2,
+        "{}",
+        String::from_utf8_lossy(&streamed.body)
+    );
+    let mut streamed_ids: Vec<&str> = finals
+        .iter()
+        .map(|c| {
+            let e = &c["custody_receipt"]["requests"][0];
+            assert!(e["promise"].is_string(), "{c}");
+            e["request_id"].as_str().expect("request id")
+        })
+        .collect();
+    streamed_ids.dedup();
+    assert_eq!(streamed_ids.len(), 2, "one request per choice: {finals:?}");
     // Sealed within a second or two, then cosigned by w1.
     let cosigned = root.join(format!("_tlog/node={node}/cosigned"));
     let t0 = Instant::now();
@@ -378,10 +430,32 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
         .arg("--node-key")
         .arg(&pubkey)
         .args(["--witness-key", &w1_vkey])
+        .arg("--promise")
+        .arg(&answer_file)
         .output()
         .expect("custody receipt verify");
     assert!(
-        o.status.success() && text(&o).contains("receipt OK"),
+        o.status.success() && text(&o).contains("receipt OK") && text(&o).contains("promise kept"),
+        "{}",
+        text(&o)
+    );
+    // A promised record the receipt lacks: the promise is shown broken.
+    let mut v: serde_json::Value = serde_json::from_slice(&receipt).expect("json");
+    let records = v["records"].as_array_mut().expect("records");
+    let dropped = records.remove(records.len() / 2);
+    std::fs::write(&receipt_file, serde_json::to_vec(&v).expect("json")).expect("write");
+    let o = custody_in(&state)
+        .args(["receipt", "verify"])
+        .arg(&receipt_file)
+        .arg("--node-key")
+        .arg(&pubkey)
+        .arg("--promise")
+        .arg(&answer_file)
+        .output()
+        .expect("custody receipt verify");
+    assert!(
+        o.status.code() == Some(1)
+            && text(&o).contains(&format!("promised record {} ", dropped["seq"])),
         "{}",
         text(&o)
     );
@@ -401,7 +475,7 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
         .expect("custody receipt verify");
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     std::fs::write(&receipt_file, &receipt).expect("write");
-    crate::tlog::python_verifier_accepts(&receipt_file, &vk, &w1_vkey, node);
+    crate::tlog::python_verifier_accepts(&receipt_file, &vk, &w1_vkey, node, Some(&answer_file));
     let (status, _) = get(&urls.api, "/v1/audit/checkpoint").unwrap_or((0, String::new()));
     assert_eq!(status, 401, "the checkpoint endpoint wants a tenant's key");
     terminate(guard.0.take().expect("child"), &state);

@@ -746,6 +746,7 @@ pub(crate) fn python_verifier_accepts(
     node_key: &ed25519_dalek::VerifyingKey,
     witness_vkey: &str,
     node: u32,
+    promise: Option<&Path>,
 ) {
     let vkey = custody_audit::tlog::ed25519_vkey(
         &custody_audit::tree_store::default_origin(node, node_key),
@@ -756,12 +757,15 @@ pub(crate) fn python_verifier_accepts(
         .args(["-m", "custody_verify", "receipt"])
         .arg(receipt)
         .args(["--log-key", &vkey, "--witness-key", witness_vkey])
+        .args(promise.iter().flat_map(|p| [Path::new("--promise"), p]))
         .env("PYTHONPATH", &verifier)
         .output()
         .expect("python3");
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
-        o.status.success() && out.starts_with("OK: "),
+        o.status.success()
+            && out.starts_with("OK: ")
+            && (promise.is_none() || out.contains("promise kept")),
         "the Python verifier: {out}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
