@@ -77,7 +77,16 @@ fn load_role(
     };
     let security = fleet_security(&cfg.tls)?;
     let mut checkpoints = None;
+    let mut proofs = None;
     if let Some(n) = &opened {
+        proofs = Some(Arc::new(crate::node_proofs::RootProofs {
+            root: n.root.clone(),
+            node: n.node,
+            // Everything before this is an earlier incarnation's (request ids restart).
+            from_seq: n.writer.sync().context("the audit log at start")?,
+            writer: n.writer.clone(),
+        })
+            as Arc<dyn custody_runtime::disagg::proofs::NodeProofs>);
         let sink: Arc<dyn AuditSink> = n.writer.clone();
         engine = engine.with_audit(sink.clone());
         node::record_start(&mut engine, role, &fingerprint, &unsafe_);
@@ -103,6 +112,7 @@ fn load_role(
         security,
         checkpoints,
         audit_off: opened.is_none(),
+        proofs,
     };
     Ok((setup, cfg, opened.map(|n| n.writer)))
 }

@@ -473,6 +473,11 @@ async fn relay_loop(
                 prompt_tokens: e.prompt_tokens as usize,
                 generated_tokens: generated,
                 cached_tokens,
+                promises: e
+                    .promises
+                    .iter()
+                    .map(crate::receipts::NodePromise::from_proto)
+                    .collect(),
             })
             .await;
         return RelayEnd::Finished {

@@ -36,6 +36,9 @@ pub enum Out {
         generated_tokens: usize,
         /// Prompt tokens served from the prefix cache.
         cached_tokens: usize,
+        /// A pair's or fleet's nodes' signed promises of the request's records (their final
+        /// event carries them); empty from this process's own engine.
+        promises: Vec<crate::receipts::NodePromise>,
     },
     /// The integrity check refused a read: no further output (the request failed closed).
     Failed(String),
@@ -402,6 +405,7 @@ fn route(
                 prompt_tokens,
                 generated_tokens,
                 cached_tokens,
+                promises: Vec::new(),
             },
         ),
         Event::Failed { id, error } => {

@@ -339,6 +339,14 @@ impl Router {
         &self.gauges
     }
 
+    /// The prefill nodes' front doors, by node id (for tenants' proofs).
+    pub fn prefill_clients(&self) -> Vec<(NodeId, PrefillClient<Channel>)> {
+        self.prefill_clients
+            .iter()
+            .map(|(n, c)| (*n, c.clone()))
+            .collect()
+    }
+
     pub fn audit(&self) -> Option<Arc<dyn audit::AuditSink>> {
         self.audit.clone()
     }

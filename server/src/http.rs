@@ -440,6 +440,7 @@ async fn admit_and_run(
         pending_end: None,
         created: unix_now_s(),
         cached_tokens: 0,
+        promises: Vec::new(),
     };
     let mut runs = Vec::with_capacity(n);
     if n > 1 {
@@ -502,6 +503,7 @@ impl Run {
             pending_end: None,
             created: self.created,
             cached_tokens: 0,
+            promises: Vec::new(),
         })
     }
 }
@@ -639,6 +641,8 @@ struct Run {
     created: u64,
     /// Prompt tokens served from the prefix cache (known at the end).
     cached_tokens: usize,
+    /// A pair's nodes' signed promises of the request's records (from its final event).
+    promises: Vec<crate::receipts::NodePromise>,
 }
 
 impl Drop for Run {
@@ -748,10 +752,12 @@ impl Run {
                 Out::Finished {
                     reason,
                     cached_tokens,
+                    promises,
                     ..
                 } => {
                     self.finished = true;
                     self.cached_tokens = cached_tokens;
+                    self.promises = promises;
                     let reason = match reason {
                         FinishReason::Stop => "stop",
                         FinishReason::Length => "length",
@@ -909,6 +915,7 @@ impl Run {
         crate::receipts::AnsweredRequest {
             id: self.id,
             rid: self.rid.clone(),
+            promises: self.promises.clone(),
         }
     }
 

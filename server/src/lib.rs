@@ -345,6 +345,12 @@ pub async fn serve_prefill(
         context_length = info.context_length,
         "fronting a prefill/decode pair"
     );
+    // Tenants' receipts and proofs: the pair's nodes', through the prefill node.
+    let mut opts = opts;
+    if opts.proofs.is_none() {
+        let remote = receipts::RemoteProofs::new(vec![(info.node_id, client.clone())]);
+        opts.proofs = Some(Arc::new(remote));
+    }
     let front = Front {
         backend: Backend::Prefill {
             client,
@@ -395,6 +401,12 @@ pub async fn serve_fleet(
     .map_err(|e| ServeError::Startup(e.to_string()))?;
     // Requests before a pair is routable are refused (503), and `/health/ready` says so.
     tracing::info!(context_length, "routing a fleet");
+    // Tenants' receipts and proofs: the fleet's nodes', through its prefill nodes.
+    let mut opts = opts;
+    if opts.proofs.is_none() {
+        let remote = receipts::RemoteProofs::new(router.prefill_clients());
+        opts.proofs = Some(Arc::new(remote));
+    }
     let front = Front {
         backend: Backend::Fleet(router),
         tokenizer: prepared.tokenizer,

@@ -20,6 +20,10 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 
+use custody_runtime::disagg::proofs;
+use custody_runtime::disagg::proto::{self, prefill_client::PrefillClient};
+use tonic::transport::Channel;
+
 use crate::error::ApiError;
 use crate::http::AppState;
 
@@ -48,16 +52,140 @@ pub enum Promised {
         note: Vec<u8>,
     },
     /// No promise can be made, and why (said in the answer, never silently left out).
-    Unavailable(&'static str),
+    Unavailable(String),
 }
 
-/// The node's proofs, over its audit root (implemented by the binary).
+/// A log's proofs: a node's own root (implemented by the binary), or a pair's or fleet's nodes
+/// asked over gRPC ([`RemoteProofs`]). `node`: whose log (a colocated node has only its own).
+/// Every call blocks: callers run them on the blocking pool.
 pub trait AuditProofs: Send + Sync + std::fmt::Debug {
     /// The signed promise of `request`'s records, once it has ended (each request once).
     fn promise(&self, tenant: &str, request: u64) -> Result<Promised, ProofsError>;
-    fn receipt(&self, tenant: &str, request: u64) -> Result<Receipt, ProofsError>;
-    fn checkpoint(&self) -> Result<Vec<u8>, ProofsError>;
-    fn consistency(&self, old: u64) -> Result<Vec<u8>, ProofsError>;
+    fn receipt(&self, tenant: &str, node: u32, request: u64) -> Result<Receipt, ProofsError>;
+    fn checkpoint(&self, node: u32) -> Result<Vec<u8>, ProofsError>;
+    fn consistency(&self, node: u32, old: u64) -> Result<Vec<u8>, ProofsError>;
+}
+
+/// A node's promise as a pair's final event carried it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePromise {
+    pub node: u32,
+    /// The request's id on that node.
+    pub request: u64,
+    /// The signed note (empty when `error` says why there is none).
+    pub note: Vec<u8>,
+    pub error: String,
+}
+
+impl NodePromise {
+    pub fn from_proto(p: &proto::ReceiptPromise) -> Self {
+        Self {
+            node: p.node,
+            request: p.request,
+            note: p.note.clone(),
+            error: p.error.clone(),
+        }
+    }
+}
+
+/// The proofs of a pair's or fleet's nodes, asked through their prefill nodes' front doors
+/// (`Prefill.Proof`; a decode node's by any prefill node paired with it).
+#[derive(Debug, Clone)]
+pub struct RemoteProofs {
+    /// Prefill nodes by node id.
+    prefill: Vec<(u32, PrefillClient<Channel>)>,
+    rt: tokio::runtime::Handle,
+}
+
+/// How long a front waits for a node's proof.
+const REMOTE_PROOF_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl RemoteProofs {
+    /// Over `prefill` (node id, its front door); on the current runtime.
+    pub fn new(prefill: Vec<(u32, PrefillClient<Channel>)>) -> Self {
+        Self {
+            prefill,
+            rt: tokio::runtime::Handle::current(),
+        }
+    }
+
+    /// `req` answered by the node it names: its own prefill node if it is one, else the first
+    /// prefill node that knows it (a decode peer).
+    fn ask(&self, req: proto::ProofRequest) -> Result<proto::ProofReply, ProofsError> {
+        let own = self.prefill.iter().filter(|(n, _)| *n == req.node);
+        let others = self.prefill.iter().filter(|(n, _)| *n != req.node);
+        let mut last = format!("no prefill node knows node {}", req.node);
+        for (node, client) in own.chain(others) {
+            let mut c = client.clone();
+            let asked = self.rt.block_on(async {
+                tokio::time::timeout(REMOTE_PROOF_TIMEOUT, c.proof(req.clone())).await
+            });
+            match asked {
+                Ok(Ok(r)) => return Ok(r.into_inner()),
+                Ok(Err(s)) if s.code() == tonic::Code::NotFound => last = s.message().to_owned(),
+                Ok(Err(s)) => {
+                    return Err(ProofsError(format!("prefill node {node}: {}", s.message())));
+                }
+                Err(_) => {
+                    return Err(ProofsError(format!(
+                        "prefill node {node}: no answer in {REMOTE_PROOF_TIMEOUT:?}"
+                    )));
+                }
+            }
+        }
+        Err(ProofsError(last))
+    }
+
+    fn body(&self, req: proto::ProofRequest) -> Result<Vec<u8>, ProofsError> {
+        let r = self.ask(req)?;
+        if r.status == 200 {
+            Ok(r.body)
+        } else {
+            Err(ProofsError(String::from_utf8_lossy(&r.body).into_owned()))
+        }
+    }
+}
+
+fn proof_request(
+    tenant: &str,
+    node: u32,
+    what: &str,
+    request: u64,
+    old: u64,
+) -> proto::ProofRequest {
+    proto::ProofRequest {
+        tenant: tenant.to_owned(),
+        node,
+        what: what.to_owned(),
+        request,
+        old,
+    }
+}
+
+impl AuditProofs for RemoteProofs {
+    fn promise(&self, _tenant: &str, _request: u64) -> Result<Promised, ProofsError> {
+        Ok(Promised::Unavailable(
+            "the pair's nodes gave no promise in the final event (the front ended the request: a stop sequence, or its client left; or they keep no log): fetch the receipt once sealed".into(),
+        ))
+    }
+
+    fn receipt(&self, tenant: &str, node: u32, request: u64) -> Result<Receipt, ProofsError> {
+        let r = self.ask(proof_request(tenant, node, proofs::RECEIPT, request, 0))?;
+        Ok(match r.status {
+            200 => Receipt::Ready(r.body),
+            202 => Receipt::Pending,
+            404 => Receipt::Unknown,
+            _ => return Err(ProofsError(String::from_utf8_lossy(&r.body).into_owned())),
+        })
+    }
+
+    fn checkpoint(&self, node: u32) -> Result<Vec<u8>, ProofsError> {
+        self.body(proof_request("", node, proofs::CHECKPOINT, 0, 0))
+    }
+
+    fn consistency(&self, node: u32, old: u64) -> Result<Vec<u8>, ProofsError> {
+        self.body(proof_request("", node, proofs::CONSISTENCY, 0, old))
+    }
 }
 
 fn unavailable(e: &ProofsError) -> Response {
@@ -101,14 +229,16 @@ pub(crate) async fn receipt(
     headers: HeaderMap,
     Path(request_id): Path<String>,
 ) -> Response {
-    let unknown = || ApiError::not_found(format!("no request {request_id} of yours on this node"));
-    let Some(n) = request_id
-        .strip_prefix(&format!("req-{}-", st.node))
-        .and_then(|n| n.parse::<u64>().ok())
+    let unknown = || ApiError::not_found(format!("no request {request_id} of yours here"));
+    // `req-<node>-<n>`: `n` the request's id in node `node`'s log.
+    let Some((node, n)) = request_id
+        .strip_prefix("req-")
+        .and_then(|r| r.split_once('-'))
+        .and_then(|(node, n)| Some((node.parse::<u32>().ok()?, n.parse::<u64>().ok()?)))
     else {
         return unknown().into_response();
     };
-    match with_proofs(&st, &headers, move |p, t| p.receipt(&t, n)).await {
+    match with_proofs(&st, &headers, move |p, t| p.receipt(&t, node, n)).await {
         Err(r) => r,
         Ok(Err(e)) => unavailable(&e),
         Ok(Ok(Receipt::Ready(json))) => (
@@ -131,8 +261,34 @@ pub(crate) async fn receipt(
     }
 }
 
-pub(crate) async fn checkpoint(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    match with_proofs(&st, &headers, |p, _| p.checkpoint()).await {
+/// `?node=N` of a proof request: whose log (default: this server's node — a pair's front: its
+/// prefill node).
+fn node_param(st: &AppState, uri: &Uri) -> Result<u32, ApiError> {
+    match query_param(uri, "node") {
+        None => Ok(st.node),
+        Some(v) => v
+            .parse()
+            .map_err(|_| ApiError::bad_request(format!("node={v}: not a node id")).param("node")),
+    }
+}
+
+fn query_param<'a>(uri: &'a Uri, name: &str) -> Option<&'a str> {
+    uri.query()
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+}
+
+pub(crate) async fn checkpoint(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
+    let node = match node_param(&st, &uri) {
+        Ok(n) => n,
+        Err(e) => return e.into_response(),
+    };
+    match with_proofs(&st, &headers, move |p, _| p.checkpoint(node)).await {
         Err(r) => r,
         Ok(Ok(note)) => text(note),
         Ok(Err(e)) => unavailable(&e),
@@ -144,29 +300,30 @@ pub(crate) async fn consistency(
     headers: HeaderMap,
     uri: Uri,
 ) -> Response {
-    let old = uri
-        .query()
-        .unwrap_or_default()
-        .split('&')
-        .find_map(|kv| kv.strip_prefix("old="))
-        .and_then(|v| v.parse::<u64>().ok());
+    let node = match node_param(&st, &uri) {
+        Ok(n) => n,
+        Err(e) => return e.into_response(),
+    };
+    let old = query_param(&uri, "old").and_then(|v| v.parse::<u64>().ok());
     let Some(old) = old else {
         return ApiError::bad_request("give ?old=<size of the checkpoint you hold>")
             .param("old")
             .into_response();
     };
-    match with_proofs(&st, &headers, move |p, _| p.consistency(old)).await {
+    match with_proofs(&st, &headers, move |p, _| p.consistency(node, old)).await {
         Err(r) => r,
         Ok(Ok(body)) => text(body),
         Ok(Err(e)) => ApiError::bad_request(e.to_string()).into_response(),
     }
 }
 
-/// One request of an answer: the engine's id and its `x-request-id`.
+/// One request of an answer: the engine's id, its `x-request-id`, and the promises its final
+/// event carried (a pair's nodes').
 #[derive(Debug, Clone)]
 pub(crate) struct AnsweredRequest {
     pub id: u64,
     pub rid: String,
+    pub promises: Vec<NodePromise>,
 }
 
 /// The `custody_receipt` object of an answer covering `requests` (ended, their records all
@@ -180,33 +337,71 @@ pub(crate) async fn custody_receipt(
     let proofs = st.proofs.clone()?;
     let mut out = Vec::with_capacity(requests.len());
     for r in requests {
+        if !r.promises.is_empty() {
+            out.extend(r.promises.iter().map(carried_entry));
+            continue;
+        }
         let (p, t, id) = (proofs.clone(), tenant.clone(), r.id);
         let got = tokio::task::spawn_blocking(move || p.promise(&t, id)).await;
-        let mut v = serde_json::json!({
-            "request_id": r.rid,
-            "fetch": format!("/v1/audit/receipt/{}", r.rid),
-        });
-        match got {
-            Ok(Ok(Promised::Signed { promise, note })) => {
-                v["origin"] = promise.origin.into();
-                v["records"] = promise
-                    .leaves
-                    .iter()
-                    .map(|l| serde_json::json!({"seq": l.seq, "table": l.table, "leaf": l.leaf_base64()}))
-                    .collect();
-                v["promise"] = String::from_utf8_lossy(&note).into_owned().into();
-            }
-            Ok(Ok(Promised::Unavailable(why))) => v["error"] = why.into(),
-            Ok(Err(e)) => v["error"] = e.to_string().into(),
-            Err(e) => v["error"] = e.to_string().into(),
-        }
-        out.push(v);
+        let outcome = match got {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => Promised::Unavailable(e.to_string()),
+            Err(e) => Promised::Unavailable(e.to_string()),
+        };
+        out.push(entry(st.node, &r.rid, outcome));
     }
     Some(serde_json::json!({
         "format": PROMISE_RECEIPT_FORMAT,
         "node": st.node,
         "requests": out,
     }))
+}
+
+/// One node's entry of an answer's `custody_receipt`.
+fn entry(node: u32, rid: &str, outcome: Promised) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "node": node,
+        "request_id": rid,
+        "fetch": format!("/v1/audit/receipt/{rid}"),
+    });
+    match outcome {
+        Promised::Signed { promise, note } => {
+            v["origin"] = promise.origin.into();
+            v["records"] = promise
+                .leaves
+                .iter()
+                .map(|l| serde_json::json!({"seq": l.seq, "table": l.table, "leaf": l.leaf_base64()}))
+                .collect();
+            v["promise"] = String::from_utf8_lossy(&note).into_owned().into();
+        }
+        Promised::Unavailable(why) => v["error"] = why.into(),
+    }
+    v
+}
+
+/// The entry of a promise a pair's node gave (its signature is the tenant's verifier's to
+/// check; here it is only read for the records it lists).
+fn carried_entry(p: &NodePromise) -> serde_json::Value {
+    let rid = format!("req-{}-{}", p.node, p.request);
+    let text_end = p
+        .note
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map_or(p.note.len(), |i| i + 1);
+    let outcome = if !p.error.is_empty() {
+        Promised::Unavailable(p.error.clone())
+    } else {
+        match custody_audit::promise::Promise::parse(&p.note[..text_end]) {
+            Ok(promise) => Promised::Signed {
+                promise,
+                note: p.note.clone(),
+            },
+            Err(e) => {
+                Promised::Unavailable(format!("node {} sent a malformed promise: {e}", p.node))
+            }
+        }
+    };
+    entry(p.node, &rid, outcome)
 }
 
 /// The `format` of an answer's `custody_receipt`.

@@ -1,4 +1,5 @@
-"""custody-verify: check Custody audit-log inclusion and consistency proofs, and receipts, offline.
+"""custody-verify: check Custody audit-log inclusion and consistency proofs, receipts and the
+promises answers make of them, offline.
 
 Exit status: 0 verified, 1 verification failed (or an input could not be read), 2 usage error.
 """
@@ -13,6 +14,7 @@ from typing import List, Optional, Sequence, TextIO, Union
 
 from . import VerifyError, __version__
 from .notes import VerifiedSignature, VerifierKey, parse_vkey
+from .promise import PromiseCheck, read_promises, select_promises, verify_entry, verify_receipt_promise
 from .proofs import verify_consistency_proof, verify_tlog_proof
 from .receipt import verify_receipt
 from .records import LostRecord, Record, Value, decode_record
@@ -93,9 +95,21 @@ def _cmd_consistency(args: argparse.Namespace, out: TextIO) -> None:
 _RECEIPT_SKIPPED = ("node_id", "seq", "ts_ns")
 
 
+def _print_promise_kept(check: PromiseCheck, out: TextIO) -> None:
+    print(f"promise kept: the {len(check.promise.records)} records promised in the answer are in the log, "
+          "unchanged", file=out)
+    if check.after:
+        listed = ", ".join(f"seq {r.seq} ({r.record.table})" for r in check.after)
+        print(f"{len(check.after)} recorded after the answer (not in the promise): {listed}", file=out)
+
+
 def _cmd_receipt(args: argparse.Namespace, out: TextIO) -> None:
     witnesses, need = _witness_policy(args)
-    result = verify_receipt(_read(args.receipt_file, "receipt"), _log_key(args), witnesses, need)
+    log_key = _log_key(args)
+    result = verify_receipt(_read(args.receipt_file, "receipt"), log_key, witnesses, need)
+    check = None
+    if args.promise:
+        check = verify_receipt_promise(_read(args.promise, "promise file"), log_key, result)
     cp = result.verified.checkpoint
     print(f"OK: {result.request_id} of tenant {result.tenant}: {len(result.records)} records "
           f"in the tree of {cp.size} records of {cp.origin}", file=out)
@@ -104,6 +118,21 @@ def _cmd_receipt(args: argparse.Namespace, out: TextIO) -> None:
         cols = " ".join(f"{name}={_format_value(value)}" for name, value in r.record.columns
                         if name not in _RECEIPT_SKIPPED)
         print(f"  seq {r.seq} {r.record.table}: {cols}".rstrip(), file=out)
+    if check is not None:
+        _print_promise_kept(check, out)
+
+
+def _cmd_promise(args: argparse.Namespace, out: TextIO) -> None:
+    log_key = _log_key(args)
+    entries = select_promises(read_promises(_read(args.file, "promise file")), args.request_id)
+    promises = [verify_entry(e, log_key) for e in entries]
+    for p in promises:
+        if args.request_id is not None and p.request_id != args.request_id:
+            raise VerifyError(f"the promise is of request {p.request_id!r}, not {args.request_id!r}")
+    for p in promises:
+        print(f"OK: {p.request_id} of tenant {p.tenant}: {len(p.records)} records promised by {p.origin}", file=out)
+        for r in p.records:
+            print(f"  seq {r.seq} {r.table} {r.leaf_b64}", file=out)
 
 
 def _cmd_record(args: argparse.Namespace, out: TextIO) -> None:
@@ -115,10 +144,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def keys(sp: argparse.ArgumentParser) -> None:
+    def log_key(sp: argparse.ArgumentParser) -> None:
         g = sp.add_mutually_exclusive_group(required=True)
         g.add_argument("--log-key", metavar="VKEY", help="the log's verifier key (type 0x01), named as the origin")
         g.add_argument("--log-key-file", metavar="FILE", help="a file holding the log's verifier key")
+
+    def keys(sp: argparse.ArgumentParser) -> None:
+        log_key(sp)
         sp.add_argument("--witness-key", metavar="VKEY", action="append", default=[],
                         help="a witness's cosignature verifier key (type 0x04); repeatable")
         sp.add_argument("--min-witnesses", metavar="N", type=int, default=None,
@@ -138,7 +170,16 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("receipt", help="check a custody-receipt/1: every record of one request, proven")
     sp.add_argument("receipt_file", metavar="RECEIPT.json")
     keys(sp)
+    sp.add_argument("--promise", metavar="FILE", help="also hold the receipt to the promise the answer made "
+                    "(the answer's JSON, an SSE chunk, the custody_receipt object, or the signed note)")
     sp.set_defaults(run=_cmd_receipt)
+
+    sp = sub.add_parser("promise", help="check the signed promise of a request's records an answer carries")
+    sp.add_argument("file", metavar="FILE", help="the answer's JSON, an SSE chunk, the custody_receipt object, "
+                    "or the signed note")
+    log_key(sp)
+    sp.add_argument("--request-id", metavar="ID", help="only the promise of this request (default: every one)")
+    sp.set_defaults(run=_cmd_promise)
 
     sp = sub.add_parser("record", help="decode a record's canonical bytes")
     sp.add_argument("file", metavar="FILE")

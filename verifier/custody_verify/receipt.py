@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 from . import VerifyError
 from .merkle import leaf_hash, verify_inclusion
@@ -31,6 +31,7 @@ U64_MAX = (1 << 64) - 1
 class ReceiptRecord:
     seq: int
     record: Record
+    leaf: bytes  # its leaf hash, SHA-256(0x00 || the record's bytes)
 
 
 @dataclass(frozen=True)
@@ -136,17 +137,18 @@ def verify_receipt(
             raise VerifyError(f"{what}: seq {seq} is listed twice")
         seen.add(seq)
         try:
-            record = _verify_entry(table, seq, proof_text, note, cp, node, request_number, tenant)
+            record, leaf = _verify_entry(table, seq, proof_text, note, cp, node, request_number, tenant)
         except VerifyError as e:
             raise VerifyError(f"{what}: {e}") from e
-        records.append(ReceiptRecord(seq, record))
+        records.append(ReceiptRecord(seq, record, leaf))
     if not any(r.record.table == "requests" for r in records):
         raise VerifyError("receipt has no record of table requests")
     return ReceiptResult(request_id, tenant, node, verified, records)
 
 
 def _verify_entry(table: str, seq: int, proof_text: str, note: str, cp: Any, node: int,
-                  request_number: int, tenant: str) -> Record:
+                  request_number: int, tenant: str) -> Tuple[Record, bytes]:
+    """The entry's record, checked, and its leaf hash."""
     proof = parse_tlog_proof(proof_text)
     if proof.checkpoint.encode("utf-8") != note.encode("utf-8"):
         raise VerifyError("its proof's checkpoint is not the receipt's checkpoint")
@@ -154,7 +156,8 @@ def _verify_entry(table: str, seq: int, proof_text: str, note: str, cp: Any, nod
         raise VerifyError(f"its proof is of index {proof.index}, not its seq {seq}")
     if proof.extra is None:
         raise VerifyError("its proof has no extra data (the record's bytes)")
-    verify_inclusion(proof.index, cp.size, leaf_hash(proof.extra), proof.proof, cp.root)
+    leaf = leaf_hash(proof.extra)
+    verify_inclusion(proof.index, cp.size, leaf, proof.proof, cp.root)
     record = decode_record(proof.extra)
     if isinstance(record, LostRecord):
         raise VerifyError(f"it is the placeholder of a lost record (node {record.node}, seq {record.seq}), "
@@ -166,4 +169,4 @@ def _verify_entry(table: str, seq: int, proof_text: str, note: str, cp: Any, nod
     _column(record, "request_id", TAG_U64, request_number)
     if record.tag("node_id") is not None and record.get("node_id") != node:
         raise VerifyError(f"the record's node_id is {record.get('node_id')!r}, not the receipt's node {node}")
-    return record
+    return record, leaf

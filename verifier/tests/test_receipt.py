@@ -63,7 +63,9 @@ ACME = [1, 3, 6, 7, 9]
 GLOBEX = [2, 5, 8]
 
 
-class ReceiptTest(unittest.TestCase):
+class ReceiptFixture:
+    """The tree, a signed checkpoint, receipts of it, and main() on them (no tests of its own)."""
+
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.log = Signer(ORIGIN, ALG_ED25519)
@@ -109,6 +111,8 @@ class ReceiptTest(unittest.TestCase):
         self.assertIn(message, out)
         self.assertEqual(out.count("\n"), 1, out)
 
+
+class ReceiptTest(ReceiptFixture, unittest.TestCase):
     # --- success ---------------------------------------------------------------------------
 
     def test_ok(self):

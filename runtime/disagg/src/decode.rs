@@ -55,6 +55,8 @@ pub struct DecodeOptions {
     /// Set by the node's signal handler: new reservations are refused (nothing reserved or
     /// registered: the router retries elsewhere); requests already reserved finish.
     pub drain: super::Drain,
+    /// This node's log, for tenants' promises and proofs (`None`: no audit log).
+    pub proofs: Option<Arc<dyn crate::proofs::NodeProofs>>,
 }
 
 /// How prefill (for the front behind it) ended a request: the `requests` row's kind and the
@@ -929,6 +931,8 @@ pub struct DecodeHandle {
     /// Compiles the constraints reservations carry.
     grammars: Option<Arc<custody_engine::grammar::Grammars>>,
     vocab: usize,
+    /// This node's log, for tenants' promises and proofs.
+    proofs: Option<Arc<dyn crate::proofs::NodeProofs>>,
 }
 
 impl std::fmt::Debug for Cmd {
@@ -968,6 +972,7 @@ impl DecodeHandle {
         let checkpoints = opts.checkpoints.as_ref().map(|p| p.book.clone());
         let drain = opts.drain.clone();
         let grammars = opts.grammars.clone();
+        let proofs = opts.proofs.clone();
         let vocab = engine.core().model().config.vocab_size;
         let stride = engine.core().pool().region_page_stride();
         let info = super::node_info(
@@ -1017,6 +1022,7 @@ impl DecodeHandle {
             drain,
             grammars,
             vocab,
+            proofs,
         })
     }
 
@@ -1178,5 +1184,21 @@ impl decode_server::Decode for DecodeService {
             .await
             .map_err(|_| Status::internal("keeping the peer's checkpoints"))??;
         Ok(Response::new(own))
+    }
+
+    async fn proof(
+        &self,
+        r: Request<proto::ProofRequest>,
+    ) -> Result<Response<proto::ProofReply>, Status> {
+        let req = r.into_inner();
+        if req.node != self.h.info.node_id {
+            return Err(Status::not_found(format!(
+                "this is decode node {}, not node {}",
+                self.h.info.node_id, req.node
+            )));
+        }
+        crate::proofs::local(self.h.proofs.as_ref(), req)
+            .await
+            .map(Response::new)
     }
 }

@@ -33,6 +33,7 @@ pub mod fleet;
 pub mod health;
 pub mod node;
 pub mod prefill;
+pub mod proofs;
 pub mod tls;
 /// The request protocol's state machine (in the engine crate: the engine applies its page rule).
 pub use custody_engine::protocol;

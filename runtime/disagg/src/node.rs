@@ -87,6 +87,8 @@ pub struct NodeSetup {
     pub checkpoints: Option<PeerCheckpoints>,
     /// Run without an audit log (`--no-audit`): its health endpoint answers ready as degraded.
     pub audit_off: bool,
+    /// The node's log for tenants' promises and proofs (`None` without an audit log).
+    pub proofs: Option<Arc<dyn crate::proofs::NodeProofs>>,
 }
 
 /// The node's own facts at start, in its audit log: role, model, context and pool; and, when
@@ -342,6 +344,7 @@ pub fn run_decode(s: NodeSetup, reservation_lease: Duration) -> Result<(), NodeE
         fingerprint: s.fingerprint,
         checkpoints: s.checkpoints,
         drain: Drain::default(),
+        proofs: s.proofs.clone(),
     };
     let drain = opts.drain.clone();
     let h = DecodeHandle::start(s.engine, opts).map_err(NodeError::DecodeStart)?;
@@ -444,6 +447,7 @@ pub fn run_prefill(mut s: NodeSetup, namespaces: Option<Arc<Namespaces>>) -> Res
         checkpoints: s.checkpoints.take(),
         namespaces,
         drain: Drain::default(),
+        proofs: s.proofs.clone(),
     };
     let rt = runtime()?;
     rt.block_on(serve_prefill_node(s, opts, targets, listen))
@@ -502,6 +506,7 @@ impl PairOptions {
                 namespaces: None,
                 grammars: None,
                 drain: Drain::default(),
+                proofs: None,
             },
             decode: DecodeOptions {
                 grammars: None,
@@ -515,6 +520,7 @@ impl PairOptions {
                 fingerprint: fingerprint.to_owned(),
                 checkpoints: None,
                 drain: Drain::default(),
+                proofs: None,
             },
             fleet,
             transport_encryption: false,

@@ -57,6 +57,8 @@ pub struct PrefillOptions {
     pub grammars: Option<Arc<custody_engine::grammar::Grammars>>,
     /// Set by the node's signal handler: new requests are refused (retryable: nothing posted).
     pub drain: super::Drain,
+    /// This node's log, for tenants' promises and proofs (`None`: no audit log).
+    pub proofs: Option<Arc<dyn crate::proofs::NodeProofs>>,
 }
 
 /// One decode node this prefill node writes into (a fleet names several).
@@ -1515,7 +1517,11 @@ impl PrefillHandle {
             decode.abort(ended).await.discard(
                 "decode ends an unanswered reservation by its lease; the abort only shortens it",
             );
+            let promises = self
+                .promises(&original.tenant, id, Some((peer, decode_id)))
+                .await;
             out.send(Ok(proto::TokenEvent {
+                promises,
                 finish_reason: if stop { "stop".into() } else { "length".into() },
                 prompt_tokens: original.prompt.len() as u32,
                 generated_tokens: u32::from(!stop),
@@ -1556,6 +1562,10 @@ impl PrefillHandle {
                 Ok(ev) => {
                     // Decode's events carry decode's id; the client knows this node's.
                     ev.request = id;
+                    if !ev.finish_reason.is_empty() {
+                        let (tenant, peer) = (&original.tenant, peer);
+                        ev.promises = self.promises(tenant, id, Some((peer, decode_id))).await;
+                    }
                     !ev.finish_reason.is_empty() || !ev.error.is_empty()
                 }
                 Err(_) => true,
@@ -1569,6 +1579,51 @@ impl PrefillHandle {
             }
         }
         Ok(())
+    }
+
+    /// The signed promises of a request's records, for its final event: the decode peer's of
+    /// its request (`decode`: peer index and its id there), then this node's own of `id`.
+    /// Empty when this node keeps no log (a front then says so); a node that cannot promise
+    /// says why in its entry.
+    async fn promises(
+        &self,
+        tenant: &str,
+        id: RequestId,
+        decode: Option<(usize, u64)>,
+    ) -> Vec<proto::ReceiptPromise> {
+        use crate::proofs::{local, promise_of, promise_request};
+        if self.opts.proofs.is_none() {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(2);
+        if let Some((peer, decode_id)) = decode {
+            let node = self.peer_links().get(peer).map_or(0, |l| l.node);
+            let asked = self.decodes[peer]
+                .clone()
+                .proof(promise_request(tenant, node, decode_id))
+                .await
+                .map(tonic::Response::into_inner);
+            out.push(promise_of(node, decode_id, asked));
+        }
+        let own = self.opts.node_id;
+        let asked = local(self.opts.proofs.as_ref(), promise_request(tenant, own, id)).await;
+        out.push(promise_of(own, id, asked));
+        out
+    }
+
+    /// A tenant's proof request from the front: this node's own log, or a decode peer's
+    /// (forwarded to it by node id).
+    pub async fn proof(&self, req: proto::ProofRequest) -> Result<proto::ProofReply, Status> {
+        if req.node == self.opts.node_id {
+            return crate::proofs::local(self.opts.proofs.as_ref(), req).await;
+        }
+        let Some(peer) = self.peer_links().iter().position(|l| l.node == req.node) else {
+            return Err(Status::not_found(format!(
+                "node {} is neither this prefill node nor one of its decode peers",
+                req.node
+            )));
+        };
+        Ok(self.decodes[peer].clone().proof(req).await?.into_inner())
     }
 
     /// The front ended request `e.request` (this node's id) early: decode records the end as
@@ -1731,5 +1786,12 @@ impl prefill_server::Prefill for PrefillService {
     ) -> Result<Response<proto::AbortReply>, Status> {
         let existed = self.h.end(r.into_inner()).await?;
         Ok(Response::new(proto::AbortReply { existed }))
+    }
+
+    async fn proof(
+        &self,
+        r: Request<proto::ProofRequest>,
+    ) -> Result<Response<proto::ProofReply>, Status> {
+        self.h.proof(r.into_inner()).await.map(Response::new)
     }
 }

@@ -573,3 +573,202 @@ fn a_node_that_requires_cosignatures_fails_closed_without_them() {
     // Killed by the guard: a clean stop is another test's subject.
     drop(guard);
 }
+
+/// A pair's process (decode or prefill node) started from the shipped config with its ports
+/// moved to `ports` and seals every second; killed on drop.
+fn pair_node(
+    state: &Path,
+    role: &str,
+    ports: &[(u16, u16)],
+    root: &Path,
+    key: &Path,
+) -> KillOnDrop {
+    let mut text = std::fs::read_to_string(config(&format!("disagg-{role}.toml"))).expect("config");
+    for (shipped, free) in ports {
+        text = text.replace(
+            &format!("127.0.0.1:{shipped}\""),
+            &format!("127.0.0.1:{free}\""),
+        );
+    }
+    text = text.replace(
+        "[audit]\n",
+        "[audit]\nseal_interval_s = 1\ncheckpoint_interval_s = 1\n",
+    );
+    let cfg = state.join(format!("{role}.toml"));
+    std::fs::write(&cfg, text).expect("config");
+    let log = std::fs::File::create(state.join(format!("{role}.log"))).expect("log");
+    let child = custody_in(state)
+        .current_dir(state)
+        .arg(role)
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--model")
+        .arg(custody_tests::model_path())
+        .args(["--threads", "1", "--audit-dir"])
+        .arg(root)
+        .arg("--audit-key")
+        .arg(key)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn a pair node");
+    KillOnDrop(Some(child))
+}
+
+/// Plain-HTTP `/health/ready` of a pair node, bounded.
+fn wait_node(url: &str, state: &Path, role: &str) {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(180) {
+        if let Some((200, _)) = get(url, "/health/ready") {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = std::fs::read_to_string(state.join(format!("{role}.log"))).unwrap_or_default();
+    panic!("{role} node not ready: {log}");
+}
+
+/// In front of a pair (the shipped configs, mutual TLS): an answer carries both nodes' signed
+/// promises — decode's of its records, prefill's of its own — and the front serves each node's
+/// receipt (forwarded to the node that holds the log, a decode node's through its prefill peer),
+/// which keeps its node's promise; another tenant's request is unknown through the front too.
+#[test]
+fn a_pair_answer_carries_both_nodes_promises_and_the_front_serves_their_receipts() {
+    use custody_audit::digest;
+    let state = tmp_dir("pair-receipts");
+    let o = custody_in(&state)
+        .current_dir(&*state)
+        .args(["certs", "--out", "certs"])
+        .args([
+            "--node",
+            "prefill:1",
+            "--node",
+            "decode:2",
+            "--node",
+            "front:0",
+        ])
+        .output()
+        .expect("custody certs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let key = digest::generate_key().expect("key");
+    let key_file = state.join("node.key");
+    digest::write_key(&key, &key_file).expect("write key");
+    let pubkey = state.join("node.pub");
+    std::fs::write(&pubkey, digest::hex(key.verifying_key().as_bytes())).expect("pub");
+    let root = state.join("audit");
+    let ports: Vec<(u16, u16)> = (7070..=7074).map(|p| (p, free_port())).collect();
+    let url = |shipped: u16| {
+        let p = ports.iter().find(|(s, _)| *s == shipped).expect("port").1;
+        format!("http://127.0.0.1:{p}")
+    };
+    let _decode = pair_node(&state, "decode", &ports, &root, &key_file);
+    wait_node(&url(7074), &state, "decode");
+    let _prefill = pair_node(&state, "prefill", &ports, &root, &key_file);
+    wait_node(&url(7073), &state, "prefill");
+    let (port, metrics_port) = (free_port(), free_port());
+    let front = custody_in(&state)
+        .current_dir(&*state)
+        .arg("serve")
+        .arg("--config")
+        .arg(config("serve-demo.toml"))
+        .args(["--prefill", &url(7070)])
+        .arg("--model")
+        .arg(custody_tests::model_path())
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(state.join("serve.log")).expect("log"))
+        .spawn()
+        .expect("spawn the front");
+    let mut front = KillOnDrop(Some(front));
+    let api = format!("http://127.0.0.1:{port}");
+    wait_ready(front.0.as_mut().expect("front"), &api, &state);
+    let r = custody_server::client::request(
+        &api,
+        "POST",
+        "/v1/completions",
+        Some("sk-demo-acme"),
+        Some(br#"{"model":"smollm2-135m-instruct","prompt":"Hello","max_tokens":4}"#),
+        Duration::from_secs(60),
+    )
+    .expect("completion");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let answer: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    let entries = answer["custody_receipt"]["requests"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no custody_receipt: {answer}"))
+        .clone();
+    let nodes: Vec<u64> = entries.iter().filter_map(|e| e["node"].as_u64()).collect();
+    assert_eq!(nodes, [2, 1], "decode's promise, then prefill's: {answer}");
+    assert_eq!(entries[1]["request_id"].as_str(), r.header("x-request-id"));
+    let answer_file = state.join("answer.json");
+    std::fs::write(&answer_file, &r.body).expect("write");
+    for e in &entries {
+        assert!(e["promise"].is_string(), "{e}");
+        let fetch = e["fetch"].as_str().expect("fetch path");
+        let get_as = |key: &str| {
+            custody_server::client::request(
+                &api,
+                "GET",
+                fetch,
+                Some(key),
+                None,
+                Duration::from_secs(30),
+            )
+            .expect("receipt")
+        };
+        let t0 = Instant::now();
+        let receipt = loop {
+            let got = get_as("sk-demo-acme");
+            if got.status == 200 {
+                break got.body;
+            }
+            assert_eq!(
+                got.status,
+                202,
+                "{fetch}: {}",
+                String::from_utf8_lossy(&got.body)
+            );
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{fetch}: never sealed"
+            );
+            std::thread::sleep(Duration::from_millis(300));
+        };
+        assert_eq!(
+            get_as("sk-demo-globex").status,
+            404,
+            "another tenant's request"
+        );
+        let file = state.join("receipt.json");
+        std::fs::write(&file, &receipt).expect("write");
+        let o = custody_in(&state)
+            .args(["receipt", "verify"])
+            .arg(&file)
+            .arg("--node-key")
+            .arg(&pubkey)
+            .arg("--promise")
+            .arg(&answer_file)
+            .output()
+            .expect("custody receipt verify");
+        assert!(
+            o.status.success() && text(&o).contains("promise kept"),
+            "{fetch}: {}{}",
+            text(&o),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    // The decode node's checkpoint, through the front and the prefill node.
+    let cp = custody_server::client::request(
+        &api,
+        "GET",
+        "/v1/audit/checkpoint?node=2",
+        Some("sk-demo-acme"),
+        None,
+        Duration::from_secs(30),
+    )
+    .expect("checkpoint");
+    assert_eq!(cp.status, 200, "{}", String::from_utf8_lossy(&cp.body));
+    assert!(String::from_utf8_lossy(&cp.body).contains("/node-2/"));
+    terminate(front.0.take().expect("front"), &state);
+}

@@ -289,6 +289,7 @@ fn netns_child_node() {
                 fingerprint: fingerprint(),
                 checkpoints: None,
                 drain: Default::default(),
+                proofs: None,
             },
         )
         .expect("decode");
@@ -334,6 +335,7 @@ fn netns_child_node() {
         checkpoints: None,
         namespaces: None,
         drain: Default::default(),
+        proofs: None,
     };
     let h = rt
         .block_on(PrefillHandle::start(
