@@ -1361,3 +1361,70 @@ pub fn check_promise(
         unpromised,
     })
 }
+
+/// What a node's own log says of a promise it signed (`check_promise_in_log`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromiseInLog {
+    /// The checkpoint it was held to: the cosigned one when it covers the promise.
+    pub tree_size: u64,
+    /// Promised records the tree holds, at their seq, with the promised leaf (proved).
+    pub kept: Vec<u64>,
+    /// Promised records whose seq holds another leaf in that tree: the log broke the promise.
+    pub broken: Vec<u64>,
+    /// Promised records past that tree (not sealed yet).
+    pub pending: Vec<u64>,
+}
+
+/// Holds a promise the node signed (`promise_note`) to the node's log under `store`: for each
+/// promised record, an inclusion proof of the promised leaf at its seq against the node's
+/// (cosigned) checkpoint, signed by `node_key`. A leaf that does not prove is a broken promise —
+/// the record the tenant was promised is not in this log (a fork, a rewrite, a rollback).
+pub fn check_promise_in_log(
+    store: &dyn LogStore,
+    node: u32,
+    promise_note: &[u8],
+    node_key: &VerifyingKey,
+) -> Result<(crate::promise::Promise, PromiseInLog), ReceiptError> {
+    let log = NodeLog::open(store, node).map_err(|e| ReceiptError::Malformed(e.to_string()))?;
+    let text_end = promise_note
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map_or(promise_note.len(), |i| i + 1);
+    let origin = crate::promise::Promise::parse(&promise_note[..text_end])?.origin;
+    let vkey = tlog::ed25519_vkey(&origin, node_key);
+    let promise = crate::promise::Promise::open(promise_note, &vkey)?;
+    let max_seq = promise.leaves.iter().map(|l| l.seq).max().unwrap_or(0);
+    let note = log
+        .cosigned_or_newest(max_seq)
+        .map_err(|e| ReceiptError::Malformed(e.to_string()))?;
+    let cp = tlog::open_checkpoint(&note, &vkey)
+        .map_err(|e| ReceiptError::Proof { seq: 0, source: e })?;
+    if cp.origin() != origin {
+        return Err(ReceiptError::Malformed(format!(
+            "the promise is of {origin}, this log is {}",
+            cp.origin()
+        )));
+    }
+    let size = cp.size();
+    let mut found = PromiseInLog {
+        tree_size: size,
+        kept: Vec::new(),
+        broken: Vec::new(),
+        pending: Vec::new(),
+    };
+    for l in &promise.leaves {
+        if l.seq >= size {
+            found.pending.push(l.seq);
+            continue;
+        }
+        let hashes = log
+            .prove_inclusion(l.seq, size)
+            .map_err(|e| ReceiptError::Malformed(e.to_string()))?;
+        let proof: tlog_tiles::RecordProof = hashes;
+        match tlog::verify_inclusion(&proof, size, *cp.hash(), l.seq, l.leaf) {
+            Ok(()) => found.kept.push(l.seq),
+            Err(_) => found.broken.push(l.seq),
+        }
+    }
+    Ok((promise, found))
+}

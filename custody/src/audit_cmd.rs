@@ -267,6 +267,21 @@ pub(crate) enum AuditCmd {
         #[arg(long)]
         old_checkpoint: Option<PathBuf>,
     },
+    /// Hold the signed promise a node gave in an answer (`custody_receipt`) to that node's log
+    /// under ROOT: each promised record proved at its seq against the node's (cosigned)
+    /// checkpoint. Exit 1 if the log broke the promise (a fork, a rewrite, a rollback).
+    CheckPromise {
+        root: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        node: u32,
+        /// The answer's JSON (whole body, SSE chunk or its `custody_receipt`; the entry of
+        /// `--node` is taken) or the promise note.
+        #[arg(long)]
+        promise: PathBuf,
+        /// The node's public key (hex, `<key>.pub`).
+        #[arg(long)]
+        public_key: PathBuf,
+    },
     /// Generate a realistic synthetic log (many tenants, long contexts, page reuse) through the
     /// real writers, with injected exposures whose answers go to `<out>/synth-truth.json`.
     Synth(crate::synth_cmd::SynthArgs),
@@ -331,7 +346,59 @@ pub(crate) fn audit_cmd(a: AuditCmd) -> Result<()> {
             public_key,
             old_checkpoint,
         } => check_proof(&proof, &public_key, old_checkpoint.as_deref()),
+        AuditCmd::CheckPromise {
+            root,
+            node,
+            promise,
+            public_key,
+        } => check_promise(&root, node, &promise, &public_key),
     }
+}
+
+/// `custody audit check-promise`.
+fn check_promise(
+    root: &std::path::Path,
+    node: u32,
+    promise: &std::path::Path,
+    public_key: &std::path::Path,
+) -> Result<()> {
+    let key = digest::read_verifying_key(public_key).map_err(anyhow::Error::msg)?;
+    let entry = crate::receipt_cmd::answer_promises(promise)?
+        .into_iter()
+        .find(|p| p.node.is_none_or(|n| n == u64::from(node)))
+        .with_context(|| format!("{} has no promise of node {node}", promise.display()))?;
+    let note = entry
+        .note
+        .map_err(|e| anyhow::anyhow!("the answer carried no promise of node {node}: {e}"))?;
+    let store = digest::LocalStore::new(root);
+    let (p, found) = custody_audit::tree_store::check_promise_in_log(&store, node, &note, &key)?;
+    println!(
+        "{} of tenant {}: {} records promised; the log's tree of {} records (node {node}) holds {} of them as promised",
+        p.request_id,
+        p.tenant,
+        p.leaves.len(),
+        found.tree_size,
+        found.kept.len()
+    );
+    if !found.pending.is_empty() {
+        println!("  not sealed yet: seq {:?}", found.pending);
+    }
+    if found.broken.is_empty() {
+        println!("promise kept");
+        return Ok(());
+    }
+    for seq in &found.broken {
+        let table = p
+            .leaves
+            .iter()
+            .find(|l| l.seq == *seq)
+            .map_or("?", |l| l.table.as_str());
+        println!("  BROKEN: seq {seq} ({table}): the log holds another record there");
+    }
+    println!(
+        "promise BROKEN: the node signed records its log does not hold (keep the answer and this log as evidence)"
+    );
+    std::process::exit(1);
 }
 
 /// `custody audit prove`: an inclusion or consistency proof to the node's newest checkpoint.

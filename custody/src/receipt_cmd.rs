@@ -118,34 +118,60 @@ pub(crate) fn receipt_cmd(c: ReceiptCmd) -> Result<()> {
     }
 }
 
-/// The promise note of `request_id` in `path`: an answer's JSON (its `custody_receipt`, whole
-/// body or SSE chunk, or the object itself) or the note's text.
-fn promise_note(path: &std::path::Path, request_id: &str) -> Result<Vec<u8>> {
+/// One entry of an answer's `custody_receipt` (or the note a file holds alone).
+pub(crate) struct AnswerPromise {
+    pub node: Option<u64>,
+    pub request_id: Option<String>,
+    /// The signed note, or why the answer carried none.
+    pub note: std::result::Result<Vec<u8>, String>,
+}
+
+/// The promises in `path`: an answer's JSON (its `custody_receipt`, whole body or SSE chunk, or
+/// the object itself), or a promise note's text.
+pub(crate) fn answer_promises(path: &std::path::Path) -> Result<Vec<AnswerPromise>> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
-        return Ok(bytes);
+        return Ok(vec![AnswerPromise {
+            node: None,
+            request_id: None,
+            note: Ok(bytes),
+        }]);
     };
     let receipt = if v.get("custody_receipt").is_some() {
         &v["custody_receipt"]
     } else {
         &v
     };
-    let entry = receipt["requests"]
+    let entries = receipt["requests"]
         .as_array()
+        .with_context(|| format!("{} has no custody_receipt.requests", path.display()))?;
+    Ok(entries
+        .iter()
+        .map(|e| AnswerPromise {
+            node: e["node"].as_u64(),
+            request_id: e["request_id"].as_str().map(str::to_owned),
+            note: match (e["promise"].as_str(), e["error"].as_str()) {
+                (Some(n), _) => Ok(n.as_bytes().to_vec()),
+                (None, Some(why)) => Err(why.to_owned()),
+                (None, None) => Err("no promise and no reason".to_owned()),
+            },
+        })
+        .collect())
+}
+
+/// The promise note of `request_id` in `path` ([`answer_promises`]; a lone note is taken as is).
+fn promise_note(path: &std::path::Path, request_id: &str) -> Result<Vec<u8>> {
+    let all = answer_promises(path)?;
+    let entry = all
         .into_iter()
-        .flatten()
-        .find(|r| r["request_id"] == request_id)
+        .find(|p| p.request_id.is_none() || p.request_id.as_deref() == Some(request_id))
         .with_context(|| {
             format!(
                 "{} has no custody_receipt entry for {request_id}",
                 path.display()
             )
         })?;
-    if let Some(e) = entry["error"].as_str() {
-        bail!("the answer carried no promise for {request_id}: {e}");
-    }
-    let note = entry["promise"]
-        .as_str()
-        .with_context(|| format!("the entry for {request_id} has no promise"))?;
-    Ok(note.as_bytes().to_vec())
+    entry
+        .note
+        .map_err(|e| anyhow::anyhow!("the answer carried no promise for {request_id}: {e}"))
 }

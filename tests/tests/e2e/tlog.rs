@@ -610,11 +610,34 @@ fn a_witness_cosigns_a_growing_log_and_refuses_a_forked_one() {
         generation: 1,
         kind: PageKind::Alloc,
     };
+    // A tenant's request of three records, and the promise its answer would carry.
+    let answered = |w: &AuditWriter, request: u64| {
+        let req = |kind| AEvent::Request {
+            ts_ns: custody_audit::mono_now_ns(),
+            request,
+            tenant: "acme".into(),
+            kind,
+            prompt_tokens: 3,
+            output_tokens: 2,
+        };
+        w.record(req(custody_audit::RequestKind::Admitted))
+            .expect("record");
+        w.record(page(request, "acme")).expect("record");
+        w.record(req(custody_audit::RequestKind::Finished {
+            reason: "stop".into(),
+        }))
+        .expect("record");
+        match w.receipt_promise("acme", request).expect("promise") {
+            custody_audit::writer::PromiseReply::Signed { note, .. } => note,
+            other => panic!("request {request}: {other:?}"),
+        }
+    };
     let audit = dir.join("audit");
     let w = AuditWriter::open(WriterConfig::new(&audit, NODE, k.0.clone())).expect("writer");
-    for i in 0..300 {
+    for i in 0..297 {
         w.record(page(i, "acme")).expect("record");
     }
+    let kept_promise = answered(&w, 5000);
     w.rotate().expect("seal");
     let mut known = std::collections::BTreeMap::new();
     // A second witness that is down: the round fails for it alone, and says why.
@@ -633,11 +656,20 @@ fn a_witness_cosigns_a_growing_log_and_refuses_a_forked_one() {
     assert_eq!((r.size, r.cosigned_by.len()), (300, 1), "{:?}", r.failures);
     assert_eq!(r.failures.len(), 1);
     assert_eq!(r.failures[0].0, dead_url);
+    // The tenant fetches its receipt now, before the fork: to the cosigned tree of 300.
+    let kept_receipt =
+        match tree_store::request_receipt(&digest::LocalStore::new(&audit), NODE, 0, "acme", 5000)
+            .expect("receipt")
+        {
+            tree_store::ReceiptStatus::Ready(json) => json,
+            other => panic!("sealed and cosigned: {other:?}"),
+        };
     let older_disk = dir.join("older-disk");
     copy_dir(&audit, &older_disk);
-    for i in 300..700 {
+    for i in 300..697 {
         w.record(page(i, "acme")).expect("record");
     }
+    let removed_promise = answered(&w, 6000);
     w.close().expect("close");
     let r = tree_store::cosign_newest(&audit, NODE, &targets, &HttpTransport, &mut known)
         .expect("round");
@@ -736,6 +768,59 @@ fn a_witness_cosigns_a_growing_log_and_refuses_a_forked_one() {
     assert!(
         out.contains("cosigned by the witnesses up to 700 records"),
         "{out}"
+    );
+
+    // The receipt handed out before the fork still verifies against the cosigned checkpoint,
+    // and keeps its promise.
+    let checked =
+        tree_store::verify_receipt(&kept_receipt, &vk, Some(&policy)).expect("the receipt checks");
+    assert_eq!(checked.tree_size, 300);
+    tree_store::check_promise(&checked, &kept_promise, &vk).expect("kept");
+    // Held to each log: the true one keeps both promises; the forked one keeps the first and
+    // shows the records of the second missing (another leaf at each promised seq).
+    let in_log = |root: &Path, note: &[u8]| {
+        tree_store::check_promise_in_log(&digest::LocalStore::new(root), NODE, note, &vk)
+            .expect("check")
+            .1
+    };
+    for note in [&kept_promise, &removed_promise] {
+        let f = in_log(&audit, note);
+        assert!(f.broken.is_empty() && f.pending.is_empty(), "{f:?}");
+    }
+    assert!(in_log(&older_disk, &kept_promise).broken.is_empty());
+    let forked = in_log(&older_disk, &removed_promise);
+    assert_eq!(
+        (forked.kept.len(), forked.broken.len()),
+        (0, 3),
+        "{forked:?}"
+    );
+    let promise_file = dir.join("removed.promise");
+    std::fs::write(&promise_file, &removed_promise).expect("write");
+    let check = |root: &Path| {
+        crate::cli::custody(&[
+            "audit",
+            "check-promise",
+            root.to_str().expect("utf-8"),
+            "--node",
+            &NODE.to_string(),
+            "--promise",
+            promise_file.to_str().expect("utf-8"),
+            "--public-key",
+            pubkey.to_str().expect("utf-8"),
+        ])
+    };
+    let o = check(&older_disk);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("promise BROKEN") && out.contains("BROKEN: seq 697 (requests)"),
+        "{out}"
+    );
+    let o = check(&audit);
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("promise kept"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
     );
 }
 
