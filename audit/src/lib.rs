@@ -23,6 +23,8 @@ pub mod defaults;
 pub mod digest;
 #[cfg(feature = "writer")]
 pub mod leaf;
+#[cfg(feature = "writer")]
+pub mod notice;
 #[cfg(feature = "tlog")]
 pub mod promise;
 #[cfg(feature = "writer")]

@@ -548,6 +548,18 @@ impl<'a> NodeLog<'a> {
         })
     }
 
+    /// The size of the tree the newest digest sealed at or before `wall_ns` signed (0: none
+    /// was sealed by then).
+    pub fn size_sealed_by(&self, wall_ns: i64) -> u64 {
+        self.digests
+            .iter()
+            .filter(|d| d.sealed_wall_ns <= wall_ns)
+            .filter_map(DigestBody::tree)
+            .map(|t| t.size)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The root a digest signed for a tree of `size` records.
     pub fn root_at(&self, size: u64) -> Result<Hash, ProofError> {
         self.digests

@@ -93,6 +93,31 @@ pub(crate) enum ForensicsCmd {
         #[arg(long)]
         to: Option<String>,
     },
+    /// Per-tenant incident notices (docs/forensics.md, *Notices*): for every tenant with a
+    /// request in the window, `<out>/<tenant>.notice.json` — what its responses could have read
+    /// of other tenants' data and what other tenants' responses could have read of its own, each
+    /// with the receipt of its own records, and every node's window consistency proof (a
+    /// statement of non-exposure where nothing is listed) — and its signature
+    /// `<tenant>.notice.sig` by `--key`; `<out>/notices.vkey` is the key tenants check it with
+    /// (`custody receipt verify-notice`, `custody-verify notice`). A local root only.
+    Notify {
+        #[command(flatten)]
+        src: Source,
+        #[arg(long)]
+        out: PathBuf,
+        /// The notice key (`custody audit keygen`): the operator's, not a node's.
+        #[arg(long)]
+        key: PathBuf,
+        /// The notice key's name in its signatures and verifier key.
+        #[arg(long, default_value = "custody.invalid/notices")]
+        name: String,
+        /// Only reads recorded at or after this UTC time (YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ).
+        #[arg(long)]
+        from: Option<String>,
+        /// Only reads recorded before this UTC time.
+        #[arg(long)]
+        to: Option<String>,
+    },
     /// Blast radius of one tenant: whose data it could have seen, and who could have seen its.
     Tenant {
         #[command(flatten)]
@@ -556,6 +581,18 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
                 Ok(())
             })
         }
+        ForensicsCmd::Notify {
+            src,
+            out,
+            key,
+            name,
+            from,
+            to,
+        } => {
+            let from_ns = from.as_deref().map(parse_utc).transpose()?;
+            let to_ns = to.as_deref().map(parse_utc).transpose()?;
+            notify(&src, &out, &key, &name, from_ns, to_ns)
+        }
         ForensicsCmd::Exposure {
             src,
             show_sql,
@@ -589,4 +626,71 @@ pub(crate) fn forensics_cmd(c: ForensicsCmd, parse_utc: fn(&str) -> Result<i64>)
             })
         }
     }
+}
+
+/// `custody forensics notify`.
+fn notify(
+    src: &Source,
+    out: &std::path::Path,
+    key: &std::path::Path,
+    name: &str,
+    from_ns: Option<i64>,
+    to_ns: Option<i64>,
+) -> Result<()> {
+    let custody_query::source::AuditRoot::Local(root) = &src.root else {
+        anyhow::bail!(
+            "custody forensics notify reads a local audit root (copy the bucket's first)"
+        );
+    };
+    let signing = custody_audit::digest::read_signing_key(key)
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("reading the notice key {}", key.display()))?;
+    let signer = custody_audit::tlog::NoteSigner::new(name, signing)
+        .with_context(|| format!("--name {name:?}"))?;
+    let (rows, scope) = block_on(src, async {
+        let ctx = session(src).await?;
+        let shown = crate::progress::Progress::spinner("running the exposure query");
+        let found = forensics::notice_inputs(&ctx, from_ns, to_ns).await;
+        shown.finish(0);
+        Ok(found?)
+    })?;
+    let store = custody_audit::digest::LocalStore::new(root);
+    let issued = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64);
+    let notices = custody_audit::notice::build_notices(&store, &rows, &scope, &signer, issued)?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let write = |file: String, bytes: &[u8]| {
+        let p = out.join(file);
+        std::fs::write(&p, bytes).with_context(|| format!("writing {}", p.display()))
+    };
+    write(
+        "notices.vkey".into(),
+        format!("{}\n", signer.vkey()).as_bytes(),
+    )?;
+    let mut exposed = 0;
+    for n in &notices {
+        write(format!("{}.notice.json", n.tenant), &n.json)?;
+        write(format!("{}.notice.sig", n.tenant), &n.sig)?;
+        exposed += usize::from(n.exposed);
+        println!(
+            "{}: {}",
+            n.tenant,
+            if n.exposed {
+                "EXPOSED (notice)"
+            } else {
+                "not exposed (statement of non-exposure)"
+            }
+        );
+    }
+    println!(
+        "{} notices in {} ({exposed} exposed, {} not), nodes {:?}, window {}..{} (wall ns); verifier key in notices.vkey",
+        notices.len(),
+        out.display(),
+        notices.len() - exposed,
+        scope.nodes,
+        scope.from_wall_ns,
+        scope.to_wall_ns
+    );
+    Ok(())
 }

@@ -31,34 +31,127 @@ pub(crate) enum ReceiptCmd {
         #[arg(long)]
         promise: Option<PathBuf>,
     },
+    /// Check an incident notice (`custody forensics notify`) offline: its signature by the
+    /// notice key over exactly its bytes, every receipt it carries (the tenant's own records,
+    /// each proved to its node's checkpoint), every node's window consistency proof. Exit 1 if
+    /// it does not hold.
+    VerifyNotice {
+        notice: PathBuf,
+        /// Its signature (default: the notice's path with `.sig` for `.json`).
+        #[arg(long)]
+        sig: Option<PathBuf>,
+        /// The notice key's verifier key (`notices.vkey`).
+        #[arg(long)]
+        notice_key: String,
+        /// The nodes' public key (hex, `<key>.pub`).
+        #[arg(long)]
+        node_key: PathBuf,
+        /// A tlog witness's cosignature verifier key; repeatable.
+        #[arg(long = "witness-key")]
+        witnesses: Vec<String>,
+        /// How many of them must have cosigned (default: all given).
+        #[arg(long, requires = "witnesses")]
+        min_witnesses: Option<usize>,
+    },
+}
+
+fn witness_policy(witnesses: Vec<String>, min: Option<usize>) -> Result<Option<WitnessPolicy>> {
+    if witnesses.is_empty() {
+        return Ok(None);
+    }
+    let min = min.unwrap_or(witnesses.len());
+    if min == 0 || min > witnesses.len() {
+        bail!(
+            "--min-witnesses {min}: between 1 and the {} keys given",
+            witnesses.len()
+        );
+    }
+    Ok(Some(WitnessPolicy {
+        vkeys: witnesses,
+        min,
+        checkpoints: Vec::new(),
+    }))
+}
+
+/// `custody receipt verify-notice`.
+fn verify_notice(
+    notice: &std::path::Path,
+    sig: Option<PathBuf>,
+    notice_key: &str,
+    node_key: &std::path::Path,
+    policy: Option<WitnessPolicy>,
+) -> Result<()> {
+    let sig = sig.unwrap_or_else(|| notice.with_extension("sig"));
+    let read =
+        |p: &std::path::Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let (json, sig_bytes) = (read(notice)?, read(&sig)?);
+    let key = digest::read_verifying_key(node_key).map_err(anyhow::Error::msg)?;
+    match custody_audit::notice::verify_notice(
+        &json,
+        &sig_bytes,
+        notice_key.trim(),
+        &key,
+        policy.as_ref(),
+    ) {
+        Ok(n) => {
+            println!(
+                "notice OK: tenant {}: {}",
+                n.tenant,
+                if n.exposed { "EXPOSED" } else { "not exposed" }
+            );
+            println!("  {}", n.summary);
+            println!("  {} receipts of its own records checked", n.receipts);
+            for rid in &n.without_receipt {
+                println!("  {rid}: no receipt yet (not sealed when the notice was written)");
+            }
+            for (node, old, new) in &n.windows {
+                println!(
+                    "  node {node}: its tree of {new} records extends the one of {old} (consistency proved)"
+                );
+            }
+            Ok(())
+        }
+        Err(e) => {
+            println!("notice FAILED: {e}");
+            std::process::exit(1);
+        }
+    }
 }
 
 pub(crate) fn receipt_cmd(c: ReceiptCmd) -> Result<()> {
-    let ReceiptCmd::Verify {
-        receipt,
-        node_key,
-        witnesses,
-        min_witnesses,
-        promise,
-    } = c;
-    let json = std::fs::read(&receipt).with_context(|| format!("reading {}", receipt.display()))?;
-    let key = digest::read_verifying_key(&node_key).map_err(anyhow::Error::msg)?;
-    let policy = if witnesses.is_empty() {
-        None
-    } else {
-        let min = min_witnesses.unwrap_or(witnesses.len());
-        if min == 0 || min > witnesses.len() {
-            bail!(
-                "--min-witnesses {min}: between 1 and the {} keys given",
-                witnesses.len()
-            );
+    match c {
+        ReceiptCmd::VerifyNotice {
+            notice,
+            sig,
+            notice_key,
+            node_key,
+            witnesses,
+            min_witnesses,
+        } => {
+            let policy = witness_policy(witnesses, min_witnesses)?;
+            verify_notice(&notice, sig, &notice_key, &node_key, policy)
         }
-        Some(WitnessPolicy {
-            vkeys: witnesses,
-            min,
-            checkpoints: Vec::new(),
-        })
-    };
+        ReceiptCmd::Verify {
+            receipt,
+            node_key,
+            witnesses,
+            min_witnesses,
+            promise,
+        } => verify(&receipt, &node_key, witnesses, min_witnesses, promise),
+    }
+}
+
+/// `custody receipt verify`.
+fn verify(
+    receipt: &std::path::Path,
+    node_key: &std::path::Path,
+    witnesses: Vec<String>,
+    min_witnesses: Option<usize>,
+    promise: Option<PathBuf>,
+) -> Result<()> {
+    let json = std::fs::read(receipt).with_context(|| format!("reading {}", receipt.display()))?;
+    let key = digest::read_verifying_key(node_key).map_err(anyhow::Error::msg)?;
+    let policy = witness_policy(witnesses, min_witnesses)?;
     let checked = tree_store::verify_receipt(&json, &key, policy.as_ref()).and_then(|r| {
         let kept = match &promise {
             None => None,

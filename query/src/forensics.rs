@@ -227,11 +227,12 @@ DROP VIEW exposure_writes;
 DROP VIEW exposure_reads;
 "#;
 
-/// Every attended slot whose latest earlier write was another tenant's: one row per affected
-/// response and source tenant. Reads the tables [`EXPOSURE_PREPARE_SQL`] leaves: each suspect
-/// read's slots are matched with the latest candidate write before them (an as-of match by one
-/// ordered pass, not a join with the page's history).
-pub const EXPOSURE_SQL: &str = r#"
+/// The reads in the window that attended a slot another request wrote last (a candidate's
+/// latest write before the read), with the writer's request and tenant: what [`EXPOSURE_SQL`]
+/// and [`EXPOSURE_SOURCES_SQL`] aggregate. A macro, so that both are one literal each.
+macro_rules! exposure_sourced_cte {
+    () => {
+        r#"
 WITH slotted AS (
   SELECT node_id, page, seq, request_id, tenant, is_read, wall_ns, verdict,
          unnest(range(slot_start, slot_end)) AS slot
@@ -258,7 +259,8 @@ latest AS (
   WHERE is_read = 1 AND key_max >= base
 ),
 sourced AS (
-  SELECT l.node_id, l.request_id, l.tenant, c.tenant AS source_tenant, l.wall_ns, l.verdict
+  SELECT l.node_id, l.request_id, l.tenant, c.tenant AS source_tenant, l.wall_ns, l.verdict,
+         c.request_id AS source_request
   FROM latest l
   JOIN exposure_candidates c
     ON c.node_id = l.node_id AND c.seq = l.write_seq AND c.is_read = 0
@@ -267,7 +269,17 @@ sourced AS (
    AND p.generation = c.generation AND p.writer = c.request_id
   WHERE p.node_id IS NULL
 )
-SELECT node_id, request_id, tenant AS recipient_tenant, source_tenant,
+"#
+    };
+}
+
+/// Every attended slot whose latest earlier write was another tenant's: one row per affected
+/// response and source tenant. Reads the tables [`EXPOSURE_PREPARE_SQL`] leaves: each suspect
+/// read's slots are matched with the latest candidate write before them (an as-of match by one
+/// ordered pass, not a join with the page's history).
+pub const EXPOSURE_SQL: &str = concat!(
+    exposure_sourced_cte!(),
+    r#"SELECT node_id, request_id, tenant AS recipient_tenant, source_tenant,
        CAST(COUNT(*) AS BIGINT) AS foreign_slots, MIN(wall_ns) AS wall_ns,
        MAX(CASE WHEN verdict = 'unchecked' THEN 1 ELSE 0 END) AS unchecked,
        MAX(wall_ns) AS last_wall_ns
@@ -275,7 +287,24 @@ FROM sourced
 WHERE source_tenant <> tenant
 GROUP BY node_id, request_id, tenant, source_tenant
 ORDER BY node_id, request_id, recipient_tenant, source_tenant
-"#;
+"#
+);
+
+/// [`EXPOSURE_SQL`] per writing request: for each affected response and source tenant, which of
+/// that tenant's requests wrote the slots it attended, and how many (what a source tenant's
+/// notice names: `custody forensics notify`).
+pub const EXPOSURE_SOURCES_SQL: &str = concat!(
+    exposure_sourced_cte!(),
+    r#"SELECT node_id, request_id, tenant AS recipient_tenant, source_tenant, source_request,
+       CAST(COUNT(*) AS BIGINT) AS foreign_slots, MIN(wall_ns) AS wall_ns,
+       MAX(CASE WHEN verdict = 'unchecked' THEN 1 ELSE 0 END) AS unchecked,
+       MAX(wall_ns) AS last_wall_ns
+FROM sourced
+WHERE source_tenant <> tenant
+GROUP BY node_id, request_id, tenant, source_tenant, source_request
+ORDER BY node_id, request_id, recipient_tenant, source_tenant, source_request
+"#
+);
 
 /// [`EXPOSURE_SQL`]'s order: every column of its group key, so the order is total — a node's
 /// request ids restart with its process, and two incarnations' responses of one id (each its own
@@ -1060,6 +1089,92 @@ pub async fn exposure_with_rows(
         },
         batches,
     ))
+}
+
+/// What `custody forensics notify` builds its notices from: the exposure answer per writing
+/// request ([`EXPOSURE_SOURCES_SQL`]), every tenant with a request in the window, the window
+/// (the log's first and last request when not given) and the nodes that served them.
+pub async fn notice_inputs(
+    ctx: &SessionContext,
+    from_ns: Option<i64>,
+    to_ns: Option<i64>,
+) -> Result<
+    (
+        Vec<custody_audit::notice::SourcedExposure>,
+        custody_audit::notice::NoticeScope,
+    ),
+    QueryError,
+> {
+    use custody_audit::notice::{NoticeScope, SourcedExposure};
+    prepare_exposure(ctx, from_ns, to_ns).await?;
+    let batches = tuned(ctx)?
+        .sql(&with_window(EXPOSURE_SOURCES_SQL, from_ns, to_ns))
+        .await?
+        .collect()
+        .await?;
+    drop_exposure_tables(ctx).await?;
+    let mut rows = Vec::new();
+    for b in &batches {
+        let node = b.column(0).as_primitive::<UInt32Type>();
+        let req = b.column(1).as_primitive::<UInt64Type>();
+        let rt = b.column(2).as_string::<i32>();
+        let st = b.column(3).as_string::<i32>();
+        let sreq = b.column(4).as_primitive::<UInt64Type>();
+        let n = b.column(5).as_primitive::<Int64Type>();
+        let wall = b.column(6).as_primitive::<Int64Type>();
+        let unchecked = b.column(7).as_primitive::<Int64Type>();
+        let last_wall = b.column(8).as_primitive::<Int64Type>();
+        for i in 0..b.num_rows() {
+            rows.push(SourcedExposure {
+                node: node.value(i),
+                request: req.value(i),
+                recipient_tenant: rt.value(i).to_owned(),
+                source_tenant: st.value(i).to_owned(),
+                source_request: sreq.value(i),
+                foreign_slots: n.value(i) as u64,
+                first_wall_ns: wall.value(i),
+                last_wall_ns: last_wall.value(i),
+                unchecked: unchecked.value(i) != 0,
+            });
+        }
+    }
+    let seen = ctx
+        .sql(&with_window(
+            "SELECT tenant, node_id, MIN(wall_ns) AS first, MAX(wall_ns) AS last FROM all_requests \
+             WHERE tenant IS NOT NULL AND wall_ns >= {from_ns} AND wall_ns < {to_ns} \
+             GROUP BY tenant, node_id",
+            from_ns,
+            to_ns,
+        ))
+        .await?
+        .collect()
+        .await?;
+    let mut scope = NoticeScope {
+        tenants: Default::default(),
+        from_wall_ns: from_ns.unwrap_or(i64::MAX),
+        to_wall_ns: to_ns.unwrap_or(i64::MIN),
+        nodes: Vec::new(),
+    };
+    for b in &seen {
+        let t = b.column(0).as_string::<i32>();
+        let node = b.column(1).as_primitive::<UInt32Type>();
+        let first = b.column(2).as_primitive::<Int64Type>();
+        let last = b.column(3).as_primitive::<Int64Type>();
+        for i in 0..b.num_rows() {
+            scope.tenants.insert(t.value(i).to_owned());
+            if !scope.nodes.contains(&node.value(i)) {
+                scope.nodes.push(node.value(i));
+            }
+            if from_ns.is_none() {
+                scope.from_wall_ns = scope.from_wall_ns.min(first.value(i));
+            }
+            if to_ns.is_none() {
+                scope.to_wall_ns = scope.to_wall_ns.max(last.value(i) + 1);
+            }
+        }
+    }
+    scope.nodes.sort_unstable();
+    Ok((rows, scope))
 }
 
 #[cfg(test)]
