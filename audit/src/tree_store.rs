@@ -626,11 +626,17 @@ impl<'a> NodeLog<'a> {
 
     /// The proof that the tree of `new` records extends the tree of `old` (both sealed).
     pub fn prove_consistency(&self, old: u64, new: u64) -> Result<Vec<Hash>, ProofError> {
+        self.root_at(old)?;
+        self.prove_extension(old, new)
+    }
+
+    /// [`NodeLog::prove_consistency`] from any size `old` (not only one a digest sealed): what
+    /// holds another history's tree (a witness's) to this log's.
+    fn prove_extension(&self, old: u64, new: u64) -> Result<Vec<Hash>, ProofError> {
         let root = self.root_at(new)?;
         if old == 0 || old > new {
             return Err(TlogError::BadSizes { old, new }.into());
         }
-        self.root_at(old)?;
         let reader = tlog_tiles::TileHashReader::new(new, root, self);
         tlog_tiles::prove_tree(new, old, &reader).map_err(|e| self.inconsistent(e))
     }
@@ -898,23 +904,48 @@ pub fn check_cosigned(
         return None;
     };
     let origin = origin_line(&own);
-    let mut best = hold_cosigned(
-        &own,
-        &store.locate(&rel).display().to_string(),
+    let log = SealedLog {
+        store,
         node,
         key,
         roots,
-        policy,
-        problems,
-    );
+    };
+    let place = store.locate(&rel).display().to_string();
+    let mut best = hold_cosigned(&log, &own, &place, policy, problems);
     for (note, place) in &policy.checkpoints {
         if origin_line(note) != origin {
             continue;
         }
-        let got = hold_cosigned(note, place, node, key, roots, policy, problems);
+        let got = hold_cosigned(&log, note, place, policy, problems);
         best = best.max(got);
     }
     best
+}
+
+/// A node's sealed log as `verify` rebuilt it: what a cosigned checkpoint is held to.
+struct SealedLog<'a> {
+    store: &'a dyn LogStore,
+    node: u32,
+    key: &'a VerifyingKey,
+    /// Every size a digest sealed, with the root the records make.
+    roots: &'a BTreeMap<u64, Hash>,
+}
+
+/// Whether the node's sealed tree of `new` records (root in `roots`) extends a tree of `old`
+/// records with root `old_root`: a consistency proof from the log's tiles and records, checked.
+fn extends(
+    store: &dyn LogStore,
+    node: u32,
+    old: u64,
+    old_root: Hash,
+    new: u64,
+    roots: &BTreeMap<u64, Hash>,
+) -> Result<bool, ProofError> {
+    let new_root = *roots
+        .get(&new)
+        .ok_or(ProofError::UnsealedSize { node, size: new })?;
+    let proof = NodeLog::open(store, node)?.prove_extension(old, new)?;
+    Ok(tlog::verify_consistency(&proof, new, new_root, old, old_root).is_ok())
 }
 
 fn origin_line(note: &[u8]) -> String {
@@ -928,14 +959,18 @@ fn origin_line(note: &[u8]) -> String {
 /// One cosigned checkpoint: the node's signature, the quorum, and the sealed tree's root at its
 /// size (a larger size than the log has: a cut or rolled-back log).
 fn hold_cosigned(
+    log: &SealedLog<'_>,
     note: &[u8],
     place: &str,
-    node: u32,
-    key: &VerifyingKey,
-    roots: &BTreeMap<u64, Hash>,
     policy: &WitnessPolicy,
     problems: &mut Vec<Problem>,
 ) -> Option<u64> {
+    let SealedLog {
+        store,
+        node,
+        key,
+        roots,
+    } = *log;
     let fail = |why: String| Problem::NotWitnessed {
         node,
         why: format!("{place}: {why}"),
@@ -974,10 +1009,19 @@ fn hold_cosigned(
             "the witnesses cosigned {} records; the log holds {largest} (its tail was cut, or the node rolled back)",
             cp.size()
         ),
-        None => format!(
-            "the witnesses cosigned {} records, a size no digest sealed",
-            cp.size()
-        ),
+        // Between two seals of this log (another history's seal): does this log's tree extend
+        // the one the witnesses cosigned?
+        None => match extends(store, node, cp.size(), *cp.hash(), largest, roots) {
+            Ok(true) => return Some(cp.size()),
+            Ok(false) => format!(
+                "the witnesses cosigned a tree of {} records that the sealed records' tree does not extend (a forked history)",
+                cp.size()
+            ),
+            Err(e) => format!(
+                "the witnesses cosigned {} records, a size no digest sealed, and no consistency proof could be made: {e}",
+                cp.size()
+            ),
+        },
     };
     problems.push(Problem::TreeCheckpointInvalid {
         node,

@@ -1,5 +1,5 @@
 """custody-verify: check Custody audit-log inclusion and consistency proofs, receipts and the
-promises answers make of them, offline.
+promises answers make of them, and per-tenant incident notices, offline.
 
 Exit status: 0 verified, 1 verification failed (or an input could not be read), 2 usage error.
 """
@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, TextIO, Union
 
 from . import VerifyError, __version__
 from .notes import VerifiedSignature, VerifierKey, parse_vkey
+from .notice import NoticeResult, default_sig_path, verify_notice
 from .promise import PromiseCheck, read_promises, select_promises, verify_entry, verify_receipt_promise
 from .proofs import verify_consistency_proof, verify_tlog_proof
 from .receipt import verify_receipt
@@ -50,14 +51,14 @@ def _format_value(value: Value) -> str:
     return str(value)
 
 
-def _print_witnesses(cosigs: Sequence[VerifiedSignature], out: TextIO) -> None:
+def _print_witnesses(cosigs: Sequence[VerifiedSignature], out: TextIO, indent: str = "") -> None:
     for c in cosigs:
         ts = c.timestamp or 0
         try:
             when = datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         except (OverflowError, OSError, ValueError):
             when = "out of range"
-        print(f"cosigned by {c.key.name} at {when} ({ts})", file=out)
+        print(f"{indent}cosigned by {c.key.name} at {when} ({ts})", file=out)
 
 
 def print_record(record: Union[Record, LostRecord], out: TextIO) -> None:
@@ -135,6 +136,63 @@ def _cmd_promise(args: argparse.Namespace, out: TextIO) -> None:
             print(f"  seq {r.seq} {r.table} {r.leaf_b64}", file=out)
 
 
+def _key_file_lines(path: str) -> List[str]:
+    text = _read(path, "key file").decode("utf-8", "replace")
+    keys = [line.strip() for line in text.splitlines() if line.strip()]
+    if not keys:
+        raise VerifyError(f"key file {path} holds no key")
+    return keys
+
+
+def _print_notice(result: NoticeResult, out: TextIO) -> None:
+    verdict = "EXPOSED" if result.exposed else "not exposed"
+    print(f"OK: notice for tenant {result.tenant}: {verdict}", file=out)
+    if result.summary is not None:
+        print(result.summary, file=out)
+    if result.window is not None:
+        w = result.window
+        print(f"window (wall-clock ns): {_format_value(w.get('from_wall_ns'))} to "
+              f"{_format_value(w.get('to_wall_ns'))}", file=out)
+    checked = [e for e in result.entries if e.receipt is not None]
+    print(f"{len(checked)} receipt(s) checked", file=out)
+    for e in checked:
+        cp = e.receipt.verified.checkpoint
+        print(f"  {e.side} {e.request_id} (node {e.node}): {len(e.receipt.records)} records in the tree of "
+              f"{cp.size} records of {cp.origin}", file=out)
+    for e in result.entries:
+        if e.missing is not None:
+            print(f"receipt missing: {e.side} {e.request_id} (node {e.node}): {e.missing}", file=out)
+    if result.truncated:
+        print("truncated: the notice lists only part of the requests found", file=out)
+    for log in result.logs:
+        head = f"node {log.node}: the tree of {log.tree_size} records of {log.origin}"
+        if log.old_size == 0:
+            print(f"{head} (nothing was sealed before the window)", file=out)
+        elif log.old_size == log.tree_size:
+            print(f"{head} is the tree at the window's start (no record since)", file=out)
+        else:
+            print(f"{head} extends the one of {log.old_size} (consistency proved)", file=out)
+        _print_witnesses(log.verified.cosignatures, out, "  ")
+
+
+def _cmd_notice(args: argparse.Namespace, out: TextIO) -> None:
+    witnesses, need = _witness_policy(args)
+    if args.notice_key_file:
+        notice_keys = _key_file_lines(args.notice_key_file)
+        if len(notice_keys) != 1:
+            raise VerifyError(f"notice key file {args.notice_key_file} holds {len(notice_keys)} keys, not one")
+        notice_key = parse_vkey(notice_keys[0])
+    else:
+        notice_key = parse_vkey(args.notice_key)
+    log_keys = [parse_vkey(k) for k in args.log_key]
+    for path in args.log_key_file:
+        log_keys += [parse_vkey(k) for k in _key_file_lines(path)]
+    data = _read(args.notice_file, "notice")
+    sig_path = args.sig if args.sig is not None else default_sig_path(args.notice_file)
+    sig = _read(sig_path, "notice signature")
+    _print_notice(verify_notice(data, sig, notice_key, log_keys, witnesses, need), out)
+
+
 def _cmd_record(args: argparse.Namespace, out: TextIO) -> None:
     print_record(decode_record(_read(args.file, "record file")), out)
 
@@ -181,6 +239,24 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--request-id", metavar="ID", help="only the promise of this request (default: every one)")
     sp.set_defaults(run=_cmd_promise)
 
+    sp = sub.add_parser("notice", help="check a custody-notice/1: a tenant's signed incident notice, its "
+                        "receipts and the logs' consistency proofs")
+    sp.add_argument("notice_file", metavar="NOTICE.json")
+    sp.add_argument("--sig", metavar="FILE", help="the notice's signed note (default: the notice's path with "
+                    ".json replaced by .sig)")
+    g = sp.add_mutually_exclusive_group(required=True)
+    g.add_argument("--notice-key", metavar="VKEY", help="the notice key's verifier key (type 0x01)")
+    g.add_argument("--notice-key-file", metavar="FILE", help="a file holding it (notices.vkey)")
+    sp.add_argument("--log-key", metavar="VKEY", action="append", default=[],
+                    help="a node log's verifier key (type 0x01), named as its origin; one per origin, repeatable")
+    sp.add_argument("--log-key-file", metavar="FILE", action="append", default=[],
+                    help="a file of log verifier keys, one a line; repeatable")
+    sp.add_argument("--witness-key", metavar="VKEY", action="append", default=[],
+                    help="a witness's cosignature verifier key (type 0x04); repeatable")
+    sp.add_argument("--min-witnesses", metavar="N", type=int, default=None,
+                    help="witness cosignatures required of every checkpoint (default: every --witness-key)")
+    sp.set_defaults(run=_cmd_notice)
+
     sp = sub.add_parser("record", help="decode a record's canonical bytes")
     sp.add_argument("file", metavar="FILE")
     sp.set_defaults(run=_cmd_record)
@@ -188,7 +264,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None, out: Optional[TextIO] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "notice" and not args.log_key and not args.log_key_file:
+        parser.error("notice: at least one --log-key (or --log-key-file) is required")
     out = out or sys.stdout
     try:
         args.run(args, out)

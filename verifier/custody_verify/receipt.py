@@ -49,7 +49,8 @@ def _field(obj: Dict[str, Any], name: str, kind: type, what: str = "receipt") ->
     value = obj[name]
     # bool is an int in Python; JSON true/false is not a number here.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        kind_name = {str: "a string", int: "an integer", list: "a list"}.get(kind, kind.__name__)
+        kind_name = {str: "a string", int: "an integer", list: "a list", bool: "a boolean",
+                     dict: "an object"}.get(kind, kind.__name__)
         raise VerifyError(f"{what}'s {name!r} is not {kind_name}: {value!r}")
     if kind is int and not 0 <= value <= U64_MAX:
         raise VerifyError(f"{what}'s {name!r} {value} is not a u64")
@@ -100,7 +101,18 @@ def verify_receipt(
 ) -> ReceiptResult:
     """Check a receipt: its signed checkpoint (log key, cosignatures), and that every record
     it lists is in that checkpoint's tree and belongs to its request and tenant."""
-    obj = parse_receipt(data)
+    return verify_receipt_object(parse_receipt(data), log_key, witness_keys, min_witnesses)
+
+
+def verify_receipt_object(
+    obj: Dict[str, Any],
+    log_key: VerifierKey,
+    witness_keys: Sequence[VerifierKey] = (),
+    min_witnesses: int = 0,
+) -> ReceiptResult:
+    """verify_receipt of a receipt already parsed from JSON (one embedded in a notice, say)."""
+    if not isinstance(obj, dict):
+        raise VerifyError("receipt is not a JSON object")
     fmt = obj.get("format")
     if fmt != RECEIPT_FORMAT:
         raise VerifyError(f"receipt format is {fmt!r}, not {RECEIPT_FORMAT!r}")

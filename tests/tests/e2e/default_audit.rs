@@ -583,6 +583,18 @@ fn pair_node(
     root: &Path,
     key: &Path,
 ) -> KillOnDrop {
+    pair_node_with(state, role, ports, root, key, "")
+}
+
+/// [`pair_node`] with `audit_extra` appended to its config (its `[[audit.witnesses]]`).
+fn pair_node_with(
+    state: &Path,
+    role: &str,
+    ports: &[(u16, u16)],
+    root: &Path,
+    key: &Path,
+    audit_extra: &str,
+) -> KillOnDrop {
     let mut text = std::fs::read_to_string(config(&format!("disagg-{role}.toml"))).expect("config");
     for (shipped, free) in ports {
         text = text.replace(
@@ -594,9 +606,14 @@ fn pair_node(
         "[audit]\n",
         "[audit]\nseal_interval_s = 1\ncheckpoint_interval_s = 1\n",
     );
+    text.push_str(audit_extra);
     let cfg = state.join(format!("{role}.toml"));
     std::fs::write(&cfg, text).expect("config");
-    let log = std::fs::File::create(state.join(format!("{role}.log"))).expect("log");
+    let log = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(state.join(format!("{role}.log")))
+        .expect("log");
     let child = custody_in(state)
         .current_dir(state)
         .arg(role)
@@ -771,4 +788,285 @@ fn a_pair_answer_carries_both_nodes_promises_and_the_front_serves_their_receipts
     assert_eq!(cp.status, 200, "{}", String::from_utf8_lossy(&cp.body));
     assert!(String::from_utf8_lossy(&cp.body).contains("/node-2/"));
     terminate(front.0.take().expect("front"), &state);
+}
+
+/// A completion through `api` as `key`: the response, retried while the pair is re-pairing
+/// (503), bounded.
+fn complete(api: &str, key: &str, prompt: &str) -> custody_server::client::Response {
+    let body = format!(
+        r#"{{"model":"smollm2-135m-instruct","prompt":"{prompt}","max_tokens":3,"temperature":0}}"#
+    );
+    let t0 = Instant::now();
+    loop {
+        let r = custody_server::client::request(
+            api,
+            "POST",
+            "/v1/completions",
+            Some(key),
+            Some(body.as_bytes()),
+            Duration::from_secs(60),
+        );
+        match r {
+            Ok(r) if r.status == 200 => return r,
+            other if t0.elapsed() > Duration::from_secs(120) => {
+                panic!("no completion: {:?}", other.map(|r| (r.status, r.body)))
+            }
+            _ => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+}
+
+/// The receipt at `fetch` once its checkpoint carries `witness`'s cosignature (bounded).
+fn cosigned_receipt(api: &str, fetch: &str, witness: &str) -> Vec<u8> {
+    let t0 = Instant::now();
+    loop {
+        let got = custody_server::client::request(
+            api,
+            "GET",
+            fetch,
+            Some("sk-demo-acme"),
+            None,
+            Duration::from_secs(30),
+        )
+        .expect("receipt");
+        if got.status == 200 {
+            let v: serde_json::Value = serde_json::from_slice(&got.body).expect("json");
+            let cp = v["checkpoint"].as_str().unwrap_or_default().as_bytes();
+            if custody_audit::cosign::cosignatures(cp, &[witness.to_owned()])
+                .is_ok_and(|c| !c.is_empty())
+            {
+                return got.body;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(90),
+            "{fetch}: no cosigned receipt"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// The size of the tree a root's newest checkpoint note names (0: none yet).
+fn tree_size(root: &Path, node: u32) -> u64 {
+    std::fs::read(root.join(format!("_tlog/node={node}/checkpoint")))
+        .ok()
+        .and_then(|n| custody_audit::tlog::note_checkpoint(&n).ok())
+        .map_or(0, |c| c.size())
+}
+
+fn signal(child: &KillOnDrop, sig: &str) {
+    let pid = child.0.as_ref().expect("child").id().to_string();
+    let st = Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .expect("kill");
+    assert!(st.success());
+}
+
+/// The issue's fleet-shaped split view, with the real processes: a pair behind its front, each
+/// node cosigned by a `custody witness`. The decode node is restarted from a copy of its disk
+/// taken earlier and, with its own key, signs another history past the size the witness
+/// cosigned. The witness refuses it and keeps both checkpoints as evidence; `audit verify` with
+/// the witness's checkpoint reports the fork; the receipt a tenant fetched before the fork
+/// still verifies against the cosigned checkpoint and keeps its answer's promise; the promise
+/// of a request the fork removed is shown broken against the forked log.
+#[test]
+fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_promises() {
+    use custody_audit::digest;
+    let state = tmp_dir("pair-fork");
+    let o = custody_in(&state)
+        .current_dir(&*state)
+        .args(["certs", "--out", "certs"])
+        .args([
+            "--node",
+            "prefill:1",
+            "--node",
+            "decode:2",
+            "--node",
+            "front:0",
+        ])
+        .output()
+        .expect("custody certs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let key = digest::generate_key().expect("key");
+    let key_file = state.join("node.key");
+    digest::write_key(&key, &key_file).expect("write key");
+    let vk = key.verifying_key();
+    let pubkey = state.join("node.pub");
+    std::fs::write(&pubkey, digest::hex(vk.as_bytes())).expect("pub");
+    let wkey = digest::generate_key().expect("witness key");
+    let wkey_file = state.join("w1.key");
+    digest::write_key(&wkey, &wkey_file).expect("write key");
+    let w1 = custody_audit::cosign::vkey("w1.test", &wkey.verifying_key());
+    let log_vkey = |node| {
+        custody_audit::tlog::ed25519_vkey(
+            &custody_audit::tree_store::default_origin(node, &vk),
+            &vk,
+        )
+    };
+    let wstate = state.join("w1");
+    let wp =
+        crate::tlog::start_witness(&wkey_file, "w1.test", &wstate, &[log_vkey(1), log_vkey(2)]);
+    let witnesses = format!(
+        "\n[[audit.witnesses]]\nurl = \"http://{}\"\nvkey = \"{w1}\"\n",
+        wp.addr
+    );
+    let (decode_root, prefill_root) = (state.join("audit-decode"), state.join("audit-prefill"));
+    let ports: Vec<(u16, u16)> = (7070..=7074).map(|p| (p, free_port())).collect();
+    let url = |shipped: u16| {
+        let p = ports.iter().find(|(s, _)| *s == shipped).expect("port").1;
+        format!("http://127.0.0.1:{p}")
+    };
+    let start_decode = || {
+        let d = pair_node_with(
+            &state,
+            "decode",
+            &ports,
+            &decode_root,
+            &key_file,
+            &witnesses,
+        );
+        wait_node(&url(7074), &state, "decode");
+        d
+    };
+    let mut decode = start_decode();
+    let _prefill = pair_node_with(
+        &state,
+        "prefill",
+        &ports,
+        &prefill_root,
+        &key_file,
+        &witnesses,
+    );
+    wait_node(&url(7073), &state, "prefill");
+    let (port, metrics_port) = (free_port(), free_port());
+    let front = custody_in(&state)
+        .current_dir(&*state)
+        .arg("serve")
+        .arg("--config")
+        .arg(config("serve-demo.toml"))
+        .args(["--prefill", &url(7070)])
+        .arg("--model")
+        .arg(custody_tests::model_path())
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(state.join("serve.log")).expect("log"))
+        .spawn()
+        .expect("spawn the front");
+    let mut front = KillOnDrop(Some(front));
+    let api = format!("http://127.0.0.1:{port}");
+    wait_ready(front.0.as_mut().expect("front"), &api, &state);
+
+    // Before the fork: an answer, and its decode node's receipt to a cosigned checkpoint.
+    let decode_entry = |r: &custody_server::client::Response| -> serde_json::Value {
+        let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        v["custody_receipt"]["requests"][0].clone()
+    };
+    let first = complete(&api, "sk-demo-acme", "Hello");
+    let kept_answer = state.join("kept-answer.json");
+    std::fs::write(&kept_answer, &first.body).expect("write");
+    let e = decode_entry(&first);
+    assert_eq!(e["node"].as_u64(), Some(2), "{e}");
+    let kept_receipt = cosigned_receipt(&api, e["fetch"].as_str().expect("fetch"), &w1);
+    // The older disk: the decode node's root as it stands now (the process paused meanwhile).
+    signal(&decode, "-STOP");
+    let older = state.join("older-decode");
+    crate::audit::copy_dir(&decode_root, &older);
+    signal(&decode, "-CONT");
+    // A request the fork will remove, cosigned too.
+    let second = complete(&api, "sk-demo-acme", "Goodbye");
+    let removed_answer = state.join("removed-answer.json");
+    std::fs::write(&removed_answer, &second.body).expect("write");
+    let e = decode_entry(&second);
+    cosigned_receipt(&api, e["fetch"].as_str().expect("fetch"), &w1);
+    let cosigned_size = tree_size(&decode_root, 2);
+
+    // The decode node restarted from the older disk signs another history past that size.
+    drop(decode);
+    std::fs::remove_dir_all(&decode_root).expect("rm");
+    crate::audit::copy_dir(&older, &decode_root);
+    decode = start_decode();
+    let evidence = || {
+        custody_in(&state)
+            .args(["witness", "evidence", "--state"])
+            .arg(&wstate)
+            .args(["--log", &log_vkey(2)])
+            .output()
+            .expect("custody witness evidence")
+    };
+    let t0 = Instant::now();
+    let mut n = 0;
+    while tree_size(&decode_root, 2) <= cosigned_size || evidence().status.code() != Some(1) {
+        n += 1;
+        complete(&api, "sk-demo-globex", &format!("Another {n}"));
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "no fork evidence: tree {} (cosigned {cosigned_size})",
+            tree_size(&decode_root, 2)
+        );
+    }
+    let o = evidence();
+    let out = text(&o);
+    assert!(
+        out.contains("EVIDENCE") && !out.contains("NOT signed"),
+        "{out}"
+    );
+    // The witness's own checkpoint, held against the forked disk.
+    let origin_id =
+        custody_audit::tlog_witness::origin_id(&custody_audit::tree_store::default_origin(2, &vk));
+    let (status, cosigned) = get(
+        &format!("http://{}", wp.addr),
+        &format!("/{origin_id}/checkpoint"),
+    )
+    .expect("the witness's checkpoint");
+    assert_eq!(status, 200);
+    let cp_file = state.join("w1.checkpoint");
+    std::fs::write(&cp_file, cosigned).expect("write");
+    terminate(front.0.take().expect("front"), &state);
+    drop(decode);
+    let o = verify(
+        &state,
+        &decode_root,
+        &[
+            "--public-key",
+            pubkey.to_str().expect("utf-8"),
+            "--witness",
+            &w1,
+            "--witness-checkpoint",
+            cp_file.to_str().expect("utf-8"),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("a forked history"), "{}", text(&o));
+    // The receipt fetched before the fork still holds, with its answer's promise.
+    let receipt_file = state.join("kept-receipt.json");
+    std::fs::write(&receipt_file, &kept_receipt).expect("write");
+    let o = custody_in(&state)
+        .args(["receipt", "verify"])
+        .arg(&receipt_file)
+        .arg("--node-key")
+        .arg(&pubkey)
+        .args(["--witness-key", &w1])
+        .arg("--promise")
+        .arg(&kept_answer)
+        .output()
+        .expect("custody receipt verify");
+    assert!(
+        o.status.success() && text(&o).contains("promise kept"),
+        "{}",
+        text(&o)
+    );
+    // The removed request's promise, held to the forked log: broken.
+    let o = custody_in(&state)
+        .args(["audit", "check-promise"])
+        .arg(&decode_root)
+        .args(["--node", "2", "--promise"])
+        .arg(&removed_answer)
+        .arg("--public-key")
+        .arg(&pubkey)
+        .output()
+        .expect("custody audit check-promise");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("promise BROKEN"), "{}", text(&o));
 }
