@@ -105,9 +105,15 @@ fn verify_notice(
                 println!("  {rid}: no receipt yet (not sealed when the notice was written)");
             }
             for (node, old, new) in &n.windows {
-                println!(
-                    "  node {node}: its tree of {new} records extends the one of {old} (consistency proved)"
-                );
+                if *old == 0 {
+                    println!(
+                        "  node {node}: its tree of {new} records (nothing was sealed before the window)"
+                    );
+                } else {
+                    println!(
+                        "  node {node}: its tree of {new} records extends the one of {old} (consistency proved)"
+                    );
+                }
             }
             Ok(())
         }
