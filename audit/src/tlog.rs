@@ -620,18 +620,23 @@ impl InclusionProof {
     /// Checks the proof against the log's verifier key: the checkpoint signed by it, and the
     /// record in `extra` (required) at `index` of that checkpoint's tree. Returns the checkpoint.
     pub fn verify(&self, log_vkey: &str) -> Result<tlog_tiles::Checkpoint, TlogError> {
-        let cp = open_checkpoint(&self.checkpoint, log_vkey)?;
         let record = self
             .extra
             .as_deref()
             .ok_or(TlogError::MalformedProof("no record (extra line) to prove"))?;
-        verify_inclusion(
-            &self.hashes,
-            cp.size(),
-            *cp.hash(),
-            self.index,
-            record_hash(record),
-        )?;
+        self.verify_leaf(log_vkey, record_hash(record))
+    }
+
+    /// That `leaf` (a record's hash, as a receipt promise names it) is record `index` of the
+    /// checkpoint's tree, the checkpoint signed by `log_vkey`; the proof's `extra`, if any, is
+    /// not consulted.
+    pub fn verify_leaf(
+        &self,
+        log_vkey: &str,
+        leaf: Hash,
+    ) -> Result<tlog_tiles::Checkpoint, TlogError> {
+        let cp = open_checkpoint(&self.checkpoint, log_vkey)?;
+        verify_inclusion(&self.hashes, cp.size(), *cp.hash(), self.index, leaf)?;
         Ok(cp)
     }
 }

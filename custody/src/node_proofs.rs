@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use custody_audit::digest::LocalStore;
-use custody_audit::tlog::{Checkpoint, ConsistencyProof};
+use custody_audit::tlog::{Checkpoint, ConsistencyProof, InclusionProof};
 use custody_audit::tree_store::{self, NodeLog, ReceiptStatus};
 use custody_audit::writer::PromiseReply;
 use custody_runtime::disagg::proofs::NodeProofs;
@@ -106,6 +106,26 @@ impl AuditProofs for RootProofs {
         log.cosigned_or_newest(size.saturating_sub(1)).map_err(err)
     }
 
+    fn inclusion(&self, node: u32, seq: u64) -> Result<Vec<u8>, ProofsError> {
+        self.own(node)?;
+        let store = LocalStore::new(&self.root);
+        let log = NodeLog::open(&store, self.node).map_err(err)?;
+        let note = log.cosigned_or_newest(seq).map_err(err)?;
+        let size = checkpoint_of(&note)?.size();
+        if seq >= size {
+            return Err(ProofsError(format!(
+                "record {seq} is not in the node's newest checkpoint ({size} records) yet: ask again after the next seal"
+            )));
+        }
+        Ok(InclusionProof {
+            extra: None,
+            index: seq,
+            hashes: log.prove_inclusion(seq, size).map_err(err)?,
+            checkpoint: note,
+        }
+        .to_bytes())
+    }
+
     fn consistency(&self, node: u32, old: u64) -> Result<Vec<u8>, ProofsError> {
         self.own(node)?;
         let store = LocalStore::new(&self.root);
@@ -134,7 +154,9 @@ fn checkpoint_of(note: &[u8]) -> Result<Checkpoint, ProofsError> {
 /// `Decode.Proof`): status and body as the HTTP endpoints would.
 impl NodeProofs for RootProofs {
     fn proof(&self, req: &proto::ProofRequest) -> proto::ProofReply {
-        use custody_runtime::disagg::proofs::{CHECKPOINT, CONSISTENCY, PROMISE, RECEIPT};
+        use custody_runtime::disagg::proofs::{
+            CHECKPOINT, CONSISTENCY, INCLUSION, PROMISE, RECEIPT,
+        };
         let reply = |status: u32, body: Vec<u8>| proto::ProofReply { status, body };
         let said = |status: u32, why: &str| reply(status, why.as_bytes().to_vec());
         if req.node != self.node {
@@ -159,6 +181,10 @@ impl NodeProofs for RootProofs {
             CONSISTENCY => match self.consistency(req.node, req.old) {
                 Ok(body) => reply(200, body),
                 Err(e) => said(400, &e.to_string()),
+            },
+            INCLUSION => match self.inclusion(req.node, req.request) {
+                Ok(body) => reply(200, body),
+                Err(e) => said(404, &e.to_string()),
             },
             other => said(400, &format!("unknown proof {other:?}")),
         }

@@ -31,6 +31,25 @@ pub(crate) enum ReceiptCmd {
         #[arg(long)]
         promise: Option<PathBuf>,
     },
+    /// Hold an answer's promises (`custody_receipt`) to the live log: for each promised record,
+    /// its inclusion proof (hashes only, `GET /v1/audit/proof/inclusion`) from the node — or,
+    /// through a front or router, from the node of each entry — checked against the promised
+    /// leaf and the node's signed checkpoint. Works where the node no longer serves the receipt
+    /// (a fork removed it). The API key is read from `CUSTODY_API_KEY`. Exit 1 if a promise is
+    /// broken.
+    CheckPromise {
+        answer: PathBuf,
+        /// The API's base URL (`http://host:port`).
+        #[arg(long)]
+        url: String,
+        /// The nodes' public key (hex, `<key>.pub`).
+        #[arg(long)]
+        node_key: PathBuf,
+        /// A tlog witness's cosignature verifier key; repeatable: each proof's checkpoint must
+        /// be cosigned by all of them.
+        #[arg(long = "witness-key")]
+        witnesses: Vec<String>,
+    },
     /// Check an incident notice (`custody forensics notify`) offline: its signature by the
     /// notice key over exactly its bytes, every receipt it carries (the tenant's own records,
     /// each proved to its node's checkpoint), every node's window consistency proof. Exit 1 if
@@ -144,7 +163,152 @@ pub(crate) fn receipt_cmd(c: ReceiptCmd) -> Result<()> {
             min_witnesses,
             promise,
         } => verify(&receipt, &node_key, witnesses, min_witnesses, promise),
+        ReceiptCmd::CheckPromise {
+            answer,
+            url,
+            node_key,
+            witnesses,
+        } => check_promise_live(&answer, &url, &node_key, &witnesses),
     }
+}
+
+/// What one promised record's proof from the node says.
+enum LeafVerdict {
+    Kept { tree_size: u64 },
+    Broken(String),
+    Pending(String),
+}
+
+/// `custody receipt check-promise`.
+fn check_promise_live(
+    answer: &std::path::Path,
+    url: &str,
+    node_key: &std::path::Path,
+    witnesses: &[String],
+) -> Result<()> {
+    let key = digest::read_verifying_key(node_key).map_err(anyhow::Error::msg)?;
+    let api_key = std::env::var("CUSTODY_API_KEY")
+        .context("CUSTODY_API_KEY: the tenant's API key (the proofs answer tenants only)")?;
+    let mut broken = 0usize;
+    for entry in answer_promises(answer)? {
+        let rid = entry.request_id.clone().unwrap_or_default();
+        let note = match entry.note {
+            Ok(n) => n,
+            Err(why) => {
+                println!("{rid}: no promise in the answer ({why})");
+                continue;
+            }
+        };
+        let origin = custody_audit::promise::Promise::parse(signed_text(&note))
+            .map_err(|e| anyhow::anyhow!("{rid}: {e}"))?
+            .origin;
+        let vkey = custody_audit::tlog::ed25519_vkey(&origin, &key);
+        let p = custody_audit::promise::Promise::open(&note, &vkey)
+            .map_err(|e| anyhow::anyhow!("{rid}: {e}"))?;
+        let node = entry.node.unwrap_or(0);
+        let (mut kept, mut size) = (0usize, 0u64);
+        for l in &p.leaves {
+            match leaf_verdict(url, &api_key, node, l, &vkey, witnesses)? {
+                LeafVerdict::Kept { tree_size } => {
+                    kept += 1;
+                    size = size.max(tree_size);
+                }
+                LeafVerdict::Broken(why) => {
+                    broken += 1;
+                    println!(
+                        "  BROKEN: {} seq {} ({}): {why}",
+                        p.request_id, l.seq, l.table
+                    );
+                }
+                LeafVerdict::Pending(why) => {
+                    println!("  pending: {} seq {}: {why}", p.request_id, l.seq);
+                }
+            }
+        }
+        println!(
+            "{} (node {node}) of tenant {}: {kept} of {} promised records proved in its tree of {size} records",
+            p.request_id,
+            p.tenant,
+            p.leaves.len()
+        );
+    }
+    if broken > 0 {
+        println!(
+            "promise BROKEN: {broken} promised record(s) are not in the node's signed tree (keep the answer and the proofs as evidence)"
+        );
+        std::process::exit(1);
+    }
+    println!("promises kept (so far as sealed)");
+    Ok(())
+}
+
+/// A signed note's text (through its blank line).
+fn signed_text(note: &[u8]) -> &[u8] {
+    let end = note
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map_or(note.len(), |i| i + 1);
+    &note[..end]
+}
+
+/// One promised leaf held to the node's inclusion proof for its seq.
+fn leaf_verdict(
+    url: &str,
+    api_key: &str,
+    node: u64,
+    l: &custody_audit::promise::PromisedLeaf,
+    vkey: &str,
+    witnesses: &[String],
+) -> Result<LeafVerdict> {
+    let path = format!("/v1/audit/proof/inclusion?node={node}&seq={}", l.seq);
+    let r = custody_server::client::request(
+        url,
+        "GET",
+        &path,
+        Some(api_key),
+        None,
+        std::time::Duration::from_secs(60),
+    )
+    .with_context(|| format!("GET {url}{path}"))?;
+    let body = String::from_utf8_lossy(&r.body).into_owned();
+    match r.status {
+        200 => {}
+        404 => return Ok(LeafVerdict::Pending(body)),
+        s => bail!("GET {path}: {s}: {body}"),
+    }
+    let proof = custody_audit::tlog::InclusionProof::parse(&r.body)
+        .with_context(|| format!("{path}: not a tlog-proof"))?;
+    if proof.index != l.seq {
+        bail!("{path}: the node proved record {} instead", proof.index);
+    }
+    if !witnesses.is_empty() {
+        let got = custody_audit::cosign::cosignatures(&proof.checkpoint, witnesses)
+            .map_err(|e| anyhow::anyhow!("{path}: {e}"))?;
+        if got.len() < witnesses.len() {
+            bail!(
+                "{path}: its checkpoint is cosigned by {} of the {} witnesses given",
+                got.len(),
+                witnesses.len()
+            );
+        }
+    }
+    // A checkpoint not signed by the node is a bad proof, not evidence against the node.
+    let cp = custody_audit::tlog::open_checkpoint(&proof.checkpoint, vkey)
+        .with_context(|| format!("{path}: the proof's checkpoint"))?;
+    if !vkey.starts_with(&format!("{}+", cp.origin())) {
+        bail!(
+            "{path}: a checkpoint of {}, not of the promise's log",
+            cp.origin()
+        );
+    }
+    Ok(match proof.verify_leaf(vkey, l.leaf) {
+        Ok(cp) => LeafVerdict::Kept {
+            tree_size: cp.size(),
+        },
+        Err(e) => LeafVerdict::Broken(format!(
+            "the node's signed tree does not hold the promised leaf there ({e})"
+        )),
+    })
 }
 
 /// `custody receipt verify`.

@@ -69,6 +69,7 @@ pub(crate) fn router(st: Arc<AppState>) -> Router {
             get(crate::receipts::receipt),
         )
         .route("/v1/audit/checkpoint", get(crate::receipts::checkpoint))
+        .route("/v1/audit/proof/inclusion", get(crate::receipts::inclusion))
         .route(
             "/v1/audit/proof/consistency",
             get(crate::receipts::consistency),

@@ -64,6 +64,9 @@ pub trait AuditProofs: Send + Sync + std::fmt::Debug {
     fn receipt(&self, tenant: &str, node: u32, request: u64) -> Result<Receipt, ProofsError>;
     fn checkpoint(&self, node: u32) -> Result<Vec<u8>, ProofsError>;
     fn consistency(&self, node: u32, old: u64) -> Result<Vec<u8>, ProofsError>;
+    /// Record `seq`'s inclusion proof to the node's (cosigned) checkpoint, hashes only (C2SP
+    /// `tlog-proof@v1` without `extra`: no record bytes, any tenant may ask).
+    fn inclusion(&self, node: u32, seq: u64) -> Result<Vec<u8>, ProofsError>;
 }
 
 /// A node's promise as a pair's final event carried it.
@@ -185,6 +188,10 @@ impl AuditProofs for RemoteProofs {
 
     fn consistency(&self, node: u32, old: u64) -> Result<Vec<u8>, ProofsError> {
         self.body(proof_request("", node, proofs::CONSISTENCY, 0, old))
+    }
+
+    fn inclusion(&self, node: u32, seq: u64) -> Result<Vec<u8>, ProofsError> {
+        self.body(proof_request("", node, proofs::INCLUSION, seq, 0))
     }
 }
 
@@ -406,3 +413,26 @@ fn carried_entry(p: &NodePromise) -> serde_json::Value {
 
 /// The `format` of an answer's `custody_receipt`.
 pub const PROMISE_RECEIPT_FORMAT: &str = "custody-receipt-promise/1";
+
+/// `GET /v1/audit/proof/inclusion?seq=S[&node=N]`: record `seq`'s inclusion proof, hashes only —
+/// what a tenant holds a promised leaf to, even where the node no longer serves the receipt.
+pub(crate) async fn inclusion(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
+    let node = match node_param(&st, &uri) {
+        Ok(n) => n,
+        Err(e) => return e.into_response(),
+    };
+    let Some(seq) = query_param(&uri, "seq").and_then(|v| v.parse::<u64>().ok()) else {
+        return ApiError::bad_request("give ?seq=<the record's sequence number>")
+            .param("seq")
+            .into_response();
+    };
+    match with_proofs(&st, &headers, move |p, _| p.inclusion(node, seq)).await {
+        Err(r) => r,
+        Ok(Ok(body)) => text(body),
+        Ok(Err(e)) => ApiError::not_found(e.to_string()).into_response(),
+    }
+}

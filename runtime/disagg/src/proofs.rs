@@ -20,6 +20,9 @@ pub const RECEIPT: &str = "receipt";
 pub const CHECKPOINT: &str = "checkpoint";
 /// `ProofRequest.what`: the consistency proof from a tree of `old` records to the newest.
 pub const CONSISTENCY: &str = "consistency";
+/// `ProofRequest.what`: the inclusion proof of record `request` (a seq), hashes only (no record
+/// bytes: any tenant may ask for any seq).
+pub const INCLUSION: &str = "inclusion";
 
 /// A node's audit log, as tenants' proofs need it. Both calls block (a writer round trip, reads
 /// of the root): callers run them on the blocking pool.

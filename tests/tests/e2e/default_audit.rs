@@ -1023,6 +1023,36 @@ fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_p
     assert_eq!(status, 200);
     let cp_file = state.join("w1.checkpoint");
     std::fs::write(&cp_file, cosigned).expect("write");
+    // Held to the live nodes through the front: the answer before the fork keeps both nodes'
+    // promises; the removed request's decode promise is broken (the forked tree holds other
+    // leaves at its seqs), though the node serves no receipt of it any more.
+    let live_check = |answer: &Path| {
+        custody_in(&state)
+            .env("CUSTODY_API_KEY", "sk-demo-acme")
+            .args(["receipt", "check-promise"])
+            .arg(answer)
+            .args(["--url", &api])
+            .arg("--node-key")
+            .arg(&pubkey)
+            .output()
+            .expect("custody receipt check-promise")
+    };
+    let o = live_check(&kept_answer);
+    assert!(
+        o.status.success() && text(&o).contains("promises kept"),
+        "{}{}",
+        text(&o),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = live_check(&removed_answer);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}{}",
+        text(&o),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(text(&o).contains("BROKEN: req-2-"), "{}", text(&o));
     terminate(front.0.take().expect("front"), &state);
     drop(decode);
     let o = verify(
