@@ -95,11 +95,6 @@ pub(crate) fn open_serving_audit(
     conf: &AuditSection,
     what: Serving,
 ) -> Result<Option<NodeAudit>> {
-    if let (Serving::Fleet(role), n @ 1..) = (what, conf.require_cosignatures) {
-        anyhow::bail!(
-            "[audit] require_cosignatures = {n}: only `custody serve` with its own engine can refuse work on missing cosignatures yet, not a {role}"
-        );
-    }
     if no_audit {
         refuse_or_announce_no_audit(conf, what)?;
         return Ok(None);

@@ -139,3 +139,16 @@ fn run(
         }
     }
 }
+
+/// `[audit] require_cosignatures` on a pair's or fleet's node: no new work while the newest
+/// checkpoint has fewer cosignatures than required.
+#[derive(Debug)]
+pub(crate) struct Gate(pub(crate) Arc<CosignStats>);
+
+impl custody_runtime::disagg::proofs::AuditGate for Gate {
+    fn refusal(&self) -> Option<String> {
+        self.0.below_required.load(Ordering::Relaxed).then(|| {
+            "this node's audit log is not cosigned by its witnesses ([audit] require_cosignatures), so it takes no new work (fail-closed)".to_owned()
+        })
+    }
+}

@@ -78,7 +78,14 @@ fn load_role(
     let security = fleet_security(&cfg.tls)?;
     let mut checkpoints = None;
     let mut proofs = None;
+    let mut gate = None;
     if let Some(n) = &opened {
+        if cfg.audit.require_cosignatures > 0 {
+            gate = n.cosign.clone().map(|c| {
+                Arc::new(crate::cosign_client::Gate(c))
+                    as Arc<dyn custody_runtime::disagg::proofs::AuditGate>
+            });
+        }
         proofs = Some(Arc::new(crate::node_proofs::RootProofs {
             root: n.root.clone(),
             node: n.node,
@@ -113,6 +120,7 @@ fn load_role(
         checkpoints,
         audit_off: opened.is_none(),
         proofs,
+        gate,
     };
     Ok((setup, cfg, opened.map(|n| n.writer)))
 }

@@ -57,6 +57,8 @@ pub struct DecodeOptions {
     pub drain: super::Drain,
     /// This node's log, for tenants' promises and proofs (`None`: no audit log).
     pub proofs: Option<Arc<dyn crate::proofs::NodeProofs>>,
+    /// `[audit] require_cosignatures`: new work refused while the log lacks them.
+    pub gate: Option<Arc<dyn crate::proofs::AuditGate>>,
 }
 
 /// How prefill (for the front behind it) ended a request: the `requests` row's kind and the
@@ -933,6 +935,7 @@ pub struct DecodeHandle {
     vocab: usize,
     /// This node's log, for tenants' promises and proofs.
     proofs: Option<Arc<dyn crate::proofs::NodeProofs>>,
+    gate: Option<Arc<dyn crate::proofs::AuditGate>>,
 }
 
 impl std::fmt::Debug for Cmd {
@@ -973,6 +976,7 @@ impl DecodeHandle {
         let drain = opts.drain.clone();
         let grammars = opts.grammars.clone();
         let proofs = opts.proofs.clone();
+        let gate = opts.gate.clone();
         let vocab = engine.core().model().config.vocab_size;
         let stride = engine.core().pool().region_page_stride();
         let info = super::node_info(
@@ -1023,6 +1027,7 @@ impl DecodeHandle {
             grammars,
             vocab,
             proofs,
+            gate,
         })
     }
 
@@ -1122,6 +1127,7 @@ impl decode_server::Decode for DecodeService {
         &self,
         r: Request<proto::ReserveRequest>,
     ) -> Result<Response<proto::ReserveReply>, Status> {
+        crate::proofs::refused(self.h.gate.as_ref())?;
         let caller = r.extensions().get::<crate::tls::Caller>().copied();
         let req = r.into_inner();
         // A prefill node reserves only under its own node id (its pairing's regions).

@@ -89,6 +89,8 @@ pub struct NodeSetup {
     pub audit_off: bool,
     /// The node's log for tenants' promises and proofs (`None` without an audit log).
     pub proofs: Option<Arc<dyn crate::proofs::NodeProofs>>,
+    /// `[audit] require_cosignatures`: refuses new work while the log lacks them.
+    pub gate: Option<Arc<dyn crate::proofs::AuditGate>>,
 }
 
 /// The node's own facts at start, in its audit log: role, model, context and pool; and, when
@@ -261,8 +263,13 @@ async fn drain_on_signal(
 }
 
 /// Serve `/health/live` and `/health/ready` on `[disagg] health_listen`, when set; a node without
-/// its audit log answers ready as degraded.
-fn serve_health(listen: &str, node: FleetNode, audit_off: bool) -> Result<(), NodeError> {
+/// its audit log answers ready as degraded, one whose `gate` refuses work is not ready.
+fn serve_health(
+    listen: &str,
+    node: FleetNode,
+    audit_off: bool,
+    gate: Option<Arc<dyn crate::proofs::AuditGate>>,
+) -> Result<(), NodeError> {
     if listen.is_empty() {
         return Ok(());
     }
@@ -272,7 +279,11 @@ fn serve_health(listen: &str, node: FleetNode, audit_off: bool) -> Result<(), No
         source,
     };
     let l = std::net::TcpListener::bind(listen).map_err(bind_err)?;
-    let ready: health::Readiness = Arc::new(move || node.ready_blocking());
+    let ready: health::Readiness =
+        Arc::new(move || match gate.as_ref().and_then(|g| g.refusal()) {
+            Some(why) => Err(format!("audit_uncosigned: {why}")),
+            None => node.ready_blocking(),
+        });
     let degraded = audit_off.then_some("audit disabled");
     health::spawn_degraded(l, ready, degraded).map_err(bind_err)
 }
@@ -345,6 +356,7 @@ pub fn run_decode(s: NodeSetup, reservation_lease: Duration) -> Result<(), NodeE
         checkpoints: s.checkpoints,
         drain: Drain::default(),
         proofs: s.proofs.clone(),
+        gate: s.gate.clone(),
     };
     let drain = opts.drain.clone();
     let h = DecodeHandle::start(s.engine, opts).map_err(NodeError::DecodeStart)?;
@@ -358,7 +370,7 @@ pub fn run_decode(s: NodeSetup, reservation_lease: Duration) -> Result<(), NodeE
             "decode node ready"
         );
         let node = || FleetNode::Decode(Box::new(h.clone()));
-        serve_health(&s.disagg.health_listen, node(), s.audit_off)?;
+        serve_health(&s.disagg.health_listen, node(), s.audit_off, s.gate.clone())?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let timeout = Duration::from_millis(s.disagg.drain_timeout_ms);
         let drained = drain_on_signal(tx, node(), drain, timeout);
@@ -448,6 +460,7 @@ pub fn run_prefill(mut s: NodeSetup, namespaces: Option<Arc<Namespaces>>) -> Res
         namespaces,
         drain: Drain::default(),
         proofs: s.proofs.clone(),
+        gate: s.gate.clone(),
     };
     let rt = runtime()?;
     rt.block_on(serve_prefill_node(s, opts, targets, listen))
@@ -477,7 +490,7 @@ async fn serve_prefill_node(
     let listener = bind(listen, "the front door").await?;
     tracing::info!(node = s.node, %listen, decode = %decode_url, "prefill node ready");
     let node = || FleetNode::Prefill(Box::new(h.clone()));
-    serve_health(&s.disagg.health_listen, node(), s.audit_off)?;
+    serve_health(&s.disagg.health_listen, node(), s.audit_off, s.gate.clone())?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let timeout = Duration::from_millis(s.disagg.drain_timeout_ms);
     let drained = drain_on_signal(tx, node(), drain, timeout);
@@ -507,6 +520,7 @@ impl PairOptions {
                 grammars: None,
                 drain: Drain::default(),
                 proofs: None,
+                gate: None,
             },
             decode: DecodeOptions {
                 grammars: None,
@@ -521,6 +535,7 @@ impl PairOptions {
                 checkpoints: None,
                 drain: Drain::default(),
                 proofs: None,
+                gate: None,
             },
             fleet,
             transport_encryption: false,

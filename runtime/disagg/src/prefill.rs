@@ -59,6 +59,8 @@ pub struct PrefillOptions {
     pub drain: super::Drain,
     /// This node's log, for tenants' promises and proofs (`None`: no audit log).
     pub proofs: Option<Arc<dyn crate::proofs::NodeProofs>>,
+    /// `[audit] require_cosignatures`: new work refused while the log lacks them.
+    pub gate: Option<Arc<dyn crate::proofs::AuditGate>>,
 }
 
 /// One decode node this prefill node writes into (a fleet names several).
@@ -1395,6 +1397,7 @@ impl PrefillHandle {
                 "this prefill node is draining",
             )));
         }
+        crate::proofs::refused(self.opts.gate.as_ref())?;
         let (peer, epoch) = self.choose_peer(route.as_ref())?;
         let routed = route.is_some();
         let original = req.clone();

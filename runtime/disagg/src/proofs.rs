@@ -82,3 +82,22 @@ pub(crate) fn promise_request(tenant: &str, node: u32, request: u64) -> proto::P
         old: 0,
     }
 }
+
+/// Whether the node's audit log lets it take new work (`[audit] require_cosignatures`: not
+/// while its newest checkpoint lacks the cosignatures required). Implemented by the binary
+/// over its cosigner; a refusing node answers `unavailable` before anything is admitted or
+/// reserved (a router retries elsewhere) and its readiness is 503.
+pub trait AuditGate: Send + Sync + std::fmt::Debug {
+    /// Why the node takes no new work now (`None`: it does).
+    fn refusal(&self) -> Option<String>;
+}
+
+/// The gate's refusal as a gRPC status, marked as nothing posted (a router may retry).
+pub(crate) fn refused(gate: Option<&Arc<dyn AuditGate>>) -> Result<(), Status> {
+    match gate.and_then(|g| g.refusal()) {
+        None => Ok(()),
+        Some(why) => Err(crate::nothing_posted(Status::unavailable(format!(
+            "audit_uncosigned: {why}"
+        )))),
+    }
+}

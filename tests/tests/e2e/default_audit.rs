@@ -583,16 +583,18 @@ fn pair_node(
     root: &Path,
     key: &Path,
 ) -> KillOnDrop {
-    pair_node_with(state, role, ports, root, key, "")
+    pair_node_with(state, role, ports, root, key, "", "")
 }
 
-/// [`pair_node`] with `audit_extra` appended to its config (its `[[audit.witnesses]]`).
+/// [`pair_node`] with `audit_keys` added to its `[audit]` section and `audit_extra` appended to
+/// its config (its `[[audit.witnesses]]`).
 fn pair_node_with(
     state: &Path,
     role: &str,
     ports: &[(u16, u16)],
     root: &Path,
     key: &Path,
+    audit_keys: &str,
     audit_extra: &str,
 ) -> KillOnDrop {
     let mut text = std::fs::read_to_string(config(&format!("disagg-{role}.toml"))).expect("config");
@@ -604,7 +606,7 @@ fn pair_node_with(
     }
     text = text.replace(
         "[audit]\n",
-        "[audit]\nseal_interval_s = 1\ncheckpoint_interval_s = 1\n",
+        &format!("[audit]\nseal_interval_s = 1\ncheckpoint_interval_s = 1\n{audit_keys}"),
     );
     text.push_str(audit_extra);
     let cfg = state.join(format!("{role}.toml"));
@@ -924,6 +926,7 @@ fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_p
             &ports,
             &decode_root,
             &key_file,
+            "",
             &witnesses,
         );
         wait_node(&url(7074), &state, "decode");
@@ -936,6 +939,7 @@ fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_p
         &ports,
         &prefill_root,
         &key_file,
+        "",
         &witnesses,
     );
     wait_node(&url(7073), &state, "prefill");
@@ -1099,4 +1103,91 @@ fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_p
         .expect("custody audit check-promise");
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("promise BROKEN"), "{}", text(&o));
+}
+
+/// `[audit] require_cosignatures = 1` on a pair's decode node whose only witness is down: once
+/// it has sealed a checkpoint nobody cosigned, its readiness is 503 `audit_uncosigned` and it
+/// reserves nothing, so a request through the prefill node is refused before anything is
+/// admitted or transferred — fail-closed on a pair too.
+#[test]
+fn a_pair_node_that_requires_cosignatures_fails_closed_without_them() {
+    use custody_audit::digest;
+    let state = tmp_dir("pair-require-cosign");
+    let o = custody_in(&state)
+        .current_dir(&*state)
+        .args(["certs", "--out", "certs"])
+        .args([
+            "--node",
+            "prefill:1",
+            "--node",
+            "decode:2",
+            "--node",
+            "front:0",
+        ])
+        .output()
+        .expect("custody certs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let key = digest::generate_key().expect("key");
+    let key_file = state.join("node.key");
+    digest::write_key(&key, &key_file).expect("write key");
+    let w_vkey = custody_audit::cosign::vkey(
+        "w1.test",
+        &digest::generate_key().expect("key").verifying_key(),
+    );
+    let dead = format!(
+        "\n[[audit.witnesses]]\nurl = \"http://127.0.0.1:{}\"\nvkey = \"{w_vkey}\"\n",
+        free_port()
+    );
+    let root = state.join("audit");
+    let ports: Vec<(u16, u16)> = (7070..=7074).map(|p| (p, free_port())).collect();
+    let url = |shipped: u16| {
+        let p = ports.iter().find(|(s, _)| *s == shipped).expect("port").1;
+        format!("http://127.0.0.1:{p}")
+    };
+    let _decode = pair_node_with(
+        &state,
+        "decode",
+        &ports,
+        &root,
+        &key_file,
+        "require_cosignatures = 1\n",
+        &dead,
+    );
+    let t0 = Instant::now();
+    loop {
+        if let Some((503, body)) = get(&url(7074), "/health/ready")
+            && body.contains("audit_uncosigned")
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "the decode node never failed closed: {}",
+            std::fs::read_to_string(state.join("decode.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let _prefill = pair_node(&state, "prefill", &ports, &root, &key_file);
+    wait_node(&url(7073), &state, "prefill");
+    let o = custody_in(&state)
+        .current_dir(&*state)
+        .args(["generate", "--config"])
+        .arg(config("serve-demo.toml"))
+        .args([
+            "--prefill",
+            &url(7070),
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "2",
+        ])
+        .arg("--model")
+        .arg(custody_tests::model_path())
+        .output()
+        .expect("custody generate --prefill");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("audit_uncosigned"),
+        "{err}"
+    );
 }

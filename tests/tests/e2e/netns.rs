@@ -290,6 +290,7 @@ fn netns_child_node() {
                 checkpoints: None,
                 drain: Default::default(),
                 proofs: None,
+                gate: None,
             },
         )
         .expect("decode");
@@ -336,6 +337,7 @@ fn netns_child_node() {
         namespaces: None,
         drain: Default::default(),
         proofs: None,
+        gate: None,
     };
     let h = rt
         .block_on(PrefillHandle::start(
