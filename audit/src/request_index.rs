@@ -7,7 +7,7 @@
 //! every entry is still running, new rows of a request are not indexed and its entry is marked
 //! incomplete — a promise is never issued for part of a request.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::tlog::Hash;
 
@@ -199,5 +199,107 @@ mod tests {
         ix.clear();
         assert_eq!(ix.take(1), RequestLeaves::Unknown);
         assert_eq!(ix.len_leaves(), 0);
+    }
+}
+
+/// Where each request of this incarnation sits in the log: its first and last record's seq.
+/// What a receipt lookup reads instead of scanning back through the log. Bounded by `cap`
+/// requests: the lowest ids (the oldest: ids are assigned in order) are forgotten first.
+#[derive(Debug)]
+pub struct RequestSpans {
+    spans: BTreeMap<u64, Span>,
+    cap: usize,
+    /// Every id below this may have been evicted.
+    forgotten_below: u64,
+}
+
+/// A request's records: seqs `first..=last`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub first: u64,
+    pub last: u64,
+}
+
+/// What the spans say of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpanLookup {
+    Found(Span),
+    /// No record of it in this incarnation (an id above every one seen, or one never used).
+    Unknown,
+    /// Possibly evicted (an id below the bound): the caller looks in the log itself.
+    Forgotten,
+}
+
+impl RequestSpans {
+    pub fn new(cap: usize) -> Self {
+        assert!(cap > 0);
+        Self {
+            spans: BTreeMap::new(),
+            cap,
+            forgotten_below: 0,
+        }
+    }
+
+    pub fn add(&mut self, request: u64, seq: u64) {
+        let s = self.spans.entry(request).or_insert(Span {
+            first: seq,
+            last: seq,
+        });
+        s.first = s.first.min(seq);
+        s.last = s.last.max(seq);
+        while self.spans.len() > self.cap {
+            if let Some((id, _)) = self.spans.pop_first() {
+                self.forgotten_below = self.forgotten_below.max(id + 1);
+            }
+        }
+    }
+
+    pub fn lookup(&self, request: u64) -> SpanLookup {
+        match self.spans.get(&request) {
+            Some(s) => SpanLookup::Found(*s),
+            None if request < self.forgotten_below => SpanLookup::Forgotten,
+            None => SpanLookup::Unknown,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.spans.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod span_tests {
+    use super::*;
+
+    #[test]
+    fn spans_cover_each_request_and_forget_the_oldest_ids_first() {
+        let mut s = RequestSpans::new(2);
+        s.add(1, 10);
+        s.add(2, 11);
+        s.add(1, 14);
+        assert_eq!(
+            s.lookup(1),
+            SpanLookup::Found(Span {
+                first: 10,
+                last: 14
+            })
+        );
+        assert_eq!(s.lookup(3), SpanLookup::Unknown);
+        s.add(3, 15);
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.lookup(1), SpanLookup::Forgotten);
+        assert_eq!(s.lookup(0), SpanLookup::Forgotten);
+        assert_eq!(
+            s.lookup(2),
+            SpanLookup::Found(Span {
+                first: 11,
+                last: 11
+            })
+        );
+        assert_eq!(s.lookup(9), SpanLookup::Unknown);
     }
 }

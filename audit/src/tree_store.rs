@@ -1063,14 +1063,39 @@ pub fn request_receipt(
     tenant: &str,
     request: u64,
 ) -> Result<ReceiptStatus, ProofError> {
+    request_receipt_within(store, node, from_seq, None, tenant, request)
+}
+
+/// [`request_receipt`] reading only the segments of `span` (the request's first and last
+/// record, from the writer's [`crate::request_index::RequestSpans`]) when it is known.
+pub fn request_receipt_within(
+    store: &dyn LogStore,
+    node: u32,
+    from_seq: u64,
+    span: Option<crate::request_index::Span>,
+    tenant: &str,
+    request: u64,
+) -> Result<ReceiptStatus, ProofError> {
     let log = NodeLog::open(store, node)?;
+    if let Some(s) = span
+        && log.digests.last().is_none_or(|d| d.seq_end <= s.last)
+    {
+        // Not all of it is sealed yet.
+        return Ok(ReceiptStatus::Pending);
+    }
+    let (lo, hi) = span.map_or((from_seq, u64::MAX), |s| (s.first, s.last));
     let mut found: Vec<(Table, u64, Vec<u8>)> = Vec::new();
     let mut ended = false;
     let mut admitted_seen = false;
     // Newest first: a request's records all follow its admission, so the scan stops at the
     // segment that holds it (a receipt costs what has been sealed since the request, not the
-    // whole log).
-    for d in log.digests.iter().rev().filter(|d| d.seq_end > from_seq) {
+    // whole log); with its span, only the segments it spans are read.
+    for d in log
+        .digests
+        .iter()
+        .rev()
+        .filter(|d| d.seq_end > lo && d.seq_start <= hi)
+    {
         if found.iter().any(|(t, _, _)| *t == Table::Requests) && admitted_seen {
             break;
         }

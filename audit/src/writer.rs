@@ -41,7 +41,7 @@ use crate::checkpoint::{Checkpoint, CheckpointSink, DirSink};
 use crate::digest::{self, DigestFile, SealedFile, TreeHead};
 use crate::leaf;
 use crate::promise::{Promise, PromisedLeaf};
-use crate::request_index::{LeafRef, RequestIndex, RequestLeaves};
+use crate::request_index::{LeafRef, RequestIndex, RequestLeaves, RequestSpans, SpanLookup};
 use crate::schema::{self, SCHEMA_VERSION, SCHEMA_VERSION_KEY, Table, TableBuilder};
 use crate::tlog::{self, EdgeTree, NoteSigner};
 use crate::tree_store::{self, TreeDir};
@@ -175,12 +175,17 @@ enum Msg {
     Rotate(SyncSender<Result<(), WriterError>>),
     /// Write what was received so far (no fsync) and take a request's leaves from the index.
     RequestLeaves(u64, SyncSender<Result<RequestLeaves, WriterError>>),
+    /// Write what was received so far (no fsync) and say where a request's records are.
+    RequestSpan(u64, SyncSender<Result<SpanLookup, WriterError>>),
     Shutdown,
 }
 
 /// Leaves the request index holds at most (~48 B each): about a million, ~50 MB, the records of
 /// thousands of recent requests, each taken by its response moments after it ends.
 const REQUEST_INDEX_LEAVES: usize = 1 << 20;
+/// Requests whose span of seqs the writer keeps (~40 B each): a receipt of any of the most
+/// recent quarter million reads only the segments it spans.
+const REQUEST_SPANS: usize = 1 << 18;
 
 /// A response's receipt promise, as [`AuditWriter::receipt_promise`] makes it.
 #[derive(Debug, Clone, PartialEq)]
@@ -259,6 +264,7 @@ impl std::fmt::Debug for Msg {
             Msg::Sync(_) => "Sync",
             Msg::Rotate(_) => "Rotate",
             Msg::RequestLeaves(..) => "RequestLeaves",
+            Msg::RequestSpan(..) => "RequestSpan",
             Msg::Shutdown => "Shutdown",
         })
     }
@@ -388,6 +394,14 @@ impl AuditWriter {
             .sign(&self.note_signer)
             .map_err(|e| WriterError::Promise(e.to_string()))?;
         Ok(PromiseReply::Signed { promise, note })
+    }
+
+    /// Where `request`'s records are in this incarnation's log (the rows received so far
+    /// written first, without fsync): what a receipt lookup reads instead of scanning.
+    pub fn request_span(&self, request: u64) -> Result<SpanLookup, WriterError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.ask(Msg::RequestSpan(request, tx))?;
+        rx.recv().map_err(|_| WriterError::Closed(self.closed()))?
     }
 
     fn note_signer_name(&self) -> &str {
@@ -583,6 +597,8 @@ struct State {
     live_leaves: leaf::SegmentLeaves,
     /// Recent requests' leaves, for their responses' receipt promises.
     requests: RequestIndex,
+    /// Recent requests' spans of seqs, for receipt lookups.
+    spans: RequestSpans,
 }
 
 /// A complete live file's record batches, for sealing: the file read in one call and decoded
@@ -676,6 +692,7 @@ impl State {
             tree_ns: Arc::new(AtomicU64::new(0)),
             live_leaves: leaf::SegmentLeaves::new(cfg.node, chain_next_seq),
             requests: RequestIndex::new(REQUEST_INDEX_LEAVES),
+            spans: RequestSpans::new(REQUEST_SPANS),
             cfg,
         };
         st.recover()?;
@@ -838,6 +855,16 @@ impl State {
                     r?;
                     last_flush = Instant::now();
                 }
+                Ok(Msg::RequestSpan(request, reply)) => {
+                    let r = self.flush_batch(false).map(|()| self.spans.lookup(request));
+                    let _ = reply.send(
+                        r.as_ref()
+                            .map(|v| *v)
+                            .map_err(|e| WriterError::Closed(e.to_string())),
+                    );
+                    r?;
+                    last_flush = Instant::now();
+                }
                 Ok(Msg::Rotate(reply)) => {
                     let r = self.rotate();
                     let _ = reply.send(
@@ -986,6 +1013,7 @@ impl State {
                     .place(r.seq, r.leaf)
                     .map_err(|e| WriterError::Tree(e.into()))?;
                 if let Some(request) = r.request {
+                    self.spans.add(request, r.seq);
                     let at = LeafRef {
                         seq: r.seq,
                         table: table.name(),

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use custody_audit::digest::LocalStore;
+use custody_audit::request_index::SpanLookup;
 use custody_audit::tlog::{Checkpoint, ConsistencyProof, InclusionProof};
 use custody_audit::tree_store::{self, NodeLog, ReceiptStatus};
 use custody_audit::writer::PromiseReply;
@@ -80,15 +81,22 @@ impl AuditProofs for RootProofs {
             return Ok(Receipt::Unknown);
         }
         let store = LocalStore::new(&self.root);
-        let look =
-            || tree_store::request_receipt(&store, self.node, self.from_seq, tenant, request);
-        let mut r = look().map_err(err)?;
-        if r == ReceiptStatus::Unknown {
-            // Perhaps it just ended and its rows are still queued: flush them to the live
-            // segment and look again (only then: a sync is an fsync).
-            self.writer.sync().map_err(err)?;
-            r = look().map_err(err)?;
-        }
+        // Where its records are, from the writer (its rows written first, no fsync): only those
+        // segments are read; an id this incarnation never used is unknown without a read.
+        let span = match self.writer.request_span(request).map_err(err)? {
+            SpanLookup::Found(s) => Some(s),
+            SpanLookup::Unknown => return Ok(Receipt::Unknown),
+            SpanLookup::Forgotten => None,
+        };
+        let r = tree_store::request_receipt_within(
+            &store,
+            self.node,
+            self.from_seq,
+            span,
+            tenant,
+            request,
+        )
+        .map_err(err)?;
         Ok(match r {
             ReceiptStatus::Ready(json) => Receipt::Ready(json),
             ReceiptStatus::Pending => Receipt::Pending,
