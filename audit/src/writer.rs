@@ -222,6 +222,8 @@ pub struct AuditWriter {
     checkpoint_failures: Arc<AtomicU64>,
     /// The writer thread, woken (from its idle nap) by a caller that waits for its reply.
     thread: std::thread::Thread,
+    /// CPU time of the leaf hasher's thread, ns.
+    hasher_cpu_ns: Arc<AtomicU64>,
     /// The node's note key (the checkpoints' signer), for receipt promises.
     note_signer: NoteSigner,
     node: u32,
@@ -276,6 +278,7 @@ impl AuditWriter {
         assert!(cfg.queue_capacity > 0 && cfg.batch_rows > 0);
         let mut st = State::open(cfg.clone())?;
         let tree_ns = st.tree_ns.clone();
+        let hasher_cpu_ns = st.hasher.cpu_ns.clone();
         let note_signer = st.note_signer.clone();
         let checkpoint_failures = Arc::new(AtomicU64::new(0));
         let (cp_tx, cp_rx) = mpsc::sync_channel(CHECKPOINT_QUEUE);
@@ -313,6 +316,7 @@ impl AuditWriter {
         let thread = handle.thread().clone();
         Ok(Self {
             thread,
+            hasher_cpu_ns,
             note_signer,
             node: cfg.node,
             tx,
@@ -420,6 +424,12 @@ impl AuditWriter {
     /// is unavailable).
     pub fn tree_ns(&self) -> u64 {
         self.tree_ns.load(Ordering::Relaxed)
+    }
+
+    /// CPU time the leaf hasher's thread used so far, ns (the tree's hashing, off the writer's
+    /// thread).
+    pub fn hasher_cpu_ns(&self) -> u64 {
+        self.hasher_cpu_ns.load(Ordering::Relaxed)
     }
 
     /// CPU time the writer thread used so far, ns.
@@ -595,6 +605,8 @@ struct State {
     tree_ns: Arc<AtomicU64>,
     /// The live segment's leaves, hashed as its rows are flushed (the seal takes them).
     live_leaves: leaf::SegmentLeaves,
+    /// Hashes flushed batches' leaves on a thread of its own.
+    hasher: LeafHasher,
     /// Recent requests' leaves, for their responses' receipt promises.
     requests: RequestIndex,
     /// Recent requests' spans of seqs, for receipt lookups.
@@ -666,6 +678,8 @@ impl State {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as i64);
         let chain_next_seq = chain.next_seq;
+        let tree_ns = Arc::new(AtomicU64::new(0));
+        let hasher = LeafHasher::start(cfg.node, tree_ns.clone())?;
         let mut st = Self {
             next_seq: chain.next_seq,
             segment_seq_start: chain.next_seq,
@@ -689,8 +703,9 @@ impl State {
             tree,
             tree_dir: TreeDir::new(&cfg.root, cfg.node),
             note_signer,
-            tree_ns: Arc::new(AtomicU64::new(0)),
+            tree_ns,
             live_leaves: leaf::SegmentLeaves::new(cfg.node, chain_next_seq),
+            hasher,
             requests: RequestIndex::new(REQUEST_INDEX_LEAVES),
             spans: RequestSpans::new(REQUEST_SPANS),
             cfg,
@@ -846,6 +861,7 @@ impl State {
                 Ok(Msg::RequestLeaves(request, reply)) => {
                     let r = self
                         .flush_batch(false)
+                        .and_then(|()| self.absorb_leaves(true))
                         .map(|()| self.requests.take(request));
                     let _ = reply.send(
                         r.as_ref()
@@ -856,7 +872,10 @@ impl State {
                     last_flush = Instant::now();
                 }
                 Ok(Msg::RequestSpan(request, reply)) => {
-                    let r = self.flush_batch(false).map(|()| self.spans.lookup(request));
+                    let r = self
+                        .flush_batch(false)
+                        .and_then(|()| self.absorb_leaves(true))
+                        .map(|()| self.spans.lookup(request));
                     let _ = reply.send(
                         r.as_ref()
                             .map(|v| *v)
@@ -1007,23 +1026,8 @@ impl State {
                 1 => parts.pop().unwrap_or_else(|| unreachable!("one part")),
                 _ => arrow::compute::concat_batches(&table.schema(), &parts)?,
             };
-            let t_leaves = Instant::now();
-            for r in leaf::batch_leaves(*table, &batch).map_err(|e| WriterError::Tree(e.into()))? {
-                self.live_leaves
-                    .place(r.seq, r.leaf)
-                    .map_err(|e| WriterError::Tree(e.into()))?;
-                if let Some(request) = r.request {
-                    self.spans.add(request, r.seq);
-                    let at = LeafRef {
-                        seq: r.seq,
-                        table: table.name(),
-                        leaf: r.leaf,
-                    };
-                    self.requests.add(request, at, r.end);
-                }
-            }
-            self.tree_ns
-                .fetch_add(t_leaves.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            // Its leaves are hashed on the hasher's thread, off this one.
+            self.hasher.submit(*table, batch.clone())?;
             if !self.live.contains_key(table) {
                 let path = dir.join(format!("{:016}-{}.arrows", self.segment, table.name()));
                 let file = OpenOptions::new()
@@ -1045,6 +1049,7 @@ impl State {
             self.live_bytes += batch.get_array_memory_size() as u64;
         }
         self.pending_rows = 0;
+        self.absorb_leaves(false)?;
         let due = match self.cfg.fsync {
             FsyncPolicy::EveryBatch => true,
             FsyncPolicy::Interval(d) => self.last_fsync.elapsed() >= d,
@@ -1103,6 +1108,7 @@ impl State {
         let seq_end = self.next_seq;
         // One leaf per sequence number: hashed as the rows were flushed, or (a previous run's
         // live segment, recovered) from the very batches about to be sealed.
+        self.absorb_leaves(true)?;
         let t_leaves = Instant::now();
         let hashed = std::mem::replace(
             &mut self.live_leaves,
@@ -1207,6 +1213,28 @@ impl State {
 }
 
 impl State {
+    /// Takes the hasher's finished batches (`all`: waits for every one submitted): each row's
+    /// leaf into the live segment's, and requests' rows into the promise index and the spans.
+    fn absorb_leaves(&mut self, all: bool) -> Result<(), WriterError> {
+        while let Some((table, rows)) = self.hasher.next(all)? {
+            for r in rows {
+                self.live_leaves
+                    .place(r.seq, r.leaf)
+                    .map_err(|e| WriterError::Tree(e.into()))?;
+                if let Some(request) = r.request {
+                    self.spans.add(request, r.seq);
+                    let at = LeafRef {
+                        seq: r.seq,
+                        table: table.name(),
+                        leaf: r.leaf,
+                    };
+                    self.requests.add(request, at, r.end);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Signs the tree as it stands (a C2SP checkpoint note) and writes it durably.
     fn write_note(&self) -> Result<(), WriterError> {
         let root = self.tree.root().map_err(|e| WriterError::Tree(e.into()))?;
@@ -1518,5 +1546,94 @@ mod promise_tests {
         assert!(tree_store::check_promise(&checked, &note8, &vk).is_err());
         w.close().expect("close");
         let _ = fs::remove_dir_all(&root);
+    }
+}
+
+/// Batches the hasher may hold before a submit waits (each ≤ `batch_rows` rows).
+const HASHER_QUEUE_BATCHES: usize = 64;
+
+/// A hashed batch: its table and each row's leaf.
+type Hashed = Result<(Table, Vec<leaf::RowLeaf>), leaf::LeafError>;
+
+/// The leaf hasher: the writer hands it each batch it writes to the live segment and takes the
+/// rows' leaves back in the same order (`absorb_leaves`): SHA-256 over every record's canonical
+/// bytes is most of the tree's cost, and it runs here, off the writer's thread. Every batch
+/// submitted is taken back before a seal, a promise or a span lookup uses the leaves.
+struct LeafHasher {
+    jobs: SyncSender<(Table, RecordBatch)>,
+    results: Receiver<Hashed>,
+    /// Submitted, not yet taken back.
+    outstanding: usize,
+    /// The hasher thread's CPU time so far, ns (for the benchmark).
+    cpu_ns: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for LeafHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeafHasher")
+            .field("outstanding", &self.outstanding)
+            .finish()
+    }
+}
+
+impl LeafHasher {
+    fn start(node: u32, tree_ns: Arc<AtomicU64>) -> Result<Self, WriterError> {
+        let (jobs, rx) = mpsc::sync_channel::<(Table, RecordBatch)>(HASHER_QUEUE_BATCHES);
+        // Unbounded, yet never holding more than `outstanding` (at most the jobs' queue + 1).
+        let (tx, results) = mpsc::channel::<Hashed>();
+        let cpu_ns = Arc::new(AtomicU64::new(0));
+        let cpu = cpu_ns.clone();
+        std::thread::Builder::new()
+            .name(format!("audit-leaves-{node}"))
+            .spawn(move || {
+                // Ends when the writer drops its side.
+                while let Ok((table, batch)) = rx.recv() {
+                    let t0 = Instant::now();
+                    let hashed = leaf::batch_leaves(table, &batch).map(|rows| (table, rows));
+                    tree_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    cpu.store(thread_cpu_ns(), Ordering::Relaxed);
+                    if tx.send(hashed).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| WriterError::Closed(e.to_string()))?;
+        Ok(Self {
+            jobs,
+            results,
+            outstanding: 0,
+            cpu_ns,
+        })
+    }
+
+    fn submit(&mut self, table: Table, batch: RecordBatch) -> Result<(), WriterError> {
+        self.jobs
+            .send((table, batch))
+            .map_err(|_| WriterError::Closed("the leaf hasher stopped".into()))?;
+        self.outstanding += 1;
+        Ok(())
+    }
+
+    /// The next hashed batch: waited for when `wait` and one is outstanding; `None` when none
+    /// is outstanding (or, not waiting, none is ready yet).
+    fn next(&mut self, wait: bool) -> Result<Option<(Table, Vec<leaf::RowLeaf>)>, WriterError> {
+        if self.outstanding == 0 {
+            return Ok(None);
+        }
+        let got = if wait {
+            self.results.recv().map_err(|_| TryRecvError::Disconnected)
+        } else {
+            self.results.try_recv()
+        };
+        match got {
+            Ok(hashed) => {
+                self.outstanding -= 1;
+                hashed.map(Some).map_err(|e| WriterError::Tree(e.into()))
+            }
+            Err(TryRecvError::Empty) => Ok(None),
+            Err(TryRecvError::Disconnected) => {
+                Err(WriterError::Closed("the leaf hasher stopped".into()))
+            }
+        }
     }
 }
