@@ -371,6 +371,12 @@ fn a_serving_node_has_its_checkpoints_cosigned_and_says_when_a_witness_is_down()
         )
         .expect("receipt")
     };
+    // Not sealed yet: pending for its tenant, unknown for another (no existence leaks).
+    assert_eq!(
+        fetch("sk-demo-globex").status,
+        404,
+        "another tenant's request"
+    );
     let t0 = Instant::now();
     let receipt = loop {
         let got = fetch("sk-demo-acme");

@@ -745,6 +745,7 @@ fn a_two_by_two_fleet_serves_through_faults_and_its_logs_agree() {
         0,
         "steady state: every request served"
     );
+    receipts_through_the_router(&router_url);
 
     // B. kill -9 decode node 4 under load: in-flight requests on it fail cleanly, the rest are
     //    served by decode node 3.
@@ -1278,5 +1279,49 @@ fn a_route_binds_the_pair_and_the_decode_epoch() {
                 && rows[0].contains(&format!("epoch={epoch}")),
             "{who}: {rows:?}"
         );
+    }
+}
+
+/// Through the router: an answer carries its prefill and decode nodes' signed promises, and each
+/// node's receipt path reaches the node that holds the log (202 until its next seal, then the
+/// receipt); another tenant's is unknown.
+fn receipts_through_the_router(router: &str) {
+    let r = custody_server::client::request(
+        router,
+        "POST",
+        "/v1/completions",
+        Some("sk-acme"),
+        Some(br#"{"model":"fleet","prompt":"Hello","max_tokens":2}"#),
+        Duration::from_secs(60),
+    )
+    .expect("completion");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    let entries = v["custody_receipt"]["requests"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no custody_receipt: {v}"))
+        .clone();
+    let nodes: Vec<u64> = entries.iter().filter_map(|e| e["node"].as_u64()).collect();
+    assert!(
+        nodes.len() == 2 && [3, 4].contains(&nodes[0]) && [1, 2].contains(&nodes[1]),
+        "a decode node's promise, then a prefill node's: {v}"
+    );
+    for e in &entries {
+        assert!(e["promise"].is_string(), "{e}");
+        let fetch = e["fetch"].as_str().expect("fetch");
+        let get = |key: &str| {
+            custody_server::client::request(
+                router,
+                "GET",
+                fetch,
+                Some(key),
+                None,
+                Duration::from_secs(30),
+            )
+            .expect("receipt")
+            .status
+        };
+        assert!(matches!(get("sk-acme"), 200 | 202), "{fetch}");
+        assert_eq!(get("sk-globex"), 404, "{fetch}: another tenant's");
     }
 }
