@@ -125,6 +125,12 @@ impl Promise {
         Self::parse(n.text())
     }
 
+    /// The promise a signed note carries, its signature not checked (for its origin before
+    /// choosing the key; [`Promise::open`] checks it).
+    pub fn of_note(note: &[u8]) -> Result<Self, PromiseError> {
+        Self::parse(crate::tlog::note_text(note))
+    }
+
     /// The promise a note's text says, its signature not checked ([`Promise::open`] checks it).
     pub fn parse(text: &[u8]) -> Result<Self, PromiseError> {
         let text = std::str::from_utf8(text).map_err(|_| malformed("not UTF-8"))?;

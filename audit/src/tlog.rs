@@ -472,11 +472,17 @@ pub fn sign_checkpoint(signer: &NoteSigner, size: u64, root: Hash) -> Result<Vec
 /// The checkpoint a signed note carries, its signatures not checked (for reading its size or
 /// origin before choosing the key; [`open_checkpoint`] checks them).
 pub fn note_checkpoint(note: &[u8]) -> Result<Checkpoint, TlogError> {
-    let text_end = note
+    Checkpoint::from_bytes(note_text(note)).map_err(|_| TlogError::MalformedCheckpoint)
+}
+
+/// A signed note's text (through the newline before its blank line), its signatures left
+/// unread.
+pub fn note_text(note: &[u8]) -> &[u8] {
+    let end = note
         .windows(2)
         .position(|w| w == b"\n\n")
         .map_or(note.len(), |i| i + 1);
-    Checkpoint::from_bytes(&note[..text_end]).map_err(|_| TlogError::MalformedCheckpoint)
+    &note[..end]
 }
 
 /// The checkpoint in `note` if `vkey` signed it (lines of other keys, such as witnesses'

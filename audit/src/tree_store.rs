@@ -1462,11 +1462,7 @@ pub fn check_promise_in_log(
     node_key: &VerifyingKey,
 ) -> Result<(crate::promise::Promise, PromiseInLog), ReceiptError> {
     let log = NodeLog::open(store, node).map_err(|e| ReceiptError::Malformed(e.to_string()))?;
-    let text_end = promise_note
-        .windows(2)
-        .position(|w| w == b"\n\n")
-        .map_or(promise_note.len(), |i| i + 1);
-    let origin = crate::promise::Promise::parse(&promise_note[..text_end])?.origin;
+    let origin = crate::promise::Promise::of_note(promise_note)?.origin;
     let vkey = tlog::ed25519_vkey(&origin, node_key);
     let promise = crate::promise::Promise::open(promise_note, &vkey)?;
     let max_seq = promise.leaves.iter().map(|l| l.seq).max().unwrap_or(0);

@@ -859,29 +859,11 @@ impl State {
                     last_flush = Instant::now();
                 }
                 Ok(Msg::RequestLeaves(request, reply)) => {
-                    let r = self
-                        .flush_batch(false)
-                        .and_then(|()| self.absorb_leaves(true))
-                        .map(|()| self.requests.take(request));
-                    let _ = reply.send(
-                        r.as_ref()
-                            .map(Clone::clone)
-                            .map_err(|e| WriterError::Closed(e.to_string())),
-                    );
-                    r?;
+                    self.look_up(&reply, |st| st.requests.take(request))?;
                     last_flush = Instant::now();
                 }
                 Ok(Msg::RequestSpan(request, reply)) => {
-                    let r = self
-                        .flush_batch(false)
-                        .and_then(|()| self.absorb_leaves(true))
-                        .map(|()| self.spans.lookup(request));
-                    let _ = reply.send(
-                        r.as_ref()
-                            .map(|v| *v)
-                            .map_err(|e| WriterError::Closed(e.to_string())),
-                    );
-                    r?;
+                    self.look_up(&reply, |st| st.spans.lookup(request))?;
                     last_flush = Instant::now();
                 }
                 Ok(Msg::Rotate(reply)) => {
@@ -1213,6 +1195,27 @@ impl State {
 }
 
 impl State {
+    /// Answers a lookup in the request index or spans: what was received so far written
+    /// (without fsync) and hashed first, so every event recorded before the question is in.
+    /// An error stops the writer (the caller hears it as the reason).
+    fn look_up<T: Clone>(
+        &mut self,
+        reply: &SyncSender<Result<T, WriterError>>,
+        find: impl FnOnce(&mut Self) -> T,
+    ) -> Result<(), WriterError> {
+        let r = self
+            .flush_batch(false)
+            .and_then(|()| self.absorb_leaves(true))
+            .map(|()| find(self));
+        // Not delivered only if the asker gave up waiting.
+        let _ = reply.send(
+            r.as_ref()
+                .map(Clone::clone)
+                .map_err(|e| WriterError::Closed(e.to_string())),
+        );
+        r.map(|_| ())
+    }
+
     /// Takes the hasher's finished batches (`all`: waits for every one submitted): each row's
     /// leaf into the live segment's, and requests' rows into the promise index and the spans.
     fn absorb_leaves(&mut self, all: bool) -> Result<(), WriterError> {

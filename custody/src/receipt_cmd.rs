@@ -199,7 +199,7 @@ fn check_promise_live(
                 continue;
             }
         };
-        let origin = custody_audit::promise::Promise::parse(signed_text(&note))
+        let origin = custody_audit::promise::Promise::of_note(&note)
             .map_err(|e| anyhow::anyhow!("{rid}: {e}"))?
             .origin;
         let vkey = custody_audit::tlog::ed25519_vkey(&origin, &key);
@@ -240,15 +240,6 @@ fn check_promise_live(
     }
     println!("promises kept (so far as sealed)");
     Ok(())
-}
-
-/// A signed note's text (through its blank line).
-fn signed_text(note: &[u8]) -> &[u8] {
-    let end = note
-        .windows(2)
-        .position(|w| w == b"\n\n")
-        .map_or(note.len(), |i| i + 1);
-    &note[..end]
 }
 
 /// One promised leaf held to the node's inclusion proof for its seq.

@@ -390,15 +390,10 @@ fn entry(node: u32, rid: &str, outcome: Promised) -> serde_json::Value {
 /// check; here it is only read for the records it lists).
 fn carried_entry(p: &NodePromise) -> serde_json::Value {
     let rid = format!("req-{}-{}", p.node, p.request);
-    let text_end = p
-        .note
-        .windows(2)
-        .position(|w| w == b"\n\n")
-        .map_or(p.note.len(), |i| i + 1);
     let outcome = if !p.error.is_empty() {
         Promised::Unavailable(p.error.clone())
     } else {
-        match custody_audit::promise::Promise::parse(&p.note[..text_end]) {
+        match custody_audit::promise::Promise::of_note(&p.note) {
             Ok(promise) => Promised::Signed {
                 promise,
                 note: p.note.clone(),

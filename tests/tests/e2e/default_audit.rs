@@ -659,55 +659,16 @@ fn wait_node(url: &str, state: &Path, role: &str) {
 /// which keeps its node's promise; another tenant's request is unknown through the front too.
 #[test]
 fn a_pair_answer_carries_both_nodes_promises_and_the_front_serves_their_receipts() {
-    use custody_audit::digest;
     let state = tmp_dir("pair-receipts");
-    let o = custody_in(&state)
-        .current_dir(&*state)
-        .args(["certs", "--out", "certs"])
-        .args([
-            "--node",
-            "prefill:1",
-            "--node",
-            "decode:2",
-            "--node",
-            "front:0",
-        ])
-        .output()
-        .expect("custody certs");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let key = digest::generate_key().expect("key");
-    let key_file = state.join("node.key");
-    digest::write_key(&key, &key_file).expect("write key");
-    let pubkey = state.join("node.pub");
-    std::fs::write(&pubkey, digest::hex(key.verifying_key().as_bytes())).expect("pub");
+    let pf = PairFiles::new(&state);
+    let (key_file, pubkey) = (pf.key_file.clone(), pf.pubkey.clone());
     let root = state.join("audit");
-    let ports: Vec<(u16, u16)> = (7070..=7074).map(|p| (p, free_port())).collect();
-    let url = |shipped: u16| {
-        let p = ports.iter().find(|(s, _)| *s == shipped).expect("port").1;
-        format!("http://127.0.0.1:{p}")
-    };
-    let _decode = pair_node(&state, "decode", &ports, &root, &key_file);
+    let (ports, url) = (&pf.ports, |shipped: u16| pf.url(shipped));
+    let _decode = pair_node(&state, "decode", ports, &root, &key_file);
     wait_node(&url(7074), &state, "decode");
-    let _prefill = pair_node(&state, "prefill", &ports, &root, &key_file);
+    let _prefill = pair_node(&state, "prefill", ports, &root, &key_file);
     wait_node(&url(7073), &state, "prefill");
-    let (port, metrics_port) = (free_port(), free_port());
-    let front = custody_in(&state)
-        .current_dir(&*state)
-        .arg("serve")
-        .arg("--config")
-        .arg(config("serve-demo.toml"))
-        .args(["--prefill", &url(7070)])
-        .arg("--model")
-        .arg(custody_tests::model_path())
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(state.join("serve.log")).expect("log"))
-        .spawn()
-        .expect("spawn the front");
-    let mut front = KillOnDrop(Some(front));
-    let api = format!("http://127.0.0.1:{port}");
-    wait_ready(front.0.as_mut().expect("front"), &api, &state);
+    let (mut front, api) = start_front(&state, &url(7070));
     let r = custody_server::client::request(
         &api,
         "POST",
@@ -882,26 +843,9 @@ fn signal(child: &KillOnDrop, sig: &str) {
 fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_promises() {
     use custody_audit::digest;
     let state = tmp_dir("pair-fork");
-    let o = custody_in(&state)
-        .current_dir(&*state)
-        .args(["certs", "--out", "certs"])
-        .args([
-            "--node",
-            "prefill:1",
-            "--node",
-            "decode:2",
-            "--node",
-            "front:0",
-        ])
-        .output()
-        .expect("custody certs");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let key = digest::generate_key().expect("key");
-    let key_file = state.join("node.key");
-    digest::write_key(&key, &key_file).expect("write key");
-    let vk = key.verifying_key();
-    let pubkey = state.join("node.pub");
-    std::fs::write(&pubkey, digest::hex(vk.as_bytes())).expect("pub");
+    let pf = PairFiles::new(&state);
+    let (key_file, pubkey) = (pf.key_file.clone(), pf.pubkey.clone());
+    let vk = pf.key.verifying_key();
     let wkey = digest::generate_key().expect("witness key");
     let wkey_file = state.join("w1.key");
     digest::write_key(&wkey, &wkey_file).expect("write key");
@@ -920,16 +864,12 @@ fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_p
         wp.addr
     );
     let (decode_root, prefill_root) = (state.join("audit-decode"), state.join("audit-prefill"));
-    let ports: Vec<(u16, u16)> = (7070..=7074).map(|p| (p, free_port())).collect();
-    let url = |shipped: u16| {
-        let p = ports.iter().find(|(s, _)| *s == shipped).expect("port").1;
-        format!("http://127.0.0.1:{p}")
-    };
+    let (ports, url) = (&pf.ports, |shipped: u16| pf.url(shipped));
     let start_decode = || {
         let d = pair_node_with(
             &state,
             "decode",
-            &ports,
+            ports,
             &decode_root,
             &key_file,
             "",
@@ -942,31 +882,14 @@ fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_p
     let _prefill = pair_node_with(
         &state,
         "prefill",
-        &ports,
+        ports,
         &prefill_root,
         &key_file,
         "",
         &witnesses,
     );
     wait_node(&url(7073), &state, "prefill");
-    let (port, metrics_port) = (free_port(), free_port());
-    let front = custody_in(&state)
-        .current_dir(&*state)
-        .arg("serve")
-        .arg("--config")
-        .arg(config("serve-demo.toml"))
-        .args(["--prefill", &url(7070)])
-        .arg("--model")
-        .arg(custody_tests::model_path())
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(state.join("serve.log")).expect("log"))
-        .spawn()
-        .expect("spawn the front");
-    let mut front = KillOnDrop(Some(front));
-    let api = format!("http://127.0.0.1:{port}");
-    wait_ready(front.0.as_mut().expect("front"), &api, &state);
+    let (mut front, api) = start_front(&state, &url(7070));
 
     // Before the fork: an answer, and its decode node's receipt to a cosigned checkpoint.
     let decode_entry = |r: &custody_server::client::Response| -> serde_json::Value {
@@ -1119,23 +1042,8 @@ fn a_decode_node_restarted_from_an_older_disk_is_caught_by_its_witness_and_its_p
 fn a_pair_node_that_requires_cosignatures_fails_closed_without_them() {
     use custody_audit::digest;
     let state = tmp_dir("pair-require-cosign");
-    let o = custody_in(&state)
-        .current_dir(&*state)
-        .args(["certs", "--out", "certs"])
-        .args([
-            "--node",
-            "prefill:1",
-            "--node",
-            "decode:2",
-            "--node",
-            "front:0",
-        ])
-        .output()
-        .expect("custody certs");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let key = digest::generate_key().expect("key");
-    let key_file = state.join("node.key");
-    digest::write_key(&key, &key_file).expect("write key");
+    let pf = PairFiles::new(&state);
+    let key_file = pf.key_file.clone();
     let w_vkey = custody_audit::cosign::vkey(
         "w1.test",
         &digest::generate_key().expect("key").verifying_key(),
@@ -1145,15 +1053,11 @@ fn a_pair_node_that_requires_cosignatures_fails_closed_without_them() {
         free_port()
     );
     let root = state.join("audit");
-    let ports: Vec<(u16, u16)> = (7070..=7074).map(|p| (p, free_port())).collect();
-    let url = |shipped: u16| {
-        let p = ports.iter().find(|(s, _)| *s == shipped).expect("port").1;
-        format!("http://127.0.0.1:{p}")
-    };
+    let (ports, url) = (&pf.ports, |shipped: u16| pf.url(shipped));
     let _decode = pair_node_with(
         &state,
         "decode",
-        &ports,
+        ports,
         &root,
         &key_file,
         "require_cosignatures = 1\n",
@@ -1173,7 +1077,7 @@ fn a_pair_node_that_requires_cosignatures_fails_closed_without_them() {
         );
         std::thread::sleep(Duration::from_millis(300));
     }
-    let _prefill = pair_node(&state, "prefill", &ports, &root, &key_file);
+    let _prefill = pair_node(&state, "prefill", ports, &root, &key_file);
     wait_node(&url(7073), &state, "prefill");
     let o = custody_in(&state)
         .current_dir(&*state)
@@ -1196,4 +1100,80 @@ fn a_pair_node_that_requires_cosignatures_fails_closed_without_them() {
         !o.status.success() && err.contains("audit_uncosigned"),
         "{err}"
     );
+}
+
+/// A pair's files in a test's state directory: its certificates (`custody certs`, where the
+/// shipped configs' relative `certs/…` paths find them), one signing key for both nodes, and a
+/// free port for each of the shipped configs' (7070–7074).
+struct PairFiles {
+    key: custody_audit::digest::SigningKey,
+    key_file: PathBuf,
+    pubkey: PathBuf,
+    ports: Vec<(u16, u16)>,
+}
+
+impl PairFiles {
+    fn new(state: &Path) -> Self {
+        use custody_audit::digest;
+        let o = custody_in(state)
+            .current_dir(state)
+            .args(["certs", "--out", "certs"])
+            .args([
+                "--node",
+                "prefill:1",
+                "--node",
+                "decode:2",
+                "--node",
+                "front:0",
+            ])
+            .output()
+            .expect("custody certs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let key = digest::generate_key().expect("key");
+        let key_file = state.join("node.key");
+        digest::write_key(&key, &key_file).expect("write key");
+        let pubkey = state.join("node.pub");
+        std::fs::write(&pubkey, digest::hex(key.verifying_key().as_bytes())).expect("pub");
+        Self {
+            key,
+            key_file,
+            pubkey,
+            ports: (7070..=7074).map(|p| (p, free_port())).collect(),
+        }
+    }
+
+    /// The URL of the port the shipped configs name `shipped`.
+    fn url(&self, shipped: u16) -> String {
+        let p = self
+            .ports
+            .iter()
+            .find(|(s, _)| *s == shipped)
+            .expect("port")
+            .1;
+        format!("http://127.0.0.1:{p}")
+    }
+}
+
+/// `custody serve` in front of the prefill node at `prefill` (serve-demo.toml's tenants and
+/// certificate), ready; its API URL.
+fn start_front(state: &Path, prefill: &str) -> (KillOnDrop, String) {
+    let (port, metrics_port) = (free_port(), free_port());
+    let front = custody_in(state)
+        .current_dir(state)
+        .arg("serve")
+        .arg("--config")
+        .arg(config("serve-demo.toml"))
+        .args(["--prefill", prefill])
+        .arg("--model")
+        .arg(custody_tests::model_path())
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(state.join("serve.log")).expect("log"))
+        .spawn()
+        .expect("spawn the front");
+    let mut front = KillOnDrop(Some(front));
+    let api = format!("http://127.0.0.1:{port}");
+    wait_ready(front.0.as_mut().expect("front"), &api, state);
+    (front, api)
 }
