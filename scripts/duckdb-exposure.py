@@ -39,16 +39,29 @@ def exposure_sql():
     """(EXPOSURE_PREPARE_SQL, EXPOSURE_SQL) exactly as custody runs them, with the time window
     left open."""
     src = open(os.path.join(REPO, "query", "src", "forensics.rs"), encoding="utf-8").read()
+    # A query is one raw string literal, or `concat!` of a macro's literal (the CTE it shares
+    # with another query, `macro_rules! NAME { () => { r#"..."# }; }`) and its own.
+    macros = {
+        m.group(1): m.group(2)
+        for m in re.finditer(
+            r'macro_rules! (\w+) \{\s*\(\) => \{\s*r#"(.*?)"#\s*\};\s*\}', src, re.S
+        )
+    }
     out = []
     for name in ("EXPOSURE_PREPARE_SQL", "EXPOSURE_SQL"):
         m = re.search(r"pub const " + name + r': &str = r#"(.*?)"#;', src, re.S)
-        if not m:
-            sys.exit(f"{name} not found in query/src/forensics.rs")
-        out.append(
-            m.group(1)
-            .replace("{from_ns}", str(-(2**63)))
-            .replace("{to_ns}", str(2**63 - 1))
-        )
+        if m:
+            sql = m.group(1)
+        else:
+            m = re.search(
+                r"pub const " + name + r': &str = concat!\(\s*(\w+)!\(\),\s*r#"(.*?)"#\s*\);',
+                src,
+                re.S,
+            )
+            if not m or m.group(1) not in macros:
+                sys.exit(f"{name} not found in query/src/forensics.rs")
+            sql = macros[m.group(1)] + m.group(2)
+        out.append(sql.replace("{from_ns}", str(-(2**63))).replace("{to_ns}", str(2**63 - 1)))
     return out
 
 
