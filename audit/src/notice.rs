@@ -134,6 +134,12 @@ pub fn build_notices(
     issued_wall_ns: i64,
 ) -> Result<Vec<Notice>, NoticeError> {
     let logs = window_logs(store, scope)?;
+    // One open log per node for every receipt: the leaves a proof recomputes are kept.
+    let mut open = BTreeMap::new();
+    for &node in &scope.nodes {
+        let log = NodeLog::open(store, node).map_err(|source| NoticeError::Log { node, source })?;
+        open.insert(node, log);
+    }
     let mut out = Vec::with_capacity(scope.tenants.len());
     for tenant in &scope.tenants {
         if tenant.is_empty() || tenant.contains(['/', '\\', '\n', ' ']) || tenant.starts_with('.') {
@@ -162,8 +168,8 @@ pub fn build_notices(
             "window": {"from_wall_ns": scope.from_wall_ns, "to_wall_ns": scope.to_wall_ns},
             "exposed": exposed,
             "summary": summary(tenant, &read, &written),
-            "as_recipient": listed(store, tenant, &read, "source_requests")?,
-            "as_source": listed(store, tenant, &written, "responses")?,
+            "as_recipient": listed(store, &open, tenant, &read, "source_requests")?,
+            "as_source": listed(store, &open, tenant, &written, "responses")?,
             "truncated": read.len() > MAX_NOTICE_REQUESTS || written.len() > MAX_NOTICE_REQUESTS,
             "logs": logs,
         });
@@ -210,6 +216,7 @@ fn summary(
 /// The notice's entries of one side: each request with its counts and its receipt.
 fn listed(
     store: &dyn LogStore,
+    open: &BTreeMap<u32, NodeLog<'_>>,
     tenant: &str,
     m: &BTreeMap<(u32, u64), Listed>,
     others_name: &str,
@@ -225,8 +232,11 @@ fn listed(
             "unchecked": l.unchecked,
             others_name: l.others.len(),
         });
-        let found = tree_store::request_receipt(store, node, 0, tenant, request)
-            .map_err(|source| NoticeError::Log { node, source })?;
+        let found = match open.get(&node) {
+            Some(log) => tree_store::receipt_from(log, 0, None, tenant, request),
+            None => tree_store::request_receipt(store, node, 0, tenant, request),
+        }
+        .map_err(|source| NoticeError::Log { node, source })?;
         match found {
             ReceiptStatus::Ready(r) => {
                 v["receipt"] = serde_json::from_slice(&r).map_err(|e| malformed(e.to_string()))?;

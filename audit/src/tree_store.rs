@@ -1076,7 +1076,25 @@ pub fn request_receipt_within(
     tenant: &str,
     request: u64,
 ) -> Result<ReceiptStatus, ProofError> {
-    let log = NodeLog::open(store, node)?;
+    receipt_from(
+        &NodeLog::open(store, node)?,
+        from_seq,
+        span,
+        tenant,
+        request,
+    )
+}
+
+/// [`request_receipt_within`] over a node's log already open: one [`NodeLog`] serving many
+/// receipts keeps the leaves it recomputed (a notice's receipts share segments).
+pub fn receipt_from(
+    log: &NodeLog<'_>,
+    from_seq: u64,
+    span: Option<crate::request_index::Span>,
+    tenant: &str,
+    request: u64,
+) -> Result<ReceiptStatus, ProofError> {
+    let (store, node) = (log.store, log.node);
     // (No shortcut to Pending on the span alone: another tenant's request must look unknown.)
     let (lo, hi) = span.map_or((from_seq, u64::MAX), |s| (s.first, s.last));
     let mut found: Vec<(Table, u64, Vec<u8>)> = Vec::new();
