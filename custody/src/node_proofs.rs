@@ -165,7 +165,11 @@ impl NodeProofs for RootProofs {
         use custody_runtime::disagg::proofs::{
             CHECKPOINT, CONSISTENCY, INCLUSION, PROMISE, RECEIPT,
         };
-        let reply = |status: u32, body: Vec<u8>| proto::ProofReply { status, body };
+        let reply = |status: u32, body: Vec<u8>| proto::ProofReply {
+            status,
+            body,
+            promises: Vec::new(),
+        };
         let said = |status: u32, why: &str| reply(status, why.as_bytes().to_vec());
         if req.node != self.node {
             return said(404, "not this node's log");

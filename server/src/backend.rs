@@ -362,6 +362,7 @@ pub(crate) fn relay(
     let end = EndSlot::default();
     let said = end.clone();
     let cached_tokens = first.cached_tokens as usize;
+    let (told_tx, told) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let how = relay_loop(
             &mut client,
@@ -373,12 +374,18 @@ pub(crate) fn relay(
             &said,
         )
         .await;
+        // Not heard only if the request's server side is gone.
+        let _ = told_tx.send(());
         if let Some(e) = ended {
             let _ = e.send(how);
         }
     });
     // What the server says in `end` reaches the pair's nodes (`end_upstream`), which record it.
-    Events { rx, end }
+    Events {
+        rx,
+        end,
+        told: Some(told),
+    }
 }
 
 async fn relay_loop(

@@ -62,6 +62,9 @@ pub type SubmitReply = (RequestId, Result<Events, AdmissionError>);
 pub struct Events {
     pub rx: mpsc::Receiver<Out>,
     pub end: EndSlot,
+    /// A pair's relay: fired once it has told the pair's nodes how the request ended (or the
+    /// request ended on its own); `None` for this process's engine.
+    pub told: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 /// How a request ended as its client saw it, when the server ended it before the engine did: a
@@ -354,7 +357,11 @@ fn handle(
                         tenant,
                     },
                 );
-                Events { rx, end }
+                Events {
+                    rx,
+                    end,
+                    told: None,
+                }
             });
             if let Err((_, Ok(_))) = reply.send((id, result)) {
                 // The caller went away between submitting and hearing back.

@@ -738,6 +738,11 @@ impl Run {
                             delivered_tokens: d.tokens.len(),
                         });
                         self.st.backend.end(self.id);
+                        if self.events.told.is_some() {
+                            // A pair's: closing the channel has the relay tell its nodes now
+                            // (they record the end, and can promise its records).
+                            self.events.rx.close();
+                        }
                         self.finished = true;
                         if !out.is_empty() {
                             // The caller emits this, then sees the end on the next call.
@@ -921,8 +926,21 @@ impl Run {
     }
 
     /// This choice's `custody_receipt` (its request ended, its records all recorded).
-    async fn receipt(&self) -> Option<Value> {
+    async fn receipt(&mut self) -> Option<Value> {
+        self.wait_told().await;
         crate::receipts::custody_receipt(&self.st, &self.tenant.id, &[self.answered()]).await
+    }
+
+    /// A pair's request the front ended itself: wait (bounded) until its relay has told the
+    /// pair's nodes, so that their logs hold its end before their promises are asked for.
+    async fn wait_told(&mut self) {
+        if !self.promises.is_empty() {
+            return;
+        }
+        if let Some(told) = self.events.told.take() {
+            // A relay that never answers leaves the promises to say why they are missing.
+            let _ = tokio::time::timeout(TOLD_WAIT, told).await;
+        }
     }
 
     async fn record_tools(&self, format: ToolFormat, calls: &[ParsedCall]) -> Result<(), ApiError> {
@@ -1173,6 +1191,9 @@ struct ChoiceDone {
     completion_tokens: usize,
 }
 
+/// How long an answer waits for a pair's relay to tell the nodes how its request ended.
+const TOLD_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The `finish` of a choice that ended in an error event.
 const ERROR_FINISH: &str = "error";
 
@@ -1190,6 +1211,9 @@ async fn whole(mut runs: Vec<Run>) -> Result<Response, ApiError> {
         choices.push(r.collect().await?);
     }
     let total: usize = choices.iter().map(|c| c.completion_tokens).sum();
+    for r in &mut runs {
+        r.wait_told().await;
+    }
     let first = &runs[0];
     let answered: Vec<_> = runs.iter().map(Run::answered).collect();
     let receipt = crate::receipts::custody_receipt(&first.st, &first.tenant.id, &answered).await;

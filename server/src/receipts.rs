@@ -61,6 +61,17 @@ pub enum Promised {
 pub trait AuditProofs: Send + Sync + std::fmt::Debug {
     /// The signed promise of `request`'s records, once it has ended (each request once).
     fn promise(&self, tenant: &str, request: u64) -> Result<Promised, ProofsError>;
+    /// A pair's or fleet's nodes' promises of a request the front ended itself (asked once it
+    /// told them how): prefill node `node`'s of its request `request`, and its decode node's.
+    /// A node's own log has none to give here (`promise` answers for it).
+    fn node_promises(
+        &self,
+        _tenant: &str,
+        _node: u32,
+        _request: u64,
+    ) -> Result<Vec<NodePromise>, ProofsError> {
+        Ok(Vec::new())
+    }
     fn receipt(&self, tenant: &str, node: u32, request: u64) -> Result<Receipt, ProofsError>;
     fn checkpoint(&self, node: u32) -> Result<Vec<u8>, ProofsError>;
     fn consistency(&self, node: u32, old: u64) -> Result<Vec<u8>, ProofsError>;
@@ -170,6 +181,16 @@ impl AuditProofs for RemoteProofs {
         Ok(Promised::Unavailable(
             "the pair's nodes gave no promise in the final event (the front ended the request: a stop sequence, or its client left; or they keep no log): fetch the receipt once sealed".into(),
         ))
+    }
+
+    fn node_promises(
+        &self,
+        tenant: &str,
+        node: u32,
+        request: u64,
+    ) -> Result<Vec<NodePromise>, ProofsError> {
+        let r = self.ask(proof_request(tenant, node, proofs::PROMISES, request, 0))?;
+        Ok(r.promises.iter().map(NodePromise::from_proto).collect())
     }
 
     fn receipt(&self, tenant: &str, node: u32, request: u64) -> Result<Receipt, ProofsError> {
@@ -348,6 +369,17 @@ pub(crate) async fn custody_receipt(
             out.extend(r.promises.iter().map(carried_entry));
             continue;
         }
+        // A pair's request the front ended itself: its nodes' promises, asked now.
+        if let Some(node) = node_of(&r.rid) {
+            let (p, t, id) = (proofs.clone(), tenant.clone(), r.id);
+            let asked = tokio::task::spawn_blocking(move || p.node_promises(&t, node, id)).await;
+            if let Ok(Ok(carried)) = asked
+                && !carried.is_empty()
+            {
+                out.extend(carried.iter().map(carried_entry));
+                continue;
+            }
+        }
         let (p, t, id) = (proofs.clone(), tenant.clone(), r.id);
         let got = tokio::task::spawn_blocking(move || p.promise(&t, id)).await;
         let outcome = match got {
@@ -362,6 +394,11 @@ pub(crate) async fn custody_receipt(
         "node": st.node,
         "requests": out,
     }))
+}
+
+/// The node of a request id `req-<node>-<n>`.
+fn node_of(rid: &str) -> Option<u32> {
+    rid.strip_prefix("req-")?.split_once('-')?.0.parse().ok()
 }
 
 /// One node's entry of an answer's `custody_receipt`.

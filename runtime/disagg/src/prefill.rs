@@ -98,6 +98,32 @@ impl Relays {
     }
 }
 
+/// The decode peer and request of this node's most recent requests, ended or not: where a
+/// front that ended a request itself finds decode's promise of it.
+#[derive(Debug, Default)]
+struct RecentRelays(std::sync::Mutex<std::collections::VecDeque<(RequestId, usize, u64)>>);
+
+/// Requests [`RecentRelays`] remembers (a front asks right after it answered).
+const RECENT_RELAYS: usize = 4096;
+
+impl RecentRelays {
+    fn remember(&self, id: RequestId, peer: usize, decode_id: u64) {
+        let mut q = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if q.len() == RECENT_RELAYS {
+            q.pop_front();
+        }
+        q.push_back((id, peer, decode_id));
+    }
+
+    fn find(&self, id: RequestId) -> Option<(usize, u64)> {
+        let q = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        q.iter()
+            .rev()
+            .find(|(i, _, _)| *i == id)
+            .map(|&(_, peer, decode_id)| (peer, decode_id))
+    }
+}
+
 /// Removes its request from [`Relays`] when its `generate` returns, however it returns.
 struct RelayEntry {
     relays: Arc<Relays>,
@@ -1068,6 +1094,7 @@ pub struct PrefillHandle {
     table: PeerTable,
     opts: PrefillOptions,
     relays: Arc<Relays>,
+    recent: Arc<RecentRelays>,
     /// Held by every handle: the checkpoint exchange stops when the last one is gone.
     _alive: Arc<()>,
     pub info: proto::NodeInfo,
@@ -1282,6 +1309,7 @@ impl PrefillHandle {
             table,
             opts,
             relays: Arc::default(),
+            recent: Arc::default(),
             _alive: alive,
             info,
             decode_info,
@@ -1465,6 +1493,7 @@ impl PrefillHandle {
         };
         let decode_id = res.request;
         self.relays.lock().insert(id, (peer, decode_id));
+        self.recent.remember(id, peer, decode_id);
         let _relay = RelayEntry {
             relays: self.relays.clone(),
             id,
@@ -1617,6 +1646,14 @@ impl PrefillHandle {
     /// A tenant's proof request from the front: this node's own log, or a decode peer's
     /// (forwarded to it by node id).
     pub async fn proof(&self, req: proto::ProofRequest) -> Result<proto::ProofReply, Status> {
+        if req.node == self.opts.node_id && req.what == crate::proofs::PROMISES {
+            let decode = self.recent.find(req.request);
+            return Ok(proto::ProofReply {
+                status: 200,
+                body: Vec::new(),
+                promises: self.promises(&req.tenant, req.request, decode).await,
+            });
+        }
         if req.node == self.opts.node_id {
             return crate::proofs::local(self.opts.proofs.as_ref(), req).await;
         }

@@ -14,6 +14,9 @@ use crate::proto;
 
 /// `ProofRequest.what`: the signed promise of an ended request's records.
 pub const PROMISE: &str = "promise";
+/// `ProofRequest.what`, to a prefill node of its own request: its decode node's and its own
+/// promises (`ProofReply.promises`) — what a front asks when it ended the request itself.
+pub const PROMISES: &str = "promises";
 /// `ProofRequest.what`: a request's receipt (`custody-receipt/1`), once sealed.
 pub const RECEIPT: &str = "receipt";
 /// `ProofRequest.what`: the node's newest (cosigned) checkpoint.

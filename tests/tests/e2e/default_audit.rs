@@ -689,6 +689,42 @@ fn a_pair_answer_carries_both_nodes_promises_and_the_front_serves_their_receipts
     assert_eq!(entries[1]["request_id"].as_str(), r.header("x-request-id"));
     let answer_file = state.join("answer.json");
     std::fs::write(&answer_file, &r.body).expect("write");
+    // Ended by the front itself (a stop sequence matched in the text, whole and streamed): the
+    // front tells the pair first, then both nodes' promises are in the answer all the same.
+    for stream in [false, true] {
+        let body = format!(
+            r#"{{"model":"smollm2-135m-instruct","prompt":"Hello","max_tokens":24,"stop":[" "],"stream":{stream}}}"#
+        );
+        let r = custody_server::client::request(
+            &api,
+            "POST",
+            "/v1/completions",
+            Some("sk-demo-acme"),
+            Some(body.as_bytes()),
+            Duration::from_secs(60),
+        )
+        .expect("completion");
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let text = String::from_utf8_lossy(&r.body).into_owned();
+        let last = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: ").or(Some(l)))
+            .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+            .rfind(|v| v.get("custody_receipt").is_some())
+            .unwrap_or_else(|| panic!("no custody_receipt: {text}"));
+        let nodes: Vec<(u64, bool)> = last["custody_receipt"]["requests"]
+            .as_array()
+            .expect("requests")
+            .iter()
+            .map(|e| (e["node"].as_u64().unwrap_or(0), e["promise"].is_string()))
+            .collect();
+        assert_eq!(nodes, [(2, true), (1, true)], "stream {stream}: {last}");
+    }
+    let decode_log = std::fs::read_to_string(state.join("decode.log")).unwrap_or_default();
+    assert!(
+        decode_log.contains("ended by prefill"),
+        "the front ended them (a stop sequence), and told the pair: {decode_log}"
+    );
     for e in &entries {
         assert!(e["promise"].is_string(), "{e}");
         let fetch = e["fetch"].as_str().expect("fetch path");
