@@ -13,6 +13,8 @@ fn main() {
         .opt_level(2)
         .warnings(true)
         .flag_if_supported("-Wno-unused-parameter")
+        // `#pragma unroll` is for NVRTC; the host compiler ignores it.
+        .flag_if_supported("-Wno-unknown-pragmas")
         .include("../kernels/cuda")
         .file("../kernels/cuda/shim/cuda_shim.cpp")
         .file("cuda/launch.cpp")

@@ -3,11 +3,21 @@
 // - for the host through the project's CUDA-on-CPU shim (`CUSTODY_CUDA_SHIM`, `shim/cuda_shim.h`):
 //   each CUDA thread a fiber, switching at barriers, so the kernels' *logic* runs in CI.
 // Kernels must not rely on implicit warp lockstep (the shim does not provide it, and Volta+
-// GPUs do not guarantee it either): every exchange between threads goes through a barrier.
+// GPUs do not guarantee it either): every exchange between threads goes through a barrier or a
+// warp collective (`__shfl_*_sync`, full mask, reached by every lane of the warp).
+//
+// Global loads and stores of the hot kernels go through `CUSTODY_LD(p)` / `CUSTODY_ST(p, v)`:
+// a plain access on the GPU; on the shim, counted (bytes, 32-byte sectors per warp-level
+// instruction, distinct sectors per launch) when the launch is counted — the performance model
+// of `custody gpu-check model`. A kernel whose accesses are not written this way is counted as
+// moving nothing, which the model's tests catch (every modeled kernel must move bytes).
 #pragma once
 
 #ifdef CUSTODY_CUDA_SHIM
 #include "shim/cuda_shim.h"
+#else
+#define CUSTODY_LD(p) (*(p))
+#define CUSTODY_ST(p, v) (*(p) = (v))
 #endif
 
 typedef unsigned int custody_u32;

@@ -263,6 +263,102 @@ extern "C" __global__ void custody_matvec(const unsigned char* w, custody_u32 dt
     if (threadIdx.x == 0) out[(custody_u64)r * out_rows + o] = s;
 }
 
+// ---- The decode GEMV on Q4_K weights.
+//
+// Layout (`custody_cuda::repack::q4k`, made once at upload from the GGUF bytes): a row's
+// super-blocks in groups of 4 (the last group padded with zero blocks). For group g of row o
+// (`t = o · groups + g`):
+// - `heads[4t + s]`: block 4g+s's first 16 bytes as in the file (f16 d, f16 dmin, 12 bytes of
+//   packed 6-bit scales and mins);
+// - `qs[32t + l]`: 16 bytes, word l (bytes 4l..4l+4) of the 128 quant bytes of blocks 4g..4g+3.
+// A warp reads a group's quants as one 512-byte coalesced access (one 16-byte load per lane) and
+// its heads as 4 broadcasts; lane l's word holds elements 64c + p .. +4 (low nibbles, sub-block
+// 2c) and 64c + 32 + p .. +4 (high nibbles, sub-block 2c+1), c = l / 8, p = 4 (l % 8), so the
+// lanes' x loads are 16-byte and contiguous too (lanes 8c..8c+7 read one 128-byte run).
+#define CUSTODY_GEMV_WARPS 4u
+// x rows per block (grid.y covers the rest): each weight load serves this many rows.
+#define CUSTODY_GEMV_BATCH 8u
+
+__device__ __forceinline__ float custody_dot4_nibbles(custody_u32 w, custody_u32 shift, float4 x) {
+    return (float)((w >> shift) & 0xfu) * x.x + (float)((w >> (shift + 8)) & 0xfu) * x.y +
+           (float)((w >> (shift + 16)) & 0xfu) * x.z + (float)((w >> (shift + 24)) & 0xfu) * x.w;
+}
+
+// Byte i (< 12) of the words a, b, c (little-endian), by selection: no local array.
+__device__ __forceinline__ custody_u32 custody_byte12(custody_u32 a, custody_u32 b, custody_u32 c,
+                                                      custody_u32 i) {
+    const custody_u32 w = i < 4 ? a : (i < 8 ? b : c);
+    return (w >> (8 * (i % 4))) & 0xffu;
+}
+
+// custody_scale_min_k4 on the 12 scale bytes held in three registers.
+__device__ __forceinline__ void custody_scale_min_k4_words(custody_u32 j, custody_u32 a,
+                                                           custody_u32 b, custody_u32 c,
+                                                           custody_u32* sc, custody_u32* m) {
+    if (j < 4) {
+        *sc = custody_byte12(a, b, c, j) & 63;
+        *m = custody_byte12(a, b, c, j + 4) & 63;
+    } else {
+        const custody_u32 hi = custody_byte12(a, b, c, j + 4);
+        *sc = (hi & 0xf) | ((custody_byte12(a, b, c, j - 4) >> 6) << 4);
+        *m = (hi >> 4) | ((custody_byte12(a, b, c, j) >> 6) << 4);
+    }
+}
+
+__device__ __forceinline__ float custody_sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
+
+// out[r][o] = Σ_k W[o][k] · x[r][k] for W Q4_K in the layout above, x `n × cols` f32 (cols a
+// multiple of 256), out `n × rows`. Grid (ceil(rows / 4), ceil(n / 8)), block (128): warp w of
+// block b computes row 4b + w for x rows 8·blockIdx.y .. +8.
+extern "C" __global__ void custody_gemv_q4k(const uint4* heads, const uint4* qs, custody_u32 rows,
+                                           custody_u32 cols, const float* x, custody_u32 n,
+                                           float* out) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= rows) return;  // the whole warp: no collective below is left half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    const custody_u32 nb = cols / 256, groups = (nb + 3) / 4;
+    const custody_u32 c = lane / 8, p = 4 * (lane % 8);
+    float acc[CUSTODY_GEMV_BATCH];
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) acc[r] = 0.0f;
+    for (custody_u32 g = 0; g < groups; g++) {
+        const custody_u64 t = (custody_u64)row * groups + g;
+        const uint4 w4 = CUSTODY_LD(qs + 32 * t + lane);
+        const custody_u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+        for (custody_u32 s = 0; s < 4; s++) {
+            const custody_u32 b = 4 * g + s;
+            if (b >= nb) break;  // the same for every lane
+            const uint4 h = CUSTODY_LD(heads + 4 * t + s);
+            custody_u32 sc0, m0, sc1, m1;
+            custody_scale_min_k4_words(2 * c, h.y, h.z, h.w, &sc0, &m0);
+            custody_scale_min_k4_words(2 * c + 1, h.y, h.z, h.w, &sc1, &m1);
+            const float d = custody_half_to_float((unsigned short)(h.x & 0xffffu));
+            const float dmin = custody_half_to_float((unsigned short)(h.x >> 16));
+            const float d0 = d * (float)sc0, m0f = dmin * (float)m0;
+            const float d1 = d * (float)sc1, m1f = dmin * (float)m1;
+            const custody_u32 k = 256 * b + 64 * c + p;
+#pragma unroll
+            for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+                if (r >= nr) break;
+                const float* xr = x + (custody_u64)(r0 + r) * cols + k;
+                const float4 lo = CUSTODY_LD((const float4*)xr);
+                const float4 hi = CUSTODY_LD((const float4*)(xr + 32));
+                acc[r] += d0 * custody_dot4_nibbles(words[s], 0, lo) - m0f * custody_sum4(lo) +
+                          d1 * custody_dot4_nibbles(words[s], 4, hi) - m1f * custody_sum4(hi);
+            }
+        }
+    }
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+        float v = acc[r];
+        for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+        if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
+    }
+}
+
 // The embedding rows of `tokens`: out[r] = row tokens[r] of `w` (`rows × cols` in `dtype`),
 // dequantized to f32. Grid (n), block (128).
 extern "C" __global__ void custody_embed(const unsigned char* w, custody_u32 dtype, custody_u32 cols,

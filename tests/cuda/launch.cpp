@@ -110,7 +110,33 @@ void race_body(void* c) {
 void divergent_body(void*) {
     if (threadIdx.x < 44) __syncthreads();
 }
+
+// Warp collectives: out[t] = the sum over t's warp (butterfly), out[64 + t] = lane t+1's id
+// (shuffle down; the last lane keeps its own).
+void warp_sum_body(void* c) {
+    auto* out = static_cast<custody_u32*>(c);
+    const custody_u32 t = threadIdx.x;
+    custody_u32 v = t;
+    for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+    out[t] = v;
+    out[64 + t] = __shfl_down_sync(0xffffffffu, t, 1);
+}
+
+// Lanes 0..9 of warp 0 leave before the others' shuffle.
+void warp_divergent_body(void*) {
+    if (threadIdx.x < 10) return;
+    (void)__shfl_xor_sync(0xffffffffu, 1.0f, 1);
+}
 }  // namespace
+
+extern "C" int custody_shim_control_warp_sum(custody_u32* out, uint64_t seed, char* err,
+                                             size_t err_len) {
+    return custody_shim::launch(dim3(1), dim3(64), seed, warp_sum_body, out, err, err_len);
+}
+
+extern "C" int custody_shim_control_warp_divergent(char* err, size_t err_len) {
+    return custody_shim::launch(dim3(1), dim3(64), 0, warp_divergent_body, nullptr, err, err_len);
+}
 
 extern "C" int custody_shim_control_race(float* out, uint64_t seed, char* err, size_t err_len) {
     return custody_shim::launch(dim3(1), dim3(64), seed, race_body, out, err, err_len);
@@ -260,6 +286,9 @@ void generic_body(void* c) {
     } else if (!strcmp(n, "custody_matvec")) {
         custody_matvec(PTR(0, const unsigned char*), U32(1), U32(2), U32(3), PTR(4, const float*),
                        PTR(5, float*));
+    } else if (!strcmp(n, "custody_gemv_q4k")) {
+        custody_gemv_q4k(PTR(0, const uint4*), PTR(1, const uint4*), U32(2), U32(3),
+                         PTR(4, const float*), U32(5), PTR(6, float*));
     } else if (!strcmp(n, "custody_rope")) {
         custody_rope(PTR(0, float*), PTR(1, const custody_u32*), U32(2), U32(3), U32(4), F32(5),
                      PTR(6, const float*), U32(7));
@@ -316,3 +345,7 @@ extern "C" int custody_shim_launch(const char* name, const unsigned* grid, const
     }
     return rc;
 }
+
+// The performance model's counts (cuda_shim.h): begin before a launch, end after it.
+extern "C" void custody_shim_count_begin() { custody_shim::count_begin(); }
+extern "C" void custody_shim_count_end(custody_shim::Counts* out) { *out = custody_shim::count_end(); }

@@ -79,6 +79,39 @@ unsafe extern "C" {
     fn custody_shim_control_divergent(err: *mut c_char, err_len: usize) -> i32;
 }
 
+unsafe extern "C" {
+    fn custody_shim_control_warp_sum(
+        out: *mut u32,
+        seed: u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+    fn custody_shim_control_warp_divergent(err: *mut c_char, err_len: usize) -> i32;
+}
+
+/// The warp-collective control's outputs: per thread of a 64-thread block, its warp's sum of
+/// thread ids (butterfly) and its shuffle-down neighbour's id.
+#[derive(Debug)]
+pub struct WarpSum {
+    pub sum: Vec<u32>,
+    pub down: Vec<u32>,
+}
+
+/// Run the warp-collective control.
+pub fn control_warp_sum(seed: u64) -> Result<WarpSum, ShimError> {
+    let mut out = vec![u32::MAX; 128];
+    // SAFETY: the kernel writes 128 u32 (two per thread of its 64).
+    run(|e, l| unsafe { custody_shim_control_warp_sum(out.as_mut_ptr(), seed, e, l) })?;
+    let down = out.split_off(64);
+    Ok(WarpSum { sum: out, down })
+}
+
+/// Run the control whose lanes do not all reach a warp collective (must be reported).
+pub fn control_warp_divergent() -> Result<(), ShimError> {
+    // SAFETY: no buffers.
+    run(|e, l| unsafe { custody_shim_control_warp_divergent(e, l) })
+}
+
 /// Why a shim launch failed (a divergent barrier, …).
 #[derive(Debug)]
 pub struct ShimError(pub String);
@@ -546,7 +579,75 @@ pub fn copy_chunks(
     })
 }
 
+/// What one counted launch did (`custody_shim::Counts`, kernels/cuda/shim/cuda_shim.h): the
+/// bytes its lanes asked for, its warp-level memory instructions, the 32-byte sectors they
+/// touched against the fewest that could hold their bytes, and the distinct sectors of the
+/// launch (the DRAM traffic model).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub load_bytes: u64,
+    pub store_bytes: u64,
+    pub load_requests: u64,
+    pub store_requests: u64,
+    pub sectors: u64,
+    pub ideal_sectors: u64,
+    pub dram_sectors: u64,
+    pub warp_collectives: u64,
+}
+
+impl Counts {
+    /// Ideal sectors over sectors touched: 1.0 is perfectly coalesced.
+    pub fn coalescing(&self) -> f64 {
+        if self.sectors == 0 {
+            return 0.0;
+        }
+        self.ideal_sectors as f64 / self.sectors as f64
+    }
+
+    /// Bytes the DRAM model moves (each distinct sector once).
+    pub fn dram_bytes(&self) -> u64 {
+        self.dram_sectors * 32
+    }
+
+    fn add(&mut self, o: &Counts) {
+        self.load_bytes += o.load_bytes;
+        self.store_bytes += o.store_bytes;
+        self.load_requests += o.load_requests;
+        self.store_requests += o.store_requests;
+        self.sectors += o.sectors;
+        self.ideal_sectors += o.ideal_sectors;
+        self.dram_sectors += o.dram_sectors;
+        self.warp_collectives += o.warp_collectives;
+    }
+}
+
+/// One counted launch of a [`ShimDevice`].
+#[derive(Clone, Copy, Debug)]
+pub struct CountedLaunch {
+    pub kernel: Kernel,
+    pub dims: LaunchDims,
+    pub counts: Counts,
+}
+
+/// Per kernel: launches and their summed counts.
+pub fn by_kernel(launches: &[CountedLaunch]) -> Vec<(Kernel, u64, Counts)> {
+    let mut out: Vec<(Kernel, u64, Counts)> = Vec::new();
+    for l in launches {
+        match out.iter_mut().find(|(k, _, _)| *k == l.kernel) {
+            Some((_, n, c)) => {
+                *n += 1;
+                c.add(&l.counts);
+            }
+            None => out.push((l.kernel, 1, l.counts)),
+        }
+    }
+    out
+}
+
 unsafe extern "C" {
+    fn custody_shim_count_begin();
+    fn custody_shim_count_end(out: *mut Counts);
     fn custody_shim_launch(
         name: *const c_char,
         grid: *const u32,
@@ -565,9 +666,15 @@ unsafe extern "C" {
 #[derive(Debug)]
 pub struct ShimDevice {
     seed: u64,
-    /// Each allocation's words (8-byte aligned, as device allocations are at least).
-    allocations: Vec<Box<[u64]>>,
+    /// Each allocation: its words and where its 256-byte-aligned start is (as `cuMemAlloc`
+    /// aligns; the counted sectors depend on it).
+    allocations: Vec<ShimAlloc>,
     launches: u64,
+    /// `Some` when this device counts its launches' memory traffic.
+    counted: Option<Vec<CountedLaunch>>,
+    /// Host↔device bytes copied (uploads, downloads).
+    pub uploaded_bytes: u64,
+    pub downloaded_bytes: u64,
 }
 
 impl ShimDevice {
@@ -576,7 +683,26 @@ impl ShimDevice {
             seed,
             allocations: Vec::new(),
             launches: 0,
+            counted: None,
+            uploaded_bytes: 0,
+            downloaded_bytes: 0,
         }
+    }
+
+    /// A device that counts every launch's memory traffic (slower: each access is recorded).
+    pub fn counting(seed: u64) -> Self {
+        Self {
+            counted: Some(Vec::new()),
+            ..Self::new(seed)
+        }
+    }
+
+    /// The counted launches so far, and forget them (empty unless [`Self::counting`]).
+    pub fn take_counts(&mut self) -> Vec<CountedLaunch> {
+        self.counted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Kernel launches so far.
@@ -587,11 +713,12 @@ impl ShimDevice {
     /// The allocation holding `[p, p + len)`, as a byte range of it.
     fn span(&mut self, p: DevicePtr, len: usize) -> Result<&mut [u8], DeviceError> {
         for a in &mut self.allocations {
-            let base = a.as_ptr() as u64;
-            let bytes = (a.len() * 8) as u64;
+            let words = &mut a.words[a.start_words..];
+            let base = words.as_ptr() as u64;
+            let bytes = a.bytes as u64;
             if p.0 >= base && p.0 + len as u64 <= base + bytes {
                 let start = (p.0 - base) as usize;
-                let all = custody_cuda::device::bytes_of_mut(&mut a[..]);
+                let all = custody_cuda::device::bytes_of_mut(words);
                 return Ok(&mut all[start..start + len]);
             }
         }
@@ -604,21 +731,39 @@ impl ShimDevice {
 
 use custody_cuda::{Arg, Device, DeviceError, DevicePtr, Kernel, LaunchDims};
 
+/// One [`ShimDevice`] allocation.
+#[derive(Debug)]
+struct ShimAlloc {
+    words: Box<[u64]>,
+    /// The device address is `words[start_words..]`'s (256-byte aligned).
+    start_words: usize,
+    bytes: usize,
+}
+
 impl Device for ShimDevice {
     fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError> {
-        let a = vec![0u64; bytes.div_ceil(8).max(1)].into_boxed_slice();
-        let p = DevicePtr(a.as_ptr() as u64);
-        self.allocations.push(a);
+        const ALIGN_WORDS: usize = 256 / 8;
+        let words = vec![0u64; bytes.div_ceil(8).max(1) + ALIGN_WORDS].into_boxed_slice();
+        let misaligned = (words.as_ptr() as usize / 8) % ALIGN_WORDS;
+        let start_words = (ALIGN_WORDS - misaligned) % ALIGN_WORDS;
+        let p = DevicePtr(words[start_words..].as_ptr() as u64);
+        self.allocations.push(ShimAlloc {
+            words,
+            start_words,
+            bytes: bytes.div_ceil(8).max(1) * 8,
+        });
         Ok(p)
     }
 
     fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         self.span(dst, src.len())?.copy_from_slice(src);
+        self.uploaded_bytes += src.len() as u64;
         Ok(())
     }
 
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         dst.copy_from_slice(self.span(src, dst.len())?);
+        self.downloaded_bytes += dst.len() as u64;
         Ok(())
     }
 
@@ -639,6 +784,10 @@ impl Device for ShimDevice {
         let name = std::ffi::CString::new(kernel.name()).expect("no NUL in a kernel name");
         let mut err = [0u8; 256];
         self.launches += 1;
+        if self.counted.is_some() {
+            // SAFETY: starts this OS thread's counters; no argument.
+            unsafe { custody_shim_count_begin() };
+        }
         // SAFETY: `words` holds one 6-word slot per argument of the kernel's C signature (the
         // arity is checked above); every pointer argument is an address of one of this device's
         // allocations, as the forward pass only passes those; grid and block are 3 words each.
@@ -653,6 +802,16 @@ impl Device for ShimDevice {
                 err.len(),
             )
         };
+        if let Some(counted) = &mut self.counted {
+            let mut counts = Counts::default();
+            // SAFETY: ends the counting begun above on this thread; `counts` is a live `Counts`.
+            unsafe { custody_shim_count_end(&mut counts) };
+            counted.push(CountedLaunch {
+                kernel,
+                dims,
+                counts,
+            });
+        }
         check(rc, &err).map_err(|e| DeviceError::Launch { kernel, why: e.0 })
     }
 

@@ -5,7 +5,10 @@
 #include <setjmp.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <memory>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace custody_shim {
@@ -15,7 +18,8 @@ namespace {
 // Bytes of stack per fiber (kernels keep small frames; a 128-thread block is 8 MiB).
 constexpr size_t STACK_BYTES = 64 << 10;
 
-enum class State { Runnable, AtBarrier, Done };
+enum class State { Runnable, AtBarrier, AtWarp, Done };
+constexpr unsigned WARP = 32;
 
 // Switching: a fiber is entered the first time through its ucontext (makecontext sets up its
 // stack), and from then on with _setjmp/_longjmp, which — unlike swapcontext — make no signal
@@ -27,6 +31,36 @@ struct Fiber {
     Ids ids;
     State state = State::Runnable;
     char* stack = nullptr;
+    // A warp collective in progress: this lane's value, where it reads from, and the result.
+    uint64_t deposit = 0, result = 0;
+    unsigned (*src)(unsigned, unsigned) = nullptr;
+    unsigned src_arg = 0;
+    // Counting: how many times this lane has executed each access site.
+    std::unordered_map<const void*, uint32_t> site_runs;
+};
+
+// One warp-level memory instruction being assembled from its lanes' accesses.
+struct Access {
+    uint64_t addr;
+    unsigned bytes;
+};
+struct Instruction {
+    bool store = false;
+    std::vector<Access> lanes;
+};
+struct InstructionKey {
+    const void* site;
+    uint64_t warp;
+    uint32_t run;
+    bool operator==(const InstructionKey& o) const {
+        return site == o.site && warp == o.warp && run == o.run;
+    }
+};
+struct InstructionKeyHash {
+    size_t operator()(const InstructionKey& k) const {
+        return std::hash<const void*>()(k.site) ^ (k.warp * 0x9E3779B97F4A7C15ull) ^
+               ((uint64_t)k.run << 32);
+    }
 };
 
 // Fiber stacks, kept for the OS thread's later blocks and launches: allocated once, never
@@ -45,9 +79,47 @@ struct Block {
     size_t running = 0;
     Body body = nullptr;
     void* body_ctx = nullptr;
+    std::unordered_map<InstructionKey, Instruction, InstructionKeyHash> instructions;
 };
 
 thread_local Block* block = nullptr;
+thread_local Counts totals;
+thread_local std::unordered_set<uint64_t> launch_sectors;
+
+// Fold a finished block's warp-level instructions into the totals.
+void fold_instructions(Block& b) {
+    std::vector<uint64_t> sectors;
+    for (auto& kv : b.instructions) {
+        Instruction& ins = kv.second;
+        sectors.clear();
+        uint64_t bytes = 0;
+        for (const Access& a : ins.lanes) {
+            bytes += a.bytes;
+            for (uint64_t s = a.addr / 32; s <= (a.addr + a.bytes - 1) / 32; s++) sectors.push_back(s);
+        }
+        std::sort(sectors.begin(), sectors.end());
+        const uint64_t distinct = std::unique(sectors.begin(), sectors.end()) - sectors.begin();
+        // The bytes asked for, each once (lanes reading one address share it).
+        std::sort(ins.lanes.begin(), ins.lanes.end(),
+                  [](const Access& x, const Access& y) { return x.addr < y.addr; });
+        uint64_t unique = 0, end = 0;
+        for (const Access& a : ins.lanes) {
+            const uint64_t lo = std::max(a.addr, end), hi = a.addr + a.bytes;
+            if (hi > lo) unique += hi - lo;
+            end = std::max(end, hi);
+        }
+        totals.sectors += distinct;
+        totals.ideal_sectors += (unique + 31) / 32;
+        if (ins.store) {
+            totals.store_bytes += bytes;
+            totals.store_requests++;
+        } else {
+            totals.load_bytes += bytes;
+            totals.load_requests++;
+        }
+    }
+    b.instructions.clear();
+}
 
 void trampoline() {
     block->body(block->body_ctx);
@@ -76,6 +148,8 @@ uint64_t next(uint64_t* s) {
     return *s * 0x2545F4914F6CDD1Dull;
 }
 
+int release_warps(Block& b, char* err, size_t err_len);
+
 // Run one block to completion. Returns 0 or -1 (message in err).
 int run_block(Block& b, uint64_t* seed, char* err, size_t err_len) {
     const size_t n = b.fibers.size();
@@ -98,12 +172,17 @@ int run_block(Block& b, uint64_t* seed, char* err, size_t err_len) {
             current = &f.ids;
             resume(b, f);
         }
-        size_t done = 0, waiting = 0;
+        size_t done = 0, waiting = 0, at_warp = 0;
         for (auto& f : b.fibers) {
             if (f.state == State::Done) done++;
             if (f.state == State::AtBarrier) waiting++;
+            if (f.state == State::AtWarp) at_warp++;
         }
         if (done == n) return 0;
+        if (at_warp > 0) {
+            if (release_warps(b, err, err_len) != 0) return -1;
+            continue;
+        }
         if (done > 0) {
             snprintf(err, err_len,
                      "divergent barrier: %zu of %zu threads wait at __syncthreads while %zu exited",
@@ -113,6 +192,36 @@ int run_block(Block& b, uint64_t* seed, char* err, size_t err_len) {
         for (auto& f : b.fibers) f.state = State::Runnable;  // everyone arrived: release
     }
 }
+// Release every warp whose live lanes all wait at a collective, computing each lane's result.
+// A warp some of whose lanes wait elsewhere (exited, or at __syncthreads) is divergent.
+int release_warps(Block& b, char* err, size_t err_len) {
+    const size_t n = b.fibers.size();
+    for (size_t base = 0; base < n; base += WARP) {
+        const size_t end = std::min(n, base + WARP);
+        size_t live = 0, waiting = 0;
+        for (size_t i = base; i < end; i++) {
+            if (b.fibers[i].state != State::Done) live++;
+            if (b.fibers[i].state == State::AtWarp) waiting++;
+        }
+        if (waiting == 0) continue;
+        if (waiting != live || live != end - base) {
+            snprintf(err, err_len,
+                     "divergent warp collective: %zu of %zu lanes of warp %zu wait at it while the others exited or wait at __syncthreads",
+                     waiting, end - base, base / WARP);
+            return -1;
+        }
+        for (size_t i = base; i < end; i++) {
+            Fiber& f = b.fibers[i];
+            const unsigned lane = (unsigned)(i - base);
+            const size_t from = base + (f.src ? f.src(lane, f.src_arg) % WARP : lane);
+            f.result = from < end ? b.fibers[from].deposit : f.deposit;
+        }
+        for (size_t i = base; i < end; i++) b.fibers[i].state = State::Runnable;
+        totals.warp_collectives++;
+    }
+    return 0;
+}
+
 // A fiber that starts in the kernel body. Its own function: `getcontext` returns twice (as
 // `setjmp` does), so the launch loop's variables stay out of its frame.
 __attribute__((noinline)) void make_fiber(Fiber& f, Ids ids, char* stack) {
@@ -126,6 +235,47 @@ __attribute__((noinline)) void make_fiber(Fiber& f, Ids ids, char* stack) {
 }
 }  // namespace
 
+thread_local bool counting = false;
+
+void count_begin() {
+    totals = Counts{};
+    launch_sectors.clear();
+    counting = true;
+}
+
+Counts count_end() {
+    counting = false;
+    launch_sectors.clear();
+    return totals;
+}
+
+void record(const void* site, const void* addr, unsigned bytes, bool store) {
+    Fiber& f = block->fibers[block->running];
+    const uint32_t run = f.site_runs[site]++;
+    Instruction& ins = block->instructions[InstructionKey{site, block->running / WARP, run}];
+    ins.store = store;
+    ins.lanes.push_back(Access{(uint64_t)(uintptr_t)addr, bytes});
+    const uint64_t a = (uint64_t)(uintptr_t)addr;
+    for (uint64_t s = a / 32; s <= (a + bytes - 1) / 32; s++)
+        if (launch_sectors.insert(s).second) totals.dram_sectors++;
+}
+
+uint64_t warp_exchange(uint64_t mine, unsigned (*src)(unsigned, unsigned), unsigned arg) {
+    Fiber& f = block->fibers[block->running];
+    f.deposit = mine;
+    f.src = src;
+    f.src_arg = arg;
+    f.state = State::AtWarp;
+    if (_setjmp(f.jb) == 0) _longjmp(block->scheduler_jb, 1);
+    // Resumed: the fiber object is the same (the vector never grows while a block runs).
+    Fiber& g = block->fibers[block->running];
+    return g.result;
+}
+
+void syncwarp() {
+    (void)warp_exchange(0, nullptr, 0);
+}
+
 void syncthreads() {
     Fiber& f = block->fibers[block->running];
     f.state = State::AtBarrier;
@@ -135,6 +285,7 @@ void syncthreads() {
 int launch(dim3 grid, dim3 blk, uint64_t seed, Body body, void* ctx, char* err, size_t err_len) {
     const size_t n = (size_t)blk.x * blk.y * blk.z;
     uint64_t s = seed;
+    launch_sectors.clear();  // DRAM sectors are counted per launch
     for (unsigned bz = 0; bz < grid.z; bz++)
         for (unsigned by = 0; by < grid.y; by++)
             for (unsigned bx = 0; bx < grid.x; bx++) {
@@ -151,6 +302,7 @@ int launch(dim3 grid, dim3 blk, uint64_t seed, Body body, void* ctx, char* err, 
                 Block* outer = block;
                 block = &b;
                 int rc = run_block(b, &s, err, err_len);
+                if (counting) fold_instructions(b);
                 block = outer;
                 current = nullptr;
                 if (rc != 0) return rc;

@@ -7,9 +7,24 @@
 // is a stack overflow guard hit. `__shared__` is a thread-local static: one block at a time uses it (kernels
 // must initialise it, as on a GPU).
 //
+// Warps: threads 32k..32k+31 of a block (linear id) are warp k. Warp collectives
+// (`__shfl_*_sync`, `__syncwarp`) are warp-scoped barriers: each lane deposits its value and
+// waits until every live lane of its warp has arrived, so a kernel must reach them convergently
+// (full mask only), as on Volta+; a lane that exits or waits at `__syncthreads` while its warp
+// waits at a collective is reported.
+//
+// Counting (the performance model, `custody_shim::Counts`): when a launch is counted, every
+// global access a kernel makes through `CUSTODY_LD`/`CUSTODY_ST` (custody.cuh) is recorded with
+// its call site, lane and address. The k-th execution of a site by the lanes of one warp is one
+// warp-level memory instruction (the grouping a converged warp makes; a divergent branch around
+// a load can mis-pair lanes); its 32-byte sectors are counted against the fewest that could
+// hold the bytes it asked for. Distinct sectors touched per launch model DRAM traffic (each
+// sector once: the L2 absorbs re-reads within a launch — true for the activations, which are
+// small; weights and K/V are read once anyway).
+//
 // What it cannot show (the NVRTC compile tier and the GPU verification cover those): the GPU's
 // float contraction and fast-math, the weak memory model and fences, register and shared-memory
-// limits, warp-synchronous timing.
+// limits, warp-synchronous timing, caches beyond the per-launch sector model.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -20,10 +35,64 @@ struct dim3 {
     dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
+// CUDA's built-in vector types used by the kernels (16-byte loads).
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+
 namespace custody_shim {
 struct Ids {
     dim3 thread, block, block_dim, grid_dim;
 };
+
+// What a counted launch did (see the header comment).
+struct Counts {
+    uint64_t load_bytes, store_bytes;       // bytes the lanes asked for
+    uint64_t load_requests, store_requests; // warp-level memory instructions
+    uint64_t sectors;                       // 32-byte sectors those instructions touched
+    uint64_t ideal_sectors;                 // the fewest that could hold each one's bytes
+    uint64_t dram_sectors;                  // distinct sectors of the whole launch
+    uint64_t warp_collectives;              // shuffles and __syncwarp, per warp
+};
+// Count the launches this OS thread makes from now until `count_end` (which returns the
+// totals). Counting is off otherwise: `access` returns at once.
+void count_begin();
+Counts count_end();
+extern thread_local bool counting;
+void record(const void* site, const void* addr, unsigned bytes, bool store);
+// One lane's value exchanged within its warp: lane `src` of the warp's values.
+uint64_t warp_exchange(uint64_t mine, unsigned (*src)(unsigned lane, unsigned arg), unsigned arg);
+void syncwarp();
+
+template <typename T>
+inline const T& counted_load(const void* site, const T* p) {
+    if (counting) record(site, p, sizeof(T), false);
+    return *p;
+}
+template <typename T, typename V>
+inline void counted_store(const void* site, T* p, V v) {
+    if (counting) record(site, p, sizeof(T), true);
+    *p = (T)v;
+}
+inline unsigned src_xor(unsigned lane, unsigned m) { return lane ^ m; }
+inline unsigned src_down(unsigned lane, unsigned d) { return lane + d < 32 ? lane + d : lane; }
+inline unsigned src_idx(unsigned, unsigned i) { return i; }
+template <typename T>
+inline T shuffle(T v, unsigned (*src)(unsigned, unsigned), unsigned arg) {
+    static_assert(sizeof(T) <= 8, "shuffles move up to 8 bytes");
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    bits = warp_exchange(bits, src, arg);
+    T out;
+    memcpy(&out, &bits, sizeof(T));
+    return out;
+}
 // The running fiber's ids (all fibers run on the launching OS thread).
 extern thread_local Ids* current;
 void syncthreads();
@@ -43,6 +112,21 @@ int launch(dim3 grid, dim3 block, uint64_t seed, Body body, void* ctx, char* err
 // share it; within a thread, one block at a time runs.
 #define __shared__ static thread_local
 #define __syncthreads() custody_shim::syncthreads()
+#define __syncwarp(...) custody_shim::syncwarp()
+// Full-mask collectives only (the kernels use no partial masks).
+#define __shfl_xor_sync(mask, v, m) custody_shim::shuffle((v), custody_shim::src_xor, (m))
+#define __shfl_down_sync(mask, v, d) custody_shim::shuffle((v), custody_shim::src_down, (d))
+#define __shfl_sync(mask, v, i) custody_shim::shuffle((v), custody_shim::src_idx, (i))
+// One call site's identity: a static of its own per expansion.
+#define CUSTODY_SHIM_SITE ([]() -> const void* { static const char s = 0; return &s; }())
+#define CUSTODY_LD(p) custody_shim::counted_load(CUSTODY_SHIM_SITE, (p))
+#define CUSTODY_ST(p, v) custody_shim::counted_store(CUSTODY_SHIM_SITE, (p), (v))
+
+// dp4a: the dot product of four signed bytes of a and b, plus c.
+static inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
 
 static inline unsigned int __float_as_uint(float f) {
     unsigned int u;

@@ -175,6 +175,7 @@ kernels! {
     Embed = "custody_embed", 5;
     RmsNorm = "custody_rms_norm", 5;
     Matvec = "custody_matvec", 6;
+    GemvQ4K = "custody_gemv_q4k", 7;
     Rope = "custody_rope", 8;
     KvWrite = "custody_kv_write", 9;
     PagedAttentionDecode = "custody_paged_attention_decode", 15;

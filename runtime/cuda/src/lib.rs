@@ -15,6 +15,7 @@
 pub mod device;
 #[cfg(feature = "cuda")]
 mod driver;
+pub mod repack;
 
 pub use device::{Arg, Device, DeviceError, DevicePtr, DeviceTags, Kernel, LaunchDims, Verdict};
 #[cfg(feature = "cuda")]

@@ -30,6 +30,9 @@ use crate::model::{ArchSpec, Logits, Mat, Model, ModelConfig, Segment};
 
 /// Threads per block of the row kernels (`CUSTODY_OPS_THREADS`, `CUSTODY_ATT_THREADS`).
 const THREADS: u32 = 128;
+/// `custody_gemv_q4k`'s rows per block (one per warp) and x rows per block.
+const GEMV_WARPS: u32 = 4;
+const GEMV_BATCH: u32 = 8;
 /// `CUSTODY_NO_PAGE`: a row the KV-write kernel skips.
 const NO_PAGE: u32 = u32::MAX;
 /// `CUSTODY_ATT_MAX_CTX`: the longest context the attention kernel holds scores for.
@@ -40,6 +43,11 @@ pub const MAX_CONTEXT: usize = 8192;
 pub enum CudaForwardError {
     #[error(transparent)]
     Device(#[from] DeviceError),
+    #[error("weight {name}: {source}")]
+    Repack {
+        name: String,
+        source: custody_cuda::repack::RepackError,
+    },
     #[error("context {n_ctx} exceeds the CUDA attention kernel's {MAX_CONTEXT} slots")]
     ContextTooLong { n_ctx: usize },
     #[error("batch of {rows} rows exceeds the {max_rows} this backend was sized for")]
@@ -50,13 +58,34 @@ pub enum CudaForwardError {
     TagCheckRequired,
 }
 
-/// A weight matrix on the device: its GGUF bytes as they are in the file.
+/// A weight matrix on the device.
 #[derive(Debug, Clone, Copy)]
 struct DevMat {
-    ptr: DevicePtr,
+    layout: Layout,
     dtype: u32,
     rows: u32,
     cols: u32,
+}
+
+/// How a [`DevMat`]'s bytes are laid out, and so which kernel reads it.
+#[derive(Debug, Clone, Copy)]
+enum Layout {
+    /// The GGUF bytes as they are in the file (`custody_matvec`, `custody_embed`).
+    Gguf(DevicePtr),
+    /// Q4_K in `custody_gemv_q4k`'s tiles (`custody_cuda::repack::q4k`): heads, then quants.
+    Q4kTiles { heads: DevicePtr, qs: DevicePtr },
+}
+
+impl DevMat {
+    /// The file-layout bytes (the embedding lookup reads only these).
+    fn gguf(&self) -> DevicePtr {
+        match self.layout {
+            Layout::Gguf(p) => p,
+            Layout::Q4kTiles { .. } => {
+                unreachable!("the embedding is uploaded in the file's layout")
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -175,6 +204,12 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
     bytes_of(v)
 }
 
+fn upload_bytes<D: Device>(dev: &mut D, bytes: &[u8]) -> Result<DevicePtr, DeviceError> {
+    let ptr = dev.alloc_zeroed(bytes.len())?;
+    dev.upload(ptr, bytes)?;
+    Ok(ptr)
+}
+
 impl<D: Device> CudaForward<D> {
     /// Upload `model`'s weights and size the device pool for `pool` (its page count and
     /// geometry) and batches of up to `max_rows` rows.
@@ -186,14 +221,35 @@ impl<D: Device> CudaForward<D> {
     ) -> Result<Self, CudaForwardError> {
         assert!(max_rows > 0);
         let c = model.config.clone();
+        // A product's weights: Q4_K in the GEMV's tiles, every other type as in the file.
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
-            let dtype = dtype_code(m);
             let bytes = model.tensor_bytes(m);
-            let ptr = dev.alloc_zeroed(bytes.len())?;
-            dev.upload(ptr, bytes)?;
+            let layout = if m.dtype == DType::Q4_K {
+                let t = custody_cuda::repack::q4k(bytes, m.rows, m.cols).map_err(|source| {
+                    CudaForwardError::Repack {
+                        name: m.name.clone(),
+                        source,
+                    }
+                })?;
+                Layout::Q4kTiles {
+                    heads: upload_bytes(dev, &t.heads)?,
+                    qs: upload_bytes(dev, &t.qs)?,
+                }
+            } else {
+                Layout::Gguf(upload_bytes(dev, bytes)?)
+            };
             Ok(DevMat {
-                ptr,
-                dtype,
+                layout,
+                dtype: dtype_code(m),
+                rows: m.rows as u32,
+                cols: m.cols as u32,
+            })
+        };
+        // The embedding table, looked up by row: always the file's layout.
+        let upload_table = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
+            Ok(DevMat {
+                layout: Layout::Gguf(upload_bytes(dev, model.tensor_bytes(m))?),
+                dtype: dtype_code(m),
                 rows: m.rows as u32,
                 cols: m.cols as u32,
             })
@@ -203,12 +259,15 @@ impl<D: Device> CudaForward<D> {
             dev.upload(ptr, f32_bytes(v))?;
             Ok(ptr)
         };
-        let tok_embd = upload_mat(&mut dev, &model.tok_embd)?;
-        let output = if model.output.name == model.tok_embd.name {
-            tok_embd
-        } else {
-            upload_mat(&mut dev, &model.output)?
-        };
+        let tok_embd = upload_table(&mut dev, &model.tok_embd)?;
+        // A tied output head shares the table's bytes unless the product reads another layout
+        // (a Q4_K table is then held twice: the file's for lookups, the tiles for the head).
+        let output =
+            if model.output.name == model.tok_embd.name && model.output.dtype != DType::Q4_K {
+                tok_embd
+            } else {
+                upload_mat(&mut dev, &model.output)?
+            };
         let output_norm = upload_vec(&mut dev, &model.output_norm)?;
         let ones = vec![1.0f32; c.rope_dims / 2];
         let rope_factors = upload_vec(&mut dev, model.rope_freqs.as_deref().unwrap_or(&ones))?;
@@ -396,19 +455,40 @@ impl<D: Device> CudaForward<D> {
         out: DevicePtr,
         rows: usize,
     ) -> Result<(), DeviceError> {
-        let args = [
-            Arg::Ptr(m.ptr),
-            Arg::U32(m.dtype),
-            Arg::U32(m.rows),
-            Arg::U32(m.cols),
-            Arg::Ptr(x),
-            Arg::Ptr(out),
-        ];
-        self.launch(
-            Kernel::Matvec,
-            LaunchDims::grid2(m.rows, rows as u32, THREADS),
-            &args,
-        )
+        match m.layout {
+            Layout::Gguf(w) => {
+                let args = [
+                    Arg::Ptr(w),
+                    Arg::U32(m.dtype),
+                    Arg::U32(m.rows),
+                    Arg::U32(m.cols),
+                    Arg::Ptr(x),
+                    Arg::Ptr(out),
+                ];
+                self.launch(
+                    Kernel::Matvec,
+                    LaunchDims::grid2(m.rows, rows as u32, THREADS),
+                    &args,
+                )
+            }
+            Layout::Q4kTiles { heads, qs } => {
+                let args = [
+                    Arg::Ptr(heads),
+                    Arg::Ptr(qs),
+                    Arg::U32(m.rows),
+                    Arg::U32(m.cols),
+                    Arg::Ptr(x),
+                    Arg::U32(rows as u32),
+                    Arg::Ptr(out),
+                ];
+                let dims = LaunchDims::grid2(
+                    m.rows.div_ceil(GEMV_WARPS),
+                    (rows as u32).div_ceil(GEMV_BATCH),
+                    THREADS,
+                );
+                self.launch(Kernel::GemvQ4K, dims, &args)
+            }
+        }
     }
 
     fn rope(&mut self, x: DevicePtr, heads: usize, rows: usize) -> Result<(), DeviceError> {
@@ -545,7 +625,7 @@ impl<D: Device> CudaForward<D> {
         self.upload_tables(segments, &rows)?;
         let e = self.tok_embd;
         let args = [
-            Arg::Ptr(e.ptr),
+            Arg::Ptr(e.gguf()),
             Arg::U32(e.dtype),
             Arg::U32(e.cols),
             Arg::Ptr(self.bufs.tokens),

@@ -56,6 +56,7 @@ fn check(extra: &[&std::ffi::OsStr]) -> serde_json::Value {
         "custody_swiglu",
         "custody_softmax",
         "custody_matvec",
+        "custody_gemv_q4k",
         "custody_copy_chunks",
         "custody_embed",
         "custody_add",
