@@ -21,37 +21,42 @@ __device__ CustodyVerdict custody_check_page(const CustodyPageRef* table, custod
     v.page = table[i].page;
     v.a = 0;
     v.b = 0;
-    const custody_u32 p = table[i].page;
+    const CustodyPageRef ref = CUSTODY_LD(table + i);
+    const custody_u32 p = ref.page;
     if (p >= t->n_pages) {
         v.code = CUSTODY_PAGE_OUT_OF_RANGE;
         v.a = t->n_pages;
         return v;
     }
-    const custody_u32 found = t->generation[p];
-    if (found != table[i].generation) {
+    const custody_u32 found = CUSTODY_LD(t->generation + p);
+    if (found != ref.generation) {
         v.code = CUSTODY_STALE_GENERATION;
-        v.a = table[i].generation;
+        v.a = ref.generation;
         v.b = found;
         return v;
     }
-    if (t->owner[p] != owner) {
+    const custody_u64 page_owner = CUSTODY_LD(t->owner + p);
+    if (page_owner != owner) {
         v.code = CUSTODY_FOREIGN_OWNER;
         v.a = owner;
-        v.b = t->owner[p];
+        v.b = page_owner;
         return v;
     }
     const custody_u32 left = n_ctx - i * page_size;
     const custody_u32 attended = left < page_size ? left : page_size;
-    if (t->filled[p] < attended) {
+    const custody_u32 filled = CUSTODY_LD(t->filled + p);
+    if (filled < attended) {
         v.code = CUSTODY_UNWRITTEN_SLOT;
-        v.a = t->filled[p];
+        v.a = filled;
         v.b = found;
         return v;
     }
-    if (t->stamp_owner[p] != owner || t->stamp_generation[p] != found) {
+    const custody_u64 stamp_owner = CUSTODY_LD(t->stamp_owner + p);
+    const custody_u32 stamp_generation = CUSTODY_LD(t->stamp_generation + p);
+    if (stamp_owner != owner || stamp_generation != found) {
         v.code = CUSTODY_IN_BAND_MISMATCH;
-        v.a = t->stamp_owner[p];
-        v.b = t->stamp_generation[p];
+        v.a = stamp_owner;
+        v.b = stamp_generation;
         return v;
     }
     return v;
@@ -204,14 +209,305 @@ extern "C" __global__ void custody_kv_write(const float* k, const float* v,
                                            custody_u32 page_size, unsigned short* k_cache,
                                            unsigned short* v_cache) {
     const custody_u32 r = blockIdx.x;
-    const custody_u32 page = pages[r];
+    const custody_u32 page = CUSTODY_LD(pages + r);
     if (page == CUSTODY_NO_PAGE) return;
-    const custody_u32 kvd = n_kv_heads * head_dim;
+    const custody_u32 kvd = n_kv_heads * head_dim, slot = CUSTODY_LD(slots + r);
     for (custody_u32 i = threadIdx.x; i < kvd; i += CUSTODY_ATT_THREADS) {
         const custody_u32 h = i / head_dim, e = i % head_dim;
         const custody_u64 off =
-            (((custody_u64)page * n_kv_heads + h) * page_size + slots[r]) * head_dim + e;
-        k_cache[off] = custody_float_to_half(k[(custody_u64)r * kvd + i]);
-        v_cache[off] = custody_float_to_half(v[(custody_u64)r * kvd + i]);
+            (((custody_u64)page * n_kv_heads + h) * page_size + slot) * head_dim + e;
+        CUSTODY_ST(k_cache + off, custody_float_to_half(CUSTODY_LD(k + (custody_u64)r * kvd + i)));
+        CUSTODY_ST(v_cache + off, custody_float_to_half(CUSTODY_LD(v + (custody_u64)r * kvd + i)));
+    }
+}
+
+// ---- Paged flash-decoding: split-K over a row's pages, the tag check inside each split.
+//
+// `custody_flash_decode` — grid (n_kv_heads, n_rows, n_splits), block (CUSTODY_ATT_THREADS):
+// CTA (g, r, s) attends row r's query heads of KV head g (the G = n_heads / n_kv_heads heads
+// that share it: one K/V load serves all of them) over pages [s·pps, (s+1)·pps) of the row's
+// block table (pps = pages per split). Before its first K/V load it checks the tags of exactly
+// those pages (`custody_check_page`, the CPU's checks in the CPU's order) and publishes the
+// first failing index of its range in `bad[(r · n_kv_heads + g) · n_splits + s]`
+// (CUSTODY_NO_PAGE if none); a failing CTA reads no slot. A passing CTA runs an online softmax
+// over its slots in tiles of CUSTODY_FD_TILE and writes, per query head, its unnormalised
+// output, running max and sum to `partial` (row-major `[r][head][s][head_dim + 2]`).
+// `custody_flash_merge` — grid (n_heads, n_rows): decides the row's verdict from the splits'
+// published indices (the smallest, re-checked for its values; a short table first) and writes
+// `out` only when the row passes. No context cap: splits × pps covers any table.
+//
+// K and V are read in 16-byte vectors (8 halves): V = head_dim / 8 lanes per slot, 32 / V slots
+// per warp instruction, a slot's row contiguous in the page (`[page][kv_head][slot][dim]`).
+// head_dim must be a power of two in [8, 256] and G ≤ CUSTODY_FD_MAX_GROUP (the host refuses
+// other shapes by name).
+#define CUSTODY_FD_TILE 64u
+#define CUSTODY_FD_MAX_GROUP 8u
+#define CUSTODY_FD_MAX_DIM 256u
+#define CUSTODY_FD_WARPS (CUSTODY_ATT_THREADS / 32u)
+
+// Eight halves of a 16-byte vector as floats.
+__device__ __forceinline__ void custody_unpack8(uint4 v, float* f) {
+    const custody_u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (custody_u32 i = 0; i < 4; i++) {
+        f[2 * i] = custody_half_to_float((unsigned short)(w[i] & 0xffffu));
+        f[2 * i + 1] = custody_half_to_float((unsigned short)(w[i] >> 16));
+    }
+}
+
+// The first failing page index in [lo, hi) of `table` (CUSTODY_NO_PAGE if none), reduced over
+// the block; every thread must call it.
+__device__ custody_u32 custody_first_bad_in(const CustodyPageRef* table, custody_u32 lo,
+                                            custody_u32 hi, custody_u32 n_ctx,
+                                            custody_u32 page_size, const CustodyTags* tags,
+                                            custody_u64 owner, custody_u32* red) {
+    const custody_u32 t = threadIdx.x;
+    custody_u32 mine = CUSTODY_NO_PAGE;
+    for (custody_u32 i = lo + t; i < hi; i += CUSTODY_ATT_THREADS) {
+        if (custody_check_page(table, i, n_ctx, page_size, tags, owner).code != CUSTODY_OK) {
+            mine = i;
+            break;
+        }
+    }
+    red[t] = mine;
+    __syncthreads();
+    for (custody_u32 half = CUSTODY_ATT_THREADS / 2; half > 0; half /= 2) {
+        if (t < half && red[t + half] < red[t]) red[t] = red[t + half];
+        __syncthreads();
+    }
+    const custody_u32 first = red[0];
+    __syncthreads();
+    return first;
+}
+
+extern "C" __global__ void custody_flash_decode(
+    const float* q, const unsigned short* k_cache, const unsigned short* v_cache,
+    const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
+    const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
+    custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
+    custody_u32 pages_per_split, float* partial, custody_u32* bad) {
+    __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
+    __shared__ float qs[CUSTODY_FD_MAX_GROUP * CUSTODY_FD_MAX_DIM];
+    __shared__ float p[CUSTODY_FD_MAX_GROUP * CUSTODY_FD_TILE];
+    __shared__ float run_m[CUSTODY_FD_MAX_GROUP], run_l[CUSTODY_FD_MAX_GROUP];
+    __shared__ float alpha[CUSTODY_FD_MAX_GROUP];
+    __shared__ float accs[CUSTODY_FD_WARPS * CUSTODY_FD_MAX_GROUP * CUSTODY_FD_MAX_DIM];
+    const custody_u32 g = blockIdx.x, r = blockIdx.y, s = blockIdx.z, t = threadIdx.x;
+    const custody_u32 warp = t / 32, lane = t % 32;
+    const custody_u32 n_splits = gridDim.z, group = n_heads / n_kv_heads;
+    const CustodyPageRef* table = tables + CUSTODY_LD(table_off + r);
+    const custody_u32 n = CUSTODY_LD(n_ctx + r);
+    const custody_u32 need = (n + page_size - 1) / page_size;
+    const custody_u32 lo = s * pages_per_split;
+    const custody_u32 hi = lo + pages_per_split < need ? lo + pages_per_split : need;
+    // A short table is the merge's verdict; no split reads a page of it.
+    const bool readable = CUSTODY_LD(table_len + r) >= need && lo < hi;
+    const custody_u32 first = readable ? custody_first_bad_in(table, lo, hi, n, page_size, &tags,
+                                                              CUSTODY_LD(owners + r), red)
+                                       : CUSTODY_NO_PAGE;
+    if (t == 0) CUSTODY_ST(bad + ((custody_u64)r * n_kv_heads + g) * n_splits + s, first);
+    const custody_u32 stride = head_dim + 2;
+    float* part = partial + (((custody_u64)r * n_heads + g * group) * n_splits + s) * stride;
+    if (!readable || first != CUSTODY_NO_PAGE) {
+        // Nothing read: an empty partial (max −inf, sum 0) the merge weighs as nothing.
+        for (custody_u32 i = t; i < group; i += CUSTODY_ATT_THREADS) {
+            CUSTODY_ST(part + (custody_u64)i * n_splits * stride + head_dim,
+                       __uint_as_float(0xff800000u));
+            CUSTODY_ST(part + (custody_u64)i * n_splits * stride + head_dim + 1, 0.0f);
+        }
+        return;  // uniform: every thread saw the same `readable` and `first`
+    }
+    // The group's queries, scaled, in shared memory.
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    const float* qg = q + ((custody_u64)r * n_heads + g * group) * head_dim;
+    for (custody_u32 i = t; i < group * head_dim; i += CUSTODY_ATT_THREADS)
+        qs[i] = CUSTODY_LD(qg + i) * scale;
+    if (t < group) {
+        run_m[t] = __uint_as_float(0xff800000u);
+        run_l[t] = 0.0f;
+    }
+    const custody_u32 vecs = head_dim / 8, per_warp = 32 / vecs;
+    const custody_u32 slot_in_step = warp * per_warp + lane / vecs, sub = lane % vecs;
+    const custody_u32 kv_row = head_dim;  // halves per slot row
+    float acc[CUSTODY_FD_MAX_GROUP][8];
+#pragma unroll
+    for (custody_u32 h = 0; h < CUSTODY_FD_MAX_GROUP; h++)
+#pragma unroll
+        for (custody_u32 e = 0; e < 8; e++) acc[h][e] = 0.0f;
+    const custody_u32 first_slot = lo * page_size;
+    const custody_u32 end_slot = hi * page_size < n ? hi * page_size : n;
+    __syncthreads();
+    for (custody_u32 tile = first_slot; tile < end_slot; tile += CUSTODY_FD_TILE) {
+        // Scores of the tile's slots for every head of the group.
+        for (custody_u32 j = slot_in_step; j < CUSTODY_FD_TILE; j += CUSTODY_FD_WARPS * per_warp) {
+            const custody_u32 slot = tile + j;
+            float dot[CUSTODY_FD_MAX_GROUP];
+#pragma unroll
+            for (custody_u32 h = 0; h < CUSTODY_FD_MAX_GROUP; h++) dot[h] = 0.0f;
+            if (slot < end_slot) {
+                const CustodyPageRef pr = CUSTODY_LD(table + slot / page_size);
+                const custody_u64 off =
+                    (((custody_u64)pr.page * n_kv_heads + g) * page_size + slot % page_size) *
+                        kv_row + 8 * sub;
+                float k[8];
+                custody_unpack8(CUSTODY_LD((const uint4*)(k_cache + off)), k);
+#pragma unroll
+                for (custody_u32 h = 0; h < CUSTODY_FD_MAX_GROUP; h++) {
+                    if (h < group) {
+                        const float* qh = qs + h * head_dim + 8 * sub;
+#pragma unroll
+                        for (custody_u32 e = 0; e < 8; e++) dot[h] += qh[e] * k[e];
+                    }
+                }
+            }
+#pragma unroll
+            for (custody_u32 h = 0; h < CUSTODY_FD_MAX_GROUP; h++) {
+                for (custody_u32 m = vecs / 2; m > 0; m /= 2)
+                    dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], m);
+                if (sub == 0 && h < group)
+                    p[h * CUSTODY_FD_TILE + j] =
+                        slot < end_slot ? dot[h] : __uint_as_float(0xff800000u);
+            }
+        }
+        __syncthreads();
+        // Online softmax per head: warp w serves heads w, w + 4.
+        for (custody_u32 h = warp; h < group; h += CUSTODY_FD_WARPS) {
+            float mx = __uint_as_float(0xff800000u);
+            for (custody_u32 j = lane; j < CUSTODY_FD_TILE; j += 32) mx = fmaxf(mx, p[h * CUSTODY_FD_TILE + j]);
+            for (custody_u32 m = 16; m > 0; m /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
+            const float m_new = fmaxf(run_m[h], mx);
+            float sum = 0.0f;
+            for (custody_u32 j = lane; j < CUSTODY_FD_TILE; j += 32) {
+                const float e = expf(p[h * CUSTODY_FD_TILE + j] - m_new);
+                p[h * CUSTODY_FD_TILE + j] = e;
+                sum += e;
+            }
+            for (custody_u32 m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+            __syncwarp();  // every lane has read run_m before lane 0 changes it
+            if (lane == 0) {
+                const float a = expf(run_m[h] - m_new);
+                alpha[h] = a;
+                run_l[h] = run_l[h] * a + sum;
+                run_m[h] = m_new;
+            }
+        }
+        __syncthreads();
+        // V: rescale, then add this tile's weighted rows.
+#pragma unroll
+        for (custody_u32 h = 0; h < CUSTODY_FD_MAX_GROUP; h++) {
+            if (h < group) {
+                const float a = alpha[h];
+#pragma unroll
+                for (custody_u32 e = 0; e < 8; e++) acc[h][e] *= a;
+            }
+        }
+        for (custody_u32 j = slot_in_step; j < CUSTODY_FD_TILE; j += CUSTODY_FD_WARPS * per_warp) {
+            const custody_u32 slot = tile + j;
+            if (slot >= end_slot) continue;
+            const CustodyPageRef pr = CUSTODY_LD(table + slot / page_size);
+            const custody_u64 off =
+                (((custody_u64)pr.page * n_kv_heads + g) * page_size + slot % page_size) * kv_row +
+                8 * sub;
+            float v[8];
+            custody_unpack8(CUSTODY_LD((const uint4*)(v_cache + off)), v);
+#pragma unroll
+            for (custody_u32 h = 0; h < CUSTODY_FD_MAX_GROUP; h++) {
+                if (h < group) {
+                    const float w = p[h * CUSTODY_FD_TILE + j];
+#pragma unroll
+                    for (custody_u32 e = 0; e < 8; e++) acc[h][e] += w * v[e];
+                }
+            }
+        }
+        __syncthreads();  // p is rewritten by the next tile
+    }
+    // Sum the lanes that hold the same dimensions (other slots of the step): within the warp by
+    // shuffles, across warps through shared memory.
+#pragma unroll
+    for (custody_u32 h = 0; h < CUSTODY_FD_MAX_GROUP; h++)
+#pragma unroll
+        for (custody_u32 e = 0; e < 8; e++)
+            for (custody_u32 m = vecs; m < 32; m *= 2)
+                acc[h][e] += __shfl_xor_sync(0xffffffffu, acc[h][e], m);
+    if (lane < vecs) {
+#pragma unroll
+        for (custody_u32 h = 0; h < CUSTODY_FD_MAX_GROUP; h++)
+            if (h < group)
+#pragma unroll
+                for (custody_u32 e = 0; e < 8; e++)
+                    accs[(warp * CUSTODY_FD_MAX_GROUP + h) * CUSTODY_FD_MAX_DIM + 8 * sub + e] = acc[h][e];
+    }
+    __syncthreads();
+    for (custody_u32 i = t; i < group * head_dim; i += CUSTODY_ATT_THREADS) {
+        const custody_u32 h = i / head_dim, e = i % head_dim;
+        float sum = 0.0f;
+        for (custody_u32 w = 0; w < CUSTODY_FD_WARPS; w++)
+            sum += accs[(w * CUSTODY_FD_MAX_GROUP + h) * CUSTODY_FD_MAX_DIM + e];
+        CUSTODY_ST(part + (custody_u64)h * n_splits * stride + e, sum);
+    }
+    if (t < group) {
+        CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim, run_m[t]);
+        CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim + 1, run_l[t]);
+    }
+}
+
+// The row's verdict from the splits' first failing indices, then — only for a passing row — its
+// output: Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M). Grid (n_heads, n_rows), block
+// (CUSTODY_ATT_THREADS); head 0's block reports the verdict (poisoned rows stay failures).
+extern "C" __global__ void custody_flash_merge(
+    const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
+    const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
+    custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
+    custody_u32 n_splits, const float* partial, const custody_u32* bad, float* out,
+    CustodyVerdict* verdicts) {
+    __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
+    const custody_u32 head = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
+    const CustodyPageRef* table = tables + CUSTODY_LD(table_off + r);
+    const custody_u32 n = CUSTODY_LD(n_ctx + r);
+    const custody_u32 need = (n + page_size - 1) / page_size;
+    const custody_u32 len = CUSTODY_LD(table_len + r);
+    // The smallest failing index over the splits (KV head 0's CTAs checked the same pages).
+    custody_u32 mine = CUSTODY_NO_PAGE;
+    for (custody_u32 s = t; s < n_splits; s += CUSTODY_ATT_THREADS) {
+        const custody_u32 b = CUSTODY_LD(bad + (custody_u64)r * n_kv_heads * n_splits + s);
+        if (b < mine) mine = b;
+    }
+    red[t] = mine;
+    __syncthreads();
+    for (custody_u32 half = CUSTODY_ATT_THREADS / 2; half > 0; half /= 2) {
+        if (t < half && red[t + half] < red[t]) red[t] = red[t + half];
+        __syncthreads();
+    }
+    CustodyVerdict v;
+    v.code = CUSTODY_OK;
+    v.page = 0;
+    v.a = 0;
+    v.b = 0;
+    if (len < need || n == 0) {
+        v.code = CUSTODY_BLOCK_TABLE_TOO_SHORT;
+        v.a = len;
+        v.b = need;
+    } else if (red[0] != CUSTODY_NO_PAGE) {
+        v = custody_check_page(table, red[0], n, page_size, &tags, CUSTODY_LD(owners + r));
+    }
+    if (head == 0 && t == 0) CUSTODY_ST(verdicts + r, v);
+    if (v.code != CUSTODY_OK) return;  // uniform over the block
+    const custody_u32 stride = head_dim + 2;
+    const float* part = partial + ((custody_u64)r * n_heads + head) * n_splits * stride;
+    float mx = __uint_as_float(0xff800000u);
+    for (custody_u32 s = 0; s < n_splits; s++) mx = fmaxf(mx, CUSTODY_LD(part + s * stride + head_dim));
+    float l = 0.0f;
+    for (custody_u32 s = 0; s < n_splits; s++) {
+        const float m = CUSTODY_LD(part + s * stride + head_dim);
+        if (m != __uint_as_float(0xff800000u)) l += CUSTODY_LD(part + s * stride + head_dim + 1) * expf(m - mx);
+    }
+    float* o = out + ((custody_u64)r * n_heads + head) * head_dim;
+    for (custody_u32 e = t; e < head_dim; e += CUSTODY_ATT_THREADS) {
+        float acc = 0.0f;
+        for (custody_u32 s = 0; s < n_splits; s++) {
+            const float m = CUSTODY_LD(part + s * stride + head_dim);
+            if (m != __uint_as_float(0xff800000u)) acc += CUSTODY_LD(part + s * stride + e) * expf(m - mx);
+        }
+        CUSTODY_ST(o + e, acc / l);
     }
 }

@@ -40,9 +40,13 @@ extern "C" __global__ void custody_rms_norm(const float* x, const float* w, floa
     const float* xr = x + (custody_u64)blockIdx.x * dim;
     float* o = out + (custody_u64)blockIdx.x * dim;
     float ss = 0.0f;
-    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) ss += xr[i] * xr[i];
+    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) {
+        const float v = CUSTODY_LD(xr + i);
+        ss += v * v;
+    }
     const float scale = 1.0f / sqrtf(custody_block_sum(ss, red) / (float)dim + eps);
-    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) o[i] = xr[i] * scale * w[i];
+    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS)
+        CUSTODY_ST(o + i, CUSTODY_LD(xr + i) * scale * CUSTODY_LD(w + i));
 }
 
 // llama.cpp's RoPE in place: pair i of every head rotated by pos · base^(-2i / n_rot) / f[i],
@@ -53,7 +57,7 @@ extern "C" __global__ void custody_rope(float* x, const custody_u32* positions, 
                                        custody_u32 head_dim, custody_u32 n_rot, float freq_base,
                                        const float* freq_factors, custody_u32 neox) {
     float* xr = x + (custody_u64)blockIdx.x * n_heads * head_dim;
-    const float pos = (float)positions[blockIdx.x];
+    const float pos = (float)CUSTODY_LD(positions + blockIdx.x);
     const custody_u32 pairs = n_rot / 2;
     for (custody_u32 k = threadIdx.x; k < n_heads * pairs; k += CUSTODY_OPS_THREADS) {
         const custody_u32 h = k / pairs, i = k % pairs;
@@ -61,13 +65,13 @@ extern "C" __global__ void custody_rope(float* x, const custody_u32* positions, 
         const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
         float theta = pos;
         for (custody_u32 j = 0; j < i; j++) theta *= theta_scale;
-        theta = theta / freq_factors[i];
+        theta = theta / CUSTODY_LD(freq_factors + i);
         const float c = cosf(theta), s = sinf(theta);
         float* p0 = xr + h * head_dim + (neox ? i : 2 * i);
         float* p1 = p0 + (neox ? pairs : 1);
-        const float x0 = *p0, x1 = *p1;
-        *p0 = fmaf(x0, c, -(x1 * s));
-        *p1 = fmaf(x0, s, x1 * c);
+        const float x0 = CUSTODY_LD(p0), x1 = CUSTODY_LD(p1);
+        CUSTODY_ST(p0, fmaf(x0, c, -(x1 * s)));
+        CUSTODY_ST(p1, fmaf(x0, s, x1 * c));
     }
 }
 
@@ -76,13 +80,16 @@ extern "C" __global__ void custody_rope(float* x, const custody_u32* positions, 
 extern "C" __global__ void custody_add_rows(float* x, const float* b, custody_u32 width,
                                            custody_u64 n) {
     const custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x;
-    if (i < n) x[i] += b[i % width];
+    if (i < n) CUSTODY_ST(x + i, CUSTODY_LD(x + i) + CUSTODY_LD(b + i % width));
 }
 
 // gate = silu(gate) · up, elementwise over `n`. Grid (ceil(n / 128)), block (128).
 extern "C" __global__ void custody_swiglu(float* gate, const float* up, custody_u64 n) {
     const custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x;
-    if (i < n) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    if (i < n) {
+        const float g = CUSTODY_LD(gate + i);
+        CUSTODY_ST(gate + i, g / (1.0f + expf(-g)) * CUSTODY_LD(up + i));
+    }
 }
 
 // Numerically stable softmax of each row in place. Grid (rows), block (128).
@@ -372,7 +379,7 @@ extern "C" __global__ void custody_embed(const unsigned char* w, custody_u32 dty
 // x += y elementwise over `n` (the residual connections). Grid (ceil(n / 128)), block (128).
 extern "C" __global__ void custody_add(float* x, const float* y, custody_u64 n) {
     const custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x;
-    if (i < n) x[i] += y[i];
+    if (i < n) CUSTODY_ST(x + i, CUSTODY_LD(x + i) + CUSTODY_LD(y + i));
 }
 
 // KV page gather/scatter of the transfer path: copy chunk i (`len[i]` bytes) from

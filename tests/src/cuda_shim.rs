@@ -819,3 +819,135 @@ impl Device for ShimDevice {
         format!("CUDA-on-CPU shim (schedule seed {})", self.seed)
     }
 }
+
+/// How a flash-decoding launch cuts the contexts (`custody_flash_decode`'s grid.z and pages per
+/// CTA).
+#[derive(Clone, Copy, Debug)]
+pub struct FlashSplits {
+    pub n: u32,
+    pub pages_per_split: u32,
+}
+
+/// What a flash-decoding run returns: each request's verdict and the two launches' counts.
+#[derive(Debug)]
+pub struct FlashRun {
+    pub verdicts: Vec<Verdict>,
+    pub decode: Counts,
+    pub merge: Counts,
+}
+
+/// Paged flash decoding (`custody_flash_decode` then `custody_flash_merge`) on a counting shim
+/// device: writes `out` for the requests that pass their tag check.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_decode(
+    q: &[f32],
+    k_cache: &[u16],
+    v_cache: &[u16],
+    reqs: &[Request],
+    shape: AttentionShape,
+    tags: &OwnedTags,
+    splits: FlashSplits,
+    out: &mut [f32],
+    seed: u64,
+) -> Result<FlashRun, DeviceError> {
+    use custody_cuda::device::{bytes_of, bytes_of_mut};
+    let n = reqs.len();
+    assert_eq!(out.len(), q.len());
+    let f = flatten(reqs);
+    let mut dev = ShimDevice::counting(seed);
+    let mut put = |b: &[u8]| -> Result<DevicePtr, DeviceError> {
+        let p = dev.alloc_zeroed(b.len())?;
+        dev.upload(p, b)?;
+        Ok(p)
+    };
+    let qp = put(bytes_of(q))?;
+    let kp = put(bytes_of(k_cache))?;
+    let vp = put(bytes_of(v_cache))?;
+    let table_words: Vec<u32> = f
+        .tables
+        .iter()
+        .flat_map(|p| [p.page, p.generation])
+        .collect();
+    let tables = put(bytes_of(&table_words))?;
+    let off = put(bytes_of(&f.off))?;
+    let len = put(bytes_of(&f.len))?;
+    let n_ctx = put(bytes_of(&f.n_ctx))?;
+    let owners = put(bytes_of(&f.owners))?;
+    let dt = custody_cuda::DeviceTags {
+        generation: put(bytes_of(&tags.generation))?.0,
+        owner: put(bytes_of(&tags.owner))?.0,
+        filled: put(bytes_of(&tags.filled))?.0,
+        stamp_owner: put(bytes_of(&tags.stamp_owner))?.0,
+        stamp_generation: put(bytes_of(&tags.stamp_generation))?.0,
+        n_pages: tags.generation.len() as u32,
+    };
+    let pairs = n * shape.n_heads as usize * splits.n as usize;
+    let partial = put(bytes_of(&vec![
+        f32::NAN;
+        pairs * (shape.head_dim as usize + 2)
+    ]))?;
+    // Every CTA writes its entry; zeros are a valid index should one not (never a wild read).
+    let bad = put(bytes_of(&vec![
+        0u32;
+        n * (shape.n_kv_heads * splits.n) as usize
+    ]))?;
+    let outp = put(bytes_of(out))?;
+    let poisoned = vec![
+        Verdict {
+            code: u32::MAX,
+            ..Verdict::default()
+        };
+        n
+    ];
+    let verdicts = put(bytes_of(&poisoned))?;
+    let table = [
+        Arg::Ptr(tables),
+        Arg::Ptr(off),
+        Arg::Ptr(len),
+        Arg::Ptr(n_ctx),
+        Arg::Ptr(owners),
+    ];
+    let shape_args = [
+        Arg::U32(shape.n_heads),
+        Arg::U32(shape.n_kv_heads),
+        Arg::U32(shape.head_dim),
+        Arg::U32(shape.page_size),
+        Arg::Tags(dt),
+    ];
+    let mut decode = vec![Arg::Ptr(qp), Arg::Ptr(kp), Arg::Ptr(vp)];
+    decode.extend(table);
+    decode.extend(shape_args);
+    decode.extend([
+        Arg::U32(splits.pages_per_split),
+        Arg::Ptr(partial),
+        Arg::Ptr(bad),
+    ]);
+    let mut merge = table.to_vec();
+    merge.extend(shape_args);
+    merge.extend([
+        Arg::U32(splits.n),
+        Arg::Ptr(partial),
+        Arg::Ptr(bad),
+        Arg::Ptr(outp),
+        Arg::Ptr(verdicts),
+    ]);
+    let grid = LaunchDims {
+        grid: [shape.n_kv_heads, n as u32, splits.n],
+        block: [128, 1, 1],
+    };
+    dev.launch(Kernel::FlashDecode, grid, &decode)?;
+    dev.launch(
+        Kernel::FlashMerge,
+        LaunchDims::grid2(shape.n_heads, n as u32, 128),
+        &merge,
+    )?;
+    dev.download(outp, bytes_of_mut(out))?;
+    let mut got = poisoned;
+    dev.download(verdicts, bytes_of_mut(&mut got))?;
+    let counts = dev.take_counts();
+    Ok(FlashRun {
+        verdicts: got,
+        decode: counts[0].counts,
+        merge: counts[1].counts,
+    })
+}

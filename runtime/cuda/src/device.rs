@@ -179,6 +179,8 @@ kernels! {
     Rope = "custody_rope", 8;
     KvWrite = "custody_kv_write", 9;
     PagedAttentionDecode = "custody_paged_attention_decode", 15;
+    FlashDecode = "custody_flash_decode", 16;
+    FlashMerge = "custody_flash_merge", 15;
     TagCheck = "custody_tag_check", 8;
     Add = "custody_add", 3;
     AddRows = "custody_add_rows", 4;

@@ -35,8 +35,13 @@ const GEMV_WARPS: u32 = 4;
 const GEMV_BATCH: u32 = 8;
 /// `CUSTODY_NO_PAGE`: a row the KV-write kernel skips.
 const NO_PAGE: u32 = u32::MAX;
-/// `CUSTODY_ATT_MAX_CTX`: the longest context the attention kernel holds scores for.
-pub const MAX_CONTEXT: usize = 8192;
+/// `CUSTODY_FD_MAX_GROUP`, `CUSTODY_FD_MAX_DIM`: the query heads per KV head and the head
+/// width flash decoding serves (head_dim a power of two from 8).
+pub const MAX_GQA_GROUP: usize = 8;
+pub const MAX_HEAD_DIM: usize = 256;
+/// Flash decoding's CTAs per launch to aim for (2 per SM of an H100/H200's 132): a batch whose
+/// rows × KV heads fill fewer gets its contexts split into more chunks.
+const TARGET_CTAS: usize = 264;
 
 /// Why the CUDA forward pass could not run (distinct from a segment's integrity failure).
 #[derive(Debug, thiserror::Error)]
@@ -48,8 +53,10 @@ pub enum CudaForwardError {
         name: String,
         source: custody_cuda::repack::RepackError,
     },
-    #[error("context {n_ctx} exceeds the CUDA attention kernel's {MAX_CONTEXT} slots")]
-    ContextTooLong { n_ctx: usize },
+    #[error(
+        "the CUDA attention kernel serves head_dim a power of two in 8..={MAX_HEAD_DIM} and up to {MAX_GQA_GROUP} query heads per KV head: this model has head_dim {head_dim}, {group} per KV head"
+    )]
+    AttentionShape { head_dim: usize, group: usize },
     #[error("batch of {rows} rows exceeds the {max_rows} this backend was sized for")]
     BatchTooLarge { rows: usize, max_rows: usize },
     #[error(
@@ -143,6 +150,9 @@ struct Buffers {
     n_ctx: DevicePtr,
     owners: DevicePtr,
     verdicts: DevicePtr,
+    /// Flash decoding's per-(row, split) partial outputs and first failing page indices.
+    partial: DevicePtr,
+    bad: DevicePtr,
     /// Block-table entries the `tables` buffer holds.
     table_capacity: usize,
 }
@@ -204,6 +214,49 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
     bytes_of(v)
 }
 
+/// (row, split) pairs a batch of `rows` rows can launch: [`Splits::of`] keeps rows × splits
+/// within `rows + TARGET_CTAS`.
+fn split_capacity(rows: usize) -> usize {
+    rows + TARGET_CTAS
+}
+
+/// How flash decoding cuts a batch's contexts: `pages_per_split` pages per CTA, `n` CTAs per
+/// row and KV head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Splits {
+    pub n: usize,
+    pub pages_per_split: usize,
+}
+
+/// Slots a split attends at least, per query head it serves: its partial (G × (head_dim + 2)
+/// floats, written, then read by the merge) stays under 2 / 128 of the K/V bytes it reads.
+const MIN_SPLIT_SLOTS_PER_HEAD: usize = 128;
+
+impl Splits {
+    /// Enough splits that rows × KV heads × splits reaches [`TARGET_CTAS`] (one when the batch
+    /// alone does), none shorter than [`MIN_SPLIT_SLOTS_PER_HEAD`] × `group` slots nor longer
+    /// than the longest row's table needs.
+    pub fn of(
+        rows: usize,
+        n_kv_heads: usize,
+        group: usize,
+        page_size: usize,
+        max_pages: usize,
+    ) -> Self {
+        let max_pages = max_pages.max(1);
+        let min_pages = (MIN_SPLIT_SLOTS_PER_HEAD * group)
+            .div_ceil(page_size)
+            .max(1);
+        let want = TARGET_CTAS
+            .div_ceil((rows * n_kv_heads).max(1))
+            .clamp(1, max_pages.div_ceil(min_pages));
+        let pages_per_split = max_pages.div_ceil(want);
+        let n = max_pages.div_ceil(pages_per_split);
+        debug_assert!(rows * n <= split_capacity(rows));
+        Self { n, pages_per_split }
+    }
+}
+
 fn upload_bytes<D: Device>(dev: &mut D, bytes: &[u8]) -> Result<DevicePtr, DeviceError> {
     let ptr = dev.alloc_zeroed(bytes.len())?;
     dev.upload(ptr, bytes)?;
@@ -221,6 +274,16 @@ impl<D: Device> CudaForward<D> {
     ) -> Result<Self, CudaForwardError> {
         assert!(max_rows > 0);
         let c = model.config.clone();
+        let group = c.n_heads / c.n_kv_heads;
+        if !c.head_dim.is_power_of_two()
+            || !(8..=MAX_HEAD_DIM).contains(&c.head_dim)
+            || group > MAX_GQA_GROUP
+        {
+            return Err(CudaForwardError::AttentionShape {
+                head_dim: c.head_dim,
+                group,
+            });
+        }
         // A product's weights: Q4_K in the GEMV's tiles, every other type as in the file.
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
             let bytes = model.tensor_bytes(m);
@@ -369,6 +432,8 @@ impl<D: Device> CudaForward<D> {
             n_ctx: f(rows)?,
             owners: f(rows * 2)?,
             verdicts: f(rows * 6)?,
+            partial: f(split_capacity(rows) * c.n_heads * (c.head_dim + 2))?,
+            bad: f(split_capacity(rows) * c.n_kv_heads)?,
             table_capacity,
         })
     }
@@ -674,10 +739,6 @@ impl<D: Device> CudaForward<D> {
             if sg.check != TagCheck::Enforced {
                 return Err(CudaForwardError::TagCheckRequired);
             }
-            let n_ctx = sg.start_pos + sg.tokens.len();
-            if n_ctx > MAX_CONTEXT {
-                return Err(CudaForwardError::ContextTooLong { n_ctx });
-            }
         }
         Ok(())
     }
@@ -798,30 +859,65 @@ impl<D: Device> CudaForward<D> {
         let n = rows.positions.len();
         let b = self.bufs;
         let c = &self.config;
-        let args = [
-            Arg::Ptr(b.q),
-            Arg::Ptr(self.kv.k[layer]),
-            Arg::Ptr(self.kv.v[layer]),
-            Arg::Ptr(b.tables),
-            Arg::Ptr(b.table_off),
-            Arg::Ptr(b.table_len),
-            Arg::Ptr(b.n_ctx),
-            Arg::Ptr(b.owners),
+        let max_pages = rows
+            .positions
+            .iter()
+            .map(|&p| (p + 1).div_ceil(self.page_size))
+            .max()
+            .unwrap_or(1);
+        let splits = Splits::of(
+            n,
+            c.n_kv_heads,
+            c.n_heads / c.n_kv_heads,
+            self.page_size,
+            max_pages,
+        );
+        let shape = [
             Arg::U32(c.n_heads as u32),
             Arg::U32(c.n_kv_heads as u32),
             Arg::U32(c.head_dim as u32),
             Arg::U32(self.page_size as u32),
             Arg::Tags(tags),
+        ];
+        let table = [
+            Arg::Ptr(b.tables),
+            Arg::Ptr(b.table_off),
+            Arg::Ptr(b.table_len),
+            Arg::Ptr(b.n_ctx),
+            Arg::Ptr(b.owners),
+        ];
+        let mut decode = vec![
+            Arg::Ptr(b.q),
+            Arg::Ptr(self.kv.k[layer]),
+            Arg::Ptr(self.kv.v[layer]),
+        ];
+        decode.extend(table);
+        decode.extend(shape);
+        decode.extend([
+            Arg::U32(splits.pages_per_split as u32),
+            Arg::Ptr(b.partial),
+            Arg::Ptr(b.bad),
+        ]);
+        let mut merge = table.to_vec();
+        merge.extend(shape);
+        merge.extend([
+            Arg::U32(splits.n as u32),
+            Arg::Ptr(b.partial),
+            Arg::Ptr(b.bad),
             Arg::Ptr(b.att),
             Arg::Ptr(b.verdicts),
-        ];
-        let heads = c.n_heads as u32;
-        let dims = LaunchDims::grid2(heads, n as u32, THREADS);
+        ]);
+        let decode_dims = LaunchDims {
+            grid: [c.n_kv_heads as u32, n as u32, splits.n as u32],
+            block: [THREADS, 1, 1],
+        };
+        let merge_dims = LaunchDims::grid2(c.n_heads as u32, n as u32, THREADS);
         let mut verdicts = vec![Verdict::default(); n];
         // Poisoned: a row the kernel did not report on reads as a failure, never as a pass.
         verdicts.iter_mut().for_each(|v| v.code = u32::MAX);
         self.dev.upload(b.verdicts, bytes_of(&verdicts))?;
-        self.launch(Kernel::PagedAttentionDecode, dims, &args)?;
+        self.launch(Kernel::FlashDecode, decode_dims, &decode)?;
+        self.launch(Kernel::FlashMerge, merge_dims, &merge)?;
         self.dev.download(b.verdicts, bytes_of_mut(&mut verdicts))?;
         for (si, sg) in segments.iter().enumerate() {
             if failed[si].is_some() {

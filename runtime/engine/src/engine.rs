@@ -546,14 +546,6 @@ impl Engine {
             );
             context_length = pool_tokens;
         }
-        if device.is_some() && context_length > crate::cuda_forward::MAX_CONTEXT {
-            // Refused here, not per request: a forward pass the device cannot run stops the
-            // engine (fail-closed), so no admitted request may need one.
-            return Err(StartupError::Backend(format!(
-                "context length {context_length} exceeds the CUDA attention kernel's {} slots: set engine.context_length",
-                crate::cuda_forward::MAX_CONTEXT
-            )));
-        }
         if device.is_some() && cfg.prefix_cache == Some(true) {
             // The device's tag check admits one owner per row; shared pages need two more.
             return Err(StartupError::Backend(

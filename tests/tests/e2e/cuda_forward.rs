@@ -287,7 +287,8 @@ fn the_engine_on_the_cuda_backend_serves_the_cpus_tokens() {
         events
     };
     let (c, d) = (run(&mut cpu), run(&mut dev));
-    // A context the attention kernel cannot hold is refused at startup, not per request.
+    // A context past the first kernel's 8,192 slots starts (flash decoding has no cap; its
+    // long-context results are `cuda_kernels`' tests).
     let long = EngineConfig {
         context_length: Some(9000),
         ..EngineConfig::default()
@@ -295,8 +296,9 @@ fn the_engine_on_the_cuda_backend_serves_the_cpus_tokens() {
     let mut big = Synthetic::tiny(DType::F32, 7);
     big.context_length = 16384;
     let m = custody_runtime::cuda_check::load(&big).expect("model");
-    let e = Engine::new_on_device(m, long, Box::new(ShimDevice::new(0))).expect_err("refused");
-    assert!(e.to_string().contains("8192"), "{e}");
+    if let Err(e) = Engine::new_on_device(m, long, Box::new(ShimDevice::new(0))) {
+        panic!("a 9,000-token context on the device: {e}");
+    }
     assert_eq!(
         c.iter()
             .filter(|e| matches!(e, Event::Token { .. }))

@@ -316,6 +316,218 @@ fn gpu_attention_refuses_failing_requests_and_matches_the_cpu_for_the_rest() {
                 "seed {seed:#x}: output differs from seed 0's — a race"
             ),
         }
+        // Flash decoding gives the same verdicts and outputs, however the contexts are split
+        // (a fault then lies in one CTA's pages while others' pass).
+        for splits in [
+            cuda_shim::FlashSplits {
+                n: 1,
+                pages_per_split: 6,
+            },
+            cuda_shim::FlashSplits {
+                n: 6,
+                pages_per_split: 1,
+            },
+            cuda_shim::FlashSplits {
+                n: 3,
+                pages_per_split: 2,
+            },
+        ] {
+            let mut out = vec![f32::from_bits(POISON); q.len()];
+            let run =
+                cuda_shim::flash_decode(&q, &kb, &vb, &reqs, shape, &tags, splits, &mut out, seed)
+                    .expect("launch");
+            assert_eq!(
+                run.verdicts, verdicts,
+                "seed {seed:#x} {splits:?}: verdicts"
+            );
+            check_attention(&out, &want, &verdicts, row, POISON, &format!("{splits:?}"));
+        }
+    }
+}
+
+/// Refused rows keep the poison bit for bit; passing rows are the CPU's within 2e-3 (f32 math
+/// in another summation order than the CPU's; outputs are convex combinations of values in
+/// [-1, 1]).
+fn check_attention(
+    out: &[f32],
+    want: &[f32],
+    verdicts: &[Verdict],
+    row: usize,
+    poison: u32,
+    what: &str,
+) {
+    for (i, vd) in verdicts.iter().enumerate() {
+        let (g, w) = (&out[i * row..(i + 1) * row], &want[i * row..(i + 1) * row]);
+        if vd.code != 0 {
+            assert!(
+                g.iter().all(|x| x.to_bits() == poison),
+                "{what}: request {i}: refused but written"
+            );
+            continue;
+        }
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 2e-3, "{what}: request {i}: max |Δ| {worst}");
+    }
+}
+
+/// Flash decoding past the first kernel's 8,192-slot cap and past 65,536, at the head layouts
+/// of the four architectures (GQA groups 3, 4, 7 and 2; head widths 64 and 128; SmolLM2,
+/// Llama 3, Qwen 2, Qwen 3): the CPU's output; and by count, its K/V loads ≥ 90 % coalesced
+/// and its tag check ≤ 1 % of the bytes it moves.
+#[test]
+fn flash_decoding_serves_long_contexts_at_every_head_layout() {
+    let mut rng = Rng(65537);
+    for (n_heads, n_kv_heads, head_dim, n_ctx) in [
+        (3u32, 1u32, 64u32, 8_193u32),
+        (4, 1, 128, 65_537),
+        (7, 1, 64, 9_000),
+        (2, 1, 128, 12_000),
+    ] {
+        let shape = AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            page_size: 16,
+        };
+        let need = n_ctx.div_ceil(shape.page_size);
+        let n_pages = need + 5;
+        let owner = 77u64;
+        let mut tags = OwnedTags {
+            generation: vec![1; n_pages as usize],
+            owner: vec![owner; n_pages as usize],
+            filled: vec![shape.page_size; n_pages as usize],
+            stamp_owner: vec![owner; n_pages as usize],
+            stamp_generation: vec![1; n_pages as usize],
+        };
+        // The table in a scrambled page order (a real pool's), the last page partly filled.
+        let mut pages: Vec<u32> = (0..n_pages).collect();
+        for i in (1..pages.len()).rev() {
+            pages.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        pages.truncate(need as usize);
+        tags.filled[pages[need as usize - 1] as usize] = n_ctx - (need - 1) * shape.page_size;
+        let req = Request {
+            table: pages
+                .iter()
+                .map(|&page| cuda_shim::PageRef {
+                    page,
+                    generation: 1,
+                })
+                .collect(),
+            n_ctx,
+            owner,
+        };
+        let geom = PageGeometry {
+            page_size: shape.page_size as usize,
+            n_kv_heads: n_kv_heads as usize,
+            head_dim: head_dim as usize,
+            kv: custody_kernels::attention::KvType::F16,
+        };
+        let cache_len = n_pages as usize * geom.n_kv_heads * geom.page_size * geom.head_dim;
+        let kb: Vec<u16> = (0..cache_len)
+            .map(|_| f16::from_f32(rng.unit()).to_bits())
+            .collect();
+        let vb: Vec<u16> = (0..cache_len)
+            .map(|_| f16::from_f32(rng.unit()).to_bits())
+            .collect();
+        let row = (n_heads * head_dim) as usize;
+        let q: Vec<f32> = (0..row).map(|_| 2.0 * rng.unit()).collect();
+        let table: Vec<PageRef> = req
+            .table
+            .iter()
+            .map(|p| PageRef {
+                page: p.page,
+                generation: p.generation,
+            })
+            .collect();
+        let mut want = vec![0.0f32; row];
+        let args = AttentionArgs {
+            q: &q,
+            n_heads: n_heads as usize,
+            start_pos: n_ctx as usize - 1,
+            k_cache: &kb,
+            v_cache: &vb,
+            geom,
+            block_table: &table,
+            tags: TagView {
+                generation: &tags.generation,
+                owner: &tags.owner,
+                filled: &tags.filled,
+                stamp_owner: &tags.stamp_owner,
+                stamp_generation: &tags.stamp_generation,
+            },
+            reader: Reader::private(owner),
+            order: ReduceOrder::Vec,
+            check: TagCheck::Enforced,
+        };
+        paged_attention(&args, &mut want, &mut AttnScratch::default()).expect("CPU attends");
+        // As the engine cuts a lone row's context.
+        let cut = custody_runtime::cuda_forward::Splits::of(
+            1,
+            n_kv_heads as usize,
+            (n_heads / n_kv_heads) as usize,
+            shape.page_size as usize,
+            need as usize,
+        );
+        let splits = cuda_shim::FlashSplits {
+            n: cut.n as u32,
+            pages_per_split: cut.pages_per_split as u32,
+        };
+        let what = format!("{n_heads}/{n_kv_heads} heads of {head_dim}, context {n_ctx}");
+        let mut out = vec![f32::NAN; row];
+        let run = cuda_shim::flash_decode(
+            &q,
+            &kb,
+            &vb,
+            std::slice::from_ref(&req),
+            shape,
+            &tags,
+            splits,
+            &mut out,
+            SEEDS[1],
+        )
+        .expect("launch");
+        assert_eq!(run.verdicts, vec![Verdict::default()], "{what}");
+        check_attention(&out, &want, &run.verdicts, row, 0, &what);
+        let c = run.decode;
+        assert!(
+            c.coalescing() >= 0.9,
+            "{what}: {:.1} % coalesced: {c:?}",
+            100.0 * c.coalescing()
+        );
+        // The ideal: K and V of the attended slots once (f16).
+        let kv_bytes = 2 * u64::from(n_ctx) * u64::from(head_dim) * 2;
+        let moved = c.dram_bytes();
+        assert!(
+            moved as f64 <= 1.05 * kv_bytes as f64,
+            "{what}: moved {moved} B for {kv_bytes} B of K/V: {c:?}"
+        );
+        // The tag check's bytes in the same DRAM model: the distinct 32-byte sectors of the
+        // five tag arrays its pages touch.
+        let tag_bytes: u64 = [4u64, 8, 4, 8, 4]
+            .iter()
+            .map(|&size| {
+                let sectors: std::collections::BTreeSet<u64> =
+                    pages.iter().map(|&p| u64::from(p) * size / 32).collect();
+                sectors.len() as u64 * 32
+            })
+            .sum();
+        assert!(
+            (tag_bytes as f64) <= 0.01 * moved as f64,
+            "{what}: the tag check's {tag_bytes} B are more than 1 % of {moved} B"
+        );
+        eprintln!(
+            "{what}: {} splits of {} pages; flash decode {:.1} % coalesced, {moved} B moved for {kv_bytes} B of K/V ({:.3}×), tag check {:.2} %",
+            splits.n,
+            splits.pages_per_split,
+            100.0 * c.coalescing(),
+            moved as f64 / kv_bytes as f64,
+            100.0 * tag_bytes as f64 / moved as f64
+        );
     }
 }
 
