@@ -675,6 +675,17 @@ pub struct ShimDevice {
     /// Host↔device bytes copied (uploads, downloads).
     pub uploaded_bytes: u64,
     pub downloaded_bytes: u64,
+    /// When counting: every copy, with the number of launches made before it.
+    pub transfers: Vec<Transfer>,
+}
+
+/// One host↔device copy of a counting [`ShimDevice`].
+#[derive(Clone, Copy, Debug)]
+pub struct Transfer {
+    /// Launches made before this copy (its place in the step).
+    pub after_launches: u64,
+    pub bytes: u64,
+    pub to_device: bool,
 }
 
 impl ShimDevice {
@@ -686,6 +697,17 @@ impl ShimDevice {
             counted: None,
             uploaded_bytes: 0,
             downloaded_bytes: 0,
+            transfers: Vec::new(),
+        }
+    }
+
+    fn note_transfer(&mut self, bytes: usize, to_device: bool) {
+        if self.counted.is_some() {
+            self.transfers.push(Transfer {
+                after_launches: self.launches,
+                bytes: bytes as u64,
+                to_device,
+            });
         }
     }
 
@@ -758,12 +780,14 @@ impl Device for ShimDevice {
     fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         self.span(dst, src.len())?.copy_from_slice(src);
         self.uploaded_bytes += src.len() as u64;
+        self.note_transfer(src.len(), true);
         Ok(())
     }
 
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         dst.copy_from_slice(self.span(src, dst.len())?);
         self.downloaded_bytes += dst.len() as u64;
+        self.note_transfer(dst.len(), false);
         Ok(())
     }
 

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 pub mod cuda_shim;
+pub mod gpu_model;
 
 /// A test whose input is missing says so through this (counted in the suite's skip log, a
 /// failure under `CI=true` when CI has the input): see [`custody_test_skip`].

@@ -480,6 +480,11 @@ impl<D: Device> CudaForward<D> {
     }
 
     /// What the backend runs on, for the startup log line.
+    /// The device (the performance model reads a counting device's counts through it).
+    pub fn device_mut(&mut self) -> &mut D {
+        &mut self.dev
+    }
+
     pub fn describe(&self) -> String {
         self.dev.describe()
     }

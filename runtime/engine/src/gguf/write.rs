@@ -228,14 +228,62 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
             };
             out.extend((h as u16).to_le_bytes());
         }),
-        DType::Q5_0
-        | DType::Q5_1
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K
-        | DType::Q2_K
-        | DType::Q3_K => {
+        DType::Q4_K => x.chunks(256).for_each(|b| quantize_q4k_block(b, out)),
+        DType::Q5_0 | DType::Q5_1 | DType::Q5_K | DType::Q6_K | DType::Q2_K | DType::Q3_K => {
             panic!("the GGUF writer has no quantizer for {dtype:?}")
+        }
+    }
+}
+
+/// One Q4_K super-block (256 values): per 32-value sub-block a 6-bit scale and min, relative
+/// to the block's f16 `d` and `dmin`; x ≈ d·sc·q − dmin·m, q in 0..16. A plain
+/// min/max quantizer (not llama.cpp's search): synthetic weights need the layout, not its best
+/// rounding.
+fn quantize_q4k_block(b: &[f32], out: &mut Vec<u8>) {
+    assert_eq!(b.len(), 256, "Q4_K rows are whole 256-value super-blocks");
+    let mut scale = [0.0f32; 8];
+    let mut min = [0.0f32; 8];
+    for (j, sub) in b.chunks(32).enumerate() {
+        let lo = sub.iter().copied().fold(0.0f32, f32::min);
+        let hi = sub.iter().copied().fold(0.0f32, f32::max);
+        scale[j] = (hi - lo) / 15.0;
+        min[j] = -lo;
+    }
+    let d = scale.iter().copied().fold(0.0f32, f32::max) / 63.0;
+    let dmin = min.iter().copied().fold(0.0f32, f32::max) / 63.0;
+    // The f16 values the reader will use.
+    let (d, dmin) = (f16::from_f32(d).to_f32(), f16::from_f32(dmin).to_f32());
+    let six = |v: f32, unit: f32| {
+        if unit > 0.0 {
+            (v / unit).round().clamp(0.0, 63.0) as u8
+        } else {
+            0
+        }
+    };
+    let sc: Vec<u8> = scale.iter().map(|&v| six(v, d)).collect();
+    let m: Vec<u8> = min.iter().map(|&v| six(v, dmin)).collect();
+    out.extend(f16::from_f32(d).to_le_bytes());
+    out.extend(f16::from_f32(dmin).to_le_bytes());
+    let mut packed = [0u8; 12];
+    for j in 0..4 {
+        packed[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+        packed[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+        packed[j + 8] = (sc[j + 4] & 0xf) | ((m[j + 4] & 0xf) << 4);
+    }
+    out.extend(packed);
+    let q = |k: usize| {
+        let j = k / 32;
+        let step = d * f32::from(sc[j]);
+        if step == 0.0 {
+            return 0u8;
+        }
+        ((b[k] + dmin * f32::from(m[j])) / step)
+            .round()
+            .clamp(0.0, 15.0) as u8
+    };
+    for c in 0..4 {
+        for l in 0..32 {
+            out.push(q(64 * c + l) | (q(64 * c + 32 + l) << 4));
         }
     }
 }
@@ -371,6 +419,26 @@ mod tests {
         let g = Gguf::open(&path).expect("read back");
         std::fs::remove_dir_all(&dir).discard("a leftover temporary directory is harmless");
         g
+    }
+
+    /// The Q4_K writer's blocks read back through the engine's dequantization within the
+    /// quantization step of each sub-block (range / 15, plus the 6-bit scale's rounding).
+    #[test]
+    fn q4k_blocks_dequantize_to_their_values() {
+        let x: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect();
+        let mut bytes = Vec::new();
+        quantize_row(DType::Q4_K, &x, &mut bytes);
+        assert_eq!(bytes.len(), 2 * 144);
+        let mut back = vec![0.0f32; 512];
+        custody_kernels::quant::dequantize_row(DType::Q4_K, &bytes, &mut back);
+        let worst = x
+            .iter()
+            .zip(&back)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 0.15, "max |Δ| {worst}");
     }
 
     #[test]

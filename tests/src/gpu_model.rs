@@ -1,0 +1,333 @@
+//! The CUDA engine's performance model, counted on the CPU: one decode step of the real
+//! `CudaForward` (every kernel it launches, with the grids it uses) on a counting shim device
+//! ([`crate::cuda_shim::ShimDevice::counting`]), for a synthetic Q4_K model at a served shape.
+//!
+//! One transformer layer and a small vocabulary are run; a layer's launches are repeated
+//! `n_layers` times in the model and the output head's counts scaled by the vocabulary (a GEMV's
+//! traffic is linear in its rows). The context's K/V exists as the pool's tags say (claimed
+//! slots; the bytes are zeros: counts do not depend on values). Time on an H200 is modeled per
+//! launch as max(DRAM bytes / 4.8 TB/s, FLOPs / peak) + the launch cost without a graph (4 µs),
+//! FLOPs counted for the GEMVs (2 per weight per row, FP32 FMA: 67 TFLOP/s) and attention (4 per
+//! slot and dimension per query head).
+
+use crate::cuda_shim::{Counts, ShimDevice};
+use custody_cuda::Kernel;
+use custody_kernels::DType;
+use custody_kernels::attention::{KvType, Reader, ReduceOrder, TagCheck};
+use custody_runtime::cuda_forward::CudaForward;
+use custody_runtime::gguf::write::Synthetic;
+use custody_runtime::kv::PagePool;
+use custody_runtime::model::{Logits, Rows, Segment};
+
+/// H200 SXM: HBM3e bandwidth, FP32 CUDA-core peak, and a kernel launch without a CUDA graph.
+pub const HBM_BYTES_PER_S: f64 = 4.8e12;
+pub const FP32_FLOPS_PER_S: f64 = 67e12;
+pub const LAUNCH_S: f64 = 4e-6;
+const PAGE_SIZE: usize = 16;
+/// Q4_K: 144 bytes per 256 weights.
+const Q4K_BYTES_PER_WEIGHT: f64 = 144.0 / 256.0;
+
+/// A served model's shape (Llama family, GQA).
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub name: &'static str,
+    pub n_layers: usize,
+    pub dim: usize,
+    pub ffn_dim: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub vocab: usize,
+}
+
+impl Shape {
+    pub fn head_dim(&self) -> usize {
+        self.dim / self.n_heads
+    }
+    /// Weights of one layer's products, and of the output head.
+    fn layer_weights(&self) -> f64 {
+        let kv = self.n_kv_heads * self.head_dim();
+        (2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim) as f64
+    }
+    fn head_weights(&self) -> f64 {
+        (self.vocab * self.dim) as f64
+    }
+}
+
+/// Llama-3.2-1B's body (16 layers, 2,048 wide, 32/8 heads × 64, FFN 8,192, 128,256 tokens).
+pub const LLAMA_3_2_1B: Shape = Shape {
+    name: "Llama-3.2-1B",
+    n_layers: 16,
+    dim: 2048,
+    ffn_dim: 8192,
+    n_heads: 32,
+    n_kv_heads: 8,
+    vocab: 128_256,
+};
+
+/// Llama-3.1-8B's body (32 layers, 4,096 wide, 32/8 heads × 128, FFN 14,336, 128,256 tokens).
+pub const LLAMA_3_1_8B: Shape = Shape {
+    name: "Llama-3.1-8B",
+    n_layers: 32,
+    dim: 4096,
+    ffn_dim: 14_336,
+    n_heads: 32,
+    n_kv_heads: 8,
+    vocab: 128_256,
+};
+
+/// One kernel's share of a decode step, scaled to the whole model.
+#[derive(Clone, Debug)]
+pub struct KernelLine {
+    pub kernel: Kernel,
+    pub launches: f64,
+    pub dram_bytes: f64,
+    pub sectors: f64,
+    pub ideal_sectors: f64,
+    pub flops: f64,
+    pub modeled_s: f64,
+}
+
+impl KernelLine {
+    pub fn coalescing(&self) -> f64 {
+        if self.sectors == 0.0 {
+            0.0
+        } else {
+            self.ideal_sectors / self.sectors
+        }
+    }
+}
+
+/// A decode step of `batch` rows at context `ctx`, modeled.
+#[derive(Clone, Debug)]
+pub struct StepModel {
+    pub shape: Shape,
+    pub batch: usize,
+    pub ctx: usize,
+    pub lines: Vec<KernelLine>,
+    /// Weights once (Q4_K) plus every row's K and V read once (f16).
+    pub ideal_bytes: f64,
+    pub host_to_device_bytes: f64,
+    pub device_to_host_bytes: f64,
+}
+
+impl StepModel {
+    pub fn dram_bytes(&self) -> f64 {
+        self.lines.iter().map(|l| l.dram_bytes).sum()
+    }
+    pub fn launches(&self) -> f64 {
+        self.lines.iter().map(|l| l.launches).sum()
+    }
+    pub fn modeled_s(&self) -> f64 {
+        self.lines.iter().map(|l| l.modeled_s).sum()
+    }
+    /// The modeled time without the per-launch cost (what one graph launch per step would
+    /// leave, less the graph's own).
+    pub fn modeled_kernels_s(&self) -> f64 {
+        self.modeled_s() - self.launches() * LAUNCH_S
+    }
+    /// The bandwidth limit: the ideal bytes at HBM speed.
+    pub fn bound_s(&self) -> f64 {
+        self.ideal_bytes / HBM_BYTES_PER_S
+    }
+}
+
+/// Why a model run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("synthetic model: {0}")]
+    Load(String),
+    #[error(transparent)]
+    Forward(#[from] custody_runtime::cuda_forward::CudaForwardError),
+    #[error("pool: {0}")]
+    Pool(String),
+    #[error("row {row} failed its tag check: {why}")]
+    Integrity { row: usize, why: String },
+}
+
+/// Count one decode step of `shape` at `batch` rows, each at context `ctx`, running one layer
+/// and `counted_vocab` output rows.
+pub fn decode_step(
+    shape: Shape,
+    batch: usize,
+    ctx: usize,
+    counted_vocab: usize,
+) -> Result<StepModel, ModelError> {
+    let synth = Synthetic {
+        n_layers: 1,
+        dim: shape.dim,
+        ffn_dim: shape.ffn_dim,
+        n_heads: shape.n_heads,
+        n_kv_heads: shape.n_kv_heads,
+        vocab: counted_vocab,
+        context_length: ctx + 1,
+        dtype: DType::Q4_K,
+        untied_output: true,
+        seed: 1,
+    };
+    let m =
+        custody_runtime::cuda_check::load(&synth).map_err(|e| ModelError::Load(e.to_string()))?;
+    let pages_per_row = (ctx + 1).div_ceil(PAGE_SIZE);
+    let mut pool = PagePool::new(
+        m.page_geometry(PAGE_SIZE, KvType::F16),
+        1,
+        batch * pages_per_row,
+    );
+    let mut tables = Vec::with_capacity(batch);
+    for b in 0..batch {
+        let owner = 1 + b as u64;
+        let pages = pool
+            .alloc(owner, pages_per_row)
+            .map_err(|e| ModelError::Pool(e.to_string()))?;
+        for pos in 0..ctx {
+            pool.claim_slot_checked(
+                0,
+                pages[pos / PAGE_SIZE],
+                pos % PAGE_SIZE,
+                owner,
+                TagCheck::Enforced,
+            )
+            .map_err(|e| ModelError::Pool(e.to_string()))?;
+        }
+        tables.push((owner, pages));
+    }
+    let mut fwd = CudaForward::new(ShimDevice::counting(0), &m, &pool, batch)?;
+    fwd.device_mut().transfers.clear(); // the weights' upload is not the step's
+    let token = [1u32];
+    let segments: Vec<Segment<'_>> = tables
+        .iter()
+        .map(|(owner, pages)| Segment {
+            tokens: &token,
+            start_pos: ctx,
+            block_table: pages,
+            reader: Reader::private(*owner),
+            logits: Logits::Last,
+            order: ReduceOrder::Vec,
+            rows: Rows::Decode,
+            check: TagCheck::Enforced,
+        })
+        .collect();
+    let results = fwd.forward(&mut pool, &segments)?;
+    for (row, r) in results.iter().enumerate() {
+        if let Err(e) = r {
+            return Err(ModelError::Integrity {
+                row,
+                why: e.to_string(),
+            });
+        }
+    }
+    let dev = fwd.device_mut();
+    let launches = dev.take_counts();
+    let n = launches.len();
+    // First the embedding (once), last the final norm and the head, between them one layer.
+    let scale_of = |i: usize| {
+        if i == 0 || i >= n - 2 {
+            1.0
+        } else {
+            shape.n_layers as f64
+        }
+    };
+    // A copy belongs to the launch it precedes (or follows the step's last).
+    let (mut up, mut down) = (0.0f64, 0.0f64);
+    for t in &dev.transfers {
+        let bytes = t.bytes as f64 * scale_of(t.after_launches as usize);
+        if t.to_device {
+            up += bytes;
+        } else {
+            down += bytes;
+        }
+    }
+    let mut lines: Vec<KernelLine> = Vec::new();
+    for (i, l) in launches.iter().enumerate() {
+        let scale = if i == n - 1 {
+            shape.vocab as f64 / counted_vocab as f64
+        } else {
+            scale_of(i)
+        };
+        let flops = flops_of(l.kernel, &shape, batch, ctx, i == n - 1);
+        add_line(&mut lines, l.kernel, scale, &l.counts, flops * scale);
+    }
+    let kv_bytes =
+        (batch * ctx * shape.n_kv_heads * shape.head_dim() * 2 * 2 * shape.n_layers) as f64;
+    let weights = shape.layer_weights() * shape.n_layers as f64 + shape.head_weights();
+    Ok(StepModel {
+        shape,
+        batch,
+        ctx,
+        lines,
+        ideal_bytes: weights * Q4K_BYTES_PER_WEIGHT + kv_bytes,
+        host_to_device_bytes: up,
+        device_to_host_bytes: down,
+    })
+}
+
+/// FLOPs of one launch (the products and attention; the row kernels' are negligible).
+fn flops_of(k: Kernel, s: &Shape, batch: usize, ctx: usize, head: bool) -> f64 {
+    match k {
+        // One launch's share: the layer's products are 7 launches; the head is one.
+        Kernel::GemvQ4K if head => 2.0 * (s.dim * s.vocab * batch) as f64 / s.vocab as f64,
+        Kernel::GemvQ4K => 2.0 * s.layer_weights() * batch as f64 / 7.0,
+        Kernel::FlashDecode => 4.0 * (ctx * s.head_dim() * s.n_heads * batch) as f64,
+        _ => 0.0,
+    }
+}
+
+fn add_line(lines: &mut Vec<KernelLine>, kernel: Kernel, scale: f64, c: &Counts, flops: f64) {
+    let dram = c.dram_bytes() as f64 * scale;
+    let launches = scale;
+    let modeled = launches * LAUNCH_S + (dram / HBM_BYTES_PER_S).max(flops / FP32_FLOPS_PER_S);
+    let line = KernelLine {
+        kernel,
+        launches,
+        dram_bytes: dram,
+        sectors: c.sectors as f64 * scale,
+        ideal_sectors: c.ideal_sectors as f64 * scale,
+        flops,
+        modeled_s: modeled,
+    };
+    match lines.iter_mut().find(|l| l.kernel == kernel) {
+        Some(l) => {
+            l.launches += line.launches;
+            l.dram_bytes += line.dram_bytes;
+            l.sectors += line.sectors;
+            l.ideal_sectors += line.ideal_sectors;
+            l.flops += line.flops;
+            l.modeled_s += line.modeled_s;
+        }
+        None => lines.push(line),
+    }
+}
+
+/// The model as a Markdown table.
+pub fn render(m: &StepModel) -> String {
+    let mut out = format!(
+        "### {} (Q4_K, synthetic), batch {}, context {}\n\n| kernel | launches/step | DRAM MB/step | coalesced | modeled µs |\n|---|---:|---:|---:|---:|\n",
+        m.shape.name, m.batch, m.ctx
+    );
+    for l in &m.lines {
+        out.push_str(&format!(
+            "| {} | {:.0} | {:.2} | {:.1} % | {:.1} |\n",
+            l.kernel.name(),
+            l.launches,
+            l.dram_bytes / 1e6,
+            100.0 * l.coalescing(),
+            l.modeled_s * 1e6
+        ));
+    }
+    let step = m.modeled_s();
+    out.push_str(&format!(
+        "\nbytes moved per token {:.1} MB vs ideal {:.1} MB (**{:.3}×**); launches per step {:.0}; host→device {:.0} B, device→host {:.0} B per step; modeled step {:.1} µs ({:.0} tok/s), bandwidth limit {:.1} µs (**{:.2}×**); kernels alone (no launch cost) {:.1} µs (**{:.2}×**)\n",
+        m.dram_bytes() / m.batch as f64 / 1e6,
+        m.ideal_bytes / m.batch as f64 / 1e6,
+        m.dram_bytes() / m.ideal_bytes,
+        m.launches(),
+        m.host_to_device_bytes,
+        m.device_to_host_bytes,
+        step * 1e6,
+        m.batch as f64 / step,
+        m.bound_s() * 1e6,
+        step / m.bound_s(),
+        m.modeled_kernels_s() * 1e6,
+        m.modeled_kernels_s() / m.bound_s()
+    ));
+    out
+}
