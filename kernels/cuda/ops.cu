@@ -370,10 +370,13 @@ extern "C" __global__ void custody_gemv_q4k(const uint4* heads, const uint4* qs,
 // dequantized to f32. Grid (n), block (128).
 extern "C" __global__ void custody_embed(const unsigned char* w, custody_u32 dtype, custody_u32 cols,
                                         const custody_u32* tokens, float* out) {
+    // The table row's bytes are read by `custody_weight`'s per-element dequantizer and are not
+    // counted by the performance model (one row per token: ~1 KB of a step's hundreds of MB).
     const custody_u32 r = blockIdx.x;
+    const custody_u32 token = CUSTODY_LD(tokens + r);
     float* o = out + (custody_u64)r * cols;
     for (custody_u32 k = threadIdx.x; k < cols; k += CUSTODY_OPS_THREADS)
-        o[k] = custody_weight(w, dtype, cols, tokens[r], k);
+        CUSTODY_ST(o + k, custody_weight(w, dtype, cols, token, k));
 }
 
 // x += y elementwise over `n` (the residual connections). Grid (ceil(n / 128)), block (128).

@@ -108,6 +108,8 @@ pub struct StepModel {
     pub ideal_bytes: f64,
     pub host_to_device_bytes: f64,
     pub device_to_host_bytes: f64,
+    /// Of those uploaded, the changed tags' (one packed copy per step).
+    pub tag_bytes: f64,
 }
 
 impl StepModel {
@@ -138,6 +140,8 @@ pub enum ModelError {
     Load(String),
     #[error(transparent)]
     Forward(#[from] custody_runtime::cuda_forward::CudaForwardError),
+    #[error(transparent)]
+    Device(#[from] custody_cuda::DeviceError),
     #[error("pool: {0}")]
     Pool(String),
     #[error("row {row} failed its tag check: {why}")]
@@ -191,7 +195,12 @@ pub fn decode_step(
         tables.push((owner, pages));
     }
     let mut fwd = CudaForward::new(ShimDevice::counting(0), &m, &pool, batch)?;
-    fwd.device_mut().transfers.clear(); // the weights' upload is not the step's
+    fwd.set_tag_audit(false); // a debug build's whole-copy check is not a step's traffic
+    // The context's tags reach the device before the counted step (as the steps that wrote
+    // them would have sent them); the weights' upload is not the step's either.
+    fwd.sync_tags(&mut pool)?;
+    fwd.device_mut().take_counts();
+    fwd.device_mut().transfers.clear();
     let token = [1u32];
     let segments: Vec<Segment<'_>> = tables
         .iter()
@@ -217,19 +226,33 @@ pub fn decode_step(
     }
     let dev = fwd.device_mut();
     let launches = dev.take_counts();
+    let tag_bytes = launches
+        .iter()
+        .filter(|l| l.kernel == Kernel::TagApply)
+        .map(|l| l.counts.load_bytes as f64)
+        .sum();
     let n = launches.len();
-    // First the embedding (once), last the final norm and the head, between them one layer.
+    // The step's launches in order: the embedding and the tag sync (once), one layer's 17
+    // (repeated `n_layers` times), the final norm and the head (once).
+    let in_layer = |i: usize| i >= 2 && i + 2 < n;
     let scale_of = |i: usize| {
-        if i == 0 || i >= n - 2 {
-            1.0
-        } else {
+        if in_layer(i) {
             shape.n_layers as f64
+        } else {
+            1.0
         }
     };
-    // A copy belongs to the launch it precedes (or follows the step's last).
+    // A copy between two of one layer's launches is the layer's; any other, the step's.
     let (mut up, mut down) = (0.0f64, 0.0f64);
     for t in &dev.transfers {
-        let bytes = t.bytes as f64 * scale_of(t.after_launches as usize);
+        let k = t.after_launches as usize;
+        let layer_copy = k >= 1 && in_layer(k - 1) && in_layer(k);
+        let bytes = t.bytes as f64
+            * if layer_copy {
+                shape.n_layers as f64
+            } else {
+                1.0
+            };
         if t.to_device {
             up += bytes;
         } else {
@@ -244,7 +267,15 @@ pub fn decode_step(
             scale_of(i)
         };
         let flops = flops_of(l.kernel, &shape, batch, ctx, i == n - 1);
-        add_line(&mut lines, l.kernel, scale, &l.counts, flops * scale);
+        // The head's traffic scales with the vocabulary; it is still one launch.
+        add_line(
+            &mut lines,
+            l.kernel,
+            scale_of(i),
+            scale,
+            &l.counts,
+            flops * scale,
+        );
     }
     let kv_bytes =
         (batch * ctx * shape.n_kv_heads * shape.head_dim() * 2 * 2 * shape.n_layers) as f64;
@@ -257,6 +288,7 @@ pub fn decode_step(
         ideal_bytes: weights * Q4K_BYTES_PER_WEIGHT + kv_bytes,
         host_to_device_bytes: up,
         device_to_host_bytes: down,
+        tag_bytes,
     })
 }
 
@@ -271,9 +303,15 @@ fn flops_of(k: Kernel, s: &Shape, batch: usize, ctx: usize, head: bool) -> f64 {
     }
 }
 
-fn add_line(lines: &mut Vec<KernelLine>, kernel: Kernel, scale: f64, c: &Counts, flops: f64) {
+fn add_line(
+    lines: &mut Vec<KernelLine>,
+    kernel: Kernel,
+    launches: f64,
+    scale: f64,
+    c: &Counts,
+    flops: f64,
+) {
     let dram = c.dram_bytes() as f64 * scale;
-    let launches = scale;
     let modeled = launches * LAUNCH_S + (dram / HBM_BYTES_PER_S).max(flops / FP32_FLOPS_PER_S);
     let line = KernelLine {
         kernel,

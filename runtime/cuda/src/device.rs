@@ -182,6 +182,7 @@ kernels! {
     FlashDecode = "custody_flash_decode", 16;
     FlashMerge = "custody_flash_merge", 15;
     TagCheck = "custody_tag_check", 8;
+    TagApply = "custody_tag_apply", 9;
     Add = "custody_add", 3;
     AddRows = "custody_add_rows", 4;
     Swiglu = "custody_swiglu", 3;

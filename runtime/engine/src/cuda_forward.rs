@@ -112,8 +112,9 @@ struct DevLayer {
     qk_norm: Option<[DevicePtr; 2]>,
 }
 
-/// The device page pool: K and V of every layer in one allocation, plus the tag arrays the
-/// attention kernel checks (uploaded from the host pool before each layer's attention).
+/// The device page pool: K and V of every layer in one allocation, plus the device's copy of
+/// the pool's tags the attention kernels check (`filled` per layer), kept current by
+/// [`CudaForward::sync_tags`] from the pool's change log once per step.
 #[derive(Debug)]
 struct DeviceKv {
     k: Vec<DevicePtr>,
@@ -124,6 +125,26 @@ struct DeviceKv {
     stamp_owner: DevicePtr,
     stamp_generation: DevicePtr,
     n_pages: u32,
+    /// The packed tag changes' upload buffer (grown as needed).
+    staging: DevicePtr,
+    staging_bytes: usize,
+}
+
+impl DeviceKv {
+    /// The tags `layer`'s attention checks.
+    fn tags(&self, layer: usize) -> DeviceTags {
+        DeviceTags {
+            generation: self.generation.0,
+            owner: self.owner.0,
+            filled: self
+                .filled
+                .offset((layer * self.n_pages as usize * 4) as u64)
+                .0,
+            stamp_owner: self.stamp_owner.0,
+            stamp_generation: self.stamp_generation.0,
+            n_pages: self.n_pages,
+        }
+    }
 }
 
 /// Activation and per-row buffers, sized for `max_rows` rows (addresses: `Copy`, so that a
@@ -173,6 +194,10 @@ pub struct CudaForward<D: Device> {
     layers: Vec<DevLayer>,
     kv: DeviceKv,
     bufs: Buffers,
+    /// Debug builds: compare the device's whole copy of the tags with the pool's after each
+    /// sync (on by default; the performance model turns it off: its copies are not a step's).
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
+    audit_tags: bool,
 }
 
 /// `CustodyDType` in kernels/cuda/ops.cu. Exhaustive: a weight type the engine gains does not
@@ -382,6 +407,7 @@ impl<D: Device> CudaForward<D> {
             layers,
             kv,
             bufs,
+            audit_tags: true,
         })
     }
 
@@ -396,7 +422,9 @@ impl<D: Device> CudaForward<D> {
             v: (0..n_layers).map(|l| part(2 * l + 1)).collect(),
             generation: dev.alloc_zeroed(n_pages * 4)?,
             owner: dev.alloc_zeroed(n_pages * 8)?,
-            filled: dev.alloc_zeroed(n_pages * 4)?,
+            filled: dev.alloc_zeroed(n_layers * n_pages * 4)?,
+            staging: dev.alloc_zeroed(8)?,
+            staging_bytes: 8,
             stamp_owner: dev.alloc_zeroed(n_pages * 8)?,
             stamp_generation: dev.alloc_zeroed(n_pages * 4)?,
             n_pages: n_pages as u32,
@@ -480,6 +508,11 @@ impl<D: Device> CudaForward<D> {
     }
 
     /// What the backend runs on, for the startup log line.
+    /// Debug builds: whether each tag sync is followed by the whole-copy comparison.
+    pub fn set_tag_audit(&mut self, on: bool) {
+        self.audit_tags = on;
+    }
+
     /// The device (the performance model reads a counting device's counts through it).
     pub fn device_mut(&mut self) -> &mut D {
         &mut self.dev
@@ -637,31 +670,89 @@ impl<D: Device> CudaForward<D> {
         self.dev.upload(dst, bytes_of(v))
     }
 
-    /// The pool's tags for `layer`'s attention: generations, owners and stamps, and the
-    /// layer's written slots.
-    fn upload_tags(&mut self, pool: &PagePool, layer: usize) -> Result<DeviceTags, DeviceError> {
-        let t = pool.tags(layer);
+    /// Bring the device's copy of the tags up to date: the pages whose tag changed since the
+    /// last step ([`PagePool::take_tag_changes`]) packed into one upload and applied by one
+    /// `custody_tag_apply` launch — nothing when nothing changed. Debug builds then check the
+    /// whole copy against the pool (a tag write that bypassed the change log would show here).
+    /// Each `forward` calls it first; a caller may call it sooner (the performance model does,
+    /// so that its counted step sees only the step's own changes).
+    pub fn sync_tags(&mut self, pool: &mut PagePool) -> Result<(), DeviceError> {
+        let pages = pool.take_tag_changes();
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let n = pages.len();
+        let n_layers = pool.n_layers();
+        let mut wide: Vec<u64> = Vec::with_capacity(2 * n);
+        let mut narrow: Vec<u32> = Vec::with_capacity((3 + n_layers) * n);
+        let t = pool.tags(0);
+        wide.extend(pages.iter().map(|&p| t.owner[p as usize]));
+        wide.extend(pages.iter().map(|&p| t.stamp_owner[p as usize]));
+        narrow.extend(&pages);
+        narrow.extend(pages.iter().map(|&p| t.generation[p as usize]));
+        narrow.extend(pages.iter().map(|&p| t.stamp_generation[p as usize]));
+        for layer in 0..n_layers {
+            let f = pool.tags(layer).filled;
+            narrow.extend(pages.iter().map(|&p| f[p as usize]));
+        }
+        let mut packed = bytes_of(&wide).to_vec();
+        packed.extend_from_slice(bytes_of(&narrow));
+        if packed.len() > self.kv.staging_bytes {
+            self.kv.staging = self.dev.alloc_zeroed(packed.len())?;
+            self.kv.staging_bytes = packed.len();
+        }
+        self.dev.upload(self.kv.staging, &packed)?;
         let kv = &self.kv;
-        let (g, o, f, so, sg) = (
-            kv.generation,
-            kv.owner,
-            kv.filled,
-            kv.stamp_owner,
-            kv.stamp_generation,
+        let args = [
+            Arg::Ptr(kv.staging),
+            Arg::U32(n as u32),
+            Arg::U32(n_layers as u32),
+            Arg::U32(kv.n_pages),
+            Arg::Ptr(kv.generation),
+            Arg::Ptr(kv.owner),
+            Arg::Ptr(kv.stamp_owner),
+            Arg::Ptr(kv.stamp_generation),
+            Arg::Ptr(kv.filled),
+        ];
+        let dims = LaunchDims::grid2((n as u32).div_ceil(THREADS), 1, THREADS);
+        self.launch(Kernel::TagApply, dims, &args)?;
+        #[cfg(debug_assertions)]
+        if self.audit_tags {
+            self.assert_tags_match(pool)?;
+        }
+        Ok(())
+    }
+
+    /// Debug builds: the device's whole copy of the tags equals the pool's.
+    #[cfg(debug_assertions)]
+    fn assert_tags_match(&mut self, pool: &PagePool) -> Result<(), DeviceError> {
+        let n = self.kv.n_pages as usize;
+        let t = pool.tags(0);
+        let mut g = vec![0u32; n];
+        let mut o = vec![0u64; n];
+        let mut so = vec![0u64; n];
+        let mut sg = vec![0u32; n];
+        self.dev
+            .download(self.kv.generation, bytes_of_mut(&mut g))?;
+        self.dev.download(self.kv.owner, bytes_of_mut(&mut o))?;
+        self.dev
+            .download(self.kv.stamp_owner, bytes_of_mut(&mut so))?;
+        self.dev
+            .download(self.kv.stamp_generation, bytes_of_mut(&mut sg))?;
+        assert!(
+            g == t.generation && o == t.owner && so == t.stamp_owner && sg == t.stamp_generation,
+            "the device's tags differ from the pool's: a tag write bypassed PagePool::tag_changed"
         );
-        self.dev.upload(g, bytes_of(t.generation))?;
-        self.dev.upload(o, bytes_of(t.owner))?;
-        self.dev.upload(f, bytes_of(t.filled))?;
-        self.dev.upload(so, bytes_of(t.stamp_owner))?;
-        self.dev.upload(sg, bytes_of(t.stamp_generation))?;
-        Ok(DeviceTags {
-            generation: g.0,
-            owner: o.0,
-            filled: f.0,
-            stamp_owner: so.0,
-            stamp_generation: sg.0,
-            n_pages: kv.n_pages,
-        })
+        for layer in 0..pool.n_layers() {
+            let mut f = vec![0u32; n];
+            let at = self.kv.filled.offset((layer * n * 4) as u64);
+            self.dev.download(at, bytes_of_mut(&mut f))?;
+            assert!(
+                f == pool.tags(layer).filled,
+                "layer {layer}'s filled slots on the device differ from the pool's"
+            );
+        }
+        Ok(())
     }
 
     /// Run a batch: per segment, its logits (`rows × vocab`, rows per [`Logits`]) or the
@@ -708,6 +799,8 @@ impl<D: Device> CudaForward<D> {
         )?;
 
         let mut failed: Vec<Option<IntegrityError>> = vec![None; segments.len()];
+        self.claim_rows(pool, segments, &rows, &mut failed)?;
+        self.sync_tags(pool)?;
         let bf = self.bufs;
         for li in 0..c.n_layers {
             let l = self.layers[li];
@@ -718,8 +811,8 @@ impl<D: Device> CudaForward<D> {
             self.qkv_extras(&l, n)?;
             self.rope(bf.q, c.n_heads, n)?;
             self.rope(bf.k, c.n_kv_heads, n)?;
-            self.write_kv(pool, li, segments, &rows, &mut failed)?;
-            self.attend(pool, li, segments, &rows, &mut failed)?;
+            self.write_kv(li, n)?;
+            self.attend(li, segments, &rows, &mut failed)?;
             self.matvec(l.wo, bf.att, bf.tmp, n)?;
             self.elementwise(Kernel::Add, bf.x, bf.tmp, n * dim)?;
             self.rms_norm(bf.x, l.ffn_norm, bf.xn, n, dim)?;
@@ -790,12 +883,14 @@ impl<D: Device> CudaForward<D> {
         Ok(())
     }
 
-    /// Claim each live row's slot at `layer` on the host pool (the CPU write's check; a
-    /// segment whose claim fails is failed), then store the claimed rows' K/V on the device.
-    fn write_kv(
+    /// Claim each live row's slot in every layer on the host pool (the CPU write's check; a
+    /// segment whose claim fails is failed), once per step before any layer runs: the step's
+    /// tags are then final, and the device's copy is brought up to date once
+    /// ([`Self::sync_tags`]). The rows' pages and slots serve the KV-write kernel of every
+    /// layer (a failed row's page is `NO_PAGE`: not written).
+    fn claim_rows(
         &mut self,
         pool: &mut PagePool,
-        layer: usize,
         segments: &[Segment<'_>],
         rows: &Rows,
         failed: &mut [Option<IntegrityError>],
@@ -804,10 +899,7 @@ impl<D: Device> CudaForward<D> {
         let n = rows.positions.len();
         let mut pages = vec![NO_PAGE; n];
         let mut slots = vec![0u32; n];
-        for (si, sg) in segments.iter().enumerate() {
-            if failed[si].is_some() {
-                continue;
-            }
+        'segments: for (si, sg) in segments.iter().enumerate() {
             for r in rows.range(si) {
                 let pos = rows.positions[r];
                 let Some(&pr) = sg.block_table.get(pos / ps) else {
@@ -816,13 +908,15 @@ impl<D: Device> CudaForward<D> {
                         need: pos / ps + 1,
                         n_ctx: pos + 1,
                     });
-                    break;
+                    continue 'segments;
                 };
-                if let Err(e) =
-                    pool.claim_slot_checked(layer, pr, pos % ps, sg.reader.owner(), sg.check)
-                {
-                    failed[si] = Some(e);
-                    break;
+                for layer in 0..self.config.n_layers {
+                    if let Err(e) =
+                        pool.claim_slot_checked(layer, pr, pos % ps, sg.reader.owner(), sg.check)
+                    {
+                        failed[si] = Some(e);
+                        continue 'segments;
+                    }
                 }
                 pages[r] = pr.page;
                 slots[r] = (pos % ps) as u32;
@@ -830,7 +924,12 @@ impl<D: Device> CudaForward<D> {
         }
         let b = self.bufs;
         self.upload_u32(b.write_pages, &pages)?;
-        self.upload_u32(b.write_slots, &slots)?;
+        self.upload_u32(b.write_slots, &slots)
+    }
+
+    /// Store the claimed rows' K/V of `layer` in the device pool.
+    fn write_kv(&mut self, layer: usize, n: usize) -> Result<(), DeviceError> {
+        let b = self.bufs;
         let c = &self.config;
         let args = [
             Arg::Ptr(b.k),
@@ -839,7 +938,7 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(b.write_slots),
             Arg::U32(c.n_kv_heads as u32),
             Arg::U32(c.head_dim as u32),
-            Arg::U32(ps as u32),
+            Arg::U32(self.page_size as u32),
             Arg::Ptr(self.kv.k[layer]),
             Arg::Ptr(self.kv.v[layer]),
         ];
@@ -854,13 +953,12 @@ impl<D: Device> CudaForward<D> {
     /// live segment whose rows get a failing verdict is failed with the CPU check's error.
     fn attend(
         &mut self,
-        pool: &PagePool,
         layer: usize,
         segments: &[Segment<'_>],
         rows: &Rows,
         failed: &mut [Option<IntegrityError>],
     ) -> Result<(), DeviceError> {
-        let tags = self.upload_tags(pool, layer)?;
+        let tags = self.kv.tags(layer);
         let n = rows.positions.len();
         let b = self.bufs;
         let c = &self.config;

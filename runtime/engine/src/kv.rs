@@ -97,6 +97,17 @@ pub struct PagePool {
     /// Free pages (a stack: the most recently released page is reused first, which is the
     /// worst case for stale reads and so the right default for exercising the tag check).
     free: Vec<u32>,
+    /// Pages whose tag (any field, any layer's `filled`) changed since a device last took them
+    /// ([`PagePool::take_tag_changes`]): how a device backend keeps its copy of the tags current
+    /// by uploading only those. Every tag write goes through [`PagePool::tag_changed`].
+    changed: TagChanges,
+}
+
+/// A set of page indices, bounded by the pool's pages (a mark per page and the marked list).
+#[derive(Debug)]
+struct TagChanges {
+    marked: Vec<bool>,
+    pages: Vec<u32>,
 }
 
 impl PagePool {
@@ -128,6 +139,11 @@ impl PagePool {
             landed: vec![(0, 0); n_pages],
             hdr_area: vec![[0; TRANSFER_HDR_BYTES]; n_pages],
             release_fill: ReleaseFill::None,
+            // Every page is "changed" at first: a device's copy starts from nothing.
+            changed: TagChanges {
+                marked: vec![true; n_pages],
+                pages: (0..n_pages as u32).collect(),
+            },
         }
     }
 
@@ -137,7 +153,8 @@ impl PagePool {
         self.release_fill = fill;
     }
 
-    fn n_layers(&self) -> usize {
+    /// Layers of the pool.
+    pub(crate) fn n_layers(&self) -> usize {
         self.k.len()
     }
 
@@ -202,6 +219,7 @@ impl PagePool {
                 return Err(LandError("partial header write".into()));
             }
             let h = TransferHeader::decode(bytes)?;
+            self.tag_changed(p);
             self.stamp_owner[p] = h.owner;
             self.stamp_generation[p] = h.generation;
             self.landed[p] = (h.slots, h.checksum);
@@ -342,6 +360,7 @@ impl PagePool {
             return Err(LandError("partial header write".into()));
         }
         let h = TransferHeader::decode(&self.hdr_area[p])?;
+        self.tag_changed(p);
         self.stamp_owner[p] = h.owner;
         self.stamp_generation[p] = h.generation;
         self.landed[p] = (h.slots, h.checksum);
@@ -402,6 +421,7 @@ impl PagePool {
                 return Err(VerifyError::AlreadyWritten { page: pr.page });
             }
         }
+        self.tag_changed(p);
         for f in &mut self.filled {
             f[p] = slots as u32;
         }
@@ -443,6 +463,7 @@ impl PagePool {
             };
             let p = page as usize;
             debug_assert_eq!(self.owner[p], NO_OWNER, "free page {page} has an owner");
+            self.tag_changed(p);
             self.generation[p] = self.generation[p].wrapping_add(1);
             self.owner[p] = owner;
             for f in &mut self.filled {
@@ -472,6 +493,7 @@ impl PagePool {
         }
         for pr in pages {
             let p = pr.page as usize;
+            self.tag_changed(p);
             self.owner[p] = NO_OWNER;
             if let Some(value) = self.release_fill.value() {
                 let r = self.geom.offset(p, 0, 0)..self.geom.offset(p + 1, 0, 0);
@@ -523,6 +545,7 @@ impl PagePool {
         }
         for pr in pages {
             let p = pr.page as usize;
+            self.tag_changed(p);
             self.owner[p] = shared.get();
             self.stamp_owner[p] = shared.get();
         }
@@ -615,6 +638,7 @@ impl PagePool {
                 filled,
             });
         }
+        self.tag_changed(p);
         self.stamp_owner[p] = owner;
         self.stamp_generation[p] = pr.generation;
         self.filled[layer][p] = slot as u32 + 1;
@@ -630,6 +654,26 @@ impl PagePool {
         let e = self.geom.page_words();
         let r = page as usize * e..(page as usize + 1) * e;
         (&mut self.k[layer][r.clone()], &mut self.v[layer][r])
+    }
+
+    /// Note that page `p`'s tag is about to change (every tag write calls it first).
+    fn tag_changed(&mut self, p: usize) {
+        if !self.changed.marked[p] {
+            self.changed.marked[p] = true;
+            self.changed.pages.push(p as u32);
+        }
+        debug_assert!(self.changed.pages.len() <= self.n_pages);
+    }
+
+    /// The pages whose tag changed since the last call (all of them at the first), ascending;
+    /// the set is emptied. A device backend uploads these pages' tags and nothing else.
+    pub(crate) fn take_tag_changes(&mut self) -> Vec<u32> {
+        let mut pages = std::mem::take(&mut self.changed.pages);
+        for &p in &pages {
+            self.changed.marked[p as usize] = false;
+        }
+        pages.sort_unstable();
+        pages
     }
 
     /// Tag arrays of `layer` for the attention kernel.
@@ -712,6 +756,7 @@ impl PagePool {
     /// as a buggy or malicious component could, to prove that the read-side check catches it.
     #[cfg(feature = "fault-injection")]
     pub fn fault_inject_set_tag(&mut self, page: u32, generation: u32, owner: u64) {
+        self.tag_changed(page as usize);
         self.generation[page as usize] = generation;
         self.owner[page as usize] = owner;
     }
@@ -1245,6 +1290,33 @@ mod tests {
         head_dim: 2,
         kv: KvType::F16,
     };
+
+    /// The change log a device copies from: every page at first, then exactly the pages whose
+    /// tag an allocation, a claim or a release changed — each once, ascending — and nothing
+    /// after it was taken.
+    #[test]
+    fn tag_changes_name_exactly_the_pages_whose_tag_changed() {
+        let mut pool = PagePool::new(G, 2, 5);
+        assert_eq!(pool.take_tag_changes(), vec![0, 1, 2, 3, 4]);
+        assert!(pool.take_tag_changes().is_empty());
+        let a = pool.alloc(1, 2).expect("alloc");
+        let mut want: Vec<u32> = a.iter().map(|p| p.page).collect();
+        want.sort_unstable();
+        assert_eq!(pool.take_tag_changes(), want);
+        pool.claim_slot_checked(1, a[1], 0, 1, TagCheck::Enforced)
+            .expect("claim");
+        pool.claim_slot_checked(0, a[1], 0, 1, TagCheck::Enforced)
+            .expect("claim");
+        assert_eq!(pool.take_tag_changes(), vec![a[1].page]);
+        // A refused claim changes nothing.
+        assert!(
+            pool.claim_slot_checked(0, a[0], 0, 9, TagCheck::Enforced)
+                .is_err()
+        );
+        assert!(pool.take_tag_changes().is_empty());
+        pool.release(1, &a).expect("release");
+        assert_eq!(pool.take_tag_changes(), want);
+    }
 
     #[test]
     fn alloc_bumps_generation_and_release_clears_owner() {

@@ -13,6 +13,7 @@ mod default_audit;
 mod disagg;
 mod fleet;
 mod gguf_corruption;
+mod gpu_model;
 mod integrity;
 mod kv_auth;
 mod kv_cache_type;
