@@ -7,8 +7,6 @@
 
 // Threads per block of both kernels (the reductions below assume it).
 #define CUSTODY_ATT_THREADS 128u
-// Longest context one attention block holds scores for (shared memory: 4 bytes per slot).
-#define CUSTODY_ATT_MAX_CTX 8192u
 #define CUSTODY_NO_PAGE 0xFFFFFFFFu
 
 // The verdict for page `i` of a block table (0 if it may be read), as `check_tags` orders its
@@ -119,81 +117,6 @@ extern "C" __global__ void custody_tag_check(const CustodyPageRef* tables,
     custody_check_request(tables + table_off[r], table_len[r], n_ctx[r], page_size, &tags,
                           owners[r], first_bad, &verdict);
     if (threadIdx.x == 0) out[r] = verdict;
-}
-
-// Decode attention (one query per request), causal over the request's `n_ctx[r]` slots.
-// Grid (n_heads, n_req), block (CUSTODY_ATT_THREADS). `q`, `out`: `n_req × n_heads × head_dim`
-// f32; caches: f16 bits, `[page][kv_head][slot][head_dim]` (`PageGeometry::offset`). Every
-// block first runs the request's tag check; a failing request's blocks return before any K/V
-// load (head 0's block reports the verdict), so its rows of `out` stay as they were.
-extern "C" __global__ void custody_paged_attention_decode(
-    const float* q, const unsigned short* k_cache, const unsigned short* v_cache,
-    const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
-    const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
-    custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
-    float* out, CustodyVerdict* verdicts) {
-    __shared__ custody_u32 first_bad[CUSTODY_ATT_THREADS];
-    __shared__ CustodyVerdict verdict;
-    __shared__ float scores[CUSTODY_ATT_MAX_CTX];
-    __shared__ float red[CUSTODY_ATT_THREADS];
-    const custody_u32 head = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
-    const CustodyPageRef* table = tables + table_off[r];
-    const custody_u32 n = n_ctx[r];
-    custody_check_request(table, table_len[r], n, page_size, &tags, owners[r], first_bad,
-                          &verdict);
-    if (verdict.code != CUSTODY_OK || n > CUSTODY_ATT_MAX_CTX || n == 0) {
-        if (head == 0 && t == 0) {
-            verdicts[r] = verdict;
-            if (verdict.code == CUSTODY_OK) verdicts[r].code = CUSTODY_BLOCK_TABLE_TOO_SHORT;
-        }
-        return; // uniform: every thread of the block saw the same verdict
-    }
-    if (head == 0 && t == 0) verdicts[r] = verdict;
-    const custody_u32 kvh = head / (n_heads / n_kv_heads);
-    const float* qh = q + ((custody_u64)r * n_heads + head) * head_dim;
-    const float scale = 1.0f / sqrtf((float)head_dim);
-    // Scores, and this thread's running max.
-    float m = __uint_as_float(0xff800000u); // -inf (no math.h under NVRTC)
-    for (custody_u32 s = t; s < n; s += CUSTODY_ATT_THREADS) {
-        const CustodyPageRef pr = table[s / page_size];
-        const custody_u64 off =
-            (((custody_u64)pr.page * n_kv_heads + kvh) * page_size + s % page_size) * head_dim;
-        float dot = 0.0f;
-        for (custody_u32 e = 0; e < head_dim; e++) dot += qh[e] * custody_half_to_float(k_cache[off + e]);
-        scores[s] = dot * scale;
-        m = fmaxf(m, scores[s]);
-    }
-    red[t] = m;
-    __syncthreads();
-    for (custody_u32 half = CUSTODY_ATT_THREADS / 2; half > 0; half /= 2) {
-        if (t < half) red[t] = fmaxf(red[t], red[t + half]);
-        __syncthreads();
-    }
-    const float mx = red[0];
-    __syncthreads();
-    float sum = 0.0f;
-    for (custody_u32 s = t; s < n; s += CUSTODY_ATT_THREADS) {
-        scores[s] = expf(scores[s] - mx);
-        sum += scores[s];
-    }
-    red[t] = sum;
-    __syncthreads();
-    for (custody_u32 half = CUSTODY_ATT_THREADS / 2; half > 0; half /= 2) {
-        if (t < half) red[t] += red[t + half];
-        __syncthreads();
-    }
-    const float inv = 1.0f / red[0];
-    float* o = out + ((custody_u64)r * n_heads + head) * head_dim;
-    for (custody_u32 e = t; e < head_dim; e += CUSTODY_ATT_THREADS) {
-        float acc = 0.0f;
-        for (custody_u32 s = 0; s < n; s++) {
-            const CustodyPageRef pr = table[s / page_size];
-            const custody_u64 off =
-                (((custody_u64)pr.page * n_kv_heads + kvh) * page_size + s % page_size) * head_dim;
-            acc += scores[s] * custody_half_to_float(v_cache[off + e]);
-        }
-        o[e] = acc * inv;
-    }
 }
 
 // The K/V rows of a batch into their slots, as f16 (`custody_float_to_half`, = the CPU's

@@ -38,22 +38,6 @@ void tag_check_body(void* c) {
                       a->tags, a->out);
 }
 
-struct AttentionArgs {
-    const float* q;
-    const unsigned short* k_cache;
-    const unsigned short* v_cache;
-    TagCheckArgs check;
-    custody_u32 n_heads, n_kv_heads, head_dim;
-    float* out;
-};
-
-void attention_body(void* c) {
-    auto* a = static_cast<AttentionArgs*>(c);
-    custody_paged_attention_decode(a->q, a->k_cache, a->v_cache, a->check.tables,
-                                   a->check.table_off, a->check.table_len, a->check.n_ctx,
-                                   a->check.owners, a->n_heads, a->n_kv_heads, a->head_dim,
-                                   a->check.page_size, a->check.tags, a->out, a->check.out);
-}
 }  // namespace
 
 extern "C" int custody_shim_page_checksum(const unsigned char* const* ptrs,
@@ -72,25 +56,6 @@ extern "C" int custody_shim_tag_check(const CustodyPageRef* tables, const custod
     TagCheckArgs a{tables, table_off, table_len, n_ctx, owners, page_size, tags, out};
     return custody_shim::launch(dim3(n_req), dim3(CUSTODY_ATT_THREADS), seed, tag_check_body, &a,
                                 err, err_len);
-}
-
-extern "C" int custody_shim_paged_attention_decode(
-    const float* q, const unsigned short* k_cache, const unsigned short* v_cache,
-    const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
-    const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_req, custody_u32 n_heads,
-    custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
-    float* out, CustodyVerdict* verdicts, uint64_t seed, char* err, size_t err_len) {
-    AttentionArgs a{q,
-                    k_cache,
-                    v_cache,
-                    TagCheckArgs{tables, table_off, table_len, n_ctx, owners, page_size, tags,
-                                 verdicts},
-                    n_heads,
-                    n_kv_heads,
-                    head_dim,
-                    out};
-    return custody_shim::launch(dim3(n_heads, n_req), dim3(CUSTODY_ATT_THREADS), seed,
-                                attention_body, &a, err, err_len);
 }
 
 // The shim's own controls: a racy kernel (every thread reads and rewrites one shared cell with
@@ -298,12 +263,6 @@ void generic_body(void* c) {
         custody_kv_write(PTR(0, const float*), PTR(1, const float*), PTR(2, const custody_u32*),
                          PTR(3, const custody_u32*), U32(4), U32(5), U32(6),
                          PTR(7, unsigned short*), PTR(8, unsigned short*));
-    } else if (!strcmp(n, "custody_paged_attention_decode")) {
-        custody_paged_attention_decode(
-            PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),
-            PTR(3, const CustodyPageRef*), PTR(4, const custody_u32*), PTR(5, const custody_u32*),
-            PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
-            U32(11), TAGS(12), PTR(13, float*), PTR(14, CustodyVerdict*));
     } else if (!strcmp(n, "custody_flash_decode")) {
         custody_flash_decode(
             PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),

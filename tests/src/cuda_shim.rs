@@ -53,27 +53,6 @@ unsafe extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> i32;
-    fn custody_shim_paged_attention_decode(
-        q: *const f32,
-        k_cache: *const u16,
-        v_cache: *const u16,
-        tables: *const PageRef,
-        table_off: *const u32,
-        table_len: *const u32,
-        n_ctx: *const u32,
-        owners: *const u64,
-        n_req: u32,
-        n_heads: u32,
-        n_kv_heads: u32,
-        head_dim: u32,
-        page_size: u32,
-        tags: Tags,
-        out: *mut f32,
-        verdicts: *mut Verdict,
-        seed: u64,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> i32;
     fn custody_shim_control_race(out: *mut f32, seed: u64, err: *mut c_char, err_len: usize)
     -> i32;
     fn custody_shim_control_divergent(err: *mut c_char, err_len: usize) -> i32;
@@ -276,59 +255,6 @@ pub struct AttentionShape {
     pub n_kv_heads: u32,
     pub head_dim: u32,
     pub page_size: u32,
-}
-
-/// Decode attention: writes `out` (`n_req × n_heads × head_dim`) for the requests that pass
-/// their tag check and returns every request's verdict.
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention_decode(
-    q: &[f32],
-    k_cache: &[u16],
-    v_cache: &[u16],
-    reqs: &[Request],
-    shape: AttentionShape,
-    tags: &OwnedTags,
-    out: &mut [f32],
-    seed: u64,
-) -> Result<Vec<Verdict>, ShimError> {
-    let row = (shape.n_heads * shape.head_dim) as usize;
-    assert_eq!(q.len(), reqs.len() * row);
-    assert_eq!(out.len(), q.len());
-    let f = flatten(reqs);
-    let mut verdicts = vec![
-        Verdict {
-            code: u32::MAX,
-            ..Verdict::default()
-        };
-        reqs.len()
-    ];
-    let mut err = [0u8; 256];
-    // SAFETY: as for `tag_check`; `q`/`out` hold every request's rows (asserted), the caches
-    // every page the tables name that passes the check (the kernel reads only those).
-    let rc = unsafe {
-        custody_shim_paged_attention_decode(
-            q.as_ptr(),
-            k_cache.as_ptr(),
-            v_cache.as_ptr(),
-            f.tables.as_ptr(),
-            f.off.as_ptr(),
-            f.len.as_ptr(),
-            f.n_ctx.as_ptr(),
-            f.owners.as_ptr(),
-            reqs.len() as u32,
-            shape.n_heads,
-            shape.n_kv_heads,
-            shape.head_dim,
-            shape.page_size,
-            tags.view(),
-            out.as_mut_ptr(),
-            verdicts.as_mut_ptr(),
-            seed,
-            err.as_mut_ptr().cast(),
-            err.len(),
-        )
-    };
-    check(rc, &err).map(|()| verdicts)
 }
 
 /// The shim's racy control kernel's result under `seed`.

@@ -178,7 +178,6 @@ kernels! {
     GemvQ4K = "custody_gemv_q4k", 7;
     Rope = "custody_rope", 8;
     KvWrite = "custody_kv_write", 9;
-    PagedAttentionDecode = "custody_paged_attention_decode", 15;
     FlashDecode = "custody_flash_decode", 16;
     FlashMerge = "custody_flash_merge", 15;
     TagCheck = "custody_tag_check", 8;

@@ -162,10 +162,6 @@ mod tests {
             assert!(!src.is_empty(), "{name}");
         }
         assert!(KERNEL_SOURCES[1].1.contains("custody_page_checksum"));
-        assert!(
-            KERNEL_SOURCES[2]
-                .1
-                .contains("custody_paged_attention_decode")
-        );
+        assert!(KERNEL_SOURCES[2].1.contains("custody_flash_decode"));
     }
 }

@@ -51,7 +51,6 @@ fn check(extra: &[&std::ffi::OsStr]) -> serde_json::Value {
         "custody_page_checksum",
         "custody_tag_check",
         "custody_tag_apply",
-        "custody_paged_attention_decode",
         "custody_flash_decode",
         "custody_flash_merge",
         "custody_rms_norm",

@@ -281,57 +281,26 @@ fn gpu_attention_refuses_failing_requests_and_matches_the_cpu_for_the_rest() {
         verdicts.push(cpu_verdict(res));
     }
     assert!(verdicts.iter().any(|v| v.code == 0) && verdicts.iter().any(|v| v.code != 0));
-    // Poisoned output: a refused request's rows must keep the poison, bit for bit.
+    // Poisoned output: a refused request's rows must keep the poison, bit for bit. However the
+    // contexts are split (a fault then lies in one CTA's pages while others' pass), the verdicts
+    // are the CPU's; under every schedule the outputs are the same bits (no race).
     const POISON: u32 = 0x7fc0_dead;
-    let mut first: Option<Vec<f32>> = None;
-    for seed in SEEDS {
-        let mut out = vec![f32::from_bits(POISON); q.len()];
-        let got =
-            cuda_shim::paged_attention_decode(&q, &kb, &vb, &reqs, shape, &tags, &mut out, seed)
-                .expect("launch");
-        assert_eq!(got, verdicts, "seed {seed:#x}: verdicts");
-        for (i, vd) in verdicts.iter().enumerate() {
-            let (g, w) = (&out[i * row..(i + 1) * row], &want[i * row..(i + 1) * row]);
-            if vd.code != 0 {
-                assert!(
-                    g.iter().all(|x| x.to_bits() == POISON),
-                    "request {i}: refused but written"
-                );
-                continue;
-            }
-            // Tolerance: f32 math in another summation order than the CPU's f16-rounded query
-            // and 16-lane chains; outputs are convex combinations of values in [-1, 1].
-            let worst = g
-                .iter()
-                .zip(w)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            assert!(worst < 2e-3, "request {i}: max |Δ| {worst}");
-        }
-        // Deterministic across schedules (no race): bit-identical outputs for every seed.
-        match &first {
-            None => first = Some(out),
-            Some(f) => assert!(
-                f.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "seed {seed:#x}: output differs from seed 0's — a race"
-            ),
-        }
-        // Flash decoding gives the same verdicts and outputs, however the contexts are split
-        // (a fault then lies in one CTA's pages while others' pass).
-        for splits in [
-            cuda_shim::FlashSplits {
-                n: 1,
-                pages_per_split: 6,
-            },
-            cuda_shim::FlashSplits {
-                n: 6,
-                pages_per_split: 1,
-            },
-            cuda_shim::FlashSplits {
-                n: 3,
-                pages_per_split: 2,
-            },
-        ] {
+    for splits in [
+        cuda_shim::FlashSplits {
+            n: 1,
+            pages_per_split: 6,
+        },
+        cuda_shim::FlashSplits {
+            n: 6,
+            pages_per_split: 1,
+        },
+        cuda_shim::FlashSplits {
+            n: 3,
+            pages_per_split: 2,
+        },
+    ] {
+        let mut first: Option<Vec<f32>> = None;
+        for seed in SEEDS {
             let mut out = vec![f32::from_bits(POISON); q.len()];
             let run =
                 cuda_shim::flash_decode(&q, &kb, &vb, &reqs, shape, &tags, splits, &mut out, seed)
@@ -341,6 +310,13 @@ fn gpu_attention_refuses_failing_requests_and_matches_the_cpu_for_the_rest() {
                 "seed {seed:#x} {splits:?}: verdicts"
             );
             check_attention(&out, &want, &verdicts, row, POISON, &format!("{splits:?}"));
+            match &first {
+                None => first = Some(out),
+                Some(f) => assert!(
+                    f.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "seed {seed:#x} {splits:?}: output differs from seed 0's — a race"
+                ),
+            }
         }
     }
 }
