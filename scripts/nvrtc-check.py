@@ -87,6 +87,27 @@ def parse(log):
     return kernels
 
 
+# sm_90 (H100/H200) per-SM limits: what bounds how many blocks of a kernel run at once.
+SM90_REGS = 65536
+SM90_SHARED_BYTES = 233472  # 228 KiB per SM
+SM90_SHARED_RESERVED_PER_BLOCK = 1024
+SM90_MAX_THREADS = 2048
+SM90_MAX_BLOCKS = 32
+SM90_MAX_WARPS = 64
+
+
+def occupancy(registers, shared_bytes, threads):
+    """Resident warps / the SM's 64, as the CUDA occupancy calculator computes it for sm_90:
+    registers allocated per warp in units of 256, shared memory plus 1 KiB reserved per block."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = SM90_REGS // (regs_per_warp * warps)
+    by_shared = SM90_SHARED_BYTES // (shared_bytes + SM90_SHARED_RESERVED_PER_BLOCK)
+    by_threads = SM90_MAX_THREADS // threads
+    blocks = min(by_regs, by_shared, by_threads, SM90_MAX_BLOCKS)
+    return blocks * warps / SM90_MAX_WARPS
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuda-dir", type=Path, default=default_cuda_dir())
@@ -122,6 +143,12 @@ def main():
             report["errors"].append(f"{name}: {k['registers']} registers > budget {b['registers']}")
         if k["shared_bytes"] > b["shared_bytes"]:
             report["errors"].append(f"{name}: {k['shared_bytes']} B shared > budget {b['shared_bytes']}")
+        k["threads"] = b["threads"]
+        k["occupancy"] = occupancy(k["registers"], k["shared_bytes"], b["threads"])
+        if k["occupancy"] < b["min_occupancy"]:
+            report["errors"].append(
+                f"{name}: occupancy {k['occupancy']:.3f} < budget {b['min_occupancy']} "
+                f"({k['registers']} registers, {k['shared_bytes']} B shared, {b['threads']} threads)")
     for name in report["kernels"]:
         if name not in budgets:
             report["errors"].append(f"{name}: no budget in kernels/cuda/budgets.json")
@@ -129,10 +156,11 @@ def main():
         print(json.dumps(report, indent=1))
     else:
         print(f"NVRTC {report['nvrtc']}, {report['arch']}")
-        print(f"{'kernel':36} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spills':>7}")
+        print(f"{'kernel':36} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spills':>7} {'occupancy':>9}")
         for name, k in sorted(report["kernels"].items()):
+            occ = f"{100 * k['occupancy']:.1f} %" if "occupancy" in k else "-"
             print(f"{name:36} {k['registers']:>5} {k['shared_bytes']:>7} {k.get('stack_bytes', 0):>8} "
-                  f"{k.get('spill_stores', 0) + k.get('spill_loads', 0):>7}")
+                  f"{k.get('spill_stores', 0) + k.get('spill_loads', 0):>7} {occ:>9}")
         for e in report["errors"]:
             print("ERROR", e)
     return 1 if report["errors"] else 0

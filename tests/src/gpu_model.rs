@@ -8,7 +8,7 @@
 //! slots; the bytes are zeros: counts do not depend on values). Time on an H200 is modeled per
 //! launch as max(DRAM bytes / 4.8 TB/s, FLOPs / peak) + the launch cost without a graph (4 µs),
 //! FLOPs counted for the GEMVs (2 per weight per row, FP32 FMA: 67 TFLOP/s) and attention (4 per
-//! slot and dimension per query head).
+//! slot and dimension per query head). Host↔device copies per step are reported, not priced.
 
 use crate::cuda_shim::{Counts, ShimDevice};
 use custody_cuda::Kernel;
@@ -247,12 +247,15 @@ pub fn decode_step(
     for t in &dev.transfers {
         let k = t.after_launches as usize;
         let layer_copy = k >= 1 && in_layer(k - 1) && in_layer(k);
-        let bytes = t.bytes as f64
-            * if layer_copy {
-                shape.n_layers as f64
-            } else {
-                1.0
-            };
+        // After the head: the logits, as wide as the real vocabulary.
+        let scale = if layer_copy {
+            shape.n_layers as f64
+        } else if k == n {
+            shape.vocab as f64 / counted_vocab as f64
+        } else {
+            1.0
+        };
+        let bytes = t.bytes as f64 * scale;
         if t.to_device {
             up += bytes;
         } else {

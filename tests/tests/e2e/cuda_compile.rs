@@ -1,5 +1,5 @@
 //! The CUDA kernels' compile tier: every `kernels/cuda/*.cu` compiles with NVRTC 13.0 for sm_90
-//! to a CUBIN with no register spills and registers and shared memory within the budgets of
+//! to a CUBIN with no register spills and registers, shared memory and occupancy within the budgets of
 //! `kernels/cuda/budgets.json` (`scripts/nvrtc-check.py`; NVRTC from PyPI wheels that
 //! `scripts/setup.sh` installs — no GPU). Missing NVRTC is a failure with instructions, not a
 //! skip.
@@ -71,6 +71,10 @@ fn check(extra: &[&std::ffi::OsStr]) -> serde_json::Value {
             "{k}: no CUBIN: {r}"
         );
         assert_eq!(r["spill_stores"], 0, "{k}: {r}");
+        assert!(
+            r["occupancy"].as_f64().is_some_and(|o| o > 0.0),
+            "{k}: no occupancy: {r}"
+        );
         assert_eq!(r["spill_loads"], 0, "{k}: {r}");
     }
     report
