@@ -535,17 +535,6 @@ impl Counts {
     pub fn dram_bytes(&self) -> u64 {
         self.dram_sectors * 32
     }
-
-    fn add(&mut self, o: &Counts) {
-        self.load_bytes += o.load_bytes;
-        self.store_bytes += o.store_bytes;
-        self.load_requests += o.load_requests;
-        self.store_requests += o.store_requests;
-        self.sectors += o.sectors;
-        self.ideal_sectors += o.ideal_sectors;
-        self.dram_sectors += o.dram_sectors;
-        self.warp_collectives += o.warp_collectives;
-    }
 }
 
 /// One counted launch of a [`ShimDevice`].
@@ -554,21 +543,6 @@ pub struct CountedLaunch {
     pub kernel: Kernel,
     pub dims: LaunchDims,
     pub counts: Counts,
-}
-
-/// Per kernel: launches and their summed counts.
-pub fn by_kernel(launches: &[CountedLaunch]) -> Vec<(Kernel, u64, Counts)> {
-    let mut out: Vec<(Kernel, u64, Counts)> = Vec::new();
-    for l in launches {
-        match out.iter_mut().find(|(k, _, _)| *k == l.kernel) {
-            Some((_, n, c)) => {
-                *n += 1;
-                c.add(&l.counts);
-            }
-            None => out.push((l.kernel, 1, l.counts)),
-        }
-    }
-    out
 }
 
 unsafe extern "C" {

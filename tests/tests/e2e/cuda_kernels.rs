@@ -246,38 +246,8 @@ fn gpu_attention_refuses_failing_requests_and_matches_the_cpu_for_the_rest() {
     let mut want = vec![f32::NAN; q.len()];
     let mut verdicts = Vec::new();
     for (i, r) in reqs.iter().enumerate() {
-        let table: Vec<PageRef> = r
-            .table
-            .iter()
-            .map(|p| PageRef {
-                page: p.page,
-                generation: p.generation,
-            })
-            .collect();
-        let args = AttentionArgs {
-            q: &q[i * row..(i + 1) * row],
-            n_heads: shape.n_heads as usize,
-            start_pos: r.n_ctx as usize - 1,
-            k_cache: &kb,
-            v_cache: &vb,
-            geom,
-            block_table: &table,
-            tags: TagView {
-                generation: &tags.generation,
-                owner: &tags.owner,
-                filled: &tags.filled,
-                stamp_owner: &tags.stamp_owner,
-                stamp_generation: &tags.stamp_generation,
-            },
-            reader: Reader::private(r.owner),
-            order: ReduceOrder::Vec,
-            check: TagCheck::Enforced,
-        };
-        let res = paged_attention(
-            &args,
-            &mut want[i * row..(i + 1) * row],
-            &mut AttnScratch::default(),
-        );
+        let out = &mut want[i * row..(i + 1) * row];
+        let res = cpu_attention(&q[i * row..(i + 1) * row], shape, &kb, &vb, r, &tags, out);
         verdicts.push(cpu_verdict(res));
     }
     assert!(verdicts.iter().any(|v| v.code == 0) && verdicts.iter().any(|v| v.code != 0));
@@ -319,6 +289,51 @@ fn gpu_attention_refuses_failing_requests_and_matches_the_cpu_for_the_rest() {
             }
         }
     }
+}
+
+/// The CPU backend's decode attention for request `r` (the reference), into `out`.
+fn cpu_attention(
+    q: &[f32],
+    shape: AttentionShape,
+    kb: &[u16],
+    vb: &[u16],
+    r: &Request,
+    tags: &OwnedTags,
+    out: &mut [f32],
+) -> Result<(), IntegrityError> {
+    let table: Vec<PageRef> = r
+        .table
+        .iter()
+        .map(|p| PageRef {
+            page: p.page,
+            generation: p.generation,
+        })
+        .collect();
+    let args = AttentionArgs {
+        q,
+        n_heads: shape.n_heads as usize,
+        start_pos: r.n_ctx as usize - 1,
+        k_cache: kb,
+        v_cache: vb,
+        geom: PageGeometry {
+            page_size: shape.page_size as usize,
+            n_kv_heads: shape.n_kv_heads as usize,
+            head_dim: shape.head_dim as usize,
+            kv: custody_kernels::attention::KvType::F16,
+        },
+        block_table: &table,
+        tags: TagView {
+            generation: &tags.generation,
+            owner: &tags.owner,
+            filled: &tags.filled,
+            stamp_owner: &tags.stamp_owner,
+            stamp_generation: &tags.stamp_generation,
+        },
+        reader: Reader::private(r.owner),
+        order: ReduceOrder::Vec,
+        check: TagCheck::Enforced,
+    };
+    paged_attention(&args, out, &mut AttnScratch::default())
 }
 
 /// Refused rows keep the poison bit for bit; passing rows are the CPU's within 2e-3 (f32 math
@@ -412,35 +427,8 @@ fn flash_decoding_serves_long_contexts_at_every_head_layout() {
             .collect();
         let row = (n_heads * head_dim) as usize;
         let q: Vec<f32> = (0..row).map(|_| 2.0 * rng.unit()).collect();
-        let table: Vec<PageRef> = req
-            .table
-            .iter()
-            .map(|p| PageRef {
-                page: p.page,
-                generation: p.generation,
-            })
-            .collect();
         let mut want = vec![0.0f32; row];
-        let args = AttentionArgs {
-            q: &q,
-            n_heads: n_heads as usize,
-            start_pos: n_ctx as usize - 1,
-            k_cache: &kb,
-            v_cache: &vb,
-            geom,
-            block_table: &table,
-            tags: TagView {
-                generation: &tags.generation,
-                owner: &tags.owner,
-                filled: &tags.filled,
-                stamp_owner: &tags.stamp_owner,
-                stamp_generation: &tags.stamp_generation,
-            },
-            reader: Reader::private(owner),
-            order: ReduceOrder::Vec,
-            check: TagCheck::Enforced,
-        };
-        paged_attention(&args, &mut want, &mut AttnScratch::default()).expect("CPU attends");
+        cpu_attention(&q, shape, &kb, &vb, &req, &tags, &mut want).expect("CPU attends");
         // As the engine cuts a lone row's context.
         let cut = custody_runtime::cuda_forward::Splits::of(
             1,
