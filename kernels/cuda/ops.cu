@@ -49,6 +49,26 @@ extern "C" __global__ void custody_rms_norm(const float* x, const float* w, floa
         CUSTODY_ST(o + i, CUSTODY_LD(xr + i) * scale * CUSTODY_LD(w + i));
 }
 
+// The residual connection and the next RMSNorm in one pass: x += y, then
+// out = x / sqrt(mean(x²) + eps) · w — the CPU's residual add and RMSNorm, in the same order
+// (each thread re-reads only the elements it wrote). Grid (rows), block (128).
+extern "C" __global__ void custody_add_rms_norm(float* x, const float* y, const float* w, float eps,
+                                               custody_u32 dim, float* out) {
+    __shared__ float red[CUSTODY_OPS_THREADS];
+    float* xr = x + (custody_u64)blockIdx.x * dim;
+    const float* yr = y + (custody_u64)blockIdx.x * dim;
+    float* o = out + (custody_u64)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) {
+        const float v = CUSTODY_LD(xr + i) + CUSTODY_LD(yr + i);
+        CUSTODY_ST(xr + i, v);
+        ss += v * v;
+    }
+    const float scale = 1.0f / sqrtf(custody_block_sum(ss, red) / (float)dim + eps);
+    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS)
+        CUSTODY_ST(o + i, CUSTODY_LD(xr + i) * scale * CUSTODY_LD(w + i));
+}
+
 // llama.cpp's RoPE in place: pair i of every head rotated by pos · base^(-2i / n_rot) / f[i],
 // for i < n_rot / 2, where f is the frequency factors (Llama 3's rope_freqs; all 1 without
 // them — x / 1 is x, bit for bit). The pair is (2i, 2i+1) ("normal": neox = 0) or
@@ -377,12 +397,6 @@ extern "C" __global__ void custody_embed(const unsigned char* w, custody_u32 dty
     float* o = out + (custody_u64)r * cols;
     for (custody_u32 k = threadIdx.x; k < cols; k += CUSTODY_OPS_THREADS)
         CUSTODY_ST(o + k, custody_weight(w, dtype, cols, token, k));
-}
-
-// x += y elementwise over `n` (the residual connections). Grid (ceil(n / 128)), block (128).
-extern "C" __global__ void custody_add(float* x, const float* y, custody_u64 n) {
-    const custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x;
-    if (i < n) CUSTODY_ST(x + i, CUSTODY_LD(x + i) + CUSTODY_LD(y + i));
 }
 
 // KV page gather/scatter of the transfer path: copy chunk i (`len[i]` bytes) from

@@ -248,6 +248,9 @@ void generic_body(void* c) {
                       PTR(4, float*));
     } else if (!strcmp(n, "custody_rms_norm")) {
         custody_rms_norm(PTR(0, const float*), PTR(1, const float*), F32(2), U32(3), PTR(4, float*));
+    } else if (!strcmp(n, "custody_add_rms_norm")) {
+        custody_add_rms_norm(PTR(0, float*), PTR(1, const float*), PTR(2, const float*), F32(3),
+                             U32(4), PTR(5, float*));
     } else if (!strcmp(n, "custody_matvec")) {
         custody_matvec(PTR(0, const unsigned char*), U32(1), U32(2), U32(3), PTR(4, const float*),
                        PTR(5, float*));
@@ -283,8 +286,6 @@ void generic_body(void* c) {
         custody_tag_check(PTR(0, const CustodyPageRef*), PTR(1, const custody_u32*),
                           PTR(2, const custody_u32*), PTR(3, const custody_u32*),
                           PTR(4, const custody_u64*), U32(5), TAGS(6), PTR(7, CustodyVerdict*));
-    } else if (!strcmp(n, "custody_add")) {
-        custody_add(PTR(0, float*), PTR(1, const float*), U64(2));
     } else if (!strcmp(n, "custody_swiglu")) {
         custody_swiglu(PTR(0, float*), PTR(1, const float*), U64(2));
     } else if (!strcmp(n, "custody_softmax")) {

@@ -232,9 +232,9 @@ pub fn decode_step(
         .map(|l| l.counts.load_bytes as f64)
         .sum();
     let n = launches.len();
-    // The step's launches in order: the embedding and the tag sync (once), one layer's 17
-    // (repeated `n_layers` times), the final norm and the head (once).
-    let in_layer = |i: usize| i >= 2 && i + 2 < n;
+    // The step's launches in order: the embedding, the tag sync and the first norm (once), one
+    // layer's (repeated `n_layers` times), the head (once).
+    let in_layer = |i: usize| i >= 3 && i + 1 < n;
     let scale_of = |i: usize| {
         if in_layer(i) {
             shape.n_layers as f64

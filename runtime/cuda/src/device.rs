@@ -174,6 +174,7 @@ macro_rules! kernels {
 kernels! {
     Embed = "custody_embed", 5;
     RmsNorm = "custody_rms_norm", 5;
+    AddRmsNorm = "custody_add_rms_norm", 6;
     Matvec = "custody_matvec", 6;
     GemvQ4K = "custody_gemv_q4k", 7;
     Rope = "custody_rope", 8;
@@ -182,7 +183,6 @@ kernels! {
     FlashMerge = "custody_flash_merge", 15;
     TagCheck = "custody_tag_check", 8;
     TagApply = "custody_tag_apply", 9;
-    Add = "custody_add", 3;
     AddRows = "custody_add_rows", 4;
     Swiglu = "custody_swiglu", 3;
     Softmax = "custody_softmax", 2;

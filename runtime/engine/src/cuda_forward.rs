@@ -528,6 +528,31 @@ impl<D: Device> CudaForward<D> {
 
     /// RMSNorm of `rows` rows of `width` (the embedding, or one head for the Q/K norm; `out`
     /// may be `x`: each element is read before it is written, by the same thread).
+    /// `x += y`, then `out` = RMSNorm(x) · w, per row of the model's width (one kernel).
+    fn add_rms_norm(
+        &mut self,
+        x: DevicePtr,
+        y: DevicePtr,
+        w: DevicePtr,
+        out: DevicePtr,
+        rows: usize,
+    ) -> Result<(), DeviceError> {
+        let c = &self.config;
+        let args = [
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+            Arg::Ptr(w),
+            Arg::F32(c.rms_eps),
+            Arg::U32(c.dim as u32),
+            Arg::Ptr(out),
+        ];
+        self.launch(
+            Kernel::AddRmsNorm,
+            LaunchDims::grid2(rows as u32, 1, THREADS),
+            &args,
+        )
+    }
+
     fn rms_norm(
         &mut self,
         x: DevicePtr,
@@ -802,9 +827,11 @@ impl<D: Device> CudaForward<D> {
         self.claim_rows(pool, segments, &rows, &mut failed)?;
         self.sync_tags(pool)?;
         let bf = self.bufs;
+        // Each residual add is fused with the norm that follows it (the next layer's attention
+        // norm, or the output norm after the last layer): only the first norm stands alone.
+        self.rms_norm(bf.x, self.layers[0].attn_norm, bf.xn, n, dim)?;
         for li in 0..c.n_layers {
             let l = self.layers[li];
-            self.rms_norm(bf.x, l.attn_norm, bf.xn, n, dim)?;
             self.matvec(l.wq, bf.xn, bf.q, n)?;
             self.matvec(l.wk, bf.xn, bf.k, n)?;
             self.matvec(l.wv, bf.xn, bf.v, n)?;
@@ -814,13 +841,16 @@ impl<D: Device> CudaForward<D> {
             self.write_kv(li, n)?;
             self.attend(li, segments, &rows, &mut failed)?;
             self.matvec(l.wo, bf.att, bf.tmp, n)?;
-            self.elementwise(Kernel::Add, bf.x, bf.tmp, n * dim)?;
-            self.rms_norm(bf.x, l.ffn_norm, bf.xn, n, dim)?;
+            self.add_rms_norm(bf.x, bf.tmp, l.ffn_norm, bf.xn, n)?;
             self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
             self.matvec(l.w_up, bf.xn, bf.up, n)?;
             self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * c.ffn_dim)?;
             self.matvec(l.w_down, bf.gate, bf.tmp, n)?;
-            self.elementwise(Kernel::Add, bf.x, bf.tmp, n * dim)?;
+            let next_norm = match self.layers.get(li + 1) {
+                Some(next) => next.attn_norm,
+                None => self.output_norm,
+            };
+            self.add_rms_norm(bf.x, bf.tmp, next_norm, bf.xn, n)?;
         }
         self.head(segments, &rows, failed)
     }
@@ -1057,10 +1087,8 @@ impl<D: Device> CudaForward<D> {
         let n = rows.positions.len();
         let vocab = self.config.vocab_size;
         let b = self.bufs;
-        let (norm, out) = (self.output_norm, self.output);
-        let dim = self.config.dim;
-        self.rms_norm(b.x, norm, b.xn, n, dim)?;
-        self.matvec(out, b.xn, b.logits, n)?;
+        // `xn` holds the output norm's rows (fused with the last layer's residual add).
+        self.matvec(self.output, b.xn, b.logits, n)?;
         let mut results = Vec::with_capacity(segments.len());
         for (si, (sg, f)) in segments.iter().zip(failed).enumerate() {
             if let Some(e) = f {

@@ -54,6 +54,7 @@ fn check(extra: &[&std::ffi::OsStr]) -> serde_json::Value {
         "custody_flash_decode",
         "custody_flash_merge",
         "custody_rms_norm",
+        "custody_add_rms_norm",
         "custody_rope",
         "custody_swiglu",
         "custody_softmax",
@@ -61,7 +62,6 @@ fn check(extra: &[&std::ffi::OsStr]) -> serde_json::Value {
         "custody_gemv_q4k",
         "custody_copy_chunks",
         "custody_embed",
-        "custody_add",
         "custody_add_rows",
         "custody_kv_write",
     ] {

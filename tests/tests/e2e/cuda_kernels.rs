@@ -991,3 +991,50 @@ fn the_shim_runs_warp_shuffles_and_reports_a_divergent_one() {
     let e = cuda_shim::control_warp_divergent().expect_err("a divergent collective");
     assert!(e.0.contains("divergent warp collective"), "{e}");
 }
+
+/// The fused residual add and RMSNorm is the add then `custody_rms_norm`, bit for bit (the same
+/// arithmetic in the same order), with `x` left holding the sum, under every schedule.
+#[test]
+fn the_fused_residual_norm_is_the_add_then_the_norm_bit_for_bit() {
+    use custody_cuda::device::{bytes_of, bytes_of_mut};
+    use custody_cuda::{Arg, Device, Kernel, LaunchDims};
+    let mut rng = Rng(5150);
+    let (rows, dim, eps) = (3usize, 576usize, 1e-5f32);
+    let x: Vec<f32> = (0..rows * dim).map(|_| 4.0 * rng.unit()).collect();
+    let y: Vec<f32> = (0..rows * dim).map(|_| rng.unit()).collect();
+    let w: Vec<f32> = (0..dim).map(|_| 1.0 + rng.unit()).collect();
+    let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    let mut want = vec![f32::NAN; rows * dim];
+    cuda_shim::rms_norm(&sum, &w, eps, &mut want, 0).expect("rms_norm");
+    for seed in SEEDS {
+        let mut dev = cuda_shim::ShimDevice::new(seed);
+        let mut put = |b: &[u8]| {
+            let p = dev.alloc_zeroed(b.len()).expect("alloc");
+            dev.upload(p, b).expect("upload");
+            p
+        };
+        let (xp, yp, wp) = (put(bytes_of(&x)), put(bytes_of(&y)), put(bytes_of(&w)));
+        let op = put(bytes_of(&vec![f32::NAN; rows * dim]));
+        let args = [
+            Arg::Ptr(xp),
+            Arg::Ptr(yp),
+            Arg::Ptr(wp),
+            Arg::F32(eps),
+            Arg::U32(dim as u32),
+            Arg::Ptr(op),
+        ];
+        dev.launch(
+            Kernel::AddRmsNorm,
+            LaunchDims::grid2(rows as u32, 1, 128),
+            &args,
+        )
+        .expect("launch");
+        let (mut got, mut got_x) = (vec![0.0f32; rows * dim], vec![0.0f32; rows * dim]);
+        dev.download(op, bytes_of_mut(&mut got)).expect("download");
+        dev.download(xp, bytes_of_mut(&mut got_x))
+            .expect("download");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "seed {seed:#x}: the norm");
+        assert_eq!(bits(&got_x), bits(&sum), "seed {seed:#x}: the residual");
+    }
+}
