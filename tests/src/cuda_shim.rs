@@ -582,7 +582,7 @@ pub struct ShimDevice {
 /// One host↔device copy of a counting [`ShimDevice`].
 #[derive(Clone, Copy, Debug)]
 pub struct Transfer {
-    /// Launches made before this copy (its place in the step).
+    /// Counted launches held before this copy (its place among [`ShimDevice::take_counts`]'s).
     pub after_launches: u64,
     pub bytes: u64,
     pub to_device: bool,
@@ -602,9 +602,9 @@ impl ShimDevice {
     }
 
     fn note_transfer(&mut self, bytes: usize, to_device: bool) {
-        if self.counted.is_some() {
+        if let Some(counted) = &self.counted {
             self.transfers.push(Transfer {
-                after_launches: self.launches,
+                after_launches: counted.len() as u64,
                 bytes: bytes as u64,
                 to_device,
             });

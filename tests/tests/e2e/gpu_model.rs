@@ -58,6 +58,12 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
             (15 * SMALL.n_layers + 4) as f64,
             "batch {batch}"
         );
+        // The logits come back whole, as wide as the model's vocabulary.
+        assert!(
+            m.device_to_host_bytes >= (batch * SMALL.vocab * 4) as f64,
+            "batch {batch}: {} B back per step",
+            m.device_to_host_bytes
+        );
         // The tags cross once per step, and only the changed pages' (one per row here: its
         // last page), never the pool's.
         let per_row_tags = (8 + 8 + 4 + 4 + 4 + 4 * SMALL.n_layers) as f64;
