@@ -1338,7 +1338,8 @@ mod tests {
             custody_test_skip::skip(
                 "kernels::matmul::packed_matrices_give_the_unpacked_bits_at_any_thread_and_token_count",
                 "no AVX-512 F/BW/VL/VNNI on this machine",
-                custody_test_skip::Need::OnCi,
+                // CI's hosts vary (Zen 4 has it, Zen 3 does not): counted, never required.
+                custody_test_skip::Need::Optional,
             );
             return;
         }

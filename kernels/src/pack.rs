@@ -584,7 +584,8 @@ mod tests {
             custody_test_skip::skip(
                 "kernels::pack::packed_kernels_give_the_one_row_kernels_bits_for_every_token_count",
                 "no AVX-512 F/BW/VL/VNNI on this machine",
-                custody_test_skip::Need::OnCi,
+                // CI's hosts vary (Zen 4 has it, Zen 3 does not): counted, never required.
+                custody_test_skip::Need::Optional,
             );
             return;
         }
@@ -691,7 +692,8 @@ mod tests {
             custody_test_skip::skip(
                 "kernels::pack::packed_kquant_kernels_give_the_references_bits_for_every_token_count",
                 "no AVX-512 F/BW/VL/VNNI on this machine",
-                custody_test_skip::Need::OnCi,
+                // CI's hosts vary (Zen 4 has it, Zen 3 does not): counted, never required.
+                custody_test_skip::Need::Optional,
             );
             return;
         }

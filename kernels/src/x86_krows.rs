@@ -331,7 +331,11 @@ mod tests {
     #[test]
     fn sixteen_rows_give_the_one_row_bits() {
         if !crate::pack::available() {
-            eprintln!("skipped: no AVX-512 VNNI");
+            custody_test_skip::skip(
+                "kernels::x86_krows::sixteen_rows_give_the_one_row_bits",
+                "no AVX-512 F/BW/VL/VNNI on this machine",
+                custody_test_skip::Need::Optional,
+            );
             return;
         }
         let mut seed = 0x5eed;

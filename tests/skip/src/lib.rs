@@ -12,9 +12,9 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-/// Whether CI's machines have the input (this machine class: x86-64 with AVX-512 VNNI, root,
-/// BPF, iproute2/nftables, the packages `scripts/setup.sh` installs; no GPU, no RDMA device, no
-/// requantized model files).
+/// Whether CI's machines have the input (this machine class: x86-64, root, BPF,
+/// iproute2/nftables, the packages `scripts/setup.sh` installs; AVX-512 VNNI on some hosts only;
+/// no GPU, no RDMA device, no requantized model files).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Need {
     /// CI has it: a skip there fails the test.
