@@ -418,13 +418,35 @@ fn validate_pair(
     })
 }
 
-pub(crate) async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+/// SIGINT or SIGTERM, as a future. The handlers are registered here, when it is called (inside
+/// the runtime, before serving starts), not when the future is first polled: a signal that
+/// arrives after the first answered request but before that poll would otherwise take the
+/// default action and kill the process mid-serve.
+pub(crate) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    if let Err(e) = &term {
+        tracing::warn!(error = %e, "SIGTERM handler not installed");
     }
-    tracing::info!("signal received");
+    if let Err(e) = &int {
+        tracing::warn!(error = %e, "SIGINT handler not installed");
+    }
+    async move {
+        let wait = |s: Option<tokio::signal::unix::Signal>| async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = wait(term.ok()) => {}
+            _ = wait(int.ok()) => {}
+        }
+        tracing::info!("signal received");
+    }
 }
 
 fn hash_key_cmd(generate: bool) -> Result<()> {

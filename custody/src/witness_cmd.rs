@@ -94,14 +94,12 @@ fn serve(
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .with_context(|| format!("binding {listen}"))?;
+        // Handlers first: a test (or an operator) may signal as soon as it reads the line.
+        let stop = crate::serve_cmd::shutdown_signal();
         println!("listening on {}", listener.local_addr()?);
-        custody_server::tlog_witness::serve_witness(
-            listener,
-            w,
-            crate::serve_cmd::shutdown_signal(),
-        )
-        .await
-        .map_err(anyhow::Error::from)
+        custody_server::tlog_witness::serve_witness(listener, w, stop)
+            .await
+            .map_err(anyhow::Error::from)
     })
 }
 
