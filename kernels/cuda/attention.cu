@@ -439,25 +439,28 @@ extern "C" __global__ void custody_flash_merge(
 // (`custody_engine`'s `PagePool::take_tag_changes`, packed by the host) written to page
 // `pages[i]` — generation, owner, in-band stamp, and its `filled` in every layer
 // (`filled[layer · n_pages + page]`). The host pool stays the only authority that changes a
-// tag; this kernel only copies its values. `packed`: owner[n], stamp_owner[n] (u64), then
-// pages[n], generation[n], stamp_generation[n], filled[n_layers][n] (u32). Grid (ceil(n / 128)),
-// block (128).
-extern "C" __global__ void custody_tag_apply(const unsigned char* packed, custody_u32 n,
-                                            custody_u32 n_layers, custody_u32 n_pages,
-                                            custody_u32* generation, custody_u64* owner,
-                                            custody_u64* stamp_owner,
+// tag; this kernel only copies its values. `packed`: the count n (u64), then owner[n],
+// stamp_owner[n] (u64), pages[n], generation[n], stamp_generation[n], filled[n_layers][n] (u32).
+// The count is read from memory, not passed, and the grid is fixed (any, each block striding
+// over the entries): a step's launch is the same whatever changed, so a captured graph replays
+// it. Block (128).
+extern "C" __global__ void custody_tag_apply(const unsigned char* packed, custody_u32 n_layers,
+                                            custody_u32 n_pages, custody_u32* generation,
+                                            custody_u64* owner, custody_u64* stamp_owner,
                                             custody_u32* stamp_generation, custody_u32* filled) {
-    const custody_u32 i = blockIdx.x * CUSTODY_ATT_THREADS + threadIdx.x;
-    if (i >= n) return;
-    const custody_u64* wide = (const custody_u64*)packed;
-    const custody_u32* narrow = (const custody_u32*)(packed + 16 * (custody_u64)n);
-    const custody_u32 page = CUSTODY_LD(narrow + i);
-    if (page >= n_pages) return;  // the host packs only pool pages; never write outside
-    CUSTODY_ST(owner + page, CUSTODY_LD(wide + i));
-    CUSTODY_ST(stamp_owner + page, CUSTODY_LD(wide + n + i));
-    CUSTODY_ST(generation + page, CUSTODY_LD(narrow + n + i));
-    CUSTODY_ST(stamp_generation + page, CUSTODY_LD(narrow + 2 * n + i));
-    for (custody_u32 l = 0; l < n_layers; l++)
-        CUSTODY_ST(filled + (custody_u64)l * n_pages + page,
-                   CUSTODY_LD(narrow + (custody_u64)(3 + l) * n + i));
+    const custody_u64 n = CUSTODY_LD((const custody_u64*)packed);
+    const custody_u64* wide = (const custody_u64*)packed + 1;
+    const custody_u32* narrow = (const custody_u32*)(packed + 8 + 16 * n);
+    for (custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_ATT_THREADS + threadIdx.x; i < n;
+         i += (custody_u64)gridDim.x * CUSTODY_ATT_THREADS) {
+        const custody_u32 page = CUSTODY_LD(narrow + i);
+        if (page >= n_pages) continue;  // the host packs only pool pages; never write outside
+        CUSTODY_ST(owner + page, CUSTODY_LD(wide + i));
+        CUSTODY_ST(stamp_owner + page, CUSTODY_LD(wide + n + i));
+        CUSTODY_ST(generation + page, CUSTODY_LD(narrow + n + i));
+        CUSTODY_ST(stamp_generation + page, CUSTODY_LD(narrow + 2 * n + i));
+        for (custody_u32 l = 0; l < n_layers; l++)
+            CUSTODY_ST(filled + (custody_u64)l * n_pages + page,
+                       CUSTODY_LD(narrow + (custody_u64)(3 + l) * n + i));
+    }
 }

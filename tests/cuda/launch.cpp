@@ -279,9 +279,9 @@ void generic_body(void* c) {
                             U32(10), PTR(11, const float*), PTR(12, const custody_u32*),
                             PTR(13, float*), PTR(14, CustodyVerdict*));
     } else if (!strcmp(n, "custody_tag_apply")) {
-        custody_tag_apply(PTR(0, const unsigned char*), U32(1), U32(2), U32(3),
-                          PTR(4, custody_u32*), PTR(5, custody_u64*), PTR(6, custody_u64*),
-                          PTR(7, custody_u32*), PTR(8, custody_u32*));
+        custody_tag_apply(PTR(0, const unsigned char*), U32(1), U32(2), PTR(3, custody_u32*),
+                          PTR(4, custody_u64*), PTR(5, custody_u64*), PTR(6, custody_u32*),
+                          PTR(7, custody_u32*));
     } else if (!strcmp(n, "custody_tag_check")) {
         custody_tag_check(PTR(0, const CustodyPageRef*), PTR(1, const custody_u32*),
                           PTR(2, const custody_u32*), PTR(3, const custody_u32*),

@@ -543,6 +543,16 @@ pub struct CountedLaunch {
     pub kernel: Kernel,
     pub dims: LaunchDims,
     pub counts: Counts,
+    /// Run by a graph's replay (a node of it), not launched by the host on its own.
+    pub in_graph: bool,
+}
+
+/// One launch a [`ShimDevice`] recorded while capturing.
+#[derive(Clone, Debug)]
+struct Recorded {
+    kernel: Kernel,
+    dims: LaunchDims,
+    args: Vec<Arg>,
 }
 
 unsafe extern "C" {
@@ -577,6 +587,12 @@ pub struct ShimDevice {
     pub downloaded_bytes: u64,
     /// When counting: every copy, with the number of launches made before it.
     pub transfers: Vec<Transfer>,
+    /// The launches being recorded (`Some` between `begin_capture` and `end_capture`).
+    capture: Option<Vec<Recorded>>,
+    graphs: std::collections::HashMap<GraphId, Vec<Recorded>>,
+    next_graph: u32,
+    /// Graph replays so far (each one launch of the host's).
+    graph_launches: u64,
 }
 
 /// One host↔device copy of a counting [`ShimDevice`].
@@ -598,6 +614,27 @@ impl ShimDevice {
             uploaded_bytes: 0,
             downloaded_bytes: 0,
             transfers: Vec::new(),
+            capture: None,
+            graphs: std::collections::HashMap::new(),
+            next_graph: 0,
+            graph_launches: 0,
+        }
+    }
+
+    /// Graph replays so far.
+    pub fn graph_launches(&self) -> u64 {
+        self.graph_launches
+    }
+
+    /// Graphs held (captured and not dropped).
+    pub fn graphs_held(&self) -> usize {
+        self.graphs.len()
+    }
+
+    fn not_capturing(&self, what: &'static str) -> Result<(), DeviceError> {
+        match self.capture {
+            Some(_) => Err(DeviceError::Capturing { what }),
+            None => Ok(()),
         }
     }
 
@@ -627,7 +664,7 @@ impl ShimDevice {
             .unwrap_or_default()
     }
 
-    /// Kernel launches so far.
+    /// Kernels run so far (on their own or as graph nodes).
     pub fn launches(&self) -> u64 {
         self.launches
     }
@@ -651,7 +688,7 @@ impl ShimDevice {
     }
 }
 
-use custody_cuda::{Arg, Device, DeviceError, DevicePtr, Kernel, LaunchDims};
+use custody_cuda::{Arg, Device, DeviceError, DevicePtr, GraphId, Kernel, LaunchDims};
 
 /// One [`ShimDevice`] allocation.
 #[derive(Debug)]
@@ -664,6 +701,7 @@ struct ShimAlloc {
 
 impl Device for ShimDevice {
     fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        self.not_capturing("an allocation")?;
         const ALIGN_WORDS: usize = 256 / 8;
         let words = vec![0u64; bytes.div_ceil(8).max(1) + ALIGN_WORDS].into_boxed_slice();
         let misaligned = (words.as_ptr() as usize / 8) % ALIGN_WORDS;
@@ -678,6 +716,7 @@ impl Device for ShimDevice {
     }
 
     fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.not_capturing("a copy to the device")?;
         self.span(dst, src.len())?.copy_from_slice(src);
         self.uploaded_bytes += src.len() as u64;
         self.note_transfer(src.len(), true);
@@ -685,6 +724,7 @@ impl Device for ShimDevice {
     }
 
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.not_capturing("a copy from the device")?;
         dst.copy_from_slice(self.span(src, dst.len())?);
         self.downloaded_bytes += dst.len() as u64;
         self.note_transfer(dst.len(), false);
@@ -704,6 +744,65 @@ impl Device for ShimDevice {
                 got: args.len(),
             });
         }
+        if let Some(recording) = &mut self.capture {
+            recording.push(Recorded {
+                kernel,
+                dims,
+                args: args.to_vec(),
+            });
+            return Ok(());
+        }
+        self.run(kernel, dims, args, false)
+    }
+
+    fn describe(&self) -> String {
+        format!("CUDA-on-CPU shim (schedule seed {})", self.seed)
+    }
+
+    fn begin_capture(&mut self) -> Result<(), DeviceError> {
+        self.not_capturing("a capture")?;
+        self.capture = Some(Vec::new());
+        Ok(())
+    }
+
+    fn end_capture(&mut self) -> Result<GraphId, DeviceError> {
+        let recorded = self.capture.take().ok_or(DeviceError::NotCapturing)?;
+        let id = GraphId(self.next_graph);
+        self.next_graph += 1;
+        self.graphs.insert(id, recorded);
+        Ok(id)
+    }
+
+    fn replay(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        self.not_capturing("a replay")?;
+        let nodes = self.graphs.get(&graph).ok_or(DeviceError::NoGraph(graph))?;
+        // Cloned: running a node borrows the device mutably (a graph is a few hundred nodes).
+        let nodes = nodes.clone();
+        self.graph_launches += 1;
+        for n in &nodes {
+            self.run(n.kernel, n.dims, &n.args, true)?;
+        }
+        Ok(())
+    }
+
+    fn drop_graph(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        self.not_capturing("dropping a graph")?;
+        self.graphs
+            .remove(&graph)
+            .map(drop)
+            .ok_or(DeviceError::NoGraph(graph))
+    }
+}
+
+impl ShimDevice {
+    /// Run one kernel now (its arity checked by the caller), counted when counting.
+    fn run(
+        &mut self,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &[Arg],
+        in_graph: bool,
+    ) -> Result<(), DeviceError> {
         let words: Vec<u64> = args.iter().flat_map(Arg::words).collect();
         let name = std::ffi::CString::new(kernel.name()).expect("no NUL in a kernel name");
         let mut err = [0u8; 256];
@@ -734,13 +833,10 @@ impl Device for ShimDevice {
                 kernel,
                 dims,
                 counts,
+                in_graph,
             });
         }
         check(rc, &err).map_err(|e| DeviceError::Launch { kernel, why: e.0 })
-    }
-
-    fn describe(&self) -> String {
-        format!("CUDA-on-CPU shim (schedule seed {})", self.seed)
     }
 }
 

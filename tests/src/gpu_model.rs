@@ -6,8 +6,11 @@
 //! `n_layers` times in the model and the output head's counts scaled by the vocabulary (a GEMV's
 //! traffic is linear in its rows). The context's K/V exists as the pool's tags say (claimed
 //! slots; the bytes are zeros: counts do not depend on values). Time on an H200 is modeled per
-//! launch as max(DRAM bytes / 4.8 TB/s, FLOPs / peak) + the launch cost without a graph (4 µs),
-//! FLOPs counted for the GEMVs (2 per weight per row, FP32 FMA: 67 TFLOP/s) and attention (4 per
+//! launch as max(DRAM bytes / 4.8 TB/s, FLOPs / peak) plus what starting it costs: 4 µs for a
+//! launch of the host's (a kernel on its own, or a graph), 1 µs for a node of a replayed graph
+//! (the gap between dependent kernels the GPU's front end leaves: NVIDIA measured ~0.5 µs per
+//! node for back-to-back kernels on a V100 — developer.nvidia.com/blog/cuda-graphs — so 1 µs is
+//! the pessimistic side), FLOPs counted for the GEMVs (2 per weight per row, FP32 FMA: 67 TFLOP/s) and attention (4 per
 //! slot and dimension per query head). Host↔device copies per step are reported, not priced.
 
 use crate::cuda_shim::{Counts, ShimDevice};
@@ -23,6 +26,8 @@ use custody_runtime::model::{Logits, Rows, Segment};
 pub const HBM_BYTES_PER_S: f64 = 4.8e12;
 pub const FP32_FLOPS_PER_S: f64 = 67e12;
 pub const LAUNCH_S: f64 = 4e-6;
+/// A kernel run as a node of a replayed graph.
+pub const GRAPH_NODE_S: f64 = 1e-6;
 const PAGE_SIZE: usize = 16;
 /// Q4_K: 144 bytes per 256 weights.
 const Q4K_BYTES_PER_WEIGHT: f64 = 144.0 / 256.0;
@@ -79,7 +84,10 @@ pub const LLAMA_3_1_8B: Shape = Shape {
 #[derive(Clone, Debug)]
 pub struct KernelLine {
     pub kernel: Kernel,
+    /// Runs per step (on their own or as graph nodes).
     pub launches: f64,
+    /// Of those, the runs the host launched itself (not a graph's nodes).
+    pub host_launches: f64,
     pub dram_bytes: f64,
     pub sectors: f64,
     pub ideal_sectors: f64,
@@ -108,24 +116,37 @@ pub struct StepModel {
     pub ideal_bytes: f64,
     pub host_to_device_bytes: f64,
     pub device_to_host_bytes: f64,
-    /// Of those uploaded, the changed tags' (one packed copy per step).
+    /// The changed tags the step wrote into the device's copy (one packed upload per step).
     pub tag_bytes: f64,
+    /// Graphs the host launched in the step.
+    pub graph_launches: f64,
 }
 
 impl StepModel {
     pub fn dram_bytes(&self) -> f64 {
         self.lines.iter().map(|l| l.dram_bytes).sum()
     }
+    /// Kernel runs per step.
     pub fn launches(&self) -> f64 {
         self.lines.iter().map(|l| l.launches).sum()
     }
-    pub fn modeled_s(&self) -> f64 {
-        self.lines.iter().map(|l| l.modeled_s).sum()
+    /// What the host launches per step: graphs and the kernels run on their own.
+    pub fn host_launches(&self) -> f64 {
+        self.graph_launches + self.lines.iter().map(|l| l.host_launches).sum::<f64>()
     }
-    /// The modeled time without the per-launch cost (what one graph launch per step would
-    /// leave, less the graph's own).
+    /// Kernel runs that were graph nodes.
+    pub fn graph_nodes(&self) -> f64 {
+        self.lines
+            .iter()
+            .map(|l| l.launches - l.host_launches)
+            .sum()
+    }
+    pub fn modeled_s(&self) -> f64 {
+        self.graph_launches * LAUNCH_S + self.lines.iter().map(|l| l.modeled_s).sum::<f64>()
+    }
+    /// The modeled time without any launch cost (host launches and graph nodes).
     pub fn modeled_kernels_s(&self) -> f64 {
-        self.modeled_s() - self.launches() * LAUNCH_S
+        self.modeled_s() - self.host_launches() * LAUNCH_S - self.graph_nodes() * GRAPH_NODE_S
     }
     /// The bandwidth limit: the ideal bytes at HBM speed.
     pub fn bound_s(&self) -> f64 {
@@ -201,6 +222,7 @@ pub fn decode_step(
     fwd.sync_tags(&mut pool)?;
     fwd.device_mut().take_counts();
     fwd.device_mut().transfers.clear();
+    let graphs_before = fwd.device_mut().graph_launches();
     let token = [1u32];
     let segments: Vec<Segment<'_>> = tables
         .iter()
@@ -225,14 +247,15 @@ pub fn decode_step(
         }
     }
     let dev = fwd.device_mut();
+    let graph_launches = (dev.graph_launches() - graphs_before) as f64;
     let launches = dev.take_counts();
     let tag_bytes = launches
         .iter()
         .filter(|l| l.kernel == Kernel::TagApply)
-        .map(|l| l.counts.load_bytes as f64)
+        .map(|l| l.counts.store_bytes as f64)
         .sum();
     let n = launches.len();
-    // The step's launches in order: the embedding, the tag sync and the first norm (once), one
+    // The step's launches in order: the tag sync, the embedding and the first norm (once), one
     // layer's (repeated `n_layers` times), the head (once).
     let in_layer = |i: usize| i >= 3 && i + 1 < n;
     let scale_of = |i: usize| {
@@ -273,9 +296,12 @@ pub fn decode_step(
         // The head's traffic scales with the vocabulary; it is still one launch.
         add_line(
             &mut lines,
-            l.kernel,
-            scale_of(i),
-            scale,
+            Run {
+                kernel: l.kernel,
+                in_graph: l.in_graph,
+                launches: scale_of(i),
+                scale,
+            },
             &l.counts,
             flops * scale,
         );
@@ -292,6 +318,7 @@ pub fn decode_step(
         host_to_device_bytes: up,
         device_to_host_bytes: down,
         tag_bytes,
+        graph_launches,
     })
 }
 
@@ -306,19 +333,30 @@ fn flops_of(k: Kernel, s: &Shape, batch: usize, ctx: usize, head: bool) -> f64 {
     }
 }
 
-fn add_line(
-    lines: &mut Vec<KernelLine>,
+/// One counted launch as the model weighs it: the runs it stands for (a layer's, once per
+/// layer) and the factor its traffic scales by.
+struct Run {
     kernel: Kernel,
+    in_graph: bool,
     launches: f64,
     scale: f64,
-    c: &Counts,
-    flops: f64,
-) {
+}
+
+fn add_line(lines: &mut Vec<KernelLine>, run: Run, c: &Counts, flops: f64) {
+    let Run {
+        kernel,
+        in_graph,
+        launches,
+        scale,
+    } = run;
     let dram = c.dram_bytes() as f64 * scale;
-    let modeled = launches * LAUNCH_S + (dram / HBM_BYTES_PER_S).max(flops / FP32_FLOPS_PER_S);
+    let start_s = if in_graph { GRAPH_NODE_S } else { LAUNCH_S };
+    let modeled = launches * start_s + (dram / HBM_BYTES_PER_S).max(flops / FP32_FLOPS_PER_S);
+    let host_launches = if in_graph { 0.0 } else { launches };
     let line = KernelLine {
         kernel,
         launches,
+        host_launches,
         dram_bytes: dram,
         sectors: c.sectors as f64 * scale,
         ideal_sectors: c.ideal_sectors as f64 * scale,
@@ -328,6 +366,7 @@ fn add_line(
     match lines.iter_mut().find(|l| l.kernel == kernel) {
         Some(l) => {
             l.launches += line.launches;
+            l.host_launches += line.host_launches;
             l.dram_bytes += line.dram_bytes;
             l.sectors += line.sectors;
             l.ideal_sectors += line.ideal_sectors;
@@ -341,7 +380,7 @@ fn add_line(
 /// The model as a Markdown table.
 pub fn render(m: &StepModel) -> String {
     let mut out = format!(
-        "### {} (Q4_K, synthetic), batch {}, context {}\n\n| kernel | launches/step | DRAM MB/step | coalesced | modeled µs |\n|---|---:|---:|---:|---:|\n",
+        "### {} (Q4_K, synthetic), batch {}, context {}\n\n| kernel | runs/step | DRAM MB/step | coalesced | modeled µs |\n|---|---:|---:|---:|---:|\n",
         m.shape.name, m.batch, m.ctx
     );
     for l in &m.lines {
@@ -356,11 +395,13 @@ pub fn render(m: &StepModel) -> String {
     }
     let step = m.modeled_s();
     out.push_str(&format!(
-        "\nbytes moved per token {:.1} MB vs ideal {:.1} MB (**{:.3}×**); launches per step {:.0}; host→device {:.0} B, device→host {:.0} B per step; modeled step {:.1} µs ({:.0} tok/s), bandwidth limit {:.1} µs (**{:.2}×**); kernels alone (no launch cost) {:.1} µs (**{:.2}×**)\n",
+        "\nbytes moved per token {:.1} MB vs ideal {:.1} MB (**{:.3}×**); host launches per step **{:.0}** ({:.0} graph, {:.0} kernel runs as its nodes); host→device {:.0} B, device→host {:.0} B per step; modeled step {:.1} µs ({:.0} tok/s), bandwidth limit {:.1} µs (**{:.2}×**); kernels alone (no launch or node cost) {:.1} µs (**{:.2}×**)\n",
         m.dram_bytes() / m.batch as f64 / 1e6,
         m.ideal_bytes / m.batch as f64 / 1e6,
         m.dram_bytes() / m.ideal_bytes,
-        m.launches(),
+        m.host_launches(),
+        m.graph_launches,
+        m.graph_nodes(),
         m.host_to_device_bytes,
         m.device_to_host_bytes,
         step * 1e6,

@@ -9,6 +9,11 @@
 //! - [`Device::launch`] takes the kernel's arguments in its C signature's order, each as the
 //!   [`Arg`] variant of its C type; the implementation checks the count against [`Kernel::arity`].
 //! - Launches are ordered: a download sees every launch before it (one stream).
+//! - Graphs (CUDA graphs): between [`Device::begin_capture`] and [`Device::end_capture`] a launch
+//!   is recorded, not run, and a copy or allocation is [`DeviceError::Capturing`] (a copy's host
+//!   pointer would be frozen into the graph). [`Device::replay`] runs the recorded launches in
+//!   order with the arguments they were recorded with — pointers and scalars are fixed, only the
+//!   memory they name changes between replays — as one launch of the host.
 
 use custody_kernels::attention::{IntegrityError, PageRef};
 
@@ -132,6 +137,10 @@ impl Arg {
     }
 }
 
+/// A captured sequence of launches ([`Device::end_capture`]), replayable until dropped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphId(pub u32);
+
 /// Grid and block dimensions of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchDims {
@@ -182,7 +191,7 @@ kernels! {
     FlashDecode = "custody_flash_decode", 16;
     FlashMerge = "custody_flash_merge", 15;
     TagCheck = "custody_tag_check", 8;
-    TagApply = "custody_tag_apply", 9;
+    TagApply = "custody_tag_apply", 8;
     AddRows = "custody_add_rows", 4;
     Swiglu = "custody_swiglu", 3;
     Softmax = "custody_softmax", 2;
@@ -205,6 +214,12 @@ pub enum DeviceError {
     Launch { kernel: Kernel, why: String },
     #[error("device: {0}")]
     Driver(String),
+    #[error("{what} while a graph is being captured")]
+    Capturing { what: &'static str },
+    #[error("no graph is being captured")]
+    NotCapturing,
+    #[error("no graph {0:?} on this device")]
+    NoGraph(GraphId),
 }
 
 /// A CUDA device as the forward pass sees it.
@@ -220,6 +235,14 @@ pub trait Device: std::fmt::Debug + Send {
     -> Result<(), DeviceError>;
     /// What the device is, for the startup log line.
     fn describe(&self) -> String;
+    /// Record launches from now on instead of running them (see the module's spec).
+    fn begin_capture(&mut self) -> Result<(), DeviceError>;
+    /// Stop recording; the recorded launches become a graph.
+    fn end_capture(&mut self) -> Result<GraphId, DeviceError>;
+    /// Run `graph`'s launches, in their recorded order, as one launch.
+    fn replay(&mut self, graph: GraphId) -> Result<(), DeviceError>;
+    /// Forget `graph` (its launches' pointers may name memory about to be replaced).
+    fn drop_graph(&mut self, graph: GraphId) -> Result<(), DeviceError>;
 }
 
 impl<D: Device + ?Sized> Device for Box<D> {
@@ -237,6 +260,18 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn describe(&self) -> String {
         (**self).describe()
+    }
+    fn begin_capture(&mut self) -> Result<(), DeviceError> {
+        (**self).begin_capture()
+    }
+    fn end_capture(&mut self) -> Result<GraphId, DeviceError> {
+        (**self).end_capture()
+    }
+    fn replay(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        (**self).replay(graph)
+    }
+    fn drop_graph(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        (**self).drop_graph(graph)
     }
 }
 

@@ -1,6 +1,10 @@
 //! [`CudaDevice`]: a real GPU through cudarc (feature `cuda`). The kernels are compiled once at
 //! open with NVRTC for the device's own architecture, from [`crate::KERNEL_SOURCES`], and every
-//! launch goes to one stream.
+//! launch and copy goes to one stream of its own (not the legacy default stream: a graph cannot
+//! be captured there). Copies are stream-ordered and waited for before they return (the host
+//! buffer is the caller's, borrowed for the call only). Graphs are stream captures
+//! (`cuStreamBeginCapture`, thread-local mode), instantiated once and replayed with
+//! `cuGraphLaunch`.
 //!
 //! Not run on a GPU yet (no device was lent to this project's sessions): it compiles and lints
 //! in CI, and `open` without a driver is a typed error there. `scripts/gpu-check.sh` is the
@@ -10,9 +14,9 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result, sys};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaStream, result, sys};
 
-use crate::device::{Arg, Device, DeviceError, DevicePtr, Kernel, LaunchDims};
+use crate::device::{Arg, Device, DeviceError, DevicePtr, GraphId, Kernel, LaunchDims};
 use crate::{CudaUnavailable, module_source};
 
 /// An opened CUDA device with Custody's kernels loaded.
@@ -23,6 +27,9 @@ pub struct CudaDevice {
     name: String,
     arch: &'static str,
     allocations: Vec<sys::CUdeviceptr>,
+    capturing: bool,
+    graphs: HashMap<GraphId, CudaGraph>,
+    next_graph: u32,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -71,18 +78,30 @@ impl CudaDevice {
             functions.insert(k, f);
         }
         let name = ctx.name().map_err(|e| no_device(e.to_string()))?;
+        let stream = ctx.new_stream().map_err(|e| no_device(e.to_string()))?;
         Ok(Self {
-            stream: ctx.default_stream(),
+            stream,
             ctx,
             functions,
             name,
             arch,
             allocations: Vec::new(),
+            capturing: false,
+            graphs: HashMap::new(),
+            next_graph: 0,
         })
     }
 
     fn bind(&self) -> Result<(), DeviceError> {
         self.ctx.bind_to_thread().map_err(driver)
+    }
+
+    /// Copies and allocations are refused while a graph is captured (see the trait's spec).
+    fn not_capturing(&self, what: &'static str) -> Result<(), DeviceError> {
+        if self.capturing {
+            return Err(DeviceError::Capturing { what });
+        }
+        self.bind()
     }
 }
 
@@ -105,29 +124,33 @@ impl Drop for CudaDevice {
 
 impl Device for CudaDevice {
     fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError> {
-        self.bind()?;
+        self.not_capturing("an allocation")?;
         // SAFETY: a plain device allocation of `bytes` (never managed memory), zeroed before
         // use; freed in `Drop`.
         let p = unsafe { result::malloc_sync(bytes.max(1)) }
             .map_err(|_| DeviceError::OutOfMemory { bytes })?;
         self.allocations.push(p);
-        // SAFETY: `p` names `bytes` bytes of this context's memory.
-        unsafe { result::memset_d8_sync(p, 0, bytes) }.map_err(driver)?;
+        // SAFETY: `p` names `bytes` bytes of this context's memory; ordered on the stream
+        // before any launch that could read it.
+        unsafe { result::memset_d8_async(p, 0, bytes, self.stream.cu_stream()) }.map_err(driver)?;
         Ok(DevicePtr(p))
     }
 
     fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
-        self.bind()?;
-        self.stream.synchronize().map_err(driver)?;
-        // SAFETY: the caller's contract: `dst` names at least `src.len()` bytes of an allocation.
-        unsafe { result::memcpy_htod_sync(dst.0, src) }.map_err(driver)
+        self.not_capturing("a copy to the device")?;
+        // SAFETY: the caller's contract: `dst` names at least `src.len()` bytes of an
+        // allocation; `src` outlives the copy (the stream is synchronized before returning).
+        unsafe { result::memcpy_htod_async(dst.0, src, self.stream.cu_stream()) }
+            .map_err(driver)?;
+        self.stream.synchronize().map_err(driver)
     }
 
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.bind()?;
-        self.stream.synchronize().map_err(driver)?;
-        // SAFETY: as `upload`, the other way.
-        unsafe { result::memcpy_dtoh_sync(dst, src.0) }.map_err(driver)
+        self.not_capturing("a copy from the device")?;
+        // SAFETY: as `upload`, the other way: ordered after every launch before it.
+        unsafe { result::memcpy_dtoh_async(dst, src.0, self.stream.cu_stream()) }
+            .map_err(driver)?;
+        self.stream.synchronize().map_err(driver)
     }
 
     fn launch(
@@ -175,5 +198,47 @@ impl Device for CudaDevice {
 
     fn describe(&self) -> String {
         format!("CUDA device {} ({})", self.name, self.arch)
+    }
+
+    fn begin_capture(&mut self) -> Result<(), DeviceError> {
+        self.not_capturing("a capture")?;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver)?;
+        self.capturing = true;
+        Ok(())
+    }
+
+    fn end_capture(&mut self) -> Result<GraphId, DeviceError> {
+        if !self.capturing {
+            return Err(DeviceError::NotCapturing);
+        }
+        self.capturing = false;
+        self.bind()?;
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags_enum(0))
+            .map_err(driver)?
+            .ok_or_else(|| DeviceError::Driver("the capture recorded no graph".into()))?;
+        let id = GraphId(self.next_graph);
+        self.next_graph += 1;
+        self.graphs.insert(id, graph);
+        Ok(id)
+    }
+
+    fn replay(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        self.not_capturing("a replay")?;
+        let g = self.graphs.get(&graph).ok_or(DeviceError::NoGraph(graph))?;
+        g.launch().map_err(driver)
+    }
+
+    fn drop_graph(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        self.not_capturing("dropping a graph")?;
+        // A graph the stream may still run: wait before destroying it.
+        self.stream.synchronize().map_err(driver)?;
+        self.graphs
+            .remove(&graph)
+            .map(drop)
+            .ok_or(DeviceError::NoGraph(graph))
     }
 }

@@ -17,7 +17,9 @@ pub mod device;
 mod driver;
 pub mod repack;
 
-pub use device::{Arg, Device, DeviceError, DevicePtr, DeviceTags, Kernel, LaunchDims, Verdict};
+pub use device::{
+    Arg, Device, DeviceError, DevicePtr, DeviceTags, GraphId, Kernel, LaunchDims, Verdict,
+};
 #[cfg(feature = "cuda")]
 pub use driver::CudaDevice;
 

@@ -15,12 +15,21 @@
 //!   f16 — the CPU pool's page layout.
 //! - The incident reproduction's disabled tag check exists only on the CPU backend: a segment
 //!   asking for it here is refused (`TagCheckRequired`).
+//! - A step runs as one CUDA graph: batches of up to [`MAX_GRAPH_ROWS`] rows are padded to a
+//!   power of two (padding rows: token 0, position 0, no KV write, no readable page — their
+//!   verdict is a failure no segment sees) and each (padded rows, flash-decoding splits) shape
+//!   is captured once and replayed; every per-step value (tokens, positions, tables, the tag
+//!   changes' count, write slots) is in device memory the host fills before the replay, never a
+//!   launch argument. Larger batches (prefill) launch their kernels one by one, unpadded.
+//!   Graphs are dropped before any buffer they name is replaced; at most [`MAX_GRAPHS`] are held.
 //! - Numerics: f32 activations throughout (the CPU quantizes activations to Q8 for quantized
 //!   weights), no contraction; logits agree with the CPU's within a stated tolerance, not bit
 //!   for bit (`e2e::cuda_forward`).
 
 use custody_cuda::device::{bytes_of, bytes_of_mut};
-use custody_cuda::{Arg, Device, DeviceError, DevicePtr, DeviceTags, Kernel, LaunchDims, Verdict};
+use custody_cuda::{
+    Arg, Device, DeviceError, DevicePtr, DeviceTags, GraphId, Kernel, LaunchDims, Verdict,
+};
 use custody_kernels::DType;
 use custody_kernels::attention::{IntegrityError, PageRef, TagCheck};
 use custody_kernels::ops::RopeStyle;
@@ -42,6 +51,14 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Flash decoding's CTAs per launch to aim for (2 per SM of an H100/H200's 132): a batch whose
 /// rows × KV heads fill fewer gets its contexts split into more chunks.
 const TARGET_CTAS: usize = 264;
+/// Batches up to this many rows run as a captured graph (padded to a power of two); larger ones
+/// (prefill) launch kernel by kernel: padding them would cost up to twice their compute.
+pub const MAX_GRAPH_ROWS: usize = 256;
+/// Graphs held at once (the oldest is dropped first): power-of-two row counts up to
+/// [`MAX_GRAPH_ROWS`] times the split layouts of power-of-two context lengths in use.
+pub const MAX_GRAPHS: usize = 64;
+/// `custody_tag_apply`'s blocks (each strides over the step's changes): two per SM of an H200.
+const TAG_APPLY_BLOCKS: u32 = 264;
 
 /// Why the CUDA forward pass could not run (distinct from a segment's integrity failure).
 #[derive(Debug, thiserror::Error)]
@@ -125,12 +142,18 @@ struct DeviceKv {
     stamp_owner: DevicePtr,
     stamp_generation: DevicePtr,
     n_pages: u32,
-    /// The packed tag changes' upload buffer (grown as needed).
+    /// The packed tag changes' upload buffer: the count, then every page's entry at most
+    /// ([`DeviceKv::staging_bytes`]); allocated once, so a captured graph's pointer stays valid.
     staging: DevicePtr,
-    staging_bytes: usize,
 }
 
 impl DeviceKv {
+    /// The staging buffer's size: the count, then for each of `n_pages` pages its owner and
+    /// stamp owner (u64), page, generation, stamp generation and `filled` per layer (u32).
+    fn staging_bytes(n_pages: usize, n_layers: usize) -> usize {
+        8 + n_pages * (16 + 4 * (3 + n_layers))
+    }
+
     /// The tags `layer`'s attention checks.
     fn tags(&self, layer: usize) -> DeviceTags {
         DeviceTags {
@@ -198,6 +221,19 @@ pub struct CudaForward<D: Device> {
     /// sync (on by default; the performance model turns it off: its copies are not a step's).
     #[cfg_attr(not(debug_assertions), allow(dead_code))]
     audit_tags: bool,
+    /// Steps as graphs (on by default; off runs every kernel on its own — the comparison).
+    use_graphs: bool,
+    /// Captured steps, oldest first (at most [`MAX_GRAPHS`]).
+    graphs: std::collections::VecDeque<(StepShape, GraphId)>,
+}
+
+/// What a captured step's launches depend on: the rows they run (padded) and how flash
+/// decoding cuts the contexts. Everything else a step varies is in device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct StepShape {
+    rows: usize,
+    splits: Splits,
+    graph: bool,
 }
 
 /// `CustodyDType` in kernels/cuda/ops.cu. Exhaustive: a weight type the engine gains does not
@@ -247,7 +283,7 @@ fn split_capacity(rows: usize) -> usize {
 
 /// How flash decoding cuts a batch's contexts: `pages_per_split` pages per CTA, `n` CTAs per
 /// row and KV head.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Splits {
     pub n: usize,
     pub pages_per_split: usize,
@@ -408,6 +444,8 @@ impl<D: Device> CudaForward<D> {
             kv,
             bufs,
             audit_tags: true,
+            use_graphs: true,
+            graphs: std::collections::VecDeque::new(),
         })
     }
 
@@ -423,8 +461,7 @@ impl<D: Device> CudaForward<D> {
             generation: dev.alloc_zeroed(n_pages * 4)?,
             owner: dev.alloc_zeroed(n_pages * 8)?,
             filled: dev.alloc_zeroed(n_layers * n_pages * 4)?,
-            staging: dev.alloc_zeroed(8)?,
-            staging_bytes: 8,
+            staging: dev.alloc_zeroed(DeviceKv::staging_bytes(n_pages, n_layers))?,
             stamp_owner: dev.alloc_zeroed(n_pages * 8)?,
             stamp_generation: dev.alloc_zeroed(n_pages * 4)?,
             n_pages: n_pages as u32,
@@ -459,7 +496,8 @@ impl<D: Device> CudaForward<D> {
             table_len: f(rows)?,
             n_ctx: f(rows)?,
             owners: f(rows * 2)?,
-            verdicts: f(rows * 6)?,
+            // One verdict per row and layer (6 words each): read once after the step.
+            verdicts: f(c.n_layers * rows * 6)?,
             partial: f(split_capacity(rows) * c.n_heads * (c.head_dim + 2))?,
             bad: f(split_capacity(rows) * c.n_kv_heads)?,
             table_capacity,
@@ -507,7 +545,6 @@ impl<D: Device> CudaForward<D> {
         Ok(())
     }
 
-    /// What the backend runs on, for the startup log line.
     /// Debug builds: whether each tag sync is followed by the whole-copy comparison.
     pub fn set_tag_audit(&mut self, on: bool) {
         self.audit_tags = on;
@@ -518,6 +555,30 @@ impl<D: Device> CudaForward<D> {
         &mut self.dev
     }
 
+    /// Whether steps run as captured graphs (the default) or kernel by kernel; turning them
+    /// off drops the graphs held.
+    pub fn set_graphs(&mut self, on: bool) -> Result<(), DeviceError> {
+        self.use_graphs = on;
+        if !on {
+            self.drop_graphs()?;
+        }
+        Ok(())
+    }
+
+    /// Graphs held now.
+    pub fn graphs_held(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Drop every graph (before a buffer they name is replaced).
+    fn drop_graphs(&mut self) -> Result<(), DeviceError> {
+        while let Some((_, g)) = self.graphs.pop_front() {
+            self.dev.drop_graph(g)?;
+        }
+        Ok(())
+    }
+
+    /// What the backend runs on, for the startup log line.
     pub fn describe(&self) -> String {
         self.dev.describe()
     }
@@ -695,22 +756,21 @@ impl<D: Device> CudaForward<D> {
         self.dev.upload(dst, bytes_of(v))
     }
 
-    /// Bring the device's copy of the tags up to date: the pages whose tag changed since the
-    /// last step ([`PagePool::take_tag_changes`]) packed into one upload and applied by one
-    /// `custody_tag_apply` launch — nothing when nothing changed. Debug builds then check the
-    /// whole copy against the pool (a tag write that bypassed the change log would show here).
-    /// Each `forward` calls it first; a caller may call it sooner (the performance model does,
-    /// so that its counted step sees only the step's own changes).
-    pub fn sync_tags(&mut self, pool: &mut PagePool) -> Result<(), DeviceError> {
+    /// Stage the pages whose tag changed since the last step ([`PagePool::take_tag_changes`])
+    /// in the staging buffer — their count first, zero when nothing changed — for the step's
+    /// `custody_tag_apply` (one packed upload per step, not per layer).
+    fn stage_tags(&mut self, pool: &mut PagePool) -> Result<usize, DeviceError> {
         let pages = pool.take_tag_changes();
-        if pages.is_empty() {
-            return Ok(());
-        }
         let n = pages.len();
         let n_layers = pool.n_layers();
-        let mut wide: Vec<u64> = Vec::with_capacity(2 * n);
+        debug_assert!(
+            n <= self.kv.n_pages as usize,
+            "a page changes once per step"
+        );
+        let mut wide: Vec<u64> = Vec::with_capacity(1 + 2 * n);
         let mut narrow: Vec<u32> = Vec::with_capacity((3 + n_layers) * n);
         let t = pool.tags(0);
+        wide.push(n as u64);
         wide.extend(pages.iter().map(|&p| t.owner[p as usize]));
         wide.extend(pages.iter().map(|&p| t.stamp_owner[p as usize]));
         narrow.extend(&pages);
@@ -722,16 +782,18 @@ impl<D: Device> CudaForward<D> {
         }
         let mut packed = bytes_of(&wide).to_vec();
         packed.extend_from_slice(bytes_of(&narrow));
-        if packed.len() > self.kv.staging_bytes {
-            self.kv.staging = self.dev.alloc_zeroed(packed.len())?;
-            self.kv.staging_bytes = packed.len();
-        }
+        debug_assert!(packed.len() <= DeviceKv::staging_bytes(self.kv.n_pages as usize, n_layers));
         self.dev.upload(self.kv.staging, &packed)?;
+        Ok(n)
+    }
+
+    /// Apply the staged tag changes to the device's copy (fixed grid: the same launch every
+    /// step, so a graph holds it).
+    fn apply_tags(&mut self) -> Result<(), DeviceError> {
         let kv = &self.kv;
         let args = [
             Arg::Ptr(kv.staging),
-            Arg::U32(n as u32),
-            Arg::U32(n_layers as u32),
+            Arg::U32(self.config.n_layers as u32),
             Arg::U32(kv.n_pages),
             Arg::Ptr(kv.generation),
             Arg::Ptr(kv.owner),
@@ -739,8 +801,22 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(kv.stamp_generation),
             Arg::Ptr(kv.filled),
         ];
-        let dims = LaunchDims::grid2((n as u32).div_ceil(THREADS), 1, THREADS);
-        self.launch(Kernel::TagApply, dims, &args)?;
+        let blocks = kv.n_pages.div_ceil(THREADS).clamp(1, TAG_APPLY_BLOCKS);
+        self.launch(
+            Kernel::TagApply,
+            LaunchDims::grid2(blocks, 1, THREADS),
+            &args,
+        )
+    }
+
+    /// Bring the device's copy of the tags up to date now, outside a step: the changes staged
+    /// and applied by one launch. Debug builds then check the whole copy against the pool (a
+    /// tag write that bypassed the change log would show here). Each `forward` does the same
+    /// inside its step; the performance model calls this first so that its counted step sees
+    /// only the step's own changes.
+    pub fn sync_tags(&mut self, pool: &mut PagePool) -> Result<(), DeviceError> {
+        self.stage_tags(pool)?;
+        self.apply_tags()?;
         #[cfg(debug_assertions)]
         if self.audit_tags {
             self.assert_tags_match(pool)?;
@@ -784,52 +860,93 @@ impl<D: Device> CudaForward<D> {
     /// integrity error that failed it — [`Model::forward`]'s contract. `Err` only for a device
     /// failure or a batch this backend cannot run (then no tag changed... except the claims of
     /// rows already made: the engine aborts the batch's requests on such an error).
+    ///
+    /// The host fills the step's inputs (tokens, positions, tables, write slots, tag changes,
+    /// poisoned verdicts), runs the step (one graph replay, see the module's spec), then reads
+    /// every layer's verdicts and the wanted logits back.
     pub fn forward(
         &mut self,
         pool: &mut PagePool,
         segments: &[Segment<'_>],
     ) -> Result<Vec<Result<Vec<f32>, IntegrityError>>, CudaForwardError> {
         let rows = Rows::of(segments);
-        let n = rows.positions.len();
-        assert!(n > 0, "forward: empty batch");
+        assert!(!rows.positions.is_empty(), "forward: empty batch");
         self.check_batch(segments, &rows)?;
-        let c = self.config.clone();
-        let dim = c.dim;
-        let tokens: Vec<u32> = segments
+        let shape = self.step_shape(&rows);
+        self.upload_inputs(segments, &rows, shape.rows)?;
+        self.upload_tables(segments, &rows, shape.rows)?;
+        let mut failed: Vec<Option<IntegrityError>> = vec![None; segments.len()];
+        self.claim_rows(pool, segments, &rows, shape.rows, &mut failed)?;
+        self.stage_tags(pool)?;
+        let poisoned = self.poison_verdicts(shape.rows)?;
+        self.run_step(shape)?;
+        #[cfg(debug_assertions)]
+        if self.audit_tags {
+            self.assert_tags_match(pool)?;
+        }
+        self.read_verdicts(segments, &rows, shape.rows, poisoned, &mut failed)?;
+        self.read_logits(segments, &rows, failed)
+    }
+
+    /// The step's launch shape: rows padded to a power of two (a graph) or as they are (past
+    /// [`MAX_GRAPH_ROWS`]), and the splits of the longest context rounded up to a power of two
+    /// of pages (so that the contexts of a decoding batch map to few graphs).
+    fn step_shape(&self, rows: &Rows) -> StepShape {
+        let c = &self.config;
+        let n = rows.positions.len();
+        let graph = self.use_graphs && n <= MAX_GRAPH_ROWS;
+        let padded = if graph {
+            n.next_power_of_two().min(self.max_rows)
+        } else {
+            n
+        };
+        let max_pages = rows
+            .positions
             .iter()
-            .flat_map(|sg| sg.tokens.iter().copied())
-            .collect();
-        debug_assert!(
-            tokens.iter().all(|&t| (t as usize) < c.vocab_size),
-            "validated at admission"
+            .map(|&p| (p + 1).div_ceil(self.page_size))
+            .max()
+            .unwrap_or(1);
+        let splits = Splits::of(
+            padded,
+            c.n_kv_heads,
+            c.n_heads / c.n_kv_heads,
+            self.page_size,
+            if graph {
+                max_pages.next_power_of_two()
+            } else {
+                max_pages
+            },
         );
-        let b = self.bufs.tokens;
-        self.upload_u32(b, &tokens)?;
-        let positions: Vec<u32> = rows.positions.iter().map(|&p| p as u32).collect();
-        let b = self.bufs.positions;
-        self.upload_u32(b, &positions)?;
-        self.upload_tables(segments, &rows)?;
+        debug_assert!(padded >= n && padded <= self.max_rows);
+        StepShape {
+            rows: padded,
+            splits,
+            graph,
+        }
+    }
+
+    /// Every launch of a step, in order: the tag changes applied, the embedding, the layers,
+    /// the output head over all `shape.rows` rows.
+    fn launch_step(&mut self, shape: StepShape) -> Result<(), DeviceError> {
+        let c = self.config.clone();
+        let (n, bf) = (shape.rows, self.bufs);
+        self.apply_tags()?;
         let e = self.tok_embd;
         let args = [
             Arg::Ptr(e.gguf()),
             Arg::U32(e.dtype),
             Arg::U32(e.cols),
-            Arg::Ptr(self.bufs.tokens),
-            Arg::Ptr(self.bufs.x),
+            Arg::Ptr(bf.tokens),
+            Arg::Ptr(bf.x),
         ];
         self.launch(
             Kernel::Embed,
             LaunchDims::grid2(n as u32, 1, THREADS),
             &args,
         )?;
-
-        let mut failed: Vec<Option<IntegrityError>> = vec![None; segments.len()];
-        self.claim_rows(pool, segments, &rows, &mut failed)?;
-        self.sync_tags(pool)?;
-        let bf = self.bufs;
         // Each residual add is fused with the norm that follows it (the next layer's attention
         // norm, or the output norm after the last layer): only the first norm stands alone.
-        self.rms_norm(bf.x, self.layers[0].attn_norm, bf.xn, n, dim)?;
+        self.rms_norm(bf.x, self.layers[0].attn_norm, bf.xn, n, c.dim)?;
         for li in 0..c.n_layers {
             let l = self.layers[li];
             self.matvec(l.wq, bf.xn, bf.q, n)?;
@@ -839,7 +956,7 @@ impl<D: Device> CudaForward<D> {
             self.rope(bf.q, c.n_heads, n)?;
             self.rope(bf.k, c.n_kv_heads, n)?;
             self.write_kv(li, n)?;
-            self.attend(li, segments, &rows, &mut failed)?;
+            self.attend(li, shape)?;
             self.matvec(l.wo, bf.att, bf.tmp, n)?;
             self.add_rms_norm(bf.x, bf.tmp, l.ffn_norm, bf.xn, n)?;
             self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
@@ -852,7 +969,41 @@ impl<D: Device> CudaForward<D> {
             };
             self.add_rms_norm(bf.x, bf.tmp, next_norm, bf.xn, n)?;
         }
-        self.head(segments, &rows, failed)
+        // `xn` holds the output norm's rows (fused with the last layer's residual add).
+        self.matvec(self.output, bf.xn, bf.logits, n)
+    }
+
+    /// Run the step: its graph replayed (captured first if this shape has none; the oldest
+    /// graph dropped past [`MAX_GRAPHS`]), or its kernels one by one.
+    fn run_step(&mut self, shape: StepShape) -> Result<(), DeviceError> {
+        if !shape.graph {
+            return self.launch_step(shape);
+        }
+        let held = self
+            .graphs
+            .iter()
+            .find(|(s, _)| *s == shape)
+            .map(|&(_, g)| g);
+        let graph = match held {
+            Some(g) => g,
+            None => {
+                if self.graphs.len() == MAX_GRAPHS
+                    && let Some((_, oldest)) = self.graphs.pop_front()
+                {
+                    self.dev.drop_graph(oldest)?;
+                }
+                self.dev.begin_capture()?;
+                let launched = self.launch_step(shape);
+                // The capture ends whether or not every launch was recorded.
+                let captured = self.dev.end_capture();
+                launched?;
+                let g = captured?;
+                self.graphs.push_back((shape, g));
+                g
+            }
+        };
+        debug_assert!(self.graphs.len() <= MAX_GRAPHS);
+        self.dev.replay(graph)
     }
 
     fn check_batch(&self, segments: &[Segment<'_>], rows: &Rows) -> Result<(), CudaForwardError> {
@@ -871,12 +1022,40 @@ impl<D: Device> CudaForward<D> {
         Ok(())
     }
 
+    /// The rows' tokens and positions, padded to `padded` rows with token 0 at position 0.
+    fn upload_inputs(
+        &mut self,
+        segments: &[Segment<'_>],
+        rows: &Rows,
+        padded: usize,
+    ) -> Result<(), DeviceError> {
+        let mut tokens: Vec<u32> = segments
+            .iter()
+            .flat_map(|sg| sg.tokens.iter().copied())
+            .collect();
+        debug_assert!(
+            tokens
+                .iter()
+                .all(|&t| (t as usize) < self.config.vocab_size),
+            "validated at admission"
+        );
+        tokens.resize(padded, 0);
+        let mut positions: Vec<u32> = rows.positions.iter().map(|&p| p as u32).collect();
+        positions.resize(padded, 0);
+        let b = self.bufs;
+        self.upload_u32(b.tokens, &tokens)?;
+        self.upload_u32(b.positions, &positions)
+    }
+
     /// Each row's block table (its segment's), flattened, and the per-row table windows,
-    /// contexts and owners of the attention launch.
+    /// contexts and owners of the attention launch; padding rows up to `padded` get an empty
+    /// table (their verdict fails, and no segment reads it). A larger table buffer drops the
+    /// graphs first (they name the old one).
     fn upload_tables(
         &mut self,
         segments: &[Segment<'_>],
         rows: &Rows,
+        padded: usize,
     ) -> Result<(), CudaForwardError> {
         let mut flat = Vec::new();
         let mut seg_off = Vec::with_capacity(segments.len());
@@ -888,24 +1067,31 @@ impl<D: Device> CudaForward<D> {
         }
         let entries = flat.len() / 2;
         if entries > self.bufs.table_capacity {
+            self.drop_graphs()?;
             let cap = entries.next_power_of_two();
             self.bufs.tables = self.dev.alloc_zeroed(cap * 8)?;
             self.bufs.table_capacity = cap;
         }
-        let (mut off, mut len, mut n_ctx, mut owners) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut off, mut len, mut n_ctx, mut owners) = (
+            vec![0u32; padded],
+            vec![0u32; padded],
+            vec![1u32; padded],
+            vec![0u64; padded],
+        );
         for (r, &si) in rows.segment.iter().enumerate() {
             let sg = &segments[si];
-            off.push(seg_off[si]);
-            len.push(sg.block_table.len() as u32);
-            n_ctx.push(rows.positions[r] as u32 + 1);
+            off[r] = seg_off[si];
+            len[r] = sg.block_table.len() as u32;
+            n_ctx[r] = rows.positions[r] as u32 + 1;
             // The device's tag check takes one owner per row: no shared pages (the engine
             // refuses a prefix cache on this backend at startup).
             debug_assert!(!sg.reader.has_shared(), "shared pages on the CUDA backend");
-            owners.push(sg.reader.owner());
+            owners[r] = sg.reader.owner();
         }
         let b = self.bufs;
-        self.upload_u32(b.tables, &flat)?;
+        if !flat.is_empty() {
+            self.upload_u32(b.tables, &flat)?;
+        }
         self.upload_u32(b.table_off, &off)?;
         self.upload_u32(b.table_len, &len)?;
         self.upload_u32(b.n_ctx, &n_ctx)?;
@@ -915,20 +1101,20 @@ impl<D: Device> CudaForward<D> {
 
     /// Claim each live row's slot in every layer on the host pool (the CPU write's check; a
     /// segment whose claim fails is failed), once per step before any layer runs: the step's
-    /// tags are then final, and the device's copy is brought up to date once
-    /// ([`Self::sync_tags`]). The rows' pages and slots serve the KV-write kernel of every
-    /// layer (a failed row's page is `NO_PAGE`: not written).
+    /// tags are then final, and the device's copy is brought up to date once, inside the step.
+    /// The rows' pages and slots serve the KV-write kernel of every layer (a failed or padding
+    /// row's page is `NO_PAGE`: not written).
     fn claim_rows(
         &mut self,
         pool: &mut PagePool,
         segments: &[Segment<'_>],
         rows: &Rows,
+        padded: usize,
         failed: &mut [Option<IntegrityError>],
     ) -> Result<(), DeviceError> {
         let ps = self.page_size;
-        let n = rows.positions.len();
-        let mut pages = vec![NO_PAGE; n];
-        let mut slots = vec![0u32; n];
+        let mut pages = vec![NO_PAGE; padded];
+        let mut slots = vec![0u32; padded];
         'segments: for (si, sg) in segments.iter().enumerate() {
             for r in rows.range(si) {
                 let pos = rows.positions[r];
@@ -979,33 +1165,28 @@ impl<D: Device> CudaForward<D> {
         )
     }
 
-    /// Attention of every row over its segment's pages, the tag check inside the kernel; a
-    /// live segment whose rows get a failing verdict is failed with the CPU check's error.
-    fn attend(
-        &mut self,
-        layer: usize,
-        segments: &[Segment<'_>],
-        rows: &Rows,
-        failed: &mut [Option<IntegrityError>],
-    ) -> Result<(), DeviceError> {
+    /// Every row's verdicts (`rows` rows × layers) poisoned: a row the kernels did not report
+    /// on reads as a failure, never as a pass. Returns the poisoned verdicts (the download's
+    /// buffer).
+    fn poison_verdicts(&mut self, rows: usize) -> Result<Vec<Verdict>, DeviceError> {
+        let poison = Verdict {
+            code: u32::MAX,
+            ..Verdict::default()
+        };
+        let verdicts = vec![poison; rows * self.config.n_layers];
+        self.dev.upload(self.bufs.verdicts, bytes_of(&verdicts))?;
+        Ok(verdicts)
+    }
+
+    /// Attention of every row of `layer` over its segment's pages, the tag check inside the
+    /// kernel; the verdicts land in the layer's part of the verdict buffer.
+    fn attend(&mut self, layer: usize, shape: StepShape) -> Result<(), DeviceError> {
         let tags = self.kv.tags(layer);
-        let n = rows.positions.len();
+        let (n, splits) = (shape.rows, shape.splits);
         let b = self.bufs;
         let c = &self.config;
-        let max_pages = rows
-            .positions
-            .iter()
-            .map(|&p| (p + 1).div_ceil(self.page_size))
-            .max()
-            .unwrap_or(1);
-        let splits = Splits::of(
-            n,
-            c.n_kv_heads,
-            c.n_heads / c.n_kv_heads,
-            self.page_size,
-            max_pages,
-        );
-        let shape = [
+        let verdicts = b.verdicts.offset((layer * n * size_of::<Verdict>()) as u64);
+        let shape_args = [
             Arg::U32(c.n_heads as u32),
             Arg::U32(c.n_kv_heads as u32),
             Arg::U32(c.head_dim as u32),
@@ -1025,70 +1206,84 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(self.kv.v[layer]),
         ];
         decode.extend(table);
-        decode.extend(shape);
+        decode.extend(shape_args);
         decode.extend([
             Arg::U32(splits.pages_per_split as u32),
             Arg::Ptr(b.partial),
             Arg::Ptr(b.bad),
         ]);
         let mut merge = table.to_vec();
-        merge.extend(shape);
+        merge.extend(shape_args);
         merge.extend([
             Arg::U32(splits.n as u32),
             Arg::Ptr(b.partial),
             Arg::Ptr(b.bad),
             Arg::Ptr(b.att),
-            Arg::Ptr(b.verdicts),
+            Arg::Ptr(verdicts),
         ]);
         let decode_dims = LaunchDims {
             grid: [c.n_kv_heads as u32, n as u32, splits.n as u32],
             block: [THREADS, 1, 1],
         };
         let merge_dims = LaunchDims::grid2(c.n_heads as u32, n as u32, THREADS);
-        let mut verdicts = vec![Verdict::default(); n];
-        // Poisoned: a row the kernel did not report on reads as a failure, never as a pass.
-        verdicts.iter_mut().for_each(|v| v.code = u32::MAX);
-        self.dev.upload(b.verdicts, bytes_of(&verdicts))?;
         self.launch(Kernel::FlashDecode, decode_dims, &decode)?;
-        self.launch(Kernel::FlashMerge, merge_dims, &merge)?;
-        self.dev.download(b.verdicts, bytes_of_mut(&mut verdicts))?;
-        for (si, sg) in segments.iter().enumerate() {
-            if failed[si].is_some() {
-                continue;
-            }
-            // The last row attends the segment's whole context: its verdict is the CPU
-            // check's over the segment; any earlier row's failure fails the segment too.
-            let range = rows.range(si);
-            let n_ctx = sg.start_pos + sg.tokens.len();
-            let last = &verdicts[range.end - 1];
-            let bad = std::iter::once(last)
-                .chain(&verdicts[range])
-                .find(|v| v.code != 0);
-            if let Some(v) = bad {
-                failed[si] = Some(v.to_error(sg.block_table, n_ctx).unwrap_or(
-                    IntegrityError::BlockTableTooShort {
-                        have: 0,
-                        need: 0,
-                        n_ctx,
-                    },
-                ));
+        self.launch(Kernel::FlashMerge, merge_dims, &merge)
+    }
+
+    /// Every layer's verdicts, read once after the step: a live segment whose rows got a
+    /// failing verdict in a layer is failed with the CPU check's error (the first such layer's).
+    fn read_verdicts(
+        &mut self,
+        segments: &[Segment<'_>],
+        rows: &Rows,
+        padded: usize,
+        mut verdicts: Vec<Verdict>,
+        failed: &mut [Option<IntegrityError>],
+    ) -> Result<(), DeviceError> {
+        self.dev
+            .download(self.bufs.verdicts, bytes_of_mut(&mut verdicts))?;
+        for layer in verdicts.chunks(padded) {
+            debug_assert!(
+                layer[..rows.positions.len()]
+                    .iter()
+                    .all(|v| v.code != u32::MAX),
+                "a live row without a verdict"
+            );
+            for (si, sg) in segments.iter().enumerate() {
+                if failed[si].is_some() {
+                    continue;
+                }
+                // The last row attends the segment's whole context: its verdict is the CPU
+                // check's over the segment; any earlier row's failure fails the segment too.
+                let range = rows.range(si);
+                let n_ctx = sg.start_pos + sg.tokens.len();
+                let last = &layer[range.end - 1];
+                let bad = std::iter::once(last)
+                    .chain(&layer[range])
+                    .find(|v| v.code != 0);
+                if let Some(v) = bad {
+                    failed[si] = Some(v.to_error(sg.block_table, n_ctx).unwrap_or(
+                        IntegrityError::BlockTableTooShort {
+                            have: 0,
+                            need: 0,
+                            n_ctx,
+                        },
+                    ));
+                }
             }
         }
         Ok(())
     }
 
-    /// The output head for the rows whose logits are wanted, downloaded per segment.
-    fn head(
+    /// The logits of the rows each live segment wants, downloaded per segment.
+    fn read_logits(
         &mut self,
         segments: &[Segment<'_>],
         rows: &Rows,
         failed: Vec<Option<IntegrityError>>,
     ) -> Result<Vec<Result<Vec<f32>, IntegrityError>>, CudaForwardError> {
-        let n = rows.positions.len();
         let vocab = self.config.vocab_size;
         let b = self.bufs;
-        // `xn` holds the output norm's rows (fused with the last layer's residual add).
-        self.matvec(self.output, b.xn, b.logits, n)?;
         let mut results = Vec::with_capacity(segments.len());
         for (si, (sg, f)) in segments.iter().zip(failed).enumerate() {
             if let Some(e) = f {

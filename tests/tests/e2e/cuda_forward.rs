@@ -405,3 +405,104 @@ fn the_device_runs_every_architecture_and_llama_cpps_k_quant_mixes() {
     }
     assert!(failures.is_empty(), "{failures:?}");
 }
+
+/// Steps as CUDA graphs: the same steps replayed from captured graphs give the kernel-by-kernel
+/// logits bit for bit and the same integrity failures — a prefill batch, decoding steps whose
+/// contexts cross pages (so their split layouts change) and whose batch shrinks, a stale
+/// segment among them — while each step is one graph launch of the host and graphs are
+/// captured once per shape, then replayed. A copy during a capture is refused.
+#[test]
+fn steps_replayed_from_graphs_are_the_kernel_by_kernel_steps() {
+    let m = model(DType::Q8_0, 3);
+    let mut pools = [pool(&m), pool(&m)];
+    let mut fwd = [
+        CudaForward::new(ShimDevice::new(1), &m, &pools[0], 16).expect("upload"),
+        CudaForward::new(ShimDevice::new(1), &m, &pools[1], 16).expect("upload"),
+    ];
+    fwd[1].set_graphs(false).expect("graphs off");
+    let seqs: Vec<Seq> = [(1u64, 3usize), (2, 3), (3, 1)]
+        .into_iter()
+        .map(|(owner, n_pages)| {
+            let pages = pools[0].alloc(owner, n_pages).expect("alloc");
+            assert_eq!(pools[1].alloc(owner, n_pages).expect("alloc"), pages);
+            Seq {
+                owner,
+                tokens: (0..20).map(|t| (t * 7 + owner as u32) % 64).collect(),
+                pages,
+            }
+        })
+        .collect();
+    // Step 0: A and B's prompts (6 and 3 rows: padded to 16). Steps 1..=13: A and B decode
+    // (positions 6..=18 and 3..=15: their contexts cross pages). Then A alone beside C's
+    // stale table (C's page released and reallocated in both pools first).
+    let mut steps: Vec<Vec<(usize, usize, usize)>> = vec![vec![(0, 0, 6), (1, 0, 3)]];
+    for i in 0..13 {
+        steps.push(vec![(0, 6 + i, 7 + i), (1, 3 + i, 4 + i)]);
+    }
+    let mut graph_steps = 0;
+    for (i, step) in steps.iter().enumerate() {
+        let segs: Vec<Segment<'_>> = step
+            .iter()
+            .map(|&(s, from, to)| {
+                let mut sg = segment(&seqs[s], from, Logits::All);
+                sg.tokens = &seqs[s].tokens[from..to];
+                sg
+            })
+            .collect();
+        let [p0, p1] = &mut pools;
+        let [f0, f1] = &mut fwd;
+        let with = f0.forward(p0, &segs).expect("graph step");
+        let without = f1.forward(p1, &segs).expect("kernel-by-kernel step");
+        assert_eq!(with.len(), without.len());
+        for (a, b) in with.iter().zip(&without) {
+            let (a, b) = (a.as_ref().expect("live"), b.as_ref().expect("live"));
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "step {i}: a graph's logits differ from the kernels'"
+            );
+        }
+        graph_steps += 1;
+        assert_eq!(
+            fwd[0].device_mut().graph_launches(),
+            graph_steps,
+            "step {i}"
+        );
+    }
+    // The stale segment: C's only page released and taken again by another owner.
+    for p in &mut pools {
+        p.release(3, &seqs[2].pages).expect("release");
+        p.alloc(9, 1).expect("realloc");
+    }
+    let mut stale = segment(&seqs[2], 0, Logits::Last);
+    stale.tokens = &seqs[2].tokens[..4];
+    let segs = [segment(&seqs[0], 19, Logits::Last), stale];
+    let [p0, p1] = &mut pools;
+    let [f0, f1] = &mut fwd;
+    let with = f0.forward(p0, &segs).expect("graph step");
+    let without = f1.forward(p1, &segs).expect("kernel-by-kernel step");
+    assert_eq!(
+        with[0].as_ref().expect("A live"),
+        without[0].as_ref().expect("A live")
+    );
+    let e = with[1].as_ref().expect_err("stale");
+    assert!(matches!(e, IntegrityError::StaleGeneration { .. }), "{e:?}");
+    assert_eq!(Some(e), without[1].as_ref().err());
+    // 15 steps, 5 shapes — 16 rows for the prompts; 2 rows at 1, 2 and 4 pages of context
+    // (3 pages round up to 4); 8 rows for the last (A's row and C's 4): each captured once
+    // and replayed, never captured per step.
+    assert_eq!(fwd[0].graphs_held(), 5, "graphs held after 15 steps");
+    assert_eq!(fwd[1].graphs_held(), 0);
+    assert_eq!(fwd[1].device_mut().graph_launches(), 0);
+    // The boundary's rule: no copy while capturing.
+    use custody_cuda::{Device, DevicePtr};
+    let mut d = ShimDevice::new(0);
+    let p: DevicePtr = d.alloc_zeroed(64).expect("alloc");
+    d.begin_capture().expect("capture");
+    let e = d.upload(p, &[0u8; 8]).expect_err("a copy while capturing");
+    assert!(
+        e.to_string().contains("while a graph is being captured"),
+        "{e}"
+    );
+    let g = d.end_capture().expect("end");
+    d.replay(g).expect("an empty graph replays");
+}

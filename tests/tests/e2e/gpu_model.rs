@@ -51,13 +51,15 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
             );
         }
         // Per layer: 2 norms fused with the residual adds, 7 products, 2 RoPE, the KV write,
-        // decode and merge, the SwiGLU (15); then the embedding, the tag sync, the first norm
-        // and the head.
+        // decode and merge, the SwiGLU (15); then the tag sync, the embedding, the first norm
+        // and the head — all nodes of one graph the host launches once.
         assert_eq!(
             m.launches(),
             (15 * SMALL.n_layers + 4) as f64,
             "batch {batch}"
         );
+        assert_eq!(m.graph_nodes(), m.launches(), "batch {batch}");
+        assert_eq!(m.host_launches(), 1.0, "batch {batch}: one graph per step");
         // The logits come back whole, as wide as the model's vocabulary.
         assert!(
             m.device_to_host_bytes >= (batch * SMALL.vocab * 4) as f64,
@@ -65,7 +67,7 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
             m.device_to_host_bytes
         );
         // The tags cross once per step, and only the changed pages' (one per row here: its
-        // last page), never the pool's.
+        // last page), never the pool's: the bytes the tag sync writes on the device.
         let per_row_tags = (8 + 8 + 4 + 4 + 4 + 4 * SMALL.n_layers) as f64;
         assert!(
             m.tag_bytes > 0.0 && m.tag_bytes <= batch as f64 * per_row_tags,
