@@ -2,11 +2,14 @@
 //! `scripts/gpu-check.sh` runs on a lent GPU. Stages: `device` (open device 0, compile the
 //! kernels with NVRTC), `forward` (synthetic models in every weight type: logits within the
 //! stated tolerance, greedy tokens where the margin is clear, the same result twice), `speed`
-//! (a larger synthetic model's batched steps, CPU vs device wall time). Exit 1 on a failure.
+//! (the CPU-vs-device parity and wall time of a 110 M-weight model, then decode tok/s at each
+//! batch and prefill tok/s at the Llama-3.2-1B and Llama-3.1-8B shapes with weights made on the
+//! device, tag check in vs compiled out: `custody_engine::cuda_speed`). Exit 1 on a failure.
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use custody_runtime::cuda_check::{self, Agreement};
+use custody_runtime::cuda_speed::{self, LLAMA_3_1_8B, LLAMA_3_2_1B, ServedShape, SpeedPlan};
 use custody_runtime::gguf::write::Synthetic;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -24,6 +27,31 @@ pub(crate) struct GpuCheckArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// `speed`: the shapes measured (1b, 8b).
+    #[arg(long, value_delimiter = ',')]
+    shapes: Option<Vec<String>>,
+    /// `speed`: decode batch sizes.
+    #[arg(long, value_delimiter = ',')]
+    batches: Option<Vec<usize>>,
+    /// `speed`: slots already written per row before decoding.
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// `speed`: timed decode steps per batch.
+    #[arg(long)]
+    steps: Option<usize>,
+    /// `speed`: prompt tokens of the prefill measurement.
+    #[arg(long)]
+    prefill: Option<usize>,
+}
+
+impl GpuCheckArgs {
+    fn speed_flags_given(&self) -> bool {
+        self.shapes.is_some()
+            || self.batches.is_some()
+            || self.ctx.is_some()
+            || self.steps.is_some()
+            || self.prefill.is_some()
+    }
 }
 
 /// Device `ordinal`, or why this machine or binary cannot use one.
@@ -44,7 +72,26 @@ fn open(ordinal: usize) -> Result<Box<dyn custody_cuda::Device>> {
     }
 }
 
+/// Device `ordinal` with the kernels built without flash decoding's tag check (measuring the
+/// check's cost only).
+fn open_without_tag_check(ordinal: usize) -> Result<Box<dyn custody_cuda::Device>> {
+    #[cfg(feature = "cuda")]
+    {
+        use anyhow::Context as _;
+        let d = custody_cuda::CudaDevice::open_without_tag_check(ordinal)
+            .context("opening the CUDA device")?;
+        Ok(Box::new(d))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        open(ordinal)
+    }
+}
+
 pub(crate) fn gpu_check(a: GpuCheckArgs) -> Result<()> {
+    if a.stage != Stage::Speed && a.speed_flags_given() {
+        bail!("--shapes, --batches, --ctx, --steps and --prefill are the `speed` stage's flags");
+    }
     match a.stage {
         Stage::Device => {
             let d = open(a.device)?;
@@ -52,7 +99,7 @@ pub(crate) fn gpu_check(a: GpuCheckArgs) -> Result<()> {
             Ok(())
         }
         Stage::Forward => forward(a.device),
-        Stage::Speed => speed(a.device),
+        Stage::Speed => speed(&a),
     }
 }
 
@@ -92,7 +139,37 @@ fn forward(ordinal: usize) -> Result<()> {
     Ok(())
 }
 
-fn speed(ordinal: usize) -> Result<()> {
+fn speed(a: &GpuCheckArgs) -> Result<()> {
+    let ordinal = a.device;
+    let shapes = a
+        .shapes
+        .clone()
+        .unwrap_or_else(|| vec!["1b".into(), "8b".into()])
+        .iter()
+        .map(|s| match s.as_str() {
+            "1b" => Ok(LLAMA_3_2_1B),
+            "8b" => Ok(LLAMA_3_1_8B),
+            other => bail!("unknown shape {other:?}: 1b or 8b"),
+        })
+        .collect::<Result<Vec<ServedShape>>>()?;
+    let plan = SpeedPlan {
+        batches: a.batches.clone().unwrap_or_else(|| vec![1, 8, 64]),
+        ctx: a.ctx.unwrap_or(1024),
+        warmup: 3,
+        steps: a.steps.unwrap_or(32),
+        prefill_tokens: a.prefill.unwrap_or(512),
+    };
+    parity(ordinal)?;
+    for shape in shapes {
+        let on = cuda_speed::measure(open(ordinal)?, shape, &plan, 1)?;
+        let off = cuda_speed::measure(open_without_tag_check(ordinal)?, shape, &plan, 1)?;
+        println!("{}", cuda_speed::render(&on, Some(&off)));
+    }
+    Ok(())
+}
+
+/// The CPU-vs-device parity of a 110 M-weight model's logits, and both backends' wall time.
+fn parity(ordinal: usize) -> Result<()> {
     let s = cuda_check::speed_model();
     let model = cuda_check::load(&s)?;
     let a = cuda_check::compare_with_cpu(open(ordinal)?, &model, s.dtype, 16)?;

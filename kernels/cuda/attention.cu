@@ -225,9 +225,16 @@ extern "C" __global__ void custody_flash_decode(
     const custody_u32 hi = lo + pages_per_split < need ? lo + pages_per_split : need;
     // A short table is the merge's verdict; no split reads a page of it.
     const bool readable = CUSTODY_LD(table_len + r) >= need && lo < hi;
+#ifdef CUSTODY_BENCH_NO_TAG_CHECK
+    // The check's cost, measured: only `custody gpu-check speed` compiles this (a second module
+    // of its own, `CudaDevice::open_without_tag_check`); the engine's module never defines it.
+    const custody_u32 first = CUSTODY_NO_PAGE;
+    (void)red;
+#else
     const custody_u32 first = readable ? custody_first_bad_in(table, lo, hi, n, page_size, &tags,
                                                               CUSTODY_LD(owners + r), red)
                                        : CUSTODY_NO_PAGE;
+#endif
     if (t == 0) CUSTODY_ST(bad + ((custody_u64)r * n_kv_heads + g) * n_splits + s, first);
     const custody_u32 stride = head_dim + 2;
     float* part = partial + (((custody_u64)r * n_heads + g * group) * n_splits + s) * stride;

@@ -410,3 +410,41 @@ extern "C" __global__ void custody_copy_chunks(const unsigned char* src, const c
     unsigned char* d = dst + dst_off[i];
     for (custody_u64 b = threadIdx.x; b < len[i]; b += CUSTODY_OPS_THREADS) d[b] = s[b];
 }
+
+// Synthetic Q4_K weights made on the device, for `custody gpu-check speed` (a model of a served
+// size without writing or uploading gigabytes): `n_blocks` super-blocks, block i's 16-byte head
+// (f16 d and dmin in [2^-14, 2^-13), 12 random scale bytes) at heads + i·head_stride and its
+// 128 random quant bytes at qs + i·qs_stride. A block whose index within its row of
+// `blocks_per_row` is at or past `real_per_row` gets a zero head (the tiles' padding: it adds
+// nothing). The GGUF layout: head_stride = qs_stride = 144, qs = heads + 16; the GEMV's tiles:
+// 16 and 128 (their quants' interleaving is immaterial for random bytes). Deterministic in
+// `seed`. Any grid; block (128).
+__device__ __forceinline__ custody_u64 custody_mix64(custody_u64 z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void custody_fill_q4k(unsigned char* heads, custody_u64 head_stride,
+                                           unsigned char* qs, custody_u64 qs_stride,
+                                           custody_u64 n_blocks, custody_u32 blocks_per_row,
+                                           custody_u32 real_per_row, custody_u64 seed) {
+    for (custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x; i < n_blocks;
+         i += (custody_u64)gridDim.x * CUSTODY_OPS_THREADS) {
+        const bool real = (custody_u32)(i % blocks_per_row) < real_per_row;
+        custody_u64 h[2];
+        const custody_u64 r0 = custody_mix64(seed ^ (i * 17 + 0)), r1 = custody_mix64(seed ^ (i * 17 + 1));
+        // d, dmin: exponent field 1 (2^-14), random mantissa; then 12 random scale bytes.
+        const custody_u64 d = 0x0400u | (r0 & 0x3ffu), dmin = 0x0400u | ((r0 >> 10) & 0x3ffu);
+        h[0] = real ? (d | (dmin << 16) | (r0 & 0xffffffff00000000ull)) : 0;
+        h[1] = real ? r1 : 0;
+        unsigned char* hb = heads + i * head_stride;
+        for (int b = 0; b < 16; b++) CUSTODY_ST(hb + b, (unsigned char)(h[b / 8] >> (8 * (b % 8))));
+        unsigned char* qb = qs + i * qs_stride;
+        for (int w = 0; w < 16; w++) {
+            const custody_u64 r = custody_mix64(seed ^ (i * 17 + 2 + w));
+            for (int b = 0; b < 8; b++) CUSTODY_ST(qb + 8 * w + b, (unsigned char)(r >> (8 * b)));
+        }
+    }
+}

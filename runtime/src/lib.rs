@@ -15,7 +15,7 @@ pub use custody_engine::{
     RequestId, SamplingParams, StartupError, Tokenizer,
 };
 pub use custody_engine::{
-    actor, config, cuda_check, cuda_forward, decoding, engine, gguf, grammar, kv, model, par,
-    prefix_cache, protocol, sampling, tokenizer, tools,
+    actor, config, cuda_check, cuda_forward, cuda_speed, decoding, engine, gguf, grammar, kv,
+    model, par, prefix_cache, protocol, sampling, tokenizer, tools,
 };
 pub use custody_transport as transport;

@@ -286,6 +286,9 @@ void generic_body(void* c) {
         custody_tag_check(PTR(0, const CustodyPageRef*), PTR(1, const custody_u32*),
                           PTR(2, const custody_u32*), PTR(3, const custody_u32*),
                           PTR(4, const custody_u64*), U32(5), TAGS(6), PTR(7, CustodyVerdict*));
+    } else if (!strcmp(n, "custody_fill_q4k")) {
+        custody_fill_q4k(PTR(0, unsigned char*), U64(1), PTR(2, unsigned char*), U64(3), U64(4),
+                         U32(5), U32(6), U64(7));
     } else if (!strcmp(n, "custody_swiglu")) {
         custody_swiglu(PTR(0, float*), PTR(1, const float*), U64(2));
     } else if (!strcmp(n, "custody_softmax")) {

@@ -32,53 +32,8 @@ const PAGE_SIZE: usize = 16;
 /// Q4_K: 144 bytes per 256 weights.
 const Q4K_BYTES_PER_WEIGHT: f64 = 144.0 / 256.0;
 
-/// A served model's shape (Llama family, GQA).
-#[derive(Clone, Copy, Debug)]
-pub struct Shape {
-    pub name: &'static str,
-    pub n_layers: usize,
-    pub dim: usize,
-    pub ffn_dim: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub vocab: usize,
-}
-
-impl Shape {
-    pub fn head_dim(&self) -> usize {
-        self.dim / self.n_heads
-    }
-    /// Weights of one layer's products, and of the output head.
-    fn layer_weights(&self) -> f64 {
-        let kv = self.n_kv_heads * self.head_dim();
-        (2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim) as f64
-    }
-    fn head_weights(&self) -> f64 {
-        (self.vocab * self.dim) as f64
-    }
-}
-
-/// Llama-3.2-1B's body (16 layers, 2,048 wide, 32/8 heads × 64, FFN 8,192, 128,256 tokens).
-pub const LLAMA_3_2_1B: Shape = Shape {
-    name: "Llama-3.2-1B",
-    n_layers: 16,
-    dim: 2048,
-    ffn_dim: 8192,
-    n_heads: 32,
-    n_kv_heads: 8,
-    vocab: 128_256,
-};
-
-/// Llama-3.1-8B's body (32 layers, 4,096 wide, 32/8 heads × 128, FFN 14,336, 128,256 tokens).
-pub const LLAMA_3_1_8B: Shape = Shape {
-    name: "Llama-3.1-8B",
-    n_layers: 32,
-    dim: 4096,
-    ffn_dim: 14_336,
-    n_heads: 32,
-    n_kv_heads: 8,
-    vocab: 128_256,
-};
+/// The shapes measured (shared with `custody gpu-check speed`).
+pub use custody_runtime::cuda_speed::{LLAMA_3_1_8B, LLAMA_3_2_1B, ServedShape as Shape};
 
 /// One kernel's share of a decode step, scaled to the whole model.
 #[derive(Clone, Debug)]

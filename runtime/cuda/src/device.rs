@@ -197,6 +197,7 @@ kernels! {
     Softmax = "custody_softmax", 2;
     PageChecksum = "custody_page_checksum", 5;
     CopyChunks = "custody_copy_chunks", 5;
+    FillQ4K = "custody_fill_q4k", 8;
 }
 
 /// What a device operation can fail with.

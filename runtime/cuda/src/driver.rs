@@ -52,6 +52,18 @@ fn driver(e: impl std::fmt::Display) -> DeviceError {
 impl CudaDevice {
     /// Open device `ordinal` (after [`crate::open`]'s library checks) and compile the kernels.
     pub fn open(ordinal: usize) -> Result<Self, CudaUnavailable> {
+        Self::open_with(ordinal, &[])
+    }
+
+    /// [`Self::open`] with the kernels compiled without the tag check in flash decoding
+    /// (`CUSTODY_BENCH_NO_TAG_CHECK`): only for measuring what the check costs
+    /// (`custody gpu-check speed`); the engine never opens a device this way. Named in the
+    /// device's description.
+    pub fn open_without_tag_check(ordinal: usize) -> Result<Self, CudaUnavailable> {
+        Self::open_with(ordinal, &["-DCUSTODY_BENCH_NO_TAG_CHECK"])
+    }
+
+    fn open_with(ordinal: usize, defines: &[&str]) -> Result<Self, CudaUnavailable> {
         crate::open(ordinal)?;
         let no_device = |why: String| CudaUnavailable::NoDevice { ordinal, why };
         let ctx = CudaContext::new(ordinal).map_err(|e| no_device(e.to_string()))?;
@@ -64,7 +76,11 @@ impl CudaDevice {
             arch: Some(arch),
             // No contraction: a*b+c stays two roundings, as on the CPU backend.
             fmad: Some(false),
-            options: vec!["-std=c++17".into(), "-default-device".into()],
+            options: ["-std=c++17", "-default-device"]
+                .iter()
+                .chain(defines)
+                .map(|o| o.to_string())
+                .collect(),
             ..Default::default()
         };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(module_source(), opts)
@@ -77,7 +93,10 @@ impl CudaDevice {
                 .map_err(|e| no_device(format!("{}: {e}", k.name())))?;
             functions.insert(k, f);
         }
-        let name = ctx.name().map_err(|e| no_device(e.to_string()))?;
+        let mut name = ctx.name().map_err(|e| no_device(e.to_string()))?;
+        if !defines.is_empty() {
+            name.push_str(&format!(" [kernels built with {}]", defines.join(" ")));
+        }
         let stream = ctx.new_stream().map_err(|e| no_device(e.to_string()))?;
         Ok(Self {
             stream,

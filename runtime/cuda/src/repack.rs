@@ -38,6 +38,36 @@ pub enum RepackError {
     },
 }
 
+/// The tiles' extent for a `rows × cols` Q4_K matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Q4kShape {
+    rows: usize,
+    groups_per_row: usize,
+}
+
+impl Q4kShape {
+    /// `cols` a multiple of 256 (checked by [`q4k`]; a caller making tiles itself asserts it).
+    pub fn of(rows: usize, cols: usize) -> Self {
+        Self {
+            rows,
+            groups_per_row: groups(cols),
+        }
+    }
+    /// Blocks per row, padding included.
+    pub fn blocks_per_row(&self) -> usize {
+        self.groups_per_row * GROUP
+    }
+    pub fn blocks(&self) -> usize {
+        self.rows * self.blocks_per_row()
+    }
+    pub fn heads_bytes(&self) -> usize {
+        self.blocks() * Q4K_HEAD_BYTES
+    }
+    pub fn qs_bytes(&self) -> usize {
+        self.blocks() * Q4K_QS_BYTES
+    }
+}
+
 /// Groups per row of `cols` Q4_K columns.
 fn groups(cols: usize) -> usize {
     (cols / Q4K_WEIGHTS).div_ceil(GROUP)
@@ -64,8 +94,9 @@ fn check(bytes: &[u8], rows: usize, cols: usize) -> Result<usize, RepackError> {
 pub fn q4k(bytes: &[u8], rows: usize, cols: usize) -> Result<Q4kTiles, RepackError> {
     let nb = check(bytes, rows, cols)?;
     let ng = groups(cols);
-    let mut heads = vec![0u8; rows * ng * GROUP * Q4K_HEAD_BYTES];
-    let mut qs = vec![0u8; rows * ng * GROUP * Q4K_QS_BYTES];
+    let shape = Q4kShape::of(rows, cols);
+    let mut heads = vec![0u8; shape.heads_bytes()];
+    let mut qs = vec![0u8; shape.qs_bytes()];
     for row in 0..rows {
         for b in 0..nb {
             let block = &bytes[(row * nb + b) * Q4K_BLOCK_BYTES..][..Q4K_BLOCK_BYTES];

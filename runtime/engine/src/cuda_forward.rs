@@ -247,7 +247,7 @@ fn dtype_code(m: &Mat) -> u32 {
         DType::Q8_0 => 4,
         DType::Q5_0 => 5,
         DType::Q5_1 => 6,
-        DType::Q4_K => 7,
+        DType::Q4_K => Q4K_CODE,
         DType::Q5_K => 8,
         DType::Q6_K => 9,
         DType::BF16 => 10,
@@ -318,6 +318,139 @@ impl Splits {
     }
 }
 
+/// The weights on the device.
+struct DevWeights {
+    tok_embd: DevMat,
+    output: DevMat,
+    output_norm: DevicePtr,
+    rope_factors: DevicePtr,
+    layers: Vec<DevLayer>,
+}
+
+/// Flash decoding's limits: head_dim a power of two in 8..=[`MAX_HEAD_DIM`], up to
+/// [`MAX_GQA_GROUP`] query heads per KV head.
+fn check_attention_shape(c: &ModelConfig) -> Result<(), CudaForwardError> {
+    let group = c.n_heads / c.n_kv_heads;
+    if !c.head_dim.is_power_of_two()
+        || !(8..=MAX_HEAD_DIM).contains(&c.head_dim)
+        || group > MAX_GQA_GROUP
+    {
+        return Err(CudaForwardError::AttentionShape {
+            head_dim: c.head_dim,
+            group,
+        });
+    }
+    Ok(())
+}
+
+/// `DType::Q4_K`'s code in `custody_weight`.
+const Q4K_CODE: u32 = 7;
+const Q4K_WEIGHTS: usize = 256;
+const Q4K_BLOCK_BYTES: usize = 144;
+
+/// Parts of one kind, `stride_bytes` apart.
+#[derive(Clone, Copy)]
+struct Strided {
+    at: DevicePtr,
+    stride_bytes: u64,
+}
+
+/// `custody_fill_q4k` over `n_blocks` blocks, grid-striding.
+fn fill_q4k<D: Device>(
+    dev: &mut D,
+    heads: Strided,
+    qs: Strided,
+    n_blocks: usize,
+    blocks_per_row: usize,
+    real_per_row: usize,
+    seed: u64,
+) -> Result<(), DeviceError> {
+    let args = [
+        Arg::Ptr(heads.at),
+        Arg::U64(heads.stride_bytes),
+        Arg::Ptr(qs.at),
+        Arg::U64(qs.stride_bytes),
+        Arg::U64(n_blocks as u64),
+        Arg::U32(blocks_per_row as u32),
+        Arg::U32(real_per_row as u32),
+        Arg::U64(seed),
+    ];
+    let blocks = (n_blocks.div_ceil(THREADS as usize) as u32).clamp(1, 4096);
+    dev.launch(
+        Kernel::FillQ4K,
+        LaunchDims::grid2(blocks, 1, THREADS),
+        &args,
+    )
+}
+
+/// A `rows × cols` Q4_K matrix of random blocks, in the GEMV's tiles.
+fn fill_q4k_tiles<D: Device>(
+    dev: &mut D,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<DevMat, DeviceError> {
+    assert!(cols.is_multiple_of(Q4K_WEIGHTS), "whole super-blocks");
+    let tiles = custody_cuda::repack::Q4kShape::of(rows, cols);
+    let heads = dev.alloc_zeroed(tiles.heads_bytes())?;
+    let qs = dev.alloc_zeroed(tiles.qs_bytes())?;
+    fill_q4k(
+        dev,
+        Strided {
+            at: heads,
+            stride_bytes: 16,
+        },
+        Strided {
+            at: qs,
+            stride_bytes: 128,
+        },
+        tiles.blocks(),
+        tiles.blocks_per_row(),
+        cols / Q4K_WEIGHTS,
+        seed,
+    )?;
+    Ok(DevMat {
+        layout: Layout::Q4kTiles { heads, qs },
+        dtype: Q4K_CODE,
+        rows: rows as u32,
+        cols: cols as u32,
+    })
+}
+
+/// A `rows × cols` Q4_K table of random blocks in the file's layout (the embedding's).
+fn fill_q4k_table<D: Device>(
+    dev: &mut D,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<DevMat, DeviceError> {
+    assert!(cols.is_multiple_of(Q4K_WEIGHTS), "whole super-blocks");
+    let per_row = cols / Q4K_WEIGHTS;
+    let bytes = dev.alloc_zeroed(rows * per_row * Q4K_BLOCK_BYTES)?;
+    let stride = Q4K_BLOCK_BYTES as u64;
+    fill_q4k(
+        dev,
+        Strided {
+            at: bytes,
+            stride_bytes: stride,
+        },
+        Strided {
+            at: bytes.offset(16),
+            stride_bytes: stride,
+        },
+        rows * per_row,
+        per_row,
+        per_row,
+        seed,
+    )?;
+    Ok(DevMat {
+        layout: Layout::Gguf(bytes),
+        dtype: Q4K_CODE,
+        rows: rows as u32,
+        cols: cols as u32,
+    })
+}
+
 fn upload_bytes<D: Device>(dev: &mut D, bytes: &[u8]) -> Result<DevicePtr, DeviceError> {
     let ptr = dev.alloc_zeroed(bytes.len())?;
     dev.upload(ptr, bytes)?;
@@ -333,18 +466,8 @@ impl<D: Device> CudaForward<D> {
         pool: &PagePool,
         max_rows: usize,
     ) -> Result<Self, CudaForwardError> {
-        assert!(max_rows > 0);
         let c = model.config.clone();
-        let group = c.n_heads / c.n_kv_heads;
-        if !c.head_dim.is_power_of_two()
-            || !(8..=MAX_HEAD_DIM).contains(&c.head_dim)
-            || group > MAX_GQA_GROUP
-        {
-            return Err(CudaForwardError::AttentionShape {
-                head_dim: c.head_dim,
-                group,
-            });
-        }
+        check_attention_shape(&c)?;
         // A product's weights: Q4_K in the GEMV's tiles, every other type as in the file.
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
             let bytes = model.tensor_bytes(m);
@@ -423,6 +546,72 @@ impl<D: Device> CudaForward<D> {
                 w_down: upload_mat(&mut dev, &l.w_down)?,
             });
         }
+        let w = DevWeights {
+            tok_embd,
+            output,
+            output_norm,
+            rope_factors,
+            layers,
+        };
+        Ok(Self::with_weights(dev, c, w, pool, max_rows)?)
+    }
+
+    /// A model of `config`'s shape whose weights are made on the device
+    /// (`custody_fill_q4k`, deterministic in `seed`): every product Q4_K in the GEMV's tiles,
+    /// the embedding Q4_K in the file's layout, norms 1 — for measuring speed at served sizes
+    /// (`custody gpu-check speed`) without writing or uploading gigabytes. Llama-family
+    /// configurations only (no biases, no Q/K norm).
+    pub fn synthetic(
+        mut dev: D,
+        config: ModelConfig,
+        pool: &PagePool,
+        max_rows: usize,
+        seed: u64,
+    ) -> Result<Self, CudaForwardError> {
+        let c = config;
+        check_attention_shape(&c)?;
+        let mut n = 0u64;
+        let mut mat = |dev: &mut D, rows: usize, cols: usize| {
+            n += 1;
+            fill_q4k_tiles(dev, rows, cols, seed.wrapping_add(n))
+        };
+        let ones = |dev: &mut D, len: usize| upload_bytes(dev, f32_bytes(&vec![1.0f32; len]));
+        let mut layers = Vec::with_capacity(c.n_layers);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        for _ in 0..c.n_layers {
+            layers.push(DevLayer {
+                attn_norm: ones(&mut dev, c.dim)?,
+                wq: mat(&mut dev, qd, c.dim)?,
+                wk: mat(&mut dev, kvd, c.dim)?,
+                wv: mat(&mut dev, kvd, c.dim)?,
+                wo: mat(&mut dev, c.dim, qd)?,
+                ffn_norm: ones(&mut dev, c.dim)?,
+                w_gate: mat(&mut dev, c.ffn_dim, c.dim)?,
+                w_up: mat(&mut dev, c.ffn_dim, c.dim)?,
+                w_down: mat(&mut dev, c.dim, c.ffn_dim)?,
+                qkv_bias: None,
+                qk_norm: None,
+            });
+        }
+        let w = DevWeights {
+            tok_embd: fill_q4k_table(&mut dev, c.vocab_size, c.dim, seed)?,
+            output: mat(&mut dev, c.vocab_size, c.dim)?,
+            output_norm: ones(&mut dev, c.dim)?,
+            rope_factors: ones(&mut dev, c.rope_dims / 2)?,
+            layers,
+        };
+        Ok(Self::with_weights(dev, c, w, pool, max_rows)?)
+    }
+
+    /// The device pool and buffers beside uploaded weights.
+    fn with_weights(
+        mut dev: D,
+        c: ModelConfig,
+        w: DevWeights,
+        pool: &PagePool,
+        max_rows: usize,
+    ) -> Result<Self, DeviceError> {
+        assert!(max_rows > 0);
         // The engine refuses any other cache type on this backend before it gets here.
         assert_eq!(
             pool.geometry().kv,
@@ -436,11 +625,11 @@ impl<D: Device> CudaForward<D> {
             page_size: pool.page_size(),
             config: c,
             max_rows,
-            tok_embd,
-            output,
-            output_norm,
-            rope_factors,
-            layers,
+            tok_embd: w.tok_embd,
+            output: w.output,
+            output_norm: w.output_norm,
+            rope_factors: w.rope_factors,
+            layers: w.layers,
             kv,
             bufs,
             audit_tags: true,

@@ -16,6 +16,7 @@ pub mod actor;
 pub mod config;
 pub mod cuda_check;
 pub mod cuda_forward;
+pub mod cuda_speed;
 pub mod decoding;
 pub mod doors;
 pub mod engine;

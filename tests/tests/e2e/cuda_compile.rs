@@ -47,24 +47,8 @@ fn check(extra: &[&std::ffi::OsStr]) -> serde_json::Value {
         report["nvrtc"], "13.0",
         "pinned to CUDA 13.0 (driver 580 on the lent GPUs)"
     );
-    for k in [
-        "custody_page_checksum",
-        "custody_tag_check",
-        "custody_tag_apply",
-        "custody_flash_decode",
-        "custody_flash_merge",
-        "custody_rms_norm",
-        "custody_add_rms_norm",
-        "custody_rope",
-        "custody_swiglu",
-        "custody_softmax",
-        "custody_matvec",
-        "custody_gemv_q4k",
-        "custody_copy_chunks",
-        "custody_embed",
-        "custody_add_rows",
-        "custody_kv_write",
-    ] {
+    // Every kernel the host launches.
+    for k in custody_cuda::Kernel::ALL.iter().map(|k| k.name()) {
         let r = &report["kernels"][k];
         assert!(
             r["cubin_bytes"].as_u64().unwrap_or(0) > 0,

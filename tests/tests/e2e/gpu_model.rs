@@ -3,9 +3,9 @@
 //! pass on the counting shim moves at most 1.15× the ideal bytes (weights once, K/V once), its
 //! hot kernels (the Q4_K GEMV, flash decoding) are ≥ 90 % coalesced, every kernel it launches is
 //! counted (a kernel whose accesses bypass `CUSTODY_LD`/`CUSTODY_ST` would show as moving
-//! nothing), and the step's launch count is the forward pass's (one per kernel: no CUDA graph
-//! yet — the model prices each at 4 µs). The served shapes' figures: `cargo run -p custody-tests
-//! --example gpu_model` (BENCHMARKS.md).
+//! nothing), and the step is one graph launch of the host whose nodes are every kernel of the
+//! forward pass (the model prices the launch at 4 µs, each node at 1 µs). The served shapes'
+//! figures: `cargo run -p custody-tests --example gpu_model` (BENCHMARKS.md).
 
 use custody_cuda::Kernel;
 use custody_tests::gpu_model::{self, Shape};
@@ -75,4 +75,75 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
             m.tag_bytes
         );
     }
+}
+
+/// `custody gpu-check speed`'s measurement (`custody_engine::cuda_speed`) on the shim at a tiny
+/// shape: weights made on the device, decode at two batch sizes over a written context, a
+/// prefill — every row passing its tag check — with steps replayed as graphs; and a model
+/// made on the device gives finite logits that depend on the token.
+#[test]
+fn the_speed_check_runs_on_weights_made_on_the_device() {
+    use custody_kernels::attention::{KvType, PageGeometry, Reader, ReduceOrder, TagCheck};
+    use custody_runtime::cuda_forward::CudaForward;
+    use custody_runtime::cuda_speed::{self, SpeedPlan};
+    use custody_runtime::kv::PagePool;
+    use custody_runtime::model::{Logits, Rows, Segment};
+    use custody_tests::cuda_shim::ShimDevice;
+
+    let tiny = Shape {
+        name: "tiny",
+        n_layers: 2,
+        dim: 256,
+        ffn_dim: 512,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab: 512,
+    };
+    let plan = SpeedPlan {
+        batches: vec![1, 3],
+        ctx: 40,
+        warmup: 1,
+        steps: 2,
+        prefill_tokens: 24,
+    };
+    let s = cuda_speed::measure(ShimDevice::new(0), tiny, &plan, 5).expect("measured");
+    assert_eq!(s.decode.len(), 2);
+    for d in &s.decode {
+        assert!(d.tok_s.is_finite() && d.tok_s > 0.0, "{d:?}");
+    }
+    assert!(s.prefill_tok_s.is_finite() && s.prefill_tok_s > 0.0);
+    // Batch 1, batch 3 (padded to 4) — 3 pages of context, rounded up to 4, throughout — and
+    // the 24-row prefill (a graph too: at most 256 rows).
+    assert_eq!(s.graphs_held, 3);
+    let table = cuda_speed::render(&s, Some(&s));
+    assert!(table.contains("| 3 | 40 |"), "{table}");
+
+    let geom = PageGeometry {
+        page_size: 16,
+        n_kv_heads: 2,
+        head_dim: 64,
+        kv: KvType::F16,
+    };
+    let mut pool = PagePool::new(geom, tiny.n_layers, 4);
+    let mut fwd = CudaForward::synthetic(ShimDevice::new(0), tiny.config(64), &pool, 4, 9)
+        .expect("made on the device");
+    let pages = pool.alloc(1, 1).expect("alloc");
+    let tokens = [3u32, 300];
+    let seg = Segment {
+        tokens: &tokens,
+        start_pos: 0,
+        block_table: &pages,
+        reader: Reader::private(1),
+        logits: Logits::All,
+        order: ReduceOrder::Gemm,
+        rows: Rows::Prompt { len: 2, chunk: 2 },
+        check: TagCheck::Enforced,
+    };
+    let out = fwd.forward(&mut pool, &[seg]).expect("forward");
+    let l = out[0].as_ref().expect("passes its check");
+    assert_eq!(l.len(), 2 * tiny.vocab);
+    assert!(l.iter().all(|x| x.is_finite()), "non-finite logits");
+    let (a, b) = l.split_at(tiny.vocab);
+    assert!(a != b, "both tokens gave the same logits");
+    assert!(a.iter().any(|&x| x != a[0]), "constant logits");
 }
