@@ -220,18 +220,20 @@ pub fn decode_step(
             1.0
         }
     };
-    // A copy between two of one layer's launches is the layer's; any other, the step's.
+    // The step's copies (`CudaForward::forward`'s order): its inputs up, the last of them the
+    // poisoned verdicts (one per row and layer); then, after the graph, the verdicts down (one
+    // per row and layer) and each row's logits (as wide as the real vocabulary). No copy falls
+    // between two launches (`e2e::gpu_model` asserts the totals).
     let (mut up, mut down) = (0.0f64, 0.0f64);
-    for t in &dev.transfers {
-        let k = t.after_launches as usize;
-        let layer_copy = k >= 1 && in_layer(k - 1) && in_layer(k);
-        // After the head: the logits, as wide as the real vocabulary.
-        let scale = if layer_copy {
+    let last_up = dev.transfers.iter().rposition(|t| t.to_device);
+    let first_down = dev.transfers.iter().position(|t| !t.to_device);
+    for (i, t) in dev.transfers.iter().enumerate() {
+        let scale = if Some(i) == last_up || Some(i) == first_down {
             shape.n_layers as f64
-        } else if k == n {
-            shape.vocab as f64 / counted_vocab as f64
-        } else {
+        } else if t.to_device {
             1.0
+        } else {
+            shape.vocab as f64 / counted_vocab as f64
         };
         let bytes = t.bytes as f64 * scale;
         if t.to_device {

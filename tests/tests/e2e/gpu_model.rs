@@ -60,11 +60,12 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
         );
         assert_eq!(m.graph_nodes(), m.launches(), "batch {batch}");
         assert_eq!(m.host_launches(), 1.0, "batch {batch}: one graph per step");
-        // The logits come back whole, as wide as the model's vocabulary.
-        assert!(
-            m.device_to_host_bytes >= (batch * SMALL.vocab * 4) as f64,
-            "batch {batch}: {} B back per step",
-            m.device_to_host_bytes
+        // Back per step: each row's logits whole, as wide as the model's vocabulary, and one
+        // 24-byte verdict per row and layer.
+        assert_eq!(
+            m.device_to_host_bytes,
+            (batch * SMALL.vocab * 4 + SMALL.n_layers * batch * 24) as f64,
+            "batch {batch}: bytes back per step"
         );
         // The tags cross once per step, and only the changed pages' (one per row here: its
         // last page), never the pool's: the bytes the tag sync writes on the device.
