@@ -386,6 +386,134 @@ extern "C" __global__ void custody_gemv_q4k(const uint4* heads, const uint4* qs,
     }
 }
 
+// Q6_K in `custody_cuda::repack::q6k`'s tiles (groups of 8 super-blocks; lane l owns elements
+// 4l..4l+3 and 128+4l..128+4l+3 of every block): per group, heads[9t] the 8 blocks' f16 d,
+// heads[9t + 1 + s] block s's 16 int8 scales; qs[(3t + j)·32 + l] lane l's 16 bytes of chunk j —
+// its low nibbles of blocks 0–3 (j = 0) and 4–7 (j = 1) as words, its high pairs of blocks 0–7
+// as half-words (j = 2). Three 512-byte coalesced warp loads per group; the heads are
+// broadcasts; each of a lane's two x loads is a warp's contiguous 512 bytes. Each half of a
+// lane's values shares one scale: index 2·(l / 8) + (l % 8) / 4, and 8 more for the second
+// (ggml's order). Grid and block as custody_gemv_q4k.
+// Σ (q_i − 32) · x_i over values i0..i0+3 of a lane's 8 (low nibbles `lo`, high pairs `hi`).
+__device__ __forceinline__ float custody_dot4_q6(custody_u32 lo, custody_u32 hi, custody_u32 i0,
+                                                 float4 a) {
+#define CUSTODY_Q6(i) ((float)(((lo >> (4 * (i))) & 0xfu) | (((hi >> (2 * (i))) & 3u) << 4)) - 32.0f)
+    return (CUSTODY_Q6(i0) * a.x + CUSTODY_Q6(i0 + 1) * a.y) +
+           (CUSTODY_Q6(i0 + 2) * a.z + CUSTODY_Q6(i0 + 3) * a.w);
+#undef CUSTODY_Q6
+}
+
+__device__ __forceinline__ custody_u32 custody_word_of(uint4 v, custody_u32 i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+extern "C" __global__ void custody_gemv_q6k(const uint4* heads, const uint4* qs, custody_u32 rows,
+                                           custody_u32 cols, const float* x, custody_u32 n,
+                                           float* out) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= rows) return;  // the whole warp: no collective below is left half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    const custody_u32 nb = cols / 256, groups = (nb + 7) / 8;
+    const custody_u32 sidx = 2 * (lane / 8) + (lane % 8) / 4;
+    float acc[CUSTODY_GEMV_BATCH];
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) acc[r] = 0.0f;
+    for (custody_u32 g = 0; g < groups; g++) {
+        const custody_u64 t = (custody_u64)row * groups + g;
+        const uint4 lo_a = CUSTODY_LD(qs + (3 * t + 0) * 32 + lane);
+        const uint4 lo_b = CUSTODY_LD(qs + (3 * t + 1) * 32 + lane);
+        const uint4 hi = CUSTODY_LD(qs + (3 * t + 2) * 32 + lane);
+        const uint4 ds = CUSTODY_LD(heads + 9 * t);
+#pragma unroll
+        for (custody_u32 s = 0; s < 8; s++) {
+            const custody_u32 b = 8 * g + s;
+            if (b >= nb) break;  // the same for every lane
+            const uint4 sc = CUSTODY_LD(heads + 9 * t + 1 + s);
+            const custody_u32 sb = sidx + 8;
+            const signed char scale_a =
+                (signed char)((custody_word_of(sc, sidx / 4) >> (8 * (sidx % 4))) & 0xffu);
+            const signed char scale_b =
+                (signed char)((custody_word_of(sc, sb / 4) >> (8 * (sb % 4))) & 0xffu);
+            const float d = custody_half_to_float(
+                (unsigned short)((custody_word_of(ds, s / 2) >> (16 * (s % 2))) & 0xffffu));
+            const float da = d * (float)scale_a, db = d * (float)scale_b;
+            const custody_u32 lo = custody_word_of(s < 4 ? lo_a : lo_b, s % 4);
+            const custody_u32 h = (custody_word_of(hi, s / 2) >> (16 * (s % 2))) & 0xffffu;
+            const custody_u32 k = 256 * b + 4 * lane;
+#pragma unroll
+            for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+                if (r >= nr) break;
+                const float* xr = x + (custody_u64)(r0 + r) * cols + k;
+                const float4 xa = CUSTODY_LD((const float4*)xr);
+                const float4 xb = CUSTODY_LD((const float4*)(xr + 128));
+                acc[r] += da * custody_dot4_q6(lo, h, 0, xa) + db * custody_dot4_q6(lo, h, 4, xb);
+            }
+        }
+    }
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+        float v = acc[r];
+        for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+        if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
+    }
+}
+
+// Q8_0 in `custody_cuda::repack::q8_0`'s tiles (groups of 8 blocks = 256 elements): heads[t] the 8
+// blocks' f16 d; qs[32t + l] lane l's 8 quants, elements 4l..4l+3 (block l / 8) and
+// 128+4l..128+4l+3 (block 4 + l / 8) of the group. One 256-byte coalesced warp load per group,
+// two contiguous 512-byte x loads; a half of a lane's values lying past `cols` (the last group's
+// padding) adds nothing and reads no x. Grid and block as custody_gemv_q4k.
+extern "C" __global__ void custody_gemv_q8_0(const uint4* heads, const uint2* qs, custody_u32 rows,
+                                            custody_u32 cols, const float* x, custody_u32 n,
+                                            float* out) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= rows) return;  // the whole warp: no collective below is left half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    const custody_u32 groups = (cols / 32 + 7) / 8;
+    float acc[CUSTODY_GEMV_BATCH];
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) acc[r] = 0.0f;
+    for (custody_u32 g = 0; g < groups; g++) {
+        const custody_u32 ka = 256 * g + 4 * lane, kb = ka + 128;
+        if (ka >= cols) continue;  // padding: per lane, no collective inside the loop
+        const custody_u64 t = (custody_u64)row * groups + g;
+        const uint2 q = CUSTODY_LD(qs + 32 * t + lane);
+        const uint4 ds = CUSTODY_LD(heads + t);
+        const custody_u32 ba = lane / 8, bb = 4 + lane / 8;
+        const float da = custody_half_to_float(
+            (unsigned short)((custody_word_of(ds, ba / 2) >> (16 * (ba % 2))) & 0xffffu));
+        const float db = custody_half_to_float(
+            (unsigned short)((custody_word_of(ds, bb / 2) >> (16 * (bb % 2))) & 0xffffu));
+        const bool second = kb < cols;
+#define CUSTODY_Q8(w, i) ((float)(signed char)(((w) >> (8 * (i))) & 0xffu))
+#pragma unroll
+        for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+            if (r >= nr) break;
+            const float* xr = x + (custody_u64)(r0 + r) * cols;
+            const float4 xa = CUSTODY_LD((const float4*)(xr + ka));
+            float v = da * ((CUSTODY_Q8(q.x, 0) * xa.x + CUSTODY_Q8(q.x, 1) * xa.y) +
+                            (CUSTODY_Q8(q.x, 2) * xa.z + CUSTODY_Q8(q.x, 3) * xa.w));
+            if (second) {
+                const float4 xb = CUSTODY_LD((const float4*)(xr + kb));
+                v += db * ((CUSTODY_Q8(q.y, 0) * xb.x + CUSTODY_Q8(q.y, 1) * xb.y) +
+                           (CUSTODY_Q8(q.y, 2) * xb.z + CUSTODY_Q8(q.y, 3) * xb.w));
+            }
+            acc[r] += v;
+        }
+#undef CUSTODY_Q8
+    }
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+        float v = acc[r];
+        for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+        if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
+    }
+}
+
 // The embedding rows of `tokens`: out[r] = row tokens[r] of `w` (`rows × cols` in `dtype`),
 // dequantized to f32. Grid (n), block (128).
 extern "C" __global__ void custody_embed(const unsigned char* w, custody_u32 dtype, custody_u32 cols,
@@ -397,6 +525,17 @@ extern "C" __global__ void custody_embed(const unsigned char* w, custody_u32 dty
     float* o = out + (custody_u64)r * cols;
     for (custody_u32 k = threadIdx.x; k < cols; k += CUSTODY_OPS_THREADS)
         CUSTODY_ST(o + k, custody_weight(w, dtype, cols, token, k));
+}
+
+// The rows the output head computes: dst[i] = src[idx[i]] (`width` floats each) — the rows
+// whose logits a step returns, so that a prompt's head runs once, not once per token.
+// Grid (n), block (128).
+extern "C" __global__ void custody_gather_rows(const float* src, const custody_u32* idx,
+                                              custody_u32 width, float* dst) {
+    const custody_u64 from = (custody_u64)CUSTODY_LD(idx + blockIdx.x) * width;
+    const custody_u64 to = (custody_u64)blockIdx.x * width;
+    for (custody_u32 i = threadIdx.x; i < width; i += CUSTODY_OPS_THREADS)
+        CUSTODY_ST(dst + to + i, CUSTODY_LD(src + from + i));
 }
 
 // KV page gather/scatter of the transfer path: copy chunk i (`len[i]` bytes) from

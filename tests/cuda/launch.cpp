@@ -286,6 +286,15 @@ void generic_body(void* c) {
         custody_tag_check(PTR(0, const CustodyPageRef*), PTR(1, const custody_u32*),
                           PTR(2, const custody_u32*), PTR(3, const custody_u32*),
                           PTR(4, const custody_u64*), U32(5), TAGS(6), PTR(7, CustodyVerdict*));
+    } else if (!strcmp(n, "custody_gemv_q6k")) {
+        custody_gemv_q6k(PTR(0, const uint4*), PTR(1, const uint4*), U32(2), U32(3),
+                         PTR(4, const float*), U32(5), PTR(6, float*));
+    } else if (!strcmp(n, "custody_gemv_q8_0")) {
+        custody_gemv_q8_0(PTR(0, const uint4*), PTR(1, const uint2*), U32(2), U32(3),
+                          PTR(4, const float*), U32(5), PTR(6, float*));
+    } else if (!strcmp(n, "custody_gather_rows")) {
+        custody_gather_rows(PTR(0, const float*), PTR(1, const custody_u32*), U32(2),
+                            PTR(3, float*));
     } else if (!strcmp(n, "custody_fill_q4k")) {
         custody_fill_q4k(PTR(0, unsigned char*), U64(1), PTR(2, unsigned char*), U64(3), U64(4),
                          U32(5), U32(6), U64(7));

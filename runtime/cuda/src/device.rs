@@ -186,6 +186,8 @@ kernels! {
     AddRmsNorm = "custody_add_rms_norm", 6;
     Matvec = "custody_matvec", 6;
     GemvQ4K = "custody_gemv_q4k", 7;
+    GemvQ6K = "custody_gemv_q6k", 7;
+    GemvQ8_0 = "custody_gemv_q8_0", 7;
     Rope = "custody_rope", 8;
     KvWrite = "custody_kv_write", 9;
     FlashDecode = "custody_flash_decode", 16;
@@ -198,6 +200,7 @@ kernels! {
     PageChecksum = "custody_page_checksum", 5;
     CopyChunks = "custody_copy_chunks", 5;
     FillQ4K = "custody_fill_q4k", 8;
+    GatherRows = "custody_gather_rows", 4;
 }
 
 /// What a device operation can fail with.

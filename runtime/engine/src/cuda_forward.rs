@@ -27,6 +27,7 @@
 //!   for bit (`e2e::cuda_forward`).
 
 use custody_cuda::device::{bytes_of, bytes_of_mut};
+use custody_cuda::repack::RepackError;
 use custody_cuda::{
     Arg, Device, DeviceError, DevicePtr, DeviceTags, GraphId, Kernel, LaunchDims, Verdict,
 };
@@ -96,8 +97,26 @@ struct DevMat {
 enum Layout {
     /// The GGUF bytes as they are in the file (`custody_matvec`, `custody_embed`).
     Gguf(DevicePtr),
-    /// Q4_K in `custody_gemv_q4k`'s tiles (`custody_cuda::repack::q4k`): heads, then quants.
-    Q4kTiles { heads: DevicePtr, qs: DevicePtr },
+    /// In a GEMV's tiles (`custody_cuda::repack`): Q4_K (`custody_gemv_q4k`), Q6_K
+    /// (`custody_gemv_q6k`), Q8_0 (`custody_gemv_q8_0`) — `gemv` is the kernel that reads them.
+    Tiles {
+        gemv: Kernel,
+        heads: DevicePtr,
+        qs: DevicePtr,
+    },
+}
+
+/// The GEMV and tile layout for weights of `dtype`, if it has one (else `custody_matvec` reads
+/// the file's bytes).
+type Repack = fn(&[u8], usize, usize) -> Result<custody_cuda::repack::Tiles, RepackError>;
+
+fn tiled(dtype: DType) -> Option<(Kernel, Repack)> {
+    match dtype {
+        DType::Q4_K => Some((Kernel::GemvQ4K, custody_cuda::repack::q4k)),
+        DType::Q6_K => Some((Kernel::GemvQ6K, custody_cuda::repack::q6k)),
+        DType::Q8_0 => Some((Kernel::GemvQ8_0, custody_cuda::repack::q8_0)),
+        _ => None,
+    }
 }
 
 impl DevMat {
@@ -105,7 +124,7 @@ impl DevMat {
     fn gguf(&self) -> DevicePtr {
         match self.layout {
             Layout::Gguf(p) => p,
-            Layout::Q4kTiles { .. } => {
+            Layout::Tiles { .. } => {
                 unreachable!("the embedding is uploaded in the file's layout")
             }
         }
@@ -193,6 +212,8 @@ struct Buffers {
     table_len: DevicePtr,
     n_ctx: DevicePtr,
     owners: DevicePtr,
+    /// The rows the head computes in a kernel-by-kernel step ([`StepShape::head_rows`]).
+    head_rows: DevicePtr,
     verdicts: DevicePtr,
     /// Flash decoding's per-(row, split) partial outputs and first failing page indices.
     partial: DevicePtr,
@@ -234,6 +255,9 @@ struct StepShape {
     rows: usize,
     splits: Splits,
     graph: bool,
+    /// Rows the output head computes: all `rows` in a graph; in a kernel-by-kernel step only
+    /// the rows whose logits are returned, gathered first (`custody_gather_rows`).
+    head_rows: usize,
 }
 
 /// `CustodyDType` in kernels/cuda/ops.cu. Exhaustive: a weight type the engine gains does not
@@ -410,7 +434,11 @@ fn fill_q4k_tiles<D: Device>(
         seed,
     )?;
     Ok(DevMat {
-        layout: Layout::Q4kTiles { heads, qs },
+        layout: Layout::Tiles {
+            gemv: Kernel::GemvQ4K,
+            heads,
+            qs,
+        },
         dtype: Q4K_CODE,
         rows: rows as u32,
         cols: cols as u32,
@@ -468,22 +496,25 @@ impl<D: Device> CudaForward<D> {
     ) -> Result<Self, CudaForwardError> {
         let c = model.config.clone();
         check_attention_shape(&c)?;
-        // A product's weights: Q4_K in the GEMV's tiles, every other type as in the file.
+        // A product's weights: Q4_K, Q6_K and Q8_0 in their GEMV's tiles, every other type as
+        // in the file.
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
             let bytes = model.tensor_bytes(m);
-            let layout = if m.dtype == DType::Q4_K {
-                let t = custody_cuda::repack::q4k(bytes, m.rows, m.cols).map_err(|source| {
-                    CudaForwardError::Repack {
-                        name: m.name.clone(),
-                        source,
+            let layout = match tiled(m.dtype) {
+                Some((gemv, repack)) => {
+                    let t = repack(bytes, m.rows, m.cols).map_err(|source| {
+                        CudaForwardError::Repack {
+                            name: m.name.clone(),
+                            source,
+                        }
+                    })?;
+                    Layout::Tiles {
+                        gemv,
+                        heads: upload_bytes(dev, &t.heads)?,
+                        qs: upload_bytes(dev, &t.qs)?,
                     }
-                })?;
-                Layout::Q4kTiles {
-                    heads: upload_bytes(dev, &t.heads)?,
-                    qs: upload_bytes(dev, &t.qs)?,
                 }
-            } else {
-                Layout::Gguf(upload_bytes(dev, bytes)?)
+                None => Layout::Gguf(upload_bytes(dev, bytes)?),
             };
             Ok(DevMat {
                 layout,
@@ -508,9 +539,10 @@ impl<D: Device> CudaForward<D> {
         };
         let tok_embd = upload_table(&mut dev, &model.tok_embd)?;
         // A tied output head shares the table's bytes unless the product reads another layout
-        // (a Q4_K table is then held twice: the file's for lookups, the tiles for the head).
+        // (a tiled type's table is then held twice: the file's for lookups, the tiles for the
+        // head).
         let output =
-            if model.output.name == model.tok_embd.name && model.output.dtype != DType::Q4_K {
+            if model.output.name == model.tok_embd.name && tiled(model.output.dtype).is_none() {
                 tok_embd
             } else {
                 upload_mat(&mut dev, &model.output)?
@@ -685,6 +717,7 @@ impl<D: Device> CudaForward<D> {
             table_len: f(rows)?,
             n_ctx: f(rows)?,
             owners: f(rows * 2)?,
+            head_rows: f(rows)?,
             // One verdict per row and layer (6 words each): read once after the step.
             verdicts: f(c.n_layers * rows * 6)?,
             partial: f(split_capacity(rows) * c.n_heads * (c.head_dim + 2))?,
@@ -849,7 +882,7 @@ impl<D: Device> CudaForward<D> {
                     &args,
                 )
             }
-            Layout::Q4kTiles { heads, qs } => {
+            Layout::Tiles { gemv, heads, qs } => {
                 let args = [
                     Arg::Ptr(heads),
                     Arg::Ptr(qs),
@@ -864,7 +897,7 @@ impl<D: Device> CudaForward<D> {
                     (rows as u32).div_ceil(GEMV_BATCH),
                     THREADS,
                 );
-                self.launch(Kernel::GemvQ4K, dims, &args)
+                self.launch(gemv, dims, &args)
             }
         }
     }
@@ -1061,7 +1094,12 @@ impl<D: Device> CudaForward<D> {
         let rows = Rows::of(segments);
         assert!(!rows.positions.is_empty(), "forward: empty batch");
         self.check_batch(segments, &rows)?;
-        let shape = self.step_shape(&rows);
+        let wanted = wanted_rows(segments, &rows);
+        let shape = self.step_shape(&rows, wanted.len());
+        if !shape.graph {
+            let b = self.bufs.head_rows;
+            self.upload_u32(b, &wanted)?;
+        }
         self.upload_inputs(segments, &rows, shape.rows)?;
         self.upload_tables(segments, &rows, shape.rows)?;
         let mut failed: Vec<Option<IntegrityError>> = vec![None; segments.len()];
@@ -1074,13 +1112,13 @@ impl<D: Device> CudaForward<D> {
             self.assert_tags_match(pool)?;
         }
         self.read_verdicts(segments, &rows, shape.rows, poisoned, &mut failed)?;
-        self.read_logits(segments, &rows, failed)
+        self.read_logits(segments, &rows, shape, failed)
     }
 
     /// The step's launch shape: rows padded to a power of two (a graph) or as they are (past
     /// [`MAX_GRAPH_ROWS`]), and the splits of the longest context rounded up to a power of two
     /// of pages (so that the contexts of a decoding batch map to few graphs).
-    fn step_shape(&self, rows: &Rows) -> StepShape {
+    fn step_shape(&self, rows: &Rows, wanted: usize) -> StepShape {
         let c = &self.config;
         let n = rows.positions.len();
         let graph = self.use_graphs && n <= MAX_GRAPH_ROWS;
@@ -1111,6 +1149,7 @@ impl<D: Device> CudaForward<D> {
             rows: padded,
             splits,
             graph,
+            head_rows: if graph { padded } else { wanted },
         }
     }
 
@@ -1159,7 +1198,25 @@ impl<D: Device> CudaForward<D> {
             self.add_rms_norm(bf.x, bf.tmp, next_norm, bf.xn, n)?;
         }
         // `xn` holds the output norm's rows (fused with the last layer's residual add).
-        self.matvec(self.output, bf.xn, bf.logits, n)
+        if shape.graph {
+            return self.matvec(self.output, bf.xn, bf.logits, n);
+        }
+        let h = shape.head_rows;
+        if h == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(bf.xn),
+            Arg::Ptr(bf.head_rows),
+            Arg::U32(c.dim as u32),
+            Arg::Ptr(bf.tmp),
+        ];
+        self.launch(
+            Kernel::GatherRows,
+            LaunchDims::grid2(h as u32, 1, THREADS),
+            &args,
+        )?;
+        self.matvec(self.output, bf.tmp, bf.logits, h)
     }
 
     /// Run the step: its graph replayed (captured first if this shape has none; the oldest
@@ -1464,35 +1521,56 @@ impl<D: Device> CudaForward<D> {
         Ok(())
     }
 
-    /// The logits of the rows each live segment wants, downloaded per segment.
+    /// The logits of the rows each live segment wants, downloaded per segment: at their row in
+    /// a graph's step, at their place among the gathered rows in a kernel-by-kernel one.
     fn read_logits(
         &mut self,
         segments: &[Segment<'_>],
         rows: &Rows,
+        shape: StepShape,
         failed: Vec<Option<IntegrityError>>,
     ) -> Result<Vec<Result<Vec<f32>, IntegrityError>>, CudaForwardError> {
         let vocab = self.config.vocab_size;
         let b = self.bufs;
         let mut results = Vec::with_capacity(segments.len());
+        let mut gathered = 0;
         for (si, (sg, f)) in segments.iter().zip(failed).enumerate() {
+            let wanted = sg.logits.rows(rows.range(si));
+            let first = if shape.graph { wanted.start } else { gathered };
+            gathered += wanted.len();
             if let Some(e) = f {
                 results.push(Err(e));
                 continue;
             }
-            let range = rows.range(si);
-            let wanted = match sg.logits {
-                Logits::None => range.end..range.end,
-                Logits::Last => range.end - 1..range.end,
-                Logits::All => range,
-            };
             let mut l = vec![0.0f32; wanted.len() * vocab];
-            let at = b.logits.offset((wanted.start * vocab * 4) as u64);
+            let at = b.logits.offset((first * vocab * 4) as u64);
             if !l.is_empty() {
                 self.dev.download(at, bytes_of_mut(&mut l))?;
             }
             results.push(Ok(l));
         }
         Ok(results)
+    }
+}
+
+/// The rows whose logits the step returns, segment by segment (what the head computes in a
+/// kernel-by-kernel step).
+fn wanted_rows(segments: &[Segment<'_>], rows: &Rows) -> Vec<u32> {
+    let mut out = Vec::new();
+    for (si, sg) in segments.iter().enumerate() {
+        out.extend(sg.logits.rows(rows.range(si)).map(|r| r as u32));
+    }
+    out
+}
+
+impl Logits {
+    /// Of a segment's batch rows `range`, those whose logits are returned.
+    fn rows(self, range: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        match self {
+            Logits::None => range.end..range.end,
+            Logits::Last => range.end - 1..range.end,
+            Logits::All => range,
+        }
     }
 }
 

@@ -506,3 +506,48 @@ fn steps_replayed_from_graphs_are_the_kernel_by_kernel_steps() {
     let g = d.end_capture().expect("end");
     d.replay(g).expect("an empty graph replays");
 }
+
+/// A prompt longer than a graph's rows (300 > 256) runs kernel by kernel, unpadded, and its
+/// head computes only the row whose logits are returned (gathered first): the CPU's logits
+/// within the tolerance, one gathered row, a head over one row.
+#[test]
+fn a_long_prompt_runs_kernel_by_kernel_and_its_head_computes_one_row() {
+    use custody_cuda::Kernel;
+    let m = model(DType::Q8_0, 5);
+    let (mut cpu_pool, mut dev_pool) = (pool(&m), pool(&m));
+    let mut dev = CudaForward::new(ShimDevice::counting(2), &m, &dev_pool, 320).expect("upload");
+    let pages = cpu_pool.alloc(1, 38).expect("alloc");
+    assert_eq!(dev_pool.alloc(1, 38).expect("alloc"), pages);
+    let s = Seq {
+        owner: 1,
+        tokens: (0..300).map(|t| (t * 13 % 256) as u32).collect(),
+        pages,
+    };
+    let segs = [segment(&s, 0, Logits::Last)];
+    let mut scratch = Scratch::default();
+    let cpu = m.forward(&mut cpu_pool, &segs, &mut scratch);
+    dev.device_mut().take_counts();
+    let gpu = dev.forward(&mut dev_pool, &segs).expect("device forward");
+    let (c, g) = (
+        cpu[0].as_ref().expect("cpu"),
+        gpu[0].as_ref().expect("device"),
+    );
+    assert_eq!(g.len(), m.config.vocab_size);
+    let e = rel_err(c, g);
+    assert!(e <= tolerance(DType::Q8_0), "rel err {e:.2e}");
+    let launches = dev.device_mut().take_counts();
+    assert!(
+        launches.iter().all(|l| !l.in_graph),
+        "300 rows run kernel by kernel"
+    );
+    let gather: Vec<_> = launches
+        .iter()
+        .filter(|l| l.kernel == Kernel::GatherRows)
+        .collect();
+    assert_eq!(gather.len(), 1);
+    assert_eq!(gather[0].dims.grid[0], 1, "one row gathered for the head");
+    let head = launches.last().expect("launches");
+    assert_eq!(head.kernel, Kernel::GemvQ8_0);
+    assert_eq!(head.dims.grid[1], 1, "the head over one row");
+    assert_eq!(head.counts.store_bytes, (m.config.vocab_size * 4) as u64);
+}

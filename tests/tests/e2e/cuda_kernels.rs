@@ -859,15 +859,17 @@ fn the_kv_write_kernel_rounds_to_f16_as_the_cpu_does() {
     }
 }
 
-/// One `custody_gemv_q4k` launch on a counting shim device: the outputs and the launch's counts.
-fn gemv_q4k(
-    tiles: &custody_cuda::repack::Q4kTiles,
+/// One tiled GEMV launch (`custody_gemv_q4k`, `_q6k`, `_q8_0`) on a counting shim device: the
+/// outputs and the launch's counts.
+fn gemv_tiled(
+    kernel: custody_cuda::Kernel,
+    tiles: &custody_cuda::repack::Tiles,
     rows: usize,
     cols: usize,
     x: &[f32],
     seed: u64,
 ) -> (Vec<f32>, cuda_shim::Counts) {
-    use custody_cuda::{Arg, Device, Kernel, LaunchDims};
+    use custody_cuda::{Arg, Device, LaunchDims};
     let n = x.len() / cols;
     let mut dev = cuda_shim::ShimDevice::counting(seed);
     let put = |dev: &mut cuda_shim::ShimDevice, b: &[u8]| {
@@ -890,7 +892,7 @@ fn gemv_q4k(
         Arg::U32(n as u32),
         Arg::Ptr(out),
     ];
-    dev.launch(Kernel::GemvQ4K, dims, &args).expect("launch");
+    dev.launch(kernel, dims, &args).expect("launch");
     let mut got = vec![0.0f32; n * rows];
     dev.download(out, custody_cuda::device::bytes_of_mut(&mut got))
         .expect("download");
@@ -899,28 +901,43 @@ fn gemv_q4k(
     (got, counts[0].counts)
 }
 
-/// The decode GEMV on Q4_K tiles gives the dequantized reference at the shapes that exercise
-/// its edges (a padded last group, rows not a multiple of a block's 4 warps, batches past one
-/// block's 8 rows), the same bits under every schedule; and by count it is what it was built
-/// to be: ≥ 90 % of its sectors are ones a perfectly coalesced access needs, and it moves at most
-/// 1.15× the ideal bytes (the file's weights once, x once, the outputs once) when the columns
-/// fill whole tile groups (as 2,048-, 4,096-, 8,192- and 14,336-wide rows do).
+/// The decode GEMVs on their tiles (Q4_K, Q6_K, Q8_0) give the dequantized reference at the
+/// shapes that exercise their edges (a padded last group, rows not a multiple of a block's 4
+/// warps, batches past one block's 8 rows), the same bits under every schedule; and by count
+/// each is what it was built to be: ≥ 90 % of its sectors are ones a perfectly coalesced access
+/// needs, and it moves at most 1.15× the ideal bytes (the file's weights once, x once, the
+/// outputs once) when the columns fill whole tile groups (as 2,048-, 4,096-, 8,192- and
+/// 14,336-wide rows do for Q4_K; multiples of 2,048 for Q6_K, of 256 for Q8_0).
 #[test]
-fn the_q4k_gemv_matches_the_reference_and_is_coalesced_by_count() {
+fn the_tiled_gemvs_match_the_reference_and_are_coalesced_by_count() {
+    use custody_cuda::Kernel;
+    use custody_cuda::repack;
     use custody_kernels::quant::{DType, dequantize_row};
     let mut rng = Rng(4141);
-    for (rows, cols, n) in [(9, 1280, 3), (4, 256, 1), (6, 2048, 9), (8, 2048, 1)] {
-        let w = weights(&mut rng, DType::Q4_K, rows, cols);
+    type Repack = fn(&[u8], usize, usize) -> Result<repack::Tiles, repack::RepackError>;
+    let kinds: [(DType, Kernel, Repack, usize); 3] = [
+        (DType::Q4_K, Kernel::GemvQ4K, repack::q4k, 4 * 256),
+        (DType::Q6_K, Kernel::GemvQ6K, repack::q6k, 8 * 256),
+        (DType::Q8_0, Kernel::GemvQ8_0, repack::q8_0, 256),
+    ];
+    let shapes = [
+        (9, 1280, 3),
+        (4, 256, 1),
+        (6, 2048, 9),
+        (8, 2048, 1),
+        (5, 2304, 2),
+    ];
+    for ((dtype, kernel, repack, whole), (rows, cols, n)) in kinds
+        .into_iter()
+        .flat_map(|k| shapes.into_iter().map(move |sh| (k, sh)))
+    {
+        let w = weights(&mut rng, dtype, rows, cols);
         let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
         let row_bytes = w.len() / rows;
         let mut want = vec![0.0f32; n * rows];
         let mut deq = vec![0.0f32; cols];
         for o in 0..rows {
-            dequantize_row(
-                DType::Q4_K,
-                &w[o * row_bytes..(o + 1) * row_bytes],
-                &mut deq,
-            );
+            dequantize_row(dtype, &w[o * row_bytes..(o + 1) * row_bytes], &mut deq);
             for r in 0..n {
                 let dot: f64 = deq
                     .iter()
@@ -930,11 +947,11 @@ fn the_q4k_gemv_matches_the_reference_and_is_coalesced_by_count() {
                 want[r * rows + o] = dot as f32;
             }
         }
-        let tiles = custody_cuda::repack::q4k(&w, rows, cols).expect("repack");
-        let what = format!("gemv_q4k {rows}×{cols}, batch {n}");
+        let tiles = repack(&w, rows, cols).expect("repack");
+        let what = format!("{} {rows}×{cols}, batch {n}", kernel.name());
         let mut first: Option<(Vec<f32>, cuda_shim::Counts)> = None;
         for seed in SEEDS {
-            let (got, counts) = gemv_q4k(&tiles, rows, cols, &x, seed);
+            let (got, counts) = gemv_tiled(kernel, &tiles, rows, cols, &x, seed);
             match &first {
                 None => first = Some((got, counts)),
                 Some((g0, c0)) => {
@@ -954,7 +971,7 @@ fn the_q4k_gemv_matches_the_reference_and_is_coalesced_by_count() {
             100.0 * counts.coalescing()
         );
         assert_eq!(counts.store_bytes, (n * rows * 4) as u64, "{what}");
-        if (cols / 256).is_multiple_of(4) {
+        if cols.is_multiple_of(whole) {
             let ideal = (w.len() + x.len() * 4 + n * rows * 4) as f64;
             let ratio = counts.dram_bytes() as f64 / ideal;
             assert!(
