@@ -126,12 +126,11 @@ extern "C" __global__ void custody_tag_check(const CustodyPageRef* tables,
 // same `PagePool` check the CPU backend's write makes; the read side's check is in the attention
 // kernel above. `k`, `v`: `n × n_kv_heads × head_dim` f32; caches `[page][kv_head][slot][dim]`.
 // Grid (n), block (CUSTODY_ATT_THREADS).
-extern "C" __global__ void custody_kv_write(const float* k, const float* v,
-                                           const custody_u32* pages, const custody_u32* slots,
-                                           custody_u32 n_kv_heads, custody_u32 head_dim,
-                                           custody_u32 page_size, unsigned short* k_cache,
-                                           unsigned short* v_cache) {
-    const custody_u32 r = blockIdx.x;
+__device__ void custody_kv_write_row(const float* k, const float* v, const custody_u32* pages,
+                                     const custody_u32* slots, custody_u32 n_kv_heads,
+                                     custody_u32 head_dim, custody_u32 page_size,
+                                     unsigned short* k_cache, unsigned short* v_cache,
+                                     custody_u32 r) {
     const custody_u32 page = CUSTODY_LD(pages + r);
     if (page == CUSTODY_NO_PAGE) return;
     const custody_u32 kvd = n_kv_heads * head_dim, slot = CUSTODY_LD(slots + r);
@@ -142,6 +141,34 @@ extern "C" __global__ void custody_kv_write(const float* k, const float* v,
         CUSTODY_ST(k_cache + off, custody_float_to_half(CUSTODY_LD(k + (custody_u64)r * kvd + i)));
         CUSTODY_ST(v_cache + off, custody_float_to_half(CUSTODY_LD(v + (custody_u64)r * kvd + i)));
     }
+}
+
+extern "C" __global__ void custody_kv_write(const float* k, const float* v,
+                                           const custody_u32* pages, const custody_u32* slots,
+                                           custody_u32 n_kv_heads, custody_u32 head_dim,
+                                           custody_u32 page_size, unsigned short* k_cache,
+                                           unsigned short* v_cache) {
+    custody_kv_write_row(k, v, pages, slots, n_kv_heads, head_dim, page_size, k_cache, v_cache,
+                         blockIdx.x);
+}
+
+// A row's RoPE on its Q and K heads, then its K and V stored in the KV cache
+// (`custody_kv_write_row`): `custody_rope` twice and `custody_kv_write` in one launch, the same
+// arithmetic. Grid (rows), block (128).
+extern "C" __global__ void custody_rope_kv_write(
+    float* q, float* k, const float* v, const custody_u32* positions, custody_u32 n_heads,
+    custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 n_rot, float freq_base,
+    const float* freq_factors, custody_u32 neox, const custody_u32* pages,
+    const custody_u32* slots, custody_u32 page_size, unsigned short* k_cache,
+    unsigned short* v_cache) {
+    const custody_u32 r = blockIdx.x;
+    const float pos = (float)CUSTODY_LD(positions + r);
+    custody_rope_row(q + (custody_u64)r * n_heads * head_dim, pos, n_heads, head_dim, n_rot,
+                     freq_base, freq_factors, neox);
+    custody_rope_row(k + (custody_u64)r * n_kv_heads * head_dim, pos, n_kv_heads, head_dim, n_rot,
+                     freq_base, freq_factors, neox);
+    __syncthreads();  // the row's rotated K, written by every thread, before it is stored
+    custody_kv_write_row(k, v, pages, slots, n_kv_heads, head_dim, page_size, k_cache, v_cache, r);
 }
 
 // ---- Paged flash-decoding: split-K over a row's pages, the tag check inside each split.

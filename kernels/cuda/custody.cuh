@@ -117,3 +117,27 @@ struct CustodyTags {
     const custody_u32* stamp_generation;
     custody_u32 n_pages;
 };
+
+// llama.cpp's RoPE in place: pair i of every head rotated by pos · base^(-2i / n_rot) / f[i],
+// for i < n_rot / 2, where f is the frequency factors (Llama 3's rope_freqs; all 1 without
+// them — x / 1 is x, bit for bit). The pair is (2i, 2i+1) ("normal": neox = 0) or
+// (i, i + n_rot/2) (NeoX: Qwen). Called by every thread of the row's block.
+__device__ void custody_rope_row(float* xr, float pos, custody_u32 n_heads, custody_u32 head_dim,
+                                 custody_u32 n_rot, float freq_base, const float* freq_factors,
+                                 custody_u32 neox) {
+    const custody_u32 pairs = n_rot / 2;
+    for (custody_u32 k = threadIdx.x; k < n_heads * pairs; k += blockDim.x) {
+        const custody_u32 h = k / pairs, i = k % pairs;
+        // θ_i = pos · scale^i by repeated products, as the CPU's table builds it (one powf).
+        const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
+        float theta = pos;
+        for (custody_u32 j = 0; j < i; j++) theta *= theta_scale;
+        theta = theta / CUSTODY_LD(freq_factors + i);
+        const float c = cosf(theta), s = sinf(theta);
+        float* p0 = xr + h * head_dim + (neox ? i : 2 * i);
+        float* p1 = p0 + (neox ? pairs : 1);
+        const float x0 = CUSTODY_LD(p0), x1 = CUSTODY_LD(p1);
+        CUSTODY_ST(p0, fmaf(x0, c, -(x1 * s)));
+        CUSTODY_ST(p1, fmaf(x0, s, x1 * c));
+    }
+}

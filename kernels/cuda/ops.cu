@@ -69,31 +69,15 @@ extern "C" __global__ void custody_add_rms_norm(float* x, const float* y, const 
         CUSTODY_ST(o + i, CUSTODY_LD(xr + i) * scale * CUSTODY_LD(w + i));
 }
 
-// llama.cpp's RoPE in place: pair i of every head rotated by pos · base^(-2i / n_rot) / f[i],
-// for i < n_rot / 2, where f is the frequency factors (Llama 3's rope_freqs; all 1 without
-// them — x / 1 is x, bit for bit). The pair is (2i, 2i+1) ("normal": neox = 0) or
-// (i, i + n_rot/2) (NeoX: Qwen). Grid (rows), block (128); `positions[row]`.
+// llama.cpp's RoPE in place (`custody_rope_row`, custody.cuh) on every row. Grid (rows), block (128).
 extern "C" __global__ void custody_rope(float* x, const custody_u32* positions, custody_u32 n_heads,
                                        custody_u32 head_dim, custody_u32 n_rot, float freq_base,
                                        const float* freq_factors, custody_u32 neox) {
-    float* xr = x + (custody_u64)blockIdx.x * n_heads * head_dim;
-    const float pos = (float)CUSTODY_LD(positions + blockIdx.x);
-    const custody_u32 pairs = n_rot / 2;
-    for (custody_u32 k = threadIdx.x; k < n_heads * pairs; k += CUSTODY_OPS_THREADS) {
-        const custody_u32 h = k / pairs, i = k % pairs;
-        // θ_i = pos · scale^i by repeated products, as the CPU's table builds it (one powf).
-        const float theta_scale = powf(freq_base, -2.0f / (float)n_rot);
-        float theta = pos;
-        for (custody_u32 j = 0; j < i; j++) theta *= theta_scale;
-        theta = theta / CUSTODY_LD(freq_factors + i);
-        const float c = cosf(theta), s = sinf(theta);
-        float* p0 = xr + h * head_dim + (neox ? i : 2 * i);
-        float* p1 = p0 + (neox ? pairs : 1);
-        const float x0 = CUSTODY_LD(p0), x1 = CUSTODY_LD(p1);
-        CUSTODY_ST(p0, fmaf(x0, c, -(x1 * s)));
-        CUSTODY_ST(p1, fmaf(x0, s, x1 * c));
-    }
+    custody_rope_row(x + (custody_u64)blockIdx.x * n_heads * head_dim,
+                     (float)CUSTODY_LD(positions + blockIdx.x), n_heads, head_dim, n_rot, freq_base,
+                     freq_factors, neox);
 }
+
 
 // x[i] += b[i % width] over `n` elements: a bias added to every row (Qwen 2's Q/K/V biases).
 // Grid (ceil(n / 128)), block (128).
@@ -337,17 +321,15 @@ __device__ __forceinline__ float custody_sum4(float4 x) { return (x.x + x.y) + (
 // out[r][o] = Σ_k W[o][k] · x[r][k] for W Q4_K in the layout above, x `n × cols` f32 (cols a
 // multiple of 256), out `n × rows`. Grid (ceil(rows / 4), ceil(n / 8)), block (128): warp w of
 // block b computes row 4b + w for x rows 8·blockIdx.y .. +8.
-extern "C" __global__ void custody_gemv_q4k(const uint4* heads, const uint4* qs, custody_u32 rows,
-                                           custody_u32 cols, const float* x, custody_u32 n,
-                                           float* out) {
-    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
-    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
-    if (row >= rows) return;  // the whole warp: no collective below is left half-reached
-    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+// Row `row` of a Q4_K matrix in tiles times x rows r0..r0+nr: lane partials in acc (the warp's
+// sum is the product). The whole warp calls it.
+__device__ __forceinline__ void custody_gemv_q4k_row(const uint4* heads, const uint4* qs,
+                                                     custody_u32 row, custody_u32 cols,
+                                                     const float* x, custody_u32 r0,
+                                                     custody_u32 nr, float* acc) {
+    const custody_u32 lane = threadIdx.x % 32;
     const custody_u32 nb = cols / 256, groups = (nb + 3) / 4;
     const custody_u32 c = lane / 8, p = 4 * (lane % 8);
-    float acc[CUSTODY_GEMV_BATCH];
 #pragma unroll
     for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) acc[r] = 0.0f;
     for (custody_u32 g = 0; g < groups; g++) {
@@ -378,11 +360,51 @@ extern "C" __global__ void custody_gemv_q4k(const uint4* heads, const uint4* qs,
             }
         }
     }
+}
+
+__device__ __forceinline__ float custody_warp_sum(float v) {
+    for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+extern "C" __global__ void custody_gemv_q4k(const uint4* heads, const uint4* qs, custody_u32 rows,
+                                           custody_u32 cols, const float* x, custody_u32 n,
+                                           float* out) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= rows) return;  // the whole warp: no collective below is left half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    float acc[CUSTODY_GEMV_BATCH];
+    custody_gemv_q4k_row(heads, qs, row, cols, x, r0, nr, acc);
 #pragma unroll
     for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
-        float v = acc[r];
-        for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+        const float v = custody_warp_sum(acc[r]);
         if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
+    }
+}
+
+// The FFN's gate and up products and the SwiGLU in one launch, both matrices Q4_K in tiles:
+// out[r][o] = silu(gate_o · x_r) · (up_o · x_r) — `custody_gemv_q4k` twice and `custody_swiglu`,
+// the same arithmetic, without the two products' rows going to memory and back. Grid and block
+// as custody_gemv_q4k.
+extern "C" __global__ void custody_gemv_q4k_swiglu(const uint4* gate_heads, const uint4* gate_qs,
+                                                  const uint4* up_heads, const uint4* up_qs,
+                                                  custody_u32 rows, custody_u32 cols,
+                                                  const float* x, custody_u32 n, float* out) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= rows) return;  // the whole warp: no collective below is left half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    float acc_g[CUSTODY_GEMV_BATCH], acc_u[CUSTODY_GEMV_BATCH];
+    custody_gemv_q4k_row(gate_heads, gate_qs, row, cols, x, r0, nr, acc_g);
+    custody_gemv_q4k_row(up_heads, up_qs, row, cols, x, r0, nr, acc_u);
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+        const float g = custody_warp_sum(acc_g[r]), u = custody_warp_sum(acc_u[r]);
+        if (lane == 0 && r < nr)
+            CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, g / (1.0f + expf(-g)) * u);
     }
 }
 

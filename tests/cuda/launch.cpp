@@ -295,6 +295,16 @@ void generic_body(void* c) {
     } else if (!strcmp(n, "custody_gather_rows")) {
         custody_gather_rows(PTR(0, const float*), PTR(1, const custody_u32*), U32(2),
                             PTR(3, float*));
+    } else if (!strcmp(n, "custody_rope_kv_write")) {
+        custody_rope_kv_write(PTR(0, float*), PTR(1, float*), PTR(2, const float*),
+                              PTR(3, const custody_u32*), U32(4), U32(5), U32(6), U32(7), F32(8),
+                              PTR(9, const float*), U32(10), PTR(11, const custody_u32*),
+                              PTR(12, const custody_u32*), U32(13), PTR(14, unsigned short*),
+                              PTR(15, unsigned short*));
+    } else if (!strcmp(n, "custody_gemv_q4k_swiglu")) {
+        custody_gemv_q4k_swiglu(PTR(0, const uint4*), PTR(1, const uint4*), PTR(2, const uint4*),
+                                PTR(3, const uint4*), U32(4), U32(5), PTR(6, const float*), U32(7),
+                                PTR(8, float*));
     } else if (!strcmp(n, "custody_fill_q4k")) {
         custody_fill_q4k(PTR(0, unsigned char*), U64(1), PTR(2, unsigned char*), U64(3), U64(4),
                          U32(5), U32(6), U64(7));

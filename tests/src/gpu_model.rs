@@ -243,13 +243,21 @@ pub fn decode_step(
         }
     }
     let mut lines: Vec<KernelLine> = Vec::new();
+    let mut products = layer_products(&shape).into_iter();
     for (i, l) in launches.iter().enumerate() {
-        let scale = if i == n - 1 {
+        let head = i == n - 1;
+        let scale = if head {
             shape.vocab as f64 / counted_vocab as f64
         } else {
             scale_of(i)
         };
-        let flops = flops_of(l.kernel, &shape, batch, ctx, i == n - 1);
+        // A product's weights: the head's counted rows, else the layer's next product's.
+        let weights = match l.kernel {
+            _ if head => (shape.dim * counted_vocab) as f64,
+            Kernel::GemvQ4K | Kernel::GemvQ4KSwiglu => products.next().unwrap_or(0.0),
+            _ => 0.0,
+        };
+        let flops = flops_of(l.kernel, &shape, batch, ctx, weights);
         // The head's traffic scales with the vocabulary; it is still one launch.
         add_line(
             &mut lines,
@@ -279,12 +287,20 @@ pub fn decode_step(
     })
 }
 
-/// FLOPs of one launch (the products and attention; the row kernels' are negligible).
-fn flops_of(k: Kernel, s: &Shape, batch: usize, ctx: usize, head: bool) -> f64 {
+/// The weights of a layer's product launches, in the forward pass's order: Q, K, V, O, gate
+/// and up (one launch), down.
+fn layer_products(s: &Shape) -> Vec<f64> {
+    let (d, kv, f) = (s.dim, s.n_kv_heads * s.head_dim(), s.ffn_dim);
+    let w = vec![d * d, kv * d, kv * d, d * d, 2 * f * d, d * f];
+    debug_assert_eq!(w.iter().sum::<usize>() as f64, s.layer_weights());
+    w.into_iter().map(|x| x as f64).collect()
+}
+
+/// FLOPs of one launch: a product's 2 per weight per row, attention's 4 per slot and dimension
+/// per query head (the row kernels' are negligible).
+fn flops_of(k: Kernel, s: &Shape, batch: usize, ctx: usize, weights: f64) -> f64 {
     match k {
-        // One launch's share: the layer's products are 7 launches; the head is one.
-        Kernel::GemvQ4K if head => 2.0 * (s.dim * s.vocab * batch) as f64 / s.vocab as f64,
-        Kernel::GemvQ4K => 2.0 * s.layer_weights() * batch as f64 / 7.0,
+        Kernel::GemvQ4K | Kernel::GemvQ4KSwiglu => 2.0 * weights * batch as f64,
         Kernel::FlashDecode => 4.0 * (ctx * s.head_dim() * s.n_heads * batch) as f64,
         _ => 0.0,
     }

@@ -201,6 +201,8 @@ kernels! {
     CopyChunks = "custody_copy_chunks", 5;
     FillQ4K = "custody_fill_q4k", 8;
     GatherRows = "custody_gather_rows", 4;
+    RopeKvWrite = "custody_rope_kv_write", 16;
+    GemvQ4KSwiglu = "custody_gemv_q4k_swiglu", 9;
 }
 
 /// What a device operation can fail with.

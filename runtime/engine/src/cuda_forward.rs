@@ -902,25 +902,6 @@ impl<D: Device> CudaForward<D> {
         }
     }
 
-    fn rope(&mut self, x: DevicePtr, heads: usize, rows: usize) -> Result<(), DeviceError> {
-        let c = &self.config;
-        let args = [
-            Arg::Ptr(x),
-            Arg::Ptr(self.bufs.positions),
-            Arg::U32(heads as u32),
-            Arg::U32(c.head_dim as u32),
-            Arg::U32(c.rope_dims as u32),
-            Arg::F32(c.rope_base),
-            Arg::Ptr(self.rope_factors),
-            Arg::U32(neox_flag(c.spec)),
-        ];
-        self.launch(
-            Kernel::Rope,
-            LaunchDims::grid2(rows as u32, 1, THREADS),
-            &args,
-        )
-    }
-
     fn elementwise(
         &mut self,
         k: Kernel,
@@ -1181,15 +1162,11 @@ impl<D: Device> CudaForward<D> {
             self.matvec(l.wk, bf.xn, bf.k, n)?;
             self.matvec(l.wv, bf.xn, bf.v, n)?;
             self.qkv_extras(&l, n)?;
-            self.rope(bf.q, c.n_heads, n)?;
-            self.rope(bf.k, c.n_kv_heads, n)?;
-            self.write_kv(li, n)?;
+            self.rope_kv_write(li, n)?;
             self.attend(li, shape)?;
             self.matvec(l.wo, bf.att, bf.tmp, n)?;
             self.add_rms_norm(bf.x, bf.tmp, l.ffn_norm, bf.xn, n)?;
-            self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
-            self.matvec(l.w_up, bf.xn, bf.up, n)?;
-            self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * c.ffn_dim)?;
+            self.gate_up_swiglu(&l, n)?;
             self.matvec(l.w_down, bf.gate, bf.tmp, n)?;
             let next_norm = match self.layers.get(li + 1) {
                 Some(next) => next.attn_norm,
@@ -1389,26 +1366,72 @@ impl<D: Device> CudaForward<D> {
         self.upload_u32(b.write_slots, &slots)
     }
 
-    /// Store the claimed rows' K/V of `layer` in the device pool.
-    fn write_kv(&mut self, layer: usize, n: usize) -> Result<(), DeviceError> {
+    /// RoPE on the rows' Q and K, then the claimed rows' K/V of `layer` stored in the device
+    /// pool (one launch: `custody_rope_kv_write`).
+    fn rope_kv_write(&mut self, layer: usize, n: usize) -> Result<(), DeviceError> {
         let b = self.bufs;
         let c = &self.config;
         let args = [
+            Arg::Ptr(b.q),
             Arg::Ptr(b.k),
             Arg::Ptr(b.v),
-            Arg::Ptr(b.write_pages),
-            Arg::Ptr(b.write_slots),
+            Arg::Ptr(b.positions),
+            Arg::U32(c.n_heads as u32),
             Arg::U32(c.n_kv_heads as u32),
             Arg::U32(c.head_dim as u32),
+            Arg::U32(c.rope_dims as u32),
+            Arg::F32(c.rope_base),
+            Arg::Ptr(self.rope_factors),
+            Arg::U32(neox_flag(c.spec)),
+            Arg::Ptr(b.write_pages),
+            Arg::Ptr(b.write_slots),
             Arg::U32(self.page_size as u32),
             Arg::Ptr(self.kv.k[layer]),
             Arg::Ptr(self.kv.v[layer]),
         ];
         self.launch(
-            Kernel::KvWrite,
+            Kernel::RopeKvWrite,
             LaunchDims::grid2(n as u32, 1, THREADS),
             &args,
         )
+    }
+
+    /// `gate` = silu(W_gate · xn) · (W_up · xn): one launch when both are Q4_K tiles
+    /// (`custody_gemv_q4k_swiglu`), else the two products and the SwiGLU.
+    fn gate_up_swiglu(&mut self, l: &DevLayer, n: usize) -> Result<(), DeviceError> {
+        let bf = self.bufs;
+        let q4k = |m: &DevMat| match m.layout {
+            Layout::Tiles {
+                gemv: Kernel::GemvQ4K,
+                heads,
+                qs,
+            } => Some((heads, qs)),
+            _ => None,
+        };
+        let (Some((gh, gq)), Some((uh, uq))) = (q4k(&l.w_gate), q4k(&l.w_up)) else {
+            self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
+            self.matvec(l.w_up, bf.xn, bf.up, n)?;
+            return self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * self.config.ffn_dim);
+        };
+        let m = l.w_gate;
+        debug_assert_eq!((m.rows, m.cols), (l.w_up.rows, l.w_up.cols));
+        let args = [
+            Arg::Ptr(gh),
+            Arg::Ptr(gq),
+            Arg::Ptr(uh),
+            Arg::Ptr(uq),
+            Arg::U32(m.rows),
+            Arg::U32(m.cols),
+            Arg::Ptr(bf.xn),
+            Arg::U32(n as u32),
+            Arg::Ptr(bf.gate),
+        ];
+        let dims = LaunchDims::grid2(
+            m.rows.div_ceil(GEMV_WARPS),
+            (n as u32).div_ceil(GEMV_BATCH),
+            THREADS,
+        );
+        self.launch(Kernel::GemvQ4KSwiglu, dims, &args)
     }
 
     /// Every row's verdicts (`rows` rows × layers) poisoned: a row the kernels did not report
