@@ -384,6 +384,44 @@ extern "C" __global__ void custody_gemv_q4k(const uint4* heads, const uint4* qs,
     }
 }
 
+// The attention's Q, K and V products in one launch, all three Q4_K in tiles: warp rows
+// 0..q_rows are Q's, then kv_rows of K's, then kv_rows of V's, each written to its own output
+// (`custody_gemv_q4k` three times, the same arithmetic). Grid (ceil((q_rows + 2 kv_rows) / 4),
+// ceil(n / 8)), block (128).
+extern "C" __global__ void custody_gemv_q4k_qkv(const uint4* q_heads, const uint4* q_qs,
+                                               custody_u32 q_rows, const uint4* k_heads,
+                                               const uint4* k_qs, const uint4* v_heads,
+                                               const uint4* v_qs, custody_u32 kv_rows,
+                                               custody_u32 cols, const float* x, custody_u32 n,
+                                               float* q_out, float* k_out, float* v_out) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= q_rows + 2 * kv_rows) return;  // the whole warp: no collective is half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    float acc[CUSTODY_GEMV_BATCH];
+    float* out;
+    custody_u32 rows;
+    // One call per matrix (uniform per warp): selecting the pointers instead costs registers.
+    if (row < q_rows) {
+        custody_gemv_q4k_row(q_heads, q_qs, row, cols, x, r0, nr, acc);
+        out = q_out, rows = q_rows;
+    } else if (row < q_rows + kv_rows) {
+        row -= q_rows;
+        custody_gemv_q4k_row(k_heads, k_qs, row, cols, x, r0, nr, acc);
+        out = k_out, rows = kv_rows;
+    } else {
+        row -= q_rows + kv_rows;
+        custody_gemv_q4k_row(v_heads, v_qs, row, cols, x, r0, nr, acc);
+        out = v_out, rows = kv_rows;
+    }
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+        const float v = custody_warp_sum(acc[r]);
+        if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
+    }
+}
+
 // The FFN's gate and up products and the SwiGLU in one launch, both matrices Q4_K in tiles:
 // out[r][o] = silu(gate_o · x_r) · (up_o · x_r) — `custody_gemv_q4k` twice and `custody_swiglu`,
 // the same arithmetic, without the two products' rows going to memory and back. Grid and block

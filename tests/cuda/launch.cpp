@@ -301,6 +301,11 @@ void generic_body(void* c) {
                               PTR(9, const float*), U32(10), PTR(11, const custody_u32*),
                               PTR(12, const custody_u32*), U32(13), PTR(14, unsigned short*),
                               PTR(15, unsigned short*));
+    } else if (!strcmp(n, "custody_gemv_q4k_qkv")) {
+        custody_gemv_q4k_qkv(PTR(0, const uint4*), PTR(1, const uint4*), U32(2),
+                             PTR(3, const uint4*), PTR(4, const uint4*), PTR(5, const uint4*),
+                             PTR(6, const uint4*), U32(7), U32(8), PTR(9, const float*), U32(10),
+                             PTR(11, float*), PTR(12, float*), PTR(13, float*));
     } else if (!strcmp(n, "custody_gemv_q4k_swiglu")) {
         custody_gemv_q4k_swiglu(PTR(0, const uint4*), PTR(1, const uint4*), PTR(2, const uint4*),
                                 PTR(3, const uint4*), U32(4), U32(5), PTR(6, const float*), U32(7),

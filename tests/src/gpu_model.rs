@@ -254,7 +254,9 @@ pub fn decode_step(
         // A product's weights: the head's counted rows, else the layer's next product's.
         let weights = match l.kernel {
             _ if head => (shape.dim * counted_vocab) as f64,
-            Kernel::GemvQ4K | Kernel::GemvQ4KSwiglu => products.next().unwrap_or(0.0),
+            Kernel::GemvQ4K | Kernel::GemvQ4KSwiglu | Kernel::GemvQ4KQkv => {
+                products.next().unwrap_or(0.0)
+            }
             _ => 0.0,
         };
         let flops = flops_of(l.kernel, &shape, batch, ctx, weights);
@@ -287,11 +289,11 @@ pub fn decode_step(
     })
 }
 
-/// The weights of a layer's product launches, in the forward pass's order: Q, K, V, O, gate
-/// and up (one launch), down.
+/// The weights of a layer's product launches, in the forward pass's order: Q, K and V (one
+/// launch), O, gate and up (one launch), down.
 fn layer_products(s: &Shape) -> Vec<f64> {
     let (d, kv, f) = (s.dim, s.n_kv_heads * s.head_dim(), s.ffn_dim);
-    let w = vec![d * d, kv * d, kv * d, d * d, 2 * f * d, d * f];
+    let w = vec![d * d + 2 * kv * d, d * d, 2 * f * d, d * f];
     debug_assert_eq!(w.iter().sum::<usize>() as f64, s.layer_weights());
     w.into_iter().map(|x| x as f64).collect()
 }
@@ -300,7 +302,9 @@ fn layer_products(s: &Shape) -> Vec<f64> {
 /// per query head (the row kernels' are negligible).
 fn flops_of(k: Kernel, s: &Shape, batch: usize, ctx: usize, weights: f64) -> f64 {
     match k {
-        Kernel::GemvQ4K | Kernel::GemvQ4KSwiglu => 2.0 * weights * batch as f64,
+        Kernel::GemvQ4K | Kernel::GemvQ4KSwiglu | Kernel::GemvQ4KQkv => {
+            2.0 * weights * batch as f64
+        }
         Kernel::FlashDecode => 4.0 * (ctx * s.head_dim() * s.n_heads * batch) as f64,
         _ => 0.0,
     }

@@ -203,6 +203,7 @@ kernels! {
     GatherRows = "custody_gather_rows", 4;
     RopeKvWrite = "custody_rope_kv_write", 16;
     GemvQ4KSwiglu = "custody_gemv_q4k_swiglu", 9;
+    GemvQ4KQkv = "custody_gemv_q4k_qkv", 14;
 }
 
 /// What a device operation can fail with.

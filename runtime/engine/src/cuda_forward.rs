@@ -351,6 +351,18 @@ struct DevWeights {
     layers: Vec<DevLayer>,
 }
 
+/// A matrix's Q4_K tiles (heads, quants), if it is held so.
+fn q4k_tiles(m: &DevMat) -> Option<(DevicePtr, DevicePtr)> {
+    match m.layout {
+        Layout::Tiles {
+            gemv: Kernel::GemvQ4K,
+            heads,
+            qs,
+        } => Some((heads, qs)),
+        _ => None,
+    }
+}
+
 /// Flash decoding's limits: head_dim a power of two in 8..=[`MAX_HEAD_DIM`], up to
 /// [`MAX_GQA_GROUP`] query heads per KV head.
 fn check_attention_shape(c: &ModelConfig) -> Result<(), CudaForwardError> {
@@ -1158,9 +1170,7 @@ impl<D: Device> CudaForward<D> {
         self.rms_norm(bf.x, self.layers[0].attn_norm, bf.xn, n, c.dim)?;
         for li in 0..c.n_layers {
             let l = self.layers[li];
-            self.matvec(l.wq, bf.xn, bf.q, n)?;
-            self.matvec(l.wk, bf.xn, bf.k, n)?;
-            self.matvec(l.wv, bf.xn, bf.v, n)?;
+            self.qkv(&l, n)?;
             self.qkv_extras(&l, n)?;
             self.rope_kv_write(li, n)?;
             self.attend(li, shape)?;
@@ -1396,19 +1406,48 @@ impl<D: Device> CudaForward<D> {
         )
     }
 
+    /// `q`, `k`, `v` = W_q · xn, W_k · xn, W_v · xn: one launch when all three are Q4_K tiles
+    /// (`custody_gemv_q4k_qkv`), else three.
+    fn qkv(&mut self, l: &DevLayer, n: usize) -> Result<(), DeviceError> {
+        let bf = self.bufs;
+        let (Some((qh, qq)), Some((kh, kq)), Some((vh, vq))) =
+            (q4k_tiles(&l.wq), q4k_tiles(&l.wk), q4k_tiles(&l.wv))
+        else {
+            self.matvec(l.wq, bf.xn, bf.q, n)?;
+            self.matvec(l.wk, bf.xn, bf.k, n)?;
+            return self.matvec(l.wv, bf.xn, bf.v, n);
+        };
+        debug_assert_eq!(l.wk.rows, l.wv.rows);
+        debug_assert!(l.wq.cols == l.wk.cols && l.wk.cols == l.wv.cols);
+        let args = [
+            Arg::Ptr(qh),
+            Arg::Ptr(qq),
+            Arg::U32(l.wq.rows),
+            Arg::Ptr(kh),
+            Arg::Ptr(kq),
+            Arg::Ptr(vh),
+            Arg::Ptr(vq),
+            Arg::U32(l.wk.rows),
+            Arg::U32(l.wq.cols),
+            Arg::Ptr(bf.xn),
+            Arg::U32(n as u32),
+            Arg::Ptr(bf.q),
+            Arg::Ptr(bf.k),
+            Arg::Ptr(bf.v),
+        ];
+        let dims = LaunchDims::grid2(
+            (l.wq.rows + 2 * l.wk.rows).div_ceil(GEMV_WARPS),
+            (n as u32).div_ceil(GEMV_BATCH),
+            THREADS,
+        );
+        self.launch(Kernel::GemvQ4KQkv, dims, &args)
+    }
+
     /// `gate` = silu(W_gate · xn) · (W_up · xn): one launch when both are Q4_K tiles
     /// (`custody_gemv_q4k_swiglu`), else the two products and the SwiGLU.
     fn gate_up_swiglu(&mut self, l: &DevLayer, n: usize) -> Result<(), DeviceError> {
         let bf = self.bufs;
-        let q4k = |m: &DevMat| match m.layout {
-            Layout::Tiles {
-                gemv: Kernel::GemvQ4K,
-                heads,
-                qs,
-            } => Some((heads, qs)),
-            _ => None,
-        };
-        let (Some((gh, gq)), Some((uh, uq))) = (q4k(&l.w_gate), q4k(&l.w_up)) else {
+        let (Some((gh, gq)), Some((uh, uq))) = (q4k_tiles(&l.w_gate), q4k_tiles(&l.w_up)) else {
             self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
             self.matvec(l.w_up, bf.xn, bf.up, n)?;
             return self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * self.config.ffn_dim);

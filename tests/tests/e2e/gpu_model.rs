@@ -31,7 +31,12 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
             ratio <= 1.15,
             "batch {batch}: moves {ratio:.3}× the ideal bytes"
         );
-        for hot in [Kernel::GemvQ4K, Kernel::GemvQ4KSwiglu, Kernel::FlashDecode] {
+        for hot in [
+            Kernel::GemvQ4K,
+            Kernel::GemvQ4KSwiglu,
+            Kernel::GemvQ4KQkv,
+            Kernel::FlashDecode,
+        ] {
             let l = m
                 .lines
                 .iter()
@@ -50,13 +55,13 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
                 l.kernel
             );
         }
-        // Per layer: 2 norms fused with the residual adds, Q, K, V, RoPE fused with the KV
-        // write, decode and merge, O, gate and up fused with the SwiGLU, down (11); then the
-        // tag sync, the embedding, the first norm and the head — all nodes of one graph the
-        // host launches once.
+        // Per layer: 2 norms fused with the residual adds, Q, K and V in one, RoPE fused with
+        // the KV write, decode and merge, O, gate and up fused with the SwiGLU, down (9); then
+        // the tag sync, the embedding, the first norm and the head — all nodes of one graph
+        // the host launches once.
         assert_eq!(
             m.launches(),
-            (11 * SMALL.n_layers + 4) as f64,
+            (9 * SMALL.n_layers + 4) as f64,
             "batch {batch}"
         );
         assert_eq!(m.graph_nodes(), m.launches(), "batch {batch}");
