@@ -367,21 +367,28 @@ __device__ __forceinline__ float custody_warp_sum(float v) {
     return v;
 }
 
+// A GEMV's outputs: each x row's warp sum, stored by lane 0 at out[r0 + r][row] (`rows` wide).
+__device__ __forceinline__ void custody_gemv_store(const float* acc, float* out, custody_u32 rows,
+                                                   custody_u32 row, custody_u32 r0,
+                                                   custody_u32 nr) {
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+        const float v = custody_warp_sum(acc[r]);
+        if (threadIdx.x % 32 == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
+    }
+}
+
 extern "C" __global__ void custody_gemv_q4k(const uint4* heads, const uint4* qs, custody_u32 rows,
                                            custody_u32 cols, const float* x, custody_u32 n,
                                            float* out) {
-    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 warp = threadIdx.x / 32;
     const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
     const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
     if (row >= rows) return;  // the whole warp: no collective below is left half-reached
     const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
     float acc[CUSTODY_GEMV_BATCH];
     custody_gemv_q4k_row(heads, qs, row, cols, x, r0, nr, acc);
-#pragma unroll
-    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
-        const float v = custody_warp_sum(acc[r]);
-        if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
-    }
+    custody_gemv_store(acc, out, rows, row, r0, nr);
 }
 
 // The attention's Q, K and V products in one launch, all three Q4_K in tiles: warp rows
@@ -394,7 +401,7 @@ extern "C" __global__ void custody_gemv_q4k_qkv(const uint4* q_heads, const uint
                                                const uint4* v_qs, custody_u32 kv_rows,
                                                custody_u32 cols, const float* x, custody_u32 n,
                                                float* q_out, float* k_out, float* v_out) {
-    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 warp = threadIdx.x / 32;
     custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
     const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
     if (row >= q_rows + 2 * kv_rows) return;  // the whole warp: no collective is half-reached
@@ -415,11 +422,7 @@ extern "C" __global__ void custody_gemv_q4k_qkv(const uint4* q_heads, const uint
         custody_gemv_q4k_row(v_heads, v_qs, row, cols, x, r0, nr, acc);
         out = v_out, rows = kv_rows;
     }
-#pragma unroll
-    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
-        const float v = custody_warp_sum(acc[r]);
-        if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
-    }
+    custody_gemv_store(acc, out, rows, row, r0, nr);
 }
 
 // The FFN's gate and up products and the SwiGLU in one launch, both matrices Q4_K in tiles:
@@ -512,12 +515,7 @@ extern "C" __global__ void custody_gemv_q6k(const uint4* heads, const uint4* qs,
             }
         }
     }
-#pragma unroll
-    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
-        float v = acc[r];
-        for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
-        if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
-    }
+    custody_gemv_store(acc, out, rows, row, r0, nr);
 }
 
 // Q8_0 in `custody_cuda::repack::q8_0`'s tiles (groups of 8 blocks = 256 elements): heads[t] the 8
@@ -566,12 +564,7 @@ extern "C" __global__ void custody_gemv_q8_0(const uint4* heads, const uint2* qs
         }
 #undef CUSTODY_Q8
     }
-#pragma unroll
-    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
-        float v = acc[r];
-        for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
-        if (lane == 0 && r < nr) CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, v);
-    }
+    custody_gemv_store(acc, out, rows, row, r0, nr);
 }
 
 // The embedding rows of `tokens`: out[r] = row tokens[r] of `w` (`rows × cols` in `dtype`),
