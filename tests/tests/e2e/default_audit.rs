@@ -691,9 +691,12 @@ fn a_pair_answer_carries_both_nodes_promises_and_the_front_serves_their_receipts
     std::fs::write(&answer_file, &r.body).expect("write");
     // Ended by the front itself (a stop sequence matched in the text, whole and streamed): the
     // front tells the pair first, then both nodes' promises are in the answer all the same.
+    // Greedy, and far more tokens allowed than the stop lets through: decode must still hold
+    // the request when the front's end arrives (a request that ended on its own first, at an
+    // end-of-text token or its token budget, is recorded as it ended: no "ended by prefill").
     for stream in [false, true] {
         let body = format!(
-            r#"{{"model":"smollm2-135m-instruct","prompt":"Hello","max_tokens":24,"stop":[" "],"stream":{stream}}}"#
+            r#"{{"model":"smollm2-135m-instruct","prompt":"Hello","max_tokens":2000,"temperature":0,"stop":[" "],"stream":{stream}}}"#
         );
         let r = custody_server::client::request(
             &api,
