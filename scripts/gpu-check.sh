@@ -3,8 +3,8 @@
 # machine (one H200, CUDA 13 / driver 580, no Rust toolchain, no network, 64 MiB carried,
 # 10 minutes per command). Everything it needs is carried: a stripped release `custody` built
 # here with `--features cuda` and without DataFusion (`--build`); the models are synthetic and
-# built by the binary itself. NVRTC is found on the machine: /usr/local/cuda, else the NVIDIA
-# wheels PyTorch installs (nvidia/cu13/lib or nvidia/cuda_nvrtc/lib).
+# built by the binary itself. NVRTC and cuBLASLt are found on the machine: /usr/local/cuda, else
+# the NVIDIA wheels PyTorch installs (nvidia/cu13/lib, nvidia/cuda_nvrtc/lib, nvidia/cublas/lib).
 #
 # Usage:
 #   scripts/gpu-check.sh --build     # here: build target/gpu-check/custody (release, stripped)
@@ -71,32 +71,38 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1' && [ ! -e /usr/lib/x86_6
 fi
 stage environment sh -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true; uname -r'
 
-# --- NVRTC: cudarc loads libnvrtc.so.13 by name, so its folder goes on the loader path.
-nvrtc_dir=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -e "$d/libnvrtc.so.13" ] && nvrtc_dir=$d && break
-done
-if [ -z "$nvrtc_dir" ]; then
-  nvrtc_dir=$(python3 - <<'EOF' 2>/dev/null
-import glob, os, site
+# --- NVRTC and cuBLASLt: cudarc loads libnvrtc.so.13 and libcublasLt.so.13 by name, so their
+# folders go on the loader path. find_lib FILE WHEEL: the folder holding FILE, from
+# /usr/local/cuda, else PyTorch's NVIDIA wheels (nvidia/cu13/lib, or the library's own wheel).
+find_lib() {
+  local file=$1 wheel=$2
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -e "$d/$file" ] && echo "$d" && return
+  done
+  python3 - "$file" "$wheel" <<'EOF' 2>/dev/null
+import glob, os, site, sys
+file, wheels = sys.argv[1], ["cu13", sys.argv[2]]
 for root in site.getsitepackages() + [site.getusersitepackages()]:
-    for pat in ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.13"):
-        hits = glob.glob(os.path.join(root, pat))
+    for w in wheels:
+        hits = glob.glob(os.path.join(root, "nvidia", w, "lib", file))
         if hits:
             print(os.path.dirname(hits[0]))
             raise SystemExit
 EOF
-)
-fi
-if [ -z "$nvrtc_dir" ]; then
-  echo "gpu-check: NVRTC 13 (libnvrtc.so.13) not found in /usr/local/cuda nor in PyTorch's NVIDIA wheels" | tee "$OUT/nvrtc.log"
-  record nvrtc 1 0
-  summary
-  exit 1
-fi
-echo "NVRTC: $nvrtc_dir" | tee "$OUT/nvrtc.log"
-record nvrtc 0 0
-export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+for lib in nvrtc:libnvrtc.so.13:cuda_nvrtc cublaslt:libcublasLt.so.13:cublas; do
+  IFS=: read -r name file wheel <<<"$lib"
+  dir=$(find_lib "$file" "$wheel")
+  if [ -z "$dir" ]; then
+    echo "gpu-check: $file not found in /usr/local/cuda nor in PyTorch's NVIDIA wheels" | tee "$OUT/$name.log"
+    record "$name" 1 0
+    summary
+    exit 1
+  fi
+  echo "$file: $dir" | tee "$OUT/$name.log"
+  record "$name" 0 0
+  export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
 
 if [ ! -x "$bin" ]; then
   echo "gpu-check: no binary at $bin (build it with scripts/gpu-check.sh --build and carry it)" | tee "$OUT/binary.log"

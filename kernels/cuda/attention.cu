@@ -60,43 +60,55 @@ __device__ CustodyVerdict custody_check_page(const CustodyPageRef* table, custod
     return v;
 }
 
-// The whole block decides one request's verdict: each thread checks a share of the pages, the
-// first failing index is reduced through shared memory, thread 0 writes the verdict to
-// `*verdict` (shared). Every thread of the block must call it (it has barriers).
+// The first failing page index in [lo, hi) of `table` (CUSTODY_NO_PAGE if none): each thread
+// checks a share of the pages, the smallest failing index reduced through `red` (shared, one
+// entry per thread). Every thread of the block must call it (it has barriers).
+__device__ custody_u32 custody_first_bad_in(const CustodyPageRef* table, custody_u32 lo,
+                                            custody_u32 hi, custody_u32 n_ctx,
+                                            custody_u32 page_size, const CustodyTags* tags,
+                                            custody_u64 owner, custody_u32* red) {
+    const custody_u32 t = threadIdx.x;
+    custody_u32 mine = CUSTODY_NO_PAGE;
+    for (custody_u32 i = lo + t; i < hi; i += CUSTODY_ATT_THREADS) {
+        if (custody_check_page(table, i, n_ctx, page_size, tags, owner).code != CUSTODY_OK) {
+            mine = i;
+            break;
+        }
+    }
+    red[t] = mine;
+    __syncthreads();
+    for (custody_u32 half = CUSTODY_ATT_THREADS / 2; half > 0; half /= 2) {
+        if (t < half && red[t + half] < red[t]) red[t] = red[t + half];
+        __syncthreads();
+    }
+    const custody_u32 first = red[0];
+    __syncthreads();
+    return first;
+}
+
+// The whole block decides one request's verdict (`custody_first_bad_in` over its pages, a short
+// table first); thread 0 writes it to `*verdict` (shared). Every thread must call it.
 __device__ void custody_check_request(const CustodyPageRef* table, custody_u32 table_len,
                                       custody_u32 n_ctx, custody_u32 page_size,
                                       const CustodyTags* tags, custody_u64 owner,
                                       custody_u32* first_bad, CustodyVerdict* verdict) {
-    const custody_u32 t = threadIdx.x;
     const custody_u32 need = (n_ctx + page_size - 1) / page_size;
-    custody_u32 mine = CUSTODY_NO_PAGE;
-    if (table_len >= need) {
-        for (custody_u32 i = t; i < need; i += CUSTODY_ATT_THREADS) {
-            if (custody_check_page(table, i, n_ctx, page_size, tags, owner).code != CUSTODY_OK) {
-                mine = i; // ascending per thread: the first is this thread's smallest
-                break;
-            }
-        }
-    }
-    first_bad[t] = mine;
-    __syncthreads();
-    for (custody_u32 half = CUSTODY_ATT_THREADS / 2; half > 0; half /= 2) {
-        if (t < half && first_bad[t + half] < first_bad[t]) first_bad[t] = first_bad[t + half];
-        __syncthreads();
-    }
-    if (t == 0) {
+    const custody_u32 first =
+        custody_first_bad_in(table, 0, table_len >= need ? need : 0, n_ctx, page_size, tags,
+                             owner, first_bad);
+    if (threadIdx.x == 0) {
         if (table_len < need) {
             verdict->code = CUSTODY_BLOCK_TABLE_TOO_SHORT;
             verdict->page = 0;
             verdict->a = table_len;
             verdict->b = need;
-        } else if (first_bad[0] == CUSTODY_NO_PAGE) {
+        } else if (first == CUSTODY_NO_PAGE) {
             verdict->code = CUSTODY_OK;
             verdict->page = 0;
             verdict->a = 0;
             verdict->b = 0;
         } else {
-            *verdict = custody_check_page(table, first_bad[0], n_ctx, page_size, tags, owner);
+            *verdict = custody_check_page(table, first, n_ctx, page_size, tags, owner);
         }
     }
     __syncthreads();
@@ -181,10 +193,14 @@ extern "C" __global__ void custody_rope_kv_write(
 // first failing index of its range in `bad[(r · n_kv_heads + g) · n_splits + s]`
 // (CUSTODY_NO_PAGE if none); a failing CTA reads no slot. A passing CTA runs an online softmax
 // over its slots in tiles of CUSTODY_FD_TILE and writes, per query head, its unnormalised
-// output, running max and sum to `partial` (row-major `[r][head][s][head_dim + 2]`).
-// `custody_flash_merge` — grid (n_heads, n_rows): decides the row's verdict from the splits'
-// published indices (the smallest, re-checked for its values; a short table first) and writes
-// `out` only when the row passes. No context cap: splits × pps covers any table.
+// output, running max and sum to `partial` (row-major `[r][head][s][head_dim + 2]`). The last
+// of a (row, group)'s splits to finish merges them in the same launch (`custody_flash_arrive`,
+// counting arrivals in `arrivals[r · n_kv_heads + g]`, zero between launches): it decides the
+// row's verdict from the splits' published indices (the smallest, re-checked for its values; a
+// short table first) and writes the group's heads of `out` only when the row passes — one
+// launch per layer's attention, not two. `custody_flash_merge` is the same merge as a launch of
+// its own, grid (n_heads, n_rows), for the prefill kernel's one split. No context cap:
+// splits × pps covers any table.
 //
 // K and V are read in 16-byte vectors (8 halves): V = head_dim / 8 lanes per slot, 32 / V slots
 // per warp instruction, a slot's row contiguous in the page (`[page][kv_head][slot][dim]`).
@@ -205,19 +221,20 @@ __device__ __forceinline__ void custody_unpack8(uint4 v, float* f) {
     }
 }
 
-// The first failing page index in [lo, hi) of `table` (CUSTODY_NO_PAGE if none), reduced over
-// the block; every thread must call it.
-__device__ custody_u32 custody_first_bad_in(const CustodyPageRef* table, custody_u32 lo,
-                                            custody_u32 hi, custody_u32 n_ctx,
-                                            custody_u32 page_size, const CustodyTags* tags,
-                                            custody_u64 owner, custody_u32* red) {
+
+// The verdict of row `r` from the first failing page indices its splits published (`bad`,
+// `n_splits` of them: one group's, all checking the same pages), re-checked for the reported
+// values; a short table first. Every thread of the block calls it and gets the verdict.
+__device__ CustodyVerdict custody_row_verdict(const CustodyPageRef* table, custody_u32 len,
+                                              custody_u32 n, custody_u32 page_size,
+                                              const CustodyTags* tags, custody_u64 owner,
+                                              const custody_u32* bad, custody_u32 n_splits,
+                                              custody_u32* red) {
     const custody_u32 t = threadIdx.x;
     custody_u32 mine = CUSTODY_NO_PAGE;
-    for (custody_u32 i = lo + t; i < hi; i += CUSTODY_ATT_THREADS) {
-        if (custody_check_page(table, i, n_ctx, page_size, tags, owner).code != CUSTODY_OK) {
-            mine = i;
-            break;
-        }
+    for (custody_u32 s = t; s < n_splits; s += CUSTODY_ATT_THREADS) {
+        const custody_u32 b = CUSTODY_LD_CG(bad + s);
+        if (b < mine) mine = b;
     }
     red[t] = mine;
     __syncthreads();
@@ -226,8 +243,79 @@ __device__ custody_u32 custody_first_bad_in(const CustodyPageRef* table, custody
         __syncthreads();
     }
     const custody_u32 first = red[0];
+    __syncthreads();  // `red` is reused by the caller
+    const custody_u32 need = (n + page_size - 1) / page_size;
+    CustodyVerdict v;
+    v.code = CUSTODY_OK;
+    v.page = 0;
+    v.a = 0;
+    v.b = 0;
+    if (len < need || n == 0) {
+        v.code = CUSTODY_BLOCK_TABLE_TOO_SHORT;
+        v.a = len;
+        v.b = need;
+    } else if (first != CUSTODY_NO_PAGE) {
+        v = custody_check_page(table, first, n, page_size, tags, owner);
+    }
+    return v;
+}
+
+// Head `head`'s output of row `r` from its `n_splits` partials (`part`, stride head_dim + 2):
+// Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M). The partials were written by other CTAs of
+// this launch (or an earlier one): read through L2 (`CUSTODY_LD_CG`), never a stale L1 line.
+__device__ void custody_merge_head(const float* part, custody_u32 n_splits, custody_u32 head_dim,
+                                   float* o) {
+    const custody_u32 stride = head_dim + 2;
+    float mx = __uint_as_float(0xff800000u);
+    for (custody_u32 s = 0; s < n_splits; s++) mx = fmaxf(mx, CUSTODY_LD_CG(part + s * stride + head_dim));
+    float l = 0.0f;
+    for (custody_u32 s = 0; s < n_splits; s++) {
+        const float m = CUSTODY_LD_CG(part + s * stride + head_dim);
+        if (m != __uint_as_float(0xff800000u)) l += CUSTODY_LD_CG(part + s * stride + head_dim + 1) * expf(m - mx);
+    }
+    for (custody_u32 e = threadIdx.x; e < head_dim; e += CUSTODY_ATT_THREADS) {
+        float acc = 0.0f;
+        for (custody_u32 s = 0; s < n_splits; s++) {
+            const float m = CUSTODY_LD_CG(part + s * stride + head_dim);
+            if (m != __uint_as_float(0xff800000u)) acc += CUSTODY_LD_CG(part + s * stride + e) * expf(m - mx);
+        }
+        CUSTODY_ST(o + e, acc / l);
+    }
+}
+
+// A flash-decoding CTA's last act: count itself in (row r, KV head g)'s arrivals; the last of the
+// `n_splits` to arrive merges the group — the row's verdict (KV head 0's group reports it) and,
+// for a passing row, the outputs of the group's query heads — and resets the count for the next
+// launch (a graph replays this one). Every thread of the block calls it.
+__device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 len, custody_u32 n,
+                                     custody_u64 owner, custody_u32 r, custody_u32 g,
+                                     custody_u32 n_heads, custody_u32 n_kv_heads,
+                                     custody_u32 head_dim, custody_u32 page_size,
+                                     const CustodyTags* tags, custody_u32 n_splits,
+                                     const float* partial, const custody_u32* bad,
+                                     custody_u32* arrivals, float* out, CustodyVerdict* verdicts,
+                                     custody_u32* red) {
+    __shared__ custody_u32 last;
+    __threadfence();  // this CTA's partial and index are visible before it counts itself
+    if (threadIdx.x == 0) {
+        custody_u32* count = arrivals + (custody_u64)r * n_kv_heads + g;
+        last = atomicAdd(count, 1u) == n_splits - 1;
+        if (last) *count = 0;  // every split has arrived: no more adds this launch
+    }
     __syncthreads();
-    return first;
+    if (!last) return;  // uniform
+    __threadfence();
+    const CustodyVerdict v =
+        custody_row_verdict(table, len, n, page_size, tags, owner,
+                            bad + ((custody_u64)r * n_kv_heads + g) * n_splits, n_splits, red);
+    if (g == 0 && threadIdx.x == 0) CUSTODY_ST(verdicts + r, v);
+    if (v.code != CUSTODY_OK) return;  // uniform: a failing row's output is never written
+    const custody_u32 group = n_heads / n_kv_heads;
+    for (custody_u32 i = 0; i < group; i++) {
+        const custody_u32 head = g * group + i;
+        custody_merge_head(partial + ((custody_u64)r * n_heads + head) * n_splits * (head_dim + 2),
+                           n_splits, head_dim, out + ((custody_u64)r * n_heads + head) * head_dim);
+    }
 }
 
 extern "C" __global__ void custody_flash_decode(
@@ -235,7 +323,8 @@ extern "C" __global__ void custody_flash_decode(
     const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
     const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
     custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
-    custody_u32 pages_per_split, float* partial, custody_u32* bad) {
+    custody_u32 pages_per_split, float* partial, custody_u32* bad, custody_u32* arrivals,
+    float* out, CustodyVerdict* verdicts) {
     __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
     __shared__ float qs[CUSTODY_FD_MAX_GROUP * CUSTODY_FD_MAX_DIM];
     __shared__ float p[CUSTODY_FD_MAX_GROUP * CUSTODY_FD_TILE];
@@ -250,8 +339,10 @@ extern "C" __global__ void custody_flash_decode(
     const custody_u32 need = (n + page_size - 1) / page_size;
     const custody_u32 lo = s * pages_per_split;
     const custody_u32 hi = lo + pages_per_split < need ? lo + pages_per_split : need;
+    const custody_u32 len = CUSTODY_LD(table_len + r);
+    const custody_u64 owner = CUSTODY_LD(owners + r);
     // A short table is the merge's verdict; no split reads a page of it.
-    const bool readable = CUSTODY_LD(table_len + r) >= need && lo < hi;
+    const bool readable = len >= need && lo < hi;
 #ifdef CUSTODY_BENCH_NO_TAG_CHECK
     // The check's cost, measured: only `custody gpu-check speed` compiles this (a second module
     // of its own, `CudaDevice::open_without_tag_check`); the engine's module never defines it.
@@ -259,7 +350,7 @@ extern "C" __global__ void custody_flash_decode(
     (void)red;
 #else
     const custody_u32 first = readable ? custody_first_bad_in(table, lo, hi, n, page_size, &tags,
-                                                              CUSTODY_LD(owners + r), red)
+                                                              owner, red)
                                        : CUSTODY_NO_PAGE;
 #endif
     if (t == 0) CUSTODY_ST(bad + ((custody_u64)r * n_kv_heads + g) * n_splits + s, first);
@@ -272,7 +363,10 @@ extern "C" __global__ void custody_flash_decode(
                        __uint_as_float(0xff800000u));
             CUSTODY_ST(part + (custody_u64)i * n_splits * stride + head_dim + 1, 0.0f);
         }
-        return;  // uniform: every thread saw the same `readable` and `first`
+        // Uniform: every thread saw the same `readable` and `first`.
+        custody_flash_arrive(table, len, n, owner, r, g, n_heads, n_kv_heads, head_dim, page_size,
+                             &tags, n_splits, partial, bad, arrivals, out, verdicts, red);
+        return;
     }
     // The group's queries, scaled, in shared memory.
     const float scale = 1.0f / sqrtf((float)head_dim);
@@ -406,11 +500,269 @@ extern "C" __global__ void custody_flash_decode(
         CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim, run_m[t]);
         CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim + 1, run_l[t]);
     }
+    custody_flash_arrive(table, len, n, owner, r, g, n_heads, n_kv_heads, head_dim, page_size,
+                         &tags, n_splits, partial, bad, arrivals, out, verdicts, red);
+}
+
+// ---- Prefill attention on tensor cores: flash attention over a prompt's rows, the tag check
+// inside.
+//
+// `custody_flash_prefill` — grid (n_heads, n_tiles), block (CUSTODY_ATT_THREADS: 4 warps): CTA
+// (h, i) attends query head h for tile i, rows tiles[2i] .. + tiles[2i + 1] (at most
+// CUSTODY_FP_ROWS consecutive rows of one segment: one block table, positions ascending); warp w
+// serves rows 16w .. 16w + 15 of it. Before its first K/V load the CTA checks the pages its last
+// row attends (the most any row does: `custody_first_bad_in`), and query head 0's CTA publishes
+// for each row the first page failing *that row's* check, in `custody_flash_merge`'s layout with
+// one split — a row's pages below its last one are checked alike for every row (whole pages),
+// so only its last page needs its own check. A failing row (or one whose table is short) is
+// masked out entirely; the CTA reads only slots below the longest passing row's count, every
+// one of them covered by that row's check. It walks the context in tiles of CUSTODY_FP_KT
+// slots: K and V staged in shared memory by 16-byte loads (a slot's row is contiguous in its
+// page), S = Q·Kᵀ and O += P·V as m16n8k16 MMAs (`custody_mma_m16n8k16`: f16 inputs, f32
+// accumulation — the flash-attention-2 register layout, S's accumulators reused as P's A
+// fragments), the causal mask per row, the online softmax in registers; it writes each row's
+// unnormalised output, running max and sum to `partial` for the merge.
+// head_dim a multiple of 16 up to CUSTODY_FP_MAX_DIM (the host sends other shapes to flash
+// decoding).
+#define CUSTODY_FP_ROWS 64u
+#define CUSTODY_FP_KT 32u
+#define CUSTODY_FP_MAX_DIM 128u
+
+// Two floats as an f16x2 register (the lower-indexed element in the low half).
+__device__ __forceinline__ custody_u32 custody_pack_half2(float lo, float hi) {
+    return (custody_u32)custody_float_to_half(lo) | ((custody_u32)custody_float_to_half(hi) << 16);
+}
+
+// Two adjacent halves of shared memory as one f16x2 register.
+__device__ __forceinline__ custody_u32 custody_half2_at(const unsigned short* p) {
+    return (custody_u32)p[0] | ((custody_u32)p[1] << 16);
+}
+
+// The first page failing the check of a row attending `n` slots (CUSTODY_NO_PAGE if none),
+// given `first`, the first failing page of the check over the tile's last row (`n_max` ≥ n).
+__device__ custody_u32 custody_row_first_bad(const CustodyPageRef* table, custody_u32 first,
+                                             custody_u32 n, custody_u32 page_size,
+                                             const CustodyTags* tags, custody_u64 owner) {
+    const custody_u32 need = (n + page_size - 1) / page_size;
+    if (first == CUSTODY_NO_PAGE) return CUSTODY_NO_PAGE;  // every page passed with more slots
+    if (first + 1 < need) return first;                     // a whole page: checked alike
+    return custody_check_page(table, need - 1, n, page_size, tags, owner).code == CUSTODY_OK
+               ? CUSTODY_NO_PAGE
+               : need - 1;
+}
+
+extern "C" __global__ void custody_flash_prefill(
+    const float* q, const unsigned short* k_cache, const unsigned short* v_cache,
+    const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
+    const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
+    custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
+    const custody_u32* tiles, float* partial, custody_u32* bad) {
+    __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
+    __shared__ custody_u32 row_n[CUSTODY_FP_ROWS];
+    // f16 tiles, declared as 16-byte vectors for the staging stores' alignment.
+    __shared__ uint4 qs4[CUSTODY_FP_ROWS * CUSTODY_FP_MAX_DIM / 8];
+    __shared__ uint4 ks4[CUSTODY_FP_KT * CUSTODY_FP_MAX_DIM / 8];
+    __shared__ uint4 vs4[CUSTODY_FP_KT * CUSTODY_FP_MAX_DIM / 8];
+    unsigned short* qs = (unsigned short*)qs4;
+    unsigned short* ks = (unsigned short*)ks4;
+    unsigned short* vs = (unsigned short*)vs4;
+    const custody_u32 h = blockIdx.x, t = threadIdx.x, warp = t / 32, lane = t % 32;
+    const custody_u32 g = lane / 4, q4 = lane % 4;
+    const custody_u32 r0 = CUSTODY_LD(tiles + 2 * blockIdx.y);
+    const custody_u32 nr = CUSTODY_LD(tiles + 2 * blockIdx.y + 1);
+    const custody_u32 kvh = h / (n_heads / n_kv_heads);
+    const CustodyPageRef* table = tables + CUSTODY_LD(table_off + r0);
+    const custody_u32 len = CUSTODY_LD(table_len + r0);
+    const custody_u64 owner = CUSTODY_LD(owners + r0);
+    const custody_u32 n_max = CUSTODY_LD(n_ctx + r0 + nr - 1);
+    const custody_u32 need_max = (n_max + page_size - 1) / page_size;
+    const bool short_table = len < need_max;
+#ifdef CUSTODY_BENCH_NO_TAG_CHECK
+    const custody_u32 first = CUSTODY_NO_PAGE;
+    (void)red;
+#else
+    const custody_u32 first = custody_first_bad_in(table, 0, short_table ? len : need_max, n_max,
+                                                   page_size, &tags, owner, red);
+#endif
+    // Each row's verdict: the slots it attends if it passes, 0 if it fails (then no slot is
+    // read for it, and the merge reports it without reading its partial).
+    for (custody_u32 i = t; i < CUSTODY_FP_ROWS; i += CUSTODY_ATT_THREADS) {
+        custody_u32 attends = 0;
+        if (i < nr) {
+            const custody_u32 n = CUSTODY_LD(n_ctx + r0 + i);
+            const bool short_row = (n + page_size - 1) / page_size > len;
+            // A row whose table is short gets the merge's own verdict; its index is unused.
+            const custody_u32 b =
+                short_row ? CUSTODY_NO_PAGE
+                          : custody_row_first_bad(table, first, n, page_size, &tags, owner);
+            if (h == 0) CUSTODY_ST(bad + (custody_u64)(r0 + i) * n_kv_heads, b);
+            attends = !short_row && b == CUSTODY_NO_PAGE ? n : 0;
+        }
+        row_n[i] = attends;
+    }
+    __syncthreads();
+    // The slots the CTA reads: below the longest passing row's count — each of them checked
+    // for that row (its pages before its last one whole, its last one up to its count).
+    custody_u32 n_hi = 0;
+    for (custody_u32 i = 0; i < CUSTODY_FP_ROWS; i++) n_hi = row_n[i] > n_hi ? row_n[i] : n_hi;
+    if (n_hi == 0) return;  // uniform: every row failed, nothing is read
+    const custody_u32 stride = head_dim + 2;
+    // The tile's queries, scaled, as f16 (rows past `nr`: zero).
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    for (custody_u32 i = t; i < CUSTODY_FP_ROWS * head_dim; i += CUSTODY_ATT_THREADS) {
+        const custody_u32 row = i / head_dim, e = i % head_dim;
+        const float x =
+            row < nr ? CUSTODY_LD(q + ((custody_u64)(r0 + row) * n_heads + h) * head_dim + e) * scale
+                     : 0.0f;
+        qs[i] = custody_float_to_half(x);
+    }
+    // This lane's two rows (g and g + 8 of the warp's 16) and how many slots each attends
+    // (0 past the tile: never unmasked).
+    const custody_u32 ra = warp * 16 + g, rb = ra + 8;
+    const custody_u32 na = row_n[ra], nb = row_n[rb];
+    const float neg_inf = __uint_as_float(0xff800000u);
+    float o[CUSTODY_FP_MAX_DIM / 8][4];
+#pragma unroll
+    for (custody_u32 d = 0; d < CUSTODY_FP_MAX_DIM / 8; d++)
+#pragma unroll
+        for (custody_u32 i = 0; i < 4; i++) o[d][i] = 0.0f;
+    float m_a = neg_inf, m_b = neg_inf, l_a = 0.0f, l_b = 0.0f;
+    const custody_u32 vecs = head_dim / 8;
+    for (custody_u32 tile = 0; tile < n_hi; tile += CUSTODY_FP_KT) {
+        __syncthreads();  // the queries are staged; the previous tile's K and V are read
+        for (custody_u32 i = t; i < CUSTODY_FP_KT * vecs; i += CUSTODY_ATT_THREADS) {
+            const custody_u32 j = i / vecs, c = i % vecs, slot = tile + j;
+            uint4 kv = {0u, 0u, 0u, 0u}, vv = {0u, 0u, 0u, 0u};
+            if (slot < n_hi) {
+                const CustodyPageRef pr = CUSTODY_LD(table + slot / page_size);
+                const custody_u64 off =
+                    (((custody_u64)pr.page * n_kv_heads + kvh) * page_size + slot % page_size) *
+                        head_dim + 8 * c;
+                kv = CUSTODY_LD((const uint4*)(k_cache + off));
+                vv = CUSTODY_LD((const uint4*)(v_cache + off));
+            }
+            *(uint4*)(ks + j * head_dim + 8 * c) = kv;
+            *(uint4*)(vs + j * head_dim + 8 * c) = vv;
+        }
+        __syncthreads();
+        // S = Q·Kᵀ over the tile's 32 slots: four 16 × 8 blocks.
+        float s[CUSTODY_FP_KT / 8][4];
+#pragma unroll
+        for (custody_u32 nb8 = 0; nb8 < CUSTODY_FP_KT / 8; nb8++)
+#pragma unroll
+            for (custody_u32 i = 0; i < 4; i++) s[nb8][i] = 0.0f;
+        for (custody_u32 kb = 0; kb < head_dim / 16; kb++) {
+            const custody_u32 col = kb * 16 + 2 * q4;
+            const custody_u32 a[4] = {
+                custody_half2_at(qs + ra * head_dim + col), custody_half2_at(qs + rb * head_dim + col),
+                custody_half2_at(qs + ra * head_dim + col + 8),
+                custody_half2_at(qs + rb * head_dim + col + 8)};
+#pragma unroll
+            for (custody_u32 nb8 = 0; nb8 < CUSTODY_FP_KT / 8; nb8++) {
+                const unsigned short* krow = ks + (nb8 * 8 + g) * head_dim + col;
+                const custody_u32 b[2] = {custody_half2_at(krow), custody_half2_at(krow + 8)};
+                custody_mma_m16n8k16(s[nb8], a, b, s[nb8]);
+            }
+        }
+        // The causal mask, then the online softmax of rows ra (elements 0, 1) and rb (2, 3);
+        // a row's four lanes (q4 = 0..3) share it through shuffles.
+        float mx_a = neg_inf, mx_b = neg_inf;
+#pragma unroll
+        for (custody_u32 nb8 = 0; nb8 < CUSTODY_FP_KT / 8; nb8++)
+#pragma unroll
+            for (custody_u32 i = 0; i < 4; i++) {
+                const custody_u32 slot = tile + nb8 * 8 + 2 * q4 + (i & 1u);
+                if (slot >= (i < 2 ? na : nb)) s[nb8][i] = neg_inf;
+                if (i < 2) mx_a = fmaxf(mx_a, s[nb8][i]);
+                else mx_b = fmaxf(mx_b, s[nb8][i]);
+            }
+        for (custody_u32 m = 1; m < 4; m *= 2) {
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, m));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, m));
+        }
+        const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
+        // A row with no slot unmasked yet keeps max −inf: its exponentials are taken against 0
+        // (all 0), never −inf − −inf.
+        const float base_a = new_a == neg_inf ? 0.0f : new_a;
+        const float base_b = new_b == neg_inf ? 0.0f : new_b;
+        float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+        for (custody_u32 nb8 = 0; nb8 < CUSTODY_FP_KT / 8; nb8++)
+#pragma unroll
+            for (custody_u32 i = 0; i < 4; i++) {
+                const float e = expf(s[nb8][i] - (i < 2 ? base_a : base_b));
+                s[nb8][i] = e;
+                if (i < 2) sum_a += e;
+                else sum_b += e;
+            }
+        for (custody_u32 m = 1; m < 4; m *= 2) {
+            sum_a += __shfl_xor_sync(0xffffffffu, sum_a, m);
+            sum_b += __shfl_xor_sync(0xffffffffu, sum_b, m);
+        }
+        const float alpha_a = expf(m_a - base_a), alpha_b = expf(m_b - base_b);
+        l_a = l_a * alpha_a + sum_a;
+        l_b = l_b * alpha_b + sum_b;
+        m_a = new_a;
+        m_b = new_b;
+#pragma unroll
+        for (custody_u32 d = 0; d < CUSTODY_FP_MAX_DIM / 8; d++) {
+            o[d][0] *= alpha_a;
+            o[d][1] *= alpha_a;
+            o[d][2] *= alpha_b;
+            o[d][3] *= alpha_b;
+        }
+        // O += P·V: two steps of 16 slots; P's A fragments are S's accumulators, as f16.
+#pragma unroll
+        for (custody_u32 k16 = 0; k16 < CUSTODY_FP_KT / 16; k16++) {
+            const custody_u32 a[4] = {custody_pack_half2(s[2 * k16][0], s[2 * k16][1]),
+                                      custody_pack_half2(s[2 * k16][2], s[2 * k16][3]),
+                                      custody_pack_half2(s[2 * k16 + 1][0], s[2 * k16 + 1][1]),
+                                      custody_pack_half2(s[2 * k16 + 1][2], s[2 * k16 + 1][3])};
+            const unsigned short* v0 = vs + (k16 * 16 + 2 * q4) * head_dim + g;
+#pragma unroll
+            for (custody_u32 d = 0; d < CUSTODY_FP_MAX_DIM / 8; d++) {
+                if (d < head_dim / 8) {
+                    const unsigned short* vp = v0 + d * 8;
+                    const custody_u32 b[2] = {
+                        (custody_u32)vp[0] | ((custody_u32)vp[head_dim] << 16),
+                        (custody_u32)vp[8 * head_dim] | ((custody_u32)vp[9 * head_dim] << 16)};
+                    custody_mma_m16n8k16(o[d], a, b, o[d]);
+                }
+            }
+        }
+    }
+    // Each row's unnormalised output, max and sum (the merge divides).
+    float* part_a = partial + ((custody_u64)(r0 + ra) * n_heads + h) * stride;
+    float* part_b = partial + ((custody_u64)(r0 + rb) * n_heads + h) * stride;
+#pragma unroll
+    for (custody_u32 d = 0; d < CUSTODY_FP_MAX_DIM / 8; d++) {
+        if (d < head_dim / 8) {
+            const custody_u32 e = d * 8 + 2 * q4;
+            if (na > 0) {
+                CUSTODY_ST(part_a + e, o[d][0]);
+                CUSTODY_ST(part_a + e + 1, o[d][1]);
+            }
+            if (nb > 0) {
+                CUSTODY_ST(part_b + e, o[d][2]);
+                CUSTODY_ST(part_b + e + 1, o[d][3]);
+            }
+        }
+    }
+    if (q4 == 0) {
+        if (na > 0) {
+            CUSTODY_ST(part_a + head_dim, m_a);
+            CUSTODY_ST(part_a + head_dim + 1, l_a);
+        }
+        if (nb > 0) {
+            CUSTODY_ST(part_b + head_dim, m_b);
+            CUSTODY_ST(part_b + head_dim + 1, l_b);
+        }
+    }
 }
 
 // The row's verdict from the splits' first failing indices, then — only for a passing row — its
-// output: Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M). Grid (n_heads, n_rows), block
-// (CUSTODY_ATT_THREADS); head 0's block reports the verdict (poisoned rows stay failures).
+// output (`custody_merge_head`). Grid (n_heads, n_rows), block (CUSTODY_ATT_THREADS); head 0's
+// block reports the verdict (poisoned rows stay failures).
 extern "C" __global__ void custody_flash_merge(
     const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
     const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
@@ -418,55 +770,16 @@ extern "C" __global__ void custody_flash_merge(
     custody_u32 n_splits, const float* partial, const custody_u32* bad, float* out,
     CustodyVerdict* verdicts) {
     __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
-    const custody_u32 head = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
-    const CustodyPageRef* table = tables + CUSTODY_LD(table_off + r);
-    const custody_u32 n = CUSTODY_LD(n_ctx + r);
-    const custody_u32 need = (n + page_size - 1) / page_size;
-    const custody_u32 len = CUSTODY_LD(table_len + r);
-    // The smallest failing index over the splits (KV head 0's CTAs checked the same pages).
-    custody_u32 mine = CUSTODY_NO_PAGE;
-    for (custody_u32 s = t; s < n_splits; s += CUSTODY_ATT_THREADS) {
-        const custody_u32 b = CUSTODY_LD(bad + (custody_u64)r * n_kv_heads * n_splits + s);
-        if (b < mine) mine = b;
-    }
-    red[t] = mine;
-    __syncthreads();
-    for (custody_u32 half = CUSTODY_ATT_THREADS / 2; half > 0; half /= 2) {
-        if (t < half && red[t + half] < red[t]) red[t] = red[t + half];
-        __syncthreads();
-    }
-    CustodyVerdict v;
-    v.code = CUSTODY_OK;
-    v.page = 0;
-    v.a = 0;
-    v.b = 0;
-    if (len < need || n == 0) {
-        v.code = CUSTODY_BLOCK_TABLE_TOO_SHORT;
-        v.a = len;
-        v.b = need;
-    } else if (red[0] != CUSTODY_NO_PAGE) {
-        v = custody_check_page(table, red[0], n, page_size, &tags, CUSTODY_LD(owners + r));
-    }
-    if (head == 0 && t == 0) CUSTODY_ST(verdicts + r, v);
+    const custody_u32 head = blockIdx.x, r = blockIdx.y;
+    // KV head 0's splits checked the same pages as every other group's.
+    const CustodyVerdict v = custody_row_verdict(
+        tables + CUSTODY_LD(table_off + r), CUSTODY_LD(table_len + r), CUSTODY_LD(n_ctx + r),
+        page_size, &tags, CUSTODY_LD(owners + r), bad + (custody_u64)r * n_kv_heads * n_splits,
+        n_splits, red);
+    if (head == 0 && threadIdx.x == 0) CUSTODY_ST(verdicts + r, v);
     if (v.code != CUSTODY_OK) return;  // uniform over the block
-    const custody_u32 stride = head_dim + 2;
-    const float* part = partial + ((custody_u64)r * n_heads + head) * n_splits * stride;
-    float mx = __uint_as_float(0xff800000u);
-    for (custody_u32 s = 0; s < n_splits; s++) mx = fmaxf(mx, CUSTODY_LD(part + s * stride + head_dim));
-    float l = 0.0f;
-    for (custody_u32 s = 0; s < n_splits; s++) {
-        const float m = CUSTODY_LD(part + s * stride + head_dim);
-        if (m != __uint_as_float(0xff800000u)) l += CUSTODY_LD(part + s * stride + head_dim + 1) * expf(m - mx);
-    }
-    float* o = out + ((custody_u64)r * n_heads + head) * head_dim;
-    for (custody_u32 e = t; e < head_dim; e += CUSTODY_ATT_THREADS) {
-        float acc = 0.0f;
-        for (custody_u32 s = 0; s < n_splits; s++) {
-            const float m = CUSTODY_LD(part + s * stride + head_dim);
-            if (m != __uint_as_float(0xff800000u)) acc += CUSTODY_LD(part + s * stride + e) * expf(m - mx);
-        }
-        CUSTODY_ST(o + e, acc / l);
-    }
+    custody_merge_head(partial + ((custody_u64)r * n_heads + head) * n_splits * (head_dim + 2),
+                       n_splits, head_dim, out + ((custody_u64)r * n_heads + head) * head_dim);
 }
 
 // The device's copy of the pool's tags brought up to date: entry i of the step's changes

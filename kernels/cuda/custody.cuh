@@ -13,11 +13,15 @@
 // moving nothing, which the model's tests catch (every modeled kernel must move bytes).
 #pragma once
 
+// `CUSTODY_LD_CG(p)`: a load cached in L2 only (`ld.global.cg`), for data other CTAs of the same
+// launch wrote (an L1 line of it could be stale).
 #ifdef CUSTODY_CUDA_SHIM
 #include "shim/cuda_shim.h"
+#define CUSTODY_LD_CG(p) CUSTODY_LD(p)
 #else
 #define CUSTODY_LD(p) (*(p))
 #define CUSTODY_ST(p, v) (*(p) = (v))
+#define CUSTODY_LD_CG(p) __ldcg(p)
 #endif
 
 typedef unsigned int custody_u32;
@@ -140,4 +144,23 @@ __device__ void custody_rope_row(float* xr, float pos, custody_u32 n_heads, cust
         CUSTODY_ST(p0, fmaf(x0, c, -(x1 * s)));
         CUSTODY_ST(p1, fmaf(x0, s, x1 * c));
     }
+}
+
+// One warp's `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32` (tensor cores): d = a·b + c,
+// a 16 × 16 f16 A (4 f16x2 registers per lane), 16 × 8 f16 B (2), 16 × 8 f32 C and D (4), in
+// the PTX ISA's fragment layout. Every lane of the warp calls it, converged. On the shim a
+// warp collective computes the same product from the lanes' fragments (shim/cuda_shim.cpp's
+// `run_mma`). `d` may be `c`.
+__device__ __forceinline__ void custody_mma_m16n8k16(float* d, const custody_u32* a,
+                                                     const custody_u32* b, const float* c) {
+#ifdef CUSTODY_CUDA_SHIM
+    custody_shim::mma_m16n8k16(d, a, b, c);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+          "f"(c[2]), "f"(c[3]));
+#endif
 }

@@ -274,6 +274,26 @@ extern "C" __global__ void custody_matvec(const unsigned char* w, custody_u32 dt
     if (threadIdx.x == 0) out[(custody_u64)r * out_rows + o] = s;
 }
 
+// ---- The GEMM path's conversions (prefill and large batches: the products go to cuBLASLt on
+// f16 matrices, `custody_cuda::GemmF16`).
+//
+// A weight matrix (`rows × cols` in `dtype`, GGUF bytes) dequantized once, at load, to f16
+// bits, row-major: out[o][k]. Grid (rows), block (128).
+extern "C" __global__ void custody_dequant_f16(const unsigned char* w, custody_u32 dtype,
+                                              custody_u32 cols, unsigned short* out) {
+    const custody_u32 o = blockIdx.x;
+    unsigned short* dst = out + (custody_u64)o * cols;
+    for (custody_u32 k = threadIdx.x; k < cols; k += CUSTODY_OPS_THREADS)
+        CUSTODY_ST(dst + k, custody_float_to_half(custody_weight(w, dtype, cols, o, k)));
+}
+
+// A GEMM's activations: `n` floats rounded to f16 bits (nearest even). Grid (⌈n/128⌉),
+// block (128).
+extern "C" __global__ void custody_to_f16(const float* x, unsigned short* out, custody_u64 n) {
+    const custody_u64 i = (custody_u64)blockIdx.x * CUSTODY_OPS_THREADS + threadIdx.x;
+    if (i < n) CUSTODY_ST(out + i, custody_float_to_half(CUSTODY_LD(x + i)));
+}
+
 // ---- The decode GEMV on Q4_K weights.
 //
 // Layout (`custody_cuda::repack::q4k`, made once at upload from the GGUF bytes): a row's

@@ -271,7 +271,14 @@ void generic_body(void* c) {
             PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),
             PTR(3, const CustodyPageRef*), PTR(4, const custody_u32*), PTR(5, const custody_u32*),
             PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
-            U32(11), TAGS(12), U32(13), PTR(14, float*), PTR(15, custody_u32*));
+            U32(11), TAGS(12), U32(13), PTR(14, float*), PTR(15, custody_u32*),
+            PTR(16, custody_u32*), PTR(17, float*), PTR(18, CustodyVerdict*));
+    } else if (!strcmp(n, "custody_flash_prefill")) {
+        custody_flash_prefill(
+            PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),
+            PTR(3, const CustodyPageRef*), PTR(4, const custody_u32*), PTR(5, const custody_u32*),
+            PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
+            U32(11), TAGS(12), PTR(13, const custody_u32*), PTR(14, float*), PTR(15, custody_u32*));
     } else if (!strcmp(n, "custody_flash_merge")) {
         custody_flash_merge(PTR(0, const CustodyPageRef*), PTR(1, const custody_u32*),
                             PTR(2, const custody_u32*), PTR(3, const custody_u32*),
@@ -292,6 +299,10 @@ void generic_body(void* c) {
     } else if (!strcmp(n, "custody_gemv_q8_0")) {
         custody_gemv_q8_0(PTR(0, const uint4*), PTR(1, const uint2*), U32(2), U32(3),
                           PTR(4, const float*), U32(5), PTR(6, float*));
+    } else if (!strcmp(n, "custody_dequant_f16")) {
+        custody_dequant_f16(PTR(0, const unsigned char*), U32(1), U32(2), PTR(3, unsigned short*));
+    } else if (!strcmp(n, "custody_to_f16")) {
+        custody_to_f16(PTR(0, const float*), PTR(1, unsigned short*), U64(2));
     } else if (!strcmp(n, "custody_gather_rows")) {
         custody_gather_rows(PTR(0, const float*), PTR(1, const custody_u32*), U32(2),
                             PTR(3, float*));

@@ -547,12 +547,15 @@ pub struct CountedLaunch {
     pub in_graph: bool,
 }
 
-/// One launch a [`ShimDevice`] recorded while capturing.
+/// One node a [`ShimDevice`] recorded while capturing.
 #[derive(Clone, Debug)]
-struct Recorded {
-    kernel: Kernel,
-    dims: LaunchDims,
-    args: Vec<Arg>,
+enum Recorded {
+    Launch {
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: Vec<Arg>,
+    },
+    Gemm(GemmF16),
 }
 
 unsafe extern "C" {
@@ -593,6 +596,9 @@ pub struct ShimDevice {
     next_graph: u32,
     /// Graph replays so far (each one launch of the host's).
     graph_launches: u64,
+    /// GEMMs run so far (on their own or as graph nodes): the library's work, which the
+    /// counters do not see.
+    gemms: u64,
 }
 
 /// One host↔device copy of a counting [`ShimDevice`].
@@ -618,7 +624,13 @@ impl ShimDevice {
             graphs: std::collections::HashMap::new(),
             next_graph: 0,
             graph_launches: 0,
+            gemms: 0,
         }
+    }
+
+    /// GEMMs run so far ([`Device::gemm_f16`]: the library's, not counted by kernel).
+    pub fn gemms(&self) -> u64 {
+        self.gemms
     }
 
     /// Graph replays so far.
@@ -688,7 +700,7 @@ impl ShimDevice {
     }
 }
 
-use custody_cuda::{Arg, Device, DeviceError, DevicePtr, GraphId, Kernel, LaunchDims};
+use custody_cuda::{Arg, Device, DeviceError, DevicePtr, GemmF16, GraphId, Kernel, LaunchDims};
 
 /// One [`ShimDevice`] allocation.
 #[derive(Debug)]
@@ -745,7 +757,7 @@ impl Device for ShimDevice {
             });
         }
         if let Some(recording) = &mut self.capture {
-            recording.push(Recorded {
+            recording.push(Recorded::Launch {
                 kernel,
                 dims,
                 args: args.to_vec(),
@@ -753,6 +765,14 @@ impl Device for ShimDevice {
             return Ok(());
         }
         self.run(kernel, dims, args, false)
+    }
+
+    fn gemm_f16(&mut self, g: GemmF16) -> Result<(), DeviceError> {
+        if let Some(recording) = &mut self.capture {
+            recording.push(Recorded::Gemm(g));
+            return Ok(());
+        }
+        self.run_gemm(g)
     }
 
     fn describe(&self) -> String {
@@ -780,7 +800,10 @@ impl Device for ShimDevice {
         let nodes = nodes.clone();
         self.graph_launches += 1;
         for n in &nodes {
-            self.run(n.kernel, n.dims, &n.args, true)?;
+            match n {
+                Recorded::Launch { kernel, dims, args } => self.run(*kernel, *dims, args, true)?,
+                Recorded::Gemm(g) => self.run_gemm(*g)?,
+            }
         }
         Ok(())
     }
@@ -795,6 +818,35 @@ impl Device for ShimDevice {
 }
 
 impl ShimDevice {
+    /// A GEMM now: the reference loop standing in for cuBLASLt (f16 inputs widened exactly,
+    /// f32 products summed in order), bounds-checked like a copy.
+    fn run_gemm(&mut self, g: GemmF16) -> Result<(), DeviceError> {
+        let (rows, cols, n) = (g.rows as usize, g.cols as usize, g.n as usize);
+        if rows == 0 || cols == 0 || n == 0 {
+            return Err(DeviceError::Gemm {
+                gemm: g,
+                why: "an empty dimension".into(),
+            });
+        }
+        let widen = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(2)
+                .map(|h| half::f16::from_le_bytes([h[0], h[1]]).to_f32())
+                .collect()
+        };
+        let w = widen(self.span(g.w, rows * cols * 2)?);
+        let x = widen(self.span(g.x, n * cols * 2)?);
+        let out = self.span(g.out, n * rows * 4)?;
+        for (r, xr) in x.chunks_exact(cols).enumerate() {
+            for (o, wo) in w.chunks_exact(cols).enumerate() {
+                let v: f32 = wo.iter().zip(xr).map(|(a, b)| a * b).sum();
+                let at = (r * rows + o) * 4;
+                out[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        self.gemms += 1;
+        Ok(())
+    }
+
     /// Run one kernel now (its arity checked by the caller), counted when counting.
     fn run(
         &mut self,
@@ -848,7 +900,8 @@ pub struct FlashSplits {
     pub pages_per_split: u32,
 }
 
-/// What a flash-decoding run returns: each request's verdict and the two launches' counts.
+/// What an attention run returns: each request's verdict and its launches' counts (`merge`:
+/// the prefill kernel's separate merge; zero for flash decoding, which merges in its launch).
 #[derive(Debug)]
 pub struct FlashRun {
     pub verdicts: Vec<Verdict>,
@@ -870,7 +923,62 @@ pub fn flash_decode(
     out: &mut [f32],
     seed: u64,
 ) -> Result<FlashRun, DeviceError> {
+    let kv = KvCaches { k_cache, v_cache };
+    flash_run(q, kv, reqs, shape, tags, Attend::Decode(splits), out, seed)
+}
+
+/// Prefill attention on tensor cores (`custody_flash_prefill` then `custody_flash_merge` with
+/// one split) on a counting shim device: `reqs` are the rows, `tiles` (first row, rows) pairs
+/// of consecutive rows of one block table each; writes `out` for the rows that pass.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_prefill(
+    q: &[f32],
+    k_cache: &[u16],
+    v_cache: &[u16],
+    reqs: &[Request],
+    tiles: &[u32],
+    shape: AttentionShape,
+    tags: &OwnedTags,
+    out: &mut [f32],
+    seed: u64,
+) -> Result<FlashRun, DeviceError> {
+    let kv = KvCaches { k_cache, v_cache };
+    flash_run(q, kv, reqs, shape, tags, Attend::Prefill(tiles), out, seed)
+}
+
+/// The K and V caches an attention launch reads.
+struct KvCaches<'a> {
+    k_cache: &'a [u16],
+    v_cache: &'a [u16],
+}
+
+/// Which attention kernel runs before the merge.
+enum Attend<'a> {
+    Decode(FlashSplits),
+    /// `custody_flash_prefill` over these tiles.
+    Prefill(&'a [u32]),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn flash_run(
+    q: &[f32],
+    kv: KvCaches<'_>,
+    reqs: &[Request],
+    shape: AttentionShape,
+    tags: &OwnedTags,
+    attend: Attend<'_>,
+    out: &mut [f32],
+    seed: u64,
+) -> Result<FlashRun, DeviceError> {
     use custody_cuda::device::{bytes_of, bytes_of_mut};
+    let (k_cache, v_cache) = (kv.k_cache, kv.v_cache);
+    let splits = match attend {
+        Attend::Decode(s) => s,
+        Attend::Prefill(_) => FlashSplits {
+            n: 1,
+            pages_per_split: 0,
+        },
+    };
     let n = reqs.len();
     assert_eq!(out.len(), q.len());
     let f = flatten(reqs);
@@ -937,11 +1045,27 @@ pub fn flash_decode(
     let mut decode = vec![Arg::Ptr(qp), Arg::Ptr(kp), Arg::Ptr(vp)];
     decode.extend(table);
     decode.extend(shape_args);
-    decode.extend([
-        Arg::U32(splits.pages_per_split),
-        Arg::Ptr(partial),
-        Arg::Ptr(bad),
-    ]);
+    let arrivals = put(bytes_of(&vec![0u32; n * shape.n_kv_heads as usize]))?;
+    let (kernel, grid, per_split) = match attend {
+        Attend::Decode(_) => (
+            Kernel::FlashDecode,
+            LaunchDims {
+                grid: [shape.n_kv_heads, n as u32, splits.n],
+                block: [128, 1, 1],
+            },
+            Arg::U32(splits.pages_per_split),
+        ),
+        Attend::Prefill(tiles) => (
+            Kernel::FlashPrefill,
+            LaunchDims::grid2(shape.n_heads, (tiles.len() / 2) as u32, 128),
+            Arg::Ptr(put(bytes_of(tiles))?),
+        ),
+    };
+    decode.extend([per_split, Arg::Ptr(partial), Arg::Ptr(bad)]);
+    let merges_itself = matches!(attend, Attend::Decode(_));
+    if merges_itself {
+        decode.extend([Arg::Ptr(arrivals), Arg::Ptr(outp), Arg::Ptr(verdicts)]);
+    }
     let mut merge = table.to_vec();
     merge.extend(shape_args);
     merge.extend([
@@ -951,16 +1075,14 @@ pub fn flash_decode(
         Arg::Ptr(outp),
         Arg::Ptr(verdicts),
     ]);
-    let grid = LaunchDims {
-        grid: [shape.n_kv_heads, n as u32, splits.n],
-        block: [128, 1, 1],
-    };
-    dev.launch(Kernel::FlashDecode, grid, &decode)?;
-    dev.launch(
-        Kernel::FlashMerge,
-        LaunchDims::grid2(shape.n_heads, n as u32, 128),
-        &merge,
-    )?;
+    dev.launch(kernel, grid, &decode)?;
+    if !merges_itself {
+        dev.launch(
+            Kernel::FlashMerge,
+            LaunchDims::grid2(shape.n_heads, n as u32, 128),
+            &merge,
+        )?;
+    }
     dev.download(outp, bytes_of_mut(out))?;
     let mut got = poisoned;
     dev.download(verdicts, bytes_of_mut(&mut got))?;
@@ -968,6 +1090,7 @@ pub fn flash_decode(
     Ok(FlashRun {
         verdicts: got,
         decode: counts[0].counts,
-        merge: counts[1].counts,
+        // Flash decoding merges within its own launch.
+        merge: counts.get(1).map(|l| l.counts).unwrap_or_default(),
     })
 }

@@ -170,7 +170,7 @@ pub fn decode_step(
         }
         tables.push((owner, pages));
     }
-    let mut fwd = CudaForward::new(ShimDevice::counting(0), &m, &pool, batch)?;
+    let mut fwd = CudaForward::new_without_gemm(ShimDevice::counting(0), &m, &pool, batch)?;
     fwd.set_tag_audit(false); // a debug build's whole-copy check is not a step's traffic
     // The context's tags reach the device before the counted step (as the steps that wrote
     // them would have sent them); the weights' upload is not the step's either.

@@ -35,6 +35,9 @@ struct Fiber {
     uint64_t deposit = 0, result = 0;
     unsigned (*src)(unsigned, unsigned) = nullptr;
     unsigned src_arg = 0;
+    // An `mma` in progress instead of an exchange: this lane's fragments (on its stack, alive
+    // while it waits).
+    const MmaLane* mma = nullptr;
     // Counting: how many times this lane has executed each access site.
     std::unordered_map<const void*, uint32_t> site_runs;
 };
@@ -150,6 +153,64 @@ uint64_t next(uint64_t* s) {
 
 int release_warps(Block& b, char* err, size_t err_len);
 
+// IEEE binary16 bits → float (exact).
+float half_bits_to_float(uint32_t h) {
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {
+        // Subnormal: value = mant · 2^-24, exactly representable as a float.
+        float v = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// The warp's `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`, from every lane's fragments
+// in the PTX ISA's layout (g = lane / 4, t = lane % 4; the lower half of a register is the
+// lower-indexed element): A (16 × 16, row-major) reg 0 = A[g][2t, 2t+1], reg 1 = A[g+8][2t..],
+// reg 2 = A[g][2t+8..], reg 3 = A[g+8][2t+8..]; B (16 × 8, col-major) reg 0 = B[2t, 2t+1][g],
+// reg 1 = B[2t+8, 2t+9][g]; C and D (16 × 8 f32) element i = [g + 8·(i / 2)][2t + i % 2].
+// D = A·B + C with f32 products of the exact halves, summed over k in order from C (the GPU's
+// order within an mma is unspecified: the results may differ in the last bits).
+void run_mma(Block& b, size_t base) {
+    float A[16][16], B[16][8], C[16][8];
+    for (unsigned lane = 0; lane < WARP; lane++) {
+        const MmaLane& m = *b.fibers[base + lane].mma;
+        const unsigned g = lane / 4, t = lane % 4;
+        for (unsigned r = 0; r < 4; r++) {
+            const unsigned row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
+            A[row][col] = half_bits_to_float(m.a[r] & 0xffffu);
+            A[row][col + 1] = half_bits_to_float(m.a[r] >> 16);
+        }
+        for (unsigned r = 0; r < 2; r++) {
+            B[2 * t + 8 * r][g] = half_bits_to_float(m.b[r] & 0xffffu);
+            B[2 * t + 8 * r + 1][g] = half_bits_to_float(m.b[r] >> 16);
+        }
+        for (unsigned i = 0; i < 4; i++) C[g + 8 * (i / 2)][2 * t + i % 2] = m.c[i];
+    }
+    for (unsigned lane = 0; lane < WARP; lane++) {
+        const MmaLane& m = *b.fibers[base + lane].mma;
+        const unsigned g = lane / 4, t = lane % 4;
+        for (unsigned i = 0; i < 4; i++) {
+            const unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
+            float acc = C[row][col];
+            for (unsigned k = 0; k < 16; k++) acc += A[row][k] * B[k][col];
+            m.d[i] = acc;
+        }
+    }
+    for (size_t i = base; i < base + WARP; i++) b.fibers[i].mma = nullptr;
+    totals.warp_collectives++;
+}
+
 // Run one block to completion. Returns 0 or -1 (message in err).
 int run_block(Block& b, uint64_t* seed, char* err, size_t err_len) {
     const size_t n = b.fibers.size();
@@ -210,11 +271,23 @@ int release_warps(Block& b, char* err, size_t err_len) {
                      waiting, end - base, base / WARP);
             return -1;
         }
-        for (size_t i = base; i < end; i++) {
-            Fiber& f = b.fibers[i];
-            const unsigned lane = (unsigned)(i - base);
-            const size_t from = base + (f.src ? f.src(lane, f.src_arg) % WARP : lane);
-            f.result = from < end ? b.fibers[from].deposit : f.deposit;
+        size_t mmas = 0;
+        for (size_t i = base; i < end; i++) mmas += b.fibers[i].mma != nullptr;
+        if (mmas != 0 && mmas != end - base) {
+            snprintf(err, err_len,
+                     "divergent warp collective: %zu of %zu lanes of warp %zu wait at an mma while the others wait at another collective",
+                     mmas, end - base, base / WARP);
+            return -1;
+        }
+        if (mmas != 0) {
+            run_mma(b, base);
+        } else {
+            for (size_t i = base; i < end; i++) {
+                Fiber& f = b.fibers[i];
+                const unsigned lane = (unsigned)(i - base);
+                const size_t from = base + (f.src ? f.src(lane, f.src_arg) % WARP : lane);
+                f.result = from < end ? b.fibers[from].deposit : f.deposit;
+            }
         }
         for (size_t i = base; i < end; i++) b.fibers[i].state = State::Runnable;
         totals.warp_collectives++;
@@ -273,6 +346,16 @@ uint64_t warp_exchange(uint64_t mine, unsigned (*src)(unsigned, unsigned), unsig
 }
 
 void syncwarp() {
+    (void)warp_exchange(0, nullptr, 0);
+}
+
+void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, const float* c) {
+    // Copies: `d` may alias `c` (an accumulation), and the warp's D is computed from every
+    // lane's inputs before any lane's output is written.
+    float c_in[4] = {c[0], c[1], c[2], c[3]};
+    MmaLane lane{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, c_in, d};
+    Fiber& f = block->fibers[block->running];
+    f.mma = &lane;
     (void)warp_exchange(0, nullptr, 0);
 }
 

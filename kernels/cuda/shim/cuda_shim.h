@@ -69,6 +69,17 @@ void record(const void* site, const void* addr, unsigned bytes, bool store);
 // One lane's value exchanged within its warp: lane `src` of the warp's values.
 uint64_t warp_exchange(uint64_t mine, unsigned (*src)(unsigned lane, unsigned arg), unsigned arg);
 void syncwarp();
+// One lane's part of a warp's m16n8k16 f16 MMA (`mma_m16n8k16`): its fragments' registers.
+struct MmaLane {
+    unsigned a[4], b[2];
+    const float* c;
+    float* d;
+};
+// The warp-collective `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32` (every lane of the
+// warp, converged): d = a·b + c over the warp's fragments, in the PTX ISA's layout (see
+// cuda_shim.cpp's `run_mma`). Inline PTX cannot run here; `custody_mma_m16n8k16` (custody.cuh)
+// calls this on the shim and the instruction itself on the GPU.
+void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, const float* c);
 
 template <typename T>
 inline const T& counted_load(const void* site, const T* p) {
@@ -121,6 +132,15 @@ int launch(dim3 grid, dim3 block, uint64_t seed, Body body, void* ctx, char* err
 #define CUSTODY_SHIM_SITE ([]() -> const void* { static const char s = 0; return &s; }())
 #define CUSTODY_LD(p) custody_shim::counted_load(CUSTODY_SHIM_SITE, (p))
 #define CUSTODY_ST(p, v) custody_shim::counted_store(CUSTODY_SHIM_SITE, (p), (v))
+
+// Blocks run one after another and a block's fibers switch only at barriers: an atomic is a
+// plain read-modify-write here, and a fence has nothing to order.
+static inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+#define __threadfence() ((void)0)
 
 // dp4a: the dot product of four signed bytes of a and b, plus c.
 static inline int __dp4a(int a, int b, int c) {

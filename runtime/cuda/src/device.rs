@@ -14,6 +14,9 @@
 //!   pointer would be frozen into the graph). [`Device::replay`] runs the recorded launches in
 //!   order with the arguments they were recorded with — pointers and scalars are fixed, only the
 //!   memory they name changes between replays — as one launch of the host.
+//! - [`Device::gemm_f16`] is the one product the device does not run from `kernels/cuda`: a
+//!   GEMM by the library made for it (cuBLASLt on a GPU; a reference loop on the shim), ordered
+//!   and captured like a launch.
 
 use custody_kernels::attention::{IntegrityError, PageRef};
 
@@ -190,8 +193,9 @@ kernels! {
     GemvQ8_0 = "custody_gemv_q8_0", 7;
     Rope = "custody_rope", 8;
     KvWrite = "custody_kv_write", 9;
-    FlashDecode = "custody_flash_decode", 16;
+    FlashDecode = "custody_flash_decode", 19;
     FlashMerge = "custody_flash_merge", 15;
+    FlashPrefill = "custody_flash_prefill", 16;
     TagCheck = "custody_tag_check", 8;
     TagApply = "custody_tag_apply", 8;
     AddRows = "custody_add_rows", 4;
@@ -204,6 +208,24 @@ kernels! {
     RopeKvWrite = "custody_rope_kv_write", 16;
     GemvQ4KSwiglu = "custody_gemv_q4k_swiglu", 9;
     GemvQ4KQkv = "custody_gemv_q4k_qkv", 14;
+    DequantF16 = "custody_dequant_f16", 4;
+    ToF16 = "custody_to_f16", 3;
+}
+
+/// One GEMM of the forward pass's products for the library: `out[r][o] = Σ_k w[o][k] · x[r][k]`
+/// with `w` (`rows × cols`) and `x` (`n × cols`) IEEE binary16, row-major, accumulated in f32
+/// and stored as f32 (`out`: `n × rows`, row-major — the GEMVs' output layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmF16 {
+    pub w: DevicePtr,
+    pub x: DevicePtr,
+    pub out: DevicePtr,
+    /// Output features (rows of `w`).
+    pub rows: u32,
+    /// Input features (columns of `w` and `x`).
+    pub cols: u32,
+    /// Activation rows (tokens).
+    pub n: u32,
 }
 
 /// What a device operation can fail with.
@@ -227,6 +249,8 @@ pub enum DeviceError {
     NotCapturing,
     #[error("no graph {0:?} on this device")]
     NoGraph(GraphId),
+    #[error("GEMM {gemm:?} failed: {why}")]
+    Gemm { gemm: GemmF16, why: String },
 }
 
 /// A CUDA device as the forward pass sees it.
@@ -235,11 +259,19 @@ pub trait Device: std::fmt::Debug + Send {
     fn alloc_zeroed(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError>;
     /// Copy `src` to `dst` (which names at least `src.len()` bytes of one allocation).
     fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError>;
+    /// [`Device::upload`] without waiting for the copy: `src` is taken before the call returns
+    /// (a GPU stages it in pinned memory and copies it asynchronously), and the copy is ordered
+    /// before every later launch and copy. For a step's inputs; the default waits.
+    fn upload_async(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.upload(dst, src)
+    }
     /// Copy `dst.len()` bytes from `src`, after every launch before it has finished.
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError>;
     /// Run `kernel` over `dims` with `args` (in its C signature's order).
     fn launch(&mut self, kernel: Kernel, dims: LaunchDims, args: &[Arg])
     -> Result<(), DeviceError>;
+    /// Run `g` (see [`GemmF16`]) after every launch before it; recorded while capturing.
+    fn gemm_f16(&mut self, g: GemmF16) -> Result<(), DeviceError>;
     /// What the device is, for the startup log line.
     fn describe(&self) -> String;
     /// Record launches from now on instead of running them (see the module's spec).
@@ -259,11 +291,17 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn upload(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         (**self).upload(dst, src)
     }
+    fn upload_async(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        (**self).upload_async(dst, src)
+    }
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         (**self).download(src, dst)
     }
     fn launch(&mut self, k: Kernel, dims: LaunchDims, args: &[Arg]) -> Result<(), DeviceError> {
         (**self).launch(k, dims, args)
+    }
+    fn gemm_f16(&mut self, g: GemmF16) -> Result<(), DeviceError> {
+        (**self).gemm_f16(g)
     }
     fn describe(&self) -> String {
         (**self).describe()

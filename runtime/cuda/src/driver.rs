@@ -1,10 +1,15 @@
 //! [`CudaDevice`]: a real GPU through cudarc (feature `cuda`). The kernels are compiled once at
 //! open with NVRTC for the device's own architecture, from [`crate::KERNEL_SOURCES`], and every
 //! launch and copy goes to one stream of its own (not the legacy default stream: a graph cannot
-//! be captured there). Copies are stream-ordered and waited for before they return (the host
-//! buffer is the caller's, borrowed for the call only). Graphs are stream captures
+//! be captured there). Copies are stream-ordered; `upload` and `download` wait before they
+//! return (the host buffer is the caller's, borrowed for the call only), `upload_async` — a
+//! step's inputs — copies the bytes into pinned memory ([`crate::pinned`]) and returns at once,
+//! the DMA running ahead of the step's graph. Downloads stay pageable: the logits go into the
+//! caller's own vectors, and a pinned bounce would add a host copy as large as the transfer it
+//! speeds. Graphs are stream captures
 //! (`cuStreamBeginCapture`, thread-local mode), instantiated once and replayed with
-//! `cuGraphLaunch`.
+//! `cuGraphLaunch`. GEMMs go to cuBLASLt on the same stream ([`crate::blas`]), with a workspace
+//! of the device's own, so that they are captured like launches.
 //!
 //! Not run on a GPU yet (no device was lent to this project's sessions): it compiles and lints
 //! in CI, and `open` without a driver is a typed error there. `scripts/gpu-check.sh` is the
@@ -16,11 +21,17 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaStream, result, sys};
 
-use crate::device::{Arg, Device, DeviceError, DevicePtr, GraphId, Kernel, LaunchDims};
+use crate::blas::{Lt, WORKSPACE_BYTES};
+use crate::device::{Arg, Device, DeviceError, DevicePtr, GemmF16, GraphId, Kernel, LaunchDims};
+use crate::pinned::Pinned;
 use crate::{CudaUnavailable, module_source};
 
 /// An opened CUDA device with Custody's kernels loaded.
 pub struct CudaDevice {
+    // Dropped first (fields drop in order, after `Drop::drop` has synchronized the stream):
+    // the cuBLASLt handle and the pinned region go while the context still exists.
+    lt: Lt,
+    pinned: Pinned,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: HashMap<Kernel, CudaFunction>,
@@ -98,16 +109,23 @@ impl CudaDevice {
             name.push_str(&format!(" [kernels built with {}]", defines.join(" ")));
         }
         let stream = ctx.new_stream().map_err(|e| no_device(e.to_string()))?;
+        // SAFETY: a plain allocation for cuBLASLt's workspace, freed in `Drop` with the others.
+        let workspace = unsafe { result::malloc_sync(WORKSPACE_BYTES) }
+            .map_err(|e| no_device(format!("cuBLASLt workspace: {e}")))?;
+        let lt = Lt::new(workspace).map_err(|e| no_device(e.to_string()))?;
+        let pinned = Pinned::new().map_err(|e| no_device(e.to_string()))?;
         Ok(Self {
+            pinned,
             stream,
             ctx,
             functions,
             name,
             arch,
-            allocations: Vec::new(),
+            allocations: vec![workspace],
             capturing: false,
             graphs: HashMap::new(),
             next_graph: 0,
+            lt,
         })
     }
 
@@ -129,6 +147,12 @@ impl Drop for CudaDevice {
         if self.bind().is_err() {
             return;
         }
+        // Work still queued may read the memory about to be freed.
+        let idle = self.stream.synchronize();
+        debug_assert!(
+            idle.is_ok(),
+            "synchronizing before the drop failed: {idle:?}"
+        );
         for &p in &self.allocations {
             // SAFETY: `p` came from `malloc_sync` on this context and is freed once, here.
             let freed = unsafe { result::free_sync(p) };
@@ -161,7 +185,22 @@ impl Device for CudaDevice {
         // allocation; `src` outlives the copy (the stream is synchronized before returning).
         unsafe { result::memcpy_htod_async(dst.0, src, self.stream.cu_stream()) }
             .map_err(driver)?;
-        self.stream.synchronize().map_err(driver)
+        self.stream.synchronize().map_err(driver)?;
+        self.pinned.reset(0)
+    }
+
+    fn upload_async(&mut self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.not_capturing("a copy to the device")?;
+        if !self.pinned.fits(src.len()) {
+            // Every staged copy must have finished before the region is reused.
+            self.stream.synchronize().map_err(driver)?;
+            self.pinned.reset(src.len())?;
+        }
+        let staged = self.pinned.stage(src);
+        // SAFETY: `dst` names at least `src.len()` bytes of an allocation (the caller's
+        // contract); `staged` is pinned memory that is not reused before the stream is waited
+        // for (`Pinned::reset` only after a synchronize).
+        unsafe { result::memcpy_htod_async(dst.0, staged, self.stream.cu_stream()) }.map_err(driver)
     }
 
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
@@ -169,7 +208,9 @@ impl Device for CudaDevice {
         // SAFETY: as `upload`, the other way: ordered after every launch before it.
         unsafe { result::memcpy_dtoh_async(dst, src.0, self.stream.cu_stream()) }
             .map_err(driver)?;
-        self.stream.synchronize().map_err(driver)
+        self.stream.synchronize().map_err(driver)?;
+        // The stream is idle: every staged upload has been read.
+        self.pinned.reset(0)
     }
 
     fn launch(
@@ -213,6 +254,17 @@ impl Device for CudaDevice {
             kernel,
             why: e.to_string(),
         })
+    }
+
+    fn gemm_f16(&mut self, g: GemmF16) -> Result<(), DeviceError> {
+        if g.rows == 0 || g.cols == 0 || g.n == 0 {
+            return Err(DeviceError::Gemm {
+                gemm: g,
+                why: "an empty dimension".into(),
+            });
+        }
+        self.bind()?;
+        self.lt.gemm(g, self.stream.cu_stream().cast())
     }
 
     fn describe(&self) -> String {

@@ -5,20 +5,24 @@
 //! # Spec
 //! - [`open`] answers whether this process can use a CUDA device, as a value: a build without the
 //!   `cuda` feature, a machine without the NVIDIA driver (`libcuda.so`), without NVRTC
-//!   (`libnvrtc.so.13`) or without a device is a [`CudaUnavailable`] that names what is missing —
+//!   (`libnvrtc.so.13`), without cuBLASLt (`libcublasLt.so.13`) or without a device is a [`CudaUnavailable`] that names what is missing —
 //!   never a panic (`cudarc` panics when its libraries are absent, so they are checked first).
 //! - [`KERNEL_SOURCES`] are the kernels of `kernels/cuda`, embedded: the same text the compile
 //!   tier (`scripts/nvrtc-check.py`) and the CPU execution tier (the shim) test.
 // Every result in runtime/ is handled or dropped with its reason (`Discard`), never `let _ =`.
 #![deny(clippy::let_underscore_must_use)]
 
+#[cfg(feature = "cuda")]
+mod blas;
 pub mod device;
 #[cfg(feature = "cuda")]
 mod driver;
+#[cfg(feature = "cuda")]
+mod pinned;
 pub mod repack;
 
 pub use device::{
-    Arg, Device, DeviceError, DevicePtr, DeviceTags, GraphId, Kernel, LaunchDims, Verdict,
+    Arg, Device, DeviceError, DevicePtr, DeviceTags, GemmF16, GraphId, Kernel, LaunchDims, Verdict,
 };
 #[cfg(feature = "cuda")]
 pub use driver::CudaDevice;
@@ -69,6 +73,10 @@ pub enum CudaUnavailable {
         "NVRTC (libnvrtc.so.13, CUDA 13.0) is not found: install the CUDA runtime compiler or add its folder to LD_LIBRARY_PATH"
     )]
     NoNvrtc,
+    #[error(
+        "cuBLASLt (libcublasLt.so.13, CUDA 13.0) is not found: install the CUDA math libraries (the `nvidia-cublas` wheel or the toolkit) or add their folder to LD_LIBRARY_PATH"
+    )]
+    NoCublasLt,
     #[error("no usable CUDA device {ordinal}: {why}")]
     NoDevice { ordinal: usize, why: String },
 }
@@ -108,6 +116,10 @@ mod imp {
         // SAFETY: as above.
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return Err(CudaUnavailable::NoNvrtc);
+        }
+        // SAFETY: as above.
+        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+            return Err(CudaUnavailable::NoCublasLt);
         }
         let ctx =
             cudarc::driver::CudaContext::new(ordinal).map_err(|e| CudaUnavailable::NoDevice {

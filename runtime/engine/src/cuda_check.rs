@@ -82,13 +82,16 @@ pub fn load(synthetic: &Synthetic) -> Result<Model, CheckError> {
     Ok(Model::from_gguf(g?)?)
 }
 
-/// The stated tolerance on max |Δlogit| / max |logit|: F32/F16 activations are f32 on both
-/// backends (only summation order differs); BF16's are rounded to bf16 on the CPU (llama.cpp's
-/// arithmetic, 8 significant bits: measured 8.3e-3) and the quantized types' to int8 (Q8,
-/// Q8_K), f32 on the device.
+/// The stated tolerance on max |Δlogit| / max |logit|: F32 activations are f32 on both
+/// backends (only summation order differs: measured 6.3e-4); F16's too, except that the
+/// device's GEMM path (prompts over `GEMV_MAX_ROWS` rows) rounds them to f16 (11 significant
+/// bits: measured 1.2e-3); BF16's are rounded to bf16 on the CPU (llama.cpp's arithmetic, 8
+/// significant bits: measured 8.3e-3) and the quantized types' to int8 (Q8, Q8_K), f32 on the
+/// device's GEMVs and f16 on its GEMM path.
 pub fn tolerance(dtype: DType) -> f32 {
     match dtype {
-        DType::F32 | DType::F16 => 1e-3,
+        DType::F32 => 1e-3,
+        DType::F16 => 2e-3,
         DType::BF16 => 2e-2,
         DType::Q4_0
         | DType::Q4_1
@@ -159,7 +162,7 @@ struct Seq {
     start: usize,
 }
 
-/// Two sequences (13 and 21 prompt tokens) prefilled in one batch, then `steps - 1` greedy
+/// Two sequences (13 and 70 prompt tokens: 83 rows, the GEMM path) prefilled in one batch, then `steps - 1` greedy
 /// decode steps of both, on each backend with its own pool; the CPU's tokens feed both.
 pub fn compare_with_cpu<D: Device>(
     dev: D,
@@ -171,16 +174,19 @@ pub fn compare_with_cpu<D: Device>(
     let geom = model.page_geometry(PAGE_SIZE, custody_kernels::attention::KvType::F16);
     let mut cpu_pool = PagePool::new(geom, model.config.n_layers, n_pages);
     let mut dev_pool = PagePool::new(geom, model.config.n_layers, n_pages);
-    let mut fwd = CudaForward::new(dev, model, &dev_pool, 64)?;
+    // The first step's 13 + 70 prompt rows take the products to the GEMM path (over
+    // `GEMV_MAX_ROWS`); the decode steps after it, the GEMVs.
+    let mut fwd = CudaForward::new(dev, model, &dev_pool, 128)?;
     let mut scratch = Scratch::default();
     let vocab = model.config.vocab_size;
     let mut seqs = Vec::new();
-    for (owner, len) in [(11u64, 13usize), (12, 21)] {
+    for (owner, len) in [(11u64, 13usize), (12, 70)] {
         let tokens = (0..len)
             .map(|i| ((i * 37 + owner as usize * 5) % vocab) as u32)
             .collect();
-        let pages = cpu_pool.alloc(owner, 6)?;
-        let same = dev_pool.alloc(owner, 6)?;
+        let n = (len + steps).div_ceil(PAGE_SIZE);
+        let pages = cpu_pool.alloc(owner, n)?;
+        let same = dev_pool.alloc(owner, n)?;
         debug_assert_eq!(pages, same, "both pools allocate alike");
         seqs.push(Seq {
             owner,

@@ -22,14 +22,26 @@
 //!   changes' count, write slots) is in device memory the host fills before the replay, never a
 //!   launch argument. Larger batches (prefill) launch their kernels one by one, unpadded.
 //!   Graphs are dropped before any buffer they name is replaced; at most [`MAX_GRAPHS`] are held.
-//! - Numerics: f32 activations throughout (the CPU quantizes activations to Q8 for quantized
-//!   weights), no contraction; logits agree with the CPU's within a stated tolerance, not bit
+//! - Products: batches of up to [`GEMV_MAX_ROWS`] rows (decode) through the quantized GEMVs of
+//!   `kernels/cuda`, which read the weights in their quantized form; larger ones (prefill, big
+//!   batches) through the library GEMM ([`Device::gemm_f16`], cuBLASLt on a GPU) on f16 copies
+//!   of the weights made once at load (every type but F32 and BF16, whose values f16 may not
+//!   hold: those keep the per-element kernel) — 2 bytes per weight more device memory,
+//!   [`CudaForward::gemm_weight_bytes`], named in [`CudaForward::describe`].
+//! - Attention: a step of up to [`MAX_GRAPH_ROWS`] rows (decode) through paged flash decoding,
+//!   split over pages; a larger one (prefill) through `custody_flash_prefill`, tensor-core MMAs over
+//!   tiles of up to 64 rows of one segment, when head_dim is a multiple of 16 up to 128 (else
+//!   flash decoding). Both check the pages they read before the first load, and the merge
+//!   gives each row the CPU's verdict.
+//! - Numerics: f32 activations (the CPU quantizes them to Q8 for quantized weights), rounded to
+//!   f16 only as the inputs of the GEMM path and of the prefill kernel's MMAs (Q and the softmax
+//!   weights); no contraction; logits agree with the CPU's within a stated tolerance, not bit
 //!   for bit (`e2e::cuda_forward`).
 
 use custody_cuda::device::{bytes_of, bytes_of_mut};
 use custody_cuda::repack::RepackError;
 use custody_cuda::{
-    Arg, Device, DeviceError, DevicePtr, DeviceTags, GraphId, Kernel, LaunchDims, Verdict,
+    Arg, Device, DeviceError, DevicePtr, DeviceTags, GemmF16, GraphId, Kernel, LaunchDims, Verdict,
 };
 use custody_kernels::DType;
 use custody_kernels::attention::{IntegrityError, PageRef, TagCheck};
@@ -43,6 +55,15 @@ const THREADS: u32 = 128;
 /// `custody_gemv_q4k`'s rows per block (one per warp) and x rows per block.
 const GEMV_WARPS: u32 = 4;
 const GEMV_BATCH: u32 = 8;
+/// Batches up to this many rows take their products through the quantized GEMVs; larger ones
+/// through the library GEMM on f16 weights. At 64 rows the GEMV still reads the quantized
+/// weights once per 8 rows mostly from L2, and meets the decode bytes target (≤ 1.15× the
+/// ideal, `gpu_model`); past it the products are compute-bound and tensor cores win.
+pub const GEMV_MAX_ROWS: usize = 64;
+/// `custody_flash_prefill`'s rows per CTA (`CUSTODY_FP_ROWS`) and widest head
+/// (`CUSTODY_FP_MAX_DIM`; head_dim a multiple of 16 up to it).
+const PREFILL_TILE_ROWS: usize = 64;
+const PREFILL_MAX_DIM: usize = 128;
 /// `CUSTODY_NO_PAGE`: a row the KV-write kernel skips.
 const NO_PAGE: u32 = u32::MAX;
 /// `CUSTODY_FD_MAX_GROUP`, `CUSTODY_FD_MAX_DIM`: the query heads per KV head and the head
@@ -90,6 +111,8 @@ struct DevMat {
     dtype: u32,
     rows: u32,
     cols: u32,
+    /// The weights as f16, row-major, for the GEMM path (`None`: the GEMVs serve every batch).
+    f16: Option<DevicePtr>,
 }
 
 /// How a [`DevMat`]'s bytes are laid out, and so which kernel reads it.
@@ -214,10 +237,17 @@ struct Buffers {
     owners: DevicePtr,
     /// The rows the head computes in a kernel-by-kernel step ([`StepShape::head_rows`]).
     head_rows: DevicePtr,
+    /// A kernel-by-kernel step's prefill tiles: (first row, rows) per tile.
+    tiles: DevicePtr,
+    /// Flash decoding's arrival counts per (row, KV head): zero between launches (the last
+    /// split to arrive resets its count).
+    arrivals: DevicePtr,
     verdicts: DevicePtr,
     /// Flash decoding's per-(row, split) partial outputs and first failing page indices.
     partial: DevicePtr,
     bad: DevicePtr,
+    /// The GEMM path's activations as f16 (rows × the widest product input).
+    x16: DevicePtr,
     /// Block-table entries the `tables` buffer holds.
     table_capacity: usize,
 }
@@ -246,6 +276,8 @@ pub struct CudaForward<D: Device> {
     use_graphs: bool,
     /// Captured steps, oldest first (at most [`MAX_GRAPHS`]).
     graphs: std::collections::VecDeque<(StepShape, GraphId)>,
+    /// Device memory the GEMM path's f16 weight copies take.
+    gemm_weight_bytes: u64,
 }
 
 /// What a captured step's launches depend on: the rows they run (padded) and how flash
@@ -258,6 +290,9 @@ struct StepShape {
     /// Rows the output head computes: all `rows` in a graph; in a kernel-by-kernel step only
     /// the rows whose logits are returned, gathered first (`custody_gather_rows`).
     head_rows: usize,
+    /// Tiles of `custody_flash_prefill` (a step of more than [`MAX_GRAPH_ROWS`] rows whose
+    /// heads fit it: each segment's rows in runs of [`PREFILL_TILE_ROWS`]); 0: flash decoding.
+    prefill_tiles: usize,
 }
 
 /// `CustodyDType` in kernels/cuda/ops.cu. Exhaustive: a weight type the engine gains does not
@@ -349,6 +384,11 @@ struct DevWeights {
     output_norm: DevicePtr,
     rope_factors: DevicePtr,
     layers: Vec<DevLayer>,
+}
+
+/// `m`'s f16 copy when a step of `rows` rows takes its product to the GEMM.
+fn gemm_weights(m: &DevMat, rows: usize) -> Option<DevicePtr> {
+    if rows > GEMV_MAX_ROWS { m.f16 } else { None }
 }
 
 /// A matrix's Q4_K tiles (heads, quants), if it is held so.
@@ -454,6 +494,7 @@ fn fill_q4k_tiles<D: Device>(
         dtype: Q4K_CODE,
         rows: rows as u32,
         cols: cols as u32,
+        f16: None,
     })
 }
 
@@ -464,9 +505,27 @@ fn fill_q4k_table<D: Device>(
     cols: usize,
     seed: u64,
 ) -> Result<DevMat, DeviceError> {
+    let bytes = dev.alloc_zeroed(rows * (cols / Q4K_WEIGHTS) * Q4K_BLOCK_BYTES)?;
+    fill_q4k_table_at(dev, bytes, rows, cols, seed)?;
+    Ok(DevMat {
+        layout: Layout::Gguf(bytes),
+        dtype: Q4K_CODE,
+        rows: rows as u32,
+        cols: cols as u32,
+        f16: None,
+    })
+}
+
+/// [`fill_q4k_table`] into `bytes` (at least the table's size).
+fn fill_q4k_table_at<D: Device>(
+    dev: &mut D,
+    bytes: DevicePtr,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<(), DeviceError> {
     assert!(cols.is_multiple_of(Q4K_WEIGHTS), "whole super-blocks");
     let per_row = cols / Q4K_WEIGHTS;
-    let bytes = dev.alloc_zeroed(rows * per_row * Q4K_BLOCK_BYTES)?;
     let stride = Q4K_BLOCK_BYTES as u64;
     fill_q4k(
         dev,
@@ -482,13 +541,51 @@ fn fill_q4k_table<D: Device>(
         per_row,
         per_row,
         seed,
+    )
+}
+
+/// Whether a product of `dtype` weights gets an f16 copy for the GEMM path: every type but
+/// F32 and BF16, whose values f16 may not hold (their products keep the per-element kernel).
+fn has_f16_copy(dtype: DType) -> bool {
+    !matches!(dtype, DType::F32 | DType::BF16)
+}
+
+/// A `rows × cols` matrix in `dtype` (file bytes at `at`) dequantized to a new f16 matrix.
+fn dequant_f16<D: Device>(
+    dev: &mut D,
+    at: DevicePtr,
+    dtype: u32,
+    rows: usize,
+    cols: usize,
+) -> Result<DevicePtr, DeviceError> {
+    let out = dev.alloc_zeroed(rows * cols * 2)?;
+    let args = [
+        Arg::Ptr(at),
+        Arg::U32(dtype),
+        Arg::U32(cols as u32),
+        Arg::Ptr(out),
+    ];
+    dev.launch(
+        Kernel::DequantF16,
+        LaunchDims::grid2(rows as u32, 1, THREADS),
+        &args,
     )?;
-    Ok(DevMat {
-        layout: Layout::Gguf(bytes),
-        dtype: Q4K_CODE,
-        rows: rows as u32,
-        cols: cols as u32,
-    })
+    Ok(out)
+}
+
+/// `bytes` (a `rows × cols` matrix in `dtype`, the file's layout) uploaded to `scratch` and
+/// dequantized to a new f16 matrix (the upload waits for the previous dequantization: one
+/// stream).
+fn f16_copy<D: Device>(
+    dev: &mut D,
+    scratch: DevicePtr,
+    bytes: &[u8],
+    dtype: u32,
+    rows: usize,
+    cols: usize,
+) -> Result<DevicePtr, DeviceError> {
+    dev.upload(scratch, bytes)?;
+    dequant_f16(dev, scratch, dtype, rows, cols)
 }
 
 fn upload_bytes<D: Device>(dev: &mut D, bytes: &[u8]) -> Result<DevicePtr, DeviceError> {
@@ -501,15 +598,57 @@ impl<D: Device> CudaForward<D> {
     /// Upload `model`'s weights and size the device pool for `pool` (its page count and
     /// geometry) and batches of up to `max_rows` rows.
     pub fn new(
-        mut dev: D,
+        dev: D,
         model: &Model,
         pool: &PagePool,
         max_rows: usize,
     ) -> Result<Self, CudaForwardError> {
+        Self::new_with(dev, model, pool, max_rows, true)
+    }
+
+    /// [`Self::new`] without the GEMM path's f16 weights: the GEMVs serve every batch. For the
+    /// performance model, which counts decode steps of 8B-shaped weights held in host memory.
+    pub fn new_without_gemm(
+        dev: D,
+        model: &Model,
+        pool: &PagePool,
+        max_rows: usize,
+    ) -> Result<Self, CudaForwardError> {
+        Self::new_with(dev, model, pool, max_rows, false)
+    }
+
+    fn new_with(
+        mut dev: D,
+        model: &Model,
+        pool: &PagePool,
+        max_rows: usize,
+        gemm: bool,
+    ) -> Result<Self, CudaForwardError> {
         let c = model.config.clone();
         check_attention_shape(&c)?;
+        let wants_f16 = |dtype: DType| gemm && has_f16_copy(dtype);
+        // The file bytes of each product with an f16 copy pass through one buffer (sized for
+        // the largest) on their way to `custody_dequant_f16`.
+        let scratch_bytes = model
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain([&model.output])
+            .filter(|m| wants_f16(m.dtype))
+            .map(|m| model.tensor_bytes(m).len())
+            .max()
+            .unwrap_or(0);
+        let scratch = dev.alloc_zeroed(scratch_bytes)?;
+        // A product's f16 copy for the GEMM path, if it gets one.
+        let f16_of = |dev: &mut D, m: &Mat| -> Result<Option<DevicePtr>, DeviceError> {
+            if !wants_f16(m.dtype) {
+                return Ok(None);
+            }
+            let bytes = model.tensor_bytes(m);
+            f16_copy(dev, scratch, bytes, dtype_code(m), m.rows, m.cols).map(Some)
+        };
         // A product's weights: Q4_K, Q6_K and Q8_0 in their GEMV's tiles, every other type as
-        // in the file.
+        // in the file; and as f16 for the GEMM path.
         let upload_mat = |dev: &mut D, m: &Mat| -> Result<DevMat, CudaForwardError> {
             let bytes = model.tensor_bytes(m);
             let layout = match tiled(m.dtype) {
@@ -533,6 +672,7 @@ impl<D: Device> CudaForward<D> {
                 dtype: dtype_code(m),
                 rows: m.rows as u32,
                 cols: m.cols as u32,
+                f16: f16_of(dev, m)?,
             })
         };
         // The embedding table, looked up by row: always the file's layout.
@@ -542,6 +682,7 @@ impl<D: Device> CudaForward<D> {
                 dtype: dtype_code(m),
                 rows: m.rows as u32,
                 cols: m.cols as u32,
+                f16: None,
             })
         };
         let upload_vec = |dev: &mut D, v: &[f32]| -> Result<DevicePtr, CudaForwardError> {
@@ -555,7 +696,10 @@ impl<D: Device> CudaForward<D> {
         // head).
         let output =
             if model.output.name == model.tok_embd.name && tiled(model.output.dtype).is_none() {
-                tok_embd
+                DevMat {
+                    f16: f16_of(&mut dev, &model.output)?,
+                    ..tok_embd
+                }
             } else {
                 upload_mat(&mut dev, &model.output)?
             };
@@ -604,20 +748,39 @@ impl<D: Device> CudaForward<D> {
     /// (`custody_fill_q4k`, deterministic in `seed`): every product Q4_K in the GEMV's tiles,
     /// the embedding Q4_K in the file's layout, norms 1 — for measuring speed at served sizes
     /// (`custody gpu-check speed`) without writing or uploading gigabytes. Llama-family
-    /// configurations only (no biases, no Q/K norm).
+    /// configurations only (no biases, no Q/K norm). With `gemm`, each product also gets the
+    /// GEMM path's f16 copy — of a random Q4_K matrix made like its tiles (same heads, its own
+    /// quants: speed, not parity, is what these weights are for); without, the GEMVs serve
+    /// every batch (the performance model, which holds 8B-shaped weights in host memory).
     pub fn synthetic(
         mut dev: D,
         config: ModelConfig,
         pool: &PagePool,
         max_rows: usize,
         seed: u64,
+        gemm: bool,
     ) -> Result<Self, CudaForwardError> {
         let c = config;
         check_attention_shape(&c)?;
+        let largest = (c.vocab_size.max(c.ffn_dim) * c.dim).div_ceil(Q4K_WEIGHTS) * Q4K_BLOCK_BYTES;
+        let scratch = if gemm {
+            Some(dev.alloc_zeroed(largest)?)
+        } else {
+            None
+        };
         let mut n = 0u64;
-        let mut mat = |dev: &mut D, rows: usize, cols: usize| {
+        let mut mat = |dev: &mut D, rows: usize, cols: usize| -> Result<DevMat, DeviceError> {
             n += 1;
-            fill_q4k_tiles(dev, rows, cols, seed.wrapping_add(n))
+            let m = fill_q4k_tiles(dev, rows, cols, seed.wrapping_add(n))?;
+            let Some(scratch) = scratch else {
+                return Ok(m);
+            };
+            fill_q4k_table_at(dev, scratch, rows, cols, seed.wrapping_add(n))?;
+            let f16 = dequant_f16(dev, scratch, Q4K_CODE, rows, cols)?;
+            Ok(DevMat {
+                f16: Some(f16),
+                ..m
+            })
         };
         let ones = |dev: &mut D, len: usize| upload_bytes(dev, f32_bytes(&vec![1.0f32; len]));
         let mut layers = Vec::with_capacity(c.n_layers);
@@ -664,6 +827,14 @@ impl<D: Device> CudaForward<D> {
         );
         let kv = Self::alloc_kv(&mut dev, pool, c.n_layers)?;
         let bufs = Self::alloc_buffers(&mut dev, &c, max_rows, 1024)?;
+        let gemm_weight_bytes = w
+            .layers
+            .iter()
+            .flat_map(|l| [l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down])
+            .chain([w.output])
+            .filter(|m| m.f16.is_some())
+            .map(|m| u64::from(m.rows) * u64::from(m.cols) * 2)
+            .sum();
         Ok(Self {
             dev,
             page_size: pool.page_size(),
@@ -679,6 +850,7 @@ impl<D: Device> CudaForward<D> {
             audit_tags: true,
             use_graphs: true,
             graphs: std::collections::VecDeque::new(),
+            gemm_weight_bytes,
         })
     }
 
@@ -730,10 +902,14 @@ impl<D: Device> CudaForward<D> {
             n_ctx: f(rows)?,
             owners: f(rows * 2)?,
             head_rows: f(rows)?,
+            tiles: f(rows * 2)?,
+            arrivals: f(rows * c.n_kv_heads)?,
             // One verdict per row and layer (6 words each): read once after the step.
             verdicts: f(c.n_layers * rows * 6)?,
             partial: f(split_capacity(rows) * c.n_heads * (c.head_dim + 2))?,
             bad: f(split_capacity(rows) * c.n_kv_heads)?,
+            // f16: half a float each.
+            x16: f((rows * c.dim.max(c.q_dim()).max(c.ffn_dim)).div_ceil(2))?,
             table_capacity,
         })
     }
@@ -813,8 +989,43 @@ impl<D: Device> CudaForward<D> {
     }
 
     /// What the backend runs on, for the startup log line.
+    /// The device, and what the GEMM path's weights cost it.
     pub fn describe(&self) -> String {
-        self.dev.describe()
+        format!(
+            "{}; f16 weights for the GEMM path (batches over {GEMV_MAX_ROWS} rows): {} MiB",
+            self.dev.describe(),
+            self.gemm_weight_bytes >> 20
+        )
+    }
+
+    /// Device memory the GEMM path's f16 copies of the weights take.
+    pub fn gemm_weight_bytes(&self) -> u64 {
+        self.gemm_weight_bytes
+    }
+
+    /// `x` (`elems` floats) as f16 in the GEMM path's input buffer.
+    fn stage_f16(&mut self, x: DevicePtr, elems: usize) -> Result<(), DeviceError> {
+        let args = [Arg::Ptr(x), Arg::Ptr(self.bufs.x16), Arg::U64(elems as u64)];
+        let blocks = elems.div_ceil(THREADS as usize) as u32;
+        self.launch(Kernel::ToF16, LaunchDims::grid2(blocks, 1, THREADS), &args)
+    }
+
+    /// `out` = `m` · the f16 input buffer's `n` rows, by the library GEMM on `w16`.
+    fn gemm(
+        &mut self,
+        w16: DevicePtr,
+        m: DevMat,
+        out: DevicePtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        self.dev.gemm_f16(GemmF16 {
+            w: w16,
+            x: self.bufs.x16,
+            out,
+            rows: m.rows,
+            cols: m.cols,
+            n: n as u32,
+        })
     }
 
     fn launch(&mut self, k: Kernel, dims: LaunchDims, args: &[Arg]) -> Result<(), DeviceError> {
@@ -878,6 +1089,10 @@ impl<D: Device> CudaForward<D> {
         out: DevicePtr,
         rows: usize,
     ) -> Result<(), DeviceError> {
+        if let Some(w16) = gemm_weights(&m, rows) {
+            self.stage_f16(x, rows * m.cols as usize)?;
+            return self.gemm(w16, m, out, rows);
+        }
         match m.layout {
             Layout::Gguf(w) => {
                 let args = [
@@ -968,7 +1183,7 @@ impl<D: Device> CudaForward<D> {
     }
 
     fn upload_u32(&mut self, dst: DevicePtr, v: &[u32]) -> Result<(), DeviceError> {
-        self.dev.upload(dst, bytes_of(v))
+        self.dev.upload_async(dst, bytes_of(v))
     }
 
     /// Stage the pages whose tag changed since the last step ([`PagePool::take_tag_changes`])
@@ -998,7 +1213,7 @@ impl<D: Device> CudaForward<D> {
         let mut packed = bytes_of(&wide).to_vec();
         packed.extend_from_slice(bytes_of(&narrow));
         debug_assert!(packed.len() <= DeviceKv::staging_bytes(self.kv.n_pages as usize, n_layers));
-        self.dev.upload(self.kv.staging, &packed)?;
+        self.dev.upload_async(self.kv.staging, &packed)?;
         Ok(n)
     }
 
@@ -1088,10 +1303,18 @@ impl<D: Device> CudaForward<D> {
         assert!(!rows.positions.is_empty(), "forward: empty batch");
         self.check_batch(segments, &rows)?;
         let wanted = wanted_rows(segments, &rows);
-        let shape = self.step_shape(&rows, wanted.len());
+        let mut shape = self.step_shape(&rows, wanted.len());
         if !shape.graph {
             let b = self.bufs.head_rows;
             self.upload_u32(b, &wanted)?;
+            // By the step's size, not by whether graphs are on: a step of up to a graph's
+            // rows takes the same kernels either way (`set_graphs`' comparison is bit for bit).
+            if shape.rows > MAX_GRAPH_ROWS && self.prefill_fits() {
+                let tiles = prefill_tiles(&rows, segments.len());
+                shape.prefill_tiles = tiles.len() / 2;
+                let b = self.bufs.tiles;
+                self.upload_u32(b, &tiles)?;
+            }
         }
         self.upload_inputs(segments, &rows, shape.rows)?;
         self.upload_tables(segments, &rows, shape.rows)?;
@@ -1143,7 +1366,15 @@ impl<D: Device> CudaForward<D> {
             splits,
             graph,
             head_rows: if graph { padded } else { wanted },
+            prefill_tiles: 0,
         }
+    }
+
+    /// Whether the model's heads fit `custody_flash_prefill` (else flash decoding serves every
+    /// step).
+    fn prefill_fits(&self) -> bool {
+        let d = self.config.head_dim;
+        d.is_multiple_of(16) && d <= PREFILL_MAX_DIM
     }
 
     /// Every launch of a step, in order: the tag changes applied, the embedding, the layers,
@@ -1227,10 +1458,13 @@ impl<D: Device> CudaForward<D> {
                 }
                 self.dev.begin_capture()?;
                 let launched = self.launch_step(shape);
-                // The capture ends whether or not every launch was recorded.
-                let captured = self.dev.end_capture();
-                launched?;
-                let g = captured?;
+                // The capture ends whether or not every launch was recorded; a graph of a
+                // failed step is dropped, not held.
+                let g = self.dev.end_capture()?;
+                if let Err(e) = launched {
+                    self.dev.drop_graph(g)?;
+                    return Err(e);
+                }
                 self.graphs.push_back((shape, g));
                 g
             }
@@ -1328,7 +1562,7 @@ impl<D: Device> CudaForward<D> {
         self.upload_u32(b.table_off, &off)?;
         self.upload_u32(b.table_len, &len)?;
         self.upload_u32(b.n_ctx, &n_ctx)?;
-        self.dev.upload(b.owners, bytes_of(&owners))?;
+        self.dev.upload_async(b.owners, bytes_of(&owners))?;
         Ok(())
     }
 
@@ -1410,6 +1644,17 @@ impl<D: Device> CudaForward<D> {
     /// (`custody_gemv_q4k_qkv`), else three.
     fn qkv(&mut self, l: &DevLayer, n: usize) -> Result<(), DeviceError> {
         let bf = self.bufs;
+        if let (Some(q16), Some(k16), Some(v16)) = (
+            gemm_weights(&l.wq, n),
+            gemm_weights(&l.wk, n),
+            gemm_weights(&l.wv, n),
+        ) {
+            // One conversion of `xn` for the three GEMMs.
+            self.stage_f16(bf.xn, n * l.wq.cols as usize)?;
+            self.gemm(q16, l.wq, bf.q, n)?;
+            self.gemm(k16, l.wk, bf.k, n)?;
+            return self.gemm(v16, l.wv, bf.v, n);
+        }
         let (Some((qh, qq)), Some((kh, kq)), Some((vh, vq))) =
             (q4k_tiles(&l.wq), q4k_tiles(&l.wk), q4k_tiles(&l.wv))
         else {
@@ -1447,6 +1692,12 @@ impl<D: Device> CudaForward<D> {
     /// (`custody_gemv_q4k_swiglu`), else the two products and the SwiGLU.
     fn gate_up_swiglu(&mut self, l: &DevLayer, n: usize) -> Result<(), DeviceError> {
         let bf = self.bufs;
+        if let (Some(g16), Some(u16)) = (gemm_weights(&l.w_gate, n), gemm_weights(&l.w_up, n)) {
+            self.stage_f16(bf.xn, n * l.w_gate.cols as usize)?;
+            self.gemm(g16, l.w_gate, bf.gate, n)?;
+            self.gemm(u16, l.w_up, bf.up, n)?;
+            return self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * self.config.ffn_dim);
+        }
         let (Some((gh, gq)), Some((uh, uq))) = (q4k_tiles(&l.w_gate), q4k_tiles(&l.w_up)) else {
             self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
             self.matvec(l.w_up, bf.xn, bf.up, n)?;
@@ -1482,7 +1733,8 @@ impl<D: Device> CudaForward<D> {
             ..Verdict::default()
         };
         let verdicts = vec![poison; rows * self.config.n_layers];
-        self.dev.upload(self.bufs.verdicts, bytes_of(&verdicts))?;
+        self.dev
+            .upload_async(self.bufs.verdicts, bytes_of(&verdicts))?;
         Ok(verdicts)
     }
 
@@ -1520,6 +1772,8 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(b.partial),
             Arg::Ptr(b.bad),
         ]);
+        // Flash decoding merges in its own launch (the last split of each row and group).
+        let merged = [Arg::Ptr(b.arrivals), Arg::Ptr(b.att), Arg::Ptr(verdicts)];
         let mut merge = table.to_vec();
         merge.extend(shape_args);
         merge.extend([
@@ -1534,8 +1788,18 @@ impl<D: Device> CudaForward<D> {
             block: [THREADS, 1, 1],
         };
         let merge_dims = LaunchDims::grid2(c.n_heads as u32, n as u32, THREADS);
-        self.launch(Kernel::FlashDecode, decode_dims, &decode)?;
-        self.launch(Kernel::FlashMerge, merge_dims, &merge)
+        if shape.prefill_tiles > 0 {
+            // The same arguments but the split layout: the tiles instead, and one split.
+            let at = decode.len() - 3;
+            decode[at] = Arg::Ptr(b.tiles);
+            let at = merge.len() - 5;
+            merge[at] = Arg::U32(1);
+            let dims = LaunchDims::grid2(c.n_heads as u32, shape.prefill_tiles as u32, THREADS);
+            self.launch(Kernel::FlashPrefill, dims, &decode)?;
+            return self.launch(Kernel::FlashMerge, merge_dims, &merge);
+        }
+        decode.extend(merged);
+        self.launch(Kernel::FlashDecode, decode_dims, &decode)
     }
 
     /// Every layer's verdicts, read once after the step: a live segment whose rows got a
@@ -1643,6 +1907,20 @@ struct Rows {
     segment: Vec<usize>,
     /// First row of each segment, and one past the last row.
     starts: Vec<usize>,
+}
+
+/// `custody_flash_prefill`'s tiles for a step of `n_segments` segments: (first row, rows) for
+/// each run of at most [`PREFILL_TILE_ROWS`] consecutive rows of one segment.
+fn prefill_tiles(rows: &Rows, n_segments: usize) -> Vec<u32> {
+    let mut tiles = Vec::new();
+    for si in 0..n_segments {
+        let r = rows.range(si);
+        for start in r.clone().step_by(PREFILL_TILE_ROWS) {
+            tiles.push(start as u32);
+            tiles.push((r.end - start).min(PREFILL_TILE_ROWS) as u32);
+        }
+    }
+    tiles
 }
 
 impl Rows {

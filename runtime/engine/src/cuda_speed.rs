@@ -156,7 +156,14 @@ pub fn measure<D: Device>(
     let mut pool = PagePool::new(shape.geometry(), shape.n_layers, n_pages);
     let context_length = (plan.ctx + plan.warmup + plan.steps).max(plan.prefill_tokens);
     let max_rows = max_batch.max(plan.prefill_tokens);
-    let mut fwd = CudaForward::synthetic(dev, shape.config(context_length), &pool, max_rows, seed)?;
+    let mut fwd = CudaForward::synthetic(
+        dev,
+        shape.config(context_length),
+        &pool,
+        max_rows,
+        seed,
+        true,
+    )?;
     // Debug builds' whole-copy comparison would be timed with the steps.
     fwd.set_tag_audit(false);
     let mut decode = Vec::with_capacity(plan.batches.len());

@@ -93,7 +93,14 @@ fn the_device_forward_pass_gives_the_cpu_logits_for_every_weight_type() {
                 a.greedy_agreed,
                 a.greedy_compared
             );
-            assert!(a.pass(), "{dtype:?}: {a:?}");
+            assert!(
+                a.pass(),
+                "{dtype:?}: max rel err {:.2e}, greedy {}/{}, {} clear disagreements",
+                a.max_rel_err,
+                a.greedy_agreed,
+                a.greedy_compared,
+                a.clear_disagreements
+            );
             assert_eq!(a.greedy_compared, 8);
             match &first {
                 None => first = Some(a.device_logits),
@@ -112,11 +119,24 @@ fn the_device_forward_pass_gives_the_cpu_logits_for_every_weight_type() {
 /// exactly; the good one's logits are unaffected.
 #[test]
 fn integrity_failures_on_the_device_are_the_cpus() {
+    integrity_failures(false);
+}
+
+/// The same failures in a kernel-by-kernel step (a 260-row prompt beside them makes it one):
+/// the tensor-core prefill kernel's verdicts, one tile per short segment, are the CPU's too.
+#[test]
+fn integrity_failures_in_the_prefill_kernel_are_the_cpus() {
+    integrity_failures(true);
+}
+
+fn integrity_failures(eager: bool) {
+    use custody_cuda::Kernel;
     let m = model(DType::Q8_0, 5);
 
     let mut cpu_pool = pool(&m);
     let mut dev_pool = pool(&m);
-    let mut dev = CudaForward::new(ShimDevice::new(SEEDS[1]), &m, &dev_pool, 64).expect("upload");
+    let mut dev =
+        CudaForward::new(ShimDevice::counting(SEEDS[1]), &m, &dev_pool, 320).expect("upload");
     let mut scratch = Scratch::default();
     let both =
         |f: &mut dyn FnMut(&mut PagePool) -> Vec<PageRef>, a: &mut PagePool, b: &mut PagePool| {
@@ -175,19 +195,36 @@ fn integrity_failures_on_the_device_are_the_cpus() {
             &mut dev_pool,
         ),
     };
-    let segs = [
+    let long = Seq {
+        owner: 7,
+        tokens: (0..260).map(|t| (t * 7 % 256) as u32).collect(),
+        pages: both(
+            &mut |p| p.alloc(7, 33).expect("alloc"),
+            &mut cpu_pool,
+            &mut dev_pool,
+        ),
+    };
+    let mut segs = vec![
         segment(&good, 0, Logits::All),
         segment(&stale, 0, Logits::Last),
         segment(&foreign, 0, Logits::Last),
         segment(&unwritten, 8, Logits::Last),
         segment(&out_of_order, 5, Logits::Last),
     ];
+    if eager {
+        segs.push(segment(&long, 0, Logits::Last));
+    }
     let cpu = m.forward(&mut cpu_pool, &segs, &mut scratch);
+    dev.device_mut().take_counts();
     let gpu = dev.forward(&mut dev_pool, &segs).expect("device forward");
-    let c0 = cpu[0].as_ref().expect("good on cpu");
-    let g0 = gpu[0].as_ref().expect("good on device");
-    assert!(rel_err(c0, g0) <= tolerance(DType::Q8_0));
-    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate().skip(1) {
+    let prefill = launched(dev.device_mut(), Kernel::FlashPrefill);
+    assert_eq!(prefill, if eager { m.config.n_layers } else { 0 });
+    for i in std::iter::once(0).chain(eager.then_some(5)) {
+        let c = cpu[i].as_ref().expect("good on cpu");
+        let g = gpu[i].as_ref().expect("good on device");
+        assert!(rel_err(c, g) <= tolerance(DType::Q8_0), "segment {i}");
+    }
+    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate().take(5).skip(1) {
         let (c, g) = (
             c.as_ref().expect_err("bad on cpu"),
             g.as_ref().expect_err("bad on device"),
@@ -507,9 +544,12 @@ fn steps_replayed_from_graphs_are_the_kernel_by_kernel_steps() {
     d.replay(g).expect("an empty graph replays");
 }
 
-/// A prompt longer than a graph's rows (300 > 256) runs kernel by kernel, unpadded, and its
-/// head computes only the row whose logits are returned (gathered first): the CPU's logits
-/// within the tolerance, one gathered row, a head over one row.
+/// A prompt longer than a graph's rows (300 > 256) runs kernel by kernel, unpadded, its
+/// products through the library GEMM on f16 weights (300 > `GEMV_MAX_ROWS`), its attention
+/// through the tensor-core prefill kernel (five tiles of 64 rows a head), and its head
+/// computes only the row whose logits are returned (gathered first): the CPU's logits within
+/// the tolerance, seven GEMMs a layer and no GEMV but the head's, one gathered row, a head over
+/// one row.
 #[test]
 fn a_long_prompt_runs_kernel_by_kernel_and_its_head_computes_one_row() {
     use custody_cuda::Kernel;
@@ -534,11 +574,32 @@ fn a_long_prompt_runs_kernel_by_kernel_and_its_head_computes_one_row() {
     );
     assert_eq!(g.len(), m.config.vocab_size);
     let e = rel_err(c, g);
+    eprintln!("300-row prompt: max |Δlogit| / max |logit| = {e:.2e}");
     assert!(e <= tolerance(DType::Q8_0), "rel err {e:.2e}");
     let launches = dev.device_mut().take_counts();
     assert!(
         launches.iter().all(|l| !l.in_graph),
         "300 rows run kernel by kernel"
+    );
+    assert_eq!(
+        dev.device_mut().gemms(),
+        7 * m.config.n_layers as u64,
+        "Q, K, V, O, gate, up, down by the GEMM"
+    );
+    let count = |k: Kernel| launches.iter().filter(|l| l.kernel == k).count();
+    assert_eq!(
+        (count(Kernel::FlashPrefill), count(Kernel::FlashDecode)),
+        (m.config.n_layers, 0),
+        "the prompt's attention on tensor cores, one launch a layer"
+    );
+    let gemvs = [Kernel::GemvQ8_0, Kernel::Matvec];
+    assert_eq!(
+        launches
+            .iter()
+            .filter(|l| gemvs.contains(&l.kernel))
+            .count(),
+        1,
+        "the head's GEMV only"
     );
     let gather: Vec<_> = launches
         .iter()
@@ -550,4 +611,77 @@ fn a_long_prompt_runs_kernel_by_kernel_and_its_head_computes_one_row() {
     assert_eq!(head.kernel, Kernel::GemvQ8_0);
     assert_eq!(head.dims.grid[1], 1, "the head over one row");
     assert_eq!(head.counts.store_bytes, (m.config.vocab_size * 4) as u64);
+}
+
+/// A prompt in two chunks of more than a graph's rows (270, then 280 more over the first's
+/// K/V): the tensor-core prefill kernel's tiles over a context that starts before them, causal
+/// within them, give the CPU's logits within the tolerance, bit for bit alike under every
+/// schedule seed (no race between its warps' MMAs, shuffles and staging).
+#[test]
+fn chunked_prompts_through_the_prefill_kernel_match_the_cpu_under_every_schedule() {
+    use custody_cuda::Kernel;
+    let m = model(DType::Q4_0, 11);
+    let new_pool = |m: &Model| {
+        PagePool::new(
+            m.page_geometry(PAGE_SIZE, KvType::F16),
+            m.config.n_layers,
+            80,
+        )
+    };
+    let mut first: Option<Vec<f32>> = None;
+    for seed in SEEDS {
+        let (mut cpu_pool, mut dev_pool) = (new_pool(&m), new_pool(&m));
+        let mut dev =
+            CudaForward::new(ShimDevice::counting(seed), &m, &dev_pool, 320).expect("upload");
+        let pages = cpu_pool.alloc(1, 70).expect("alloc");
+        assert_eq!(dev_pool.alloc(1, 70).expect("alloc"), pages);
+        let s = Seq {
+            owner: 1,
+            tokens: (0..550).map(|t| (t * 29 % 256) as u32).collect(),
+            pages,
+        };
+        let mut scratch = Scratch::default();
+        let mut logits = Vec::new();
+        for (start, end) in [(0, 270), (270, 550)] {
+            let chunk = Seq {
+                owner: s.owner,
+                tokens: s.tokens[..end].to_vec(),
+                pages: s.pages.clone(),
+            };
+            let segs = [segment(&chunk, start, Logits::Last)];
+            let cpu = m.forward(&mut cpu_pool, &segs, &mut scratch);
+            let gpu = dev.forward(&mut dev_pool, &segs).expect("device forward");
+            let (c, g) = (
+                cpu[0].as_ref().expect("cpu"),
+                gpu[0].as_ref().expect("device"),
+            );
+            let e = rel_err(c, g);
+            eprintln!("seed {seed:#x}, rows {start}..{end}: max |Δlogit| / max |logit| = {e:.2e}");
+            assert!(e <= tolerance(DType::Q4_0), "rows {start}..{end}: {e:.2e}");
+            logits.extend_from_slice(g);
+        }
+        let prefill = launched(dev.device_mut(), Kernel::FlashPrefill);
+        assert_eq!(
+            prefill,
+            2 * m.config.n_layers,
+            "both chunks on tensor cores"
+        );
+        match &first {
+            None => first = Some(logits),
+            Some(f) => assert!(
+                f.iter()
+                    .zip(&logits)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "logits differ between schedule seeds (a race)"
+            ),
+        }
+    }
+}
+
+/// How many of the counted launches since the last take ran `kernel` (and forget them).
+fn launched(dev: &mut ShimDevice, kernel: custody_cuda::Kernel) -> usize {
+    dev.take_counts()
+        .iter()
+        .filter(|l| l.kernel == kernel)
+        .count()
 }

@@ -347,22 +347,48 @@ fn check_attention(
     poison: u32,
     what: &str,
 ) {
-    for (i, vd) in verdicts.iter().enumerate() {
-        let (g, w) = (&out[i * row..(i + 1) * row], &want[i * row..(i + 1) * row]);
-        if vd.code != 0 {
-            assert!(
-                g.iter().all(|x| x.to_bits() == poison),
-                "{what}: request {i}: refused but written"
-            );
-            continue;
-        }
-        let worst = g
-            .iter()
-            .zip(w)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        assert!(worst < 2e-3, "{what}: request {i}: max |Δ| {worst}");
+    check_attention_within(out, want, verdicts, row, poison, 2e-3, what);
+}
+
+/// The four architectures' head layouts (GQA groups 3, 4, 7 and 2; head widths 64 and 128:
+/// SmolLM2, Llama 3, Qwen 2, Qwen 3), one KV head each, with the contexts the long-context
+/// attention tests run to (past 8,192 and past 65,536).
+const HEAD_LAYOUTS: [(AttentionShape, u32); 4] = [
+    (layout(3, 64), 8_193),
+    (layout(4, 128), 65_537),
+    (layout(7, 64), 9_000),
+    (layout(2, 128), 12_000),
+];
+
+const fn layout(n_heads: u32, head_dim: u32) -> AttentionShape {
+    AttentionShape {
+        n_heads,
+        n_kv_heads: 1,
+        head_dim,
+        page_size: 16,
     }
+}
+
+/// A context of `n_ctx` slots written by `owner`: the pool's tags (five spare pages beyond the
+/// table's) and the block table's pages in a scrambled order (a real pool's), the last page
+/// partly filled.
+fn long_context(rng: &mut Rng, page_size: u32, n_ctx: u32, owner: u64) -> (OwnedTags, Vec<u32>) {
+    let need = n_ctx.div_ceil(page_size);
+    let n_pages = (need + 5) as usize;
+    let mut tags = OwnedTags {
+        generation: vec![1; n_pages],
+        owner: vec![owner; n_pages],
+        filled: vec![page_size; n_pages],
+        stamp_owner: vec![owner; n_pages],
+        stamp_generation: vec![1; n_pages],
+    };
+    let mut pages: Vec<u32> = (0..n_pages as u32).collect();
+    for i in (1..pages.len()).rev() {
+        pages.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    pages.truncate(need as usize);
+    tags.filled[pages[need as usize - 1] as usize] = n_ctx - (need - 1) * page_size;
+    (tags, pages)
 }
 
 /// Flash decoding past the first kernel's 8,192-slot cap and past 65,536, at the head layouts
@@ -372,35 +398,17 @@ fn check_attention(
 #[test]
 fn flash_decoding_serves_long_contexts_at_every_head_layout() {
     let mut rng = Rng(65537);
-    for (n_heads, n_kv_heads, head_dim, n_ctx) in [
-        (3u32, 1u32, 64u32, 8_193u32),
-        (4, 1, 128, 65_537),
-        (7, 1, 64, 9_000),
-        (2, 1, 128, 12_000),
-    ] {
-        let shape = AttentionShape {
+    for (shape, n_ctx) in HEAD_LAYOUTS {
+        let AttentionShape {
             n_heads,
             n_kv_heads,
             head_dim,
-            page_size: 16,
-        };
+            ..
+        } = shape;
         let need = n_ctx.div_ceil(shape.page_size);
         let n_pages = need + 5;
         let owner = 77u64;
-        let mut tags = OwnedTags {
-            generation: vec![1; n_pages as usize],
-            owner: vec![owner; n_pages as usize],
-            filled: vec![shape.page_size; n_pages as usize],
-            stamp_owner: vec![owner; n_pages as usize],
-            stamp_generation: vec![1; n_pages as usize],
-        };
-        // The table in a scrambled page order (a real pool's), the last page partly filled.
-        let mut pages: Vec<u32> = (0..n_pages).collect();
-        for i in (1..pages.len()).rev() {
-            pages.swap(i, rng.below(i as u64 + 1) as usize);
-        }
-        pages.truncate(need as usize);
-        tags.filled[pages[need as usize - 1] as usize] = n_ctx - (need - 1) * shape.page_size;
+        let (tags, pages) = long_context(&mut rng, shape.page_size, n_ctx, owner);
         let req = Request {
             table: pages
                 .iter()
@@ -492,6 +500,143 @@ fn flash_decoding_serves_long_contexts_at_every_head_layout() {
             moved as f64 / kv_bytes as f64,
             100.0 * tag_bytes as f64 / moved as f64
         );
+    }
+}
+
+/// The tensor-core prefill kernel past 8,192 and past 65,536 slots at the four architectures'
+/// head layouts (head widths 64 and 128): a tile of rows at the end of the context, each row
+/// causal (attending its own position and before), gives each row the CPU's output; a tile whose
+/// context holds a stale page gives its rows the CPU's verdicts — rows ending before the page
+/// still get their output, no row after it does — and by count its K/V loads are coalesced.
+#[test]
+fn the_prefill_kernel_serves_long_contexts_and_each_rows_verdict() {
+    let mut rng = Rng(4099);
+    for ((shape, n_ctx), rows) in HEAD_LAYOUTS.into_iter().zip([20u32, 5, 70, 17]) {
+        let AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ..
+        } = shape;
+        let need = n_ctx.div_ceil(shape.page_size);
+        let n_pages = need + 5;
+        let owner = 91u64;
+        let (tags, pages) = long_context(&mut rng, shape.page_size, n_ctx, owner);
+        let table: Vec<cuda_shim::PageRef> = pages
+            .iter()
+            .map(|&page| cuda_shim::PageRef {
+                page,
+                generation: 1,
+            })
+            .collect();
+        // The tile's rows: the last `rows` positions, in order.
+        let reqs: Vec<Request> = (n_ctx - rows + 1..=n_ctx)
+            .map(|n| Request {
+                table: table.clone(),
+                n_ctx: n,
+                owner,
+            })
+            .collect();
+        let tiles: Vec<u32> = (0..rows)
+            .step_by(64)
+            .flat_map(|r0| [r0, (rows - r0).min(64)])
+            .collect();
+        let geom_len =
+            n_pages as usize * n_kv_heads as usize * shape.page_size as usize * head_dim as usize;
+        let kb: Vec<u16> = (0..geom_len)
+            .map(|_| f16::from_f32(rng.unit()).to_bits())
+            .collect();
+        let vb: Vec<u16> = (0..geom_len)
+            .map(|_| f16::from_f32(rng.unit()).to_bits())
+            .collect();
+        let row = (n_heads * head_dim) as usize;
+        let q: Vec<f32> = (0..row * rows as usize).map(|_| 2.0 * rng.unit()).collect();
+        let what = format!("{n_heads}/{n_kv_heads} heads of {head_dim}, {rows} rows to {n_ctx}");
+        let run = |tags: &OwnedTags, out: &mut [f32]| {
+            cuda_shim::flash_prefill(&q, &kb, &vb, &reqs, &tiles, shape, tags, out, SEEDS[2])
+                .expect("launch")
+        };
+        let want = |tags: &OwnedTags| -> (Vec<f32>, Vec<Verdict>) {
+            let mut want = vec![0.0f32; row * rows as usize];
+            let verdicts = reqs
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let qi = &q[i * row..(i + 1) * row];
+                    cpu_verdict(cpu_attention(
+                        qi,
+                        shape,
+                        &kb,
+                        &vb,
+                        r,
+                        tags,
+                        &mut want[i * row..(i + 1) * row],
+                    ))
+                })
+                .collect();
+            (want, verdicts)
+        };
+        // All pages good: every row's output.
+        let (expect, verdicts) = want(&tags);
+        let mut out = vec![f32::from_bits(0x7fc0_0001); row * rows as usize];
+        let got = run(&tags, &mut out);
+        assert_eq!(got.verdicts, verdicts, "{what}");
+        assert!(verdicts.iter().all(|v| v.code == 0), "{what}");
+        // f16 queries and softmax weights on tensor cores: within 4e-3 of the f32 CPU.
+        check_attention_within(&out, &expect, &got.verdicts, row, 0x7fc0_0001, 4e-3, &what);
+        let c = got.decode;
+        assert!(
+            c.coalescing() >= 0.9,
+            "{what}: {:.1} % coalesced: {c:?}",
+            100.0 * c.coalescing()
+        );
+        // A stale page inside the last row's last page but one: rows that end before it pass.
+        let stale = pages[need as usize - 2] as usize;
+        let mut bad_tags = tags.clone();
+        bad_tags.generation[stale] = 2;
+        let (expect, verdicts) = want(&bad_tags);
+        let mut out = vec![f32::from_bits(0x7fc0_0001); row * rows as usize];
+        let got = run(&bad_tags, &mut out);
+        assert_eq!(got.verdicts, verdicts, "{what}: stale page");
+        assert!(
+            verdicts.iter().any(|v| v.code != 0),
+            "{what}: some row fails"
+        );
+        check_attention_within(&out, &expect, &got.verdicts, row, 0x7fc0_0001, 4e-3, &what);
+        eprintln!(
+            "{what}: prefill {:.1} % coalesced; {} of {rows} rows pass with a stale page at slot {}",
+            100.0 * c.coalescing(),
+            verdicts.iter().filter(|v| v.code == 0).count(),
+            (need - 2) * shape.page_size
+        );
+    }
+}
+
+/// [`check_attention`] with the tolerance `tol`.
+fn check_attention_within(
+    out: &[f32],
+    want: &[f32],
+    verdicts: &[Verdict],
+    row: usize,
+    poison: u32,
+    tol: f32,
+    what: &str,
+) {
+    for (i, vd) in verdicts.iter().enumerate() {
+        let (g, w) = (&out[i * row..(i + 1) * row], &want[i * row..(i + 1) * row]);
+        if vd.code != 0 {
+            assert!(
+                g.iter().all(|x| x.to_bits() == poison),
+                "{what}: row {i}: refused but written"
+            );
+            continue;
+        }
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < tol, "{what}: row {i}: max |Δ| {worst}");
     }
 }
 

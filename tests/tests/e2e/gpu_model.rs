@@ -56,12 +56,12 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
             );
         }
         // Per layer: 2 norms fused with the residual adds, Q, K and V in one, RoPE fused with
-        // the KV write, decode and merge, O, gate and up fused with the SwiGLU, down (9); then
-        // the tag sync, the embedding, the first norm and the head — all nodes of one graph
-        // the host launches once.
+        // the KV write, flash decoding (merged by its last split), O, gate and up fused with the
+        // SwiGLU, down (8); then the tag sync, the embedding, the first norm and the head — all
+        // nodes of one graph the host launches once.
         assert_eq!(
             m.launches(),
-            (9 * SMALL.n_layers + 4) as f64,
+            (8 * SMALL.n_layers + 4) as f64,
             "batch {batch}"
         );
         assert_eq!(m.graph_nodes(), m.launches(), "batch {batch}");
@@ -132,7 +132,7 @@ fn the_speed_check_runs_on_weights_made_on_the_device() {
         kv: KvType::F16,
     };
     let mut pool = PagePool::new(geom, tiny.n_layers, 4);
-    let mut fwd = CudaForward::synthetic(ShimDevice::new(0), tiny.config(64), &pool, 4, 9)
+    let mut fwd = CudaForward::synthetic(ShimDevice::new(0), tiny.config(64), &pool, 4, 9, true)
         .expect("made on the device");
     let pages = pool.alloc(1, 1).expect("alloc");
     let tokens = [3u32, 300];
