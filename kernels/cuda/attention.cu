@@ -193,14 +193,14 @@ extern "C" __global__ void custody_rope_kv_write(
 // first failing index of its range in `bad[(r · n_kv_heads + g) · n_splits + s]`
 // (CUSTODY_NO_PAGE if none); a failing CTA reads no slot. A passing CTA runs an online softmax
 // over its slots in tiles of CUSTODY_FD_TILE and writes, per query head, its unnormalised
-// output, running max and sum to `partial` (row-major `[r][head][s][head_dim + 2]`). The last
-// of a (row, group)'s splits to finish merges them in the same launch (`custody_flash_arrive`,
-// counting arrivals in `arrivals[r · n_kv_heads + g]`, zero between launches): it decides the
+// output, running max and sum to `partial` (`[slot][head][s][head_dim + 2]`). The last of a
+// (row, group)'s splits to finish merges them in the same launch (`custody_flash_arrive`,
+// counting arrivals in `arrivals[slot · n_kv_heads + g]`, zero between launches): it decides the
 // row's verdict from the splits' published indices (the smallest, re-checked for its values; a
 // short table first) and writes the group's heads of `out` only when the row passes — one
-// launch per layer's attention, not two. `custody_flash_merge` is the same merge as a launch of
-// its own, grid (n_heads, n_rows), for the prefill kernel's one split. No context cap:
-// splits × pps covers any table.
+// launch per layer's attention, not two. Grid row `slot` serves the step's row `rows[slot]`
+// (all rows in order when `rows` is null): a step whose prompts go to the prefill kernel sends
+// only its other rows here. No context cap: splits × pps covers any table.
 //
 // K and V are read in 16-byte vectors (8 halves): V = head_dim / 8 lanes per slot, 32 / V slots
 // per warp instruction, a slot's row contiguous in the page (`[page][kv_head][slot][dim]`).
@@ -286,9 +286,11 @@ __device__ void custody_merge_head(const float* part, custody_u32 n_splits, cust
 // A flash-decoding CTA's last act: count itself in (row r, KV head g)'s arrivals; the last of the
 // `n_splits` to arrive merges the group — the row's verdict (KV head 0's group reports it) and,
 // for a passing row, the outputs of the group's query heads — and resets the count for the next
-// launch (a graph replays this one). Every thread of the block calls it.
+// launch (a graph replays this one). `slot`: the row's place in the launch (its arrivals,
+// indices and partials); `r`: the step's row (its output and verdict). Every thread calls it.
 __device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 len, custody_u32 n,
-                                     custody_u64 owner, custody_u32 r, custody_u32 g,
+                                     custody_u64 owner, custody_u32 r, custody_u32 slot,
+                                     custody_u32 g,
                                      custody_u32 n_heads, custody_u32 n_kv_heads,
                                      custody_u32 head_dim, custody_u32 page_size,
                                      const CustodyTags* tags, custody_u32 n_splits,
@@ -298,7 +300,7 @@ __device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 le
     __shared__ custody_u32 last;
     __threadfence();  // this CTA's partial and index are visible before it counts itself
     if (threadIdx.x == 0) {
-        custody_u32* count = arrivals + (custody_u64)r * n_kv_heads + g;
+        custody_u32* count = arrivals + (custody_u64)slot * n_kv_heads + g;
         last = atomicAdd(count, 1u) == n_splits - 1;
         if (last) *count = 0;  // every split has arrived: no more adds this launch
     }
@@ -307,14 +309,15 @@ __device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 le
     __threadfence();
     const CustodyVerdict v =
         custody_row_verdict(table, len, n, page_size, tags, owner,
-                            bad + ((custody_u64)r * n_kv_heads + g) * n_splits, n_splits, red);
+                            bad + ((custody_u64)slot * n_kv_heads + g) * n_splits, n_splits, red);
     if (g == 0 && threadIdx.x == 0) CUSTODY_ST(verdicts + r, v);
     if (v.code != CUSTODY_OK) return;  // uniform: a failing row's output is never written
     const custody_u32 group = n_heads / n_kv_heads;
     for (custody_u32 i = 0; i < group; i++) {
         const custody_u32 head = g * group + i;
-        custody_merge_head(partial + ((custody_u64)r * n_heads + head) * n_splits * (head_dim + 2),
-                           n_splits, head_dim, out + ((custody_u64)r * n_heads + head) * head_dim);
+        custody_merge_head(
+            partial + ((custody_u64)slot * n_heads + head) * n_splits * (head_dim + 2), n_splits,
+            head_dim, out + ((custody_u64)r * n_heads + head) * head_dim);
     }
 }
 
@@ -324,14 +327,16 @@ extern "C" __global__ void custody_flash_decode(
     const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
     custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
     custody_u32 pages_per_split, float* partial, custody_u32* bad, custody_u32* arrivals,
-    float* out, CustodyVerdict* verdicts) {
+    float* out, CustodyVerdict* verdicts, const custody_u32* rows) {
     __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
     __shared__ float qs[CUSTODY_FD_MAX_GROUP * CUSTODY_FD_MAX_DIM];
     __shared__ float p[CUSTODY_FD_MAX_GROUP * CUSTODY_FD_TILE];
     __shared__ float run_m[CUSTODY_FD_MAX_GROUP], run_l[CUSTODY_FD_MAX_GROUP];
     __shared__ float alpha[CUSTODY_FD_MAX_GROUP];
     __shared__ float accs[CUSTODY_FD_WARPS * CUSTODY_FD_MAX_GROUP * CUSTODY_FD_MAX_DIM];
-    const custody_u32 g = blockIdx.x, r = blockIdx.y, s = blockIdx.z, t = threadIdx.x;
+    const custody_u32 g = blockIdx.x, slot = blockIdx.y, s = blockIdx.z, t = threadIdx.x;
+    // The step's row this CTA serves: `rows[slot]`, or the slot itself when `rows` is null.
+    const custody_u32 r = rows ? CUSTODY_LD(rows + slot) : slot;
     const custody_u32 warp = t / 32, lane = t % 32;
     const custody_u32 n_splits = gridDim.z, group = n_heads / n_kv_heads;
     const CustodyPageRef* table = tables + CUSTODY_LD(table_off + r);
@@ -353,9 +358,9 @@ extern "C" __global__ void custody_flash_decode(
                                                               owner, red)
                                        : CUSTODY_NO_PAGE;
 #endif
-    if (t == 0) CUSTODY_ST(bad + ((custody_u64)r * n_kv_heads + g) * n_splits + s, first);
+    if (t == 0) CUSTODY_ST(bad + ((custody_u64)slot * n_kv_heads + g) * n_splits + s, first);
     const custody_u32 stride = head_dim + 2;
-    float* part = partial + (((custody_u64)r * n_heads + g * group) * n_splits + s) * stride;
+    float* part = partial + (((custody_u64)slot * n_heads + g * group) * n_splits + s) * stride;
     if (!readable || first != CUSTODY_NO_PAGE) {
         // Nothing read: an empty partial (max −inf, sum 0) the merge weighs as nothing.
         for (custody_u32 i = t; i < group; i += CUSTODY_ATT_THREADS) {
@@ -364,7 +369,7 @@ extern "C" __global__ void custody_flash_decode(
             CUSTODY_ST(part + (custody_u64)i * n_splits * stride + head_dim + 1, 0.0f);
         }
         // Uniform: every thread saw the same `readable` and `first`.
-        custody_flash_arrive(table, len, n, owner, r, g, n_heads, n_kv_heads, head_dim, page_size,
+        custody_flash_arrive(table, len, n, owner, r, slot, g, n_heads, n_kv_heads, head_dim, page_size,
                              &tags, n_splits, partial, bad, arrivals, out, verdicts, red);
         return;
     }
@@ -500,7 +505,7 @@ extern "C" __global__ void custody_flash_decode(
         CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim, run_m[t]);
         CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim + 1, run_l[t]);
     }
-    custody_flash_arrive(table, len, n, owner, r, g, n_heads, n_kv_heads, head_dim, page_size,
+    custody_flash_arrive(table, len, n, owner, r, slot, g, n_heads, n_kv_heads, head_dim, page_size,
                          &tags, n_splits, partial, bad, arrivals, out, verdicts, red);
 }
 
@@ -511,17 +516,17 @@ extern "C" __global__ void custody_flash_decode(
 // (h, i) attends query head h for tile i, rows tiles[2i] .. + tiles[2i + 1] (at most
 // CUSTODY_FP_ROWS consecutive rows of one segment: one block table, positions ascending); warp w
 // serves rows 16w .. 16w + 15 of it. Before its first K/V load the CTA checks the pages its last
-// row attends (the most any row does: `custody_first_bad_in`), and query head 0's CTA publishes
-// for each row the first page failing *that row's* check, in `custody_flash_merge`'s layout with
-// one split — a row's pages below its last one are checked alike for every row (whole pages),
-// so only its last page needs its own check. A failing row (or one whose table is short) is
+// row attends (the most any row does: `custody_first_bad_in`), and query head 0's CTA writes
+// each row's verdict from the first page failing *that row's* check (a short table first, the
+// page re-checked for its values, as flash decoding's merge) — a row's pages below its last one
+// are checked alike for every row (whole pages), so only its last page needs its own check. A failing row (or one whose table is short) is
 // masked out entirely; the CTA reads only slots below the longest passing row's count, every
 // one of them covered by that row's check. It walks the context in tiles of CUSTODY_FP_KT
 // slots: K and V staged in shared memory by 16-byte loads (a slot's row is contiguous in its
 // page), S = Q·Kᵀ and O += P·V as m16n8k16 MMAs (`custody_mma_m16n8k16`: f16 inputs, f32
 // accumulation — the flash-attention-2 register layout, S's accumulators reused as P's A
-// fragments), the causal mask per row, the online softmax in registers; it writes each row's
-// unnormalised output, running max and sum to `partial` for the merge.
+// fragments), the causal mask per row, the online softmax in registers; it writes each passing
+// row's output (one split: nothing to merge).
 // head_dim a multiple of 16 up to CUSTODY_FP_MAX_DIM (the host sends other shapes to flash
 // decoding).
 #define CUSTODY_FP_ROWS 64u
@@ -556,7 +561,7 @@ extern "C" __global__ void custody_flash_prefill(
     const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
     const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
     custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
-    const custody_u32* tiles, float* partial, custody_u32* bad) {
+    const custody_u32* tiles, float* out, CustodyVerdict* verdicts) {
     __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
     __shared__ custody_u32 row_n[CUSTODY_FP_ROWS];
     // f16 tiles, declared as 16-byte vectors for the staging stores' alignment.
@@ -590,12 +595,28 @@ extern "C" __global__ void custody_flash_prefill(
         custody_u32 attends = 0;
         if (i < nr) {
             const custody_u32 n = CUSTODY_LD(n_ctx + r0 + i);
-            const bool short_row = (n + page_size - 1) / page_size > len;
-            // A row whose table is short gets the merge's own verdict; its index is unused.
+            const custody_u32 need = (n + page_size - 1) / page_size;
+            const bool short_row = need > len || n == 0;
             const custody_u32 b =
                 short_row ? CUSTODY_NO_PAGE
                           : custody_row_first_bad(table, first, n, page_size, &tags, owner);
-            if (h == 0) CUSTODY_ST(bad + (custody_u64)(r0 + i) * n_kv_heads, b);
+            if (h == 0) {
+                // The row's verdict, as the merge decides it: a short table first, else the
+                // first failing page re-checked for its values.
+                CustodyVerdict v;
+                v.code = CUSTODY_OK;
+                v.page = 0;
+                v.a = 0;
+                v.b = 0;
+                if (short_row) {
+                    v.code = CUSTODY_BLOCK_TABLE_TOO_SHORT;
+                    v.a = len;
+                    v.b = need;
+                } else if (b != CUSTODY_NO_PAGE) {
+                    v = custody_check_page(table, b, n, page_size, &tags, owner);
+                }
+                CUSTODY_ST(verdicts + r0 + i, v);
+            }
             attends = !short_row && b == CUSTODY_NO_PAGE ? n : 0;
         }
         row_n[i] = attends;
@@ -606,7 +627,6 @@ extern "C" __global__ void custody_flash_prefill(
     custody_u32 n_hi = 0;
     for (custody_u32 i = 0; i < CUSTODY_FP_ROWS; i++) n_hi = row_n[i] > n_hi ? row_n[i] : n_hi;
     if (n_hi == 0) return;  // uniform: every row failed, nothing is read
-    const custody_u32 stride = head_dim + 2;
     // The tile's queries, scaled, as f16 (rows past `nr`: zero).
     const float scale = 1.0f / sqrtf((float)head_dim);
     for (custody_u32 i = t; i < CUSTODY_FP_ROWS * head_dim; i += CUSTODY_ATT_THREADS) {
@@ -731,55 +751,24 @@ extern "C" __global__ void custody_flash_prefill(
             }
         }
     }
-    // Each row's unnormalised output, max and sum (the merge divides).
-    float* part_a = partial + ((custody_u64)(r0 + ra) * n_heads + h) * stride;
-    float* part_b = partial + ((custody_u64)(r0 + rb) * n_heads + h) * stride;
+    // Each passing row's output (its one split is the whole context: no merge).
+    const float inv_a = na > 0 ? 1.0f / l_a : 0.0f, inv_b = nb > 0 ? 1.0f / l_b : 0.0f;
+    float* out_a = out + ((custody_u64)(r0 + ra) * n_heads + h) * head_dim;
+    float* out_b = out + ((custody_u64)(r0 + rb) * n_heads + h) * head_dim;
 #pragma unroll
     for (custody_u32 d = 0; d < CUSTODY_FP_MAX_DIM / 8; d++) {
         if (d < head_dim / 8) {
             const custody_u32 e = d * 8 + 2 * q4;
             if (na > 0) {
-                CUSTODY_ST(part_a + e, o[d][0]);
-                CUSTODY_ST(part_a + e + 1, o[d][1]);
+                CUSTODY_ST(out_a + e, o[d][0] * inv_a);
+                CUSTODY_ST(out_a + e + 1, o[d][1] * inv_a);
             }
             if (nb > 0) {
-                CUSTODY_ST(part_b + e, o[d][2]);
-                CUSTODY_ST(part_b + e + 1, o[d][3]);
+                CUSTODY_ST(out_b + e, o[d][2] * inv_b);
+                CUSTODY_ST(out_b + e + 1, o[d][3] * inv_b);
             }
         }
     }
-    if (q4 == 0) {
-        if (na > 0) {
-            CUSTODY_ST(part_a + head_dim, m_a);
-            CUSTODY_ST(part_a + head_dim + 1, l_a);
-        }
-        if (nb > 0) {
-            CUSTODY_ST(part_b + head_dim, m_b);
-            CUSTODY_ST(part_b + head_dim + 1, l_b);
-        }
-    }
-}
-
-// The row's verdict from the splits' first failing indices, then — only for a passing row — its
-// output (`custody_merge_head`). Grid (n_heads, n_rows), block (CUSTODY_ATT_THREADS); head 0's
-// block reports the verdict (poisoned rows stay failures).
-extern "C" __global__ void custody_flash_merge(
-    const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
-    const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
-    custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
-    custody_u32 n_splits, const float* partial, const custody_u32* bad, float* out,
-    CustodyVerdict* verdicts) {
-    __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
-    const custody_u32 head = blockIdx.x, r = blockIdx.y;
-    // KV head 0's splits checked the same pages as every other group's.
-    const CustodyVerdict v = custody_row_verdict(
-        tables + CUSTODY_LD(table_off + r), CUSTODY_LD(table_len + r), CUSTODY_LD(n_ctx + r),
-        page_size, &tags, CUSTODY_LD(owners + r), bad + (custody_u64)r * n_kv_heads * n_splits,
-        n_splits, red);
-    if (head == 0 && threadIdx.x == 0) CUSTODY_ST(verdicts + r, v);
-    if (v.code != CUSTODY_OK) return;  // uniform over the block
-    custody_merge_head(partial + ((custody_u64)r * n_heads + head) * n_splits * (head_dim + 2),
-                       n_splits, head_dim, out + ((custody_u64)r * n_heads + head) * head_dim);
 }
 
 // The device's copy of the pool's tags brought up to date: entry i of the step's changes

@@ -272,19 +272,15 @@ void generic_body(void* c) {
             PTR(3, const CustodyPageRef*), PTR(4, const custody_u32*), PTR(5, const custody_u32*),
             PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
             U32(11), TAGS(12), U32(13), PTR(14, float*), PTR(15, custody_u32*),
-            PTR(16, custody_u32*), PTR(17, float*), PTR(18, CustodyVerdict*));
+            PTR(16, custody_u32*), PTR(17, float*), PTR(18, CustodyVerdict*),
+            PTR(19, const custody_u32*));
     } else if (!strcmp(n, "custody_flash_prefill")) {
         custody_flash_prefill(
             PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),
             PTR(3, const CustodyPageRef*), PTR(4, const custody_u32*), PTR(5, const custody_u32*),
             PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
-            U32(11), TAGS(12), PTR(13, const custody_u32*), PTR(14, float*), PTR(15, custody_u32*));
-    } else if (!strcmp(n, "custody_flash_merge")) {
-        custody_flash_merge(PTR(0, const CustodyPageRef*), PTR(1, const custody_u32*),
-                            PTR(2, const custody_u32*), PTR(3, const custody_u32*),
-                            PTR(4, const custody_u64*), U32(5), U32(6), U32(7), U32(8), TAGS(9),
-                            U32(10), PTR(11, const float*), PTR(12, const custody_u32*),
-                            PTR(13, float*), PTR(14, CustodyVerdict*));
+            U32(11), TAGS(12), PTR(13, const custody_u32*), PTR(14, float*),
+            PTR(15, CustodyVerdict*));
     } else if (!strcmp(n, "custody_tag_apply")) {
         custody_tag_apply(PTR(0, const unsigned char*), U32(1), U32(2), PTR(3, custody_u32*),
                           PTR(4, custody_u64*), PTR(5, custody_u64*), PTR(6, custody_u32*),

@@ -900,16 +900,15 @@ pub struct FlashSplits {
     pub pages_per_split: u32,
 }
 
-/// What an attention run returns: each request's verdict and its launches' counts (`merge`:
-/// the prefill kernel's separate merge; zero for flash decoding, which merges in its launch).
+/// What an attention run returns: each request's verdict and its one launch's counts (the
+/// merge, and the verdicts, are made within it).
 #[derive(Debug)]
 pub struct FlashRun {
     pub verdicts: Vec<Verdict>,
-    pub decode: Counts,
-    pub merge: Counts,
+    pub counts: Counts,
 }
 
-/// Paged flash decoding (`custody_flash_decode` then `custody_flash_merge`) on a counting shim
+/// Paged flash decoding (`custody_flash_decode`, merged by each row's last split) on a counting shim
 /// device: writes `out` for the requests that pass their tag check.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_decode(
@@ -927,8 +926,7 @@ pub fn flash_decode(
     flash_run(q, kv, reqs, shape, tags, Attend::Decode(splits), out, seed)
 }
 
-/// Prefill attention on tensor cores (`custody_flash_prefill` then `custody_flash_merge` with
-/// one split) on a counting shim device: `reqs` are the rows, `tiles` (first row, rows) pairs
+/// Prefill attention on tensor cores (`custody_flash_prefill`) on a counting shim device: `reqs` are the rows, `tiles` (first row, rows) pairs
 /// of consecutive rows of one block table each; writes `out` for the rows that pass.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_prefill(
@@ -1045,52 +1043,39 @@ fn flash_run(
     let mut decode = vec![Arg::Ptr(qp), Arg::Ptr(kp), Arg::Ptr(vp)];
     decode.extend(table);
     decode.extend(shape_args);
-    let arrivals = put(bytes_of(&vec![0u32; n * shape.n_kv_heads as usize]))?;
-    let (kernel, grid, per_split) = match attend {
-        Attend::Decode(_) => (
-            Kernel::FlashDecode,
-            LaunchDims {
+    let (kernel, grid) = match attend {
+        Attend::Decode(_) => {
+            let arrivals = put(bytes_of(&vec![0u32; n * shape.n_kv_heads as usize]))?;
+            decode.extend([
+                Arg::U32(splits.pages_per_split),
+                Arg::Ptr(partial),
+                Arg::Ptr(bad),
+                Arg::Ptr(arrivals),
+                Arg::Ptr(outp),
+                Arg::Ptr(verdicts),
+                // Every row, in order.
+                Arg::Ptr(DevicePtr(0)),
+            ]);
+            let grid = LaunchDims {
                 grid: [shape.n_kv_heads, n as u32, splits.n],
                 block: [128, 1, 1],
-            },
-            Arg::U32(splits.pages_per_split),
-        ),
-        Attend::Prefill(tiles) => (
-            Kernel::FlashPrefill,
-            LaunchDims::grid2(shape.n_heads, (tiles.len() / 2) as u32, 128),
-            Arg::Ptr(put(bytes_of(tiles))?),
-        ),
+            };
+            (Kernel::FlashDecode, grid)
+        }
+        Attend::Prefill(tiles) => {
+            let tiles_p = put(bytes_of(tiles))?;
+            decode.extend([Arg::Ptr(tiles_p), Arg::Ptr(outp), Arg::Ptr(verdicts)]);
+            let grid = LaunchDims::grid2(shape.n_heads, (tiles.len() / 2) as u32, 128);
+            (Kernel::FlashPrefill, grid)
+        }
     };
-    decode.extend([per_split, Arg::Ptr(partial), Arg::Ptr(bad)]);
-    let merges_itself = matches!(attend, Attend::Decode(_));
-    if merges_itself {
-        decode.extend([Arg::Ptr(arrivals), Arg::Ptr(outp), Arg::Ptr(verdicts)]);
-    }
-    let mut merge = table.to_vec();
-    merge.extend(shape_args);
-    merge.extend([
-        Arg::U32(splits.n),
-        Arg::Ptr(partial),
-        Arg::Ptr(bad),
-        Arg::Ptr(outp),
-        Arg::Ptr(verdicts),
-    ]);
     dev.launch(kernel, grid, &decode)?;
-    if !merges_itself {
-        dev.launch(
-            Kernel::FlashMerge,
-            LaunchDims::grid2(shape.n_heads, n as u32, 128),
-            &merge,
-        )?;
-    }
     dev.download(outp, bytes_of_mut(out))?;
     let mut got = poisoned;
     dev.download(verdicts, bytes_of_mut(&mut got))?;
     let counts = dev.take_counts();
     Ok(FlashRun {
         verdicts: got,
-        decode: counts[0].counts,
-        // Flash decoding merges within its own launch.
-        merge: counts.get(1).map(|l| l.counts).unwrap_or_default(),
+        counts: counts[0].counts,
     })
 }

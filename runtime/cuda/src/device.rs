@@ -193,8 +193,7 @@ kernels! {
     GemvQ8_0 = "custody_gemv_q8_0", 7;
     Rope = "custody_rope", 8;
     KvWrite = "custody_kv_write", 9;
-    FlashDecode = "custody_flash_decode", 19;
-    FlashMerge = "custody_flash_merge", 15;
+    FlashDecode = "custody_flash_decode", 20;
     FlashPrefill = "custody_flash_prefill", 16;
     TagCheck = "custody_tag_check", 8;
     TagApply = "custody_tag_apply", 8;

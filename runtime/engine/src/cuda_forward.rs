@@ -29,10 +29,11 @@
 //!   hold: those keep the per-element kernel) — 2 bytes per weight more device memory,
 //!   [`CudaForward::gemm_weight_bytes`], named in [`CudaForward::describe`].
 //! - Attention: a step of up to [`MAX_GRAPH_ROWS`] rows (decode) through paged flash decoding,
-//!   split over pages; a larger one (prefill) through `custody_flash_prefill`, tensor-core MMAs over
-//!   tiles of up to 64 rows of one segment, when head_dim is a multiple of 16 up to 128 (else
-//!   flash decoding). Both check the pages they read before the first load, and the merge
-//!   gives each row the CPU's verdict.
+//!   split over pages; in a larger one (prefill) the rows of each segment of at least
+//!   `PREFILL_MIN_ROWS` (16) through `custody_flash_prefill`, tensor-core MMAs over tiles of up to
+//!   64 rows, when head_dim is a multiple of 16 up to 128 — the step's other rows through flash
+//!   decoding still. Both check the pages they read before the first load and give each row the
+//!   CPU's verdict.
 //! - Numerics: f32 activations (the CPU quantizes them to Q8 for quantized weights), rounded to
 //!   f16 only as the inputs of the GEMM path and of the prefill kernel's MMAs (Q and the softmax
 //!   weights); no contraction; logits agree with the CPU's within a stated tolerance, not bit
@@ -63,6 +64,9 @@ pub const GEMV_MAX_ROWS: usize = 64;
 /// `custody_flash_prefill`'s rows per CTA (`CUSTODY_FP_ROWS`) and widest head
 /// (`CUSTODY_FP_MAX_DIM`; head_dim a multiple of 16 up to it).
 const PREFILL_TILE_ROWS: usize = 64;
+/// A segment's rows go to the prefill kernel from this many on (a 16-row MMA tile); fewer — a
+/// decoding row — to flash decoding, whose splits spread a long context over many CTAs.
+const PREFILL_MIN_ROWS: usize = 16;
 const PREFILL_MAX_DIM: usize = 128;
 /// `CUSTODY_NO_PAGE`: a row the KV-write kernel skips.
 const NO_PAGE: u32 = u32::MAX;
@@ -242,6 +246,8 @@ struct Buffers {
     /// Flash decoding's arrival counts per (row, KV head): zero between launches (the last
     /// split to arrive resets its count).
     arrivals: DevicePtr,
+    /// The rows flash decoding serves in a step with prefill tiles.
+    decode_rows: DevicePtr,
     verdicts: DevicePtr,
     /// Flash decoding's per-(row, split) partial outputs and first failing page indices.
     partial: DevicePtr,
@@ -290,9 +296,12 @@ struct StepShape {
     /// Rows the output head computes: all `rows` in a graph; in a kernel-by-kernel step only
     /// the rows whose logits are returned, gathered first (`custody_gather_rows`).
     head_rows: usize,
-    /// Tiles of `custody_flash_prefill` (a step of more than [`MAX_GRAPH_ROWS`] rows whose
-    /// heads fit it: each segment's rows in runs of [`PREFILL_TILE_ROWS`]); 0: flash decoding.
+    /// Tiles of `custody_flash_prefill` (in a step of more than [`MAX_GRAPH_ROWS`] rows whose
+    /// heads fit it: the rows of each segment of at least [`PREFILL_MIN_ROWS`], in runs of
+    /// [`PREFILL_TILE_ROWS`]); 0: none.
     prefill_tiles: usize,
+    /// Rows flash decoding serves (and `splits` cuts): every row, or those the tiles leave.
+    decode_rows: usize,
 }
 
 /// `CustodyDType` in kernels/cuda/ops.cu. Exhaustive: a weight type the engine gains does not
@@ -904,6 +913,7 @@ impl<D: Device> CudaForward<D> {
             head_rows: f(rows)?,
             tiles: f(rows * 2)?,
             arrivals: f(rows * c.n_kv_heads)?,
+            decode_rows: f(rows)?,
             // One verdict per row and layer (6 words each): read once after the step.
             verdicts: f(c.n_layers * rows * 6)?,
             partial: f(split_capacity(rows) * c.n_heads * (c.head_dim + 2))?,
@@ -1310,10 +1320,7 @@ impl<D: Device> CudaForward<D> {
             // By the step's size, not by whether graphs are on: a step of up to a graph's
             // rows takes the same kernels either way (`set_graphs`' comparison is bit for bit).
             if shape.rows > MAX_GRAPH_ROWS && self.prefill_fits() {
-                let tiles = prefill_tiles(&rows, segments.len());
-                shape.prefill_tiles = tiles.len() / 2;
-                let b = self.bufs.tiles;
-                self.upload_u32(b, &tiles)?;
+                self.plan_prefill(&rows, segments.len(), &mut shape)?;
             }
         }
         self.upload_inputs(segments, &rows, shape.rows)?;
@@ -1367,6 +1374,7 @@ impl<D: Device> CudaForward<D> {
             graph,
             head_rows: if graph { padded } else { wanted },
             prefill_tiles: 0,
+            decode_rows: padded,
         }
     }
 
@@ -1375,6 +1383,39 @@ impl<D: Device> CudaForward<D> {
     fn prefill_fits(&self) -> bool {
         let d = self.config.head_dim;
         d.is_multiple_of(16) && d <= PREFILL_MAX_DIM
+    }
+
+    /// Divide a kernel-by-kernel step's attention (see [`PrefillPlan`]): upload the tiles and
+    /// the rows left to flash decoding, whose splits are cut for those rows alone.
+    fn plan_prefill(
+        &mut self,
+        rows: &Rows,
+        n_segments: usize,
+        shape: &mut StepShape,
+    ) -> Result<(), DeviceError> {
+        let c = &self.config;
+        let plan = PrefillPlan::of(rows, n_segments);
+        let max_pages = plan
+            .decode_rows
+            .iter()
+            .map(|&r| (rows.positions[r as usize] + 1).div_ceil(self.page_size))
+            .max()
+            .unwrap_or(1);
+        shape.splits = Splits::of(
+            plan.decode_rows.len(),
+            c.n_kv_heads,
+            c.n_heads / c.n_kv_heads,
+            self.page_size,
+            max_pages,
+        );
+        shape.prefill_tiles = plan.tiles.len() / 2;
+        shape.decode_rows = plan.decode_rows.len();
+        let b = self.bufs;
+        self.upload_u32(b.tiles, &plan.tiles)?;
+        if !plan.decode_rows.is_empty() {
+            self.upload_u32(b.decode_rows, &plan.decode_rows)?;
+        }
+        Ok(())
     }
 
     /// Every launch of a step, in order: the tag changes applied, the embedding, the layers,
@@ -1740,66 +1781,63 @@ impl<D: Device> CudaForward<D> {
 
     /// Attention of every row of `layer` over its segment's pages, the tag check inside the
     /// kernel; the verdicts land in the layer's part of the verdict buffer.
+    /// Layer `layer`'s attention: the step's prompt tiles through `custody_flash_prefill` and
+    /// its other rows through flash decoding (`shape.decode_rows` of them: every row in a
+    /// graph's step, the rows listed in `bufs.decode_rows` otherwise). Both write each row's
+    /// output and verdict themselves.
     fn attend(&mut self, layer: usize, shape: StepShape) -> Result<(), DeviceError> {
         let tags = self.kv.tags(layer);
-        let (n, splits) = (shape.rows, shape.splits);
+        let splits = shape.splits;
         let b = self.bufs;
-        let c = &self.config;
-        let verdicts = b.verdicts.offset((layer * n * size_of::<Verdict>()) as u64);
-        let shape_args = [
-            Arg::U32(c.n_heads as u32),
-            Arg::U32(c.n_kv_heads as u32),
-            Arg::U32(c.head_dim as u32),
-            Arg::U32(self.page_size as u32),
-            Arg::Tags(tags),
-        ];
-        let table = [
+        let (n_heads, n_kv_heads) = (self.config.n_heads as u32, self.config.n_kv_heads as u32);
+        let verdicts = b
+            .verdicts
+            .offset((layer * shape.rows * size_of::<Verdict>()) as u64);
+        let mut args = vec![
+            Arg::Ptr(b.q),
+            Arg::Ptr(self.kv.k[layer]),
+            Arg::Ptr(self.kv.v[layer]),
             Arg::Ptr(b.tables),
             Arg::Ptr(b.table_off),
             Arg::Ptr(b.table_len),
             Arg::Ptr(b.n_ctx),
             Arg::Ptr(b.owners),
+            Arg::U32(n_heads),
+            Arg::U32(n_kv_heads),
+            Arg::U32(self.config.head_dim as u32),
+            Arg::U32(self.page_size as u32),
+            Arg::Tags(tags),
         ];
-        let mut decode = vec![
-            Arg::Ptr(b.q),
-            Arg::Ptr(self.kv.k[layer]),
-            Arg::Ptr(self.kv.v[layer]),
-        ];
-        decode.extend(table);
-        decode.extend(shape_args);
-        decode.extend([
+        let common = args.len();
+        if shape.prefill_tiles > 0 {
+            args.extend([Arg::Ptr(b.tiles), Arg::Ptr(b.att), Arg::Ptr(verdicts)]);
+            let dims = LaunchDims::grid2(n_heads, shape.prefill_tiles as u32, THREADS);
+            self.launch(Kernel::FlashPrefill, dims, &args)?;
+        }
+        if shape.decode_rows == 0 {
+            return Ok(());
+        }
+        args.truncate(common);
+        // In a graph's step every row, in order (null); else the rows the prefill kernel left.
+        let rows = if shape.prefill_tiles > 0 {
+            b.decode_rows
+        } else {
+            DevicePtr(0)
+        };
+        args.extend([
             Arg::U32(splits.pages_per_split as u32),
             Arg::Ptr(b.partial),
             Arg::Ptr(b.bad),
-        ]);
-        // Flash decoding merges in its own launch (the last split of each row and group).
-        let merged = [Arg::Ptr(b.arrivals), Arg::Ptr(b.att), Arg::Ptr(verdicts)];
-        let mut merge = table.to_vec();
-        merge.extend(shape_args);
-        merge.extend([
-            Arg::U32(splits.n as u32),
-            Arg::Ptr(b.partial),
-            Arg::Ptr(b.bad),
+            Arg::Ptr(b.arrivals),
             Arg::Ptr(b.att),
             Arg::Ptr(verdicts),
+            Arg::Ptr(rows),
         ]);
-        let decode_dims = LaunchDims {
-            grid: [c.n_kv_heads as u32, n as u32, splits.n as u32],
+        let dims = LaunchDims {
+            grid: [n_kv_heads, shape.decode_rows as u32, splits.n as u32],
             block: [THREADS, 1, 1],
         };
-        let merge_dims = LaunchDims::grid2(c.n_heads as u32, n as u32, THREADS);
-        if shape.prefill_tiles > 0 {
-            // The same arguments but the split layout: the tiles instead, and one split.
-            let at = decode.len() - 3;
-            decode[at] = Arg::Ptr(b.tiles);
-            let at = merge.len() - 5;
-            merge[at] = Arg::U32(1);
-            let dims = LaunchDims::grid2(c.n_heads as u32, shape.prefill_tiles as u32, THREADS);
-            self.launch(Kernel::FlashPrefill, dims, &decode)?;
-            return self.launch(Kernel::FlashMerge, merge_dims, &merge);
-        }
-        decode.extend(merged);
-        self.launch(Kernel::FlashDecode, decode_dims, &decode)
+        self.launch(Kernel::FlashDecode, dims, &args)
     }
 
     /// Every layer's verdicts, read once after the step: a live segment whose rows got a
@@ -1909,18 +1947,35 @@ struct Rows {
     starts: Vec<usize>,
 }
 
-/// `custody_flash_prefill`'s tiles for a step of `n_segments` segments: (first row, rows) for
-/// each run of at most [`PREFILL_TILE_ROWS`] consecutive rows of one segment.
-fn prefill_tiles(rows: &Rows, n_segments: usize) -> Vec<u32> {
-    let mut tiles = Vec::new();
-    for si in 0..n_segments {
-        let r = rows.range(si);
-        for start in r.clone().step_by(PREFILL_TILE_ROWS) {
-            tiles.push(start as u32);
-            tiles.push((r.end - start).min(PREFILL_TILE_ROWS) as u32);
+/// How a kernel-by-kernel step's attention divides its rows.
+struct PrefillPlan {
+    /// `custody_flash_prefill`'s tiles: (first row, rows) for each run of at most
+    /// [`PREFILL_TILE_ROWS`] consecutive rows of a segment of at least [`PREFILL_MIN_ROWS`].
+    tiles: Vec<u32>,
+    /// The other rows (flash decoding's), ascending.
+    decode_rows: Vec<u32>,
+}
+
+impl PrefillPlan {
+    fn of(rows: &Rows, n_segments: usize) -> Self {
+        let mut plan = Self {
+            tiles: Vec::new(),
+            decode_rows: Vec::new(),
+        };
+        for si in 0..n_segments {
+            let r = rows.range(si);
+            if r.len() < PREFILL_MIN_ROWS {
+                plan.decode_rows.extend(r.map(|i| i as u32));
+                continue;
+            }
+            for start in r.clone().step_by(PREFILL_TILE_ROWS) {
+                plan.tiles.push(start as u32);
+                plan.tiles
+                    .push((r.end - start).min(PREFILL_TILE_ROWS) as u32);
+            }
         }
+        plan
     }
-    tiles
 }
 
 impl Rows {

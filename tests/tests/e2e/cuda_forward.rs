@@ -123,7 +123,8 @@ fn integrity_failures_on_the_device_are_the_cpus() {
 }
 
 /// The same failures in a kernel-by-kernel step (a 260-row prompt beside them makes it one):
-/// the tensor-core prefill kernel's verdicts, one tile per short segment, are the CPU's too.
+/// the prompt's rows go to the tensor-core prefill kernel and the short segments' rows to flash
+/// decoding through its row list — the verdicts are the CPU's, the good rows' logits too.
 #[test]
 fn integrity_failures_in_the_prefill_kernel_are_the_cpus() {
     integrity_failures(true);
@@ -217,8 +218,14 @@ fn integrity_failures(eager: bool) {
     let cpu = m.forward(&mut cpu_pool, &segs, &mut scratch);
     dev.device_mut().take_counts();
     let gpu = dev.forward(&mut dev_pool, &segs).expect("device forward");
-    let prefill = launched(dev.device_mut(), Kernel::FlashPrefill);
-    assert_eq!(prefill, if eager { m.config.n_layers } else { 0 });
+    // Eager: the 260-row prompt through the prefill kernel, every other row (all shorter than
+    // a 16-row tile) through flash decoding, each layer.
+    let launches = dev.device_mut().take_counts();
+    let count = |k: Kernel| launches.iter().filter(|l| l.kernel == k).count();
+    assert_eq!(
+        (count(Kernel::FlashPrefill), count(Kernel::FlashDecode)),
+        (if eager { m.config.n_layers } else { 0 }, m.config.n_layers)
+    );
     for i in std::iter::once(0).chain(eager.then_some(5)) {
         let c = cpu[i].as_ref().expect("good on cpu");
         let g = gpu[i].as_ref().expect("good on device");

@@ -465,7 +465,7 @@ fn flash_decoding_serves_long_contexts_at_every_head_layout() {
         .expect("launch");
         assert_eq!(run.verdicts, vec![Verdict::default()], "{what}");
         check_attention(&out, &want, &run.verdicts, row, 0, &what);
-        let c = run.decode;
+        let c = run.counts;
         assert!(
             c.coalescing() >= 0.9,
             "{what}: {:.1} % coalesced: {c:?}",
@@ -584,7 +584,7 @@ fn the_prefill_kernel_serves_long_contexts_and_each_rows_verdict() {
         assert!(verdicts.iter().all(|v| v.code == 0), "{what}");
         // f16 queries and softmax weights on tensor cores: within 4e-3 of the f32 CPU.
         check_attention_within(&out, &expect, &got.verdicts, row, 0x7fc0_0001, 4e-3, &what);
-        let c = got.decode;
+        let c = got.counts;
         assert!(
             c.coalescing() >= 0.9,
             "{what}: {:.1} % coalesced: {c:?}",
