@@ -109,6 +109,8 @@ impl CudaDevice {
             name.push_str(&format!(" [kernels built with {}]", defines.join(" ")));
         }
         let stream = ctx.new_stream().map_err(|e| no_device(e.to_string()))?;
+        // The workspace, the cuBLASLt handle and the pinned region belong to this context.
+        ctx.bind_to_thread().map_err(|e| no_device(e.to_string()))?;
         // SAFETY: a plain allocation for cuBLASLt's workspace, freed in `Drop` with the others.
         let workspace = unsafe { result::malloc_sync(WORKSPACE_BYTES) }
             .map_err(|e| no_device(format!("cuBLASLt workspace: {e}")))?;
