@@ -200,7 +200,9 @@ extern "C" __global__ void custody_rope_kv_write(
 // short table first) and writes the group's heads of `out` only when the row passes — one
 // launch per layer's attention, not two. Grid row `slot` serves the step's row `rows[slot]`
 // (all rows in order when `rows` is null): a step whose prompts go to the prefill kernel sends
-// only its other rows here. No context cap: splits × pps covers any table.
+// only its other rows here. No context cap: splits × pps covers any table. With `xq` and `xs`
+// not null (head_dim a multiple of 32, n_heads · head_dim of 256), the merge also stores each
+// output row quantized for the O product's dp4a GEMV (`custody_q8_block`).
 //
 // K and V are read in 16-byte vectors (8 halves): V = head_dim / 8 lanes per slot, 32 / V slots
 // per warp instruction, a slot's row contiguous in the page (`[page][kv_head][slot][dim]`).
@@ -263,8 +265,12 @@ __device__ CustodyVerdict custody_row_verdict(const CustodyPageRef* table, custo
 // Head `head`'s output of row `r` from its `n_splits` partials (`part`, stride head_dim + 2):
 // Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M). The partials were written by other CTAs of
 // this launch (or an earlier one): read through L2 (`CUSTODY_LD_CG`), never a stale L1 line.
+// With `xq` not null (head_dim a multiple of 32) the output is also stored quantized for the
+// dp4a GEMV (`custody_q8_block`: each iteration's warp holds one block of 32) as elements
+// `k0`.. of row `r` of `cols`.
 __device__ void custody_merge_head(const float* part, custody_u32 n_splits, custody_u32 head_dim,
-                                   float* o) {
+                                   float* o, unsigned char* xq, float* xs, custody_u32 r,
+                                   custody_u32 cols, custody_u32 k0) {
     const custody_u32 stride = head_dim + 2;
     float mx = __uint_as_float(0xff800000u);
     for (custody_u32 s = 0; s < n_splits; s++) mx = fmaxf(mx, CUSTODY_LD_CG(part + s * stride + head_dim));
@@ -280,6 +286,8 @@ __device__ void custody_merge_head(const float* part, custody_u32 n_splits, cust
             if (m != __uint_as_float(0xff800000u)) acc += CUSTODY_LD_CG(part + s * stride + e) * expf(m - mx);
         }
         CUSTODY_ST(o + e, acc / l);
+        // Uniform per warp: whole warps iterate when head_dim is a multiple of 32.
+        if (xq) custody_q8_block(acc / l, r, cols, k0 + e - threadIdx.x % 32, xq, xs);
     }
 }
 
@@ -296,7 +304,7 @@ __device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 le
                                      const CustodyTags* tags, custody_u32 n_splits,
                                      const float* partial, const custody_u32* bad,
                                      custody_u32* arrivals, float* out, CustodyVerdict* verdicts,
-                                     custody_u32* red) {
+                                     unsigned char* xq, float* xs, custody_u32* red) {
     __shared__ custody_u32 last;
     __threadfence();  // this CTA's partial and index are visible before it counts itself
     if (threadIdx.x == 0) {
@@ -317,7 +325,8 @@ __device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 le
         const custody_u32 head = g * group + i;
         custody_merge_head(
             partial + ((custody_u64)slot * n_heads + head) * n_splits * (head_dim + 2), n_splits,
-            head_dim, out + ((custody_u64)r * n_heads + head) * head_dim);
+            head_dim, out + ((custody_u64)r * n_heads + head) * head_dim, xq, xs, r,
+            n_heads * head_dim, head * head_dim);
     }
 }
 
@@ -327,7 +336,7 @@ extern "C" __global__ void custody_flash_decode(
     const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
     custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
     custody_u32 pages_per_split, float* partial, custody_u32* bad, custody_u32* arrivals,
-    float* out, CustodyVerdict* verdicts, const custody_u32* rows) {
+    float* out, CustodyVerdict* verdicts, const custody_u32* rows, unsigned char* xq, float* xs) {
     __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
     __shared__ float qs[CUSTODY_FD_MAX_GROUP * CUSTODY_FD_MAX_DIM];
     __shared__ float p[CUSTODY_FD_MAX_GROUP * CUSTODY_FD_TILE];
@@ -370,7 +379,7 @@ extern "C" __global__ void custody_flash_decode(
         }
         // Uniform: every thread saw the same `readable` and `first`.
         custody_flash_arrive(table, len, n, owner, r, slot, g, n_heads, n_kv_heads, head_dim, page_size,
-                             &tags, n_splits, partial, bad, arrivals, out, verdicts, red);
+                             &tags, n_splits, partial, bad, arrivals, out, verdicts, xq, xs, red);
         return;
     }
     // The group's queries, scaled, in shared memory.
@@ -506,7 +515,7 @@ extern "C" __global__ void custody_flash_decode(
         CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim + 1, run_l[t]);
     }
     custody_flash_arrive(table, len, n, owner, r, slot, g, n_heads, n_kv_heads, head_dim, page_size,
-                         &tags, n_splits, partial, bad, arrivals, out, verdicts, red);
+                         &tags, n_splits, partial, bad, arrivals, out, verdicts, xq, xs, red);
 }
 
 // ---- Prefill attention on tensor cores: flash attention over a prompt's rows, the tag check

@@ -164,3 +164,71 @@ __device__ __forceinline__ void custody_mma_m16n8k16(float* d, const custody_u32
           "f"(c[2]), "f"(c[3]));
 #endif
 }
+
+// One warp's `mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32` (integer tensor cores): d = a·b
+// + c, a 16 × 32 int8 A (4 registers of 4 bytes per lane: a0 A[g][4t..4t+4], a1 A[g + 8][4t..],
+// a2 A[g][16 + 4t..], a3 A[g + 8][16 + 4t..] for g = lane / 4, t = lane % 4), a 32 × 8 int8 B
+// (b0 B[4t..4t+4][g], b1 B[16 + 4t..][g]), C and D s32 as the f16 MMA's. Every lane of the
+// warp calls it, converged; on the shim a warp collective (cuda_shim.cpp's `run_mma_s8`).
+__device__ __forceinline__ void custody_mma_m16n8k32_s8(int* d, const custody_u32* a,
+                                                        const custody_u32* b, const int* c) {
+#ifdef CUSTODY_CUDA_SHIM
+    custody_shim::mma_m16n8k32_s8(d, a, b, c);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %11, %12, %13};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c[0]), "r"(c[1]),
+          "r"(c[2]), "r"(c[3]));
+#endif
+}
+
+// ---- Activations quantized for the dp4a GEMV ("Q8 x").
+//
+// A row of `cols` activations (a multiple of 256) as int8 in blocks of 32 with a scale each:
+// block j (elements 32j..32j+32) has d = max |x| / 127 and q = round(x / d), stored as
+// xs[2j] = d, xs[2j + 1] = d · Σq (the Q4_K minimums' term, Σx, without a pass over x). The
+// bytes are in the Q4_K GEMV's lane order, so that its lane l reads its 8 values of a
+// super-block as one 8-byte load and a warp its 256 as one 256-byte run: element 256b + e
+// (e = 64c + 32h + 4p + i; c < 4, h < 2, p < 8, i < 4) is byte 8·(32b + 8c + p) + 4h + i.
+// One row's quantized bytes take `cols` bytes and its scales `cols / 16` floats.
+
+// Warp-wide max and sum (every lane gets it).
+__device__ __forceinline__ float custody_warp_max(float v) {
+    for (custody_u32 m = 16; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+    return v;
+}
+
+__device__ __forceinline__ int custody_warp_sum_int(int v) {
+    for (custody_u32 m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+// Quantize one block: lane l holds element k0 + l of row `row` (k0 a multiple of 32; cols a
+// multiple of 256) and the warp stores the block's bytes and scales in the layout above. The
+// whole warp calls it.
+__device__ __forceinline__ void custody_q8_block(float v, custody_u32 row, custody_u32 cols, custody_u32 k0,
+                                 unsigned char* xq, float* xs) {
+    const custody_u32 lane = threadIdx.x % 32;
+    const float amax = custody_warp_max(fabsf(v));
+    const float d = amax / 127.0f;
+    const int q = amax > 0.0f ? (int)rintf(v * (127.0f / amax)) : 0;
+    const int sum = custody_warp_sum_int(q);
+    // Four lanes' bytes are one word of the layout: lane 4j gathers lanes 4j+1..4j+3's.
+    const custody_u32 b0 = (custody_u32)q & 0xffu;
+    const custody_u32 b1 = __shfl_down_sync(0xffffffffu, b0, 1);
+    const custody_u32 b2 = __shfl_down_sync(0xffffffffu, b0, 2);
+    const custody_u32 b3 = __shfl_down_sync(0xffffffffu, b0, 3);
+    const custody_u32 e = k0 % 256 + lane, b = k0 / 256;
+    const custody_u32 c = e / 64, h = (e % 64) / 32, p = (e % 32) / 4;
+    const custody_u64 sb = (custody_u64)row * (cols / 256) + b;
+    if (lane % 4 == 0)
+        CUSTODY_ST((custody_u32*)(xq + 8 * (32 * sb + 8 * c + p) + 4 * h),
+                   b0 | (b1 << 8) | (b2 << 16) | (b3 << 24));
+    if (lane == 0) {
+        const custody_u64 j = (custody_u64)row * (cols / 32) + k0 / 32;
+        CUSTODY_ST((float2*)(xs + 2 * j), make_float2(d, d * (float)sum));
+    }
+}
+

@@ -33,9 +33,24 @@ __device__ float custody_block_max(float v, float* red) {
     return s;
 }
 
-// RMSNorm of each row: out = x / sqrt(mean(x²) + eps) · w. Grid (rows), block (128).
+// ---- Activations quantized for the dp4a GEMV: `custody_q8_block` (custody.cuh).
+
+// `x` (`gridDim.x` rows of `cols`, a multiple of 256) quantized as above. Grid (rows),
+// block (128): warp w quantizes blocks w, w + 4, ….
+extern "C" __global__ void custody_quantize_q8(const float* x, custody_u32 cols, unsigned char* xq,
+                                              float* xs) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float* xr = x + (custody_u64)blockIdx.x * cols;
+    for (custody_u32 k0 = 32 * warp; k0 < cols; k0 += CUSTODY_OPS_THREADS)
+        custody_q8_block(CUSTODY_LD(xr + k0 + lane), blockIdx.x, cols, k0, xq, xs);
+}
+
+// RMSNorm of each row: out = x / sqrt(mean(x²) + eps) · w. Grid (rows), block (128). With
+// `xq` (and `xs`) not null, `out` is also stored quantized for the dp4a GEMV (`custody_q8_block`;
+// dim a multiple of 256): each iteration's warp holds one block of 32.
 extern "C" __global__ void custody_rms_norm(const float* x, const float* w, float eps,
-                                           custody_u32 dim, float* out) {
+                                           custody_u32 dim, float* out, unsigned char* xq,
+                                           float* xs) {
     __shared__ float red[CUSTODY_OPS_THREADS];
     const float* xr = x + (custody_u64)blockIdx.x * dim;
     float* o = out + (custody_u64)blockIdx.x * dim;
@@ -45,15 +60,20 @@ extern "C" __global__ void custody_rms_norm(const float* x, const float* w, floa
         ss += v * v;
     }
     const float scale = 1.0f / sqrtf(custody_block_sum(ss, red) / (float)dim + eps);
-    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS)
-        CUSTODY_ST(o + i, CUSTODY_LD(xr + i) * scale * CUSTODY_LD(w + i));
+    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) {
+        const float v = CUSTODY_LD(xr + i) * scale * CUSTODY_LD(w + i);
+        CUSTODY_ST(o + i, v);
+        if (xq) custody_q8_block(v, blockIdx.x, dim, i - threadIdx.x % 32, xq, xs);  // uniform
+    }
 }
 
 // The residual connection and the next RMSNorm in one pass: x += y, then
 // out = x / sqrt(mean(x²) + eps) · w — the CPU's residual add and RMSNorm, in the same order
-// (each thread re-reads only the elements it wrote). Grid (rows), block (128).
+// (each thread re-reads only the elements it wrote). Grid (rows), block (128). `xq`, `xs` as
+// custody_rms_norm's.
 extern "C" __global__ void custody_add_rms_norm(float* x, const float* y, const float* w, float eps,
-                                               custody_u32 dim, float* out) {
+                                               custody_u32 dim, float* out, unsigned char* xq,
+                                               float* xs) {
     __shared__ float red[CUSTODY_OPS_THREADS];
     float* xr = x + (custody_u64)blockIdx.x * dim;
     const float* yr = y + (custody_u64)blockIdx.x * dim;
@@ -65,8 +85,11 @@ extern "C" __global__ void custody_add_rms_norm(float* x, const float* y, const 
         ss += v * v;
     }
     const float scale = 1.0f / sqrtf(custody_block_sum(ss, red) / (float)dim + eps);
-    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS)
-        CUSTODY_ST(o + i, CUSTODY_LD(xr + i) * scale * CUSTODY_LD(w + i));
+    for (custody_u32 i = threadIdx.x; i < dim; i += CUSTODY_OPS_THREADS) {
+        const float v = CUSTODY_LD(xr + i) * scale * CUSTODY_LD(w + i);
+        CUSTODY_ST(o + i, v);
+        if (xq) custody_q8_block(v, blockIdx.x, dim, i - threadIdx.x % 32, xq, xs);  // uniform
+    }
 }
 
 // llama.cpp's RoPE in place (`custody_rope_row`, custody.cuh) on every row. Grid (rows), block (128).
@@ -469,6 +492,132 @@ extern "C" __global__ void custody_gemv_q4k_swiglu(const uint4* gate_heads, cons
     }
 }
 
+// ---- The decode GEMV on Q4_K weights and Q8 x, with dp4a.
+//
+// The same tiles and lane mapping as custody_gemv_q4k; x quantized by its producer
+// (`custody_q8_block`). Per super-block and x row a lane makes two dp4a — its 4 low nibbles
+// (sub-block 2c) and 4 high ones (2c + 1) against their int8 x — instead of 16 FP32 FMAs, and
+// adds its eighth of the minimums' term (dmin · m · d_x · Σq_x, the block's sum, shared by the
+// 8 lanes of a sub-block: an exact eighth). x per lane and super-block: one 8-byte load (the
+// warp's: 256 contiguous bytes) and one 16-byte broadcast of the two blocks' scales.
+__device__ __forceinline__ void custody_gemv_q4k_q8_row(const uint4* heads, const uint4* qs,
+                                                        custody_u32 row, custody_u32 cols,
+                                                        const uint2* xq, const float4* xs,
+                                                        custody_u32 r0, custody_u32 nr,
+                                                        float* acc) {
+    const custody_u32 lane = threadIdx.x % 32;
+    const custody_u32 nb = cols / 256, groups = (nb + 3) / 4;
+    const custody_u32 c = lane / 8;
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) acc[r] = 0.0f;
+    for (custody_u32 g = 0; g < groups; g++) {
+        const custody_u64 t = (custody_u64)row * groups + g;
+        const uint4 w4 = CUSTODY_LD(qs + 32 * t + lane);
+        const custody_u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+        for (custody_u32 s = 0; s < 4; s++) {
+            const custody_u32 b = 4 * g + s;
+            if (b >= nb) break;  // the same for every lane
+            const uint4 h = CUSTODY_LD(heads + 4 * t + s);
+            custody_u32 sc0, m0, sc1, m1;
+            custody_scale_min_k4_words(2 * c, h.y, h.z, h.w, &sc0, &m0);
+            custody_scale_min_k4_words(2 * c + 1, h.y, h.z, h.w, &sc1, &m1);
+            const float d = custody_half_to_float((unsigned short)(h.x & 0xffffu));
+            const float dmin = custody_half_to_float((unsigned short)(h.x >> 16));
+            const float d0 = d * (float)sc0, m0f = 0.125f * dmin * (float)m0;
+            const float d1 = d * (float)sc1, m1f = 0.125f * dmin * (float)m1;
+            const int lo = (int)(words[s] & 0x0f0f0f0fu), hi = (int)((words[s] >> 4) & 0x0f0f0f0fu);
+#pragma unroll
+            for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+                if (r >= nr) break;
+                const custody_u64 sb = (custody_u64)(r0 + r) * nb + b;
+                const uint2 xv = CUSTODY_LD(xq + 32 * sb + lane);
+                const float4 sx = CUSTODY_LD(xs + 4 * sb + c);
+                acc[r] += d0 * sx.x * (float)__dp4a(lo, (int)xv.x, 0) - m0f * sx.y +
+                          d1 * sx.z * (float)__dp4a(hi, (int)xv.y, 0) - m1f * sx.w;
+            }
+        }
+    }
+}
+
+// custody_gemv_q4k on Q8 x (`xq`, `xs`: n rows of `cols` in custody_q8_block's layout). Grid
+// and block as custody_gemv_q4k.
+extern "C" __global__ void custody_gemv_q4k_q8(const uint4* heads, const uint4* qs,
+                                              custody_u32 rows, custody_u32 cols,
+                                              const uint2* xq, const float4* xs, custody_u32 n,
+                                              float* out) {
+    const custody_u32 warp = threadIdx.x / 32;
+    const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= rows) return;  // the whole warp: no collective below is left half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    float acc[CUSTODY_GEMV_BATCH];
+    custody_gemv_q4k_q8_row(heads, qs, row, cols, xq, xs, r0, nr, acc);
+    custody_gemv_store(acc, out, rows, row, r0, nr);
+}
+
+// custody_gemv_q4k_qkv on Q8 x. Grid and block as custody_gemv_q4k_qkv.
+extern "C" __global__ void custody_gemv_q4k_q8_qkv(const uint4* q_heads, const uint4* q_qs,
+                                                  custody_u32 q_rows, const uint4* k_heads,
+                                                  const uint4* k_qs, const uint4* v_heads,
+                                                  const uint4* v_qs, custody_u32 kv_rows,
+                                                  custody_u32 cols, const uint2* xq,
+                                                  const float4* xs, custody_u32 n, float* q_out,
+                                                  float* k_out, float* v_out) {
+    const custody_u32 warp = threadIdx.x / 32;
+    custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= q_rows + 2 * kv_rows) return;  // the whole warp: no collective is half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    float acc[CUSTODY_GEMV_BATCH];
+    float* out;
+    custody_u32 rows;
+    if (row < q_rows) {
+        custody_gemv_q4k_q8_row(q_heads, q_qs, row, cols, xq, xs, r0, nr, acc);
+        out = q_out, rows = q_rows;
+    } else if (row < q_rows + kv_rows) {
+        row -= q_rows;
+        custody_gemv_q4k_q8_row(k_heads, k_qs, row, cols, xq, xs, r0, nr, acc);
+        out = k_out, rows = kv_rows;
+    } else {
+        row -= q_rows + kv_rows;
+        custody_gemv_q4k_q8_row(v_heads, v_qs, row, cols, xq, xs, r0, nr, acc);
+        out = v_out, rows = kv_rows;
+    }
+    custody_gemv_store(acc, out, rows, row, r0, nr);
+}
+
+// custody_gemv_q4k_swiglu on Q8 x. Grid and block as custody_gemv_q4k.
+extern "C" __global__ void custody_gemv_q4k_q8_swiglu(const uint4* gate_heads,
+                                                     const uint4* gate_qs, const uint4* up_heads,
+                                                     const uint4* up_qs, custody_u32 rows,
+                                                     custody_u32 cols, const uint2* xq,
+                                                     const float4* xs, custody_u32 n, float* out) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 row = blockIdx.x * CUSTODY_GEMV_WARPS + warp;
+    const custody_u32 r0 = blockIdx.y * CUSTODY_GEMV_BATCH;
+    if (row >= rows) return;  // the whole warp: no collective below is left half-reached
+    const custody_u32 nr = n - r0 < CUSTODY_GEMV_BATCH ? n - r0 : CUSTODY_GEMV_BATCH;
+    float acc[CUSTODY_GEMV_BATCH];
+    custody_gemv_q4k_q8_row(gate_heads, gate_qs, row, cols, xq, xs, r0, nr, acc);
+    // x row r's gate product is kept by lane r alone while the up products are made (one
+    // register, not CUSTODY_GEMV_BATCH: the kernel stays within 64).
+    float gate = 0.0f;
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+        const float g = custody_warp_sum(acc[r]);
+        if (lane == r) gate = g;
+    }
+    custody_gemv_q4k_q8_row(up_heads, up_qs, row, cols, xq, xs, r0, nr, acc);
+#pragma unroll
+    for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
+        const float u = custody_warp_sum(acc[r]);
+        const float g = __shfl_sync(0xffffffffu, gate, r);
+        if (lane == 0 && r < nr)
+            CUSTODY_ST(out + (custody_u64)(r0 + r) * rows + row, g / (1.0f + expf(-g)) * u);
+    }
+}
+
 // Q6_K in `custody_cuda::repack::q6k`'s tiles (groups of 8 super-blocks; lane l owns elements
 // 4l..4l+3 and 128+4l..128+4l+3 of every block): per group, heads[9t] the 8 blocks' f16 d,
 // heads[9t + 1 + s] block s's 16 int8 scales; qs[(3t + j)·32 + l] lane l's 16 bytes of chunk j —
@@ -536,6 +685,131 @@ extern "C" __global__ void custody_gemv_q6k(const uint4* heads, const uint4* qs,
         }
     }
     custody_gemv_store(acc, out, rows, row, r0, nr);
+}
+
+// ---- Batched decode products on integer tensor cores: Q4_K tiles × Q8 x.
+//
+// `custody_mmq_q4k`: out[r][o] = Σ_k W[o][k] · x[r][k], as custody_gemv_q4k_q8, for a CTA tile
+// of CUSTODY_MMQ_ROWS weight rows × up to CUSTODY_MMQ_X x rows. Warp w takes the tile's rows
+// 16w..16w+16 against every x row of the tile: per sub-block of 32 and per 8 x rows, one
+// m16n8k32 int8 MMA gives the 16 × 8 integer dot products of the weights' 4-bit quants with x's
+// int8 ones, which each lane scales into its f32 accumulators — d·sc · d_x · dot − dmin·m · s_x
+// (a Q4_K value is d·sc·q − dmin·m; x's block is d_x·q_x with sum s_x = d_x·Σq_x). The
+// fragments come straight from the layouts: lane (g, t) = (lane / 4, lane % 4) holds, of weight
+// row g (and g + 8), the tile word of lane 8c + t (elements 4t.. of sub-blocks 2c and 2c + 1:
+// its low and high nibbles, MMA registers a0/a1) and of lane 8c + 4 + t (elements 16 + 4t..,
+// a2/a3); of x row g the 8-byte word at 8c + t (b0, both sub-blocks) and 8c + 4 + t (b1). Each
+// of those loads is a warp's contiguous 64 bytes per row (weights) or 32 (x), sectors whole.
+// The heads (16 bytes a super-block and row) and x's scales (64 bytes a super-block and row)
+// are loaded whole by the lanes of a row and shuffled to the lanes that use them. Rows past
+// `rows` and x rows past `n` are read as the last one and not stored. Grid
+// (ceil(rows / 64), ceil(n / 64)), block (128).
+#define CUSTODY_MMQ_ROWS 64u
+#define CUSTODY_MMQ_X 64u
+
+__device__ __forceinline__ uint4 custody_shfl_u4(uint4 v, custody_u32 src) {
+    return make_uint4(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src),
+                      __shfl_sync(0xffffffffu, v.z, src), __shfl_sync(0xffffffffu, v.w, src));
+}
+
+__device__ __forceinline__ float4 custody_shfl_f4(float4 v, custody_u32 src) {
+    return make_float4(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src),
+                       __shfl_sync(0xffffffffu, v.z, src), __shfl_sync(0xffffffffu, v.w, src));
+}
+
+// A weight row's scale and minimum of sub-blocks 2c (`lo`) and 2c + 1 (`hi`) of the super-block
+// whose head is `h`: d·sc and dmin·m.
+struct CustodyQ4kScales {
+    float d_lo, m_lo, d_hi, m_hi;
+};
+
+__device__ __forceinline__ CustodyQ4kScales custody_q4k_scales(uint4 h, custody_u32 c) {
+    custody_u32 sc0, m0, sc1, m1;
+    custody_scale_min_k4_words(2 * c, h.y, h.z, h.w, &sc0, &m0);
+    custody_scale_min_k4_words(2 * c + 1, h.y, h.z, h.w, &sc1, &m1);
+    const float d = custody_half_to_float((unsigned short)(h.x & 0xffffu));
+    const float dmin = custody_half_to_float((unsigned short)(h.x >> 16));
+    CustodyQ4kScales s;
+    s.d_lo = d * (float)sc0;
+    s.m_lo = dmin * (float)m0;
+    s.d_hi = d * (float)sc1;
+    s.m_hi = dmin * (float)m1;
+    return s;
+}
+
+extern "C" __global__ void custody_mmq_q4k(const uint4* heads, const uint4* qs, custody_u32 rows,
+                                          custody_u32 cols, const uint2* xq, const float4* xs,
+                                          custody_u32 n, float* out) {
+    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const custody_u32 g = lane / 4, t = lane % 4;
+    const custody_u32 nb = cols / 256, groups = (nb + 3) / 4;
+    const custody_u32 row_a = blockIdx.x * CUSTODY_MMQ_ROWS + 16 * warp + g, row_b = row_a + 8;
+    const custody_u32 ra = row_a < rows ? row_a : rows - 1, rb = row_b < rows ? row_b : rows - 1;
+    const custody_u32 x0 = blockIdx.y * CUSTODY_MMQ_X;
+    const custody_u32 nx = n - x0 < CUSTODY_MMQ_X ? n - x0 : CUSTODY_MMQ_X;
+    // This lane's x row as an MMA B column (g of each 8), clamped for loads.
+    float acc[CUSTODY_MMQ_X / 8][4];
+#pragma unroll
+    for (custody_u32 j = 0; j < CUSTODY_MMQ_X / 8; j++)
+        for (custody_u32 i = 0; i < 4; i++) acc[j][i] = 0.0f;
+    for (custody_u32 gi = 0; gi < groups; gi++) {
+        const custody_u64 ta = (custody_u64)ra * groups + gi, tb = (custody_u64)rb * groups + gi;
+        // Lane (g, t) holds its rows' heads of the group's super-block t (padding blocks are
+        // zero heads in the tiles: always in bounds).
+        const uint4 ha = CUSTODY_LD(heads + 4 * ta + t), hb = CUSTODY_LD(heads + 4 * tb + t);
+        for (custody_u32 c = 0; c < 4; c++) {
+            const uint4 wa_lo = CUSTODY_LD(qs + 32 * ta + 8 * c + t);
+            const uint4 wa_hi = CUSTODY_LD(qs + 32 * ta + 8 * c + 4 + t);
+            const uint4 wb_lo = CUSTODY_LD(qs + 32 * tb + 8 * c + t);
+            const uint4 wb_hi = CUSTODY_LD(qs + 32 * tb + 8 * c + 4 + t);
+            for (custody_u32 s = 0; s < 4; s++) {
+                const custody_u32 b = 4 * gi + s;
+                if (b >= nb) break;  // the same for every lane
+                const CustodyQ4kScales sa = custody_q4k_scales(custody_shfl_u4(ha, 4 * g + s), c);
+                const CustodyQ4kScales sb = custody_q4k_scales(custody_shfl_u4(hb, 4 * g + s), c);
+                const custody_u32 w[4] = {custody_word_of(wa_lo, s), custody_word_of(wb_lo, s),
+                                          custody_word_of(wa_hi, s), custody_word_of(wb_hi, s)};
+                for (custody_u32 j = 0; j < CUSTODY_MMQ_X / 8; j++) {
+                    if (8 * j >= nx) break;  // the same for every lane
+                    const custody_u32 xr = x0 + 8 * j + g < n ? x0 + 8 * j + g : n - 1;
+                    const custody_u64 xb = (custody_u64)xr * nb + b;
+                    const uint2 b_lo = CUSTODY_LD(xq + 32 * xb + 8 * c + t);
+                    const uint2 b_hi = CUSTODY_LD(xq + 32 * xb + 8 * c + 4 + t);
+                    // x row g's scales of sub-block pair t, then the pair c of this lane's two C
+                    // columns (x rows 2t and 2t + 1 of the 8).
+                    const float4 mine = CUSTODY_LD(xs + 4 * xb + t);
+                    const float4 xa = custody_shfl_f4(mine, 4 * (2 * t) + c);
+                    const float4 xc = custody_shfl_f4(mine, 4 * (2 * t + 1) + c);
+#pragma unroll
+                    for (custody_u32 h = 0; h < 2; h++) {
+                        const custody_u32 sh = 4 * h;
+                        const custody_u32 a[4] = {(w[0] >> sh) & 0x0f0f0f0fu, (w[1] >> sh) & 0x0f0f0f0fu,
+                                                  (w[2] >> sh) & 0x0f0f0f0fu, (w[3] >> sh) & 0x0f0f0f0fu};
+                        const custody_u32 bb[2] = {h ? b_lo.y : b_lo.x, h ? b_hi.y : b_hi.x};
+                        const int zero[4] = {0, 0, 0, 0};
+                        int dot[4];
+                        custody_mma_m16n8k32_s8(dot, a, bb, zero);
+                        const float da = h ? sa.d_hi : sa.d_lo, ma = h ? sa.m_hi : sa.m_lo;
+                        const float db = h ? sb.d_hi : sb.d_lo, mb = h ? sb.m_hi : sb.m_lo;
+                        const float dxa = h ? xa.z : xa.x, sxa = h ? xa.w : xa.y;
+                        const float dxc = h ? xc.z : xc.x, sxc = h ? xc.w : xc.y;
+                        acc[j][0] += da * dxa * (float)dot[0] - ma * sxa;
+                        acc[j][1] += da * dxc * (float)dot[1] - ma * sxc;
+                        acc[j][2] += db * dxa * (float)dot[2] - mb * sxa;
+                        acc[j][3] += db * dxc * (float)dot[3] - mb * sxc;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (custody_u32 j = 0; j < CUSTODY_MMQ_X / 8; j++) {
+        const custody_u32 xa = x0 + 8 * j + 2 * t, xc = xa + 1;
+        if (8 * j + 2 * t < nx && row_a < rows) CUSTODY_ST(out + (custody_u64)xa * rows + row_a, acc[j][0]);
+        if (8 * j + 2 * t + 1 < nx && row_a < rows) CUSTODY_ST(out + (custody_u64)xc * rows + row_a, acc[j][1]);
+        if (8 * j + 2 * t < nx && row_b < rows) CUSTODY_ST(out + (custody_u64)xa * rows + row_b, acc[j][2]);
+        if (8 * j + 2 * t + 1 < nx && row_b < rows) CUSTODY_ST(out + (custody_u64)xc * rows + row_b, acc[j][3]);
+    }
 }
 
 // Q8_0 in `custody_cuda::repack::q8_0`'s tiles (groups of 8 blocks = 256 elements): heads[t] the 8

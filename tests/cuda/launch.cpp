@@ -127,7 +127,7 @@ struct RowArgs {
 };
 void rms_norm_body(void* c) {
     auto* a = static_cast<RowArgs*>(c);
-    custody_rms_norm(a->x, a->w, a->eps, a->dim, a->out);
+    custody_rms_norm(a->x, a->w, a->eps, a->dim, a->out, nullptr, nullptr);
 }
 void rope_body(void* c) {
     auto* a = static_cast<RowArgs*>(c);
@@ -247,10 +247,11 @@ void generic_body(void* c) {
         custody_embed(PTR(0, const unsigned char*), U32(1), U32(2), PTR(3, const custody_u32*),
                       PTR(4, float*));
     } else if (!strcmp(n, "custody_rms_norm")) {
-        custody_rms_norm(PTR(0, const float*), PTR(1, const float*), F32(2), U32(3), PTR(4, float*));
+        custody_rms_norm(PTR(0, const float*), PTR(1, const float*), F32(2), U32(3), PTR(4, float*),
+                         PTR(5, unsigned char*), PTR(6, float*));
     } else if (!strcmp(n, "custody_add_rms_norm")) {
         custody_add_rms_norm(PTR(0, float*), PTR(1, const float*), PTR(2, const float*), F32(3),
-                             U32(4), PTR(5, float*));
+                             U32(4), PTR(5, float*), PTR(6, unsigned char*), PTR(7, float*));
     } else if (!strcmp(n, "custody_matvec")) {
         custody_matvec(PTR(0, const unsigned char*), U32(1), U32(2), U32(3), PTR(4, const float*),
                        PTR(5, float*));
@@ -273,7 +274,7 @@ void generic_body(void* c) {
             PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
             U32(11), TAGS(12), U32(13), PTR(14, float*), PTR(15, custody_u32*),
             PTR(16, custody_u32*), PTR(17, float*), PTR(18, CustodyVerdict*),
-            PTR(19, const custody_u32*));
+            PTR(19, const custody_u32*), PTR(20, unsigned char*), PTR(21, float*));
     } else if (!strcmp(n, "custody_flash_prefill")) {
         custody_flash_prefill(
             PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),
@@ -313,6 +314,25 @@ void generic_body(void* c) {
                              PTR(3, const uint4*), PTR(4, const uint4*), PTR(5, const uint4*),
                              PTR(6, const uint4*), U32(7), U32(8), PTR(9, const float*), U32(10),
                              PTR(11, float*), PTR(12, float*), PTR(13, float*));
+    } else if (!strcmp(n, "custody_quantize_q8")) {
+        custody_quantize_q8(PTR(0, const float*), U32(1), PTR(2, unsigned char*), PTR(3, float*));
+    } else if (!strcmp(n, "custody_mmq_q4k")) {
+        custody_mmq_q4k(PTR(0, const uint4*), PTR(1, const uint4*), U32(2), U32(3),
+                        PTR(4, const uint2*), PTR(5, const float4*), U32(6), PTR(7, float*));
+    } else if (!strcmp(n, "custody_gemv_q4k_q8")) {
+        custody_gemv_q4k_q8(PTR(0, const uint4*), PTR(1, const uint4*), U32(2), U32(3),
+                            PTR(4, const uint2*), PTR(5, const float4*), U32(6), PTR(7, float*));
+    } else if (!strcmp(n, "custody_gemv_q4k_q8_qkv")) {
+        custody_gemv_q4k_q8_qkv(PTR(0, const uint4*), PTR(1, const uint4*), U32(2),
+                                PTR(3, const uint4*), PTR(4, const uint4*), PTR(5, const uint4*),
+                                PTR(6, const uint4*), U32(7), U32(8), PTR(9, const uint2*),
+                                PTR(10, const float4*), U32(11), PTR(12, float*), PTR(13, float*),
+                                PTR(14, float*));
+    } else if (!strcmp(n, "custody_gemv_q4k_q8_swiglu")) {
+        custody_gemv_q4k_q8_swiglu(PTR(0, const uint4*), PTR(1, const uint4*),
+                                   PTR(2, const uint4*), PTR(3, const uint4*), U32(4), U32(5),
+                                   PTR(6, const uint2*), PTR(7, const float4*), U32(8),
+                                   PTR(9, float*));
     } else if (!strcmp(n, "custody_gemv_q4k_swiglu")) {
         custody_gemv_q4k_swiglu(PTR(0, const uint4*), PTR(1, const uint4*), PTR(2, const uint4*),
                                 PTR(3, const uint4*), U32(4), U32(5), PTR(6, const float*), U32(7),

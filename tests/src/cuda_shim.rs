@@ -1055,6 +1055,9 @@ fn flash_run(
                 Arg::Ptr(verdicts),
                 // Every row, in order.
                 Arg::Ptr(DevicePtr(0)),
+                // No quantized copy of the output.
+                Arg::Ptr(DevicePtr(0)),
+                Arg::Ptr(DevicePtr(0)),
             ]);
             let grid = LaunchDims {
                 grid: [shape.n_kv_heads, n as u32, splits.n],

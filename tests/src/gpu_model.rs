@@ -10,8 +10,9 @@
 //! launch of the host's (a kernel on its own, or a graph), 1 µs for a node of a replayed graph
 //! (the gap between dependent kernels the GPU's front end leaves: NVIDIA measured ~0.5 µs per
 //! node for back-to-back kernels on a V100 — developer.nvidia.com/blog/cuda-graphs — so 1 µs is
-//! the pessimistic side), FLOPs counted for the GEMVs (2 per weight per row, FP32 FMA: 67 TFLOP/s) and attention (4 per
-//! slot and dimension per query head). Host↔device copies per step are reported, not priced.
+//! the pessimistic side), FLOPs counted for the GEMVs (2 per weight per row: FP32 FMA at
+//! 67 TFLOP/s on f32 x, `dp4a` at 134 TOP/s on int8 x) and attention (4 per slot and dimension
+//! per query head, FP32). Host↔device copies per step are reported, not priced.
 
 use crate::cuda_shim::{Counts, ShimDevice};
 use custody_cuda::Kernel;
@@ -25,6 +26,11 @@ use custody_runtime::model::{Logits, Rows, Segment};
 /// H200 SXM: HBM3e bandwidth, FP32 CUDA-core peak, and a kernel launch without a CUDA graph.
 pub const HBM_BYTES_PER_S: f64 = 4.8e12;
 pub const FP32_FLOPS_PER_S: f64 = 67e12;
+/// `dp4a` on the same SMs: 64 per clock per SM (the CUDA guide's 32-bit integer multiply-add
+/// rate for compute capability 9.0), 4 multiply-adds each — 132 SMs × 1.98 GHz × 64 × 8 ops.
+/// Only the arithmetic is priced: the int-to-float conversions and the scales' loads the kernel
+/// also issues per dp4a pair are not (a GPU run measures them).
+pub const DP4A_OPS_PER_S: f64 = 134e12;
 pub const LAUNCH_S: f64 = 4e-6;
 /// A kernel run as a node of a replayed graph.
 pub const GRAPH_NODE_S: f64 = 1e-6;
@@ -254,9 +260,7 @@ pub fn decode_step(
         // A product's weights: the head's counted rows, else the layer's next product's.
         let weights = match l.kernel {
             _ if head => (shape.dim * counted_vocab) as f64,
-            Kernel::GemvQ4K | Kernel::GemvQ4KSwiglu | Kernel::GemvQ4KQkv => {
-                products.next().unwrap_or(0.0)
-            }
+            k if is_product(k) => products.next().unwrap_or(0.0),
             _ => 0.0,
         };
         let flops = flops_of(l.kernel, &shape, batch, ctx, weights);
@@ -298,15 +302,34 @@ fn layer_products(s: &Shape) -> Vec<f64> {
     w.into_iter().map(|x| x as f64).collect()
 }
 
+/// The Q4_K product kernels, on f32 x and on int8 x.
+fn is_product(k: Kernel) -> bool {
+    matches!(
+        k,
+        Kernel::GemvQ4K
+            | Kernel::GemvQ4KSwiglu
+            | Kernel::GemvQ4KQkv
+            | Kernel::GemvQ4KQ8
+            | Kernel::GemvQ4KQ8Swiglu
+            | Kernel::GemvQ4KQ8Qkv
+    )
+}
+
 /// FLOPs of one launch: a product's 2 per weight per row, attention's 4 per slot and dimension
 /// per query head (the row kernels' are negligible).
 fn flops_of(k: Kernel, s: &Shape, batch: usize, ctx: usize, weights: f64) -> f64 {
     match k {
-        Kernel::GemvQ4K | Kernel::GemvQ4KSwiglu | Kernel::GemvQ4KQkv => {
-            2.0 * weights * batch as f64
-        }
+        k if is_product(k) => 2.0 * weights * batch as f64,
         Kernel::FlashDecode => 4.0 * (ctx * s.head_dim() * s.n_heads * batch) as f64,
         _ => 0.0,
+    }
+}
+
+/// The arithmetic rate a kernel's FLOPs run at: dp4a for the products on int8 x, FP32 FMA else.
+fn peak_of(k: Kernel) -> f64 {
+    match k {
+        Kernel::GemvQ4KQ8 | Kernel::GemvQ4KQ8Swiglu | Kernel::GemvQ4KQ8Qkv => DP4A_OPS_PER_S,
+        _ => FP32_FLOPS_PER_S,
     }
 }
 
@@ -328,7 +351,7 @@ fn add_line(lines: &mut Vec<KernelLine>, run: Run, c: &Counts, flops: f64) {
     } = run;
     let dram = c.dram_bytes() as f64 * scale;
     let start_s = if in_graph { GRAPH_NODE_S } else { LAUNCH_S };
-    let modeled = launches * start_s + (dram / HBM_BYTES_PER_S).max(flops / FP32_FLOPS_PER_S);
+    let modeled = launches * start_s + (dram / HBM_BYTES_PER_S).max(flops / peak_of(kernel));
     let host_launches = if in_graph { 0.0 } else { launches };
     let line = KernelLine {
         kernel,

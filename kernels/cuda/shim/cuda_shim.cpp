@@ -181,7 +181,38 @@ float half_bits_to_float(uint32_t h) {
 // reg 1 = B[2t+8, 2t+9][g]; C and D (16 × 8 f32) element i = [g + 8·(i / 2)][2t + i % 2].
 // D = A·B + C with f32 products of the exact halves, summed over k in order from C (the GPU's
 // order within an mma is unspecified: the results may differ in the last bits).
+// The warp's m16n8k32 int8 MMA from its lanes' fragments (PTX ISA layout: a0 A[g][4t..+4],
+// a1 A[g+8][4t..], a2 A[g][16+4t..], a3 A[g+8][16+4t..]; b0 B[4t..+4][g], b1 B[16+4t..][g];
+// c/d as the f16 MMA's).
+void run_mma_s8(Block& b, size_t base) {
+    int32_t A[16][32], B[32][8], C[16][8];
+    const auto byte = [](unsigned w, unsigned i) { return (int32_t)(int8_t)(uint8_t)(w >> (8 * i)); };
+    for (unsigned lane = 0; lane < WARP; lane++) {
+        const MmaLane& m = *b.fibers[base + lane].mma;
+        const unsigned g = lane / 4, t = lane % 4;
+        for (unsigned r = 0; r < 4; r++)
+            for (unsigned i = 0; i < 4; i++) A[g + 8 * (r % 2)][4 * t + 16 * (r / 2) + i] = byte(m.a[r], i);
+        for (unsigned r = 0; r < 2; r++)
+            for (unsigned i = 0; i < 4; i++) B[4 * t + 16 * r + i][g] = byte(m.b[r], i);
+        for (unsigned i = 0; i < 4; i++) C[g + 8 * (i / 2)][2 * t + i % 2] = m.ci[i];
+    }
+    for (unsigned lane = 0; lane < WARP; lane++) {
+        const MmaLane& m = *b.fibers[base + lane].mma;
+        const unsigned g = lane / 4, t = lane % 4;
+        for (unsigned i = 0; i < 4; i++) {
+            const unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
+            // Unsigned arithmetic: the s32 accumulation wraps, as the instruction's does.
+            uint32_t acc = (uint32_t)C[row][col];
+            for (unsigned k = 0; k < 32; k++) acc += (uint32_t)(A[row][k] * B[k][col]);
+            m.di[i] = (int32_t)acc;
+        }
+    }
+    for (size_t i = base; i < base + WARP; i++) b.fibers[i].mma = nullptr;
+    totals.warp_collectives++;
+}
+
 void run_mma(Block& b, size_t base) {
+    if (b.fibers[base].mma->di != nullptr) return run_mma_s8(b, base);
     float A[16][16], B[16][8], C[16][8];
     for (unsigned lane = 0; lane < WARP; lane++) {
         const MmaLane& m = *b.fibers[base + lane].mma;
@@ -273,6 +304,14 @@ int release_warps(Block& b, char* err, size_t err_len) {
         }
         size_t mmas = 0;
         for (size_t i = base; i < end; i++) mmas += b.fibers[i].mma != nullptr;
+        size_t int8 = 0;
+        for (size_t i = base; i < end; i++) int8 += b.fibers[i].mma && b.fibers[i].mma->di;
+        if (int8 != 0 && int8 != mmas) {
+            snprintf(err, err_len,
+                     "divergent warp collective: %zu of %zu lanes of warp %zu wait at an int8 mma while the others wait at an f16 one",
+                     int8, end - base, base / WARP);
+            return -1;
+        }
         if (mmas != 0 && mmas != end - base) {
             snprintf(err, err_len,
                      "divergent warp collective: %zu of %zu lanes of warp %zu wait at an mma while the others wait at another collective",
@@ -353,7 +392,16 @@ void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, const float* c
     // Copies: `d` may alias `c` (an accumulation), and the warp's D is computed from every
     // lane's inputs before any lane's output is written.
     float c_in[4] = {c[0], c[1], c[2], c[3]};
-    MmaLane lane{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, c_in, d};
+    MmaLane lane{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, c_in, d, nullptr, nullptr};
+    Fiber& f = block->fibers[block->running];
+    f.mma = &lane;
+    (void)warp_exchange(0, nullptr, 0);
+}
+
+void mma_m16n8k32_s8(int* d, const unsigned* a, const unsigned* b, const int* c) {
+    // Copies, as the f16 MMA's: `d` may alias `c`.
+    int c_in[4] = {c[0], c[1], c[2], c[3]};
+    MmaLane lane{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, nullptr, nullptr, c_in, d};
     Fiber& f = block->fibers[block->running];
     f.mma = &lane;
     (void)warp_exchange(0, nullptr, 0);

@@ -45,6 +45,16 @@ struct alignas(16) float4 {
 struct alignas(8) uint2 {
     unsigned x, y;
 };
+struct alignas(8) float2 {
+    float x, y;
+};
+static inline float2 make_float2(float x, float y) { return float2{x, y}; }
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+    return uint4{x, y, z, w};
+}
+static inline float4 make_float4(float x, float y, float z, float w) {
+    return float4{x, y, z, w};
+}
 
 namespace custody_shim {
 struct Ids {
@@ -69,17 +79,23 @@ void record(const void* site, const void* addr, unsigned bytes, bool store);
 // One lane's value exchanged within its warp: lane `src` of the warp's values.
 uint64_t warp_exchange(uint64_t mine, unsigned (*src)(unsigned lane, unsigned arg), unsigned arg);
 void syncwarp();
-// One lane's part of a warp's m16n8k16 f16 MMA (`mma_m16n8k16`): its fragments' registers.
+// One lane's part of a warp's MMA: its fragments' registers — the m16n8k16 f16 one's (`c`,
+// `d` f32; `mma_m16n8k16`) or the m16n8k32 int8 one's (`ci`, `di` s32; `mma_m16n8k32_s8`).
 struct MmaLane {
     unsigned a[4], b[2];
     const float* c;
     float* d;
+    const int* ci;
+    int* di;
 };
 // The warp-collective `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32` (every lane of the
 // warp, converged): d = a·b + c over the warp's fragments, in the PTX ISA's layout (see
 // cuda_shim.cpp's `run_mma`). Inline PTX cannot run here; `custody_mma_m16n8k16` (custody.cuh)
 // calls this on the shim and the instruction itself on the GPU.
 void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, const float* c);
+// `mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32`, the same way: each A and B register four
+// signed bytes, C and D s32 (wrapping, as the instruction without .satfinite).
+void mma_m16n8k32_s8(int* d, const unsigned* a, const unsigned* b, const int* c);
 
 template <typename T>
 inline const T& counted_load(const void* site, const T* p) {

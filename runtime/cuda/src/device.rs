@@ -185,15 +185,15 @@ macro_rules! kernels {
 
 kernels! {
     Embed = "custody_embed", 5;
-    RmsNorm = "custody_rms_norm", 5;
-    AddRmsNorm = "custody_add_rms_norm", 6;
+    RmsNorm = "custody_rms_norm", 7;
+    AddRmsNorm = "custody_add_rms_norm", 8;
     Matvec = "custody_matvec", 6;
     GemvQ4K = "custody_gemv_q4k", 7;
     GemvQ6K = "custody_gemv_q6k", 7;
     GemvQ8_0 = "custody_gemv_q8_0", 7;
     Rope = "custody_rope", 8;
     KvWrite = "custody_kv_write", 9;
-    FlashDecode = "custody_flash_decode", 20;
+    FlashDecode = "custody_flash_decode", 22;
     FlashPrefill = "custody_flash_prefill", 16;
     TagCheck = "custody_tag_check", 8;
     TagApply = "custody_tag_apply", 8;
@@ -209,6 +209,11 @@ kernels! {
     GemvQ4KQkv = "custody_gemv_q4k_qkv", 14;
     DequantF16 = "custody_dequant_f16", 4;
     ToF16 = "custody_to_f16", 3;
+    QuantizeQ8 = "custody_quantize_q8", 4;
+    GemvQ4KQ8 = "custody_gemv_q4k_q8", 8;
+    GemvQ4KQ8Qkv = "custody_gemv_q4k_q8_qkv", 15;
+    GemvQ4KQ8Swiglu = "custody_gemv_q4k_q8_swiglu", 10;
+    MmqQ4K = "custody_mmq_q4k", 8;
 }
 
 /// One GEMM of the forward pass's products for the library: `out[r][o] = Σ_k w[o][k] · x[r][k]`
@@ -252,6 +257,13 @@ pub enum DeviceError {
     Gemm { gemm: GemmF16, why: String },
 }
 
+/// One copy of [`Device::download_all`]: `dst.len()` bytes from `src`.
+#[derive(Debug)]
+pub struct Download<'a> {
+    pub src: DevicePtr,
+    pub dst: &'a mut [u8],
+}
+
 /// A CUDA device as the forward pass sees it.
 pub trait Device: std::fmt::Debug + Send {
     /// `bytes` of plain device memory, zeroed.
@@ -266,6 +278,15 @@ pub trait Device: std::fmt::Debug + Send {
     }
     /// Copy `dst.len()` bytes from `src`, after every launch before it has finished.
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError>;
+    /// Every copy of `parts` ([`Device::download`] each): a GPU makes them asynchronous DMA
+    /// copies into pinned memory, waits once for all of them, then hands the bytes over — a
+    /// step's logits, one part per segment. The default downloads them one by one.
+    fn download_all(&mut self, parts: &mut [Download<'_>]) -> Result<(), DeviceError> {
+        for p in parts.iter_mut() {
+            self.download(p.src, p.dst)?;
+        }
+        Ok(())
+    }
     /// Run `kernel` over `dims` with `args` (in its C signature's order).
     fn launch(&mut self, kernel: Kernel, dims: LaunchDims, args: &[Arg])
     -> Result<(), DeviceError>;
@@ -295,6 +316,9 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn download(&mut self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         (**self).download(src, dst)
+    }
+    fn download_all(&mut self, parts: &mut [Download<'_>]) -> Result<(), DeviceError> {
+        (**self).download_all(parts)
     }
     fn launch(&mut self, k: Kernel, dims: LaunchDims, args: &[Arg]) -> Result<(), DeviceError> {
         (**self).launch(k, dims, args)

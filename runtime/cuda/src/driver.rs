@@ -22,7 +22,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaStream, result, sys};
 
 use crate::blas::{Lt, WORKSPACE_BYTES};
-use crate::device::{Arg, Device, DeviceError, DevicePtr, GemmF16, GraphId, Kernel, LaunchDims};
+use crate::device::{
+    Arg, Device, DeviceError, DevicePtr, Download, GemmF16, GraphId, Kernel, LaunchDims,
+};
 use crate::pinned::Pinned;
 use crate::{CudaUnavailable, module_source};
 
@@ -212,6 +214,37 @@ impl Device for CudaDevice {
             .map_err(driver)?;
         self.stream.synchronize().map_err(driver)?;
         // The stream is idle: every staged upload has been read.
+        self.pinned.reset(0)
+    }
+
+    fn download_all(&mut self, parts: &mut [Download<'_>]) -> Result<(), DeviceError> {
+        self.not_capturing("a copy from the device")?;
+        let total: usize = parts.iter().map(|p| p.dst.len().next_multiple_of(16)).sum();
+        if !self.pinned.fits(total) {
+            // The region is reused (and grown): every staged upload must have been read.
+            self.stream.synchronize().map_err(driver)?;
+            self.pinned.reset(total)?;
+        }
+        let mut landed = Vec::with_capacity(parts.len());
+        for p in parts.iter() {
+            let at = self.pinned.take(p.dst.len());
+            // SAFETY: `at` is `p.dst.len()` bytes of pinned memory no other copy uses before
+            // the reset below (after the synchronize); `p.src` names at least that many bytes
+            // of an allocation (the caller's contract). Ordered after every launch before it.
+            unsafe {
+                let staged = std::slice::from_raw_parts_mut(at, p.dst.len());
+                result::memcpy_dtoh_async(staged, p.src.0, self.stream.cu_stream())
+            }
+            .map_err(driver)?;
+            landed.push(at);
+        }
+        self.stream.synchronize().map_err(driver)?;
+        for (p, at) in parts.iter_mut().zip(landed) {
+            // SAFETY: the copy into `at` has finished (the stream is idle); the pinned bytes
+            // and `p.dst` do not overlap (one is the region, the other the caller's memory).
+            unsafe { std::ptr::copy_nonoverlapping(at, p.dst.as_mut_ptr(), p.dst.len()) };
+        }
+        // The stream is idle: every staged copy, up or down, has finished.
         self.pinned.reset(0)
     }
 

@@ -22,7 +22,8 @@ mod pinned;
 pub mod repack;
 
 pub use device::{
-    Arg, Device, DeviceError, DevicePtr, DeviceTags, GemmF16, GraphId, Kernel, LaunchDims, Verdict,
+    Arg, Device, DeviceError, DevicePtr, DeviceTags, Download, GemmF16, GraphId, Kernel,
+    LaunchDims, Verdict,
 };
 #[cfg(feature = "cuda")]
 pub use driver::CudaDevice;

@@ -58,6 +58,17 @@ impl Pinned {
         Ok(())
     }
 
+    /// `len` bytes of the region for a copy from the device to land in (`take`'s pointer),
+    /// valid until the next [`Self::reset`]. The caller checked [`Self::fits`].
+    pub fn take(&mut self, len: usize) -> *mut u8 {
+        assert!(self.fits(len), "taken past the pinned region");
+        // SAFETY: `[used, used + len)` lies inside the allocation (checked above) and is not
+        // handed out twice before a reset.
+        let at = unsafe { self.base.add(self.used) };
+        self.used += len.next_multiple_of(16);
+        at
+    }
+
     /// `src` copied into the region: the pinned copy, valid until the next [`Self::reset`].
     /// The caller checked [`Self::fits`].
     pub fn stage(&mut self, src: &[u8]) -> &[u8] {

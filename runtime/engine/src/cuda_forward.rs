@@ -23,7 +23,9 @@
 //!   launch argument. Larger batches (prefill) launch their kernels one by one, unpadded.
 //!   Graphs are dropped before any buffer they name is replaced; at most [`MAX_GRAPHS`] are held.
 //! - Products: batches of up to [`GEMV_MAX_ROWS`] rows (decode) through the quantized GEMVs of
-//!   `kernels/cuda`, which read the weights in their quantized form; larger ones (prefill, big
+//!   `kernels/cuda`, which read the weights in their quantized form — Q4_K ones, from
+//!   [`Q8_MIN_ROWS`] rows, on activations their producer quantized to int8 (blocks of 32, a
+//!   scale each) with `dp4a`; larger ones (prefill, big
 //!   batches) through the library GEMM ([`Device::gemm_f16`], cuBLASLt on a GPU) on f16 copies
 //!   of the weights made once at load (every type but F32 and BF16, whose values f16 may not
 //!   hold: those keep the per-element kernel) — 2 bytes per weight more device memory,
@@ -36,13 +38,14 @@
 //!   CPU's verdict.
 //! - Numerics: f32 activations (the CPU quantizes them to Q8 for quantized weights), rounded to
 //!   f16 only as the inputs of the GEMM path and of the prefill kernel's MMAs (Q and the softmax
-//!   weights); no contraction; logits agree with the CPU's within a stated tolerance, not bit
+//!   weights), and to int8 per block of 32 as the inputs of the dp4a GEMVs; no contraction; logits agree with the CPU's within a stated tolerance, not bit
 //!   for bit (`e2e::cuda_forward`).
 
 use custody_cuda::device::{bytes_of, bytes_of_mut};
 use custody_cuda::repack::RepackError;
 use custody_cuda::{
-    Arg, Device, DeviceError, DevicePtr, DeviceTags, GemmF16, GraphId, Kernel, LaunchDims, Verdict,
+    Arg, Device, DeviceError, DevicePtr, DeviceTags, Download, GemmF16, GraphId, Kernel,
+    LaunchDims, Verdict,
 };
 use custody_kernels::DType;
 use custody_kernels::attention::{IntegrityError, PageRef, TagCheck};
@@ -61,6 +64,13 @@ const GEMV_BATCH: u32 = 8;
 /// weights once per 8 rows mostly from L2, and meets the decode bytes target (≤ 1.15× the
 /// ideal, `gpu_model`); past it the products are compute-bound and tensor cores win.
 pub const GEMV_MAX_ROWS: usize = 64;
+/// Steps from this many rows up to [`GEMV_MAX_ROWS`] take their Q4_K products on activations
+/// quantized to int8 by the kernel that produces them (`custody_q8_block`: the norms, flash
+/// decoding's merge; one `custody_quantize_q8` launch before the down product) and multiply with
+/// `dp4a` — four multiply-adds an instruction where FP32 FMA makes one, and the products are
+/// compute-bound from a few rows. A single row keeps f32 x: its GEMVs are bandwidth-bound either
+/// way, and the quantize launch would be one graph node more.
+pub const Q8_MIN_ROWS: usize = 2;
 /// `custody_flash_prefill`'s rows per CTA (`CUSTODY_FP_ROWS`) and widest head
 /// (`CUSTODY_FP_MAX_DIM`; head_dim a multiple of 16 up to it).
 const PREFILL_TILE_ROWS: usize = 64;
@@ -254,8 +264,29 @@ struct Buffers {
     bad: DevicePtr,
     /// The GEMM path's activations as f16 (rows × the widest product input).
     x16: DevicePtr,
+    /// A product input quantized for the dp4a GEMVs (up to [`GEMV_MAX_ROWS`] rows × the widest).
+    q8: Q8,
     /// Block-table entries the `tables` buffer holds.
     table_capacity: usize,
+}
+
+/// Activations quantized for the dp4a GEMVs, in `custody_q8_block`'s layout (kernels/cuda/
+/// custody.cuh): `xq` a row's int8 values in the Q4_K GEMV's lane order, `xs` each block of
+/// 32's scale and scaled sum. One buffer serves every product of a step in turn: each producer
+/// overwrites it after the previous product read it (launches on one stream are ordered).
+#[derive(Debug, Clone, Copy)]
+struct Q8 {
+    xq: DevicePtr,
+    xs: DevicePtr,
+}
+
+impl Q8 {
+    fn args(q8: Option<Q8>) -> [Arg; 2] {
+        match q8 {
+            Some(q) => [Arg::Ptr(q.xq), Arg::Ptr(q.xs)],
+            None => [Arg::Ptr(DevicePtr(0)), Arg::Ptr(DevicePtr(0))],
+        }
+    }
 }
 
 /// The model on a device, ready to run batches.
@@ -284,6 +315,11 @@ pub struct CudaForward<D: Device> {
     graphs: std::collections::VecDeque<(StepShape, GraphId)>,
     /// Device memory the GEMM path's f16 weight copies take.
     gemm_weight_bytes: u64,
+    /// Whether any product is Q4_K tiles (the dp4a GEMVs' only weights).
+    has_q4k: bool,
+    /// The dp4a GEMVs for steps of [`Q8_MIN_ROWS`]..=[`GEMV_MAX_ROWS`] rows (on by default;
+    /// off keeps f32 x in every GEMV — the comparison).
+    use_q8: bool,
 }
 
 /// What a captured step's launches depend on: the rows they run (padded) and how flash
@@ -410,6 +446,12 @@ fn q4k_tiles(m: &DevMat) -> Option<(DevicePtr, DevicePtr)> {
         } => Some((heads, qs)),
         _ => None,
     }
+}
+
+/// Whether a product of `m` takes Q8 x in a step whose inputs were quantized (`q8`): Q4_K tiles
+/// (their widths are multiples of 256, the quantized layout's unit).
+fn takes_q8(m: &DevMat, q8: Option<Q8>) -> Option<Q8> {
+    q4k_tiles(m).and(q8)
 }
 
 /// Flash decoding's limits: head_dim a power of two in 8..=[`MAX_HEAD_DIM`], up to
@@ -844,6 +886,12 @@ impl<D: Device> CudaForward<D> {
             .filter(|m| m.f16.is_some())
             .map(|m| u64::from(m.rows) * u64::from(m.cols) * 2)
             .sum();
+        let has_q4k = w
+            .layers
+            .iter()
+            .flat_map(|l| [l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down])
+            .chain([w.output])
+            .any(|m| q4k_tiles(&m).is_some());
         Ok(Self {
             dev,
             page_size: pool.page_size(),
@@ -860,6 +908,8 @@ impl<D: Device> CudaForward<D> {
             use_graphs: true,
             graphs: std::collections::VecDeque::new(),
             gemm_weight_bytes,
+            has_q4k,
+            use_q8: true,
         })
     }
 
@@ -920,6 +970,14 @@ impl<D: Device> CudaForward<D> {
             bad: f(split_capacity(rows) * c.n_kv_heads)?,
             // f16: half a float each.
             x16: f((rows * c.dim.max(c.q_dim()).max(c.ffn_dim)).div_ceil(2))?,
+            q8: {
+                // A byte per value and two floats per 32 (an eighth of a float per value).
+                let values = rows.min(GEMV_MAX_ROWS) * c.dim.max(c.q_dim()).max(c.ffn_dim);
+                Q8 {
+                    xq: f(values.div_ceil(4))?,
+                    xs: f(values.div_ceil(16))?,
+                }
+            },
             table_capacity,
         })
     }
@@ -985,6 +1043,13 @@ impl<D: Device> CudaForward<D> {
         Ok(())
     }
 
+    /// Q4_K products on int8 x with dp4a in steps of [`Q8_MIN_ROWS`]..=[`GEMV_MAX_ROWS`] rows
+    /// (on by default), or on f32 x. The held graphs are dropped: they name the other kernels.
+    pub fn set_dp4a(&mut self, on: bool) -> Result<(), DeviceError> {
+        self.use_q8 = on;
+        self.drop_graphs()
+    }
+
     /// Graphs held now.
     pub fn graphs_held(&self) -> usize {
         self.graphs.len()
@@ -1045,6 +1110,7 @@ impl<D: Device> CudaForward<D> {
     /// RMSNorm of `rows` rows of `width` (the embedding, or one head for the Q/K norm; `out`
     /// may be `x`: each element is read before it is written, by the same thread).
     /// `x += y`, then `out` = RMSNorm(x) · w, per row of the model's width (one kernel).
+    /// With `q8`, `out` is also stored quantized for the dp4a GEMVs.
     fn add_rms_norm(
         &mut self,
         x: DevicePtr,
@@ -1052,8 +1118,10 @@ impl<D: Device> CudaForward<D> {
         w: DevicePtr,
         out: DevicePtr,
         rows: usize,
+        q8: Option<Q8>,
     ) -> Result<(), DeviceError> {
         let c = &self.config;
+        let [xq, xs] = Q8::args(q8);
         let args = [
             Arg::Ptr(x),
             Arg::Ptr(y),
@@ -1061,6 +1129,8 @@ impl<D: Device> CudaForward<D> {
             Arg::F32(c.rms_eps),
             Arg::U32(c.dim as u32),
             Arg::Ptr(out),
+            xq,
+            xs,
         ];
         self.launch(
             Kernel::AddRmsNorm,
@@ -1076,14 +1146,19 @@ impl<D: Device> CudaForward<D> {
         out: DevicePtr,
         rows: usize,
         width: usize,
+        q8: Option<Q8>,
     ) -> Result<(), DeviceError> {
         let c = &self.config;
+        debug_assert!(q8.is_none() || width.is_multiple_of(256));
+        let [xq, xs] = Q8::args(q8);
         let args = [
             Arg::Ptr(x),
             Arg::Ptr(w),
             Arg::F32(c.rms_eps),
             Arg::U32(width as u32),
             Arg::Ptr(out),
+            xq,
+            xs,
         ];
         self.launch(
             Kernel::RmsNorm,
@@ -1092,16 +1167,37 @@ impl<D: Device> CudaForward<D> {
         )
     }
 
+    /// `out` = `m` · x for `rows` rows of x: the GEMM path, the dp4a GEMV on `x`'s quantized
+    /// copy (`q8`: Q4_K tiles only — [`takes_q8`]), or the GEMV or per-element kernel on f32 x.
     fn matvec(
         &mut self,
         m: DevMat,
         x: DevicePtr,
         out: DevicePtr,
         rows: usize,
+        q8: Option<Q8>,
     ) -> Result<(), DeviceError> {
         if let Some(w16) = gemm_weights(&m, rows) {
             self.stage_f16(x, rows * m.cols as usize)?;
             return self.gemm(w16, m, out, rows);
+        }
+        if let (Some(q), Some((heads, qs))) = (takes_q8(&m, q8), q4k_tiles(&m)) {
+            let args = [
+                Arg::Ptr(heads),
+                Arg::Ptr(qs),
+                Arg::U32(m.rows),
+                Arg::U32(m.cols),
+                Arg::Ptr(q.xq),
+                Arg::Ptr(q.xs),
+                Arg::U32(rows as u32),
+                Arg::Ptr(out),
+            ];
+            let dims = LaunchDims::grid2(
+                m.rows.div_ceil(GEMV_WARPS),
+                (rows as u32).div_ceil(GEMV_BATCH),
+                THREADS,
+            );
+            return self.launch(Kernel::GemvQ4KQ8, dims, &args);
         }
         match m.layout {
             Layout::Gguf(w) => {
@@ -1186,8 +1282,8 @@ impl<D: Device> CudaForward<D> {
             self.add_rows(bf.v, bv, kvd, n * kvd)?;
         }
         if let Some([nq, nk]) = l.qk_norm {
-            self.rms_norm(bf.q, nq, bf.q, n * c.n_heads, c.head_dim)?;
-            self.rms_norm(bf.k, nk, bf.k, n * c.n_kv_heads, c.head_dim)?;
+            self.rms_norm(bf.q, nq, bf.q, n * c.n_heads, c.head_dim, None)?;
+            self.rms_norm(bf.k, nk, bf.k, n * c.n_kv_heads, c.head_dim, None)?;
         }
         Ok(())
     }
@@ -1439,26 +1535,36 @@ impl<D: Device> CudaForward<D> {
         )?;
         // Each residual add is fused with the norm that follows it (the next layer's attention
         // norm, or the output norm after the last layer): only the first norm stands alone.
-        self.rms_norm(bf.x, self.layers[0].attn_norm, bf.xn, n, c.dim)?;
+        // The step's quantized inputs: the norms' rows (model width), attention's output
+        // (written by flash decoding's merge when its heads are whole blocks of 32) and the
+        // SwiGLU's (quantized by a launch of its own, only for a Q4_K down product).
+        let q8 = self.q8_step(shape);
+        let xn_q8 = q8.filter(|_| c.dim.is_multiple_of(256));
+        let att_q8 = q8.filter(|_| c.head_dim.is_multiple_of(32) && c.q_dim().is_multiple_of(256));
+        self.rms_norm(bf.x, self.layers[0].attn_norm, bf.xn, n, c.dim, xn_q8)?;
         for li in 0..c.n_layers {
             let l = self.layers[li];
-            self.qkv(&l, n)?;
+            self.qkv(&l, n, xn_q8)?;
             self.qkv_extras(&l, n)?;
             self.rope_kv_write(li, n)?;
-            self.attend(li, shape)?;
-            self.matvec(l.wo, bf.att, bf.tmp, n)?;
-            self.add_rms_norm(bf.x, bf.tmp, l.ffn_norm, bf.xn, n)?;
-            self.gate_up_swiglu(&l, n)?;
-            self.matvec(l.w_down, bf.gate, bf.tmp, n)?;
+            self.attend(li, shape, att_q8)?;
+            self.matvec(l.wo, bf.att, bf.tmp, n, att_q8)?;
+            self.add_rms_norm(bf.x, bf.tmp, l.ffn_norm, bf.xn, n, xn_q8)?;
+            self.gate_up_swiglu(&l, n, xn_q8)?;
+            let down_q8 = takes_q8(&l.w_down, q8);
+            if let Some(q) = down_q8 {
+                self.quantize_q8(bf.gate, c.ffn_dim, n, q)?;
+            }
+            self.matvec(l.w_down, bf.gate, bf.tmp, n, down_q8)?;
             let next_norm = match self.layers.get(li + 1) {
                 Some(next) => next.attn_norm,
                 None => self.output_norm,
             };
-            self.add_rms_norm(bf.x, bf.tmp, next_norm, bf.xn, n)?;
+            self.add_rms_norm(bf.x, bf.tmp, next_norm, bf.xn, n, xn_q8)?;
         }
         // `xn` holds the output norm's rows (fused with the last layer's residual add).
         if shape.graph {
-            return self.matvec(self.output, bf.xn, bf.logits, n);
+            return self.matvec(self.output, bf.xn, bf.logits, n, xn_q8);
         }
         let h = shape.head_rows;
         if h == 0 {
@@ -1475,7 +1581,38 @@ impl<D: Device> CudaForward<D> {
             LaunchDims::grid2(h as u32, 1, THREADS),
             &args,
         )?;
-        self.matvec(self.output, bf.tmp, bf.logits, h)
+        // The gathered rows have no quantized copy: the head reads them as f32.
+        self.matvec(self.output, bf.tmp, bf.logits, h, None)
+    }
+
+    /// The quantized-input buffer when this step takes Q4_K products through the dp4a GEMVs
+    /// ([`Q8_MIN_ROWS`]..=[`GEMV_MAX_ROWS`] rows, flash decoding alone — the prefill kernel
+    /// writes no quantized copy — and a Q4_K product in the model).
+    fn q8_step(&self, shape: StepShape) -> Option<Q8> {
+        let fits = (Q8_MIN_ROWS..=GEMV_MAX_ROWS).contains(&shape.rows) && shape.prefill_tiles == 0;
+        (fits && self.has_q4k && self.use_q8).then_some(self.bufs.q8)
+    }
+
+    /// `x` (`rows` rows of `width`, a multiple of 256) quantized into `q8`.
+    fn quantize_q8(
+        &mut self,
+        x: DevicePtr,
+        width: usize,
+        rows: usize,
+        q8: Q8,
+    ) -> Result<(), DeviceError> {
+        debug_assert!(width.is_multiple_of(256) && rows <= GEMV_MAX_ROWS);
+        let args = [
+            Arg::Ptr(x),
+            Arg::U32(width as u32),
+            Arg::Ptr(q8.xq),
+            Arg::Ptr(q8.xs),
+        ];
+        self.launch(
+            Kernel::QuantizeQ8,
+            LaunchDims::grid2(rows as u32, 1, THREADS),
+            &args,
+        )
     }
 
     /// Run the step: its graph replayed (captured first if this shape has none; the oldest
@@ -1683,7 +1820,7 @@ impl<D: Device> CudaForward<D> {
 
     /// `q`, `k`, `v` = W_q · xn, W_k · xn, W_v · xn: one launch when all three are Q4_K tiles
     /// (`custody_gemv_q4k_qkv`), else three.
-    fn qkv(&mut self, l: &DevLayer, n: usize) -> Result<(), DeviceError> {
+    fn qkv(&mut self, l: &DevLayer, n: usize, q8: Option<Q8>) -> Result<(), DeviceError> {
         let bf = self.bufs;
         if let (Some(q16), Some(k16), Some(v16)) = (
             gemm_weights(&l.wq, n),
@@ -1699,9 +1836,9 @@ impl<D: Device> CudaForward<D> {
         let (Some((qh, qq)), Some((kh, kq)), Some((vh, vq))) =
             (q4k_tiles(&l.wq), q4k_tiles(&l.wk), q4k_tiles(&l.wv))
         else {
-            self.matvec(l.wq, bf.xn, bf.q, n)?;
-            self.matvec(l.wk, bf.xn, bf.k, n)?;
-            return self.matvec(l.wv, bf.xn, bf.v, n);
+            self.matvec(l.wq, bf.xn, bf.q, n, q8)?;
+            self.matvec(l.wk, bf.xn, bf.k, n, q8)?;
+            return self.matvec(l.wv, bf.xn, bf.v, n, q8);
         };
         debug_assert_eq!(l.wk.rows, l.wv.rows);
         debug_assert!(l.wq.cols == l.wk.cols && l.wk.cols == l.wv.cols);
@@ -1715,23 +1852,34 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(vq),
             Arg::U32(l.wk.rows),
             Arg::U32(l.wq.cols),
-            Arg::Ptr(bf.xn),
+        ];
+        let (x, kernel) = match q8 {
+            Some(q) => (vec![Arg::Ptr(q.xq), Arg::Ptr(q.xs)], Kernel::GemvQ4KQ8Qkv),
+            None => (vec![Arg::Ptr(bf.xn)], Kernel::GemvQ4KQkv),
+        };
+        let outs = [
             Arg::U32(n as u32),
             Arg::Ptr(bf.q),
             Arg::Ptr(bf.k),
             Arg::Ptr(bf.v),
         ];
+        let args: Vec<Arg> = args.into_iter().chain(x).chain(outs).collect();
         let dims = LaunchDims::grid2(
             (l.wq.rows + 2 * l.wk.rows).div_ceil(GEMV_WARPS),
             (n as u32).div_ceil(GEMV_BATCH),
             THREADS,
         );
-        self.launch(Kernel::GemvQ4KQkv, dims, &args)
+        self.launch(kernel, dims, &args)
     }
 
     /// `gate` = silu(W_gate · xn) · (W_up · xn): one launch when both are Q4_K tiles
     /// (`custody_gemv_q4k_swiglu`), else the two products and the SwiGLU.
-    fn gate_up_swiglu(&mut self, l: &DevLayer, n: usize) -> Result<(), DeviceError> {
+    fn gate_up_swiglu(
+        &mut self,
+        l: &DevLayer,
+        n: usize,
+        q8: Option<Q8>,
+    ) -> Result<(), DeviceError> {
         let bf = self.bufs;
         if let (Some(g16), Some(u16)) = (gemm_weights(&l.w_gate, n), gemm_weights(&l.w_up, n)) {
             self.stage_f16(bf.xn, n * l.w_gate.cols as usize)?;
@@ -1740,8 +1888,8 @@ impl<D: Device> CudaForward<D> {
             return self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * self.config.ffn_dim);
         }
         let (Some((gh, gq)), Some((uh, uq))) = (q4k_tiles(&l.w_gate), q4k_tiles(&l.w_up)) else {
-            self.matvec(l.w_gate, bf.xn, bf.gate, n)?;
-            self.matvec(l.w_up, bf.xn, bf.up, n)?;
+            self.matvec(l.w_gate, bf.xn, bf.gate, n, q8)?;
+            self.matvec(l.w_up, bf.xn, bf.up, n, q8)?;
             return self.elementwise(Kernel::Swiglu, bf.gate, bf.up, n * self.config.ffn_dim);
         };
         let m = l.w_gate;
@@ -1753,16 +1901,25 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(uq),
             Arg::U32(m.rows),
             Arg::U32(m.cols),
-            Arg::Ptr(bf.xn),
-            Arg::U32(n as u32),
-            Arg::Ptr(bf.gate),
         ];
+        let (x, kernel) = match q8 {
+            Some(q) => (
+                vec![Arg::Ptr(q.xq), Arg::Ptr(q.xs)],
+                Kernel::GemvQ4KQ8Swiglu,
+            ),
+            None => (vec![Arg::Ptr(bf.xn)], Kernel::GemvQ4KSwiglu),
+        };
+        let args: Vec<Arg> = args
+            .into_iter()
+            .chain(x)
+            .chain([Arg::U32(n as u32), Arg::Ptr(bf.gate)])
+            .collect();
         let dims = LaunchDims::grid2(
             m.rows.div_ceil(GEMV_WARPS),
             (n as u32).div_ceil(GEMV_BATCH),
             THREADS,
         );
-        self.launch(Kernel::GemvQ4KSwiglu, dims, &args)
+        self.launch(kernel, dims, &args)
     }
 
     /// Every row's verdicts (`rows` rows × layers) poisoned: a row the kernels did not report
@@ -1785,7 +1942,13 @@ impl<D: Device> CudaForward<D> {
     /// its other rows through flash decoding (`shape.decode_rows` of them: every row in a
     /// graph's step, the rows listed in `bufs.decode_rows` otherwise). Both write each row's
     /// output and verdict themselves.
-    fn attend(&mut self, layer: usize, shape: StepShape) -> Result<(), DeviceError> {
+    /// With `q8`, flash decoding's merge also stores the output quantized for the O product.
+    fn attend(
+        &mut self,
+        layer: usize,
+        shape: StepShape,
+        q8: Option<Q8>,
+    ) -> Result<(), DeviceError> {
         let tags = self.kv.tags(layer);
         let splits = shape.splits;
         let b = self.bufs;
@@ -1833,6 +1996,7 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(verdicts),
             Arg::Ptr(rows),
         ]);
+        args.extend(Q8::args(q8));
         let dims = LaunchDims {
             grid: [n_kv_heads, shape.decode_rows as u32, splits.n as u32],
             block: [THREADS, 1, 1],
@@ -1897,22 +2061,34 @@ impl<D: Device> CudaForward<D> {
         let vocab = self.config.vocab_size;
         let b = self.bufs;
         let mut results = Vec::with_capacity(segments.len());
+        // Where each passing segment's rows start in the logits buffer.
+        let mut starts = Vec::with_capacity(segments.len());
         let mut gathered = 0;
         for (si, (sg, f)) in segments.iter().zip(failed).enumerate() {
             let wanted = sg.logits.rows(rows.range(si));
             let first = if shape.graph { wanted.start } else { gathered };
             gathered += wanted.len();
-            if let Some(e) = f {
-                results.push(Err(e));
-                continue;
+            match f {
+                Some(e) => results.push(Err(e)),
+                None => {
+                    results.push(Ok(vec![0.0f32; wanted.len() * vocab]));
+                    starts.push(first);
+                }
             }
-            let mut l = vec![0.0f32; wanted.len() * vocab];
-            let at = b.logits.offset((first * vocab * 4) as u64);
-            if !l.is_empty() {
-                self.dev.download(at, bytes_of_mut(&mut l))?;
-            }
-            results.push(Ok(l));
         }
+        // One wait for every segment's logits (pinned, asynchronous copies on a GPU).
+        let mut parts: Vec<Download<'_>> = results
+            .iter_mut()
+            .filter_map(|r| r.as_mut().ok())
+            .zip(starts)
+            .filter(|(l, _)| !l.is_empty())
+            .map(|(l, first)| Download {
+                src: b.logits.offset((first * vocab * 4) as u64),
+                dst: bytes_of_mut(l),
+            })
+            .collect();
+        self.dev.download_all(&mut parts)?;
+        drop(parts);
         Ok(results)
     }
 }

@@ -1132,6 +1132,218 @@ fn the_tiled_gemvs_match_the_reference_and_are_coalesced_by_count() {
     }
 }
 
+/// Activations quantized for the dp4a GEMVs, on the host: per block of 32, d = max |x| / 127,
+/// q = round-half-even(x · 127 / max |x|), scales (d, d · Σq); the bytes in the Q4_K GEMV's
+/// lane order (`custody_q8_block`, kernels/cuda/custody.cuh) — an independent statement of it.
+struct Q8Ref {
+    xq: Vec<u8>,
+    xs: Vec<f32>,
+    /// The values the quantized x stands for, d · q, row-major.
+    values: Vec<f32>,
+}
+
+fn q8_reference(x: &[f32], cols: usize) -> Q8Ref {
+    assert!(cols.is_multiple_of(256));
+    let mut r = Q8Ref {
+        xq: vec![0; x.len()],
+        xs: vec![0.0; x.len() / 16],
+        values: vec![0.0; x.len()],
+    };
+    for (row, xr) in x.chunks(cols).enumerate() {
+        for (j, block) in xr.chunks(32).enumerate() {
+            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let mut sum = 0i32;
+            for (i, &v) in block.iter().enumerate() {
+                let q = if amax > 0.0 {
+                    (v * (127.0 / amax)).round_ties_even() as i32
+                } else {
+                    0
+                };
+                sum += q;
+                let e = (32 * j + i) % 256;
+                let (b, c, h, p) = ((32 * j + i) / 256, e / 64, (e % 64) / 32, (e % 32) / 4);
+                r.xq[row * cols + 8 * (32 * b + 8 * c + p) + 4 * h + e % 4] = q as i8 as u8;
+                r.values[row * cols + 32 * j + i] = d * q as f32;
+            }
+            let at = 2 * (row * cols / 32 + j);
+            r.xs[at] = d;
+            r.xs[at + 1] = d * sum as f32;
+        }
+    }
+    r
+}
+
+/// The dp4a path's pieces on the shim: `custody_quantize_q8` is the host's quantization bit for
+/// bit (bytes and scales), and so are the quantized copies `custody_rms_norm` and
+/// `custody_add_rms_norm` store beside their output; `custody_gemv_q4k_q8` on them is the
+/// dequantized weights times the quantized x (an f64 reference, within 1e-4) at the tiled
+/// GEMV's edge shapes, the same bits under every schedule, ≥ 90 % coalesced and — for columns
+/// that fill whole tile groups — within 1.15× the ideal bytes (the weights once, the int8 x and
+/// its scales once, the outputs once).
+#[test]
+fn the_dp4a_gemv_multiplies_the_quantized_activations_its_producers_store() {
+    use custody_cuda::device::{bytes_of, bytes_of_mut};
+    use custody_cuda::repack;
+    use custody_cuda::{Arg, Device, DevicePtr, Kernel, LaunchDims};
+    use custody_kernels::quant::{DType, dequantize_row};
+    let mut rng = Rng(7171);
+    let put = |dev: &mut cuda_shim::ShimDevice, b: &[u8]| {
+        let p = dev.alloc_zeroed(b.len()).expect("alloc");
+        dev.upload(p, b).expect("upload");
+        p
+    };
+    let get_u8 = |dev: &mut cuda_shim::ShimDevice, p: DevicePtr, n: usize| {
+        let mut v = vec![0u8; n];
+        dev.download(p, &mut v).expect("download");
+        v
+    };
+    let get_f32 = |dev: &mut cuda_shim::ShimDevice, p: DevicePtr, n: usize| {
+        let mut v = vec![0.0f32; n];
+        dev.download(p, bytes_of_mut(&mut v)).expect("download");
+        v
+    };
+    for (rows, cols, n) in [(9, 1280, 3), (4, 256, 1), (6, 2048, 9), (5, 2304, 2)] {
+        let w = weights(&mut rng, DType::Q4_K, rows, cols);
+        // A zero block among them: its scale is 0 and its bytes 0.
+        let mut x: Vec<f32> = (0..n * cols).map(|_| 3.0 * rng.unit()).collect();
+        x[32..64].fill(0.0);
+        let want_q = q8_reference(&x, cols);
+        let row_bytes = w.len() / rows;
+        let mut want = vec![0.0f32; n * rows];
+        let mut deq = vec![0.0f32; cols];
+        for o in 0..rows {
+            dequantize_row(
+                DType::Q4_K,
+                &w[o * row_bytes..(o + 1) * row_bytes],
+                &mut deq,
+            );
+            for r in 0..n {
+                let dot: f64 = deq
+                    .iter()
+                    .zip(&want_q.values[r * cols..(r + 1) * cols])
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+                want[r * rows + o] = dot as f32;
+            }
+        }
+        let tiles = repack::q4k(&w, rows, cols).expect("repack");
+        let what = format!("custody_gemv_q4k_q8 {rows}×{cols}, batch {n}");
+        let mut first: Option<(Vec<f32>, cuda_shim::Counts)> = None;
+        for seed in SEEDS {
+            let mut dev = cuda_shim::ShimDevice::counting(seed);
+            let xp = put(&mut dev, bytes_of(&x));
+            let xq = dev.alloc_zeroed(n * cols).expect("alloc");
+            let xs = dev.alloc_zeroed(n * cols / 4).expect("alloc");
+            let args = [
+                Arg::Ptr(xp),
+                Arg::U32(cols as u32),
+                Arg::Ptr(xq),
+                Arg::Ptr(xs),
+            ];
+            dev.launch(
+                Kernel::QuantizeQ8,
+                LaunchDims::grid2(n as u32, 1, 128),
+                &args,
+            )
+            .expect("quantize");
+            assert_eq!(get_u8(&mut dev, xq, n * cols), want_q.xq, "{what}: bytes");
+            let xs_got = get_f32(&mut dev, xs, n * cols / 16);
+            assert!(
+                xs_got
+                    .iter()
+                    .zip(&want_q.xs)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: scales"
+            );
+            let heads = put(&mut dev, &tiles.heads);
+            let qs = put(&mut dev, &tiles.qs);
+            let out = put(&mut dev, bytes_of(&vec![f32::NAN; n * rows]));
+            let args = [
+                Arg::Ptr(heads),
+                Arg::Ptr(qs),
+                Arg::U32(rows as u32),
+                Arg::U32(cols as u32),
+                Arg::Ptr(xq),
+                Arg::Ptr(xs),
+                Arg::U32(n as u32),
+                Arg::Ptr(out),
+            ];
+            let dims = LaunchDims::grid2((rows as u32).div_ceil(4), (n as u32).div_ceil(8), 128);
+            dev.launch(Kernel::GemvQ4KQ8, dims, &args).expect("gemv");
+            let got = get_f32(&mut dev, out, n * rows);
+            let counts = dev.take_counts().pop().expect("counted").counts;
+            match &first {
+                None => first = Some((got, counts)),
+                Some((g0, c0)) => {
+                    assert!(
+                        g0.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: seed {seed:#x} differs from seed 0: a race"
+                    );
+                    assert_eq!(*c0, counts, "{what}: counts differ across schedules");
+                }
+            }
+        }
+        let (got, counts) = first.expect("seeds");
+        close(&got, &want, 1e-4, &what);
+        let ideal = (w.len() + n * cols + n * cols / 4 + n * rows * 4) as f64;
+        let ratio = counts.dram_bytes() as f64 / ideal;
+        eprintln!(
+            "{what}: {:.1} % coalesced, {ratio:.3}× the ideal bytes",
+            100.0 * counts.coalescing()
+        );
+        assert!(counts.coalescing() >= 0.9, "{what}: {counts:?}");
+        if cols.is_multiple_of(1024) {
+            assert!(ratio <= 1.15, "{what}: {ratio:.3}× the ideal bytes");
+        }
+    }
+    // The norms' quantized copies are their outputs', quantized.
+    let (rows, dim, eps) = (3usize, 768usize, 1e-5f32);
+    let x: Vec<f32> = (0..rows * dim).map(|_| 4.0 * rng.unit()).collect();
+    let y: Vec<f32> = (0..rows * dim).map(|_| rng.unit()).collect();
+    let w: Vec<f32> = (0..dim).map(|_| 1.0 + rng.unit()).collect();
+    for (kernel, seed) in [(Kernel::RmsNorm, SEEDS[1]), (Kernel::AddRmsNorm, SEEDS[2])] {
+        let mut dev = cuda_shim::ShimDevice::new(seed);
+        let (xp, yp, wp) = (
+            put(&mut dev, bytes_of(&x)),
+            put(&mut dev, bytes_of(&y)),
+            put(&mut dev, bytes_of(&w)),
+        );
+        let op = dev.alloc_zeroed(rows * dim * 4).expect("alloc");
+        let xq = dev.alloc_zeroed(rows * dim).expect("alloc");
+        let xs = dev.alloc_zeroed(rows * dim / 4).expect("alloc");
+        let mut args = vec![Arg::Ptr(xp)];
+        if kernel == Kernel::AddRmsNorm {
+            args.push(Arg::Ptr(yp));
+        }
+        args.extend([
+            Arg::Ptr(wp),
+            Arg::F32(eps),
+            Arg::U32(dim as u32),
+            Arg::Ptr(op),
+            Arg::Ptr(xq),
+            Arg::Ptr(xs),
+        ]);
+        dev.launch(kernel, LaunchDims::grid2(rows as u32, 1, 128), &args)
+            .expect("norm");
+        let out = get_f32(&mut dev, op, rows * dim);
+        let want_q = q8_reference(&out, dim);
+        assert_eq!(
+            get_u8(&mut dev, xq, rows * dim),
+            want_q.xq,
+            "{kernel:?}: bytes"
+        );
+        let xs_got = get_f32(&mut dev, xs, rows * dim / 16);
+        assert!(
+            xs_got
+                .iter()
+                .zip(&want_q.xs)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{kernel:?}: scales"
+        );
+    }
+}
+
 /// The shim's warp collectives: a butterfly sum gives every lane the warp's total, a shuffle
 /// down reads the lane below's value, and a warp whose lanes do not all reach a collective is
 /// reported (as a divergent barrier is).
@@ -1189,6 +1401,9 @@ fn the_fused_residual_norm_is_the_add_then_the_norm_bit_for_bit() {
             Arg::F32(eps),
             Arg::U32(dim as u32),
             Arg::Ptr(op),
+            // No quantized copy.
+            Arg::Ptr(custody_cuda::DevicePtr(0)),
+            Arg::Ptr(custody_cuda::DevicePtr(0)),
         ];
         dev.launch(
             Kernel::AddRmsNorm,

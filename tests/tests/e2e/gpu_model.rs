@@ -31,12 +31,18 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
             ratio <= 1.15,
             "batch {batch}: moves {ratio:.3}× the ideal bytes"
         );
-        for hot in [
-            Kernel::GemvQ4K,
-            Kernel::GemvQ4KSwiglu,
-            Kernel::GemvQ4KQkv,
-            Kernel::FlashDecode,
-        ] {
+        // One row multiplies f32 x; more, int8 x with dp4a (quantized by its producers).
+        let int8 = batch >= custody_runtime::cuda_forward::Q8_MIN_ROWS;
+        let products = if int8 {
+            [
+                Kernel::GemvQ4KQ8,
+                Kernel::GemvQ4KQ8Swiglu,
+                Kernel::GemvQ4KQ8Qkv,
+            ]
+        } else {
+            [Kernel::GemvQ4K, Kernel::GemvQ4KSwiglu, Kernel::GemvQ4KQkv]
+        };
+        for hot in products.into_iter().chain([Kernel::FlashDecode]) {
             let l = m
                 .lines
                 .iter()
@@ -57,11 +63,13 @@ fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
         }
         // Per layer: 2 norms fused with the residual adds, Q, K and V in one, RoPE fused with
         // the KV write, flash decoding (merged by its last split), O, gate and up fused with the
-        // SwiGLU, down (8); then the tag sync, the embedding, the first norm and the head — all
-        // nodes of one graph the host launches once.
+        // SwiGLU, down (8; with int8 x, the SwiGLU's output quantized before down: 9); then the
+        // tag sync, the embedding, the first norm and the head — all nodes of one graph the host
+        // launches once.
+        let per_layer = if int8 { 9 } else { 8 };
         assert_eq!(
             m.launches(),
-            (8 * SMALL.n_layers + 4) as f64,
+            (per_layer * SMALL.n_layers + 4) as f64,
             "batch {batch}"
         );
         assert_eq!(m.graph_nodes(), m.launches(), "batch {batch}");
