@@ -737,18 +737,20 @@ __device__ __forceinline__ CustodyQ4kScales custody_q4k_scales(uint4 h, custody_
     return s;
 }
 
-extern "C" __global__ void custody_mmq_q4k(const uint4* heads, const uint4* qs, custody_u32 rows,
-                                          custody_u32 cols, const uint2* xq, const float4* xs,
-                                          custody_u32 n, float* out) {
-    const custody_u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// One warp's 16 weight rows (`row_a` = its first + g, and row_a + 8) of a Q4_K matrix against
+// x rows x0..x0 + nx: the lane's accumulators, acc[j][i] for C element i of x rows 8j.. (see
+// custody_mmq_q4k). The whole warp calls it.
+__device__ __forceinline__ void custody_mmq_q4k_warp(const uint4* heads, const uint4* qs,
+                                                     custody_u32 rows, custody_u32 cols,
+                                                     custody_u32 row_a, const uint2* xq,
+                                                     const float4* xs, custody_u32 n,
+                                                     custody_u32 x0, custody_u32 nx,
+                                                     float (*acc)[4]) {
+    const custody_u32 lane = threadIdx.x % 32;
     const custody_u32 g = lane / 4, t = lane % 4;
     const custody_u32 nb = cols / 256, groups = (nb + 3) / 4;
-    const custody_u32 row_a = blockIdx.x * CUSTODY_MMQ_ROWS + 16 * warp + g, row_b = row_a + 8;
+    const custody_u32 row_b = row_a + 8;
     const custody_u32 ra = row_a < rows ? row_a : rows - 1, rb = row_b < rows ? row_b : rows - 1;
-    const custody_u32 x0 = blockIdx.y * CUSTODY_MMQ_X;
-    const custody_u32 nx = n - x0 < CUSTODY_MMQ_X ? n - x0 : CUSTODY_MMQ_X;
-    // This lane's x row as an MMA B column (g of each 8), clamped for loads.
-    float acc[CUSTODY_MMQ_X / 8][4];
 #pragma unroll
     for (custody_u32 j = 0; j < CUSTODY_MMQ_X / 8; j++)
         for (custody_u32 i = 0; i < 4; i++) acc[j][i] = 0.0f;
@@ -802,14 +804,105 @@ extern "C" __global__ void custody_mmq_q4k(const uint4* heads, const uint4* qs, 
             }
         }
     }
+}
+
+// The warp's accumulators stored: out[x][row] for its rows and x rows (within `rows`, `nx`).
+__device__ __forceinline__ void custody_mmq_store(float (*acc)[4], float* out, custody_u32 rows,
+                                                  custody_u32 row_a, custody_u32 x0,
+                                                  custody_u32 nx) {
+    const custody_u32 t = threadIdx.x % 4;
+    const custody_u32 row_b = row_a + 8;
 #pragma unroll
     for (custody_u32 j = 0; j < CUSTODY_MMQ_X / 8; j++) {
-        const custody_u32 xa = x0 + 8 * j + 2 * t, xc = xa + 1;
-        if (8 * j + 2 * t < nx && row_a < rows) CUSTODY_ST(out + (custody_u64)xa * rows + row_a, acc[j][0]);
-        if (8 * j + 2 * t + 1 < nx && row_a < rows) CUSTODY_ST(out + (custody_u64)xc * rows + row_a, acc[j][1]);
-        if (8 * j + 2 * t < nx && row_b < rows) CUSTODY_ST(out + (custody_u64)xa * rows + row_b, acc[j][2]);
-        if (8 * j + 2 * t + 1 < nx && row_b < rows) CUSTODY_ST(out + (custody_u64)xc * rows + row_b, acc[j][3]);
+        const custody_u32 xa = 8 * j + 2 * t, xc = xa + 1;
+        if (xa < nx && row_a < rows) CUSTODY_ST(out + (custody_u64)(x0 + xa) * rows + row_a, acc[j][0]);
+        if (xc < nx && row_a < rows) CUSTODY_ST(out + (custody_u64)(x0 + xc) * rows + row_a, acc[j][1]);
+        if (xa < nx && row_b < rows) CUSTODY_ST(out + (custody_u64)(x0 + xa) * rows + row_b, acc[j][2]);
+        if (xc < nx && row_b < rows) CUSTODY_ST(out + (custody_u64)(x0 + xc) * rows + row_b, acc[j][3]);
     }
+}
+
+extern "C" __global__ void custody_mmq_q4k(const uint4* heads, const uint4* qs, custody_u32 rows,
+                                          custody_u32 cols, const uint2* xq, const float4* xs,
+                                          custody_u32 n, float* out) {
+    const custody_u32 warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+    const custody_u32 row_a = blockIdx.x * CUSTODY_MMQ_ROWS + 16 * warp + g;
+    const custody_u32 x0 = blockIdx.y * CUSTODY_MMQ_X;
+    const custody_u32 nx = n - x0 < CUSTODY_MMQ_X ? n - x0 : CUSTODY_MMQ_X;
+    float acc[CUSTODY_MMQ_X / 8][4];
+    custody_mmq_q4k_warp(heads, qs, rows, cols, row_a, xq, xs, n, x0, nx, acc);
+    custody_mmq_store(acc, out, rows, row_a, x0, nx);
+}
+
+// Q, K and V in one launch: CTAs 0..ceil(q_rows / 64) take Q's rows, the next ceil(kv_rows / 64)
+// K's, the rest V's (one matrix per CTA). Grid (ceil(q_rows / 64) + 2 ceil(kv_rows / 64),
+// ceil(n / 64)), block (128).
+extern "C" __global__ void custody_mmq_q4k_qkv(const uint4* q_heads, const uint4* q_qs,
+                                              custody_u32 q_rows, const uint4* k_heads,
+                                              const uint4* k_qs, const uint4* v_heads,
+                                              const uint4* v_qs, custody_u32 kv_rows,
+                                              custody_u32 cols, const uint2* xq,
+                                              const float4* xs, custody_u32 n, float* q_out,
+                                              float* k_out, float* v_out) {
+    const custody_u32 warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+    const custody_u32 q_ctas = (q_rows + CUSTODY_MMQ_ROWS - 1) / CUSTODY_MMQ_ROWS;
+    const custody_u32 kv_ctas = (kv_rows + CUSTODY_MMQ_ROWS - 1) / CUSTODY_MMQ_ROWS;
+    custody_u32 b = blockIdx.x;
+    const uint4 *heads = q_heads, *qs = q_qs;
+    custody_u32 rows = q_rows;
+    float* out = q_out;
+    if (b >= q_ctas + kv_ctas) {
+        b -= q_ctas + kv_ctas, heads = v_heads, qs = v_qs, rows = kv_rows, out = v_out;
+    } else if (b >= q_ctas) {
+        b -= q_ctas, heads = k_heads, qs = k_qs, rows = kv_rows, out = k_out;
+    }
+    const custody_u32 row_a = b * CUSTODY_MMQ_ROWS + 16 * warp + g;
+    const custody_u32 x0 = blockIdx.y * CUSTODY_MMQ_X;
+    const custody_u32 nx = n - x0 < CUSTODY_MMQ_X ? n - x0 : CUSTODY_MMQ_X;
+    float acc[CUSTODY_MMQ_X / 8][4];
+    custody_mmq_q4k_warp(heads, qs, rows, cols, row_a, xq, xs, n, x0, nx, acc);
+    custody_mmq_store(acc, out, rows, row_a, x0, nx);
+}
+
+// gate and up with the SwiGLU: a CTA takes 32 output rows — warps 0 and 1 their gate products,
+// warps 2 and 3 their up products, which go through shared memory to the gate warps, which
+// store silu(gate) · up. Grid (ceil(rows / 32), ceil(n / 64)), block (128).
+extern "C" __global__ void custody_mmq_q4k_swiglu(const uint4* gate_heads, const uint4* gate_qs,
+                                                 const uint4* up_heads, const uint4* up_qs,
+                                                 custody_u32 rows, custody_u32 cols,
+                                                 const uint2* xq, const float4* xs, custody_u32 n,
+                                                 float* out) {
+    __shared__ float up_s[CUSTODY_MMQ_ROWS / 2][CUSTODY_MMQ_X + 1];
+    const custody_u32 warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const bool gate = warp < 2;
+    const custody_u32 local = 16 * (warp % 2) + g;  // the lane's first row within the 32
+    const custody_u32 row_a = blockIdx.x * (CUSTODY_MMQ_ROWS / 2) + local;
+    const custody_u32 x0 = blockIdx.y * CUSTODY_MMQ_X;
+    const custody_u32 nx = n - x0 < CUSTODY_MMQ_X ? n - x0 : CUSTODY_MMQ_X;
+    float acc[CUSTODY_MMQ_X / 8][4];
+    custody_mmq_q4k_warp(gate ? gate_heads : up_heads, gate ? gate_qs : up_qs, rows, cols, row_a,
+                         xq, xs, n, x0, nx, acc);
+    if (!gate) {
+#pragma unroll
+        for (custody_u32 j = 0; j < CUSTODY_MMQ_X / 8; j++) {
+            up_s[local][8 * j + 2 * t] = acc[j][0];
+            up_s[local][8 * j + 2 * t + 1] = acc[j][1];
+            up_s[local + 8][8 * j + 2 * t] = acc[j][2];
+            up_s[local + 8][8 * j + 2 * t + 1] = acc[j][3];
+        }
+    }
+    __syncthreads();
+    if (!gate) return;  // per warp: no collective follows
+#pragma unroll
+    for (custody_u32 j = 0; j < CUSTODY_MMQ_X / 8; j++) {
+        const custody_u32 xs_[2] = {8 * j + 2 * t, 8 * j + 2 * t + 1};
+        for (custody_u32 i = 0; i < 4; i++) {
+            const float gv = acc[j][i];
+            const float u = up_s[local + 8 * (i / 2)][xs_[i % 2]];
+            acc[j][i] = gv / (1.0f + expf(-gv)) * u;
+        }
+    }
+    custody_mmq_store(acc, out, rows, row_a, x0, nx);
 }
 
 // Q8_0 in `custody_cuda::repack::q8_0`'s tiles (groups of 8 blocks = 256 elements): heads[t] the 8

@@ -319,6 +319,16 @@ void generic_body(void* c) {
     } else if (!strcmp(n, "custody_mmq_q4k")) {
         custody_mmq_q4k(PTR(0, const uint4*), PTR(1, const uint4*), U32(2), U32(3),
                         PTR(4, const uint2*), PTR(5, const float4*), U32(6), PTR(7, float*));
+    } else if (!strcmp(n, "custody_mmq_q4k_qkv")) {
+        custody_mmq_q4k_qkv(PTR(0, const uint4*), PTR(1, const uint4*), U32(2),
+                            PTR(3, const uint4*), PTR(4, const uint4*), PTR(5, const uint4*),
+                            PTR(6, const uint4*), U32(7), U32(8), PTR(9, const uint2*),
+                            PTR(10, const float4*), U32(11), PTR(12, float*), PTR(13, float*),
+                            PTR(14, float*));
+    } else if (!strcmp(n, "custody_mmq_q4k_swiglu")) {
+        custody_mmq_q4k_swiglu(PTR(0, const uint4*), PTR(1, const uint4*), PTR(2, const uint4*),
+                               PTR(3, const uint4*), U32(4), U32(5), PTR(6, const uint2*),
+                               PTR(7, const float4*), U32(8), PTR(9, float*));
     } else if (!strcmp(n, "custody_gemv_q4k_q8")) {
         custody_gemv_q4k_q8(PTR(0, const uint4*), PTR(1, const uint4*), U32(2), U32(3),
                             PTR(4, const uint2*), PTR(5, const float4*), U32(6), PTR(7, float*));

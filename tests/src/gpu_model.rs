@@ -11,7 +11,7 @@
 //! (the gap between dependent kernels the GPU's front end leaves: NVIDIA measured ~0.5 µs per
 //! node for back-to-back kernels on a V100 — developer.nvidia.com/blog/cuda-graphs — so 1 µs is
 //! the pessimistic side), FLOPs counted for the GEMVs (2 per weight per row: FP32 FMA at
-//! 67 TFLOP/s on f32 x, `dp4a` at 134 TOP/s on int8 x) and attention (4 per slot and dimension
+//! 67 TFLOP/s on f32 x, `dp4a` at 134 TOP/s on int8 x, int8 MMAs at 1,979 TOP/s) and attention (4 per slot and dimension
 //! per query head, FP32). Host↔device copies per step are reported, not priced.
 
 use crate::cuda_shim::{Counts, ShimDevice};
@@ -31,6 +31,9 @@ pub const FP32_FLOPS_PER_S: f64 = 67e12;
 /// Only the arithmetic is priced: the int-to-float conversions and the scales' loads the kernel
 /// also issues per dp4a pair are not (a GPU run measures them).
 pub const DP4A_OPS_PER_S: f64 = 134e12;
+/// The integer tensor cores' dense INT8 peak (NVIDIA's H200 datasheet: 3,958 TOPS with
+/// sparsity, half without), for `custody_mmq_q4k`'s MMAs.
+pub const INT8_TENSOR_OPS_PER_S: f64 = 1979e12;
 pub const LAUNCH_S: f64 = 4e-6;
 /// A kernel run as a node of a replayed graph.
 pub const GRAPH_NODE_S: f64 = 1e-6;
@@ -312,6 +315,9 @@ fn is_product(k: Kernel) -> bool {
             | Kernel::GemvQ4KQ8
             | Kernel::GemvQ4KQ8Swiglu
             | Kernel::GemvQ4KQ8Qkv
+            | Kernel::MmqQ4K
+            | Kernel::MmqQ4KQkv
+            | Kernel::MmqQ4KSwiglu
     )
 }
 
@@ -329,6 +335,7 @@ fn flops_of(k: Kernel, s: &Shape, batch: usize, ctx: usize, weights: f64) -> f64
 fn peak_of(k: Kernel) -> f64 {
     match k {
         Kernel::GemvQ4KQ8 | Kernel::GemvQ4KQ8Swiglu | Kernel::GemvQ4KQ8Qkv => DP4A_OPS_PER_S,
+        Kernel::MmqQ4K | Kernel::MmqQ4KQkv | Kernel::MmqQ4KSwiglu => INT8_TENSOR_OPS_PER_S,
         _ => FP32_FLOPS_PER_S,
     }
 }

@@ -214,6 +214,8 @@ kernels! {
     GemvQ4KQ8Qkv = "custody_gemv_q4k_q8_qkv", 15;
     GemvQ4KQ8Swiglu = "custody_gemv_q4k_q8_swiglu", 10;
     MmqQ4K = "custody_mmq_q4k", 8;
+    MmqQ4KQkv = "custody_mmq_q4k_qkv", 15;
+    MmqQ4KSwiglu = "custody_mmq_q4k_swiglu", 10;
 }
 
 /// One GEMM of the forward pass's products for the library: `out[r][o] = Σ_k w[o][k] · x[r][k]`

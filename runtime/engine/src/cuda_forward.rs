@@ -25,7 +25,8 @@
 //! - Products: batches of up to [`GEMV_MAX_ROWS`] rows (decode) through the quantized GEMVs of
 //!   `kernels/cuda`, which read the weights in their quantized form — Q4_K ones, from
 //!   [`Q8_MIN_ROWS`] rows, on activations their producer quantized to int8 (blocks of 32, a
-//!   scale each) with `dp4a`; larger ones (prefill, big
+//!   scale each) with `dp4a`, and from [`MMQ_MIN_ROWS`] on integer tensor cores
+//!   (`custody_mmq_q4k`); larger ones (prefill, big
 //!   batches) through the library GEMM ([`Device::gemm_f16`], cuBLASLt on a GPU) on f16 copies
 //!   of the weights made once at load (every type but F32 and BF16, whose values f16 may not
 //!   hold: those keep the per-element kernel) — 2 bytes per weight more device memory,
@@ -59,6 +60,8 @@ const THREADS: u32 = 128;
 /// `custody_gemv_q4k`'s rows per block (one per warp) and x rows per block.
 const GEMV_WARPS: u32 = 4;
 const GEMV_BATCH: u32 = 8;
+/// `custody_mmq_q4k`'s weight rows and x rows per CTA (`CUSTODY_MMQ_ROWS`, `CUSTODY_MMQ_X`).
+const MMQ_TILE: u32 = 64;
 /// Batches up to this many rows take their products through the quantized GEMVs; larger ones
 /// through the library GEMM on f16 weights. At 64 rows the GEMV still reads the quantized
 /// weights once per 8 rows mostly from L2, and meets the decode bytes target (≤ 1.15× the
@@ -71,6 +74,10 @@ pub const GEMV_MAX_ROWS: usize = 64;
 /// compute-bound from a few rows. A single row keeps f32 x: its GEMVs are bandwidth-bound either
 /// way, and the quantize launch would be one graph node more.
 pub const Q8_MIN_ROWS: usize = 2;
+/// From this many rows the int8-x products run on integer tensor cores (`custody_mmq_q4k`:
+/// m16n8k32 MMAs over 64 weight rows × 64 x rows a CTA; Q/K/V and gate/up+SwiGLU fused as the
+/// GEMVs are) instead of the dp4a GEMV, which is compute-bound past its 8 x rows a block.
+pub const MMQ_MIN_ROWS: usize = GEMV_BATCH as usize + 1;
 /// `custody_flash_prefill`'s rows per CTA (`CUSTODY_FP_ROWS`) and widest head
 /// (`CUSTODY_FP_MAX_DIM`; head_dim a multiple of 16 up to it).
 const PREFILL_TILE_ROWS: usize = 64;
@@ -1182,6 +1189,21 @@ impl<D: Device> CudaForward<D> {
             return self.gemm(w16, m, out, rows);
         }
         if let (Some(q), Some((heads, qs))) = (takes_q8(&m, q8), q4k_tiles(&m)) {
+            let (kernel, dims) = if rows >= MMQ_MIN_ROWS {
+                let dims = LaunchDims::grid2(
+                    m.rows.div_ceil(MMQ_TILE),
+                    (rows as u32).div_ceil(MMQ_TILE),
+                    THREADS,
+                );
+                (Kernel::MmqQ4K, dims)
+            } else {
+                let dims = LaunchDims::grid2(
+                    m.rows.div_ceil(GEMV_WARPS),
+                    (rows as u32).div_ceil(GEMV_BATCH),
+                    THREADS,
+                );
+                (Kernel::GemvQ4KQ8, dims)
+            };
             let args = [
                 Arg::Ptr(heads),
                 Arg::Ptr(qs),
@@ -1192,12 +1214,7 @@ impl<D: Device> CudaForward<D> {
                 Arg::U32(rows as u32),
                 Arg::Ptr(out),
             ];
-            let dims = LaunchDims::grid2(
-                m.rows.div_ceil(GEMV_WARPS),
-                (rows as u32).div_ceil(GEMV_BATCH),
-                THREADS,
-            );
-            return self.launch(Kernel::GemvQ4KQ8, dims, &args);
+            return self.launch(kernel, dims, &args);
         }
         match m.layout {
             Layout::Gguf(w) => {
@@ -1853,9 +1870,9 @@ impl<D: Device> CudaForward<D> {
             Arg::U32(l.wk.rows),
             Arg::U32(l.wq.cols),
         ];
-        let (x, kernel) = match q8 {
-            Some(q) => (vec![Arg::Ptr(q.xq), Arg::Ptr(q.xs)], Kernel::GemvQ4KQ8Qkv),
-            None => (vec![Arg::Ptr(bf.xn)], Kernel::GemvQ4KQkv),
+        let x = match q8 {
+            Some(q) => vec![Arg::Ptr(q.xq), Arg::Ptr(q.xs)],
+            None => vec![Arg::Ptr(bf.xn)],
         };
         let outs = [
             Arg::U32(n as u32),
@@ -1864,11 +1881,26 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(bf.v),
         ];
         let args: Vec<Arg> = args.into_iter().chain(x).chain(outs).collect();
-        let dims = LaunchDims::grid2(
-            (l.wq.rows + 2 * l.wk.rows).div_ceil(GEMV_WARPS),
-            (n as u32).div_ceil(GEMV_BATCH),
-            THREADS,
-        );
+        let (kernel, dims) = match q8 {
+            Some(_) if n >= MMQ_MIN_ROWS => {
+                let ctas = l.wq.rows.div_ceil(MMQ_TILE) + 2 * l.wk.rows.div_ceil(MMQ_TILE);
+                let dims = LaunchDims::grid2(ctas, (n as u32).div_ceil(MMQ_TILE), THREADS);
+                (Kernel::MmqQ4KQkv, dims)
+            }
+            q8 => {
+                let dims = LaunchDims::grid2(
+                    (l.wq.rows + 2 * l.wk.rows).div_ceil(GEMV_WARPS),
+                    (n as u32).div_ceil(GEMV_BATCH),
+                    THREADS,
+                );
+                let kernel = if q8.is_some() {
+                    Kernel::GemvQ4KQ8Qkv
+                } else {
+                    Kernel::GemvQ4KQkv
+                };
+                (kernel, dims)
+            }
+        };
         self.launch(kernel, dims, &args)
     }
 
@@ -1902,23 +1934,39 @@ impl<D: Device> CudaForward<D> {
             Arg::U32(m.rows),
             Arg::U32(m.cols),
         ];
-        let (x, kernel) = match q8 {
-            Some(q) => (
-                vec![Arg::Ptr(q.xq), Arg::Ptr(q.xs)],
-                Kernel::GemvQ4KQ8Swiglu,
-            ),
-            None => (vec![Arg::Ptr(bf.xn)], Kernel::GemvQ4KSwiglu),
+        let x = match q8 {
+            Some(q) => vec![Arg::Ptr(q.xq), Arg::Ptr(q.xs)],
+            None => vec![Arg::Ptr(bf.xn)],
         };
         let args: Vec<Arg> = args
             .into_iter()
             .chain(x)
             .chain([Arg::U32(n as u32), Arg::Ptr(bf.gate)])
             .collect();
-        let dims = LaunchDims::grid2(
-            m.rows.div_ceil(GEMV_WARPS),
-            (n as u32).div_ceil(GEMV_BATCH),
-            THREADS,
-        );
+        let (kernel, dims) = match q8 {
+            // 32 output rows a CTA: its warps make 16 gate and 16 up rows each.
+            Some(_) if n >= MMQ_MIN_ROWS => {
+                let dims = LaunchDims::grid2(
+                    m.rows.div_ceil(MMQ_TILE / 2),
+                    (n as u32).div_ceil(MMQ_TILE),
+                    THREADS,
+                );
+                (Kernel::MmqQ4KSwiglu, dims)
+            }
+            q8 => {
+                let dims = LaunchDims::grid2(
+                    m.rows.div_ceil(GEMV_WARPS),
+                    (n as u32).div_ceil(GEMV_BATCH),
+                    THREADS,
+                );
+                let kernel = if q8.is_some() {
+                    Kernel::GemvQ4KQ8Swiglu
+                } else {
+                    Kernel::GemvQ4KSwiglu
+                };
+                (kernel, dims)
+            }
+        };
         self.launch(kernel, dims, &args)
     }
 

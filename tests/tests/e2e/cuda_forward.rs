@@ -691,13 +691,14 @@ fn chunked_prompts_through_the_prefill_kernel_match_the_cpu_under_every_schedule
 /// the int8-x vs f32-x difference itself is held to: measured 1.85e-2).
 const SYNTHETIC_Q4K_TOL: f32 = 5e-2;
 
-/// Q4_K products on int8 activations (dp4a): on a Q4_K model whose widths are whole Q4_K
-/// blocks, a 21-row prompt step of three sequences and a 3-row decode step give the CPU's
-/// logits within [`SYNTHETIC_Q4K_TOL`] — as the same steps on f32 x do — and the f32-x
-/// steps' within the Q4_K tolerance, bit for bit alike under every schedule seed; those steps
-/// launch only the int8-x GEMVs (Q/K/V, gate/up+SwiGLU, and O, down and the head), one
-/// quantize launch a layer (before down: the norms and flash decoding's merge quantize what
-/// they write), and a single-row step keeps f32 x.
+/// Q4_K products on int8 activations: on a Q4_K model whose widths are whole Q4_K blocks, a
+/// 21-row prompt step of three sequences (on integer tensor cores, `custody_mmq_q4k`) and a
+/// 3-row decode step (dp4a GEMVs) give the CPU's logits within [`SYNTHETIC_Q4K_TOL`] — as the
+/// same steps on f32 x do — and the f32-x steps' within the Q4_K tolerance, bit for bit alike
+/// under every schedule seed; those steps launch only int8-x products (the dp4a GEMVs fused
+/// for Q/K/V and gate/up+SwiGLU, and so the tensor-core kernels), one quantize launch
+/// a layer (before down: the norms and flash decoding's merge quantize what they write), and
+/// a single-row step keeps f32 x.
 #[test]
 fn decode_batches_multiply_q4k_weights_by_int8_activations_and_match_the_cpu() {
     use custody_cuda::Kernel;
@@ -719,6 +720,9 @@ fn decode_batches_multiply_q4k_weights_by_int8_activations_and_match_the_cpu() {
         Kernel::GemvQ4KQ8Qkv,
         Kernel::GemvQ4KQ8Swiglu,
         Kernel::GemvQ4KQ8,
+        Kernel::MmqQ4KQkv,
+        Kernel::MmqQ4KSwiglu,
+        Kernel::MmqQ4K,
         Kernel::QuantizeQ8,
     ];
     let f32_kernels = [Kernel::GemvQ4KQkv, Kernel::GemvQ4KSwiglu, Kernel::GemvQ4K];
@@ -761,11 +765,19 @@ fn decode_batches_multiply_q4k_weights_by_int8_activations_and_match_the_cpu() {
                 let count =
                     |ks: &[Kernel]| launches.iter().filter(|l| ks.contains(&l.kernel)).count();
                 let int8 = dp4a && live > 1;
+                // The prompt step (21 rows, padded to 32) on tensor cores, fused as the GEMVs.
+                let mmq = int8 && step == 0;
                 let what = format!("seed {seed:#x}, dp4a {dp4a}, step {step}");
                 assert_eq!(
                     count(&q8_kernels),
                     if int8 { 5 * layers + 1 } else { 0 },
                     "{what}: int8-x launches"
+                );
+                let tensor_cores = [Kernel::MmqQ4KQkv, Kernel::MmqQ4KSwiglu, Kernel::MmqQ4K];
+                assert_eq!(
+                    count(&tensor_cores),
+                    if mmq { 4 * layers + 1 } else { 0 },
+                    "{what}: tensor-core products"
                 );
                 assert_eq!(
                     count(&f32_kernels),

@@ -1174,13 +1174,15 @@ fn q8_reference(x: &[f32], cols: usize) -> Q8Ref {
     r
 }
 
-/// The dp4a path's pieces on the shim: `custody_quantize_q8` is the host's quantization bit for
-/// bit (bytes and scales), and so are the quantized copies `custody_rms_norm` and
-/// `custody_add_rms_norm` store beside their output; `custody_gemv_q4k_q8` on them is the
-/// dequantized weights times the quantized x (an f64 reference, within 1e-4) at the tiled
-/// GEMV's edge shapes, the same bits under every schedule, ≥ 90 % coalesced and — for columns
-/// that fill whole tile groups — within 1.15× the ideal bytes (the weights once, the int8 x and
-/// its scales once, the outputs once).
+/// The int8-activation path's pieces on the shim: `custody_quantize_q8` is the host's
+/// quantization bit for bit (bytes and scales), and so are the quantized copies
+/// `custody_rms_norm` and `custody_add_rms_norm` store beside their output; the dp4a GEMV
+/// (`custody_gemv_q4k_q8`) and the int8 tensor-core kernel (`custody_mmq_q4k`, its MMAs
+/// emulated in the PTX fragment layout) on them are the dequantized weights times the quantized
+/// x (an f64 reference, within 1e-4) at the edge shapes (a padded last tile group, rows and x
+/// rows not filling a block's tile), the same bits under every schedule, ≥ 90 % coalesced and —
+/// for columns that fill whole tile groups — within 1.15× the ideal bytes (the weights once,
+/// the int8 x and its scales once, the outputs once).
 #[test]
 fn the_dp4a_gemv_multiplies_the_quantized_activations_its_producers_store() {
     use custody_cuda::device::{bytes_of, bytes_of_mut};
@@ -1203,7 +1205,18 @@ fn the_dp4a_gemv_multiplies_the_quantized_activations_its_producers_store() {
         dev.download(p, bytes_of_mut(&mut v)).expect("download");
         v
     };
-    for (rows, cols, n) in [(9, 1280, 3), (4, 256, 1), (6, 2048, 9), (5, 2304, 2)] {
+    let shapes = [
+        (9, 1280, 3),
+        (4, 256, 1),
+        (6, 2048, 9),
+        (5, 2304, 2),
+        (70, 1024, 21),
+        (64, 2048, 64),
+    ];
+    for ((rows, cols, n), kernel) in shapes
+        .into_iter()
+        .flat_map(|sh| [(sh, Kernel::GemvQ4KQ8), (sh, Kernel::MmqQ4K)])
+    {
         let w = weights(&mut rng, DType::Q4_K, rows, cols);
         // A zero block among them: its scale is 0 and its bytes 0.
         let mut x: Vec<f32> = (0..n * cols).map(|_| 3.0 * rng.unit()).collect();
@@ -1228,7 +1241,7 @@ fn the_dp4a_gemv_multiplies_the_quantized_activations_its_producers_store() {
             }
         }
         let tiles = repack::q4k(&w, rows, cols).expect("repack");
-        let what = format!("custody_gemv_q4k_q8 {rows}×{cols}, batch {n}");
+        let what = format!("{} {rows}×{cols}, batch {n}", kernel.name());
         let mut first: Option<(Vec<f32>, cuda_shim::Counts)> = None;
         for seed in SEEDS {
             let mut dev = cuda_shim::ShimDevice::counting(seed);
@@ -1269,8 +1282,13 @@ fn the_dp4a_gemv_multiplies_the_quantized_activations_its_producers_store() {
                 Arg::U32(n as u32),
                 Arg::Ptr(out),
             ];
-            let dims = LaunchDims::grid2((rows as u32).div_ceil(4), (n as u32).div_ceil(8), 128);
-            dev.launch(Kernel::GemvQ4KQ8, dims, &args).expect("gemv");
+            let dims = match kernel {
+                Kernel::MmqQ4K => {
+                    LaunchDims::grid2((rows as u32).div_ceil(64), (n as u32).div_ceil(64), 128)
+                }
+                _ => LaunchDims::grid2((rows as u32).div_ceil(4), (n as u32).div_ceil(8), 128),
+            };
+            dev.launch(kernel, dims, &args).expect("product");
             let got = get_f32(&mut dev, out, n * rows);
             let counts = dev.take_counts().pop().expect("counted").counts;
             match &first {

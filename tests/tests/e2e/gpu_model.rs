@@ -23,24 +23,30 @@ const SMALL: Shape = Shape {
 
 #[test]
 fn a_counted_decode_step_moves_the_ideal_bytes_coalesced() {
-    for batch in [1, 3] {
-        let m = gpu_model::decode_step(SMALL, batch, 300, 1024).expect("counted step");
+    // Batch 16 (the tensor-core products) over the served context BENCHMARKS.md uses: 16 rows
+    // over 300 slots of this 1,024-wide model are a step whose activations (each product's f32
+    // outputs, the norms) are 15 % of its weights and K/V — unlike a served shape's.
+    for (batch, ctx) in [(1, 300), (3, 300), (16, 1024)] {
+        let m = gpu_model::decode_step(SMALL, batch, ctx, 1024).expect("counted step");
         eprintln!("{}", gpu_model::render(&m));
         let ratio = m.dram_bytes() / m.ideal_bytes;
         assert!(
             ratio <= 1.15,
             "batch {batch}: moves {ratio:.3}× the ideal bytes"
         );
-        // One row multiplies f32 x; more, int8 x with dp4a (quantized by its producers).
-        let int8 = batch >= custody_runtime::cuda_forward::Q8_MIN_ROWS;
-        let products = if int8 {
-            [
+        // One row multiplies f32 x; more, int8 x (quantized by its producers) with dp4a, and
+        // from MMQ_MIN_ROWS on integer tensor cores, each matrix a launch of its own.
+        use custody_runtime::cuda_forward::{MMQ_MIN_ROWS, Q8_MIN_ROWS};
+        let int8 = batch >= Q8_MIN_ROWS;
+        let mmq = batch >= MMQ_MIN_ROWS;
+        let products = match (int8, mmq) {
+            (_, true) => vec![Kernel::MmqQ4K, Kernel::MmqQ4KSwiglu, Kernel::MmqQ4KQkv],
+            (true, false) => vec![
                 Kernel::GemvQ4KQ8,
                 Kernel::GemvQ4KQ8Swiglu,
                 Kernel::GemvQ4KQ8Qkv,
-            ]
-        } else {
-            [Kernel::GemvQ4K, Kernel::GemvQ4KSwiglu, Kernel::GemvQ4KQkv]
+            ],
+            _ => vec![Kernel::GemvQ4K, Kernel::GemvQ4KSwiglu, Kernel::GemvQ4KQkv],
         };
         for hot in products.into_iter().chain([Kernel::FlashDecode]) {
             let l = m
