@@ -9,6 +9,7 @@
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use custody_runtime::cuda_check::{self, Agreement};
+use custody_runtime::cuda_forward::CudaForward;
 use custody_runtime::cuda_speed::{self, LLAMA_3_1_8B, LLAMA_3_2_1B, ServedShape, SpeedPlan};
 use custody_runtime::gguf::write::Synthetic;
 
@@ -133,10 +134,43 @@ fn forward(ordinal: usize) -> Result<()> {
         }
         failed += usize::from(!first.pass() || !same);
     }
+    failed += usize::from(!int8_paths(ordinal)?);
     if failed > 0 {
-        bail!("{failed} weight types failed");
+        bail!("{failed} checks failed");
     }
     Ok(())
+}
+
+/// Q4_K products on int8 activations (the dp4a GEMVs, the int8 tensor-core MMAs) against the
+/// CPU and against the same workload on f32 activations.
+fn int8_paths(ordinal: usize) -> Result<bool> {
+    let model = cuda_check::load(&cuda_check::int8_model())?;
+    let mut runs = Vec::new();
+    for dp4a in [true, false] {
+        let pool = cuda_check::int8_pool(&model);
+        let mut fwd = CudaForward::new(open(ordinal)?, &model, &pool, 32)?;
+        fwd.set_dp4a(dp4a)?;
+        runs.push(cuda_check::run_int8_workload(&mut fwd, &model, |_, _| {})?);
+    }
+    let (int8, f32_run) = (&runs[0], &runs[1]);
+    let pass = cuda_check::int8_passes(int8, f32_run);
+    let steps = |r: &cuda_check::Int8Run| {
+        r.rel_err
+            .iter()
+            .map(|e| format!("{e:.2e}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    println!(
+        "Q4_K int8 x (tensor cores / dp4a / f32 x): max |dlogit|/max|logit| vs CPU {} (f32 x: {}; tolerance {:.0e}), vs f32 x {:.2e} (tolerance {:.0e})  {}",
+        steps(int8),
+        steps(f32_run),
+        cuda_check::INT8_CPU_TOL,
+        int8.rel_err_to(f32_run),
+        cuda_check::int8_vs_f32_tolerance(),
+        if pass { "PASS" } else { "FAIL" }
+    );
+    Ok(pass)
 }
 
 fn speed(a: &GpuCheckArgs) -> Result<()> {

@@ -685,36 +685,19 @@ fn chunked_prompts_through_the_prefill_kernel_match_the_cpu_under_every_schedule
     }
 }
 
-/// How far a random two-layer Q4_K model's device logits may be from the CPU's: the CPU
-/// quantizes activations to Q8_K (one scale per 256), and random weights amplify it — measured
-/// 3.6e-2 with f32 x on the device, 3.7e-2 with int8 x (above `tolerance(Q4_K)`, 3e-2, which
-/// the int8-x vs f32-x difference itself is held to: measured 1.85e-2).
-const SYNTHETIC_Q4K_TOL: f32 = 5e-2;
-
-/// Q4_K products on int8 activations: on a Q4_K model whose widths are whole Q4_K blocks, a
-/// 21-row prompt step of three sequences (on integer tensor cores, `custody_mmq_q4k`) and a
-/// 3-row decode step (dp4a GEMVs) give the CPU's logits within [`SYNTHETIC_Q4K_TOL`] — as the
-/// same steps on f32 x do — and the f32-x steps' within the Q4_K tolerance, bit for bit alike
-/// under every schedule seed; those steps launch only int8-x products (the dp4a GEMVs fused
-/// for Q/K/V and gate/up+SwiGLU, and so the tensor-core kernels), one quantize launch
-/// a layer (before down: the norms and flash decoding's merge quantize what they write), and
-/// a single-row step keeps f32 x.
+/// Q4_K products on int8 activations (`cuda_check::run_int8_workload`): on a Q4_K model whose
+/// widths are whole Q4_K blocks, a 21-row prompt step of three sequences (on integer tensor
+/// cores, `custody_mmq_q4k*`) and a 3-row decode step (dp4a GEMVs) give the CPU's logits within
+/// `INT8_CPU_TOL` — as the same steps on f32 x do — and the f32-x run's within the Q4_K
+/// tolerance (`int8_passes`), bit for bit alike under every schedule seed; those steps launch
+/// only int8-x products (fused for Q/K/V and gate/up+SwiGLU as the f32-x GEMVs are), one
+/// quantize launch a layer (before down: the norms and flash decoding's merge quantize what
+/// they write), and a single-row step keeps f32 x.
 #[test]
 fn decode_batches_multiply_q4k_weights_by_int8_activations_and_match_the_cpu() {
     use custody_cuda::Kernel;
-    let m = custody_runtime::cuda_check::load(&Synthetic {
-        n_layers: 2,
-        dim: 256,
-        ffn_dim: 512,
-        n_heads: 4,
-        n_kv_heads: 2,
-        vocab: 256,
-        context_length: 512,
-        dtype: DType::Q4_K,
-        untied_output: true,
-        seed: 21,
-    })
-    .expect("synthetic model");
+    use custody_runtime::cuda_check::{int8_model, int8_passes, int8_pool, run_int8_workload};
+    let m = custody_runtime::cuda_check::load(&int8_model()).expect("synthetic model");
     let layers = m.config.n_layers;
     let q8_kernels = [
         Kernel::GemvQ4KQ8Qkv,
@@ -725,58 +708,32 @@ fn decode_batches_multiply_q4k_weights_by_int8_activations_and_match_the_cpu() {
         Kernel::MmqQ4K,
         Kernel::QuantizeQ8,
     ];
+    let tensor_cores = [Kernel::MmqQ4KQkv, Kernel::MmqQ4KSwiglu, Kernel::MmqQ4K];
     let f32_kernels = [Kernel::GemvQ4KQkv, Kernel::GemvQ4KSwiglu, Kernel::GemvQ4K];
     let mut first: Option<Vec<f32>> = None;
-    let mut f32_logits = Vec::new();
     for seed in SEEDS {
-        for dp4a in [false, true] {
-            let (mut cpu_pool, mut dev_pool) = (pool(&m), pool(&m));
-            let mut dev =
-                CudaForward::new(ShimDevice::counting(seed), &m, &dev_pool, 32).expect("upload");
-            dev.set_dp4a(dp4a).expect("switch");
-            let mut seqs = Vec::new();
-            for (owner, len) in [(1u64, 5usize), (2, 7), (3, 9)] {
-                let pages = cpu_pool.alloc(owner, 2).expect("alloc");
-                assert_eq!(dev_pool.alloc(owner, 2).expect("alloc"), pages);
-                let tokens = (0..len).map(|t| ((t * 31 + owner as usize * 7) % 256) as u32);
-                seqs.push(Seq {
-                    owner,
-                    tokens: tokens.collect(),
-                    pages,
-                });
-            }
-            let mut scratch = Scratch::default();
-            let mut logits = Vec::new();
-            // The prompts (21 rows), a decode step of all three, then of the first alone.
-            for (step, live) in [(0, 3), (1, 3), (2, 1)] {
-                let starts: Vec<usize> = seqs
-                    .iter()
-                    .map(|s| if step == 0 { 0 } else { s.tokens.len() - 1 })
-                    .collect();
-                let segs: Vec<Segment<'_>> = seqs[..live]
-                    .iter()
-                    .zip(&starts)
-                    .map(|(s, &start)| segment(s, start, Logits::Last))
-                    .collect();
-                let cpu = m.forward(&mut cpu_pool, &segs, &mut scratch);
-                dev.device_mut().take_counts();
-                let gpu = dev.forward(&mut dev_pool, &segs).expect("device forward");
-                let launches = dev.device_mut().take_counts();
+        let mut runs = Vec::new();
+        for dp4a in [true, false] {
+            let mut fwd = CudaForward::new(ShimDevice::counting(seed), &m, &int8_pool(&m), 32)
+                .expect("upload");
+            fwd.set_dp4a(dp4a).expect("switch");
+            fwd.device_mut().take_counts();
+            let run = run_int8_workload(&mut fwd, &m, |step, fwd| {
+                let launches = fwd.device_mut().take_counts();
                 let count =
                     |ks: &[Kernel]| launches.iter().filter(|l| ks.contains(&l.kernel)).count();
-                let int8 = dp4a && live > 1;
-                // The prompt step (21 rows, padded to 32) on tensor cores, fused as the GEMVs.
-                let mmq = int8 && step == 0;
+                // Steps 0 and 1 have 3 rows or more; step 0's 21 (a 32-row graph) on tensor
+                // cores.
+                let int8 = dp4a && step < 2;
                 let what = format!("seed {seed:#x}, dp4a {dp4a}, step {step}");
                 assert_eq!(
                     count(&q8_kernels),
                     if int8 { 5 * layers + 1 } else { 0 },
                     "{what}: int8-x launches"
                 );
-                let tensor_cores = [Kernel::MmqQ4KQkv, Kernel::MmqQ4KSwiglu, Kernel::MmqQ4K];
                 assert_eq!(
                     count(&tensor_cores),
-                    if mmq { 4 * layers + 1 } else { 0 },
+                    if int8 && step == 0 { 4 * layers + 1 } else { 0 },
                     "{what}: tensor-core products"
                 );
                 assert_eq!(
@@ -784,42 +741,24 @@ fn decode_batches_multiply_q4k_weights_by_int8_activations_and_match_the_cpu() {
                     if int8 { 0 } else { 4 * layers + 1 },
                     "{what}: f32-x launches"
                 );
-                let mut next = Vec::new();
-                for (c, g) in cpu.iter().zip(&gpu) {
-                    let (c, g) = (c.as_ref().expect("cpu"), g.as_ref().expect("device"));
-                    let e = rel_err(c, g);
-                    eprintln!("{what}: max |Δlogit| / max |logit| = {e:.2e}");
-                    assert!(e <= SYNTHETIC_Q4K_TOL, "{what}: {e:.2e}");
-                    logits.extend_from_slice(g);
-                    let best = c
-                        .iter()
-                        .enumerate()
-                        .fold(0, |b, (i, &v)| if v > c[b] { i } else { b });
-                    next.push(best as u32);
-                }
-                drop(segs);
-                for (s, t) in seqs.iter_mut().zip(next) {
-                    s.tokens.push(t);
-                }
-            }
-            if !dp4a {
-                f32_logits = logits.clone();
-            } else {
-                let d = rel_err(&f32_logits, &logits);
-                eprintln!("seed {seed:#x}: int8 x vs f32 x on the device: {d:.2e}");
-                assert!(d <= tolerance(DType::Q4_K), "int8 x vs f32 x: {d:.2e}");
-            }
-            if dp4a {
-                match &first {
-                    None => first = Some(logits),
-                    Some(f) => assert!(
-                        f.iter()
-                            .zip(&logits)
-                            .all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "seed {seed:#x}: logits differ between schedule seeds (a race)"
-                    ),
-                }
-            }
+            })
+            .expect("workload");
+            eprintln!(
+                "seed {seed:#x}, dp4a {dp4a}: max |Δlogit| / max |logit| per step {:?}",
+                run.rel_err
+            );
+            runs.push(run);
+        }
+        let (int8, f32_run) = (&runs[0], &runs[1]);
+        assert!(int8_passes(int8, f32_run), "seed {seed:#x}: {runs:?}");
+        match &first {
+            None => first = Some(int8.device_logits.clone()),
+            Some(f) => assert!(
+                f.iter()
+                    .zip(&int8.device_logits)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "seed {seed:#x}: logits differ between schedule seeds (a race)"
+            ),
         }
     }
 }
