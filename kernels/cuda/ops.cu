@@ -359,6 +359,26 @@ __device__ __forceinline__ void custody_scale_min_k4_words(custody_u32 j, custod
     }
 }
 
+// A weight row's scale and minimum of sub-blocks 2c (`lo`) and 2c + 1 (`hi`) of the super-block
+// whose head is `h`: d·sc and dmin·m.
+struct CustodyQ4kScales {
+    float d_lo, m_lo, d_hi, m_hi;
+};
+
+__device__ __forceinline__ CustodyQ4kScales custody_q4k_scales(uint4 h, custody_u32 c) {
+    custody_u32 sc0, m0, sc1, m1;
+    custody_scale_min_k4_words(2 * c, h.y, h.z, h.w, &sc0, &m0);
+    custody_scale_min_k4_words(2 * c + 1, h.y, h.z, h.w, &sc1, &m1);
+    const float d = custody_half_to_float((unsigned short)(h.x & 0xffffu));
+    const float dmin = custody_half_to_float((unsigned short)(h.x >> 16));
+    CustodyQ4kScales s;
+    s.d_lo = d * (float)sc0;
+    s.m_lo = dmin * (float)m0;
+    s.d_hi = d * (float)sc1;
+    s.m_hi = dmin * (float)m1;
+    return s;
+}
+
 __device__ __forceinline__ float custody_sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
 
 // out[r][o] = Σ_k W[o][k] · x[r][k] for W Q4_K in the layout above, x `n × cols` f32 (cols a
@@ -383,14 +403,8 @@ __device__ __forceinline__ void custody_gemv_q4k_row(const uint4* heads, const u
         for (custody_u32 s = 0; s < 4; s++) {
             const custody_u32 b = 4 * g + s;
             if (b >= nb) break;  // the same for every lane
-            const uint4 h = CUSTODY_LD(heads + 4 * t + s);
-            custody_u32 sc0, m0, sc1, m1;
-            custody_scale_min_k4_words(2 * c, h.y, h.z, h.w, &sc0, &m0);
-            custody_scale_min_k4_words(2 * c + 1, h.y, h.z, h.w, &sc1, &m1);
-            const float d = custody_half_to_float((unsigned short)(h.x & 0xffffu));
-            const float dmin = custody_half_to_float((unsigned short)(h.x >> 16));
-            const float d0 = d * (float)sc0, m0f = dmin * (float)m0;
-            const float d1 = d * (float)sc1, m1f = dmin * (float)m1;
+            const CustodyQ4kScales sc = custody_q4k_scales(CUSTODY_LD(heads + 4 * t + s), c);
+            const float d0 = sc.d_lo, m0f = sc.m_lo, d1 = sc.d_hi, m1f = sc.m_hi;
             const custody_u32 k = 256 * b + 64 * c + p;
 #pragma unroll
             for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
@@ -518,14 +532,9 @@ __device__ __forceinline__ void custody_gemv_q4k_q8_row(const uint4* heads, cons
         for (custody_u32 s = 0; s < 4; s++) {
             const custody_u32 b = 4 * g + s;
             if (b >= nb) break;  // the same for every lane
-            const uint4 h = CUSTODY_LD(heads + 4 * t + s);
-            custody_u32 sc0, m0, sc1, m1;
-            custody_scale_min_k4_words(2 * c, h.y, h.z, h.w, &sc0, &m0);
-            custody_scale_min_k4_words(2 * c + 1, h.y, h.z, h.w, &sc1, &m1);
-            const float d = custody_half_to_float((unsigned short)(h.x & 0xffffu));
-            const float dmin = custody_half_to_float((unsigned short)(h.x >> 16));
-            const float d0 = d * (float)sc0, m0f = 0.125f * dmin * (float)m0;
-            const float d1 = d * (float)sc1, m1f = 0.125f * dmin * (float)m1;
+            const CustodyQ4kScales sc = custody_q4k_scales(CUSTODY_LD(heads + 4 * t + s), c);
+            // A lane's eighth of the minimums' term (8 lanes share a sub-block: exact).
+            const float d0 = sc.d_lo, m0f = 0.125f * sc.m_lo, d1 = sc.d_hi, m1f = 0.125f * sc.m_hi;
             const int lo = (int)(words[s] & 0x0f0f0f0fu), hi = (int)((words[s] >> 4) & 0x0f0f0f0fu);
 #pragma unroll
             for (custody_u32 r = 0; r < CUSTODY_GEMV_BATCH; r++) {
@@ -715,26 +724,6 @@ __device__ __forceinline__ uint4 custody_shfl_u4(uint4 v, custody_u32 src) {
 __device__ __forceinline__ float4 custody_shfl_f4(float4 v, custody_u32 src) {
     return make_float4(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src),
                        __shfl_sync(0xffffffffu, v.z, src), __shfl_sync(0xffffffffu, v.w, src));
-}
-
-// A weight row's scale and minimum of sub-blocks 2c (`lo`) and 2c + 1 (`hi`) of the super-block
-// whose head is `h`: d·sc and dmin·m.
-struct CustodyQ4kScales {
-    float d_lo, m_lo, d_hi, m_hi;
-};
-
-__device__ __forceinline__ CustodyQ4kScales custody_q4k_scales(uint4 h, custody_u32 c) {
-    custody_u32 sc0, m0, sc1, m1;
-    custody_scale_min_k4_words(2 * c, h.y, h.z, h.w, &sc0, &m0);
-    custody_scale_min_k4_words(2 * c + 1, h.y, h.z, h.w, &sc1, &m1);
-    const float d = custody_half_to_float((unsigned short)(h.x & 0xffffu));
-    const float dmin = custody_half_to_float((unsigned short)(h.x >> 16));
-    CustodyQ4kScales s;
-    s.d_lo = d * (float)sc0;
-    s.m_lo = dmin * (float)m0;
-    s.d_hi = d * (float)sc1;
-    s.m_hi = dmin * (float)m1;
-    return s;
 }
 
 // One warp's 16 weight rows (`row_a` = its first + g, and row_a + 8) of a Q4_K matrix against

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use custody_cuda::Device;
 use custody_kernels::DType;
-use custody_kernels::attention::{PageRef, Reader, ReduceOrder, TagCheck};
+use custody_kernels::attention::{IntegrityError, PageRef, Reader, ReduceOrder, TagCheck};
 
 use crate::cuda_forward::{CudaForward, CudaForwardError};
 use crate::gguf::write::Synthetic;
@@ -162,6 +162,20 @@ struct Seq {
     start: usize,
 }
 
+/// A segment's logits on both backends, or the integrity failure either reported.
+fn both_passed(
+    cpu: Result<Vec<f32>, IntegrityError>,
+    dev: Result<Vec<f32>, IntegrityError>,
+) -> Result<(Vec<f32>, Vec<f32>), CheckError> {
+    let failed = |backend: &'static str| {
+        move |e: IntegrityError| CheckError::Integrity {
+            backend,
+            error: e.to_string(),
+        }
+    };
+    Ok((cpu.map_err(failed("CPU"))?, dev.map_err(failed("device"))?))
+}
+
 /// Two sequences (13 and 70 prompt tokens: 83 rows, the GEMM path) prefilled in one batch, then `steps - 1` greedy
 /// decode steps of both, on each backend with its own pool; the CPU's tokens feed both.
 pub fn compare_with_cpu<D: Device>(
@@ -207,30 +221,7 @@ pub fn compare_with_cpu<D: Device>(
     };
     for step in 0..steps {
         let logits = if step == 0 { Logits::All } else { Logits::Last };
-        let segs: Vec<Segment<'_>> = seqs
-            .iter()
-            .map(|s| Segment {
-                tokens: &s.tokens[s.start..],
-                start_pos: s.start,
-                block_table: &s.pages,
-                reader: Reader::private(s.owner),
-                logits,
-                order: if s.tokens.len() - s.start >= 2 {
-                    ReduceOrder::Gemm
-                } else {
-                    ReduceOrder::Vec
-                },
-                rows: if s.tokens.len() - s.start >= 2 {
-                    Rows::Prompt {
-                        len: s.tokens.len(),
-                        chunk: s.tokens.len(),
-                    }
-                } else {
-                    Rows::Decode
-                },
-                check: TagCheck::Enforced,
-            })
-            .collect();
+        let segs: Vec<Segment<'_>> = seqs.iter().map(|s| s.segment(logits)).collect();
         let t = Instant::now();
         let cpu = model.forward(&mut cpu_pool, &segs, &mut scratch);
         a.cpu_time += t.elapsed();
@@ -239,14 +230,7 @@ pub fn compare_with_cpu<D: Device>(
         a.device_time += t.elapsed();
         drop(segs);
         for ((c, g), s) in cpu.into_iter().zip(gpu).zip(&mut seqs) {
-            let c = c.map_err(|e| CheckError::Integrity {
-                backend: "CPU",
-                error: e.to_string(),
-            })?;
-            let g = g.map_err(|e| CheckError::Integrity {
-                backend: "device",
-                error: e.to_string(),
-            })?;
+            let (c, g) = both_passed(c, g)?;
             a.max_rel_err = a.max_rel_err.max(rel_err(&c, &g));
             let (ct, margin) = argmax_and_margin(&c[c.len() - vocab..]);
             let (gt, _) = argmax_and_margin(&g[g.len() - vocab..]);
@@ -334,21 +318,17 @@ pub fn run_int8_workload<D: Device>(
     };
     let mut scratch = Scratch::default();
     for (step, live) in INT8_STEPS.into_iter().enumerate() {
-        let segs: Vec<Segment<'_>> = seqs[..live].iter().map(Seq::segment).collect();
+        let segs: Vec<Segment<'_>> = seqs[..live]
+            .iter()
+            .map(|s| s.segment(Logits::Last))
+            .collect();
         let cpu = model.forward(&mut cpu_pool, &segs, &mut scratch);
         let dev = fwd.forward(&mut dev_pool, &segs)?;
         drop(segs);
         after_step(step, fwd);
         let mut worst = 0.0f32;
         for ((c, g), s) in cpu.into_iter().zip(dev).zip(&mut seqs) {
-            let c = c.map_err(|e| CheckError::Integrity {
-                backend: "CPU",
-                error: e.to_string(),
-            })?;
-            let g = g.map_err(|e| CheckError::Integrity {
-                backend: "device",
-                error: e.to_string(),
-            })?;
+            let (c, g) = both_passed(c, g)?;
             worst = worst.max(rel_err(&c, &g));
             run.device_logits.extend_from_slice(&g);
             let (next, _) = argmax_and_margin(&c[c.len() - vocab..]);
@@ -368,15 +348,15 @@ impl Int8Run {
 }
 
 impl Seq {
-    /// The sequence's rows not yet run, the last one's logits returned.
-    fn segment(&self) -> Segment<'_> {
+    /// The sequence's rows not yet run, `logits` returned.
+    fn segment(&self, logits: Logits) -> Segment<'_> {
         let prompt = self.tokens.len() - self.start >= 2;
         Segment {
             tokens: &self.tokens[self.start..],
             start_pos: self.start,
             block_table: &self.pages,
             reader: Reader::private(self.owner),
-            logits: Logits::Last,
+            logits,
             order: if prompt {
                 ReduceOrder::Gemm
             } else {
