@@ -1362,6 +1362,158 @@ fn the_dp4a_gemv_multiplies_the_quantized_activations_its_producers_store() {
     }
 }
 
+/// The fused int8-x products are their parts: `custody_gemv_q4k_q8_qkv` and
+/// `custody_mmq_q4k_qkv` give, bit for bit, what `custody_gemv_q4k_q8` / `custody_mmq_q4k` give
+/// for Q, K and V one by one — at ragged sizes (Q's rows not a multiple of a CTA's 64, K/V's
+/// fewer than one CTA's), where the fused grid's CTA-to-matrix mapping has edges — and the
+/// `_swiglu` kernels give silu(gate) · up of the separate products (within 1e-6: the host's
+/// `exp`), under every schedule.
+#[test]
+fn the_fused_int8_products_are_their_parts() {
+    use custody_cuda::device::{bytes_of, bytes_of_mut};
+    use custody_cuda::{Arg, Device, DevicePtr, Kernel, LaunchDims, repack};
+    use custody_kernels::quant::DType;
+    let mut rng = Rng(9191);
+    let (q_rows, kv_rows, ffn_rows, cols) = (70usize, 20usize, 40usize, 1024usize);
+    let mats: Vec<repack::Tiles> = [q_rows, kv_rows, kv_rows, ffn_rows, ffn_rows]
+        .iter()
+        .map(|&rows| {
+            repack::q4k(&weights(&mut rng, DType::Q4_K, rows, cols), rows, cols).expect("repack")
+        })
+        .collect();
+    for (n, seed) in [(3usize, SEEDS[0]), (21, SEEDS[1]), (64, SEEDS[2])] {
+        let tensor_cores = n > 8;
+        let x: Vec<f32> = (0..n * cols).map(|_| 2.0 * rng.unit()).collect();
+        let mut dev = cuda_shim::ShimDevice::new(seed);
+        let mut put = |b: &[u8]| {
+            let p = dev.alloc_zeroed(b.len()).expect("alloc");
+            dev.upload(p, b).expect("upload");
+            p
+        };
+        let xp = put(bytes_of(&x));
+        let tiles: Vec<(DevicePtr, DevicePtr)> =
+            mats.iter().map(|t| (put(&t.heads), put(&t.qs))).collect();
+        let outs: Vec<DevicePtr> = [q_rows, kv_rows, kv_rows, ffn_rows, ffn_rows, q_rows]
+            .iter()
+            .chain(&[kv_rows, kv_rows, ffn_rows])
+            .map(|&rows| put(bytes_of(&vec![f32::NAN; n * rows])))
+            .collect();
+        let xq = dev.alloc_zeroed(n * cols).expect("alloc");
+        let xs = dev.alloc_zeroed(n * cols / 4).expect("alloc");
+        let args = [
+            Arg::Ptr(xp),
+            Arg::U32(cols as u32),
+            Arg::Ptr(xq),
+            Arg::Ptr(xs),
+        ];
+        dev.launch(
+            Kernel::QuantizeQ8,
+            LaunchDims::grid2(n as u32, 1, 128),
+            &args,
+        )
+        .expect("quantize");
+        let (single, qkv, swiglu) = if tensor_cores {
+            (Kernel::MmqQ4K, Kernel::MmqQ4KQkv, Kernel::MmqQ4KSwiglu)
+        } else {
+            (
+                Kernel::GemvQ4KQ8,
+                Kernel::GemvQ4KQ8Qkv,
+                Kernel::GemvQ4KQ8Swiglu,
+            )
+        };
+        let dims = |rows: usize| match tensor_cores {
+            true => LaunchDims::grid2((rows as u32).div_ceil(64), (n as u32).div_ceil(64), 128),
+            false => LaunchDims::grid2((rows as u32).div_ceil(4), (n as u32).div_ceil(8), 128),
+        };
+        // Each matrix alone: Q, K, V, gate, up.
+        for (i, &rows) in [q_rows, kv_rows, kv_rows, ffn_rows, ffn_rows]
+            .iter()
+            .enumerate()
+        {
+            let (h, q) = tiles[i];
+            let args = [
+                Arg::Ptr(h),
+                Arg::Ptr(q),
+                Arg::U32(rows as u32),
+                Arg::U32(cols as u32),
+                Arg::Ptr(xq),
+                Arg::Ptr(xs),
+                Arg::U32(n as u32),
+                Arg::Ptr(outs[i]),
+            ];
+            dev.launch(single, dims(rows), &args).expect("single");
+        }
+        let ((qh, qq), (kh, kq), (vh, vq)) = (tiles[0], tiles[1], tiles[2]);
+        let args = [
+            Arg::Ptr(qh),
+            Arg::Ptr(qq),
+            Arg::U32(q_rows as u32),
+            Arg::Ptr(kh),
+            Arg::Ptr(kq),
+            Arg::Ptr(vh),
+            Arg::Ptr(vq),
+            Arg::U32(kv_rows as u32),
+            Arg::U32(cols as u32),
+            Arg::Ptr(xq),
+            Arg::Ptr(xs),
+            Arg::U32(n as u32),
+            Arg::Ptr(outs[5]),
+            Arg::Ptr(outs[6]),
+            Arg::Ptr(outs[7]),
+        ];
+        let qkv_dims = match tensor_cores {
+            true => {
+                let ctas = q_rows.div_ceil(64) + 2 * kv_rows.div_ceil(64);
+                LaunchDims::grid2(ctas as u32, (n as u32).div_ceil(64), 128)
+            }
+            false => dims(q_rows + 2 * kv_rows),
+        };
+        dev.launch(qkv, qkv_dims, &args).expect("qkv");
+        let ((gh, gq), (uh, uq)) = (tiles[3], tiles[4]);
+        let args = [
+            Arg::Ptr(gh),
+            Arg::Ptr(gq),
+            Arg::Ptr(uh),
+            Arg::Ptr(uq),
+            Arg::U32(ffn_rows as u32),
+            Arg::U32(cols as u32),
+            Arg::Ptr(xq),
+            Arg::Ptr(xs),
+            Arg::U32(n as u32),
+            Arg::Ptr(outs[8]),
+        ];
+        let swiglu_dims = match tensor_cores {
+            true => LaunchDims::grid2((ffn_rows as u32).div_ceil(32), (n as u32).div_ceil(64), 128),
+            false => dims(ffn_rows),
+        };
+        dev.launch(swiglu, swiglu_dims, &args).expect("swiglu");
+        let mut get = |p: DevicePtr, rows: usize| {
+            let mut v = vec![0.0f32; n * rows];
+            dev.download(p, bytes_of_mut(&mut v)).expect("download");
+            v
+        };
+        let what = format!("{} / {}, batch {n}", qkv.name(), swiglu.name());
+        for (alone, fused, rows) in [(0, 5, q_rows), (1, 6, kv_rows), (2, 7, kv_rows)] {
+            let (a, f) = (get(outs[alone], rows), get(outs[fused], rows));
+            assert!(
+                a.iter().zip(&f).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{what}: matrix {alone} differs fused"
+            );
+        }
+        let (g, u, got) = (
+            get(outs[3], ffn_rows),
+            get(outs[4], ffn_rows),
+            get(outs[8], ffn_rows),
+        );
+        let want: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        close(&got, &want, 1e-6, &what);
+    }
+}
+
 /// The shim's warp collectives: a butterfly sum gives every lane the warp's total, a shuffle
 /// down reads the lane below's value, and a warp whose lanes do not all reach a collective is
 /// reported (as a divergent barrier is).
