@@ -15,12 +15,14 @@
 //!   f16 — the CPU pool's page layout.
 //! - The incident reproduction's disabled tag check exists only on the CPU backend: a segment
 //!   asking for it here is refused (`TagCheckRequired`).
-//! - A step runs as one CUDA graph: batches of up to [`MAX_GRAPH_ROWS`] rows are padded to a
-//!   power of two (padding rows: token 0, position 0, no KV write, no readable page — their
+//! - A decoding step runs as one CUDA graph: batches of up to [`MAX_GRAPH_ROWS`] rows with no
+//!   prompt for the prefill kernel (below) are padded to a power of two (padding rows: token 0, position 0, no KV write, no readable page — their
 //!   verdict is a failure no segment sees) and each (padded rows, flash-decoding splits) shape
 //!   is captured once and replayed; every per-step value (tokens, positions, tables, the tag
 //!   changes' count, write slots) is in device memory the host fills before the replay, never a
-//!   launch argument. Larger batches (prefill) launch their kernels one by one, unpadded.
+//!   launch argument. Larger batches, and steps with such a prompt (prefill: their tiles vary
+//!   from step to step), launch their kernels one by one, unpadded — as vLLM and SGLang keep
+//!   graphs for decoding.
 //!   Graphs are dropped before any buffer they name is replaced; at most [`MAX_GRAPHS`] are held.
 //! - Products: batches of up to [`GEMV_MAX_ROWS`] rows (decode) through the quantized GEMVs of
 //!   `kernels/cuda`, which read the weights in their quantized form — Q4_K ones, from
@@ -31,11 +33,11 @@
 //!   of the weights made once at load (every type but F32 and BF16, whose values f16 may not
 //!   hold: those keep the per-element kernel) — 2 bytes per weight more device memory,
 //!   [`CudaForward::gemm_weight_bytes`], named in [`CudaForward::describe`].
-//! - Attention: a step of up to [`MAX_GRAPH_ROWS`] rows (decode) through paged flash decoding,
-//!   split over pages; in a larger one (prefill) the rows of each segment of at least
-//!   `PREFILL_MIN_ROWS` (16) through `custody_flash_prefill`, tensor-core MMAs over tiles of up to
-//!   64 rows, when head_dim is a multiple of 16 up to 128 — the step's other rows through flash
-//!   decoding still. Both check the pages they read before the first load and give each row the
+//! - Attention: decoding rows through paged flash decoding, split over pages; the rows of each
+//!   segment of at least `PREFILL_MIN_ROWS` (16) through `custody_flash_prefill`, tensor-core
+//!   MMAs over tiles of up to 64 rows, when head_dim is a multiple of 16 up to 128 — the step's
+//!   other rows through flash decoding still (one row at a time, a prompt's rows would re-read
+//!   its context once per row). Both check the pages they read before the first load and give each row the
 //!   CPU's verdict.
 //! - Numerics: f32 activations (the CPU quantizes them to Q8 for quantized weights), rounded to
 //!   f16 only as the inputs of the GEMM path and of the prefill kernel's MMAs (Q and the softmax
@@ -339,8 +341,8 @@ struct StepShape {
     /// Rows the output head computes: all `rows` in a graph; in a kernel-by-kernel step only
     /// the rows whose logits are returned, gathered first (`custody_gather_rows`).
     head_rows: usize,
-    /// Tiles of `custody_flash_prefill` (in a step of more than [`MAX_GRAPH_ROWS`] rows whose
-    /// heads fit it: the rows of each segment of at least [`PREFILL_MIN_ROWS`], in runs of
+    /// Tiles of `custody_flash_prefill` (in a kernel-by-kernel step whose heads fit it: the
+    /// rows of each segment of at least [`PREFILL_MIN_ROWS`], in runs of
     /// [`PREFILL_TILE_ROWS`]); 0: none.
     prefill_tiles: usize,
     /// Rows flash decoding serves (and `splits` cuts): every row, or those the tiles leave.
@@ -1426,14 +1428,19 @@ impl<D: Device> CudaForward<D> {
         assert!(!rows.positions.is_empty(), "forward: empty batch");
         self.check_batch(segments, &rows)?;
         let wanted = wanted_rows(segments, &rows);
-        let mut shape = self.step_shape(&rows, wanted.len());
+        // A step with a prompt for the prefill kernel runs kernel by kernel (its tiles vary
+        // step to step; graphs are for decoding), whether or not graphs are on — so that a step
+        // takes the same kernels either way (`set_graphs`' comparison is bit for bit).
+        let plan = self
+            .prefill_fits()
+            .then(|| PrefillPlan::of(&rows, segments.len()))
+            .filter(|p| !p.tiles.is_empty());
+        let mut shape = self.step_shape(&rows, wanted.len(), plan.is_none());
         if !shape.graph {
             let b = self.bufs.head_rows;
             self.upload_u32(b, &wanted)?;
-            // By the step's size, not by whether graphs are on: a step of up to a graph's
-            // rows takes the same kernels either way (`set_graphs`' comparison is bit for bit).
-            if shape.rows > MAX_GRAPH_ROWS && self.prefill_fits() {
-                self.plan_prefill(&rows, segments.len(), &mut shape)?;
+            if let Some(plan) = plan {
+                self.plan_prefill(&rows, plan, &mut shape)?;
             }
         }
         self.upload_inputs(segments, &rows, shape.rows)?;
@@ -1451,13 +1458,14 @@ impl<D: Device> CudaForward<D> {
         self.read_logits(segments, &rows, shape, failed)
     }
 
-    /// The step's launch shape: rows padded to a power of two (a graph) or as they are (past
-    /// [`MAX_GRAPH_ROWS`]), and the splits of the longest context rounded up to a power of two
-    /// of pages (so that the contexts of a decoding batch map to few graphs).
-    fn step_shape(&self, rows: &Rows, wanted: usize) -> StepShape {
+    /// The step's launch shape: rows padded to a power of two (a graph: a `decoding` step — no
+    /// prompt tiles — of up to [`MAX_GRAPH_ROWS`] rows) or as they are, and the splits of the
+    /// longest context rounded up to a power of two of pages (so that the contexts of a decoding
+    /// batch map to few graphs).
+    fn step_shape(&self, rows: &Rows, wanted: usize, decoding: bool) -> StepShape {
         let c = &self.config;
         let n = rows.positions.len();
-        let graph = self.use_graphs && n <= MAX_GRAPH_ROWS;
+        let graph = self.use_graphs && decoding && n <= MAX_GRAPH_ROWS;
         let padded = if graph {
             n.next_power_of_two().min(self.max_rows)
         } else {
@@ -1503,11 +1511,10 @@ impl<D: Device> CudaForward<D> {
     fn plan_prefill(
         &mut self,
         rows: &Rows,
-        n_segments: usize,
+        plan: PrefillPlan,
         shape: &mut StepShape,
     ) -> Result<(), DeviceError> {
         let c = &self.config;
-        let plan = PrefillPlan::of(rows, n_segments);
         let max_pages = plan
             .decode_rows
             .iter()
@@ -1557,14 +1564,28 @@ impl<D: Device> CudaForward<D> {
         // SwiGLU's (quantized by a launch of its own, only for a Q4_K down product).
         let q8 = self.q8_step(shape);
         let xn_q8 = q8.filter(|_| c.dim.is_multiple_of(256));
-        let att_q8 = q8.filter(|_| c.head_dim.is_multiple_of(32) && c.q_dim().is_multiple_of(256));
+        // The prefill kernel stores no int8 copy: a step with prompt tiles quantizes the
+        // attention's output with a launch of its own (for a Q4_K O product).
+        let merge_q8 = q8.filter(|_| {
+            shape.prefill_tiles == 0
+                && c.head_dim.is_multiple_of(32)
+                && c.q_dim().is_multiple_of(256)
+        });
         self.rms_norm(bf.x, self.layers[0].attn_norm, bf.xn, n, c.dim, xn_q8)?;
         for li in 0..c.n_layers {
             let l = self.layers[li];
             self.qkv(&l, n, xn_q8)?;
             self.qkv_extras(&l, n)?;
             self.rope_kv_write(li, n)?;
-            self.attend(li, shape, att_q8)?;
+            self.attend(li, shape, merge_q8)?;
+            let att_q8 = match (merge_q8, takes_q8(&l.wo, q8)) {
+                (Some(q), _) => Some(q),
+                (None, Some(q)) => {
+                    self.quantize_q8(bf.att, c.q_dim(), n, q)?;
+                    Some(q)
+                }
+                (None, None) => None,
+            };
             self.matvec(l.wo, bf.att, bf.tmp, n, att_q8)?;
             self.add_rms_norm(bf.x, bf.tmp, l.ffn_norm, bf.xn, n, xn_q8)?;
             self.gate_up_swiglu(&l, n, xn_q8)?;
@@ -1602,11 +1623,10 @@ impl<D: Device> CudaForward<D> {
         self.matvec(self.output, bf.tmp, bf.logits, h, None)
     }
 
-    /// The quantized-input buffer when this step takes Q4_K products through the dp4a GEMVs
-    /// ([`Q8_MIN_ROWS`]..=[`GEMV_MAX_ROWS`] rows, flash decoding alone — the prefill kernel
-    /// writes no quantized copy — and a Q4_K product in the model).
+    /// The quantized-input buffer when this step takes Q4_K products on int8 x
+    /// ([`Q8_MIN_ROWS`]..=[`GEMV_MAX_ROWS`] rows and a Q4_K product in the model).
     fn q8_step(&self, shape: StepShape) -> Option<Q8> {
-        let fits = (Q8_MIN_ROWS..=GEMV_MAX_ROWS).contains(&shape.rows) && shape.prefill_tiles == 0;
+        let fits = (Q8_MIN_ROWS..=GEMV_MAX_ROWS).contains(&shape.rows);
         (fits && self.has_q4k && self.use_q8).then_some(self.bufs.q8)
     }
 
