@@ -1004,6 +1004,26 @@ fn the_kv_write_kernel_rounds_to_f16_as_the_cpu_does() {
     }
 }
 
+/// A product's outputs and counts under one schedule seed: the first kept, every later one
+/// equal to it bit for bit (a difference is a race).
+fn same_as_first(
+    first: &mut Option<(Vec<f32>, cuda_shim::Counts)>,
+    got: Vec<f32>,
+    counts: cuda_shim::Counts,
+    what: &str,
+) {
+    match first {
+        None => *first = Some((got, counts)),
+        Some((g0, c0)) => {
+            assert!(
+                g0.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what} differs from seed 0: a race"
+            );
+            assert_eq!(*c0, counts, "{what}: counts differ across schedules");
+        }
+    }
+}
+
 /// One tiled GEMV launch (`custody_gemv_q4k`, `_q6k`, `_q8_0`) on a counting shim device: the
 /// outputs and the launch's counts.
 fn gemv_tiled(
@@ -1097,16 +1117,7 @@ fn the_tiled_gemvs_match_the_reference_and_are_coalesced_by_count() {
         let mut first: Option<(Vec<f32>, cuda_shim::Counts)> = None;
         for seed in SEEDS {
             let (got, counts) = gemv_tiled(kernel, &tiles, rows, cols, &x, seed);
-            match &first {
-                None => first = Some((got, counts)),
-                Some((g0, c0)) => {
-                    assert!(
-                        g0.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{what}: seed {seed:#x} differs from seed 0: a race"
-                    );
-                    assert_eq!(*c0, counts, "{what}: counts differ across schedules");
-                }
-            }
+            same_as_first(&mut first, got, counts, &format!("{what}: seed {seed:#x}"));
         }
         let (got, counts) = first.expect("seeds");
         close(&got, &want, 1e-4, &what);
@@ -1129,6 +1140,49 @@ fn the_tiled_gemvs_match_the_reference_and_are_coalesced_by_count() {
                 "{what}: moves {ratio:.3}× the ideal bytes: {counts:?}"
             );
         }
+    }
+}
+
+/// `x` (`n` rows of `cols`) on `dev`, quantized there by `custody_quantize_q8`: (xq, xs).
+fn quantize_on(
+    dev: &mut cuda_shim::ShimDevice,
+    x: &[f32],
+    cols: usize,
+) -> (custody_cuda::DevicePtr, custody_cuda::DevicePtr) {
+    use custody_cuda::{Arg, Device, Kernel, LaunchDims};
+    let n = x.len() / cols;
+    let xp = dev.alloc_zeroed(x.len() * 4).expect("alloc");
+    dev.upload(xp, custody_cuda::device::bytes_of(x))
+        .expect("upload");
+    let xq = dev.alloc_zeroed(n * cols).expect("alloc");
+    let xs = dev.alloc_zeroed(n * cols / 4).expect("alloc");
+    let args = [
+        Arg::Ptr(xp),
+        Arg::U32(cols as u32),
+        Arg::Ptr(xq),
+        Arg::Ptr(xs),
+    ];
+    dev.launch(
+        Kernel::QuantizeQ8,
+        LaunchDims::grid2(n as u32, 1, 128),
+        &args,
+    )
+    .expect("quantize");
+    (xq, xs)
+}
+
+/// An int8-x product's grid: `custody_mmq_q4k` (64 × 64 a CTA) or the dp4a GEMV (4 rows × 8).
+fn q8_product_dims(
+    kernel: custody_cuda::Kernel,
+    rows: usize,
+    n: usize,
+) -> custody_cuda::LaunchDims {
+    use custody_cuda::{Kernel, LaunchDims};
+    match kernel {
+        Kernel::MmqQ4K => {
+            LaunchDims::grid2((rows as u32).div_ceil(64), (n as u32).div_ceil(64), 128)
+        }
+        _ => LaunchDims::grid2((rows as u32).div_ceil(4), (n as u32).div_ceil(8), 128),
     }
 }
 
@@ -1245,21 +1299,9 @@ fn the_dp4a_gemv_multiplies_the_quantized_activations_its_producers_store() {
         let mut first: Option<(Vec<f32>, cuda_shim::Counts)> = None;
         for seed in SEEDS {
             let mut dev = cuda_shim::ShimDevice::counting(seed);
-            let xp = put(&mut dev, bytes_of(&x));
-            let xq = dev.alloc_zeroed(n * cols).expect("alloc");
-            let xs = dev.alloc_zeroed(n * cols / 4).expect("alloc");
-            let args = [
-                Arg::Ptr(xp),
-                Arg::U32(cols as u32),
-                Arg::Ptr(xq),
-                Arg::Ptr(xs),
-            ];
-            dev.launch(
-                Kernel::QuantizeQ8,
-                LaunchDims::grid2(n as u32, 1, 128),
-                &args,
-            )
-            .expect("quantize");
+            let (xq, xs) = quantize_on(&mut dev, &x, cols);
+            // The quantize launch's counts are not the product's.
+            dev.take_counts();
             assert_eq!(get_u8(&mut dev, xq, n * cols), want_q.xq, "{what}: bytes");
             let xs_got = get_f32(&mut dev, xs, n * cols / 16);
             assert!(
@@ -1282,25 +1324,11 @@ fn the_dp4a_gemv_multiplies_the_quantized_activations_its_producers_store() {
                 Arg::U32(n as u32),
                 Arg::Ptr(out),
             ];
-            let dims = match kernel {
-                Kernel::MmqQ4K => {
-                    LaunchDims::grid2((rows as u32).div_ceil(64), (n as u32).div_ceil(64), 128)
-                }
-                _ => LaunchDims::grid2((rows as u32).div_ceil(4), (n as u32).div_ceil(8), 128),
-            };
-            dev.launch(kernel, dims, &args).expect("product");
+            dev.launch(kernel, q8_product_dims(kernel, rows, n), &args)
+                .expect("product");
             let got = get_f32(&mut dev, out, n * rows);
             let counts = dev.take_counts().pop().expect("counted").counts;
-            match &first {
-                None => first = Some((got, counts)),
-                Some((g0, c0)) => {
-                    assert!(
-                        g0.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{what}: seed {seed:#x} differs from seed 0: a race"
-                    );
-                    assert_eq!(*c0, counts, "{what}: counts differ across schedules");
-                }
-            }
+            same_as_first(&mut first, got, counts, &format!("{what}: seed {seed:#x}"));
         }
         let (got, counts) = first.expect("seeds");
         close(&got, &want, 1e-4, &what);
@@ -1390,7 +1418,6 @@ fn the_fused_int8_products_are_their_parts() {
             dev.upload(p, b).expect("upload");
             p
         };
-        let xp = put(bytes_of(&x));
         let tiles: Vec<(DevicePtr, DevicePtr)> =
             mats.iter().map(|t| (put(&t.heads), put(&t.qs))).collect();
         let outs: Vec<DevicePtr> = [q_rows, kv_rows, kv_rows, ffn_rows, ffn_rows, q_rows]
@@ -1398,20 +1425,7 @@ fn the_fused_int8_products_are_their_parts() {
             .chain(&[kv_rows, kv_rows, ffn_rows])
             .map(|&rows| put(bytes_of(&vec![f32::NAN; n * rows])))
             .collect();
-        let xq = dev.alloc_zeroed(n * cols).expect("alloc");
-        let xs = dev.alloc_zeroed(n * cols / 4).expect("alloc");
-        let args = [
-            Arg::Ptr(xp),
-            Arg::U32(cols as u32),
-            Arg::Ptr(xq),
-            Arg::Ptr(xs),
-        ];
-        dev.launch(
-            Kernel::QuantizeQ8,
-            LaunchDims::grid2(n as u32, 1, 128),
-            &args,
-        )
-        .expect("quantize");
+        let (xq, xs) = quantize_on(&mut dev, &x, cols);
         let (single, qkv, swiglu) = if tensor_cores {
             (Kernel::MmqQ4K, Kernel::MmqQ4KQkv, Kernel::MmqQ4KSwiglu)
         } else {
@@ -1421,10 +1435,7 @@ fn the_fused_int8_products_are_their_parts() {
                 Kernel::GemvQ4KQ8Swiglu,
             )
         };
-        let dims = |rows: usize| match tensor_cores {
-            true => LaunchDims::grid2((rows as u32).div_ceil(64), (n as u32).div_ceil(64), 128),
-            false => LaunchDims::grid2((rows as u32).div_ceil(4), (n as u32).div_ceil(8), 128),
-        };
+        let dims = |rows: usize| q8_product_dims(single, rows, n);
         // Each matrix alone: Q, K, V, gate, up.
         for (i, &rows) in [q_rows, kv_rows, kv_rows, ffn_rows, ffn_rows]
             .iter()
