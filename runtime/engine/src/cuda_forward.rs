@@ -457,6 +457,65 @@ fn q4k_tiles(m: &DevMat) -> Option<(DevicePtr, DevicePtr)> {
     }
 }
 
+/// Which kernels a step's Q4_K products take: f32 x, int8 x with dp4a (from [`Q8_MIN_ROWS`]
+/// rows, when the step's inputs were quantized), or int8 x on tensor cores (from
+/// [`MMQ_MIN_ROWS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Q4kPath {
+    F32,
+    Dp4a,
+    TensorCores,
+}
+
+/// A path's kernels: one matrix, Q/K/V fused, gate/up fused with the SwiGLU.
+struct Q4kKernels {
+    single: Kernel,
+    qkv: Kernel,
+    swiglu: Kernel,
+}
+
+impl Q4kPath {
+    fn of(q8: Option<Q8>, rows: usize) -> Self {
+        match q8 {
+            None => Self::F32,
+            Some(_) if rows >= MMQ_MIN_ROWS => Self::TensorCores,
+            Some(_) => Self::Dp4a,
+        }
+    }
+
+    fn kernels(self) -> Q4kKernels {
+        let [single, qkv, swiglu] = match self {
+            Self::F32 => [Kernel::GemvQ4K, Kernel::GemvQ4KQkv, Kernel::GemvQ4KSwiglu],
+            Self::Dp4a => [
+                Kernel::GemvQ4KQ8,
+                Kernel::GemvQ4KQ8Qkv,
+                Kernel::GemvQ4KQ8Swiglu,
+            ],
+            Self::TensorCores => [Kernel::MmqQ4K, Kernel::MmqQ4KQkv, Kernel::MmqQ4KSwiglu],
+        };
+        Q4kKernels {
+            single,
+            qkv,
+            swiglu,
+        }
+    }
+
+    /// The launch grid over `n` x rows: `mmq_ctas` CTAs along the weight rows on tensor cores
+    /// (64 x rows each), else one warp per weight row of `rows` (4 a block, 8 x rows each).
+    fn dims(self, mmq_ctas: u32, rows: u32, n: usize) -> LaunchDims {
+        match self {
+            Self::TensorCores => {
+                LaunchDims::grid2(mmq_ctas, (n as u32).div_ceil(MMQ_TILE), THREADS)
+            }
+            Self::F32 | Self::Dp4a => LaunchDims::grid2(
+                rows.div_ceil(GEMV_WARPS),
+                (n as u32).div_ceil(GEMV_BATCH),
+                THREADS,
+            ),
+        }
+    }
+}
+
 /// Whether a product of `m` takes Q8 x in a step whose inputs were quantized (`q8`): Q4_K tiles
 /// (their widths are multiples of 256, the quantized layout's unit).
 fn takes_q8(m: &DevMat, q8: Option<Q8>) -> Option<Q8> {
@@ -1191,21 +1250,8 @@ impl<D: Device> CudaForward<D> {
             return self.gemm(w16, m, out, rows);
         }
         if let (Some(q), Some((heads, qs))) = (takes_q8(&m, q8), q4k_tiles(&m)) {
-            let (kernel, dims) = if rows >= MMQ_MIN_ROWS {
-                let dims = LaunchDims::grid2(
-                    m.rows.div_ceil(MMQ_TILE),
-                    (rows as u32).div_ceil(MMQ_TILE),
-                    THREADS,
-                );
-                (Kernel::MmqQ4K, dims)
-            } else {
-                let dims = LaunchDims::grid2(
-                    m.rows.div_ceil(GEMV_WARPS),
-                    (rows as u32).div_ceil(GEMV_BATCH),
-                    THREADS,
-                );
-                (Kernel::GemvQ4KQ8, dims)
-            };
+            let path = Q4kPath::of(Some(q), rows);
+            let dims = path.dims(m.rows.div_ceil(MMQ_TILE), m.rows, rows);
             let args = [
                 Arg::Ptr(heads),
                 Arg::Ptr(qs),
@@ -1216,7 +1262,7 @@ impl<D: Device> CudaForward<D> {
                 Arg::U32(rows as u32),
                 Arg::Ptr(out),
             ];
-            return self.launch(kernel, dims, &args);
+            return self.launch(path.kernels().single, dims, &args);
         }
         match m.layout {
             Layout::Gguf(w) => {
@@ -1901,27 +1947,11 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(bf.v),
         ];
         let args: Vec<Arg> = args.into_iter().chain(x).chain(outs).collect();
-        let (kernel, dims) = match q8 {
-            Some(_) if n >= MMQ_MIN_ROWS => {
-                let ctas = l.wq.rows.div_ceil(MMQ_TILE) + 2 * l.wk.rows.div_ceil(MMQ_TILE);
-                let dims = LaunchDims::grid2(ctas, (n as u32).div_ceil(MMQ_TILE), THREADS);
-                (Kernel::MmqQ4KQkv, dims)
-            }
-            q8 => {
-                let dims = LaunchDims::grid2(
-                    (l.wq.rows + 2 * l.wk.rows).div_ceil(GEMV_WARPS),
-                    (n as u32).div_ceil(GEMV_BATCH),
-                    THREADS,
-                );
-                let kernel = if q8.is_some() {
-                    Kernel::GemvQ4KQ8Qkv
-                } else {
-                    Kernel::GemvQ4KQkv
-                };
-                (kernel, dims)
-            }
-        };
-        self.launch(kernel, dims, &args)
+        let path = Q4kPath::of(q8, n);
+        // On tensor cores each matrix has CTAs of its own (one matrix per CTA).
+        let ctas = l.wq.rows.div_ceil(MMQ_TILE) + 2 * l.wk.rows.div_ceil(MMQ_TILE);
+        let dims = path.dims(ctas, l.wq.rows + 2 * l.wk.rows, n);
+        self.launch(path.kernels().qkv, dims, &args)
     }
 
     /// `gate` = silu(W_gate · xn) · (W_up · xn): one launch when both are Q4_K tiles
@@ -1963,31 +1993,10 @@ impl<D: Device> CudaForward<D> {
             .chain(x)
             .chain([Arg::U32(n as u32), Arg::Ptr(bf.gate)])
             .collect();
-        let (kernel, dims) = match q8 {
-            // 32 output rows a CTA: its warps make 16 gate and 16 up rows each.
-            Some(_) if n >= MMQ_MIN_ROWS => {
-                let dims = LaunchDims::grid2(
-                    m.rows.div_ceil(MMQ_TILE / 2),
-                    (n as u32).div_ceil(MMQ_TILE),
-                    THREADS,
-                );
-                (Kernel::MmqQ4KSwiglu, dims)
-            }
-            q8 => {
-                let dims = LaunchDims::grid2(
-                    m.rows.div_ceil(GEMV_WARPS),
-                    (n as u32).div_ceil(GEMV_BATCH),
-                    THREADS,
-                );
-                let kernel = if q8.is_some() {
-                    Kernel::GemvQ4KQ8Swiglu
-                } else {
-                    Kernel::GemvQ4KSwiglu
-                };
-                (kernel, dims)
-            }
-        };
-        self.launch(kernel, dims, &args)
+        let path = Q4kPath::of(q8, n);
+        // On tensor cores 32 output rows a CTA: its warps make 16 gate and 16 up rows each.
+        let dims = path.dims(m.rows.div_ceil(MMQ_TILE / 2), m.rows, n);
+        self.launch(path.kernels().swiglu, dims, &args)
     }
 
     /// Every row's verdicts (`rows` rows × layers) poisoned: a row the kernels did not report
