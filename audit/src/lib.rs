@@ -136,6 +136,8 @@ pub enum Writer {
     Local,
     /// Received from another node (disaggregated transfer).
     Transfer,
+    /// Restored from a KV offload tier, verified: the row names the page's original writer.
+    Restore,
 }
 
 /// A page lifecycle event.
@@ -249,6 +251,9 @@ pub enum Event {
     /// that wrote it, a hit (one row per page a request attends without computing it), or an
     /// eviction (the page returned to the pool).
     Cache(Box<CacheRecord>),
+    /// A KV offload fact (table `kv_offload`): a page stored in a tier, restored into the pool,
+    /// or gone from its last tier.
+    Offload(Box<OffloadRecord>),
     IntegrityViolation {
         ts_ns: MonoNs,
         request: u64,
@@ -272,6 +277,7 @@ impl Event {
             Event::RdmaOp(o) => o.ts_ns,
             Event::RdmaMr(m) => m.ts_ns,
             Event::Cache(c) => c.ts_ns,
+            Event::Offload(o) => o.ts_ns,
             Event::Decoding(d) => d.ts_ns,
             Event::Tools(t) => t.ts_ns,
         }
@@ -298,6 +304,59 @@ impl CacheEvent {
             CacheEvent::Evict => "evict",
         }
     }
+}
+
+/// What an [`OffloadRecord`] says happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OffloadEvent {
+    /// The page was stored in a tier: evicted from the pool into the first, or moved down.
+    Offload,
+    /// The page was verified and restored into the pool for a reader (a hit).
+    Restore,
+    /// The page left its last tier (over budget), or was deleted because it failed
+    /// verification.
+    Evict,
+}
+
+impl OffloadEvent {
+    pub fn name(self) -> &'static str {
+        match self {
+            OffloadEvent::Offload => "offload",
+            OffloadEvent::Restore => "restore",
+            OffloadEvent::Evict => "evict",
+        }
+    }
+}
+
+/// One `kv_offload` row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffloadRecord {
+    pub ts_ns: MonoNs,
+    pub event: OffloadEvent,
+    /// Offload, evict: the page's writer (0 and "" when only its key is known); restore: the
+    /// reader.
+    pub request: u64,
+    pub tenant: Arc<str>,
+    /// `host`, `disk` or `object`.
+    pub tier: &'static str,
+    /// The pool page it left (an offload from the pool) or entered (a restore), and its
+    /// generation there.
+    pub page: Option<u32>,
+    pub generation: Option<u32>,
+    /// The key the tier stores it under (SHA-256 chain key).
+    pub key: [u8; 32],
+    /// The page's namespace tag, scope and scope kind, when known.
+    pub namespace: Option<u64>,
+    pub scope: Option<Arc<str>>,
+    /// The page's original writer: node, request, tenant.
+    pub writer_node: Option<u32>,
+    pub writer_request: Option<u64>,
+    pub writer_tenant: Option<Arc<str>>,
+    /// Sealed bytes (0 when not known).
+    pub bytes: u64,
+    /// Evict: why (`budget`, `refused`); restore: the reader's namespace when the unsafe
+    /// token-only reproduction restored another namespace's page into it.
+    pub detail: Option<String>,
 }
 
 /// One `request_decoding` row: what an admitted request asked of its sampled tokens beyond

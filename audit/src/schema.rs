@@ -17,7 +17,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use crate::{Event, PageKind, RdmaOpRows, Writer};
 
 /// Version of the table layouts, written into every file's metadata.
-pub const SCHEMA_VERSION: &str = "6";
+pub const SCHEMA_VERSION: &str = "7";
 pub const SCHEMA_VERSION_KEY: &str = "custody.audit.schema_version";
 
 /// The audit tables.
@@ -42,10 +42,12 @@ pub enum Table {
     RequestDecoding,
     /// Per request with tools: the functions offered, the choice, the functions called.
     RequestTools,
+    /// KV offload: pages stored in a tier, restored, evicted from their last tier.
+    KvOffload,
 }
 
 impl Table {
-    pub const ALL: [Table; 12] = [
+    pub const ALL: [Table; 13] = [
         Table::Requests,
         Table::PageEvents,
         Table::Transfers,
@@ -58,6 +60,7 @@ impl Table {
         Table::PrefixCache,
         Table::RequestDecoding,
         Table::RequestTools,
+        Table::KvOffload,
     ];
 
     pub fn name(self) -> &'static str {
@@ -74,6 +77,7 @@ impl Table {
             Table::PrefixCache => "prefix_cache",
             Table::RequestDecoding => "request_decoding",
             Table::RequestTools => "request_tools",
+            Table::KvOffload => "kv_offload",
         }
     }
 
@@ -94,6 +98,7 @@ impl Table {
             Event::Cache(_) => Table::PrefixCache,
             Event::Decoding(_) => Table::RequestDecoding,
             Event::Tools(_) => Table::RequestTools,
+            Event::Offload(_) => Table::KvOffload,
         }
     }
 
@@ -199,6 +204,22 @@ impl Table {
                 ("called", Utf8, false),
                 ("calls", UInt32, false),
             ],
+            Table::KvOffload => vec![
+                ("request_id", UInt64, false),
+                ("tenant", Utf8, false),
+                ("event", Utf8, false),
+                ("tier", Utf8, false),
+                ("page", UInt32, true),
+                ("generation", UInt32, true),
+                ("key", Utf8, false),
+                ("namespace", Utf8, true),
+                ("scope", Utf8, true),
+                ("writer_node", UInt32, true),
+                ("writer_request_id", UInt64, true),
+                ("writer_tenant", Utf8, true),
+                ("bytes", UInt64, false),
+                ("detail", Utf8, true),
+            ],
             Table::PrefixCache => vec![
                 ("request_id", UInt64, false),
                 ("tenant", Utf8, false),
@@ -258,6 +279,7 @@ enum Col {
     U32(Vec<u32>),
     U64(Vec<u64>),
     OptU32(Vec<Option<u32>>),
+    OptU64(Vec<Option<u64>>),
     /// Appended into one contiguous buffer: no allocation per string.
     Str(StringBuilder),
     OptStr(StringBuilder),
@@ -283,7 +305,8 @@ impl TableBuilder {
                 (DataType::Int32, _) => Col::I32(Vec::new()),
                 (DataType::UInt32, false) => Col::U32(Vec::new()),
                 (DataType::UInt32, true) => Col::OptU32(Vec::new()),
-                (DataType::UInt64, _) => Col::U64(Vec::new()),
+                (DataType::UInt64, false) => Col::U64(Vec::new()),
+                (DataType::UInt64, true) => Col::OptU64(Vec::new()),
                 (DataType::Utf8, false) => Col::Str(StringBuilder::new()),
                 (DataType::Utf8, true) => Col::OptStr(StringBuilder::new()),
                 (t, _) => unreachable!("no column of type {t}"),
@@ -329,6 +352,12 @@ impl TableBuilder {
     fn ou32(&mut self, i: usize, v: Option<u32>) {
         let Col::OptU32(c) = &mut self.cols[i] else {
             unreachable!("column {i} of {:?} is not u32?", self.table)
+        };
+        c.push(v);
+    }
+    fn ou64(&mut self, i: usize, v: Option<u64>) {
+        let Col::OptU64(c) = &mut self.cols[i] else {
+            unreachable!("column {i} of {:?} is not u64?", self.table)
         };
         c.push(v);
     }
@@ -397,6 +426,7 @@ impl TableBuilder {
                             Some(match writer {
                                 Writer::Local => "local",
                                 Writer::Transfer => "transfer",
+                                Writer::Restore => "restore",
                             }),
                         );
                     }
@@ -534,6 +564,22 @@ impl TableBuilder {
                 self.s(9, &c.writer_tenant);
                 self.u32(10, c.hit_tokens);
             }
+            Event::Offload(o) => {
+                self.u64(0, o.request);
+                self.s(1, &o.tenant);
+                self.s(2, o.event.name());
+                self.s(3, o.tier);
+                self.ou32(4, o.page);
+                self.ou32(5, o.generation);
+                self.s(6, &hex32(&o.key));
+                self.os(7, o.namespace.map(|n| format!("{n:016x}")).as_deref());
+                self.os(8, o.scope.as_deref());
+                self.ou32(9, o.writer_node);
+                self.ou64(10, o.writer_request);
+                self.os(11, o.writer_tenant.as_deref());
+                self.u64(12, o.bytes);
+                self.os(13, o.detail.as_deref());
+            }
             Event::Decoding(d) => {
                 self.u64(0, d.request);
                 self.s(1, &d.tenant);
@@ -588,6 +634,7 @@ impl TableBuilder {
                 Col::U32(v) => Arc::new(UInt32Array::from(std::mem::take(v))),
                 Col::OptU32(v) => Arc::new(UInt32Array::from(std::mem::take(v))),
                 Col::U64(v) => Arc::new(UInt64Array::from(std::mem::take(v))),
+                Col::OptU64(v) => Arc::new(UInt64Array::from(std::mem::take(v))),
                 Col::Str(v) | Col::OptStr(v) => Arc::new(v.finish()),
             });
         }
@@ -639,6 +686,11 @@ pub fn rdma_ops_batch(
         Ok(b) => b,
         Err(e) => unreachable!("rdma_ops columns match the schema by construction: {e}"),
     }
+}
+
+/// Lower-case hex of a 32-byte key.
+fn hex32(b: &[u8; 32]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 #[cfg(test)]

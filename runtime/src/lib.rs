@@ -16,6 +16,6 @@ pub use custody_engine::{
 };
 pub use custody_engine::{
     actor, config, cuda_check, cuda_forward, cuda_speed, decoding, engine, gguf, grammar, kv,
-    model, par, prefix_cache, protocol, sampling, tokenizer, tools,
+    model, offload, par, prefix_cache, protocol, sampling, tokenizer, tools,
 };
 pub use custody_transport as transport;

@@ -31,6 +31,9 @@ pub struct UnsafeReproduction {
     /// The prefix cache without the tenant in its key: one namespace for every request, so a
     /// prompt another tenant sent is a cache hit (the leak prefix caches are known for).
     pub shared_prefix_cache: bool,
+    /// The KV offload tiers keyed on tokens alone, and a restored page taken whatever its
+    /// namespace: another tenant's offloaded page is a hit (sglang #37160, LMCache #4825).
+    pub token_only_offload: bool,
 }
 
 impl UnsafeReproduction {
@@ -40,6 +43,7 @@ impl UnsafeReproduction {
             || self.disable_tag_check
             || self.disable_checksum
             || self.shared_prefix_cache
+            || self.token_only_offload
     }
 
     /// The switches that are on, by name.
@@ -59,6 +63,9 @@ impl UnsafeReproduction {
         }
         if self.shared_prefix_cache {
             v.push("shared_prefix_cache");
+        }
+        if self.token_only_offload {
+            v.push("token_only_offload");
         }
         v
     }
@@ -178,6 +185,86 @@ impl PrefixCacheSection {
                     p.scope
                 )));
             }
+        }
+        Ok(())
+    }
+}
+
+/// `[kv_offload]`: where prefix-cache pages the pool evicts go — host memory, a local disk
+/// directory, an object store — sealed ([`crate::offload`]). Off unless a tier is configured.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvOffloadSection {
+    /// The host-memory tier's size, MiB of sealed pages (0: no host tier).
+    pub host_mib: u64,
+    /// The disk tier's directory (page files, fsync'd); needs `disk_mib`.
+    pub disk_dir: Option<PathBuf>,
+    /// The disk tier's size, MiB.
+    pub disk_mib: u64,
+    /// The object-store tier (`s3://bucket/prefix`), shared by a fleet's prefill nodes.
+    pub object_url: Option<String>,
+    /// The object tier's size, MiB (0: unbounded).
+    pub object_mib: u64,
+    /// Which page leaves a full tier first: `lru` (least recently stored or hit).
+    pub eviction: Eviction,
+    /// The MAC key (64 hex digits). Unset: derived from the prefix-cache secret (a fleet sharing
+    /// `[prefix_cache] secret_file` shares it).
+    pub mac_key_file: Option<PathBuf>,
+    /// An AES-256-GCM key (64 hex digits): every tier then holds ciphertext, so a copied disk or
+    /// a leaked bucket is not a KV leak.
+    pub encrypt_key_file: Option<PathBuf>,
+    /// Offload jobs in flight at most (write-backs, moves, prefetches).
+    pub queue_pages: usize,
+}
+
+impl Default for KvOffloadSection {
+    fn default() -> Self {
+        Self {
+            host_mib: 0,
+            disk_dir: None,
+            disk_mib: 0,
+            object_url: None,
+            object_mib: 0,
+            eviction: Eviction::Lru,
+            mac_key_file: None,
+            encrypt_key_file: None,
+            queue_pages: 64,
+        }
+    }
+}
+
+/// `kv_offload.eviction`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Eviction {
+    #[default]
+    Lru,
+}
+
+impl KvOffloadSection {
+    /// Whether any tier is configured.
+    pub fn enabled(&self) -> bool {
+        self.host_mib > 0 || self.disk_dir.is_some() || self.object_url.is_some()
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError::Invalid(format!("kv_offload: {m}")));
+        if self.disk_dir.is_some() != (self.disk_mib > 0) {
+            return bad("disk_dir and disk_mib go together");
+        }
+        if self.object_url.is_none() && self.object_mib > 0 {
+            return bad("object_mib without object_url");
+        }
+        if let Some(u) = &self.object_url
+            && !u.starts_with("s3://")
+        {
+            return bad("object_url must be s3://bucket[/prefix]");
+        }
+        if self.queue_pages == 0 || self.queue_pages > 4096 {
+            return bad("queue_pages must be in 1..=4096");
+        }
+        if !self.enabled() && (self.mac_key_file.is_some() || self.encrypt_key_file.is_some()) {
+            return bad("keys are given but no tier is configured");
         }
         Ok(())
     }

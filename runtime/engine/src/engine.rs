@@ -32,6 +32,7 @@ use custody_cuda::{Device, DeviceError};
 
 mod decode;
 mod prefill;
+mod tiers;
 
 pub use decode::{DecodeEngine, ImportError, ReleaseRefused};
 pub use prefill::PrefillEngine;
@@ -209,6 +210,9 @@ struct Seq {
     cached_tokens: usize,
     /// Its output tokens so far (the KV of all but the last is written).
     output: Vec<u32>,
+    /// The offload keys its submission started prefetching, and how long its admission waits
+    /// for them.
+    prefetch: Option<(Vec<BlockKey>, std::time::Instant)>,
 }
 
 /// What a request asks of the engine that runs it. Only [`PrefillEngine`] admits
@@ -329,6 +333,7 @@ impl Seq {
             keys: Vec::new(),
             cached_tokens: 0,
             output: Vec::new(),
+            prefetch: None,
         }
     }
 
@@ -377,6 +382,8 @@ pub struct Engine {
     tag_check: TagCheck,
     /// The prefix cache (`engine.prefix_cache`; CPU backend).
     cache: Option<PrefixCache>,
+    /// KV offload of the prefix cache's evicted pages (`[kv_offload]`; needs the cache).
+    offload: Option<crate::offload::Offload>,
     /// Fault injection only: every lookup uses this scope instead of the request's (a buggy
     /// index that hands out another namespace's pages).
     #[cfg(feature = "fault-injection")]
@@ -581,6 +588,7 @@ impl Engine {
             audit_error: None,
             step_no: 0,
             cache,
+            offload: None,
             #[cfg(feature = "fault-injection")]
             fault_lookup_scope: None,
             tag_check: if unsafe_.disable_tag_check {
@@ -874,7 +882,9 @@ impl Engine {
         if let Some(e) = &self.audit_error {
             return Err(AdmissionError::AuditUnavailable(e.clone()));
         }
-        self.waiting.push_back(Seq::new(id, req, goal));
+        let mut seq = Seq::new(id, req, goal);
+        self.prefetch_for(&mut seq);
+        self.waiting.push_back(seq);
         Ok(id)
     }
 
@@ -992,8 +1002,14 @@ impl Engine {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
+            if self.awaits_prefetch(&mut s) {
+                // In order: the head waits (briefly, bounded) for its pages to reach memory.
+                self.waiting.push_front(s);
+                break;
+            }
             let total = self.pages_for(s.reserve_tokens());
-            let hits = self.acquire_hits(&s);
+            let mut hits = self.acquire_hits(&s);
+            // Pages from the pool: restored ones and its own.
             let need = total - hits.len();
             let evictable = self.cache.as_ref().map_or(0, PrefixCache::evictable);
             if need > self.pool.n_free() + evictable {
@@ -1004,6 +1020,13 @@ impl Engine {
                 break;
             }
             self.evict_until_free(need);
+            let restorable = self.restorable_for(&s, hits.len());
+            if restorable > 0 {
+                let parent = hits.last().map(|h| h.key);
+                let restored = self.restore_for(&s, hits.len(), restorable, parent);
+                hits.extend(restored);
+            }
+            let need = total - hits.len();
             match self.pool.alloc(s.id, need) {
                 Ok(pages) => s.pages = pages,
                 Err(e) => unreachable!("free and evictable pages checked above: {e}"),
@@ -1051,6 +1074,7 @@ impl Engine {
             let Some(ev) = self.cache.as_mut().and_then(PrefixCache::evict_one) else {
                 break;
             };
+            self.write_back(&ev);
             let released = self
                 .pool
                 .release(ev.tag.get(), std::slice::from_ref(&ev.page));
@@ -1134,6 +1158,12 @@ impl Engine {
         // Only the new links: the chain so far is the sequence's own keys.
         let from = s.keys.len();
         let chain = scope.links(&written, ps, s.keys.last().copied(), from..full);
+        // Under the unsafe token-only reproduction the offload tiers key pages on tokens alone.
+        let offload_keys = self
+            .offload
+            .as_ref()
+            .filter(|o| o.token_only())
+            .map(|_| crate::prefix_cache::token_only_keys(&written, ps, full));
         let (id, tenant) = (s.id, s.tenant.clone());
         let mut shared = Vec::new();
         for (idx, &link) in (from..full).zip(&chain) {
@@ -1156,6 +1186,8 @@ impl Engine {
                 kind: link.namespace.kind().clone(),
                 writer: id,
                 writer_tenant: tenant.clone(),
+                writer_node: None,
+                offload_key: offload_keys.as_ref().map_or(link.key, |k| k[idx]),
             };
             // Its parent is its own previous link, cached and held by it.
             cache.insert(page.clone(), self.running[i].keys.last().copied());
@@ -1186,8 +1218,12 @@ impl Engine {
         if self.audit_error.is_some() {
             return idle(self.abort_all());
         }
+        self.record_offload();
         self.admit();
         if self.running.is_empty() {
+            if self.waiting.front().is_some_and(|s| s.prefetch.is_some()) {
+                self.wait_for_offload();
+            }
             return idle(Vec::new());
         }
         self.step_no = self.step_no.wrapping_add(1);
@@ -1504,6 +1540,7 @@ impl Engine {
             publishing: false,
             cached_tokens: 0,
             output: Vec::new(),
+            prefetch: None,
         };
         self.retire(
             s,

@@ -551,9 +551,13 @@ impl Gguf {
 
     /// SHA-256 of the whole file, hex: the model fingerprint nodes compare in the handshake.
     pub fn sha256_hex(&self) -> String {
+        self.sha256().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// SHA-256 of the whole file.
+    pub fn sha256(&self) -> [u8; 32] {
         use sha2::Digest;
-        let digest = sha2::Sha256::digest(&self.mmap[..]);
-        digest.iter().map(|b| format!("{b:02x}")).collect()
+        sha2::Sha256::digest(&self.mmap[..]).into()
     }
 }
 

@@ -762,6 +762,83 @@ impl PagePool {
     }
 }
 
+/// # Offload: a shared page's bytes out, a verified page's bytes in
+///
+/// A prefix-cache page the cache evicts may leave as bytes ([`PagePool::export_shared`]: only a
+/// page owned by the namespace named, whole, last written for it); bytes come back only as a
+/// [`crate::offload::seal::VerifiedPage`] — which only `offload::seal::open` makes, after its MAC,
+/// model, geometry, chain key and namespace checks — through [`PagePool::restore`].
+impl PagePool {
+    /// The K/V of shared page `pr` of namespace `tag`, in transfer order (per layer K then V),
+    /// for an offload tier. Refused unless `pr` is `tag`'s in its generation, written whole on
+    /// every layer and stamped `tag`.
+    pub fn export_shared(
+        &self,
+        pr: PageRef,
+        tag: std::num::NonZeroU64,
+    ) -> Result<Vec<u8>, PoolError> {
+        let p = pr.page as usize;
+        let refuse = |why| {
+            Err(PoolError::BadShare {
+                page: pr.page,
+                generation: pr.generation,
+                owner: tag.get(),
+                why,
+            })
+        };
+        if p >= self.n_pages || self.generation[p] != pr.generation || self.owner[p] != tag.get() {
+            return refuse("export: not the namespace's page in this generation");
+        }
+        let ps = self.geom.page_size as u32;
+        if self.filled.iter().any(|f| f[p] != ps) || self.stamp_owner[p] != tag.get() {
+            return refuse("export: not written whole for the namespace");
+        }
+        let mut out = Vec::with_capacity(2 * self.n_layers() * self.page_layer_bytes());
+        self.for_each_transfer_chunk(pr.page, self.geom.page_size, |_, b| {
+            out.extend_from_slice(b)
+        });
+        Ok(out)
+    }
+
+    /// Restore a verified page as a shared page of namespace `tag` (the reader's chain's: under
+    /// the unsafe token-only reproduction, possibly not the page's own): a free page is taken
+    /// (its generation bumped), its bytes written, every slot marked written on every layer and
+    /// its stamp set to `tag`. The caller records it as written by the page's original writer.
+    pub fn restore(
+        &mut self,
+        page: &crate::offload::seal::VerifiedPage,
+        tag: std::num::NonZeroU64,
+    ) -> Result<PageRef, PoolError> {
+        let body = page.body();
+        let lb = self.page_layer_bytes();
+        assert_eq!(
+            body.len(),
+            2 * self.n_layers() * lb,
+            "a verified page is one page of this pool's layout"
+        );
+        let pr = self.alloc(tag.get(), 1)?[0];
+        let p = pr.page as usize;
+        let base = self.geom.offset(p, 0, 0) * 2;
+        for (chunk, bytes) in body.chunks_exact(lb).enumerate() {
+            let (layer, kv) = (chunk / 2, chunk % 2);
+            let cache = if kv == 0 {
+                &mut self.k[layer]
+            } else {
+                &mut self.v[layer]
+            };
+            words_as_bytes_mut(cache)[base..base + lb].copy_from_slice(bytes);
+        }
+        self.tag_changed(p);
+        self.stamp_owner[p] = tag.get();
+        self.stamp_generation[p] = pr.generation;
+        let ps = self.geom.page_size as u32;
+        for f in &mut self.filled {
+            f[p] = ps;
+        }
+        Ok(pr)
+    }
+}
+
 /// # Capabilities: the only ways page bytes leave or enter the pool
 ///
 /// Outside this module, page bytes are read for a transfer only with a [`SendGrant`] and

@@ -24,6 +24,7 @@ pub mod gguf;
 pub mod grammar;
 pub mod kv;
 pub mod model;
+pub mod offload;
 pub mod prefix_cache;
 pub mod protocol;
 pub mod sampling;

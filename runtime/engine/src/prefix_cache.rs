@@ -174,6 +174,16 @@ impl NamespaceSecret {
         )
     }
 
+    /// The MAC key of offloaded pages when `[kv_offload]` names none of its own: a fleet that
+    /// shares this secret reads its nodes' pages, and nobody else can forge one.
+    pub fn offload_mac_key(&self) -> [u8; 32] {
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &self.0);
+        let mac = ring::hmac::sign(&key, b"custody kv offload mac key v1");
+        let mut k = [0u8; 32];
+        k.copy_from_slice(mac.as_ref());
+        k
+    }
+
     /// The one namespace of `[unsafe_reproduction] shared_prefix_cache`: tenants not in the key.
     pub fn unsafe_global(&self) -> Namespace {
         self.derive(ScopeKind::UnsafeGlobal, &[], "unsafe:global".into())
@@ -359,6 +369,11 @@ impl Namespaces {
         }
     }
 
+    /// The MAC key offloaded pages are sealed with by default ([`NamespaceSecret::offload_mac_key`]).
+    pub fn offload_mac_key(&self) -> [u8; 32] {
+        self.secret.offload_mac_key()
+    }
+
     /// One line per public scope for the audit log's `node_events` (`prefix_scope`): its name,
     /// its length in tokens and its namespace tag; and the unsafe global namespace when armed.
     pub fn describe(&self) -> Vec<String> {
@@ -402,6 +417,33 @@ pub struct CachedPage {
     /// The request that computed the page, and its tenant.
     pub writer: u64,
     pub writer_tenant: Arc<str>,
+    /// The node it was computed on, when not this one (a page restored from a shared tier).
+    pub writer_node: Option<u32>,
+    /// The key an offload tier stores it under: `key`, or under
+    /// `[unsafe_reproduction] token_only_offload` the chain over its tokens alone
+    /// ([`token_only_keys`]).
+    pub offload_key: BlockKey,
+}
+
+/// The chain over `tokens`' first `n_pages` full pages with **no namespace** in any link: the key
+/// of an external tier that knows only tokens (`[unsafe_reproduction] token_only_offload`, the
+/// SGLang/LMCache leak). Never used otherwise.
+pub fn token_only_keys(tokens: &[u32], page_size: usize, n_pages: usize) -> Vec<BlockKey> {
+    assert!(page_size > 0);
+    let end = n_pages.min(tokens.len() / page_size);
+    let mut prev = [0u8; 32];
+    let mut out = Vec::with_capacity(end);
+    for page in tokens.chunks_exact(page_size).take(end) {
+        let mut h = Sha256::new();
+        h.update(b"custody token-only chain");
+        h.update(prev);
+        for t in page {
+            h.update(t.to_le_bytes());
+        }
+        prev = h.finalize().into();
+        out.push(prev);
+    }
+    out
 }
 
 #[derive(Debug)]
@@ -709,6 +751,8 @@ mod tests {
             kind: ns.kind().clone(),
             writer: 1,
             writer_tenant: "acme".into(),
+            writer_node: None,
+            offload_key: key,
         }
     }
 

@@ -469,6 +469,7 @@ fn all_unsafe() -> UnsafeReproduction {
         disable_tag_check: true,
         disable_checksum: true,
         shared_prefix_cache: false,
+        token_only_offload: false,
     }
 }
 

@@ -17,6 +17,7 @@ mod gpu_model;
 mod integrity;
 mod kv_auth;
 mod kv_cache_type;
+mod kv_offload;
 mod long_context;
 mod model_check;
 mod netns;

@@ -1,0 +1,402 @@
+//! KV offload on the engine with the real model: prefix-cache pages the pool evicts are sealed
+//! into a host tier and a disk tier and come back as hits — output equal to the uncached run
+//! token for token — and every page that fails verification (flipped, cut, another model's,
+//! another namespace's) is a miss and an `integrity_violations` row, never a read.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use custody_audit::{Event as AEvent, MemorySink, OffloadEvent, OffloadRecord};
+use custody_runtime::engine::{Event, GenerateRequest};
+use custody_runtime::offload::seal::{self, Layout, PageMeta, SealKeys};
+use custody_runtime::offload::store::{DiskStore, HostArena};
+use custody_runtime::offload::{OffloadConfig, TierSpec};
+use custody_runtime::prefix_cache::CacheScope;
+use custody_runtime::{Engine, EngineConfig, SamplingParams};
+
+use crate::prefix_cache::{PAGE, scope, secret, text};
+use crate::{engine_with, small_cfg, tokenizer};
+
+/// Sealed bytes of one SmolLM2 page (16 slots × 22.5 KiB) plus its header and MAC.
+const PAGE_BYTES: u64 = 16 * 23_040 + 512;
+
+fn req(tenant: &str, prompt: Vec<u32>, cache: Option<CacheScope>) -> GenerateRequest {
+    GenerateRequest {
+        decoding: Default::default(),
+        prompt,
+        max_tokens: 4,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+        tenant: tenant.into(),
+        cache,
+    }
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Outcome {
+    id: u64,
+    tokens: Vec<u32>,
+    cached_tokens: usize,
+    failed: bool,
+}
+
+fn run(e: &mut Engine, r: GenerateRequest) -> Outcome {
+    let id = e.submit(r).expect("admitted");
+    let mut o = Outcome {
+        id,
+        ..Outcome::default()
+    };
+    while e.has_work() {
+        for ev in e.step() {
+            match ev {
+                Event::Token { id: i, token, .. } if i == id => o.tokens.push(token),
+                Event::Finished {
+                    id: i,
+                    cached_tokens,
+                    ..
+                } if i == id => o.cached_tokens = cached_tokens,
+                Event::Failed { id: i, .. } if i == id => o.failed = true,
+                _ => {}
+            }
+        }
+    }
+    // Write-backs land before the next request looks (the worker runs beside the engine).
+    e.offload_flush();
+    o
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("custody-offload-{name}-{}", std::process::id()));
+    if d.exists() {
+        std::fs::remove_dir_all(&d).expect("clear");
+    }
+    d
+}
+
+/// A cached engine with a pool of about 45 pages (context 256) and `tiers`' offload.
+fn offload_engine(
+    disk: &Path,
+    host_pages: u64,
+    disk_pages: u64,
+    token_only: bool,
+) -> (Engine, MemorySink) {
+    let sink = MemorySink::default();
+    let mut e = engine_with(EngineConfig {
+        kv_budget_mib: 16,
+        context_length: Some(256),
+        prefix_cache: Some(true),
+        ..small_cfg()
+    })
+    .with_audit(Arc::new(sink.clone()));
+    let layout = e.offload_layout();
+    let cfg = OffloadConfig {
+        tiers: vec![
+            TierSpec {
+                store: Arc::new(HostArena::new()),
+                budget_bytes: host_pages * PAGE_BYTES,
+            },
+            TierSpec {
+                store: Arc::new(DiskStore::open(disk).expect("disk tier")),
+                budget_bytes: disk_pages * PAGE_BYTES,
+            },
+        ],
+        keys: SealKeys::new(&secret().offload_mac_key(), None),
+        layout,
+        node: 1,
+        token_only,
+        queue_pages: 64,
+    };
+    e.enable_offload(cfg).expect("offload on");
+    (e, sink)
+}
+
+fn offload_rows(sink: &MemorySink) -> Vec<OffloadRecord> {
+    sink.events
+        .lock()
+        .expect("sink")
+        .iter()
+        .filter_map(|e| match e {
+            AEvent::Offload(o) => Some((**o).clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn violations(sink: &MemorySink, request: u64) -> Vec<String> {
+    sink.events
+        .lock()
+        .expect("sink")
+        .iter()
+        .filter_map(|ev| match ev {
+            AEvent::IntegrityViolation {
+                request: r, kind, ..
+            } if *r == request => Some(kind.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn restores_of(sink: &MemorySink, request: u64) -> Vec<OffloadRecord> {
+    offload_rows(sink)
+        .into_iter()
+        .filter(|o| o.event == OffloadEvent::Restore && o.request == request)
+        .collect()
+}
+
+/// Conversations of one tenant: a first turn of ~90 tokens, and a follow-up that repeats it.
+fn conversations(n: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let tok = tokenizer();
+    (0..n)
+        .map(|i| {
+            let first = tok.encode(&text(500 + i, 90), false).expect("tokenize");
+            let mut second = first.clone();
+            second.extend(tok.encode(&text(900 + i, 12), false).expect("tokenize"));
+            (first, second)
+        })
+        .collect()
+}
+
+#[test]
+fn a_working_set_five_times_the_pool_is_served_from_every_tier_token_for_token() {
+    let dir = temp_dir("tiers");
+    // Pool ≈ 45 pages; 40 conversations of ~6 full pages each ≈ 5× the pool. Host holds 40
+    // pages, disk 120: the oldest conversations leave every tier.
+    let convs = conversations(40);
+    let (mut e, sink) = offload_engine(&dir, 40, 120, false);
+    let mut plain = engine_with(EngineConfig {
+        kv_budget_mib: 16,
+        context_length: Some(256),
+        prefix_cache: Some(false),
+        ..small_cfg()
+    });
+    for (first, _) in &convs {
+        let o = run(&mut e, req("acme", first.clone(), Some(scope("acme"))));
+        assert!(!o.failed);
+    }
+    let tiers = e.offload_pages();
+    assert!(
+        tiers.iter().all(|(_, n)| *n > 0),
+        "both tiers hold pages: {tiers:?}"
+    );
+    // Follow-ups, newest conversation first: the pool's, then the host tier's, then disk's.
+    let mut served = std::collections::BTreeMap::<String, usize>::new();
+    for i in (0..convs.len()).rev().step_by(3) {
+        let second = &convs[i].1;
+        let want = run(&mut plain, req("acme", second.clone(), None));
+        let got = run(&mut e, req("acme", second.clone(), Some(scope("acme"))));
+        assert_eq!(got.tokens, want.tokens, "conversation {i}: token for token");
+        assert!(!got.failed);
+        let restored = restores_of(&sink, got.id);
+        for r in &restored {
+            *served.entry(r.tier.to_owned()).or_default() += 1;
+            assert_eq!(r.writer_tenant.as_deref(), Some("acme"));
+            assert_eq!(r.tenant.as_ref(), "acme");
+        }
+        if got.cached_tokens == 0 {
+            *served.entry("recomputed".into()).or_default() += 1;
+        }
+        assert!(violations(&sink, got.id).is_empty());
+    }
+    for tier in ["host", "disk"] {
+        assert!(served.get(tier).copied().unwrap_or(0) > 0, "{served:?}");
+    }
+    // Another tenant's identical prompt: no hit anywhere, no restore.
+    let other = run(
+        &mut e,
+        req("bravo", convs[39].1.clone(), Some(scope("bravo"))),
+    );
+    assert_eq!(other.cached_tokens, 0);
+    assert!(restores_of(&sink, other.id).is_empty());
+    // Every restore is a write by the original writer in `page_events` (the forensics' rule).
+    let events = sink.events.lock().expect("sink").clone();
+    let restore_writes = events
+        .iter()
+        .filter(|ev| {
+            matches!(ev, AEvent::Page { kind: custody_audit::PageKind::Write {
+                writer: custody_audit::Writer::Restore, .. }, tenant, .. } if tenant.as_ref() == "acme")
+        })
+        .count();
+    let restores = offload_rows(&sink)
+        .iter()
+        .filter(|o| o.event == OffloadEvent::Restore)
+        .count();
+    assert_eq!(restore_writes, restores);
+    assert!(
+        offload_rows(&sink)
+            .iter()
+            .any(|o| o.event == OffloadEvent::Evict && o.detail.as_deref() == Some("budget")),
+        "the oldest pages left the last tier"
+    );
+    drop(e);
+    std::fs::remove_dir_all(&dir).expect("clean");
+}
+
+/// Fill the pool with other prompts until earlier pages have left it for the tiers.
+fn push_out(e: &mut Engine, fillers: usize, seed: usize) {
+    let tok = tokenizer();
+    for i in 0..fillers {
+        let p = tok.encode(&text(seed + i, 90), false).expect("tokenize");
+        assert!(!run(e, req("zulu", p, Some(scope("zulu")))).failed);
+    }
+}
+
+/// An engine whose disk tier holds acme's `victim` prompt's pages: the engine, its log, the
+/// uncached output, and the file and key of the victim's first page.
+struct OnDisk {
+    e: Engine,
+    sink: MemorySink,
+    want: Vec<u32>,
+    key: [u8; 32],
+    path: PathBuf,
+}
+
+fn victim_on_disk(dir: &Path, victim: &[u32]) -> OnDisk {
+    // One page of host room: every offloaded page moves on to disk.
+    let (mut e, sink) = offload_engine(dir, 1, 400, false);
+    let want = run(&mut e, req("acme", victim.to_vec(), None)).tokens;
+    assert!(!run(&mut e, req("acme", victim.to_vec(), Some(scope("acme")))).failed);
+    push_out(&mut e, 12, 710);
+    let key = scope("acme").chain(victim, PAGE, 1)[0].key;
+    let path = dir.join(format!("{}.kvpage", seal::hex(&key)));
+    assert!(path.exists(), "acme's first page is on disk");
+    OnDisk {
+        e,
+        sink,
+        want,
+        key,
+        path,
+    }
+}
+
+#[test]
+fn a_flipped_cut_foreign_or_misfiled_page_is_a_miss_and_a_violation_never_a_read() {
+    let tok = tokenizer();
+    let victim = tok.encode(&text(700, 90), false).expect("tokenize");
+    // Each case on a fresh node: the victim's first page on disk, then changed there.
+    type Tamper = fn(&[u8], &Layout, &SealKeys, &PageMeta) -> Vec<u8>;
+    let cases: [(&str, Tamper, &str); 4] = [
+        (
+            "flipped",
+            |good, _, _, _| {
+                let mut f = good.to_vec();
+                f[good.len() / 2] ^= 1;
+                f
+            },
+            "offload_mac",
+        ),
+        (
+            "truncated",
+            |good, _, _, _| good[..good.len() / 3].to_vec(),
+            "offload_mac",
+        ),
+        (
+            "another model's",
+            |_, layout, keys, meta| {
+                let other = Layout {
+                    fingerprint: [0xee; 32],
+                    ..*layout
+                };
+                seal::seal(keys, &other, meta, &vec![0u8; layout.body_bytes()]).expect("seal")
+            },
+            "offload_model",
+        ),
+        (
+            "another namespace's",
+            |_, layout, keys, meta| {
+                let bravo = PageMeta {
+                    namespace: scope("bravo").private.tag(),
+                    ..meta.clone()
+                };
+                seal::seal(keys, layout, &bravo, &vec![0u8; layout.body_bytes()]).expect("seal")
+            },
+            "offload_namespace",
+        ),
+    ];
+    for (what, tamper, kind) in cases {
+        let dir = temp_dir("tamper");
+        let OnDisk {
+            mut e,
+            sink,
+            want,
+            key,
+            path,
+        } = victim_on_disk(&dir, &victim);
+        let good = std::fs::read(&path).expect("read");
+        let layout = e.offload_layout();
+        let keys = SealKeys::new(&secret().offload_mac_key(), None);
+        let expect = seal::Expect {
+            key: &key,
+            namespace: Some(scope("acme").private.tag()),
+        };
+        let meta = seal::open(&keys, &layout, &good, expect)
+            .expect("the stored page opens")
+            .meta()
+            .clone();
+        std::fs::write(&path, tamper(&good, &layout, &keys, &meta)).expect("tamper");
+        let o = run(&mut e, req("acme", victim.clone(), Some(scope("acme"))));
+        assert!(!o.failed, "{what}: a miss, not a failure");
+        assert_eq!(o.cached_tokens, 0, "{what}: the first page missed");
+        assert_eq!(o.tokens, want, "{what}: recomputed, token for token");
+        assert_eq!(violations(&sink, o.id), [kind], "{what}");
+        assert!(
+            restores_of(&sink, o.id).is_empty(),
+            "{what}: nothing restored"
+        );
+        assert!(!path.exists(), "{what}: the refused page left its tier");
+        assert!(
+            offload_rows(&sink)
+                .iter()
+                .any(|r| r.event == OffloadEvent::Evict
+                    && r.key == key
+                    && r.detail.as_deref() == Some("refused"))
+        );
+        drop(e);
+        std::fs::remove_dir_all(&dir).expect("clean");
+    }
+}
+
+#[test]
+fn a_restarted_node_serves_hits_from_its_disk() {
+    let tok = tokenizer();
+    let victim = tok.encode(&text(720, 90), false).expect("tokenize");
+    let dir = temp_dir("restart");
+    let OnDisk { e, want, .. } = victim_on_disk(&dir, &victim);
+    drop(e);
+    // A new process's engine over the same directory and secret.
+    let (mut e, sink) = offload_engine(&dir, 1, 400, false);
+    let o = run(&mut e, req("acme", victim.clone(), Some(scope("acme"))));
+    assert_eq!(o.tokens, want);
+    assert_eq!(o.cached_tokens, (victim.len() - 1) / PAGE * PAGE);
+    let r = restores_of(&sink, o.id);
+    assert_eq!(r.len(), (victim.len() - 1) / PAGE);
+    assert!(r.iter().all(|r| r.tier == "disk"
+        && r.writer_tenant.as_deref() == Some("acme")
+        && r.writer_node == Some(1)));
+    // Another tenant on the restarted node: nothing.
+    let b = run(&mut e, req("bravo", victim.clone(), Some(scope("bravo"))));
+    assert_eq!(b.cached_tokens, 0);
+    assert!(restores_of(&sink, b.id).is_empty());
+    drop(e);
+    std::fs::remove_dir_all(&dir).expect("clean");
+}
+
+#[test]
+fn token_only_offload_reproduces_the_cross_tenant_hit() {
+    let tok = tokenizer();
+    let victim = tok.encode(&text(740, 90), false).expect("tokenize");
+    let dir = temp_dir("token-only");
+    let (mut e, sink) = offload_engine(&dir, 400, 400, true);
+    let a = run(&mut e, req("acme", victim.clone(), Some(scope("acme"))));
+    push_out(&mut e, 12, 760);
+    // bravo sends acme's prompt: acme's offloaded pages are bravo's hits — the leak.
+    let b = run(&mut e, req("bravo", victim.clone(), Some(scope("bravo"))));
+    assert_eq!(b.tokens, a.tokens);
+    assert!(b.cached_tokens > 0, "the reproduction leaks");
+    let r = restores_of(&sink, b.id);
+    assert!(!r.is_empty());
+    assert!(r.iter().all(|r| r.tenant.as_ref() == "bravo"
+        && r.writer_tenant.as_deref() == Some("acme")
+        && r.detail.as_deref().is_some_and(|d| d.starts_with("UNSAFE"))));
+    drop(e);
+    std::fs::remove_dir_all(&dir).expect("clean");
+}
