@@ -2,6 +2,7 @@
 //! time parsing (the audit writer: `audit_open.rs`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -85,6 +86,36 @@ pub(crate) fn parse_utc(s: &str) -> Result<i64> {
 /// Make a pool of `threads` compute threads (0: one per core) the process's default, for engines
 /// that step on threads of their own (a node's actor, the demo's pair). The first call wins: one
 /// process has one default pool.
+/// `[kv_offload]` resolved for an engine node: `None` when no tier is configured; the object
+/// tier's S3 client built here (the engine knows no network).
+pub(crate) fn offload_setup(
+    cfg: &crate::config::Config,
+    node: u32,
+    token_only: bool,
+) -> Result<Option<custody_runtime::offload::OffloadSetup>> {
+    let s = &cfg.kv_offload;
+    if !s.enabled() {
+        if token_only {
+            bail!("[unsafe_reproduction] token_only_offload needs a [kv_offload] tier");
+        }
+        return Ok(None);
+    }
+    let object = match &s.object_url {
+        Some(url) => Some(Arc::new(
+            custody_runtime::offload_s3::S3PageStore::from_env(url)
+                .with_context(|| format!("[kv_offload] object_url {url}"))?,
+        )
+            as Arc<dyn custody_runtime::offload::store::PageStore>),
+        None => None,
+    };
+    Ok(Some(custody_runtime::offload::OffloadSetup {
+        section: s.clone(),
+        object,
+        node,
+        token_only,
+    }))
+}
+
 pub(crate) fn set_default_pool(threads: usize) -> Result<()> {
     let pool = custody_runtime::par::ThreadPool::new(threads)
         .context("building the compute thread pool")?;

@@ -56,6 +56,10 @@ pub(crate) struct Config {
     /// operator-declared public scopes.
     #[serde(default)]
     pub(crate) prefix_cache: custody_runtime::config::PrefixCacheSection,
+    /// KV offload (`custody serve` and prefill nodes): the tiers the prefix cache's evicted
+    /// pages go to, their sizes, the keys.
+    #[serde(default)]
+    pub(crate) kv_offload: custody_runtime::config::KvOffloadSection,
     /// Switches that recreate the incident's faults. Ignored unless the command line also says
     /// `--unsafe-reproduction` (see [`Config::unsafe_switches`]).
     #[serde(default)]
@@ -110,6 +114,9 @@ impl Config {
             cfg.fleet.validate().map_err(|e| invalid(e.to_string()))?;
         }
         cfg.prefix_cache
+            .validate()
+            .map_err(|e| invalid(e.to_string()))?;
+        cfg.kv_offload
             .validate()
             .map_err(|e| invalid(e.to_string()))?;
         Ok(cfg)

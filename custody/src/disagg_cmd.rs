@@ -149,13 +149,19 @@ fn seal(audit: Option<Arc<AuditWriter>>) -> Result<()> {
 }
 
 pub(crate) fn decode(a: RoleArgs) -> Result<()> {
-    let (setup, _, audit) = load_role(&a, "decode")?;
+    let (setup, cfg, audit) = load_role(&a, "decode")?;
+    if cfg.kv_offload.enabled() {
+        bail!(
+            "[kv_offload] applies to prefill nodes and custody serve (a decode node caches no prefix)"
+        );
+    }
     node::run_decode(setup, Duration::from_millis(a.lease_ms))?;
     seal(audit)
 }
 
 pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
     let (mut setup, cfg, audit) = load_role(&a, "prefill")?;
+    let offload = crate::common::offload_setup(&cfg, setup.node, setup.unsafe_.token_only_offload)?;
     let namespaces = node::prefix_namespaces(
         &mut setup.engine,
         &cfg.prefix_cache,
@@ -163,6 +169,7 @@ pub(crate) fn prefill(a: RoleArgs) -> Result<()> {
         cfg.model
             .chat_template()
             .context("reading [model] chat_template_file")?,
+        offload.as_ref(),
     )?;
     node::run_prefill(setup, namespaces)?;
     seal(audit)

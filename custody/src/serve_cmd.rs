@@ -149,11 +149,11 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
     let others: Vec<&str> = unsafe_
         .names()
         .into_iter()
-        .filter(|n| *n != "shared_prefix_cache")
+        .filter(|n| *n != "shared_prefix_cache" && *n != "token_only_offload")
         .collect();
     if !others.is_empty() {
         bail!(
-            "custody serve honours only [unsafe_reproduction] shared_prefix_cache; {} apply to the disaggregated nodes (custody prefill|decode)",
+            "custody serve honours only [unsafe_reproduction] shared_prefix_cache and token_only_offload; {} apply to the disaggregated nodes (custody prefill|decode)",
             others.join(", ")
         );
     }
@@ -196,6 +196,7 @@ pub(crate) fn serve(a: ServeArgs) -> Result<()> {
         events: None,
         prefix_cache: cfg.prefix_cache.clone(),
         unsafe_shared_prefix_cache: unsafe_.shared_prefix_cache,
+        kv_offload: crate::common::offload_setup(&cfg, node, unsafe_.token_only_offload)?,
         audit_disabled: audit.is_none(),
         proofs,
     };
@@ -248,6 +249,7 @@ fn front_options(
         events: audit.map(|w| w.clone() as Arc<dyn custody_audit::AuditSink>),
         prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
+        kv_offload: None,
         audit_disabled: audit.is_none(),
         // A front's own log holds no tenant's records: receipts come from the pair's nodes.
         proofs: None,

@@ -18,4 +18,6 @@ pub use custody_engine::{
     actor, config, cuda_check, cuda_forward, cuda_speed, decoding, engine, gguf, grammar, kv,
     model, offload, par, prefix_cache, protocol, sampling, tokenizer, tools,
 };
+/// The object-store tier of KV offload (`custody-offload-s3`).
+pub use custody_offload_s3 as offload_s3;
 pub use custody_transport as transport;

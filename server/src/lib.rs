@@ -170,6 +170,8 @@ pub struct ServeOptions {
     pub prefix_cache: custody_runtime::config::PrefixCacheSection,
     /// `[unsafe_reproduction] shared_prefix_cache`, armed: every request in one cache namespace.
     pub unsafe_shared_prefix_cache: bool,
+    /// `[kv_offload]`, resolved: the prefix cache's evicted pages go to these tiers.
+    pub kv_offload: Option<custody_runtime::offload::OffloadSetup>,
     /// Started without an audit log (`--no-audit`): `/metrics` says `custody_audit_disabled 1`
     /// and `/health/ready` answers `degraded` (still 200: it serves).
     pub audit_disabled: bool,
@@ -188,6 +190,12 @@ fn prefix_scopes(
         if opts.unsafe_shared_prefix_cache {
             return Err(ServeError::Config(
                 "[unsafe_reproduction] shared_prefix_cache needs engine.prefix_cache = true".into(),
+            ));
+        }
+        if opts.kv_offload.is_some() {
+            return Err(ServeError::Config(
+                "[kv_offload] needs engine.prefix_cache = true (only cached pages are offloaded)"
+                    .into(),
             ));
         }
         return Ok(None);
@@ -210,6 +218,11 @@ fn prefix_scopes(
         tracing::error!(
             "UNSAFE REPRODUCTION: the prefix cache's key has NO TENANT: a prompt one tenant sent is another's cache hit"
         );
+    }
+    if let Some(setup) = &opts.kv_offload {
+        setup
+            .enable(engine, &scopes)
+            .map_err(|e| ServeError::Config(e.to_string()))?;
     }
     Ok(Some(Arc::new(scopes)))
 }

@@ -70,6 +70,10 @@ pub enum NodeError {
     Tokenizer(#[source] custody_engine::tokenizer::TokenizerError),
     #[error("[unsafe_reproduction] shared_prefix_cache needs engine.prefix_cache = true")]
     SharedCacheWithoutCache,
+    #[error("[kv_offload] needs engine.prefix_cache = true (only cached pages are offloaded)")]
+    OffloadWithoutCache,
+    #[error(transparent)]
+    Offload(#[from] custody_engine::offload::OffloadError),
 }
 
 /// What a node process runs on, loaded by the binary from its flags and configuration.
@@ -146,10 +150,14 @@ pub fn prefix_namespaces(
     section: &custody_engine::config::PrefixCacheSection,
     unsafe_shared: bool,
     chat_template: Option<String>,
+    offload: Option<&custody_engine::offload::OffloadSetup>,
 ) -> Result<Option<Arc<Namespaces>>, NodeError> {
     if !engine.prefix_cache_enabled() {
         if unsafe_shared {
             return Err(NodeError::SharedCacheWithoutCache);
+        }
+        if offload.is_some() {
+            return Err(NodeError::OffloadWithoutCache);
         }
         return Ok(None);
     }
@@ -167,6 +175,9 @@ pub fn prefix_namespaces(
             kind: "prefix_scope".into(),
             detail: line,
         });
+    }
+    if let Some(setup) = offload {
+        setup.enable(engine, &n)?;
     }
     Ok(Some(Arc::new(n)))
 }

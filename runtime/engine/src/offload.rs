@@ -39,6 +39,94 @@ use store::{PageStore, StoreError, Tier};
 
 use crate::prefix_cache::BlockKey;
 
+/// A node's `[kv_offload]`, resolved by its binary (which builds the object store: the engine
+/// knows no network), applied to an engine once its namespaces exist ([`OffloadSetup::enable`]).
+#[derive(Debug, Clone)]
+pub struct OffloadSetup {
+    pub section: crate::config::KvOffloadSection,
+    /// The object tier's store, when `object_url` is set.
+    pub object: Option<Arc<dyn PageStore>>,
+    /// This node's id (recorded as a page's writer node).
+    pub node: u32,
+    /// `[unsafe_reproduction] token_only_offload`, armed.
+    pub token_only: bool,
+}
+
+impl OffloadSetup {
+    /// Turn `engine`'s offload on: the tiers of the section (host, disk, object, in that order),
+    /// the MAC key from `mac_key_file` or derived from the namespaces' secret, the AES key from
+    /// `encrypt_key_file`.
+    pub fn enable(
+        &self,
+        engine: &mut crate::Engine,
+        namespaces: &crate::prefix_cache::Namespaces,
+    ) -> Result<(), OffloadError> {
+        let s = &self.section;
+        s.validate()
+            .map_err(|e| OffloadError::Config(e.to_string()))?;
+        let mib = |m: u64| m * 1024 * 1024;
+        let mut tiers = Vec::new();
+        if s.host_mib > 0 {
+            tiers.push(TierSpec {
+                store: Arc::new(store::HostArena::new()),
+                budget_bytes: mib(s.host_mib),
+            });
+        }
+        if let Some(dir) = &s.disk_dir {
+            tiers.push(TierSpec {
+                store: Arc::new(store::DiskStore::open(dir)?),
+                budget_bytes: mib(s.disk_mib),
+            });
+        }
+        match (&s.object_url, &self.object) {
+            (Some(_), Some(store)) => tiers.push(TierSpec {
+                store: store.clone(),
+                budget_bytes: mib(s.object_mib),
+            }),
+            (Some(url), None) => {
+                return Err(OffloadError::Config(format!(
+                    "object_url {url}: no object store was built for it"
+                )));
+            }
+            (None, _) => {}
+        }
+        let mac = match &s.mac_key_file {
+            Some(p) => read_key_file(p, "mac_key_file")?,
+            None => namespaces.offload_mac_key(),
+        };
+        let aes = match &s.encrypt_key_file {
+            Some(p) => Some(read_key_file(p, "encrypt_key_file")?),
+            None => None,
+        };
+        engine.enable_offload(OffloadConfig {
+            tiers,
+            keys: SealKeys::new(&mac, aes.as_ref()),
+            layout: engine.offload_layout(),
+            node: self.node,
+            token_only: self.token_only,
+            queue_pages: s.queue_pages,
+        })
+    }
+}
+
+/// A 32-byte key from a file of 64 hex digits.
+fn read_key_file(path: &std::path::Path, what: &str) -> Result<[u8; 32], OffloadError> {
+    let bad = |why: String| OffloadError::Config(format!("{what} {}: {why}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let t = text.trim();
+    if t.len() != 64 {
+        return Err(bad(format!(
+            "expected 64 hex digits, got {} characters",
+            t.len()
+        )));
+    }
+    let mut k = [0u8; 32];
+    for (i, out) in k.iter_mut().enumerate() {
+        *out = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).map_err(|_| bad("not hex".into()))?;
+    }
+    Ok(k)
+}
+
 /// One tier as configured: its store and byte budget.
 #[derive(Debug, Clone)]
 pub struct TierSpec {

@@ -7,10 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use custody_audit::{Event as AEvent, MemorySink, OffloadEvent, OffloadRecord};
+use custody_query::datafusion::object_store::aws::AmazonS3Builder;
 use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::offload::seal::{self, Layout, PageMeta, SealKeys};
-use custody_runtime::offload::store::{DiskStore, HostArena};
+use custody_runtime::offload::store::{DiskStore, HostArena, PageStore};
 use custody_runtime::offload::{OffloadConfig, TierSpec};
+use custody_runtime::offload_s3::S3PageStore;
 use custody_runtime::prefix_cache::CacheScope;
 use custody_runtime::{Engine, EngineConfig, SamplingParams};
 
@@ -399,4 +401,95 @@ fn token_only_offload_reproduces_the_cross_tenant_hit() {
         && r.detail.as_deref().is_some_and(|d| d.starts_with("UNSAFE"))));
     drop(e);
     std::fs::remove_dir_all(&dir).expect("clean");
+}
+
+/// A prefill node's engine whose tiers are one page of host memory and the fleet's bucket
+/// (`store`), pages sealed with the fleet's MAC key and AES key.
+fn fleet_node(node: u32, store: Arc<S3PageStore>) -> (Engine, MemorySink) {
+    let sink = MemorySink::default();
+    let mut e = engine_with(EngineConfig {
+        kv_budget_mib: 16,
+        context_length: Some(256),
+        prefix_cache: Some(true),
+        ..small_cfg()
+    })
+    .with_audit(Arc::new(sink.clone()));
+    let layout = e.offload_layout();
+    e.enable_offload(OffloadConfig {
+        tiers: vec![
+            TierSpec {
+                store: Arc::new(HostArena::new()),
+                budget_bytes: PAGE_BYTES,
+            },
+            TierSpec {
+                store,
+                budget_bytes: 0,
+            },
+        ],
+        keys: SealKeys::new(&secret().offload_mac_key(), Some(&[0x42; 32])),
+        layout,
+        node,
+        token_only: false,
+        queue_pages: 64,
+    })
+    .expect("offload on");
+    (e, sink)
+}
+
+#[test]
+fn two_prefill_nodes_share_the_object_tier_with_isolation_intact() {
+    let moto = crate::s3::Moto::start();
+    let bucket = || {
+        Arc::new(
+            S3PageStore::with_builder(
+                &format!("s3://{}/fleet-kv", crate::s3::BUCKET),
+                AmazonS3Builder::new()
+                    .with_endpoint(&moto.endpoint)
+                    .with_allow_http(true)
+                    .with_access_key_id("test")
+                    .with_secret_access_key("test")
+                    .with_region("us-east-1"),
+            )
+            .expect("object tier"),
+        )
+    };
+    let tok = tokenizer();
+    let victim = tok.encode(&text(780, 90), false).expect("tokenize");
+    let (mut a, _) = fleet_node(1, bucket());
+    let first = run(&mut a, req("acme", victim.clone(), Some(scope("acme"))));
+    push_out(&mut a, 10, 790);
+    let key = scope("acme").chain(&victim, PAGE, 1)[0].key;
+    let stored = bucket()
+        .get(&key)
+        .expect("get")
+        .expect("acme's page is in the bucket");
+    // Ciphertext: without the fleet's AES key the page does not open.
+    let layout = a.offload_layout();
+    let expect = seal::Expect {
+        key: &key,
+        namespace: Some(scope("acme").private.tag()),
+    };
+    let plain_keys = SealKeys::new(&secret().offload_mac_key(), None);
+    assert_eq!(
+        seal::open(&plain_keys, &layout, &stored, expect).unwrap_err(),
+        seal::OpenError::Decrypt
+    );
+    drop(a);
+    // Another prefill node of the fleet: acme's follow-up is served from the bucket.
+    let (mut b, sink) = fleet_node(2, bucket());
+    let o = run(&mut b, req("acme", victim.clone(), Some(scope("acme"))));
+    assert_eq!(o.tokens, first.tokens, "token for token");
+    assert_eq!(o.cached_tokens, (victim.len() - 1) / PAGE * PAGE);
+    let r = restores_of(&sink, o.id);
+    assert_eq!(r.len(), (victim.len() - 1) / PAGE);
+    assert!(
+        r.iter()
+            .all(|r| r.tier == "object" && r.writer_node == Some(1) && r.tenant.as_ref() == "acme")
+    );
+    // bravo, same prompt, same node: nothing of acme's, no violation (bravo's keys name
+    // nothing in the bucket).
+    let x = run(&mut b, req("bravo", victim.clone(), Some(scope("bravo"))));
+    assert_eq!(x.cached_tokens, 0);
+    assert!(restores_of(&sink, x.id).is_empty());
+    assert!(violations(&sink, x.id).is_empty());
 }

@@ -184,6 +184,7 @@ impl TestServer {
             events: None,
             prefix_cache,
             unsafe_shared_prefix_cache: unsafe_shared,
+            kv_offload: None,
             audit_disabled: false,
             proofs: None,
         };
@@ -1016,6 +1017,7 @@ fn fronting_a_disaggregated_pair_serves_the_colocated_output_token_for_token() {
         events: Some(front_log.clone() as Arc<dyn custody_audit::AuditSink>),
         prefix_cache: Default::default(),
         unsafe_shared_prefix_cache: false,
+        kv_offload: None,
         audit_disabled: false,
         proofs: None,
     };
