@@ -25,12 +25,15 @@ import time
 import duckdb
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TABLES = ["page_events", "page_reads", "integrity_violations", "prefix_cache"]
+TABLES = ["page_events", "page_reads", "integrity_violations", "prefix_cache", "kv_offload"]
 # Columns the exposure SQL reads from a table the log does not have (an empty view stands in).
 EMPTY_COLUMNS = {
     "prefix_cache": "NULL::UINTEGER AS node_id, NULL::UBIGINT AS seq, NULL::UBIGINT AS request_id, "
     "NULL::VARCHAR AS event, NULL::UINTEGER AS page, NULL::UINTEGER AS generation, "
     "NULL::VARCHAR AS namespace, NULL::VARCHAR AS scope_kind",
+    "kv_offload": "NULL::UINTEGER AS node_id, NULL::UBIGINT AS seq, NULL::UBIGINT AS request_id, "
+    "NULL::VARCHAR AS event, NULL::UINTEGER AS page, NULL::UINTEGER AS generation, "
+    "NULL::VARCHAR AS namespace, NULL::VARCHAR AS scope, NULL::UBIGINT AS writer_request_id",
 }
 PREVENTED_SQL = "SELECT COUNT(*) FROM all_integrity_violations"
 

@@ -352,7 +352,7 @@ pub struct OffloadRecord {
     pub writer_node: Option<u32>,
     pub writer_request: Option<u64>,
     pub writer_tenant: Option<Arc<str>>,
-    /// Sealed bytes (0 when not known).
+    /// The page's K/V bytes (0 when only its key is known).
     pub bytes: u64,
     /// Evict: why (`budget`, `refused`); restore: the reader's namespace when the unsafe
     /// token-only reproduction restored another namespace's page into it.

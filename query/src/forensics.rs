@@ -113,13 +113,24 @@ FROM spans;
 -- page is read-only (its writes are refused by the tag check), so such a read attended the
 -- public prefix's KV, not the writer's tenant's data. Read by the epochs' bulk clearing and by
 -- the answer.
+-- A page restored from a KV offload tier is written (`page_events`, writer `restore`) by its
+-- original writer: it counts as shared into a public scope when the restore names that scope
+-- and the reader's hit names the same namespace.
 CREATE OR REPLACE TABLE exposure_public_hits AS
   SELECT DISTINCT h.node_id, h.request_id, h.page, h.generation, s.request_id AS writer
   FROM all_prefix_cache h
   JOIN all_prefix_cache s
     ON s.node_id = h.node_id AND s.page = h.page AND s.generation = h.generation
    AND s.namespace = h.namespace
-  WHERE h.event = 'hit' AND s.event = 'share' AND s.scope_kind = 'public';
+  WHERE h.event = 'hit' AND s.event = 'share' AND s.scope_kind = 'public'
+  UNION
+  SELECT DISTINCT h.node_id, h.request_id, h.page, h.generation, r.writer_request_id AS writer
+  FROM all_prefix_cache h
+  JOIN all_kv_offload r
+    ON r.node_id = h.node_id AND r.page = h.page AND r.generation = h.generation
+   AND r.namespace = h.namespace
+  WHERE h.event = 'hit' AND h.scope_kind = 'public' AND r.event = 'restore'
+    AND r.scope LIKE 'public:%';
 
 CREATE OR REPLACE TABLE exposure_epochs AS
 WITH covered AS (
@@ -403,18 +414,25 @@ FROM e WHERE source_tenant = '{tenant}' GROUP BY recipient_tenant
 ORDER BY direction, other_tenant
 "#;
 
-/// Prefix-cache hits by reader and writer tenant and scope kind: who attended pages another
-/// request computed. `cross_tenant` hits are legitimate only in a `public` scope (an
-/// operator-declared prefix); any other is a leak the exposure question reports too.
+/// Prefix-cache hits by reader and writer tenant, scope kind and where the page came from
+/// (`served_from`: `pool`, or the KV offload tier it was restored from for this reader — a
+/// restore is a write by the page's original writer): who attended pages another request
+/// computed. `cross_tenant` hits are legitimate only in a `public` scope (an operator-declared
+/// prefix); any other is a leak the exposure question reports too.
 pub const CACHE_SQL: &str = r#"
-SELECT node_id, tenant AS reader_tenant, writer_tenant, scope_kind, scope,
-       tenant <> writer_tenant AS cross_tenant,
-       CAST(COUNT(DISTINCT request_id) AS BIGINT) AS requests,
+SELECT h.node_id, h.tenant AS reader_tenant, h.writer_tenant, h.scope_kind, h.scope,
+       h.tenant <> h.writer_tenant AS cross_tenant,
+       COALESCE(o.tier, 'pool') AS served_from,
+       CAST(COUNT(DISTINCT h.request_id) AS BIGINT) AS requests,
        CAST(COUNT(*) AS BIGINT) AS pages
-FROM all_prefix_cache
-WHERE event = 'hit'
-GROUP BY node_id, tenant, writer_tenant, scope_kind, scope
-ORDER BY node_id, reader_tenant, writer_tenant, scope_kind, scope
+FROM all_prefix_cache h
+LEFT JOIN (SELECT DISTINCT node_id, request_id, page, generation, tier
+           FROM all_kv_offload WHERE event = 'restore') o
+  ON o.node_id = h.node_id AND o.request_id = h.request_id AND o.page = h.page
+ AND o.generation = h.generation
+WHERE h.event = 'hit'
+GROUP BY h.node_id, h.tenant, h.writer_tenant, h.scope_kind, h.scope, COALESCE(o.tier, 'pool')
+ORDER BY node_id, reader_tenant, writer_tenant, scope_kind, scope, served_from
 "#;
 
 /// The timeline of request `{request}` on node `{node}`: admission, every page it held (and who

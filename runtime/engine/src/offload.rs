@@ -164,13 +164,17 @@ pub enum OffloadError {
 /// Something the engine records (table `kv_offload`) or must act on.
 #[derive(Debug)]
 pub enum Happened {
-    /// A page was stored in `tier` (from the pool, or moved down from the tier above).
+    /// A page is being stored in `tier` (from the pool, or moved down from the tier above):
+    /// recorded when the job is handed out (write-ahead, as page writes are), so a node that
+    /// stops with writes in flight has no stored page without its row; a store that then fails
+    /// is a [`Happened::Failed`].
     Offloaded {
-        meta: PageMeta,
+        key: BlockKey,
+        /// Known unless the page was listed from a tier at start-up and never opened.
+        meta: Option<PageMeta>,
         tier: Tier,
         /// The pool page it left (`None`: moved between tiers).
         page: Option<(u32, u32)>,
-        bytes: u64,
     },
     /// A page left its last tier (over budget), or a refused page was deleted.
     Evicted {
@@ -179,7 +183,8 @@ pub enum Happened {
         tier: Tier,
         reason: &'static str,
     },
-    /// A store failed; the page is gone from the index (a miss).
+    /// A write-back or move did not store the page in `tier` (its `offload` row stands
+    /// contradicted: recorded as an `evict` from `tier`). A failed read or delete is only logged.
     Failed {
         key: BlockKey,
         tier: Tier,
@@ -418,8 +423,15 @@ impl Offload {
             return false;
         }
         let key = meta.key;
-        if self.send(worker::Job::Seal { meta, page, body }) {
+        let row = Happened::Offloaded {
+            key,
+            meta: Some(meta.clone()),
+            tier: self.tiers[0].store.tier(),
+            page: Some(page),
+        };
+        if self.send(worker::Job::Seal { meta, body }) {
             self.pending.insert(key);
+            self.happened.push(row);
             true
         } else {
             self.stats.skipped_full_queue += 1;
@@ -569,29 +581,15 @@ impl Offload {
         assert!(self.in_flight > 0, "a completion with no job in flight");
         self.in_flight -= 1;
         match d {
-            worker::Done::Stored { meta, page, bytes } => {
+            worker::Done::Stored { meta, bytes } => {
                 self.pending.remove(&meta.key);
                 self.stats.offloaded += 1;
-                self.insert(meta.key, 0, bytes, Some(meta.clone()));
-                self.happened.push(Happened::Offloaded {
-                    meta,
-                    tier: self.tiers[0].store.tier(),
-                    page: Some(page),
-                    bytes,
-                });
+                self.insert(meta.key, 0, bytes, Some(meta));
             }
             worker::Done::Moved { key, to, bytes } => {
                 let meta = self.remove(&key).and_then(|e| e.meta);
                 self.stats.moved += 1;
-                self.insert(key, to, bytes, meta.clone());
-                if let Some(meta) = meta {
-                    self.happened.push(Happened::Offloaded {
-                        meta,
-                        tier: self.tiers[to].store.tier(),
-                        page: None,
-                        bytes,
-                    });
-                }
+                self.insert(key, to, bytes, meta);
             }
             worker::Done::Deleted => {}
             worker::Done::Fetched { key, tier, sealed } => {
@@ -602,24 +600,34 @@ impl Offload {
                     self.prefetched.insert(key, Fetched { sealed, tier });
                 }
             }
-            worker::Done::Failed { key, tier, error } => {
+            worker::Done::Failed {
+                key,
+                tier,
+                error,
+                kind,
+            } => {
+                let tier = self.tiers[tier].store.tier();
+                tracing::warn!(tier = tier.name(), ?kind, %error, "offload store failed");
                 self.pending.remove(&key);
                 self.fetching.remove(&key);
-                if let Some(e) = self.index.get_mut(&key)
-                    && e.busy
-                {
-                    // A move that failed: the page stays where it was.
-                    e.busy = false;
-                    let t = &mut self.tiers[e.tier];
-                    t.moving_bytes -= e.bytes;
-                    t.lru.insert((e.last_used, key));
+                match kind {
+                    worker::Failure::Vanished => {
+                        self.remove(&key);
+                    }
+                    worker::Failure::Write => {
+                        if let Some(e) = self.index.get_mut(&key)
+                            && e.busy
+                        {
+                            // A move that failed: the page stays where it was.
+                            e.busy = false;
+                            let t = &mut self.tiers[e.tier];
+                            t.moving_bytes -= e.bytes;
+                            t.lru.insert((e.last_used, key));
+                        }
+                    }
+                    worker::Failure::Delete | worker::Failure::Fetch => return,
                 }
-                tracing::warn!(tier = self.tiers[tier].store.tier().name(), %error, "offload store failed");
-                self.happened.push(Happened::Failed {
-                    key,
-                    tier: self.tiers[tier].store.tier(),
-                    error,
-                });
+                self.happened.push(Happened::Failed { key, tier, error });
             }
         }
     }
@@ -648,6 +656,12 @@ impl Offload {
                         unreachable!("an LRU entry not in the index")
                     };
                     e.busy = true;
+                    self.happened.push(Happened::Offloaded {
+                        key,
+                        meta: e.meta.clone(),
+                        tier: self.tiers[t + 1].store.tier(),
+                        page: None,
+                    });
                     self.tiers[t].lru.remove(&(e.last_used, key));
                     // Counted as leaving now, so the loop moves only what is over.
                     self.tiers[t].moving_bytes += e.bytes;

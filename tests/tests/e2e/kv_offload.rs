@@ -3,20 +3,27 @@
 //! token for token — and every page that fails verification (flipped, cut, another model's,
 //! another namespace's) is a miss and an `integrity_violations` row, never a read.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use custody_audit::{Event as AEvent, MemorySink, OffloadEvent, OffloadRecord};
 use custody_query::datafusion::object_store::aws::AmazonS3Builder;
+use custody_runtime::config::KvOffloadSection;
 use custody_runtime::engine::{Event, GenerateRequest};
 use custody_runtime::offload::seal::{self, Layout, PageMeta, SealKeys};
 use custody_runtime::offload::store::{DiskStore, HostArena, PageStore};
-use custody_runtime::offload::{OffloadConfig, TierSpec};
+use custody_runtime::offload::{OffloadConfig, OffloadSetup, TierSpec};
 use custody_runtime::offload_s3::S3PageStore;
 use custody_runtime::prefix_cache::CacheScope;
 use custody_runtime::{Engine, EngineConfig, SamplingParams};
 
 use crate::prefix_cache::{PAGE, scope, secret, text};
+use crate::serve::{
+    CacheOpts, KEY, KEY_BRAVO, TestServer, cache_cfg, cmpl_engine_id, complete, forensics,
+    ks_two_sample, public_scope,
+};
 use crate::{engine_with, small_cfg, tokenizer};
 
 /// Sealed bytes of one SmolLM2 page (16 slots × 22.5 KiB) plus its header and MAC.
@@ -492,4 +499,218 @@ fn two_prefill_nodes_share_the_object_tier_with_isolation_intact() {
     assert_eq!(x.cached_tokens, 0);
     assert!(restores_of(&sink, x.id).is_empty());
     assert!(violations(&sink, x.id).is_empty());
+}
+
+/// A serving node (`custody serve`'s code, in this process) whose pool of `kv_budget_mib` holds
+/// `context` tokens and whose prefix cache offloads to `section`'s tiers.
+fn offload_server(
+    name: &str,
+    section: KvOffloadSection,
+    kv_budget_mib: usize,
+    context: usize,
+    token_only: bool,
+) -> TestServer {
+    let engine = engine_with(EngineConfig {
+        kv_budget_mib,
+        context_length: Some(context),
+        prefix_cache: Some(true),
+        ..small_cfg()
+    });
+    TestServer::start_opts(
+        name,
+        cache_cfg(),
+        None,
+        engine,
+        tokenizer(),
+        CacheOpts {
+            prefix_cache: public_scope(None),
+            unsafe_shared: false,
+            kv_offload: Some(OffloadSetup {
+                section,
+                object: None,
+                node: 3,
+                token_only,
+            }),
+        },
+    )
+}
+
+fn disk_section(dir: &Path) -> KvOffloadSection {
+    KvOffloadSection {
+        disk_dir: Some(dir.to_path_buf()),
+        disk_mib: 256,
+        ..KvOffloadSection::default()
+    }
+}
+
+/// The incident's class for external KV tiers (sglang #37160, LMCache #4825):
+/// `[unsafe_reproduction] token_only_offload` keys the disk tier on tokens alone, so bravo's
+/// prompt that starts like acme's is served acme's offloaded pages. The forensics name every
+/// such restore as an exposure, exactly: per bravo request, the slots of acme's pages it
+/// attended — computed here from the prompts alone.
+#[test]
+fn token_only_offload_leaks_and_the_forensics_name_every_cross_tenant_restore() {
+    let dir = temp_dir("leak");
+    let tok = tokenizer();
+    let srv = offload_server("offload-unsafe", disk_section(&dir), 8, 256, true);
+    let victim: Vec<Vec<u32>> = (0..3)
+        .map(|k| tok.encode(&text(1030 + k, 90), false).expect("tokenize"))
+        .collect();
+    for v in &victim {
+        complete(&srv, KEY, serde_json::json!(v), None);
+    }
+    // acme's other prompts push the victim's pages out of the pool, onto disk.
+    for f in 0..4 {
+        let p = tok.encode(&text(1060 + f, 90), false).expect("tokenize");
+        complete(&srv, KEY, serde_json::json!(p), None);
+    }
+    let mut expected = BTreeMap::new();
+    for (k, cut) in [(0usize, 20usize), (1, 55), (2, 80), (0, 5)] {
+        let mut p = victim[k][..cut].to_vec();
+        p.extend(
+            tok.encode(&format!(" {}", text(1050 + cut, 25)), false)
+                .expect("tokenize"),
+        );
+        let common = victim
+            .iter()
+            .map(|v| v.iter().zip(&p).take_while(|(a, b)| a == b).count())
+            .max()
+            .unwrap_or(0);
+        let want = common.min(p.len() - 1) / PAGE * PAGE;
+        let (id, cached) = complete(&srv, KEY_BRAVO, serde_json::json!(p), None);
+        assert_eq!(cached, want, "bravo's cut {cut} of victim prompt {k}");
+        if want > 0 {
+            expected.insert(cmpl_engine_id(&id), want as u64);
+        }
+    }
+    assert_eq!(expected.len(), 3, "three of the four attacker prompts hit");
+    let audit = srv.stop();
+    let (exposure, cache) = forensics(&audit);
+    let got: BTreeMap<u64, u64> = exposure
+        .affected
+        .iter()
+        .map(|a| {
+            assert_eq!(a.recipient_tenant, "bravo");
+            assert_eq!(a.sources, vec![("acme".to_owned(), a.foreign_slots)]);
+            (a.request, a.foreign_slots)
+        })
+        .collect();
+    assert_eq!(got, expected, "every cross-tenant restore, exactly");
+    assert!(
+        cache
+            .iter()
+            .any(|(r, w, _, x)| r == "bravo" && w == "acme" && *x),
+        "{cache:?}"
+    );
+    std::fs::remove_dir_all(&dir).expect("clean");
+}
+
+/// The timing audit (Gu et al., ICML 2025) with the victim's pages in an offload tier: acme
+/// sends prompts, and its later traffic pushes their pages out of the pool (11 pages) into the
+/// tier; bravo then times those prompts against fresh ones of the same length, interleaved; a
+/// two-sample KS test finds no difference. The same audit by acme (whose pages *are* restored
+/// from the tier) finds one at once — proof the test can fail.
+#[test]
+fn timing_audit_across_tiers_finds_no_cross_tenant_signal_and_finds_the_same_tenant_one() {
+    const N_PER_GROUP: usize = 15;
+    const PROMPT_TOKENS: usize = 64;
+    let tok = tokenizer();
+    let prompt = |seed: usize| {
+        let mut t = tok.encode(&text(seed, 100), false).expect("tokenize");
+        assert!(t.len() >= PROMPT_TOKENS);
+        t.truncate(PROMPT_TOKENS);
+        serde_json::json!(t)
+    };
+    let dir = temp_dir("timing");
+    let host = KvOffloadSection {
+        host_mib: 256,
+        ..KvOffloadSection::default()
+    };
+    for (tier, section) in [("host", host), ("disk", disk_section(&dir))] {
+        let srv = offload_server(&format!("offload-timing-{tier}"), section, 4, 128, false);
+        let timed = |key: &str, p: serde_json::Value| {
+            let t0 = Instant::now();
+            let (_, cached) = complete(&srv, key, p, None);
+            (t0.elapsed().as_secs_f64() * 1e3, cached)
+        };
+        for s in 0..3 {
+            timed(KEY_BRAVO, prompt(19_000 + s));
+        }
+        let audit = |prober: &str, key: &str, seed0: usize| {
+            // The victim's requests: N prompts of 4 pages each, far more than the pool holds.
+            for i in 0..N_PER_GROUP {
+                complete(&srv, KEY, prompt(seed0 + 2 * i), None);
+            }
+            let (mut primed, mut fresh, mut hits) = (Vec::new(), Vec::new(), 0);
+            for i in 0..N_PER_GROUP {
+                let (p, f) = (prompt(seed0 + 2 * i), prompt(seed0 + 2 * i + 1));
+                // Alternate which goes first, so drift in the machine's load hits both alike.
+                let order = if i % 2 == 0 {
+                    [(true, p), (false, f)]
+                } else {
+                    [(false, f), (true, p)]
+                };
+                for (is_primed, q) in order {
+                    let (ms, cached) = timed(key, q);
+                    hits += usize::from(cached > 0);
+                    if is_primed {
+                        primed.push(ms)
+                    } else {
+                        fresh.push(ms)
+                    }
+                }
+            }
+            let (d, p) = ks_two_sample(&primed, &fresh);
+            let med = |v: &[f64]| {
+                let mut v = v.to_vec();
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            eprintln!(
+                "offload timing audit, {tier} tier, prober {prober}: n = {N_PER_GROUP} + {N_PER_GROUP}, median primed {:.1} ms, fresh {:.1} ms, KS D = {d:.3}, p = {p:.3e}, hits {hits}",
+                med(&primed),
+                med(&fresh)
+            );
+            (p, hits)
+        };
+        let (p_other, hits_other) = audit("bravo", KEY_BRAVO, 30_000);
+        let (p_same, hits_same) = audit("acme", KEY, 40_000);
+        let sealed = srv.stop();
+        // The same tenant's hits came from the tier (the pool had let them go; the last two
+        // primed prompts may still have been in the pool when the audit began).
+        let restored = restored_per_tier(&sealed);
+        let pages = ((PROMPT_TOKENS - 1) / PAGE) as u64;
+        assert!(
+            restored.get(tier).copied().unwrap_or(0) >= (N_PER_GROUP as u64 - 2) * pages,
+            "{tier}: {restored:?}"
+        );
+        assert_eq!(hits_other, 0, "{tier}: no cross-tenant hit");
+        assert_eq!(hits_same, N_PER_GROUP, "{tier}: every primed prompt hit");
+        assert!(
+            p_same < 1e-6,
+            "{tier}: the audit sees a hit (p = {p_same:.3e})"
+        );
+        assert!(
+            p_other > 1e-3,
+            "{tier}: a cross-tenant timing signal (p = {p_other:.3e})"
+        );
+    }
+    std::fs::remove_dir_all(&dir).expect("clean");
+}
+
+/// `kv_offload` restore rows per tier in a sealed root.
+fn restored_per_tier(audit: &Path) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for b in crate::audit::read_table(audit, "kv_offload") {
+        let (ev, tier) = (
+            crate::audit::col_str(&b, "event"),
+            crate::audit::col_str(&b, "tier"),
+        );
+        for i in 0..ev.len() {
+            if ev[i].as_deref() == Some("restore") {
+                *out.entry(tier[i].clone().unwrap_or_default()).or_default() += 1;
+            }
+        }
+    }
+    out
 }

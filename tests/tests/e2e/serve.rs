@@ -20,7 +20,7 @@ use custody_server::{AuditStats, ServeOptions};
 use crate::audit::{col_str, col_u32, col_u64, read_table, tmp_dir};
 use crate::{engine_with, tokenizer};
 
-const KEY: &str = "sk-test-acme";
+pub(crate) const KEY: &str = "sk-test-acme";
 const KEY_TINY: &str = "sk-test-tiny";
 const MODEL_ID: &str = "smollm2-test";
 const CONTEXT: usize = 2048;
@@ -66,8 +66,17 @@ fn serve_cfg() -> ServeSection {
     }
 }
 
+/// A test server's prefix-cache options: `[prefix_cache]`, the unsafe shared-cache switch,
+/// `[kv_offload]`.
+#[derive(Default)]
+pub(crate) struct CacheOpts {
+    pub(crate) prefix_cache: PrefixCacheSection,
+    pub(crate) unsafe_shared: bool,
+    pub(crate) kv_offload: Option<custody_runtime::offload::OffloadSetup>,
+}
+
 /// A server in this process on a loopback port, auditing into a temporary root.
-struct TestServer {
+pub(crate) struct TestServer {
     url: String,
     /// The operator's listener (`/metrics`): never the tenants' port.
     metrics_url: String,
@@ -118,8 +127,11 @@ impl TestServer {
             None,
             engine,
             tokenizer(),
-            prefix_cache,
-            unsafe_shared,
+            CacheOpts {
+                prefix_cache,
+                unsafe_shared,
+                kv_offload: None,
+            },
         )
     }
 
@@ -142,18 +154,22 @@ impl TestServer {
         engine: Engine,
         tok: custody_runtime::Tokenizer,
     ) -> Self {
-        Self::start_opts(name, cfg, stats, engine, tok, Default::default(), false)
+        Self::start_opts(name, cfg, stats, engine, tok, CacheOpts::default())
     }
 
-    fn start_opts(
+    pub(crate) fn start_opts(
         name: &str,
         cfg: ServeSection,
         stats: Option<Arc<dyn AuditStats>>,
         engine: Engine,
         tok: custody_runtime::Tokenizer,
-        prefix_cache: PrefixCacheSection,
-        unsafe_shared: bool,
+        cache: CacheOpts,
     ) -> Self {
+        let CacheOpts {
+            prefix_cache,
+            unsafe_shared,
+            kv_offload,
+        } = cache;
         let root = tmp_dir(&format!("serve-{name}"));
         let key = digest::generate_key().expect("key");
         let writer = Arc::new(
@@ -184,7 +200,7 @@ impl TestServer {
             events: None,
             prefix_cache,
             unsafe_shared_prefix_cache: unsafe_shared,
-            kv_offload: None,
+            kv_offload,
             audit_disabled: false,
             proofs: None,
         };
@@ -241,7 +257,7 @@ impl TestServer {
 
     /// SIGTERM's path: drain, stop the engine, seal the log. Returns the audit root (kept on
     /// disk while the returned value lives).
-    fn stop(mut self) -> Sealed {
+    pub(crate) fn stop(mut self) -> Sealed {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -265,7 +281,7 @@ impl TestServer {
 }
 
 /// A stopped server's sealed audit root; its temporary directory lives as long as this does.
-struct Sealed {
+pub(crate) struct Sealed {
     audit: PathBuf,
     _root: crate::audit::TmpDir,
 }
@@ -1524,9 +1540,9 @@ fn chat_completions_run_every_architecture_end_to_end() {
     }
 }
 
-const KEY_BRAVO: &str = "sk-test-bravo";
+pub(crate) const KEY_BRAVO: &str = "sk-test-bravo";
 
-fn cache_cfg() -> ServeSection {
+pub(crate) fn cache_cfg() -> ServeSection {
     let mut cfg = serve_cfg();
     cfg.canary_interval_s = 0;
     cfg.tenants.push(TenantSection {
@@ -1539,7 +1555,7 @@ fn cache_cfg() -> ServeSection {
 }
 
 /// `[prefix_cache]` with one public scope of raw `text`, if any.
-fn public_scope(text: Option<&str>) -> PrefixCacheSection {
+pub(crate) fn public_scope(text: Option<&str>) -> PrefixCacheSection {
     PrefixCacheSection {
         secret_file: None,
         public: text
@@ -1555,7 +1571,7 @@ fn public_scope(text: Option<&str>) -> PrefixCacheSection {
 }
 
 /// One greedy completion of one token: (request id, `usage.prompt_tokens_details.cached_tokens`).
-fn complete(
+pub(crate) fn complete(
     srv: &TestServer,
     key: &str,
     prompt: serde_json::Value,
@@ -1576,12 +1592,12 @@ fn complete(
     (v["id"].as_str().expect("id").to_owned(), cached)
 }
 
-fn cmpl_engine_id(id: &str) -> u64 {
+pub(crate) fn cmpl_engine_id(id: &str) -> u64 {
     engine_id(id.strip_prefix("cmpl-").expect("a completion id"))
 }
 
 /// The exposure rows and the cache question's rows over a sealed root.
-fn forensics(
+pub(crate) fn forensics(
     audit: &std::path::Path,
 ) -> (
     custody_query::forensics::Exposure,
@@ -1807,7 +1823,7 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
 
 /// Two-sample Kolmogorov–Smirnov: the statistic D and its asymptotic p-value (the Kolmogorov
 /// distribution with Stephens' small-sample correction, as Numerical Recipes' `kstwo`).
-fn ks_two_sample(a: &[f64], b: &[f64]) -> (f64, f64) {
+pub(crate) fn ks_two_sample(a: &[f64], b: &[f64]) -> (f64, f64) {
     let (mut a, mut b) = (a.to_vec(), b.to_vec());
     a.sort_by(f64::total_cmp);
     b.sort_by(f64::total_cmp);

@@ -100,16 +100,24 @@ impl Engine {
         if self.sink.is_none() {
             return;
         }
+        // The `bytes` column: a page's K/V bytes (the same for every page of the pool).
+        let bytes = self
+            .offload
+            .as_ref()
+            .map_or(0, |o| o.layout().body_bytes() as u64);
         for h in happened {
             let rec = match h {
                 Happened::Offloaded {
+                    key,
                     meta,
                     tier,
                     page,
-                    bytes,
-                } => offload_record(audit::OffloadEvent::Offload, tier.name(), &meta, bytes)
-                    .with_page(page)
-                    .by(meta.writer.request, meta.writer.tenant.clone()),
+                } => match &meta {
+                    Some(m) => offload_record(audit::OffloadEvent::Offload, tier.name(), m, bytes)
+                        .with_page(page)
+                        .by(m.writer.request, m.writer.tenant.clone()),
+                    None => bare_record(audit::OffloadEvent::Offload, tier.name(), key),
+                },
                 Happened::Evicted {
                     key,
                     meta,
@@ -117,8 +125,10 @@ impl Engine {
                     reason,
                 } => {
                     let r = match &meta {
-                        Some(m) => offload_record(audit::OffloadEvent::Evict, tier.name(), m, 0)
-                            .by(m.writer.request, m.writer.tenant.clone()),
+                        Some(m) => {
+                            offload_record(audit::OffloadEvent::Evict, tier.name(), m, bytes)
+                                .by(m.writer.request, m.writer.tenant.clone())
+                        }
                         None => bare_record(audit::OffloadEvent::Evict, tier.name(), key),
                     };
                     audit::OffloadRecord {
@@ -301,7 +311,7 @@ impl Engine {
         };
         // Held by `s` (the one reference an insert gives); its parent is the previous link.
         cache.insert(cached.clone(), parent);
-        self.emit_restore(s, &cached, m, fetched.tier.name(), fetched.sealed.len());
+        self.emit_restore(s, &cached, m, fetched.tier.name(), page.body().len());
         Some(cached)
     }
 

@@ -15,7 +15,6 @@ pub(super) enum Job {
     /// Seal an evicted page and store it in the first tier.
     Seal {
         meta: PageMeta,
-        page: (u32, u32),
         body: Vec<u8>,
     },
     /// Copy a page one tier down, then delete it above.
@@ -39,7 +38,6 @@ pub(super) enum Job {
 pub(super) enum Done {
     Stored {
         meta: PageMeta,
-        page: (u32, u32),
         bytes: u64,
     },
     Moved {
@@ -55,9 +53,22 @@ pub(super) enum Done {
     },
     Failed {
         key: BlockKey,
+        /// The tier written (a write-back's first tier, a move's lower tier) or read.
         tier: usize,
         error: String,
+        kind: Failure,
     },
+}
+
+/// Which part of a job failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Failure {
+    /// The page was not stored in `tier` (sealing or the put failed); a move's page stays above.
+    Write,
+    /// A move's page was gone from its tier: it is nowhere now.
+    Vanished,
+    Delete,
+    Fetch,
 }
 
 struct Worker {
@@ -69,12 +80,13 @@ struct Worker {
 impl Worker {
     fn run(&self, job: Job) -> Done {
         match job {
-            Job::Seal { meta, page, body } => {
+            Job::Seal { meta, body } => {
                 let key = meta.key;
                 let fail = |error: String| Done::Failed {
                     key,
                     tier: 0,
                     error,
+                    kind: Failure::Write,
                 };
                 let sealed = match seal::seal(&self.keys, &self.layout, &meta, &body) {
                     Ok(s) => s,
@@ -83,25 +95,27 @@ impl Worker {
                 match self.stores[0].put(&key, &sealed) {
                     Ok(()) => Done::Stored {
                         meta,
-                        page,
                         bytes: sealed.len() as u64,
                     },
                     Err(e) => fail(e.to_string()),
                 }
             }
             Job::Move { key, from, to } => {
-                let fail = |error: String| Done::Failed {
+                let fail = |error: String, kind| Done::Failed {
                     key,
-                    tier: from,
+                    tier: to,
                     error,
+                    kind,
                 };
                 let sealed = match self.stores[from].get(&key) {
                     Ok(Some(s)) => s,
-                    Ok(None) => return fail("the page vanished from its tier".into()),
-                    Err(e) => return fail(e.to_string()),
+                    Ok(None) => {
+                        return fail("the page vanished from its tier".into(), Failure::Vanished);
+                    }
+                    Err(e) => return fail(e.to_string(), Failure::Write),
                 };
                 if let Err(e) = self.stores[to].put(&key, &sealed) {
-                    return fail(e.to_string());
+                    return fail(e.to_string(), Failure::Write);
                 }
                 if let Err(e) = self.stores[from].delete(&key) {
                     // Stored below, so the move stands; the copy above is unreachable (the
@@ -120,6 +134,7 @@ impl Worker {
                     key,
                     tier,
                     error: e.to_string(),
+                    kind: Failure::Delete,
                 },
             },
             Job::Fetch { key, tier } => match self.stores[tier].get(&key) {
@@ -128,6 +143,7 @@ impl Worker {
                     key,
                     tier,
                     error: e.to_string(),
+                    kind: Failure::Fetch,
                 },
             },
         }
