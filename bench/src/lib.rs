@@ -8,6 +8,7 @@ pub mod audit;
 pub mod constrained;
 pub mod disagg;
 pub mod engine;
+pub mod offload;
 pub mod router;
 pub mod stats;
 
@@ -31,6 +32,8 @@ pub enum BenchError {
     Writer(#[from] custody_audit::writer::WriterError),
     #[error(transparent)]
     Startup(#[from] custody_runtime::StartupError),
+    #[error(transparent)]
+    Offload(#[from] custody_runtime::offload::OffloadError),
     #[error(transparent)]
     Admission(#[from] custody_runtime::AdmissionError),
     #[error(transparent)]

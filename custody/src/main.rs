@@ -130,6 +130,11 @@ enum Cmd {
     /// choices for decode) on synthetic ready nodes; see BENCHMARKS.md for the latency a
     /// request gains through it and the policy's simulated balance at 64×64.
     BenchRouter(custody_bench::router::BenchRouterArgs),
+    /// Benchmark KV offload: a follow-up's time to first token served from each tier
+    ///
+    /// The pool, host memory, local disk (and an object store with --object-url) vs recompute,
+    /// each tier's restore bandwidth vs memcpy, and what write-back costs a decoding workload.
+    BenchOffload(custody_bench::offload::BenchOffloadArgs),
     /// A fleet's CA and node certificates for mutual TLS between its processes
     ///
     /// Creates (or reuses) `<out>/ca.pem` and `ca.key`, and for each `--node ROLE:ID` a
@@ -274,6 +279,7 @@ fn try_main(cli: Cli) -> Result<()> {
         Cmd::Decode(a) => disagg_cmd::decode(a),
         Cmd::BenchDisagg(a) => Ok(custody_bench::disagg::bench_disagg(a)?),
         Cmd::BenchRouter(a) => Ok(custody_bench::router::bench_router(a)?),
+        Cmd::BenchOffload(a) => Ok(custody_bench::offload::bench_offload(a)?),
         Cmd::Certs(a) => certs_cmd::certs(a),
         Cmd::Probe(a) => probe_cmd::probe(a),
         Cmd::Witness(c) => witness_cmd::witness_cmd(c),

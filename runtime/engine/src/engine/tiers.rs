@@ -81,6 +81,16 @@ impl Engine {
             .unwrap_or_default()
     }
 
+    /// Evict every cached page no request holds (each written back to the offload tiers when
+    /// offload is on) and return how many: an operator's flush of the pool's cache, and how
+    /// benchmarks put a conversation in a tier.
+    pub fn evict_cached(&mut self) -> usize {
+        let before = self.cache.as_ref().map_or(0, |c| c.stats().evictions);
+        self.evict_until_free(self.pool.n_pages());
+        let after = self.cache.as_ref().map_or(0, |c| c.stats().evictions);
+        (after - before) as usize
+    }
+
     /// Wait until every offload job handed out so far is done, and record what happened (tests,
     /// benchmarks, a draining node).
     pub fn offload_flush(&mut self) {
