@@ -123,6 +123,13 @@ pub struct EngineGauges {
     /// Of them, pages no request holds (evictable).
     pub prefix_cache_unheld_pages: AtomicU64,
     pub prefix_cache_evictions_total: AtomicU64,
+    /// KV offload (`[kv_offload]`): pages each tier holds (host, disk, object).
+    pub offload_pages: [AtomicU64; 3],
+    pub offload_offloaded_total: AtomicU64,
+    pub offload_restored_total: AtomicU64,
+    /// Offloaded pages that failed verification at a restore (each a miss and a violation row).
+    pub offload_refused_total: AtomicU64,
+    pub offload_evicted_total: AtomicU64,
     pub steps_total: AtomicU64,
     pub integrity_violations_total: AtomicU64,
     pub aborted_total: AtomicU64,
@@ -325,6 +332,22 @@ fn update_gauges(engine: &Engine, g: &EngineGauges) {
             .store((c.entries - c.held) as u64, Ordering::Relaxed);
         g.prefix_cache_evictions_total
             .store(c.evictions, Ordering::Relaxed);
+    }
+    if let Some(s) = engine.offload_stats() {
+        for (tier, pages) in engine.offload_pages() {
+            let i = match tier {
+                custody_runtime::offload::store::Tier::Host => 0,
+                custody_runtime::offload::store::Tier::Disk => 1,
+                custody_runtime::offload::store::Tier::Object => 2,
+            };
+            g.offload_pages[i].store(pages as u64, Ordering::Relaxed);
+        }
+        g.offload_offloaded_total
+            .store(s.offloaded, Ordering::Relaxed);
+        g.offload_restored_total
+            .store(s.restored, Ordering::Relaxed);
+        g.offload_refused_total.store(s.refused, Ordering::Relaxed);
+        g.offload_evicted_total.store(s.evicted, Ordering::Relaxed);
     }
     g.audit_failed
         .store(engine.audit_error().is_some(), Ordering::Relaxed);

@@ -221,6 +221,37 @@ impl Metrics {
             "Cached pages evicted (least recently used, never while a request holds them).",
             ld(&g.prefix_cache_evictions_total),
         );
+        o.push_str("# HELP custody_kv_offload_pages KV offload: pages each tier holds.\n# TYPE custody_kv_offload_pages gauge\n");
+        for (i, tier) in ["host", "disk", "object"].iter().enumerate() {
+            o.push_str(&format!(
+                "custody_kv_offload_pages{{tier=\"{tier}\"}} {}\n",
+                ld(&g.offload_pages[i])
+            ));
+        }
+        for (name, help, v) in [
+            (
+                "custody_kv_offload_offloaded_total",
+                "Evicted cached pages stored in the first offload tier.",
+                &g.offload_offloaded_total,
+            ),
+            (
+                "custody_kv_offload_restored_total",
+                "Offloaded pages verified and restored into the pool (hits).",
+                &g.offload_restored_total,
+            ),
+            (
+                "custody_kv_offload_refused_total",
+                "Offloaded pages that failed verification at a restore (a miss and an integrity violation each).",
+                &g.offload_refused_total,
+            ),
+            (
+                "custody_kv_offload_evicted_total",
+                "Offloaded pages that left their last tier (over its size).",
+                &g.offload_evicted_total,
+            ),
+        ] {
+            counter(&mut o, name, help, ld(v));
+        }
         gauge(
             &mut o,
             "custody_kv_pages_total",

@@ -675,6 +675,11 @@ fn timing_audit_across_tiers_finds_no_cross_tenant_signal_and_finds_the_same_ten
         };
         let (p_other, hits_other) = audit("bravo", KEY_BRAVO, 30_000);
         let (p_same, hits_same) = audit("acme", KEY, 40_000);
+        // The operator sees the tier at work: its pages, its restores, no refusal.
+        let restores = srv.metric("custody_kv_offload_restored_total");
+        assert!(restores >= N_PER_GROUP as f64, "{tier}: {restores} restores");
+        assert_eq!(srv.metric("custody_kv_offload_refused_total"), 0.0);
+        assert!(srv.metric(&format!("custody_kv_offload_pages{{tier=\"{tier}\"}}")) > 0.0);
         let sealed = srv.stop();
         // The same tenant's hits came from the tier (the pool had let them go; the last two
         // primed prompts may still have been in the pool when the audit began).

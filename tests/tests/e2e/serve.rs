@@ -239,7 +239,7 @@ impl TestServer {
         .expect(path)
     }
 
-    fn metric(&self, name: &str) -> f64 {
+    pub(crate) fn metric(&self, name: &str) -> f64 {
         let r = client::request(
             &self.metrics_url,
             "GET",
