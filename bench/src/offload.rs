@@ -53,6 +53,16 @@ pub struct BenchOffloadArgs {
     /// generated tokens each, in a pool that holds a third of them: every admission evicts).
     #[arg(long, default_value_t = 24)]
     writeback_requests: usize,
+    /// Run only one part: `ttft` (the follow-ups and restore bandwidth) or `writeback`.
+    #[arg(long)]
+    only: Option<Part>,
+}
+
+/// A part of the benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Part {
+    Ttft,
+    Writeback,
 }
 
 /// Where a scenario's earlier turn is when its follow-up arrives.
@@ -218,7 +228,16 @@ impl Ctx<'_> {
             let cache = (source != Source::Recompute).then_some(scope);
             let t0 = Instant::now();
             let id = engine.submit(request(&self.follow_up, 1, cache))?;
-            until_done(&mut engine, id, t0)
+            let s = until_done(&mut engine, id, t0)?;
+            let whole = self.conversation.len() / 16 * 16;
+            if source != Source::Recompute && s.cached_tokens < whole {
+                bail!(
+                    "the follow-up served from {} took only {} of the conversation's {whole} tokens from it",
+                    source.name(),
+                    s.cached_tokens
+                );
+            }
+            Ok(s)
         })
     }
 }
@@ -252,7 +271,7 @@ fn prompt(tok: &Tokenizer, seed: usize, n: usize) -> Result<Vec<u32>> {
 }
 
 /// Throughput (generated tokens per second) of the write-back workload, offload on or off.
-fn writeback_once(ctx: &Ctx<'_>, tok: &Tokenizer, offload: bool, rep: usize) -> Result<f64> {
+fn writeback_once(ctx: &Ctx<'_>, tok: &Tokenizer, offload: bool, rep: usize) -> Result<(f64, u64)> {
     const RUNNING: usize = 8;
     const PROMPT: usize = 384;
     const GEN: usize = 32;
@@ -291,7 +310,7 @@ fn writeback_once(ctx: &Ctx<'_>, tok: &Tokenizer, offload: bool, rep: usize) -> 
     let prompts: Vec<Vec<u32>> = (0..n)
         .map(|i| prompt(tok, 10_000 * (rep + 1) + i, PROMPT))
         .collect::<Result<_>>()?;
-    ctx.pool.install(|| -> Result<f64> {
+    ctx.pool.install(|| -> Result<(f64, u64)> {
         let t0 = Instant::now();
         let mut next = 0;
         let mut generated = 0usize;
@@ -314,13 +333,16 @@ fn writeback_once(ctx: &Ctx<'_>, tok: &Tokenizer, offload: bool, rep: usize) -> 
             }
         }
         let s = t0.elapsed().as_secs_f64();
+        let mut waits = 0;
         if offload {
+            engine.offload_flush();
             let st = engine.offload_stats().context("offload on")?;
-            if st.offloaded == 0 && engine.offload_pages().iter().all(|(_, p)| *p == 0) {
+            if st.offloaded == 0 {
                 bail!("the write-back workload offloaded nothing");
             }
+            waits = st.write_back_waits;
         }
-        Ok(generated as f64 / s)
+        Ok((generated as f64 / s, waits))
     })
 }
 
@@ -360,6 +382,21 @@ pub fn bench_offload(a: BenchOffloadArgs) -> Result<()> {
         a.reps,
         if a.encrypt { ", AES-256-GCM" } else { "" }
     );
+    if a.only != Some(Part::Writeback) {
+        ttft_part(&ctx, &sources)?;
+    }
+    if a.only != Some(Part::Ttft) {
+        writeback_part(&ctx, &tok)?;
+    }
+    if temp && disk_dir.exists() {
+        std::fs::remove_dir_all(&disk_dir)?;
+    }
+    Ok(())
+}
+
+/// The follow-ups from every source, and the restore bandwidth.
+fn ttft_part(ctx: &Ctx<'_>, sources: &[Source]) -> Result<()> {
+    let a = ctx.a;
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); sources.len()];
     for rep in 0..a.reps {
         for (i, s) in sources.iter().enumerate() {
@@ -397,7 +434,13 @@ pub fn bench_offload(a: BenchOffloadArgs) -> Result<()> {
         );
     }
     println!("memcpy {memcpy:.2} GB/s (256 MiB, best of 5)");
-    let (mut off, mut on) = (Vec::new(), Vec::new());
+    Ok(())
+}
+
+/// What write-back costs a decoding workload whose admissions evict.
+fn writeback_part(ctx: &Ctx<'_>, tok: &Tokenizer) -> Result<()> {
+    let a = ctx.a;
+    let (mut off, mut on, mut waits) = (Vec::new(), Vec::new(), 0);
     for rep in 0..a.reps {
         // Alternate the order: drift hits both alike.
         for offload in if rep % 2 == 0 {
@@ -405,20 +448,18 @@ pub fn bench_offload(a: BenchOffloadArgs) -> Result<()> {
         } else {
             [true, false]
         } {
-            let t = writeback_once(&ctx, &tok, offload, rep)?;
+            let (t, w) = writeback_once(ctx, tok, offload, rep)?;
+            waits += w;
             if offload { on.push(t) } else { off.push(t) }
         }
     }
     let (off, on) = (median(off), median(on));
     println!(
-        "write-back: {} requests (8 running, 384-token prompts, 32 tokens each), pool a third of them: {:.1} tok/s without offload, {:.1} tok/s with host+disk write-back = {:+.2}%",
+        "write-back: {} requests (8 running, 384-token prompts, 32 tokens each), pool a third of them: {:.1} tok/s without offload, {:.1} tok/s with host+disk write-back = {:+.2}% ({waits} write-backs waited for the worker)",
         a.writeback_requests,
         off,
         on,
         (on / off - 1.0) * 100.0
     );
-    if temp && disk_dir.exists() {
-        std::fs::remove_dir_all(&disk_dir)?;
-    }
     Ok(())
 }

@@ -21,8 +21,9 @@
 //! - **Off the step loop**: sealing, writes, moves, deletes and prefetches run on one worker
 //!   thread ([`worker`]); the engine thread only copies a page's bytes out on eviction and opens
 //!   (MAC, decrypt, copy) the pages it restores. Jobs in flight are bounded
-//!   ([`OffloadConfig::queue_pages`]); a page that finds the queue full is not offloaded (a plain
-//!   eviction). A restore the prefetch did not reach reads its tier from the engine thread.
+//!   ([`OffloadConfig::queue_pages`]); a write-back that finds the queue full waits for the worker
+//!   (backpressure, counted), moves and prefetches wait for the next step. A restore the prefetch
+//!   did not reach reads its tier from the engine thread.
 //! - **Bounded**: the index holds one entry per stored page, and the stores are bounded by their
 //!   budgets; the prefetched set by `queue_pages`.
 
@@ -223,7 +224,8 @@ pub struct OffloadStats {
     pub evicted: u64,
     pub restored: u64,
     pub refused: u64,
-    pub skipped_full_queue: u64,
+    /// Write-backs that waited for the worker (the queue was full).
+    pub write_back_waits: u64,
     pub prefetched: u64,
 }
 
@@ -415,12 +417,22 @@ impl Offload {
     }
 
     /// Hand an evicted page (its bytes in transfer order) to the first tier. `page` is the pool
-    /// page and generation it leaves. Returns whether it was queued (not when already stored or
-    /// the queue is full).
+    /// page and generation it leaves. Returns whether it was queued (not when already stored).
+    /// With the queue full it first waits for the worker to finish a job (backpressure): a
+    /// burst of evictions — a long prompt's admission — costs the engine thread the worker's
+    /// time instead of losing pages, which would lose whole conversations (the cache evicts
+    /// leaves first, so a chain's first pages come last).
     pub fn write_back(&mut self, meta: PageMeta, page: (u32, u32), body: Vec<u8>) -> bool {
         debug_assert_eq!(body.len(), self.layout.body_bytes());
         if self.knows(&meta.key) {
             return false;
+        }
+        while self.in_flight >= self.queue_pages {
+            self.stats.write_back_waits += 1;
+            match self.done.recv() {
+                Ok(d) => self.complete(d),
+                Err(_) => unreachable!("the offload worker lives as long as its receiver"),
+            }
         }
         let key = meta.key;
         let row = Happened::Offloaded {
@@ -429,14 +441,11 @@ impl Offload {
             tier: self.tiers[0].store.tier(),
             page: Some(page),
         };
-        if self.send(worker::Job::Seal { meta, body }) {
-            self.pending.insert(key);
-            self.happened.push(row);
-            true
-        } else {
-            self.stats.skipped_full_queue += 1;
-            false
-        }
+        let sent = self.send(worker::Job::Seal { meta, body });
+        assert!(sent, "room was made for the write-back");
+        self.pending.insert(key);
+        self.happened.push(row);
+        true
     }
 
     /// How many leading `keys` could be restored now (indexed and not moving, or prefetched).

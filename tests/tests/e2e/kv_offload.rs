@@ -88,6 +88,7 @@ fn offload_engine(
     host_pages: u64,
     disk_pages: u64,
     token_only: bool,
+    object: Option<TierSpec>,
 ) -> (Engine, MemorySink) {
     let sink = MemorySink::default();
     let mut e = engine_with(EngineConfig {
@@ -98,17 +99,19 @@ fn offload_engine(
     })
     .with_audit(Arc::new(sink.clone()));
     let layout = e.offload_layout();
+    let mut tiers = vec![
+        TierSpec {
+            store: Arc::new(HostArena::new()),
+            budget_bytes: host_pages * PAGE_BYTES,
+        },
+        TierSpec {
+            store: Arc::new(DiskStore::open(disk).expect("disk tier")),
+            budget_bytes: disk_pages * PAGE_BYTES,
+        },
+    ];
+    tiers.extend(object);
     let cfg = OffloadConfig {
-        tiers: vec![
-            TierSpec {
-                store: Arc::new(HostArena::new()),
-                budget_bytes: host_pages * PAGE_BYTES,
-            },
-            TierSpec {
-                store: Arc::new(DiskStore::open(disk).expect("disk tier")),
-                budget_bytes: disk_pages * PAGE_BYTES,
-            },
-        ],
+        tiers,
         keys: SealKeys::new(&secret().offload_mac_key(), None),
         layout,
         node: 1,
@@ -168,10 +171,15 @@ fn conversations(n: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
 #[test]
 fn a_working_set_five_times_the_pool_is_served_from_every_tier_token_for_token() {
     let dir = temp_dir("tiers");
+    let moto = crate::s3::Moto::start();
     // Pool ≈ 45 pages; 40 conversations of ~6 full pages each ≈ 5× the pool. Host holds 40
-    // pages, disk 120: the oldest conversations leave every tier.
+    // pages, disk 60, the bucket 60: the oldest conversations leave every tier.
     let convs = conversations(40);
-    let (mut e, sink) = offload_engine(&dir, 40, 120, false);
+    let object = TierSpec {
+        store: bucket(&moto, "tiers"),
+        budget_bytes: 60 * PAGE_BYTES,
+    };
+    let (mut e, sink) = offload_engine(&dir, 40, 60, false, Some(object));
     let mut plain = engine_with(EngineConfig {
         kv_budget_mib: 16,
         context_length: Some(256),
@@ -206,7 +214,7 @@ fn a_working_set_five_times_the_pool_is_served_from_every_tier_token_for_token()
         }
         assert!(violations(&sink, got.id).is_empty());
     }
-    for tier in ["host", "disk"] {
+    for tier in ["host", "disk", "object", "recomputed"] {
         assert!(served.get(tier).copied().unwrap_or(0) > 0, "{served:?}");
     }
     // Another tenant's identical prompt: no hit anywhere, no restore.
@@ -261,7 +269,7 @@ struct OnDisk {
 
 fn victim_on_disk(dir: &Path, victim: &[u32]) -> OnDisk {
     // One page of host room: every offloaded page moves on to disk.
-    let (mut e, sink) = offload_engine(dir, 1, 400, false);
+    let (mut e, sink) = offload_engine(dir, 1, 400, false, None);
     let want = run(&mut e, req("acme", victim.to_vec(), None)).tokens;
     assert!(!run(&mut e, req("acme", victim.to_vec(), Some(scope("acme")))).failed);
     push_out(&mut e, 12, 710);
@@ -372,7 +380,7 @@ fn a_restarted_node_serves_hits_from_its_disk() {
     let OnDisk { e, want, .. } = victim_on_disk(&dir, &victim);
     drop(e);
     // A new process's engine over the same directory and secret.
-    let (mut e, sink) = offload_engine(&dir, 1, 400, false);
+    let (mut e, sink) = offload_engine(&dir, 1, 400, false, None);
     let o = run(&mut e, req("acme", victim.clone(), Some(scope("acme"))));
     assert_eq!(o.tokens, want);
     assert_eq!(o.cached_tokens, (victim.len() - 1) / PAGE * PAGE);
@@ -394,7 +402,7 @@ fn token_only_offload_reproduces_the_cross_tenant_hit() {
     let tok = tokenizer();
     let victim = tok.encode(&text(740, 90), false).expect("tokenize");
     let dir = temp_dir("token-only");
-    let (mut e, sink) = offload_engine(&dir, 400, 400, true);
+    let (mut e, sink) = offload_engine(&dir, 400, 400, true, None);
     let a = run(&mut e, req("acme", victim.clone(), Some(scope("acme"))));
     push_out(&mut e, 12, 760);
     // bravo sends acme's prompt: acme's offloaded pages are bravo's hits — the leak.
@@ -408,6 +416,22 @@ fn token_only_offload_reproduces_the_cross_tenant_hit() {
         && r.detail.as_deref().is_some_and(|d| d.starts_with("UNSAFE"))));
     drop(e);
     std::fs::remove_dir_all(&dir).expect("clean");
+}
+
+/// The moto server's bucket under `prefix`, as an object tier.
+fn bucket(moto: &crate::s3::Moto, prefix: &str) -> Arc<S3PageStore> {
+    Arc::new(
+        S3PageStore::with_builder(
+            &format!("s3://{}/{prefix}", crate::s3::BUCKET),
+            AmazonS3Builder::new()
+                .with_endpoint(&moto.endpoint)
+                .with_allow_http(true)
+                .with_access_key_id("test")
+                .with_secret_access_key("test")
+                .with_region("us-east-1"),
+        )
+        .expect("object tier"),
+    )
 }
 
 /// A prefill node's engine whose tiers are one page of host memory and the fleet's bucket
@@ -446,20 +470,7 @@ fn fleet_node(node: u32, store: Arc<S3PageStore>) -> (Engine, MemorySink) {
 #[test]
 fn two_prefill_nodes_share_the_object_tier_with_isolation_intact() {
     let moto = crate::s3::Moto::start();
-    let bucket = || {
-        Arc::new(
-            S3PageStore::with_builder(
-                &format!("s3://{}/fleet-kv", crate::s3::BUCKET),
-                AmazonS3Builder::new()
-                    .with_endpoint(&moto.endpoint)
-                    .with_allow_http(true)
-                    .with_access_key_id("test")
-                    .with_secret_access_key("test")
-                    .with_region("us-east-1"),
-            )
-            .expect("object tier"),
-        )
-    };
+    let bucket = || bucket(&moto, "fleet-kv");
     let tok = tokenizer();
     let victim = tok.encode(&text(780, 90), false).expect("tokenize");
     let (mut a, _) = fleet_node(1, bucket());
@@ -677,7 +688,10 @@ fn timing_audit_across_tiers_finds_no_cross_tenant_signal_and_finds_the_same_ten
         let (p_same, hits_same) = audit("acme", KEY, 40_000);
         // The operator sees the tier at work: its pages, its restores, no refusal.
         let restores = srv.metric("custody_kv_offload_restored_total");
-        assert!(restores >= N_PER_GROUP as f64, "{tier}: {restores} restores");
+        assert!(
+            restores >= N_PER_GROUP as f64,
+            "{tier}: {restores} restores"
+        );
         assert_eq!(srv.metric("custody_kv_offload_refused_total"), 0.0);
         assert!(srv.metric(&format!("custody_kv_offload_pages{{tier=\"{tier}\"}}")) > 0.0);
         let sealed = srv.stop();
@@ -718,4 +732,150 @@ fn restored_per_tier(audit: &Path) -> BTreeMap<String, u64> {
         }
     }
     out
+}
+
+/// A disaggregated pair (in this process, real gRPC and KV transport) whose prefill node caches
+/// prefixes under the fleet's namespace secret (`secret_file`) and offloads to `section`'s tiers
+/// (plus `object`), as `custody prefill` sets it up (`OffloadSetup::enable`). Its prefill log.
+fn offload_pair(
+    node: u32,
+    secret_file: &Path,
+    section: KvOffloadSection,
+    object: Option<Arc<dyn PageStore>>,
+) -> (custody_runtime::disagg::client::Pair, MemorySink) {
+    use crate::disagg::{cfg, fingerprint, model};
+    use custody_runtime::config::PrefixCacheSection;
+    use custody_runtime::prefix_cache::Namespaces;
+    let sink = MemorySink::default();
+    let mut pe = Engine::new(
+        model(),
+        EngineConfig {
+            prefix_cache: Some(true),
+            ..cfg(256, 16)
+        },
+    )
+    .expect("prefill engine")
+    .with_audit(Arc::new(sink.clone()));
+    let ns = Namespaces::from_section(
+        &PrefixCacheSection {
+            secret_file: Some(secret_file.to_path_buf()),
+            public: Vec::new(),
+        },
+        &tokenizer(),
+        false,
+    )
+    .expect("namespaces");
+    OffloadSetup {
+        section,
+        object,
+        node,
+        token_only: false,
+    }
+    .enable(&mut pe, &ns)
+    .expect("offload on");
+    let de = Engine::new(model(), cfg(256, 16)).expect("decode engine");
+    let pair = crate::disagg::start_engines_ns(
+        pe,
+        de,
+        fingerprint(),
+        Default::default(),
+        std::time::Duration::from_secs(30),
+        (None, None),
+        false,
+        Some(Arc::new(ns)),
+    );
+    (pair, sink)
+}
+
+fn pair_req(tenant: &str, prompt: &[u32]) -> GenerateRequest {
+    GenerateRequest {
+        decoding: Default::default(),
+        prompt: prompt.to_vec(),
+        max_tokens: 4,
+        sampling: SamplingParams::default(),
+        stop_ids: vec![],
+        tenant: tenant.into(),
+        cache: None,
+    }
+}
+
+/// Other prompts through `pair` until earlier pages left its prefill pool (~45 pages).
+fn push_out_pair(pair: &custody_runtime::disagg::client::Pair, seed: usize) {
+    let tok = tokenizer();
+    for i in 0..9 {
+        let p = tok.encode(&text(seed + i, 90), false).expect("tokenize");
+        pair.generate(&pair_req("zulu", &p)).expect("filler");
+    }
+}
+
+fn secret_file(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!(
+        "custody-offload-{name}-{}.secret",
+        std::process::id()
+    ));
+    std::fs::write(&p, "5c".repeat(32)).expect("secret");
+    p
+}
+
+/// A prefill node restarted over its disk tier serves the conversation it cached before, through
+/// the pair, token for token; other tenants still miss.
+#[test]
+fn a_restarted_prefill_node_serves_hits_from_its_disk_tier() {
+    let dir = temp_dir("pair-restart");
+    let secret = secret_file("pair-restart");
+    let tok = tokenizer();
+    let p = tok.encode(&text(1200, 90), false).expect("tokenize");
+    let (pair, _) = offload_pair(1, &secret, disk_section(&dir), None);
+    let first = pair.generate(&pair_req("acme", &p)).expect("first");
+    push_out_pair(&pair, 1210);
+    drop(pair);
+    // The node again, a new process's engine over the same directory and secret.
+    let (pair, sink) = offload_pair(1, &secret, disk_section(&dir), None);
+    let again = pair.generate(&pair_req("acme", &p)).expect("again");
+    assert_eq!(again.tokens, first.tokens, "token for token");
+    assert_eq!(again.cached_tokens as usize, (p.len() - 1) / PAGE * PAGE);
+    let r = restores_of(&sink, again.request);
+    assert_eq!(r.len(), (p.len() - 1) / PAGE);
+    assert!(r.iter().all(|r| r.tier == "disk"));
+    let other = pair.generate(&pair_req("bravo", &p)).expect("other");
+    assert_eq!(other.cached_tokens, 0);
+    assert!(restores_of(&sink, other.request).is_empty());
+    drop(pair);
+    std::fs::remove_dir_all(&dir).expect("clean");
+    std::fs::remove_file(&secret).expect("clean");
+}
+
+/// Two prefill nodes (two pairs) share one bucket: acme's conversation cached on node 1 is a hit
+/// on node 2, token for token; bravo's identical prompt on node 2 is not.
+#[test]
+fn two_prefill_nodes_of_a_fleet_share_the_object_tier_through_their_pairs() {
+    let moto = crate::s3::Moto::start();
+    let secret = secret_file("pair-bucket");
+    let tok = tokenizer();
+    let p = tok.encode(&text(1300, 90), false).expect("tokenize");
+    let section = KvOffloadSection {
+        host_mib: 1,
+        object_url: Some(format!("s3://{}/pairs", crate::s3::BUCKET)),
+        ..KvOffloadSection::default()
+    };
+    let store = || Some(bucket(&moto, "pairs") as Arc<dyn PageStore>);
+    let (one, _) = offload_pair(1, &secret, section.clone(), store());
+    let first = one.generate(&pair_req("acme", &p)).expect("first");
+    push_out_pair(&one, 1310);
+    let (two, sink) = offload_pair(2, &secret, section, store());
+    let hit = two.generate(&pair_req("acme", &p)).expect("hit");
+    assert_eq!(hit.tokens, first.tokens, "token for token");
+    assert_eq!(hit.cached_tokens as usize, (p.len() - 1) / PAGE * PAGE);
+    let r = restores_of(&sink, hit.request);
+    assert!(!r.is_empty());
+    assert!(
+        r.iter()
+            .all(|r| r.writer_node == Some(1) && r.tier == "object")
+    );
+    let other = two.generate(&pair_req("bravo", &p)).expect("other");
+    assert_eq!(other.cached_tokens, 0);
+    assert!(restores_of(&sink, other.request).is_empty());
+    assert!(violations(&sink, other.request).is_empty());
+    drop((one, two));
+    std::fs::remove_file(&secret).expect("clean");
 }
