@@ -49,8 +49,9 @@ pub struct BenchOffloadArgs {
     /// the pages come from the device.
     #[arg(long)]
     drop_caches: bool,
-    /// Requests in the write-back cost's workload (8 running at a time, 384-token prompts, 32
-    /// generated tokens each, in a pool that holds a third of them: every admission evicts).
+    /// Requests in the write-back cost's workload (8 running at a time, 64-token prompts, 96
+    /// generated tokens each — decoding dominates — in a pool that holds a third of them: every
+    /// admission evicts, and each request's full pages, output included, are written back).
     #[arg(long, default_value_t = 24)]
     writeback_requests: usize,
     /// Run only one part: `ttft` (the follow-ups and restore bandwidth) or `writeback`.
@@ -273,8 +274,8 @@ fn prompt(tok: &Tokenizer, seed: usize, n: usize) -> Result<Vec<u32>> {
 /// Throughput (generated tokens per second) of the write-back workload, offload on or off.
 fn writeback_once(ctx: &Ctx<'_>, tok: &Tokenizer, offload: bool, rep: usize) -> Result<(f64, u64)> {
     const RUNNING: usize = 8;
-    const PROMPT: usize = 384;
-    const GEN: usize = 32;
+    const PROMPT: usize = 64;
+    const GEN: usize = 96;
     let n = ctx.a.writeback_requests;
     let mut engine = ctx.engine(PROMPT + GEN + 1, n * (PROMPT + GEN) / 3)?;
     let secret = NamespaceSecret::generate().context("secret")?;
@@ -455,7 +456,7 @@ fn writeback_part(ctx: &Ctx<'_>, tok: &Tokenizer) -> Result<()> {
     }
     let (off, on) = (median(off), median(on));
     println!(
-        "write-back: {} requests (8 running, 384-token prompts, 32 tokens each), pool a third of them: {:.1} tok/s without offload, {:.1} tok/s with host+disk write-back = {:+.2}% ({waits} write-backs waited for the worker)",
+        "write-back: {} requests (8 running, 64-token prompts, 96 tokens each), pool a third of them: {:.1} tok/s without offload, {:.1} tok/s with host+disk write-back = {:+.2}% ({waits} write-backs waited for the worker)",
         a.writeback_requests,
         off,
         on,

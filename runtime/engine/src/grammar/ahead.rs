@@ -57,7 +57,7 @@ fn pool() -> Option<&'static Pool> {
 /// it fills the gaps (a worker parked, the engine thread waiting) and, at worst, runs when the
 /// step waits for its mask. With the forward pass on a GPU the cores are free and it just runs.
 #[cfg(target_os = "linux")]
-fn idle_class() {
+pub(crate) fn idle_class() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: pid 0 is the calling thread; `param` outlives the call, which only reads it.
     let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
@@ -70,7 +70,7 @@ fn idle_class() {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn idle_class() {}
+pub(crate) fn idle_class() {}
 
 fn work(rx: &Mutex<Receiver<Job>>) {
     idle_class();

@@ -169,6 +169,11 @@ pub(super) fn spawn(
     std::thread::Builder::new()
         .name("custody-offload".into())
         .spawn(move || {
+            // Idle class, as the grammar mask threads (`grammar::ahead`): the forward pass's
+            // workers partition each section statically over every core, so a worker preempted
+            // by sealing would stall the whole section; the write-back fills the gaps instead,
+            // and when its queue is full the engine thread waits for it (the cores then idle).
+            crate::grammar::ahead::idle_class();
             for job in rx {
                 if tx.send(w.run(job)).is_err() {
                     break;
