@@ -324,7 +324,7 @@ for t in ["requests", "page_events", "page_reads", "integrity_violations"]:
     assert "node" in tb.schema.names and "date" in tb.schema.names, tb.schema.names
     assert set(tb.column("node").to_pylist()) == {{7}}
     md = pq.ParquetFile(d.files[0]).metadata.metadata
-    assert md[b"custody.audit.schema_version"] == b"6", md
+    assert md[b"custody.audit.schema_version"] == b"7", md
     n[t] = tb.num_rows
 v = duckdb.sql("select kind, tenant from read_parquet('" + root + "/integrity_violations/*/*/*.parquet', hive_partitioning=true)").fetchall()
 assert v == [("StaleGeneration", "tenant-victim")], v
