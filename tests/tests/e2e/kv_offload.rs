@@ -21,8 +21,8 @@ use custody_runtime::{Engine, EngineConfig, SamplingParams};
 
 use crate::prefix_cache::{PAGE, scope, secret, text};
 use crate::serve::{
-    CacheOpts, KEY, KEY_BRAVO, TestServer, cache_cfg, cmpl_engine_id, complete, forensics,
-    ks_two_sample, public_scope,
+    CacheOpts, KEY, KEY_BRAVO, TestServer, attack_with_cuts_of, cache_cfg, complete,
+    exposure_names_exactly, ks_two_sample, public_scope,
 };
 use crate::{engine_with, small_cfg, tokenizer};
 
@@ -575,38 +575,9 @@ fn token_only_offload_leaks_and_the_forensics_name_every_cross_tenant_restore() 
         let p = tok.encode(&text(1060 + f, 90), false).expect("tokenize");
         complete(&srv, KEY, serde_json::json!(p), None);
     }
-    let mut expected = BTreeMap::new();
-    for (k, cut) in [(0usize, 20usize), (1, 55), (2, 80), (0, 5)] {
-        let mut p = victim[k][..cut].to_vec();
-        p.extend(
-            tok.encode(&format!(" {}", text(1050 + cut, 25)), false)
-                .expect("tokenize"),
-        );
-        let common = victim
-            .iter()
-            .map(|v| v.iter().zip(&p).take_while(|(a, b)| a == b).count())
-            .max()
-            .unwrap_or(0);
-        let want = common.min(p.len() - 1) / PAGE * PAGE;
-        let (id, cached) = complete(&srv, KEY_BRAVO, serde_json::json!(p), None);
-        assert_eq!(cached, want, "bravo's cut {cut} of victim prompt {k}");
-        if want > 0 {
-            expected.insert(cmpl_engine_id(&id), want as u64);
-        }
-    }
-    assert_eq!(expected.len(), 3, "three of the four attacker prompts hit");
+    let expected = attack_with_cuts_of(&srv, &victim, 1050);
     let audit = srv.stop();
-    let (exposure, cache) = forensics(&audit);
-    let got: BTreeMap<u64, u64> = exposure
-        .affected
-        .iter()
-        .map(|a| {
-            assert_eq!(a.recipient_tenant, "bravo");
-            assert_eq!(a.sources, vec![("acme".to_owned(), a.foreign_slots)]);
-            (a.request, a.foreign_slots)
-        })
-        .collect();
-    assert_eq!(got, expected, "every cross-tenant restore, exactly");
+    let cache = exposure_names_exactly(&audit, &expected);
     assert!(
         cache
             .iter()

@@ -1753,11 +1753,37 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
     }
     // acme again: a same-tenant hit, not an exposure.
     complete(&srv, KEY, serde_json::json!(victim[0]), None);
+    let expected = attack_with_cuts_of(&srv, &victim, 50);
+    let audit = srv.stop();
+    let cache = exposure_names_exactly(&audit, &expected);
+    assert!(
+        cache
+            .iter()
+            .any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "unsafe" && *x)
+    );
+    let switches: Vec<String> = node_events(&audit, "prefix_scope");
+    assert!(
+        switches.iter().any(|d| d.contains("unsafe:global")),
+        "{switches:?}"
+    );
+}
+
+/// bravo's four prompts that start like acme's `victim` prompts (cut at 20, 55, 80 and 5 tokens,
+/// then words of `seed0 + cut`), each asserted to be served `cached_tokens` exactly the longest
+/// common prefix with a victim prompt, in whole pages short of the last token (an oracle from
+/// the prompts alone). Returns the engine request id → foreign slots of the three that hit.
+pub(crate) fn attack_with_cuts_of(
+    srv: &TestServer,
+    victim: &[Vec<u32>],
+    seed0: usize,
+) -> BTreeMap<u64, u64> {
+    use crate::prefix_cache::text;
+    let tok = tokenizer();
     let mut expected = BTreeMap::new();
     for (k, cut) in [(0usize, 20usize), (1, 55), (2, 80), (0, 5)] {
         let mut p = victim[k][..cut].to_vec();
         p.extend(
-            tok.encode(&format!(" {}", text(50 + cut, 25)), false)
+            tok.encode(&format!(" {}", text(seed0 + cut, 25)), false)
                 .expect("tokenize"),
         );
         let common = victim
@@ -1766,15 +1792,24 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
             .max()
             .unwrap_or(0);
         let want = common.min(p.len() - 1) / 16 * 16;
-        let (id, cached) = complete(&srv, KEY_BRAVO, serde_json::json!(p), None);
+        let (id, cached) = complete(srv, KEY_BRAVO, serde_json::json!(p), None);
         assert_eq!(cached, want, "bravo's cut {cut} of victim prompt {k}");
         if want > 0 {
             expected.insert(cmpl_engine_id(&id), want as u64);
         }
     }
     assert_eq!(expected.len(), 3, "three of the four attacker prompts hit");
-    let audit = srv.stop();
-    let (exposure, cache) = forensics(&audit);
+    expected
+}
+
+/// The exposure question over a sealed root names exactly `expected` (bravo's request → slots
+/// of acme's data), by DataFusion and by DuckDB reading the digest-named Parquet files itself
+/// with the same SQL. Returns the cache question's rows.
+pub(crate) fn exposure_names_exactly(
+    audit: &std::path::Path,
+    expected: &BTreeMap<u64, u64>,
+) -> Vec<(String, String, String, bool)> {
+    let (exposure, cache) = forensics(audit);
     let got: BTreeMap<u64, u64> = exposure
         .affected
         .iter()
@@ -1784,12 +1819,11 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
             (a.request, a.foreign_slots)
         })
         .collect();
-    assert_eq!(got, expected, "every cross-tenant hit, exactly");
-    // DuckDB, reading the digest-named Parquet files itself, runs the same SQL to the same rows.
+    assert_eq!(&got, expected, "every cross-tenant read, exactly");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/duckdb-exposure.py");
     let out = Command::new("python3")
         .arg(&script)
-        .arg(&*audit)
+        .arg(audit)
         .output()
         .expect("python3 (scripts/setup.sh installs duckdb)");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -1808,17 +1842,8 @@ fn unsafe_shared_prefix_cache_leaks_and_the_forensics_name_every_cross_tenant_hi
             (f[1].parse().expect("request"), f[4].parse().expect("slots"))
         })
         .collect();
-    assert_eq!(duck, expected, "DuckDB agrees");
-    assert!(
-        cache
-            .iter()
-            .any(|(r, w, k, x)| r == "bravo" && w == "acme" && k == "unsafe" && *x)
-    );
-    let switches: Vec<String> = node_events(&audit, "prefix_scope");
-    assert!(
-        switches.iter().any(|d| d.contains("unsafe:global")),
-        "{switches:?}"
-    );
+    assert_eq!(&duck, expected, "DuckDB agrees");
+    cache
 }
 
 /// Two-sample Kolmogorov–Smirnov: the statistic D and its asymptotic p-value (the Kolmogorov
