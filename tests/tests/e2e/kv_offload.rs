@@ -510,6 +510,22 @@ fn two_prefill_nodes_share_the_object_tier_with_isolation_intact() {
     assert_eq!(x.cached_tokens, 0);
     assert!(restores_of(&sink, x.id).is_empty());
     assert!(violations(&sink, x.id).is_empty());
+    drop(b);
+    // A truncated object in the bucket: a third node misses, says so, and recomputes.
+    bucket()
+        .put(&key, &stored[..stored.len() / 2])
+        .expect("truncate");
+    let (mut c, sink) = fleet_node(3, bucket());
+    let o = run(&mut c, req("acme", victim.clone(), Some(scope("acme"))));
+    assert_eq!(o.tokens, first.tokens, "recomputed, token for token");
+    assert_eq!(o.cached_tokens, 0);
+    assert_eq!(violations(&sink, o.id), ["offload_mac"]);
+    assert!(restores_of(&sink, o.id).is_empty());
+    assert_eq!(
+        bucket().get(&key).expect("get"),
+        None,
+        "the refused object is deleted"
+    );
 }
 
 /// A serving node (`custody serve`'s code, in this process) whose pool of `kv_budget_mib` holds
