@@ -1002,7 +1002,7 @@ impl Engine {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
-            if self.awaits_prefetch(&mut s) {
+            if self.awaits_prefetch(&s) {
                 // In order: the head waits (briefly, bounded) for its pages to reach memory.
                 self.waiting.push_front(s);
                 break;
@@ -1026,6 +1026,7 @@ impl Engine {
                 let restored = self.restore_for(&s, hits.len(), restorable, parent);
                 hits.extend(restored);
             }
+            self.prefetch_done(&mut s);
             let need = total - hits.len();
             match self.pool.alloc(s.id, need) {
                 Ok(pages) => s.pages = pages,

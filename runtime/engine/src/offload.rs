@@ -463,6 +463,12 @@ impl Offload {
     /// started.
     pub fn prefetch(&mut self, keys: &[BlockKey]) -> usize {
         let shared = self.tiers.last().is_some_and(|t| t.store.shared());
+        if self.prefetched.len() >= self.queue_pages {
+            // Prefetched pages no admission took (its request ended while waiting, or its
+            // restore stopped at an earlier page): drop them all rather than never prefetch
+            // again — they are copies, and a restore without one reads its tier.
+            self.prefetched.clear();
+        }
         let mut started = 0;
         for k in keys {
             if self.prefetched.contains_key(k) || self.fetching.contains(k) {
@@ -484,6 +490,13 @@ impl Offload {
             started += 1;
         }
         started
+    }
+
+    /// Drop the prefetched copies of `keys` an admission did not take.
+    pub fn forget_prefetched(&mut self, keys: &[BlockKey]) {
+        for k in keys {
+            self.prefetched.remove(k);
+        }
     }
 
     /// Whether any of `keys` is being prefetched.

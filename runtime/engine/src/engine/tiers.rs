@@ -196,16 +196,19 @@ impl Engine {
     }
 
     /// Whether `s`'s admission should wait for its prefetch (in flight, and not past its wait).
-    pub(super) fn awaits_prefetch(&mut self, s: &mut Seq) -> bool {
+    pub(super) fn awaits_prefetch(&mut self, s: &Seq) -> bool {
         let Some((keys, deadline)) = &s.prefetch else {
             return false;
         };
-        let waiting = std::time::Instant::now() < *deadline
-            && self.offload.as_ref().is_some_and(|o| o.fetching_any(keys));
-        if !waiting {
-            s.prefetch = None;
+        std::time::Instant::now() < *deadline
+            && self.offload.as_ref().is_some_and(|o| o.fetching_any(keys))
+    }
+
+    /// After `s`'s admission restored what it could: the prefetched copies it did not take go.
+    pub(super) fn prefetch_done(&mut self, s: &mut Seq) {
+        if let (Some((keys, _)), Some(o)) = (s.prefetch.take(), &mut self.offload) {
+            o.forget_prefetched(&keys);
         }
-        waiting
     }
 
     /// While the next admission waits for a prefetch and nothing runs: block briefly on the
