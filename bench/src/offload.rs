@@ -418,7 +418,11 @@ fn ttft_part(ctx: &Ctx<'_>, sources: &[Source]) -> Result<()> {
         let cached = samples[i][0].cached_tokens;
         let restore = (*s != Source::Recompute && *s != Source::Pool).then(|| {
             let bytes = (cached / 16 * page_bytes) as f64;
-            let extra = (ttft[i] - pool).max(1e-9);
+            let extra = ttft[i] - pool;
+            if extra <= 0.0 {
+                // The restore hid in the run-to-run spread of the pool's TTFT: no figure.
+                return ", restore not measurable (TTFT within the pool's)".to_owned();
+            }
             format!(
                 ", restore {:.2} GB/s = {:.3}x memcpy",
                 bytes / extra / 1e9,
