@@ -137,15 +137,7 @@ impl S3PageStore {
 }
 
 fn key_of(path: &ObjectPath) -> Option<BlockKey> {
-    let name = path.filename()?.strip_suffix(".kvpage")?;
-    if name.len() != 64 {
-        return None;
-    }
-    let mut k = [0u8; 32];
-    for (i, out) in k.iter_mut().enumerate() {
-        *out = u8::from_str_radix(name.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(k)
+    custody_engine::offload::store::key_from_file_name(path.filename()?)
 }
 
 impl PageStore for S3PageStore {

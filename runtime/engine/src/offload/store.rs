@@ -166,7 +166,8 @@ impl DiskStore {
     }
 }
 
-fn key_from_hex(name: &str) -> Option<BlockKey> {
+/// The key a page file or object named `<64 hex digits>.kvpage` holds (any other name: none).
+pub fn key_from_file_name(name: &str) -> Option<BlockKey> {
     let h = name.strip_suffix(PAGE_SUFFIX)?;
     if h.len() != 64 {
         return None;
@@ -210,7 +211,7 @@ impl PageStore for DiskStore {
         let mut out = Vec::new();
         for e in std::fs::read_dir(&self.dir).map_err(|e| self.io(&self.dir, e))? {
             let e = e.map_err(|e| self.io(&self.dir, e))?;
-            let Some(key) = e.file_name().to_str().and_then(key_from_hex) else {
+            let Some(key) = e.file_name().to_str().and_then(key_from_file_name) else {
                 continue;
             };
             let bytes = e.metadata().map_err(|x| self.io(&e.path(), x))?.len();
