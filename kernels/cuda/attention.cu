@@ -13,7 +13,7 @@
 // checks. `i < need` and the table is long enough (checked by the caller).
 __device__ CustodyVerdict custody_check_page(const CustodyPageRef* table, custody_u32 i,
                                              custody_u32 n_ctx, custody_u32 page_size,
-                                             const CustodyTags* t, custody_u64 owner) {
+                                             const CustodyTags* t, const CustodyReader& reader) {
     CustodyVerdict v;
     v.code = CUSTODY_OK;
     v.page = table[i].page;
@@ -34,9 +34,9 @@ __device__ CustodyVerdict custody_check_page(const CustodyPageRef* table, custod
         return v;
     }
     const custody_u64 page_owner = CUSTODY_LD(t->owner + p);
-    if (page_owner != owner) {
+    if (!custody_admits(reader, page_owner)) {
         v.code = CUSTODY_FOREIGN_OWNER;
-        v.a = owner;
+        v.a = reader.owner;
         v.b = page_owner;
         return v;
     }
@@ -51,7 +51,9 @@ __device__ CustodyVerdict custody_check_page(const CustodyPageRef* table, custod
     }
     const custody_u64 stamp_owner = CUSTODY_LD(t->stamp_owner + p);
     const custody_u32 stamp_generation = CUSTODY_LD(t->stamp_generation + p);
-    if (stamp_owner != owner || stamp_generation != found) {
+    // The data was last written for the page's owner (the reader, or the namespace whose
+    // shared page it is) in this generation.
+    if (stamp_owner != page_owner || stamp_generation != found) {
         v.code = CUSTODY_IN_BAND_MISMATCH;
         v.a = stamp_owner;
         v.b = stamp_generation;
@@ -66,11 +68,11 @@ __device__ CustodyVerdict custody_check_page(const CustodyPageRef* table, custod
 __device__ custody_u32 custody_first_bad_in(const CustodyPageRef* table, custody_u32 lo,
                                             custody_u32 hi, custody_u32 n_ctx,
                                             custody_u32 page_size, const CustodyTags* tags,
-                                            custody_u64 owner, custody_u32* red) {
+                                            const CustodyReader& reader, custody_u32* red) {
     const custody_u32 t = threadIdx.x;
     custody_u32 mine = CUSTODY_NO_PAGE;
     for (custody_u32 i = lo + t; i < hi; i += CUSTODY_ATT_THREADS) {
-        if (custody_check_page(table, i, n_ctx, page_size, tags, owner).code != CUSTODY_OK) {
+        if (custody_check_page(table, i, n_ctx, page_size, tags, reader).code != CUSTODY_OK) {
             mine = i;
             break;
         }
@@ -90,12 +92,12 @@ __device__ custody_u32 custody_first_bad_in(const CustodyPageRef* table, custody
 // table first); thread 0 writes it to `*verdict` (shared). Every thread must call it.
 __device__ void custody_check_request(const CustodyPageRef* table, custody_u32 table_len,
                                       custody_u32 n_ctx, custody_u32 page_size,
-                                      const CustodyTags* tags, custody_u64 owner,
+                                      const CustodyTags* tags, const CustodyReader& reader,
                                       custody_u32* first_bad, CustodyVerdict* verdict) {
     const custody_u32 need = (n_ctx + page_size - 1) / page_size;
     const custody_u32 first =
         custody_first_bad_in(table, 0, table_len >= need ? need : 0, n_ctx, page_size, tags,
-                             owner, first_bad);
+                             reader, first_bad);
     if (threadIdx.x == 0) {
         if (table_len < need) {
             verdict->code = CUSTODY_BLOCK_TABLE_TOO_SHORT;
@@ -108,7 +110,7 @@ __device__ void custody_check_request(const CustodyPageRef* table, custody_u32 t
             verdict->a = 0;
             verdict->b = 0;
         } else {
-            *verdict = custody_check_page(table, first, n_ctx, page_size, tags, owner);
+            *verdict = custody_check_page(table, first, n_ctx, page_size, tags, reader);
         }
     }
     __syncthreads();
@@ -116,18 +118,18 @@ __device__ void custody_check_request(const CustodyPageRef* table, custody_u32 t
 
 // Tag check alone. Grid (n_req), block (CUSTODY_ATT_THREADS). Request r's block table is
 // `tables[table_off[r] .. table_off[r] + table_len[r]]`; it attends `n_ctx[r]` slots as
-// `owners[r]`.
+// `readers[r]`.
 extern "C" __global__ void custody_tag_check(const CustodyPageRef* tables,
                                              const custody_u32* table_off,
                                              const custody_u32* table_len,
-                                             const custody_u32* n_ctx, const custody_u64* owners,
+                                             const custody_u32* n_ctx, const CustodyReader* readers,
                                              custody_u32 page_size, CustodyTags tags,
                                              CustodyVerdict* out) {
     __shared__ custody_u32 first_bad[CUSTODY_ATT_THREADS];
     __shared__ CustodyVerdict verdict;
     const custody_u32 r = blockIdx.x;
     custody_check_request(tables + table_off[r], table_len[r], n_ctx[r], page_size, &tags,
-                          owners[r], first_bad, &verdict);
+                          custody_load_reader(readers, r), first_bad, &verdict);
     if (threadIdx.x == 0) out[r] = verdict;
 }
 
@@ -229,7 +231,7 @@ __device__ __forceinline__ void custody_unpack8(uint4 v, float* f) {
 // values; a short table first. Every thread of the block calls it and gets the verdict.
 __device__ CustodyVerdict custody_row_verdict(const CustodyPageRef* table, custody_u32 len,
                                               custody_u32 n, custody_u32 page_size,
-                                              const CustodyTags* tags, custody_u64 owner,
+                                              const CustodyTags* tags, const CustodyReader& reader,
                                               const custody_u32* bad, custody_u32 n_splits,
                                               custody_u32* red) {
     const custody_u32 t = threadIdx.x;
@@ -257,7 +259,7 @@ __device__ CustodyVerdict custody_row_verdict(const CustodyPageRef* table, custo
         v.a = len;
         v.b = need;
     } else if (first != CUSTODY_NO_PAGE) {
-        v = custody_check_page(table, first, n, page_size, tags, owner);
+        v = custody_check_page(table, first, n, page_size, tags, reader);
     }
     return v;
 }
@@ -297,7 +299,7 @@ __device__ void custody_merge_head(const float* part, custody_u32 n_splits, cust
 // launch (a graph replays this one). `slot`: the row's place in the launch (its arrivals,
 // indices and partials); `r`: the step's row (its output and verdict). Every thread calls it.
 __device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 len, custody_u32 n,
-                                     custody_u64 owner, custody_u32 r, custody_u32 slot,
+                                     const CustodyReader& reader, custody_u32 r, custody_u32 slot,
                                      custody_u32 g,
                                      custody_u32 n_heads, custody_u32 n_kv_heads,
                                      custody_u32 head_dim, custody_u32 page_size,
@@ -316,7 +318,7 @@ __device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 le
     if (!last) return;  // uniform
     __threadfence();
     const CustodyVerdict v =
-        custody_row_verdict(table, len, n, page_size, tags, owner,
+        custody_row_verdict(table, len, n, page_size, tags, reader,
                             bad + ((custody_u64)slot * n_kv_heads + g) * n_splits, n_splits, red);
     if (g == 0 && threadIdx.x == 0) CUSTODY_ST(verdicts + r, v);
     if (v.code != CUSTODY_OK) return;  // uniform: a failing row's output is never written
@@ -333,7 +335,7 @@ __device__ void custody_flash_arrive(const CustodyPageRef* table, custody_u32 le
 extern "C" __global__ void custody_flash_decode(
     const float* q, const unsigned short* k_cache, const unsigned short* v_cache,
     const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
-    const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
+    const custody_u32* n_ctx, const CustodyReader* readers, custody_u32 n_heads,
     custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
     custody_u32 pages_per_split, float* partial, custody_u32* bad, custody_u32* arrivals,
     float* out, CustodyVerdict* verdicts, const custody_u32* rows, unsigned char* xq, float* xs) {
@@ -354,7 +356,7 @@ extern "C" __global__ void custody_flash_decode(
     const custody_u32 lo = s * pages_per_split;
     const custody_u32 hi = lo + pages_per_split < need ? lo + pages_per_split : need;
     const custody_u32 len = CUSTODY_LD(table_len + r);
-    const custody_u64 owner = CUSTODY_LD(owners + r);
+    const CustodyReader reader = custody_load_reader(readers, r);
     // A short table is the merge's verdict; no split reads a page of it.
     const bool readable = len >= need && lo < hi;
 #ifdef CUSTODY_BENCH_NO_TAG_CHECK
@@ -364,7 +366,7 @@ extern "C" __global__ void custody_flash_decode(
     (void)red;
 #else
     const custody_u32 first = readable ? custody_first_bad_in(table, lo, hi, n, page_size, &tags,
-                                                              owner, red)
+                                                              reader, red)
                                        : CUSTODY_NO_PAGE;
 #endif
     if (t == 0) CUSTODY_ST(bad + ((custody_u64)slot * n_kv_heads + g) * n_splits + s, first);
@@ -378,7 +380,7 @@ extern "C" __global__ void custody_flash_decode(
             CUSTODY_ST(part + (custody_u64)i * n_splits * stride + head_dim + 1, 0.0f);
         }
         // Uniform: every thread saw the same `readable` and `first`.
-        custody_flash_arrive(table, len, n, owner, r, slot, g, n_heads, n_kv_heads, head_dim, page_size,
+        custody_flash_arrive(table, len, n, reader, r, slot, g, n_heads, n_kv_heads, head_dim, page_size,
                              &tags, n_splits, partial, bad, arrivals, out, verdicts, xq, xs, red);
         return;
     }
@@ -514,7 +516,7 @@ extern "C" __global__ void custody_flash_decode(
         CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim, run_m[t]);
         CUSTODY_ST(part + (custody_u64)t * n_splits * stride + head_dim + 1, run_l[t]);
     }
-    custody_flash_arrive(table, len, n, owner, r, slot, g, n_heads, n_kv_heads, head_dim, page_size,
+    custody_flash_arrive(table, len, n, reader, r, slot, g, n_heads, n_kv_heads, head_dim, page_size,
                          &tags, n_splits, partial, bad, arrivals, out, verdicts, xq, xs, red);
 }
 
@@ -556,11 +558,11 @@ __device__ __forceinline__ custody_u32 custody_half2_at(const unsigned short* p)
 // given `first`, the first failing page of the check over the tile's last row (`n_max` ≥ n).
 __device__ custody_u32 custody_row_first_bad(const CustodyPageRef* table, custody_u32 first,
                                              custody_u32 n, custody_u32 page_size,
-                                             const CustodyTags* tags, custody_u64 owner) {
+                                             const CustodyTags* tags, const CustodyReader& reader) {
     const custody_u32 need = (n + page_size - 1) / page_size;
     if (first == CUSTODY_NO_PAGE) return CUSTODY_NO_PAGE;  // every page passed with more slots
     if (first + 1 < need) return first;                     // a whole page: checked alike
-    return custody_check_page(table, need - 1, n, page_size, tags, owner).code == CUSTODY_OK
+    return custody_check_page(table, need - 1, n, page_size, tags, reader).code == CUSTODY_OK
                ? CUSTODY_NO_PAGE
                : need - 1;
 }
@@ -568,7 +570,7 @@ __device__ custody_u32 custody_row_first_bad(const CustodyPageRef* table, custod
 extern "C" __global__ void custody_flash_prefill(
     const float* q, const unsigned short* k_cache, const unsigned short* v_cache,
     const CustodyPageRef* tables, const custody_u32* table_off, const custody_u32* table_len,
-    const custody_u32* n_ctx, const custody_u64* owners, custody_u32 n_heads,
+    const custody_u32* n_ctx, const CustodyReader* readers, custody_u32 n_heads,
     custody_u32 n_kv_heads, custody_u32 head_dim, custody_u32 page_size, CustodyTags tags,
     const custody_u32* tiles, float* out, CustodyVerdict* verdicts) {
     __shared__ custody_u32 red[CUSTODY_ATT_THREADS];
@@ -587,7 +589,7 @@ extern "C" __global__ void custody_flash_prefill(
     const custody_u32 kvh = h / (n_heads / n_kv_heads);
     const CustodyPageRef* table = tables + CUSTODY_LD(table_off + r0);
     const custody_u32 len = CUSTODY_LD(table_len + r0);
-    const custody_u64 owner = CUSTODY_LD(owners + r0);
+    const CustodyReader reader = custody_load_reader(readers, r0);
     const custody_u32 n_max = CUSTODY_LD(n_ctx + r0 + nr - 1);
     const custody_u32 need_max = (n_max + page_size - 1) / page_size;
     const bool short_table = len < need_max;
@@ -596,7 +598,7 @@ extern "C" __global__ void custody_flash_prefill(
     (void)red;
 #else
     const custody_u32 first = custody_first_bad_in(table, 0, short_table ? len : need_max, n_max,
-                                                   page_size, &tags, owner, red);
+                                                   page_size, &tags, reader, red);
 #endif
     // Each row's verdict: the slots it attends if it passes, 0 if it fails (then no slot is
     // read for it, and the merge reports it without reading its partial).
@@ -608,7 +610,7 @@ extern "C" __global__ void custody_flash_prefill(
             const bool short_row = need > len || n == 0;
             const custody_u32 b =
                 short_row ? CUSTODY_NO_PAGE
-                          : custody_row_first_bad(table, first, n, page_size, &tags, owner);
+                          : custody_row_first_bad(table, first, n, page_size, &tags, reader);
             if (h == 0) {
                 // The row's verdict, as the merge decides it: a short table first, else the
                 // first failing page re-checked for its values.
@@ -622,7 +624,7 @@ extern "C" __global__ void custody_flash_prefill(
                     v.a = len;
                     v.b = need;
                 } else if (b != CUSTODY_NO_PAGE) {
-                    v = custody_check_page(table, b, n, page_size, &tags, owner);
+                    v = custody_check_page(table, b, n, page_size, &tags, reader);
                 }
                 CUSTODY_ST(verdicts + r0 + i, v);
             }

@@ -112,6 +112,35 @@ struct CustodyVerdict {
     custody_u64 b;
 };
 
+// Who reads (layout = `custody_kernels::attention::Reader::words`): the owner value of the
+// reader's own pages (its request id) and the tags of the at most CUSTODY_MAX_SHARED namespaces
+// whose read-only shared pages (a prefix cache's) it may attend, 0 where unused. A page owned by
+// 0 is free: never admitted (no shared slot admits 0, and no request id is 0).
+#define CUSTODY_MAX_SHARED 2u
+struct CustodyReader {
+    custody_u64 owner;
+    custody_u64 shared[CUSTODY_MAX_SHARED];
+};
+
+// Whether a page whose tag says `page_owner` is one `r` may attend (= `Reader::admits`).
+__device__ __forceinline__ bool custody_admits(const CustodyReader& r, custody_u64 page_owner) {
+    if (page_owner == r.owner) return true;
+    if (page_owner == 0) return false;
+    for (custody_u32 i = 0; i < CUSTODY_MAX_SHARED; i++)
+        if (page_owner == r.shared[i]) return true;
+    return false;
+}
+
+// Row `r`'s reader from the launch's array (three loads).
+__device__ __forceinline__ CustodyReader custody_load_reader(const CustodyReader* readers,
+                                                             custody_u32 r) {
+    CustodyReader out;
+    out.owner = CUSTODY_LD(&readers[r].owner);
+    for (custody_u32 i = 0; i < CUSTODY_MAX_SHARED; i++)
+        out.shared[i] = CUSTODY_LD(&readers[r].shared[i]);
+    return out;
+}
+
 // The pool's page tags (one layer's `filled`), device pointers.
 struct CustodyTags {
     const custody_u32* generation;

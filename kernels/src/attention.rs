@@ -173,6 +173,12 @@ impl Reader {
         self.shared.iter().any(|&t| t != NO_OWNER)
     }
 
+    /// The reader as the CUDA kernels take it (`CustodyReader` in `kernels/cuda/custody.cuh`):
+    /// the owner, then the shared tags (`NO_OWNER` where unused).
+    pub const fn words(&self) -> [u64; 1 + MAX_SHARED] {
+        [self.owner, self.shared[0], self.shared[1]]
+    }
+
     /// Whether a page whose tag says `tag_owner` is one this reader may attend.
     pub fn admits(&self, tag_owner: u64) -> bool {
         tag_owner == self.owner || (tag_owner != NO_OWNER && self.shared.contains(&tag_owner))

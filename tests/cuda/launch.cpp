@@ -26,7 +26,7 @@ struct TagCheckArgs {
     const custody_u32* table_off;
     const custody_u32* table_len;
     const custody_u32* n_ctx;
-    const custody_u64* owners;
+    const CustodyReader* readers;
     custody_u32 page_size;
     CustodyTags tags;
     CustodyVerdict* out;
@@ -34,7 +34,7 @@ struct TagCheckArgs {
 
 void tag_check_body(void* c) {
     auto* a = static_cast<TagCheckArgs*>(c);
-    custody_tag_check(a->tables, a->table_off, a->table_len, a->n_ctx, a->owners, a->page_size,
+    custody_tag_check(a->tables, a->table_off, a->table_len, a->n_ctx, a->readers, a->page_size,
                       a->tags, a->out);
 }
 
@@ -50,10 +50,10 @@ extern "C" int custody_shim_page_checksum(const unsigned char* const* ptrs,
 
 extern "C" int custody_shim_tag_check(const CustodyPageRef* tables, const custody_u32* table_off,
                                       const custody_u32* table_len, const custody_u32* n_ctx,
-                                      const custody_u64* owners, custody_u32 n_req,
+                                      const CustodyReader* readers, custody_u32 n_req,
                                       custody_u32 page_size, CustodyTags tags, CustodyVerdict* out,
                                       uint64_t seed, char* err, size_t err_len) {
-    TagCheckArgs a{tables, table_off, table_len, n_ctx, owners, page_size, tags, out};
+    TagCheckArgs a{tables, table_off, table_len, n_ctx, readers, page_size, tags, out};
     return custody_shim::launch(dim3(n_req), dim3(CUSTODY_ATT_THREADS), seed, tag_check_body, &a,
                                 err, err_len);
 }
@@ -271,7 +271,7 @@ void generic_body(void* c) {
         custody_flash_decode(
             PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),
             PTR(3, const CustodyPageRef*), PTR(4, const custody_u32*), PTR(5, const custody_u32*),
-            PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
+            PTR(6, const custody_u32*), PTR(7, const CustodyReader*), U32(8), U32(9), U32(10),
             U32(11), TAGS(12), U32(13), PTR(14, float*), PTR(15, custody_u32*),
             PTR(16, custody_u32*), PTR(17, float*), PTR(18, CustodyVerdict*),
             PTR(19, const custody_u32*), PTR(20, unsigned char*), PTR(21, float*));
@@ -279,7 +279,7 @@ void generic_body(void* c) {
         custody_flash_prefill(
             PTR(0, const float*), PTR(1, const unsigned short*), PTR(2, const unsigned short*),
             PTR(3, const CustodyPageRef*), PTR(4, const custody_u32*), PTR(5, const custody_u32*),
-            PTR(6, const custody_u32*), PTR(7, const custody_u64*), U32(8), U32(9), U32(10),
+            PTR(6, const custody_u32*), PTR(7, const CustodyReader*), U32(8), U32(9), U32(10),
             U32(11), TAGS(12), PTR(13, const custody_u32*), PTR(14, float*),
             PTR(15, CustodyVerdict*));
     } else if (!strcmp(n, "custody_tag_apply")) {
@@ -289,7 +289,7 @@ void generic_body(void* c) {
     } else if (!strcmp(n, "custody_tag_check")) {
         custody_tag_check(PTR(0, const CustodyPageRef*), PTR(1, const custody_u32*),
                           PTR(2, const custody_u32*), PTR(3, const custody_u32*),
-                          PTR(4, const custody_u64*), U32(5), TAGS(6), PTR(7, CustodyVerdict*));
+                          PTR(4, const CustodyReader*), U32(5), TAGS(6), PTR(7, CustodyVerdict*));
     } else if (!strcmp(n, "custody_gemv_q6k")) {
         custody_gemv_q6k(PTR(0, const uint4*), PTR(1, const uint4*), U32(2), U32(3),
                          PTR(4, const float*), U32(5), PTR(6, float*));

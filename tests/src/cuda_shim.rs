@@ -44,7 +44,7 @@ unsafe extern "C" {
         table_off: *const u32,
         table_len: *const u32,
         n_ctx: *const u32,
-        owners: *const u64,
+        readers: *const u64,
         n_req: u32,
         page_size: u32,
         tags: Tags,
@@ -147,7 +147,7 @@ pub fn page_checksums(pages: &[Vec<&[u8]>], seed: u64) -> Result<Vec<u64>, ShimE
 pub struct Request {
     pub table: Vec<PageRef>,
     pub n_ctx: u32,
-    pub owner: u64,
+    pub reader: custody_kernels::attention::Reader,
 }
 
 /// The pool's tags as owned vectors (a [`Tags`] borrows them).
@@ -185,7 +185,8 @@ struct Flat {
     off: Vec<u32>,
     len: Vec<u32>,
     n_ctx: Vec<u32>,
-    owners: Vec<u64>,
+    /// `CustodyReader`s: [`custody_kernels::attention::Reader::words`] per request.
+    readers: Vec<u64>,
 }
 
 fn flatten(reqs: &[Request]) -> Flat {
@@ -194,14 +195,14 @@ fn flatten(reqs: &[Request]) -> Flat {
         off: Vec::new(),
         len: Vec::new(),
         n_ctx: Vec::new(),
-        owners: Vec::new(),
+        readers: Vec::new(),
     };
     for r in reqs {
         f.off.push(f.tables.len() as u32);
         f.len.push(r.table.len() as u32);
         f.tables.extend_from_slice(&r.table);
         f.n_ctx.push(r.n_ctx);
-        f.owners.push(r.owner);
+        f.readers.extend(r.reader.words());
     }
     // A valid pointer even for an empty table.
     f.tables.push(PageRef {
@@ -235,7 +236,7 @@ pub fn tag_check(
             f.off.as_ptr(),
             f.len.as_ptr(),
             f.n_ctx.as_ptr(),
-            f.owners.as_ptr(),
+            f.readers.as_ptr(),
             reqs.len() as u32,
             page_size,
             tags.view(),
@@ -998,7 +999,7 @@ fn flash_run(
     let off = put(bytes_of(&f.off))?;
     let len = put(bytes_of(&f.len))?;
     let n_ctx = put(bytes_of(&f.n_ctx))?;
-    let owners = put(bytes_of(&f.owners))?;
+    let readers = put(bytes_of(&f.readers))?;
     let dt = custody_cuda::DeviceTags {
         generation: put(bytes_of(&tags.generation))?.0,
         owner: put(bytes_of(&tags.owner))?.0,
@@ -1031,7 +1032,7 @@ fn flash_run(
         Arg::Ptr(off),
         Arg::Ptr(len),
         Arg::Ptr(n_ctx),
-        Arg::Ptr(owners),
+        Arg::Ptr(readers),
     ];
     let shape_args = [
         Arg::U32(shape.n_heads),

@@ -119,8 +119,8 @@ pub struct EngineConfig {
     pub backend: Backend,
     /// Reuse the KV of full prompt pages across requests of one cache namespace (which the
     /// server derives from the authenticated tenant: `prefix_cache.rs`). Cached pages stay in
-    /// the pool until it needs them (LRU). Unset: on for the CPU backend, off for CUDA (whose
-    /// tag check does not take shared pages yet; `true` there is refused at startup).
+    /// the pool until it needs them (LRU). Unset: on, on both backends (the device's tag check
+    /// admits a reader's shared namespaces as the CPU's does).
     pub prefix_cache: Option<bool>,
     /// How the KV cache stores K and V: `"f16"` (the default, llama.cpp's) or `"q8_0"`
     /// (llama.cpp's `--cache-type-k/v q8_0` blocks: 34 bytes per 32 values, ~53 % of f16's

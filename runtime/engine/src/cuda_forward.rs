@@ -51,7 +51,7 @@ use custody_cuda::{
     LaunchDims, Verdict,
 };
 use custody_kernels::DType;
-use custody_kernels::attention::{IntegrityError, PageRef, TagCheck};
+use custody_kernels::attention::{IntegrityError, MAX_SHARED, PageRef, TagCheck};
 use custody_kernels::ops::RopeStyle;
 
 use crate::kv::PagePool;
@@ -257,7 +257,8 @@ struct Buffers {
     table_off: DevicePtr,
     table_len: DevicePtr,
     n_ctx: DevicePtr,
-    owners: DevicePtr,
+    /// Each row's reader (`CustodyReader`: `Reader::words`, three u64).
+    readers: DevicePtr,
     /// The rows the head computes in a kernel-by-kernel step ([`StepShape::head_rows`]).
     head_rows: DevicePtr,
     /// A kernel-by-kernel step's prefill tiles: (first row, rows) per tile.
@@ -1027,7 +1028,7 @@ impl<D: Device> CudaForward<D> {
             table_off: f(rows)?,
             table_len: f(rows)?,
             n_ctx: f(rows)?,
-            owners: f(rows * 2)?,
+            readers: f(rows * 2 * (1 + MAX_SHARED))?,
             head_rows: f(rows)?,
             tiles: f(rows * 2)?,
             arrivals: f(rows * c.n_kv_heads)?,
@@ -1776,7 +1777,7 @@ impl<D: Device> CudaForward<D> {
     }
 
     /// Each row's block table (its segment's), flattened, and the per-row table windows,
-    /// contexts and owners of the attention launch; padding rows up to `padded` get an empty
+    /// contexts and readers of the attention launch; padding rows up to `padded` get an empty
     /// table (their verdict fails, and no segment reads it). A larger table buffer drops the
     /// graphs first (they name the old one).
     fn upload_tables(
@@ -1800,21 +1801,20 @@ impl<D: Device> CudaForward<D> {
             self.bufs.tables = self.dev.alloc_zeroed(cap * 8)?;
             self.bufs.table_capacity = cap;
         }
-        let (mut off, mut len, mut n_ctx, mut owners) = (
+        let (mut off, mut len, mut n_ctx, mut readers) = (
             vec![0u32; padded],
             vec![0u32; padded],
             vec![1u32; padded],
-            vec![0u64; padded],
+            vec![[0u64; 1 + MAX_SHARED]; padded],
         );
         for (r, &si) in rows.segment.iter().enumerate() {
             let sg = &segments[si];
             off[r] = seg_off[si];
             len[r] = sg.block_table.len() as u32;
             n_ctx[r] = rows.positions[r] as u32 + 1;
-            // The device's tag check takes one owner per row: no shared pages (the engine
-            // refuses a prefix cache on this backend at startup).
-            debug_assert!(!sg.reader.has_shared(), "shared pages on the CUDA backend");
-            owners[r] = sg.reader.owner();
+            // The device's check admits what the CPU's does: the row's own pages and the
+            // shared pages of the namespaces its reader names (a prefix cache's).
+            readers[r] = sg.reader.words();
         }
         let b = self.bufs;
         if !flat.is_empty() {
@@ -1823,7 +1823,8 @@ impl<D: Device> CudaForward<D> {
         self.upload_u32(b.table_off, &off)?;
         self.upload_u32(b.table_len, &len)?;
         self.upload_u32(b.n_ctx, &n_ctx)?;
-        self.dev.upload_async(b.owners, bytes_of(&owners))?;
+        self.dev
+            .upload_async(b.readers, bytes_of(readers.as_flattened()))?;
         Ok(())
     }
 
@@ -2041,7 +2042,7 @@ impl<D: Device> CudaForward<D> {
             Arg::Ptr(b.table_off),
             Arg::Ptr(b.table_len),
             Arg::Ptr(b.n_ctx),
-            Arg::Ptr(b.owners),
+            Arg::Ptr(b.readers),
             Arg::U32(n_heads),
             Arg::U32(n_kv_heads),
             Arg::U32(self.config.head_dim as u32),

@@ -553,14 +553,7 @@ impl Engine {
             );
             context_length = pool_tokens;
         }
-        if device.is_some() && cfg.prefix_cache == Some(true) {
-            // The device's tag check admits one owner per row; shared pages need two more.
-            return Err(StartupError::Backend(
-                "the prefix cache runs on the CPU backend only: set engine.prefix_cache = false"
-                    .into(),
-            ));
-        }
-        let prefix_cache = cfg.prefix_cache.unwrap_or(device.is_none());
+        let prefix_cache = cfg.prefix_cache.unwrap_or(true);
         let pool = PagePool::new(geom, model.config.n_layers, n_pages);
         let compute = match device {
             None => Compute::Cpu(Box::default()),

@@ -11,6 +11,7 @@ use custody_kernels::attention::{
 };
 use custody_tests::cuda_shim::{self, AttentionShape, OwnedTags, Request, Verdict};
 use half::f16;
+use std::num::NonZeroU64;
 
 const SEEDS: [u64; 3] = [0, 0x9E37_79B9_7F4A_7C15, 0xD1B5_4A32_D192_ED03];
 
@@ -146,28 +147,63 @@ fn pool_and_requests(
         // The last page is filled only as far as attended (as a live request's is).
         let last = table[table.len() - 1].page as usize;
         tags.filled[last] = n_ctx - (need - 1) * page_size;
+        // Three requests in four read a prefix cache: their full pages alternate between the
+        // namespaces they name (shared pages: owner and stamp the namespace's tag) — their
+        // tenant's and the operator's public scope, their tenant's alone (one shared slot
+        // unused), or the public scope's alone; the fourth reads only its own pages.
+        let names: &[NonZeroU64] = match r % 4 {
+            0 => &[tenant_ns(r), PUBLIC_NS],
+            1 => &[tenant_ns(r)],
+            2 => &[PUBLIC_NS],
+            _ => &[],
+        };
+        for (i, pr) in table[..need as usize - 1].iter().enumerate() {
+            if let Some(ns) = names.get(i % 2).or(names.first()) {
+                tags.owner[pr.page as usize] = ns.get();
+                tags.stamp_owner[pr.page as usize] = ns.get();
+            }
+        }
+        let reader = Reader::with_shared(owner, names);
         reqs.push(Request {
             table,
             n_ctx,
-            owner,
+            reader,
         });
     }
     // Faults on every other request, one kind each, at a random page of its table.
     for (k, r) in reqs.iter_mut().enumerate().filter(|(k, _)| k % 2 == 1) {
         let i = rng.below(r.table.len() as u64) as usize;
         let p = r.table[i].page as usize;
-        match (k / 2) % 6 {
+        match (k / 2) % 8 {
             0 => tags.generation[p] += 1, // stale: the page was reused
             1 => tags.owner[p] = 999,     // foreign
             2 => tags.filled[p] = tags.filled[p].saturating_sub(1), // unwritten slot
             3 => tags.stamp_generation[p] += 7, // a late write's stamp
             4 => r.table[i].page = n_pages + 3, // outside the pool
+            5 => {
+                // Another tenant's namespace (its shared page, stamped for it).
+                let other = tenant_ns(k + 1).get();
+                (tags.owner[p], tags.stamp_owner[p]) = (other, other);
+            }
+            6 => {
+                // A free page: an unused shared slot (0) must not admit it.
+                (tags.owner[p], tags.stamp_owner[p]) = (0, 0);
+            }
             _ => {
                 r.table.pop(); // too short for its context
             }
         }
     }
     (tags, reqs)
+}
+
+/// The public scope's namespace tag in [`pool_and_requests`].
+const PUBLIC_NS: NonZeroU64 = NonZeroU64::new(1 << 62).expect("nonzero");
+
+/// Request `r`'s tenant namespace tag in [`pool_and_requests`] (never a request id: those are
+/// 100 + r).
+fn tenant_ns(r: usize) -> NonZeroU64 {
+    NonZeroU64::new((1 << 62) + 1 + r as u64).expect("nonzero")
 }
 
 fn cpu_check(r: &Request, page_size: u32, tags: &OwnedTags) -> Result<(), IntegrityError> {
@@ -191,7 +227,7 @@ fn cpu_check(r: &Request, page_size: u32, tags: &OwnedTags) -> Result<(), Integr
         r.n_ctx as usize,
         page_size as usize,
         &view,
-        Reader::private(r.owner),
+        r.reader,
     )
 }
 
@@ -209,6 +245,26 @@ fn the_gpu_tag_check_gives_the_cpu_verdict_for_every_fault() {
         kinds,
         [0, 1, 2, 3, 4, 5, 7].into_iter().collect(),
         "every verdict kind is exercised"
+    );
+    // Passing readers of shared pages exist, and so do refused reads of another namespace's
+    // page and of a free one: the device admits exactly the namespaces a reader names.
+    let reads_shared = |r: &Request| {
+        r.table.iter().any(|p| {
+            tags.owner
+                .get(p.page as usize)
+                .is_some_and(|&o| o != r.reader.owner())
+        })
+    };
+    assert!(
+        reqs.iter()
+            .zip(&want)
+            .any(|(r, v)| v.code == 0 && reads_shared(r)),
+        "a passing reader of shared pages"
+    );
+    let foreign: Vec<u64> = want.iter().filter(|v| v.code == 4).map(|v| v.b).collect();
+    assert!(
+        foreign.iter().any(|&o| o > 1 << 62) && foreign.contains(&0),
+        "refused: another tenant's namespace and a free page: {foreign:?}"
     );
     for seed in SEEDS {
         let got = cuda_shim::tag_check(&reqs, page_size, &tags, seed).expect("launch");
@@ -329,7 +385,7 @@ fn cpu_attention(
             stamp_owner: &tags.stamp_owner,
             stamp_generation: &tags.stamp_generation,
         },
-        reader: Reader::private(r.owner),
+        reader: r.reader,
         order: ReduceOrder::Vec,
         check: TagCheck::Enforced,
     };
@@ -418,7 +474,7 @@ fn flash_decoding_serves_long_contexts_at_every_head_layout() {
                 })
                 .collect(),
             n_ctx,
-            owner,
+            reader: Reader::private(owner),
         };
         let geom = PageGeometry {
             page_size: shape.page_size as usize,
@@ -521,7 +577,15 @@ fn the_prefill_kernel_serves_long_contexts_and_each_rows_verdict() {
         let need = n_ctx.div_ceil(shape.page_size);
         let n_pages = need + 5;
         let owner = 91u64;
-        let (tags, pages) = long_context(&mut rng, shape.page_size, n_ctx, owner);
+        let (mut tags, pages) = long_context(&mut rng, shape.page_size, n_ctx, owner);
+        // A prefix-cache hit being prefilled: the context's first full pages are a namespace's
+        // shared pages, the rest the request's own.
+        let shared = (need as usize - 1) / 2;
+        for &p in &pages[..shared] {
+            (tags.owner[p as usize], tags.stamp_owner[p as usize]) =
+                (PUBLIC_NS.get(), PUBLIC_NS.get());
+        }
+        let reader = Reader::with_shared(owner, &[PUBLIC_NS]);
         let table: Vec<cuda_shim::PageRef> = pages
             .iter()
             .map(|&page| cuda_shim::PageRef {
@@ -534,7 +598,7 @@ fn the_prefill_kernel_serves_long_contexts_and_each_rows_verdict() {
             .map(|n| Request {
                 table: table.clone(),
                 n_ctx: n,
-                owner,
+                reader,
             })
             .collect();
         let tiles: Vec<u32> = (0..rows)
@@ -603,6 +667,21 @@ fn the_prefill_kernel_serves_long_contexts_and_each_rows_verdict() {
             "{what}: some row fails"
         );
         check_attention_within(&out, &expect, &got.verdicts, row, 0x7fc0_0001, 4e-3, &what);
+        // Another namespace's page among the shared ones: no row reads past it.
+        if shared > 0 {
+            let mut foreign = tags.clone();
+            let p = pages[shared - 1] as usize;
+            (foreign.owner[p], foreign.stamp_owner[p]) = (tenant_ns(7).get(), tenant_ns(7).get());
+            let (expect, verdicts) = want(&foreign);
+            let mut out = vec![f32::from_bits(0x7fc0_0001); row * rows as usize];
+            let got = run(&foreign, &mut out);
+            assert_eq!(got.verdicts, verdicts, "{what}: another namespace's page");
+            assert!(
+                verdicts.iter().all(|v| v.code == 4),
+                "{what}: every row refused"
+            );
+            check_attention_within(&out, &expect, &got.verdicts, row, 0x7fc0_0001, 4e-3, &what);
+        }
         eprintln!(
             "{what}: prefill {:.1} % coalesced; {} of {rows} rows pass with a stale page at slot {}",
             100.0 * c.coalescing(),

@@ -307,6 +307,16 @@ impl Engine {
             Ok(pr) => pr,
             Err(e) => unreachable!("restore runs with free pages counted: {e}"),
         };
+        // The CUDA backend reads K/V on the device: the verified bytes go there before the page
+        // is cached (its tag reaches the device with the step's tag changes).
+        if let Err(e) = self.stage_to_device(&[pr]) {
+            self.device_failed(&e);
+            // The engine stops; the page's bytes never reached the device, so it is freed
+            // rather than cached. A release of a page just restored cannot fail.
+            let released = self.pool.release(tag.get(), &[pr]);
+            debug_assert!(released.is_ok(), "{released:?}");
+            return None;
+        }
         let m = page.meta();
         let cached = CachedPage {
             key: link.key,
@@ -369,10 +379,16 @@ impl Engine {
     /// Before a cached page returns to the pool's free list: hand its bytes to the offload's
     /// first tier, unless a tier already has it.
     pub(super) fn write_back(&mut self, ev: &CachedPage) {
-        let Some(o) = &mut self.offload else { return };
-        if o.knows(&ev.offload_key) {
+        match &self.offload {
+            Some(o) if !o.knows(&ev.offload_key) => {}
+            _ => return,
+        }
+        // The CUDA backend: the page's device K/V into the pool's host memory first.
+        if let Err(e) = self.stage_to_host(&[ev.page]) {
+            self.device_failed(&e);
             return;
         }
+        let Some(o) = &mut self.offload else { return };
         let body = match self.pool.export_shared(ev.page, ev.tag) {
             Ok(b) => b,
             Err(e) => {
