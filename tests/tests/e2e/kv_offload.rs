@@ -533,6 +533,7 @@ fn two_prefill_nodes_share_the_object_tier_with_isolation_intact() {
 fn offload_server(
     name: &str,
     section: KvOffloadSection,
+    object: Option<Arc<dyn PageStore>>,
     kv_budget_mib: usize,
     context: usize,
     token_only: bool,
@@ -554,7 +555,7 @@ fn offload_server(
             unsafe_shared: false,
             kv_offload: Some(OffloadSetup {
                 section,
-                object: None,
+                object,
                 node: 3,
                 token_only,
             }),
@@ -579,7 +580,7 @@ fn disk_section(dir: &Path) -> KvOffloadSection {
 fn token_only_offload_leaks_and_the_forensics_name_every_cross_tenant_restore() {
     let dir = temp_dir("leak");
     let tok = tokenizer();
-    let srv = offload_server("offload-unsafe", disk_section(&dir), 8, 256, true);
+    let srv = offload_server("offload-unsafe", disk_section(&dir), None, 8, 256, true);
     let victim: Vec<Vec<u32>> = (0..3)
         .map(|k| tok.encode(&text(1030 + k, 90), false).expect("tokenize"))
         .collect();
@@ -624,8 +625,22 @@ fn timing_audit_across_tiers_finds_no_cross_tenant_signal_and_finds_the_same_ten
         host_mib: 256,
         ..KvOffloadSection::default()
     };
-    for (tier, section) in [("host", host), ("disk", disk_section(&dir))] {
-        let srv = offload_server(&format!("offload-timing-{tier}"), section, 4, 128, false);
+    // The object tier alone (no host tier in front of it): a bucket on the local S3 server.
+    let moto = crate::s3::Moto::start();
+    let object = KvOffloadSection {
+        host_mib: 0,
+        object_url: Some(format!("s3://{}/timing", crate::s3::BUCKET)),
+        object_mib: 256,
+        ..KvOffloadSection::default()
+    };
+    let store = bucket(&moto, "timing") as Arc<dyn PageStore>;
+    for (tier, section, object) in [
+        ("host", host, None),
+        ("disk", disk_section(&dir), None),
+        ("object", object, Some(store)),
+    ] {
+        let name = format!("offload-timing-{tier}");
+        let srv = offload_server(&name, section, object, 4, 128, false);
         let timed = |key: &str, p: serde_json::Value| {
             let t0 = Instant::now();
             let (_, cached) = complete(&srv, key, p, None);
