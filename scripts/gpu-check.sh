@@ -115,6 +115,7 @@ failed=0
 stage device "$bin" gpu-check device || failed=1
 if [ "$failed" = 0 ]; then
   stage forward "$bin" gpu-check forward || failed=1
+  stage cache "$bin" gpu-check cache || failed=1
   # Both shapes' decode at batch 1/8/64 and prefill, the check in and out: 5 minutes at most.
   STAGE_TIMEOUT_S="${SPEED_TIMEOUT_S:-300}" stage speed "$bin" gpu-check speed || failed=1
 fi

@@ -1,7 +1,9 @@
 //! `custody gpu-check`: the CUDA backend on a real GPU, against the CPU backend — what
 //! `scripts/gpu-check.sh` runs on a lent GPU. Stages: `device` (open device 0, compile the
 //! kernels with NVRTC), `forward` (synthetic models in every weight type: logits within the
-//! stated tolerance, greedy tokens where the margin is clear, the same result twice), `speed`
+//! stated tolerance, greedy tokens where the margin is clear, the same result twice), `cache`
+//! (the prefix cache's shared pages read on the device and KV offload's host tier restored onto
+//! it: `custody_engine::cuda_check::cache`), `speed`
 //! (the CPU-vs-device parity and wall time of a 110 M-weight model, then decode tok/s at each
 //! batch and prefill tok/s at the Llama-3.2-1B and Llama-3.1-8B shapes with weights made on the
 //! device, tag check in vs compiled out: `custody_engine::cuda_speed`). Exit 1 on a failure.
@@ -17,6 +19,7 @@ use custody_runtime::gguf::write::Synthetic;
 pub(crate) enum Stage {
     Device,
     Forward,
+    Cache,
     Speed,
 }
 
@@ -100,6 +103,7 @@ pub(crate) fn gpu_check(a: GpuCheckArgs) -> Result<()> {
             Ok(())
         }
         Stage::Forward => forward(a.device),
+        Stage::Cache => cache(a.device),
         Stage::Speed => speed(&a),
     }
 }
@@ -138,6 +142,47 @@ fn forward(ordinal: usize) -> Result<()> {
     if failed > 0 {
         bail!("{failed} checks failed");
     }
+    Ok(())
+}
+
+/// The prefix cache and KV offload on the device: cached runs give the device's uncached tokens
+/// and the expected hits, restored pages are read, none refused.
+fn cache(ordinal: usize) -> Result<()> {
+    let check = cuda_check::cache::cache_and_offload(open(ordinal)?, open(ordinal)?)?;
+    for t in &check.turns {
+        println!(
+            "{:<8} cached {:>3}/{:<3} tokens {:?} (uncached {:?}, CPU {})",
+            t.tenant,
+            t.device.cached_tokens,
+            t.expected_cached,
+            t.device.tokens,
+            t.uncached.tokens,
+            if t.cpu.tokens.is_empty() {
+                "-".to_owned()
+            } else {
+                format!("{:?}", t.cpu.tokens)
+            }
+        );
+    }
+    println!(
+        "restored from the host tier {}, offloaded {}, refused {}; the CPU's tokens and hits: {}",
+        check.restored,
+        check.offload.offloaded,
+        check.offload.refused,
+        if check.cpu_agrees() {
+            "yes"
+        } else {
+            "no (reported, not required)"
+        }
+    );
+    let faults = check.faults();
+    for f in &faults {
+        println!("FAIL: {f}");
+    }
+    if !faults.is_empty() {
+        bail!("{} cache checks failed", faults.len());
+    }
+    println!("cache: PASS");
     Ok(())
 }
 

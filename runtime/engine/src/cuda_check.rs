@@ -3,6 +3,8 @@
 //! (two sequences prefilled together, then greedy decode steps) through [`Model::forward`] and
 //! [`CudaForward::forward`], logits compared.
 
+pub mod cache;
+
 use custody_transport::Discard;
 use std::time::{Duration, Instant};
 

@@ -353,155 +353,30 @@ fn the_engine_on_the_cuda_backend_serves_the_cpus_tokens() {
     assert_eq!(c, d, "the same event stream on both backends");
 }
 
-/// A request's greedy tokens and how many prompt tokens the prefix cache served.
-#[derive(Debug, PartialEq, Eq)]
-struct Served {
-    tokens: Vec<u32>,
-    cached_tokens: usize,
-}
-
-/// Run one request to its end (`max_tokens` 5, greedy) and let the offload's jobs land.
-fn serve_one(
-    e: &mut custody_runtime::engine::Engine,
-    tenant: &str,
-    prompt: &[u32],
-    cache: Option<custody_runtime::prefix_cache::CacheScope>,
-) -> Served {
-    use custody_runtime::engine::{Event, GenerateRequest};
-    let id = e
-        .submit(GenerateRequest {
-            decoding: Default::default(),
-            prompt: prompt.to_vec(),
-            max_tokens: 5,
-            sampling: Default::default(),
-            stop_ids: vec![],
-            tenant: tenant.into(),
-            cache,
-        })
-        .expect("admitted");
-    let mut out = Served {
-        tokens: Vec::new(),
-        cached_tokens: usize::MAX,
-    };
-    for _ in 0..256 {
-        if !e.has_work() {
-            break;
-        }
-        for ev in e.step() {
-            match ev {
-                Event::Token { id: i, token, .. } if i == id => out.tokens.push(token),
-                Event::Finished {
-                    id: i,
-                    cached_tokens,
-                    ..
-                } if i == id => out.cached_tokens = cached_tokens,
-                Event::Failed { id: i, error, .. } if i == id => panic!("request failed: {error}"),
-                _ => {}
-            }
-        }
-    }
-    assert_ne!(out.cached_tokens, usize::MAX, "the request finished");
-    e.offload_flush();
-    out
-}
-
-/// The prefix cache and KV offload on the CUDA backend. The device's tag check admits what the
-/// CPU's does — a reader's own pages and the shared pages of the namespaces it names (its
-/// tenant's and the operator's public scope: two) — so cached pages are read in place on the
-/// device: a follow-up's cached prompt, a second tenant's public-scope hit, and, after the pool
-/// evicts every cached page into a host tier (staged from the device, sealed) and the follow-up
-/// restores them (verified, staged back onto the device), the same greedy tokens as an uncached
-/// CPU engine, with the same hit counts as the CPU backend's prefix cache. A third tenant
-/// sending the first tenant's exact prompt is served only the public scope's pages.
+/// The prefix cache and KV offload on the CUDA backend (`cuda_check::cache`, what `custody
+/// gpu-check cache` runs on a GPU). The device's tag check admits what the CPU's does — a
+/// reader's own pages and the shared pages of the namespaces it names (its tenant's and the
+/// operator's public scope: two) — so cached pages are read in place on the device: a
+/// follow-up's cached prompt, another tenant's public-scope hit, and, after every cached page
+/// is evicted into a host tier (staged from the device, sealed) and restored (verified, staged
+/// back onto the device), the device's uncached tokens, which on the shim are the CPU's bit for
+/// bit, with the CPU backend's hit counts. A tenant sending another's exact prompt is served
+/// only the public scope's pages.
 #[test]
 fn the_prefix_cache_and_kv_offload_on_the_cuda_backend_serve_the_cpus_tokens() {
-    use custody_runtime::config::EngineConfig;
-    use custody_runtime::engine::Engine;
-    use custody_runtime::offload::seal::SealKeys;
-    use custody_runtime::offload::store::HostArena;
-    use custody_runtime::offload::{OffloadConfig, TierSpec};
-    use custody_runtime::prefix_cache::{CacheScope, NamespaceSecret, PublicPrefix};
-    let cfg = |cache| EngineConfig {
-        context_length: Some(128),
-        page_size: 8,
-        kv_budget_mib: 1,
-        max_batch_tokens: 48,
-        prefix_cache: Some(cache),
-        ..EngineConfig::default()
-    };
-    let secret = NamespaceSecret::from_hex(&"3d".repeat(32)).expect("secret");
-    let system: Vec<u32> = (0..16u32).map(|t| (t * 11 + 5) % 256).collect();
-    let scope = |tenant: &str| CacheScope {
-        private: secret.private(tenant, None),
-        public: Some(PublicPrefix {
-            namespace: secret.public("helpdesk"),
-            tokens: system.clone().into(),
-        }),
-    };
-    let turn =
-        |seed: u32, n: u32| -> Vec<u32> { (0..n).map(|t| (t * 7 + seed * 31) % 256).collect() };
-    let first = [system.clone(), turn(1, 24)].concat();
-    let follow_up = [first.clone(), turn(2, 10)].concat();
-    let other = [system.clone(), turn(3, 24)].concat();
-    let mut plain = Engine::new(model(DType::F32, 7), cfg(false)).expect("cpu engine");
-    let mut cpu = Engine::new(model(DType::F32, 7), cfg(true)).expect("cpu engine");
-    let mut dev = Engine::new_on_device(
-        model(DType::F32, 7),
-        cfg(true),
+    use custody_runtime::cuda_check::cache;
+    let check = cache::cache_and_offload(
         Box::new(ShimDevice::new(SEEDS[1])),
+        Box::new(ShimDevice::new(SEEDS[2])),
     )
-    .expect("a prefix cache on the device");
-    let layout = dev.offload_layout();
-    dev.enable_offload(OffloadConfig {
-        tiers: vec![TierSpec {
-            store: std::sync::Arc::new(HostArena::new()),
-            budget_bytes: 64 << 20,
-        }],
-        keys: SealKeys::new(&secret.offload_mac_key(), None),
-        layout,
-        node: 1,
-        token_only: false,
-        queue_pages: 64,
-    })
-    .expect("offload on the device");
-    let script: [(&str, &Vec<u32>); 4] = [
-        ("acme", &first),
-        ("acme", &follow_up),
-        ("bravo", &other),
-        ("charlie", &first),
-    ];
-    let mut cached = Vec::new();
-    for (tenant, prompt) in script {
-        let want = serve_one(&mut plain, tenant, prompt, None);
-        let c = serve_one(&mut cpu, tenant, prompt, Some(scope(tenant)));
-        let d = serve_one(&mut dev, tenant, prompt, Some(scope(tenant)));
-        assert_eq!(c.tokens, want.tokens, "{tenant}: CPU cache vs uncached");
-        assert_eq!(d, c, "{tenant}: the device's tokens and hits are the CPU's");
-        cached.push(d.cached_tokens);
-    }
-    // acme's follow-up hits its whole first prompt (5 pages); bravo and charlie (acme's exact
-    // first prompt) the public scope's 2 pages and nothing of acme's.
-    assert_eq!(cached, [0, 40, 16, 16], "prefix-cache hits");
-    // Every cached page to the host tier, then the follow-up again: restored onto the device.
-    assert!(dev.evict_cached() > 0, "cached pages evicted");
-    dev.offload_flush();
-    let before = dev.offload_stats().expect("offload on");
-    assert!(before.offloaded >= 5, "{before:?}");
-    let want = serve_one(&mut plain, "acme", &follow_up, None);
-    let d = serve_one(&mut dev, "acme", &follow_up, Some(scope("acme")));
-    let after = dev.offload_stats().expect("offload on");
-    assert_eq!(d.tokens, want.tokens, "restored pages read on the device");
-    // Its six full prompt pages (the first turn's five and its own sixth) from the tier.
-    assert_eq!(d.cached_tokens, 48, "served from the host tier: {after:?}");
-    assert!(after.restored >= before.restored + 6, "{after:?}");
-    assert_eq!(after.refused, 0, "{after:?}");
-    // A new tenant sending acme's first prompt, after the restore: the public scope's pages.
-    let want = serve_one(&mut plain, "delta", &first, None);
-    let d = serve_one(&mut dev, "delta", &first, Some(scope("delta")));
-    assert_eq!(d.tokens, want.tokens, "delta");
-    assert_eq!(
-        d.cached_tokens, 16,
-        "another tenant never hits acme's pages"
+    .expect("the check runs");
+    assert_eq!(check.faults(), Vec::<String>::new(), "{check:#?}");
+    assert!(check.cpu_agrees(), "the CPU's tokens and hits: {check:#?}");
+    let cached: Vec<usize> = check.turns.iter().map(|t| t.device.cached_tokens).collect();
+    assert_eq!(cached, [0, 40, 16, 16, 48, 16], "prefix-cache hits");
+    assert!(
+        check.restored >= 6 && check.offload.offloaded >= 6,
+        "{check:#?}"
     );
 }
 
