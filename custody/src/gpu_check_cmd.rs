@@ -151,17 +151,13 @@ fn cache(ordinal: usize) -> Result<()> {
     let check = cuda_check::cache::cache_and_offload(open(ordinal)?, open(ordinal)?)?;
     for t in &check.turns {
         println!(
-            "{:<8} cached {:>3}/{:<3} tokens {:?} (uncached {:?}, CPU {})",
+            "{:<8} cached {:>3}/{:<3} tokens {:?} (uncached {:?}, CPU {:?})",
             t.tenant,
             t.device.cached_tokens,
             t.expected_cached,
             t.device.tokens,
             t.uncached.tokens,
-            if t.cpu.tokens.is_empty() {
-                "-".to_owned()
-            } else {
-                format!("{:?}", t.cpu.tokens)
-            }
+            t.cpu.tokens
         );
     }
     println!(
